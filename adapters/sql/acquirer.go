@@ -1,0 +1,196 @@
+package sqlfence
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/leasebase"
+)
+
+// AcquirerOptions configures an Acquirer. A nil *AcquirerOptions means the defaults.
+type AcquirerOptions struct {
+	// Table is the lease table, one row per lock name; it may be
+	// schema-qualified. Default: "fence_leases".
+	Table string
+	// Owner is recorded with each grant, for operators. Default: host name,
+	// process id and a random suffix.
+	Owner string
+	// Backoff paces Acquire while the lease is held. Default: the zero fence.Backoff.
+	Backoff fence.Backoff
+	// Drift is taken off each lease's local deadline for clock drift between
+	// this process and the database. Default: 1% of the ttl plus 2ms.
+	Drift time.Duration
+}
+
+// Acquirer grants leases from a lease table. The token is the row's counter,
+// advanced by the statement that grants the lease; expiry is compared on the
+// database server's clock. It is safe for concurrent use, and across processes
+// that share the database.
+type Acquirer struct {
+	db    *DB
+	opts  AcquirerOptions
+	table string
+	ddl   string
+
+	grant, renew, release string
+}
+
+var _ fence.Acquirer = (*Acquirer)(nil)
+
+// NewAcquirer returns an Acquirer on db. It returns an error matching
+// fence.ErrInvalid for a table name that is not a plain SQL identifier. It does not
+// touch the database; see CreateTable.
+func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
+	var o AcquirerOptions
+	if opts != nil {
+		o = *opts
+	}
+	if o.Table == "" {
+		o.Table = "fence_leases"
+	}
+	if o.Owner == "" {
+		o.Owner = defaultOwner()
+	}
+	if o.Drift < 0 {
+		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "drift", Reason: "negative"}
+	}
+	t, err := quoteIdent("new acquirer", "table", o.Table, true)
+	if err != nil {
+		return nil, err
+	}
+	d := db.d
+	a := &Acquirer{db: db, opts: o, table: o.Table}
+	a.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  token %s NOT NULL CHECK (token BETWEEN 1 AND %d),\n  owner %s NOT NULL,\n  expires_at %s NOT NULL\n)",
+		t, d.textType, d.intType, uint64(fence.MaxToken), d.textType, d.intType)
+	now := d.nowMs
+	// Grant: create the row with token 1, or take over an expired row and advance
+	// its counter, in one statement. The CHECK constraint stops the counter at
+	// MaxToken. expires_at is milliseconds since the epoch on the server's clock.
+	a.grant = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, 1, $2, %s + $3) "+
+		"ON CONFLICT (name) DO UPDATE SET token = cur.token + 1, owner = excluded.owner, expires_at = excluded.expires_at "+
+		"WHERE cur.expires_at <= %s RETURNING token", t, now, now)
+	a.renew = fmt.Sprintf("UPDATE %s SET expires_at = %s + $3 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now, now)
+	a.release = fmt.Sprintf("UPDATE %s SET expires_at = 0 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now)
+	return a, nil
+}
+
+func defaultOwner() string {
+	host, _ := os.Hostname()
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return fmt.Sprintf("%s/%d/%s", host, os.Getpid(), hex.EncodeToString(b[:]))
+}
+
+// DDL returns the CREATE TABLE statement for the lease table in its dialect.
+func (a *Acquirer) DDL() string { return a.ddl }
+
+// CreateTable creates the lease table if it does not exist.
+func (a *Acquirer) CreateTable(ctx context.Context) error {
+	_, err := a.db.c.exec(ctx, a.ddl)
+	return err
+}
+
+// Owner returns the owner id recorded with this acquirer's grants.
+func (a *Acquirer) Owner() string { return a.opts.Owner }
+
+// TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
+// ttl is rounded up to whole milliseconds and must be positive. A name whose
+// counter reached fence.MaxToken returns fence.ErrTokensExhausted.
+func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := checkLease("acquire", name, ttl); err != nil {
+		return nil, err
+	}
+	sent := time.Now()
+	var tok int64
+	err := a.db.c.queryRow(ctx, a.grant, []any{name, a.opts.Owner, ttlMs(ttl)}, &tok)
+	switch {
+	case errors.Is(err, errNoRows):
+		return nil, fence.ErrHeld
+	case a.db.d.checkViolation(err):
+		return nil, fmt.Errorf("sqlfence: acquire %q: %w", name, fence.ErrTokensExhausted)
+	case err != nil:
+		return nil, a.wrap("acquire", err)
+	}
+	return &lease{Base: leasebase.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}, nil
+}
+
+// Acquire waits until the lease on name is granted, pacing its attempts with the
+// acquirer's Backoff. See fence.Acquirer.
+func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := checkLease("acquire", name, ttl); err != nil {
+		return nil, err
+	}
+	return a.opts.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
+		return a.TryAcquire(ctx, name, ttl)
+	})
+}
+
+func checkLease(op, name string, ttl time.Duration) error {
+	if err := fence.CheckName(op, name); err != nil {
+		return err
+	}
+	return fence.CheckTTL(op, ttl, 0)
+}
+
+// ttlMs rounds ttl up to whole milliseconds, so a lease is never shorter on the
+// server than asked.
+func ttlMs(ttl time.Duration) int64 {
+	return int64((ttl + time.Millisecond - 1) / time.Millisecond)
+}
+
+func (a *Acquirer) wrap(op string, err error) error {
+	if a.db.d.missingTable(err) {
+		return &TableError{Table: a.table, DDL: a.ddl, Err: err}
+	}
+	return fmt.Errorf("sqlfence: %s: %w", op, err)
+}
+
+// lease is one grant from an Acquirer.
+type lease struct {
+	*leasebase.Base
+	a *Acquirer
+}
+
+// Renew extends the lease by its ttl on the server's clock, if this grant still
+// holds it. See fence.Lease.
+func (l *lease) Renew(ctx context.Context) error {
+	sent := time.Now()
+	n, err := l.a.db.c.exec(ctx, l.a.renew, l.Name(), int64(l.Token()), ttlMs(l.TTL()))
+	if err != nil {
+		return l.a.wrap("renew", err)
+	}
+	if n == 0 {
+		l.End(fence.ErrLost)
+		return l.lost()
+	}
+	if !l.Extend(sent) {
+		// The server extended it, but the local deadline had already passed and
+		// the holder was told it lost the lease; it stays lost.
+		return l.lost()
+	}
+	return nil
+}
+
+// Release gives the lease up if this grant still holds it; otherwise it returns
+// fence.ErrLost and changes nothing. The lease's context is done afterwards.
+func (l *lease) Release(ctx context.Context) error {
+	n, err := l.a.db.c.exec(ctx, l.a.release, l.Name(), int64(l.Token()))
+	l.End(context.Canceled)
+	if err != nil {
+		return l.a.wrap("release", err)
+	}
+	if n == 0 {
+		return l.lost()
+	}
+	return nil
+}
+
+func (l *lease) lost() error {
+	return fmt.Errorf("sqlfence: lease %q token %d: %w", l.Name(), l.Token(), fence.ErrLost)
+}

@@ -1,0 +1,99 @@
+package sqlfence_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"path/filepath"
+	"testing"
+
+	"github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+)
+
+// openSQLite opens a fresh SQLite file in a temporary directory with both tables.
+func openSQLite(t testing.TB) (*sql.DB, *sqlfence.DB) {
+	t.Helper()
+	db, err := sqlfence.OpenSQLite(filepath.Join(t.TempDir(), "fence.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db, sqlfence.SQLite(db)
+}
+
+func newSQLiteWriter(t testing.TB, fdb *sqlfence.DB) *sqlfence.Writer {
+	t.Helper()
+	w, err := sqlfence.NewWriter(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.CreateTable(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
+func newSQLiteAcquirer(t testing.TB, fdb *sqlfence.DB) *sqlfence.Acquirer {
+	t.Helper()
+	a, err := sqlfence.NewAcquirer(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.CreateTable(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+func TestSQLiteWriterConformance(t *testing.T) {
+	_, fdb := openSQLite(t)
+	w := newSQLiteWriter(t, fdb)
+	fencetest.WriterSuite{
+		New:     func(t *testing.T) fence.FencedWriter { return w },
+		BadKeys: []string{"nul\x00byte"},
+	}.Run(t)
+}
+
+func TestSQLiteAcquirerConformance(t *testing.T) {
+	_, fdb := openSQLite(t)
+	a := newSQLiteAcquirer(t, fdb)
+	fencetest.AcquirerSuite{
+		New: func(t *testing.T) fence.Acquirer { return a },
+	}.Run(t)
+}
+
+// TestSQLiteAcrossHandles runs the acquirer suite with every test on its own
+// database handle on one file, as separate processes would share it.
+func TestSQLiteAcrossHandles(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "shared.db")
+	open := func(t *testing.T) fence.Acquirer {
+		db, err := sqlfence.OpenSQLite(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { db.Close() })
+		return newSQLiteAcquirer(t, sqlfence.SQLite(db))
+	}
+	// Leases taken on one handle are seen on another.
+	a1, a2 := open(t), open(t)
+	l, err := a1.TryAcquire(context.Background(), "shared", 30e9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a2.TryAcquire(context.Background(), "shared", 30e9); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("second handle: err = %v, want ErrHeld", err)
+	}
+	if err := l.Release(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := a2.TryAcquire(context.Background(), "shared", 30e9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l2.Token() != l.Token()+1 {
+		t.Errorf("token on the second handle = %d, want %d", l2.Token(), l.Token()+1)
+	}
+	_ = l2.Release(context.Background())
+}

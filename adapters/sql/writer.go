@@ -1,0 +1,186 @@
+package sqlfence
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+// WriterOptions configures a Writer. A nil *WriterOptions means the defaults.
+// Names are plain SQL identifiers; anything else is refused by NewWriter before
+// any SQL runs.
+type WriterOptions struct {
+	// Table holds one row per key; it may be schema-qualified. Default: "fence_values".
+	Table string
+	// KeyColumn is the table's primary key (or a unique column). Default: "key".
+	KeyColumn string
+	// ValueColumn holds the value; it must be nullable, since a fenced delete
+	// sets it to NULL. Default: "value".
+	ValueColumn string
+	// FenceColumn holds the largest token accepted for the key. Default: "fence".
+	FenceColumn string
+}
+
+// Writer is a fence.FencedWriter, fence.Reader and fence.Deleter on one table.
+// Each Write and Delete is one upsert statement that applies only when the stored
+// fence is not larger than the offered token. It is safe for concurrent use.
+type Writer struct {
+	db    *DB
+	table string // as given, for messages
+	ddl   string
+
+	upsert, tombstone, read, current string
+}
+
+var (
+	_ fence.FencedWriter = (*Writer)(nil)
+	_ fence.Reader       = (*Writer)(nil)
+	_ fence.Deleter      = (*Writer)(nil)
+)
+
+// NewWriter returns a Writer on db. It returns an error matching fence.ErrInvalid
+// for a table or column name that is not a plain SQL identifier. It does not touch
+// the database; see CreateTable.
+func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
+	var o WriterOptions
+	if opts != nil {
+		o = *opts
+	}
+	def := func(s *string, d string) {
+		if *s == "" {
+			*s = d
+		}
+	}
+	def(&o.Table, "fence_values")
+	def(&o.KeyColumn, "key")
+	def(&o.ValueColumn, "value")
+	def(&o.FenceColumn, "fence")
+	t, err := quoteIdent("new writer", "table", o.Table, true)
+	if err != nil {
+		return nil, err
+	}
+	cols := make([]string, 3)
+	for i, c := range []struct{ what, name string }{{"key column", o.KeyColumn}, {"value column", o.ValueColumn}, {"fence column", o.FenceColumn}} {
+		if cols[i], err = quoteIdent("new writer", c.what, c.name, false); err != nil {
+			return nil, err
+		}
+	}
+	k, v, f := cols[0], cols[1], cols[2]
+	if k == v || k == f || v == f {
+		return nil, &fence.InvalidError{Op: "new writer", Arg: "columns", Reason: "key, value and fence columns must differ"}
+	}
+	d := db.d
+	w := &Writer{db: db, table: o.Table}
+	w.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  %s %s PRIMARY KEY,\n  %s %s,\n  %s %s NOT NULL CHECK (%s BETWEEN 1 AND %d)\n)",
+		t, k, d.textType, v, d.blobType, f, d.intType, f, uint64(fence.MaxToken))
+	// One statement decides and writes: the update applies only when the stored
+	// fence is not larger than the offered one (equal tokens pass).
+	w.upsert = fmt.Sprintf("INSERT INTO %s AS cur (%s, %s, %s) VALUES ($1, $2, $3) "+
+		"ON CONFLICT (%s) DO UPDATE SET %s = excluded.%s, %s = excluded.%s WHERE cur.%s <= excluded.%s",
+		t, k, v, f, k, v, v, f, f, f, f)
+	w.tombstone = fmt.Sprintf("INSERT INTO %s AS cur (%s, %s, %s) VALUES ($1, NULL, $2) "+
+		"ON CONFLICT (%s) DO UPDATE SET %s = NULL, %s = excluded.%s WHERE cur.%s <= excluded.%s",
+		t, k, v, f, k, v, f, f, f, f)
+	// The NULL test is explicit: a driver may scan an empty value as nil.
+	w.read = fmt.Sprintf("SELECT %s, %s, CASE WHEN %s IS NULL THEN 1 ELSE 0 END FROM %s WHERE %s = $1", v, f, v, t, k)
+	w.current = fmt.Sprintf("SELECT %s FROM %s WHERE %s = $1", f, t, k)
+	return w, nil
+}
+
+// DDL returns the CREATE TABLE statement for the writer's table in its dialect.
+func (w *Writer) DDL() string { return w.ddl }
+
+// CreateTable creates the writer's table if it does not exist.
+func (w *Writer) CreateTable(ctx context.Context) error {
+	_, err := w.db.c.exec(ctx, w.ddl)
+	return err
+}
+
+// Write stores value under key with token, unless key has accepted a larger token,
+// in one statement. A nil value is stored as an empty value. See fence.FencedWriter.
+func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
+	if err := checkWrite("write", key, token); err != nil {
+		return err
+	}
+	if value == nil {
+		value = []byte{} // NULL marks a deleted key
+	}
+	return w.fenced(ctx, "write", key, token, w.upsert, key, value, int64(token))
+}
+
+// Delete removes the value under key, keeping the fence at token (a tombstone), unless
+// key has accepted a larger token. See fence.Deleter.
+func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
+	if err := checkWrite("delete", key, token); err != nil {
+		return err
+	}
+	return w.fenced(ctx, "delete", key, token, w.tombstone, key, int64(token))
+}
+
+func checkWrite(op, key string, token fence.Token) error {
+	if err := fence.CheckKey(op, key); err != nil {
+		return err
+	}
+	if strings.IndexByte(key, 0) >= 0 {
+		return &fence.InvalidError{Op: op, Arg: "key", Reason: "contains a NUL byte, which PostgreSQL text cannot hold"}
+	}
+	return fence.CheckToken(op, token)
+}
+
+// fenced runs a fenced upsert. When it changes no row, the key holds a larger
+// token; that token is read back for the StaleError (it can only have grown since).
+func (w *Writer) fenced(ctx context.Context, op, key string, token fence.Token, q string, args ...any) error {
+	n, err := w.db.c.exec(ctx, q, args...)
+	if err != nil {
+		return w.wrap(op, err)
+	}
+	if n > 0 {
+		return nil
+	}
+	var cur int64
+	if err := w.db.c.queryRow(ctx, w.current, []any{key}, &cur); err != nil {
+		return w.wrap(op, fmt.Errorf("reading the fence of a rejected %s: %w", op, err))
+	}
+	if fence.Token(cur) <= token {
+		// Fences only grow, so this means someone lowered the row by hand.
+		return fmt.Errorf("sqlfence: %s %q: no row changed, yet the stored fence %d is not above token %d: the table was modified outside sqlfence", op, key, cur, token)
+	}
+	return &fence.StaleError{Key: key, Offered: token, Current: fence.Token(cur)}
+}
+
+// Read returns the value stored under key and the token that wrote it.
+// A key never written or deleted returns fence.ErrNotFound.
+func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
+	if err := fence.CheckKey("read", key); err != nil {
+		return nil, 0, err
+	}
+	var (
+		v       []byte
+		tok     int64
+		deleted int64
+	)
+	err := w.db.c.queryRow(ctx, w.read, []any{key}, &v, &tok, &deleted)
+	if errors.Is(err, errNoRows) {
+		return nil, 0, fence.ErrNotFound
+	}
+	if err != nil {
+		return nil, 0, w.wrap("read", err)
+	}
+	if deleted == 1 {
+		return nil, 0, fence.ErrNotFound
+	}
+	if v == nil {
+		v = []byte{}
+	}
+	return v, fence.Token(tok), nil
+}
+
+func (w *Writer) wrap(op string, err error) error {
+	if w.db.d.missingTable(err) {
+		return &TableError{Table: w.table, DDL: w.ddl, Err: err}
+	}
+	return fmt.Errorf("sqlfence: %s: %w", op, err)
+}

@@ -1,0 +1,98 @@
+package fence
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+var (
+	// ErrStale is matched (with errors.Is) by every rejected fenced write: the key
+	// has already accepted a larger token. errors.As gives a *StaleError.
+	ErrStale = errors.New("fence: stale token")
+
+	// ErrHeld is returned by TryAcquire when another holder has the lease, and is
+	// joined with the context's error when Acquire gives up waiting.
+	ErrHeld = errors.New("fence: lease held by another holder")
+
+	// ErrLost is returned by Renew and Release when the lease is no longer held
+	// (it expired, was released, or a newer grant exists), and by Hold when the
+	// lease was lost while the work ran.
+	ErrLost = errors.New("fence: lease lost")
+
+	// ErrNotFound is returned by Reader.Read for a key that was never written or
+	// was deleted (a deleted key keeps its fence but has no value).
+	ErrNotFound = errors.New("fence: not found")
+
+	// ErrInvalid is matched by every error for bad input: an empty name or key, a
+	// ttl <= 0, a token outside 1..MaxToken, a table or key not valid for the
+	// backend. Such a call never writes anything.
+	ErrInvalid = errors.New("fence: invalid argument")
+
+	// ErrTokensExhausted is returned by an acquirer whose counter for a name has
+	// reached MaxToken. Tokens never wrap; the name cannot be granted again.
+	ErrTokensExhausted = errors.New("fence: token counter exhausted")
+)
+
+// StaleError describes a rejected fenced write. It matches ErrStale.
+type StaleError struct {
+	Key     string // the key that was written
+	Offered Token  // the token the write carried
+	Current Token  // the token the key held when the write was rejected (> Offered)
+}
+
+func (e *StaleError) Error() string {
+	return fmt.Sprintf("fence: stale token for key %q: offered %d, key holds %d", e.Key, e.Offered, e.Current)
+}
+
+// Unwrap returns ErrStale, so errors.Is(err, ErrStale) holds.
+func (e *StaleError) Unwrap() error { return ErrStale }
+
+// InvalidError describes bad input. It matches ErrInvalid.
+type InvalidError struct {
+	Op     string // the operation, such as "acquire" or "write"
+	Arg    string // the argument, such as "ttl" or "token"
+	Reason string // what is wrong with it
+}
+
+func (e *InvalidError) Error() string {
+	return fmt.Sprintf("fence: %s: invalid %s: %s", e.Op, e.Arg, e.Reason)
+}
+
+// Unwrap returns ErrInvalid, so errors.Is(err, ErrInvalid) holds.
+func (e *InvalidError) Unwrap() error { return ErrInvalid }
+
+// CheckName returns an *InvalidError when name is empty, for op.
+func CheckName(op, name string) error {
+	if name == "" {
+		return &InvalidError{Op: op, Arg: "name", Reason: "empty"}
+	}
+	return nil
+}
+
+// CheckKey returns an *InvalidError when key is empty, for op.
+func CheckKey(op, key string) error {
+	if key == "" {
+		return &InvalidError{Op: op, Arg: "key", Reason: "empty"}
+	}
+	return nil
+}
+
+// CheckTTL returns an *InvalidError when ttl is below min (and always when ttl <= 0), for op.
+func CheckTTL(op string, ttl, min time.Duration) error {
+	if ttl <= 0 {
+		return &InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not positive", ttl)}
+	}
+	if ttl < min {
+		return &InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is below this backend's minimum %v", ttl, min)}
+	}
+	return nil
+}
+
+// CheckToken returns an *InvalidError when t is outside 1..MaxToken, for op.
+func CheckToken(op string, t Token) error {
+	if !t.Valid() {
+		return &InvalidError{Op: op, Arg: "token", Reason: fmt.Sprintf("%d is outside 1..%d", uint64(t), uint64(MaxToken))}
+	}
+	return nil
+}

@@ -1,0 +1,330 @@
+package fencetest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+// WriterSuite is the conformance suite for a fence.FencedWriter. The optional
+// capabilities fence.Reader and fence.Deleter are found by type assertion and
+// tested only when the writer has them.
+type WriterSuite struct {
+	// New returns a writer on a live backend. Tests use fresh random keys, so one
+	// backend may serve every test. Required.
+	New func(t *testing.T) fence.FencedWriter
+
+	// BadKeys are keys the backend cannot store, beside the empty key, which every
+	// writer must refuse with ErrInvalid.
+	BadKeys []string
+
+	// Writers and WritesEach size the concurrency test. Default: 16 x 20.
+	Writers, WritesEach int
+}
+
+// Run runs every test of the suite as a subtest of t.
+func (s WriterSuite) Run(t *testing.T) {
+	if s.New == nil {
+		t.Fatal("fencetest: WriterSuite.New is nil")
+	}
+	if s.Writers <= 0 {
+		s.Writers = 16
+	}
+	if s.WritesEach <= 0 {
+		s.WritesEach = 20
+	}
+	tests := []struct {
+		name string
+		fn   func(*testing.T)
+	}{
+		{"FirstWriteAccepted", s.testFirstWrite},
+		{"EqualTokenAccepted", s.testEqualToken},
+		{"LowerTokenRejected", s.testLowerToken},
+		{"HigherTokenOverwrites", s.testHigherToken},
+		{"EmptyAndLargeValues", s.testValues},
+		{"ReadMissing", s.testReadMissing},
+		{"DeleteKeepsFence", s.testDelete},
+		{"ConcurrentWriters", s.testConcurrent},
+		{"BadInput", s.testBadInput},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, tc.fn)
+	}
+}
+
+func mustWrite(t *testing.T, w fence.FencedWriter, key string, v []byte, tok fence.Token) {
+	t.Helper()
+	if err := w.Write(ctxT(t), key, v, tok); err != nil {
+		t.Fatalf("Write(%q, token %d): %v", key, tok, err)
+	}
+}
+
+// expect checks the stored value and token when w can read.
+func expect(t *testing.T, w fence.FencedWriter, key string, want []byte, wantTok fence.Token) {
+	t.Helper()
+	r, ok := w.(fence.Reader)
+	if !ok {
+		return
+	}
+	v, tok, err := r.Read(ctxT(t), key)
+	if err != nil {
+		t.Fatalf("Read(%q): %v", key, err)
+	}
+	if !bytes.Equal(v, want) || tok != wantTok {
+		t.Fatalf("Read(%q) = %q token %d, want %q token %d", key, trim(v), tok, trim(want), wantTok)
+	}
+}
+
+func trim(b []byte) []byte {
+	if len(b) > 40 {
+		return append(b[:40:40], "..."...)
+	}
+	return b
+}
+
+func expectStale(t *testing.T, err error, key string, offered, current fence.Token) {
+	t.Helper()
+	if !errors.Is(err, fence.ErrStale) {
+		t.Fatalf("write with token %d after %d: err = %v, want ErrStale", offered, current, err)
+	}
+	var se *fence.StaleError
+	if !errors.As(err, &se) {
+		t.Fatalf("stale write: %v is not a *fence.StaleError", err)
+	}
+	if se.Key != key || se.Offered != offered || se.Current != current {
+		t.Fatalf("StaleError = {Key %q, Offered %d, Current %d}, want {%q, %d, %d}", se.Key, se.Offered, se.Current, key, offered, current)
+	}
+}
+
+func (s WriterSuite) testFirstWrite(t *testing.T) {
+	w := s.New(t)
+	key := Name("first")
+	mustWrite(t, w, key, []byte("v1"), 7)
+	expect(t, w, key, []byte("v1"), 7)
+}
+
+func (s WriterSuite) testEqualToken(t *testing.T) {
+	w := s.New(t)
+	key := Name("equal")
+	mustWrite(t, w, key, []byte("one"), 3)
+	mustWrite(t, w, key, []byte("two"), 3)
+	expect(t, w, key, []byte("two"), 3)
+}
+
+func (s WriterSuite) testLowerToken(t *testing.T) {
+	w := s.New(t)
+	key := Name("lower")
+	mustWrite(t, w, key, []byte("newer"), 5)
+	err := w.Write(ctxT(t), key, []byte("stale"), 4)
+	expectStale(t, err, key, 4, 5)
+	expect(t, w, key, []byte("newer"), 5)
+	// The lowest valid token is rejected too.
+	expectStale(t, w.Write(ctxT(t), key, []byte("stale"), 1), key, 1, 5)
+	expect(t, w, key, []byte("newer"), 5)
+}
+
+func (s WriterSuite) testHigherToken(t *testing.T) {
+	w := s.New(t)
+	key := Name("higher")
+	mustWrite(t, w, key, []byte("a"), 1)
+	mustWrite(t, w, key, []byte("b"), 2)
+	mustWrite(t, w, key, []byte("c"), fence.MaxToken)
+	expect(t, w, key, []byte("c"), fence.MaxToken)
+	expectStale(t, w.Write(ctxT(t), key, []byte("d"), fence.MaxToken-1), key, fence.MaxToken-1, fence.MaxToken)
+}
+
+func (s WriterSuite) testValues(t *testing.T) {
+	w := s.New(t)
+	key := Name("values")
+	mustWrite(t, w, key, nil, 1)
+	expect(t, w, key, []byte{}, 1)
+	big := bytes.Repeat([]byte{0, 1, 2, 0xff}, 256*1024) // 1 MiB, with NUL and high bytes
+	mustWrite(t, w, key, big, 2)
+	expect(t, w, key, big, 2)
+}
+
+func (s WriterSuite) testReadMissing(t *testing.T) {
+	w := s.New(t)
+	r, ok := w.(fence.Reader)
+	if !ok {
+		t.Skip("writer has no Read (the optional fence.Reader)")
+	}
+	_, _, err := r.Read(ctxT(t), Name("missing"))
+	if !errors.Is(err, fence.ErrNotFound) {
+		t.Fatalf("Read of a missing key: err = %v, want ErrNotFound", err)
+	}
+}
+
+func (s WriterSuite) testDelete(t *testing.T) {
+	w := s.New(t)
+	d, ok := w.(fence.Deleter)
+	if !ok {
+		t.Skip("writer has no fenced Delete (the optional fence.Deleter)")
+	}
+	key := Name("delete")
+	mustWrite(t, w, key, []byte("v"), 4)
+	expectStale(t, d.Delete(ctxT(t), key, 3), key, 3, 4)
+	expect(t, w, key, []byte("v"), 4)
+	if err := d.Delete(ctxT(t), key, 5); err != nil {
+		t.Fatalf("Delete with token 5: %v", err)
+	}
+	if r, ok := w.(fence.Reader); ok {
+		if _, _, err := r.Read(ctxT(t), key); !errors.Is(err, fence.ErrNotFound) {
+			t.Fatalf("Read after Delete: err = %v, want ErrNotFound", err)
+		}
+	}
+	// The tombstone keeps the fence: a stale writer cannot recreate the key.
+	expectStale(t, w.Write(ctxT(t), key, []byte("zombie"), 4), key, 4, 5)
+	if r, ok := w.(fence.Reader); ok {
+		if _, _, err := r.Read(ctxT(t), key); !errors.Is(err, fence.ErrNotFound) {
+			t.Fatalf("Read after a rejected write to a deleted key: err = %v, want ErrNotFound", err)
+		}
+	}
+	// Deleting a deleted key again with the same token is accepted; a lower one is not.
+	if err := d.Delete(ctxT(t), key, 5); err != nil {
+		t.Fatalf("Delete again with an equal token: %v", err)
+	}
+	expectStale(t, d.Delete(ctxT(t), key, 2), key, 2, 5)
+	mustWrite(t, w, key, []byte("reborn"), 5)
+	expect(t, w, key, []byte("reborn"), 5)
+	// Deleting a key never written leaves a tombstone too.
+	fresh := Name("delete-fresh")
+	if err := d.Delete(ctxT(t), fresh, 9); err != nil {
+		t.Fatalf("Delete of a key never written: %v", err)
+	}
+	expectStale(t, w.Write(ctxT(t), fresh, []byte("x"), 8), fresh, 8, 9)
+}
+
+type writeRecord struct {
+	token      fence.Token
+	accepted   bool
+	current    fence.Token // for a rejected write, the token the key held
+	start, end time.Time
+}
+
+// testConcurrent runs many writers with random tokens on one key. It checks that
+// the writes the store accepted are consistent with a fenced register: a write
+// that finished before another began never has a larger accepted token than it;
+// every rejection names a larger token that some write offered; and the final
+// value is that of the largest token.
+func (s WriterSuite) testConcurrent(t *testing.T) {
+	w := s.New(t)
+	key := Name("concurrent")
+	var (
+		mu  sync.Mutex
+		log []writeRecord
+	)
+	var wg sync.WaitGroup
+	for g := 0; g < s.Writers; g++ {
+		wg.Add(1)
+		go func(seed uint64) {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(seed, 42))
+			for i := 0; i < s.WritesEach; i++ {
+				tok := fence.Token(1 + rng.IntN(200))
+				rec := writeRecord{token: tok, start: time.Now()}
+				err := w.Write(context.Background(), key, []byte(fmt.Sprintf("token=%d", tok)), tok)
+				rec.end = time.Now()
+				var se *fence.StaleError
+				switch {
+				case err == nil:
+					rec.accepted = true
+				case errors.As(err, &se):
+					rec.current = se.Current
+				default:
+					t.Errorf("Write(token %d): %v", tok, err)
+					return
+				}
+				mu.Lock()
+				log = append(log, rec)
+				mu.Unlock()
+			}
+		}(uint64(g))
+	}
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	offered := map[fence.Token]bool{}
+	var maxTok fence.Token
+	for _, r := range log {
+		offered[r.token] = true
+		if r.token > maxTok {
+			maxTok = r.token
+		}
+	}
+	var accepted []writeRecord
+	for _, r := range log {
+		if r.accepted {
+			accepted = append(accepted, r)
+			continue
+		}
+		if r.current <= r.token || !offered[r.current] {
+			t.Errorf("write with token %d rejected naming current token %d, which is not a larger offered token", r.token, r.current)
+		}
+	}
+	// Real-time order: if a finished before b started, b's token must not be lower.
+	sort.Slice(accepted, func(i, j int) bool { return accepted[i].end.Before(accepted[j].end) })
+	for i, a := range accepted {
+		for _, b := range accepted[i+1:] {
+			if a.end.Before(b.start) && b.token < a.token {
+				t.Errorf("accepted token %d after an earlier accepted write with token %d had finished", b.token, a.token)
+			}
+		}
+	}
+	// A write with the largest offered token can never be rejected.
+	for _, r := range log {
+		if r.token == maxTok && !r.accepted {
+			t.Errorf("a write with the largest token %d was rejected", maxTok)
+		}
+	}
+	// Any rejection must be because some accepted write was larger than it.
+	for _, r := range log {
+		if !r.accepted && r.current > maxTok {
+			t.Errorf("rejection names token %d, above every offered token", r.current)
+		}
+	}
+	expect(t, w, key, []byte(fmt.Sprintf("token=%d", maxTok)), maxTok)
+	t.Logf("%d writes, %d accepted, largest token %d", len(log), len(accepted), maxTok)
+}
+
+func (s WriterSuite) testBadInput(t *testing.T) {
+	w := s.New(t)
+	ctx := ctxT(t)
+	key := Name("bad")
+	for _, tok := range []fence.Token{0, fence.MaxToken + 1, ^fence.Token(0)} {
+		if err := w.Write(ctx, key, []byte("x"), tok); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Write with token %d: err = %v, want ErrInvalid", uint64(tok), err)
+		}
+	}
+	for _, k := range append([]string{""}, s.BadKeys...) {
+		if err := w.Write(ctx, k, []byte("x"), 1); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Write with key %q: err = %v, want ErrInvalid", k, err)
+		}
+	}
+	if d, ok := w.(fence.Deleter); ok {
+		if err := d.Delete(ctx, key, 0); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Delete with token 0: err = %v, want ErrInvalid", err)
+		}
+		if err := d.Delete(ctx, "", 1); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Delete with empty key: err = %v, want ErrInvalid", err)
+		}
+	}
+	if r, ok := w.(fence.Reader); ok {
+		if _, _, err := r.Read(ctx, ""); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Read with empty key: err = %v, want ErrInvalid", err)
+		}
+		// Nothing was written by the refused calls.
+		if _, _, err := r.Read(ctx, key); !errors.Is(err, fence.ErrNotFound) {
+			t.Errorf("Read after refused writes: err = %v, want ErrNotFound", err)
+		}
+	}
+}

@@ -1,0 +1,121 @@
+package fence
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// releaseTimeout bounds the release that Hold makes after the work returns.
+const releaseTimeout = 5 * time.Second
+
+// Hold acquires name with a for ttl, runs work, and releases the lease afterwards,
+// also when work panics or its context is cancelled.
+//
+// While work runs, Hold renews the lease every ttl/3. The context passed to work is
+// cancelled, with cause ErrLost, as soon as a renewal returns ErrLost or the lease's
+// local deadline passes without a confirmed renewal; transient renewal errors are
+// retried until then. It is also cancelled when ctx is.
+//
+// Hold returns the error of Acquire if the lease was never granted. Otherwise it
+// returns work's error, joined with an error matching ErrLost when the lease was
+// lost while work ran (or Release found it already lost), and with any other
+// Release error. Work should pass l.Token() to every fenced write: Hold cannot
+// stop a process that pauses between checking ctx and writing, the fence can.
+func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work func(ctx context.Context, l Lease) error) error {
+	if work == nil {
+		return &InvalidError{Op: "hold", Arg: "work", Reason: "nil function"}
+	}
+	if err := CheckTTL("hold", ttl, 0); err != nil {
+		return err
+	}
+	l, err := a.Acquire(ctx, name, ttl)
+	if err != nil {
+		return err
+	}
+
+	workCtx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stopLoss := context.AfterFunc(l.Context(), func() { cancel(lostError(l)) })
+
+	done := make(chan struct{})
+	watchdog := make(chan struct{})
+	go func() {
+		defer close(watchdog)
+		renewLoop(ctx, l, ttl, done, cancel)
+	}()
+
+	workErr := runWork(workCtx, l, work)
+	close(done)
+	<-watchdog
+	stopLoss()
+
+	lost := errors.Is(context.Cause(workCtx), ErrLost)
+	rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	relErr := l.Release(rctx)
+	rcancel()
+	if errors.Is(relErr, ErrLost) {
+		lost, relErr = true, nil
+	}
+	var lostErr error
+	if lost && !errors.Is(workErr, ErrLost) {
+		lostErr = lostError(l)
+	}
+	return errors.Join(workErr, lostErr, relErr)
+}
+
+func lostError(l Lease) error {
+	return fmt.Errorf("fence: lease %q (token %d): %w", l.Name(), l.Token(), ErrLost)
+}
+
+// runWork calls work and turns a panic into an error after the lease is released
+// by the caller; the panic is re-raised so that it is not swallowed.
+func runWork(ctx context.Context, l Lease, work func(context.Context, Lease) error) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+			_ = l.Release(rctx)
+			cancel()
+			panic(p)
+		}
+	}()
+	return work(ctx, l)
+}
+
+// renewLoop renews l every ttl/3 until done is closed or the lease ends. A renewal
+// that fails with a transient error is retried sooner; the lease's own local
+// deadline ends it if no renewal is confirmed in time.
+func renewLoop(ctx context.Context, l Lease, ttl time.Duration, done <-chan struct{}, cancel context.CancelCauseFunc) {
+	interval := ttl / 3
+	if interval <= 0 {
+		interval = ttl
+	}
+	retry := interval / 4
+	if retry <= 0 {
+		retry = interval
+	}
+	timer := time.NewTimer(interval)
+	defer timer.Stop()
+	for {
+		select {
+		case <-done:
+			return
+		case <-l.Context().Done():
+			return
+		case <-timer.C:
+		}
+		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), interval)
+		err := l.Renew(rctx)
+		rcancel()
+		switch {
+		case err == nil:
+			timer.Reset(interval)
+		case errors.Is(err, ErrLost):
+			cancel(lostError(l))
+			return
+		default:
+			timer.Reset(retry)
+		}
+	}
+}

@@ -1,0 +1,111 @@
+// Package leasebase holds what every adapter's lease shares: the name and token,
+// the conservative local deadline, and the lifetime context.
+package leasebase
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+// DefaultDrift is the clock-drift margin taken off a lease's local deadline when an
+// adapter's options leave it at zero: 1% of the ttl plus 2ms.
+func DefaultDrift(ttl time.Duration) time.Duration { return ttl/100 + 2*time.Millisecond }
+
+// Base is the local half of a lease. It is safe for concurrent use.
+type Base struct {
+	name  string
+	token fence.Token
+	ttl   time.Duration
+	drift time.Duration
+
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+
+	mu       sync.Mutex
+	ended    bool
+	timer    *time.Timer
+	deadline time.Time
+}
+
+// New returns the local state of a grant of name with token, whose request was sent
+// at sent. drift <= 0 means DefaultDrift(ttl).
+func New(name string, token fence.Token, ttl, drift time.Duration, sent time.Time) *Base {
+	if drift <= 0 {
+		drift = DefaultDrift(ttl)
+	}
+	b := &Base{name: name, token: token, ttl: ttl, drift: drift}
+	b.ctx, b.cancel = context.WithCancelCause(context.Background())
+	b.deadline = sent.Add(ttl - drift)
+	b.timer = time.AfterFunc(time.Until(b.deadline), b.expire)
+	return b
+}
+
+// Name returns the lock name.
+func (b *Base) Name() string { return b.name }
+
+// Token returns the grant's token.
+func (b *Base) Token() fence.Token { return b.token }
+
+// TTL returns the lease length.
+func (b *Base) TTL() time.Duration { return b.ttl }
+
+// Context is done once End was called or the local deadline passed.
+func (b *Base) Context() context.Context { return b.ctx }
+
+// Deadline returns the current local deadline.
+func (b *Base) Deadline() time.Time {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.deadline
+}
+
+// Extend moves the local deadline after a renewal that the backend confirmed, whose
+// request was sent at sent. It returns false when the lease had already ended
+// locally: a late confirmation never revives a lease whose context is done.
+func (b *Base) Extend(sent time.Time) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.ended || b.ctx.Err() != nil {
+		return false
+	}
+	if d := sent.Add(b.ttl - b.drift); d.After(b.deadline) {
+		b.deadline = d
+		b.timer.Reset(time.Until(d))
+	}
+	return true
+}
+
+// expire ends the lease when its local deadline has passed. A timer that fired
+// just before Extend moved the deadline finds it in the future and does nothing.
+func (b *Base) expire() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.ended || time.Now().Before(b.deadline) {
+		return
+	}
+	b.ended = true
+	b.cancel(fence.ErrLost)
+}
+
+// Ended reports whether the lease has ended locally.
+func (b *Base) Ended() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.ended || b.ctx.Err() != nil
+}
+
+// End finishes the lease locally with cause (ErrLost, or context.Canceled for a
+// release). Only the first call has an effect.
+func (b *Base) End(cause error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.ended {
+		return
+	}
+	b.ended = true
+	b.timer.Stop()
+	b.cancel(cause)
+}
