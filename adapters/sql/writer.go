@@ -32,7 +32,7 @@ type Writer struct {
 	table string // as given, for messages
 	ddl   string
 
-	upsert, tombstone, read, current string
+	update, upsert, tombstone, read, current string
 }
 
 var (
@@ -76,8 +76,12 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 	w := &Writer{db: db, table: o.Table}
 	w.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  %s %s PRIMARY KEY,\n  %s %s,\n  %s %s NOT NULL CHECK (%s BETWEEN 1 AND %d)\n)",
 		t, k, d.textType, v, d.blobType, f, d.intType, f, uint64(fence.MaxToken))
-	// One statement decides and writes: the update applies only when the stored
-	// fence is not larger than the offered one (equal tokens pass).
+	// Each statement decides and writes at once: it changes the row only when
+	// the stored fence is not larger than the offered one (equal tokens pass).
+	// The plain UPDATE serves the common case, an existing key, at the cost of
+	// an unfenced UPDATE; the upsert covers a new key (and tells a stale write
+	// from a missing row without a race).
+	w.update = fmt.Sprintf("UPDATE %s SET %s = $2, %s = $3 WHERE %s = $1 AND %s <= $3", t, v, f, k, f)
 	w.upsert = fmt.Sprintf("INSERT INTO %s AS cur (%s, %s, %s) VALUES ($1, $2, $3) "+
 		"ON CONFLICT (%s) DO UPDATE SET %s = excluded.%s, %s = excluded.%s WHERE cur.%s <= excluded.%s",
 		t, k, v, f, k, v, v, f, f, f, f)
@@ -107,6 +111,13 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 	}
 	if value == nil {
 		value = []byte{} // NULL marks a deleted key
+	}
+	n, err := w.db.c.exec(ctx, w.update, key, value, int64(token))
+	if err != nil {
+		return w.wrap("write", err)
+	}
+	if n > 0 {
+		return nil
 	}
 	return w.fenced(ctx, "write", key, token, w.upsert, key, value, int64(token))
 }

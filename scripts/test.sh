@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: starts PostgreSQL and Redis when they
+# are not running (installing them with apt-get on Debian when they are absent),
+# then runs go vet and go test -race on every package.
+#
+# Environment:
+#   FENCEKIT_POSTGRES_URL  default postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+#   FENCEKIT_REDIS_ADDR    default 127.0.0.1:6379
+#   FENCEKIT_NO_SERVICES=1 do not start or install anything (tests that need a
+#                          missing server then skip, or fail when CI is set)
+#   GO_TEST_FLAGS          extra flags for go test (for example -run Postgres)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export FENCEKIT_POSTGRES_URL="${FENCEKIT_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test?sslmode=disable}"
+export FENCEKIT_REDIS_ADDR="${FENCEKIT_REDIS_ADDR:-127.0.0.1:6379}"
+
+say() { printf 'test.sh: %s\n' "$*" >&2; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else say "need root for: $*"; return 1; fi; }
+apt_updated=
+apt_install() {
+  command -v apt-get >/dev/null || { say "no apt-get: install $* yourself"; return 1; }
+  if [ -z "$apt_updated" ]; then as_root apt-get update -qq; apt_updated=1; fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+pg_up() { command -v pg_isready >/dev/null && pg_isready -q -h 127.0.0.1 -p 5432; }
+
+start_postgres() {
+  pg_up && return 0
+  local fresh=
+  if ! ls /etc/postgresql/*/main >/dev/null 2>&1; then
+    say "PostgreSQL is not installed: installing it with apt-get"
+    apt_install postgresql postgresql-client
+    fresh=1
+  fi
+  local ver; ver=$(ls /etc/postgresql | sort -V | tail -n 1)
+  if [ -n "$fresh" ]; then
+    # A server installed here only for the tests: trust loopback connections.
+    local hba=/etc/postgresql/$ver/main/pg_hba.conf
+    as_root sed -i -E 's/^(host\s+all\s+all\s+(127\.0\.0\.1\/32|::1\/128)\s+)\S+/\1trust/' "$hba"
+  fi
+  say "starting PostgreSQL $ver"
+  as_root pg_ctlcluster --skip-systemctl-redirect "$ver" main start || as_root pg_ctlcluster "$ver" main start
+  for _ in $(seq 1 50); do pg_up && break; sleep 0.2; done
+  pg_up || { say "PostgreSQL did not start"; return 1; }
+}
+
+ensure_test_db() {
+  command -v psql >/dev/null || return 0
+  if ! psql "$FENCEKIT_POSTGRES_URL" -Atc 'select 1' >/dev/null 2>&1; then
+    local db; db=$(sed -E 's#.*/([^/?]+)(\?.*)?$#\1#' <<<"$FENCEKIT_POSTGRES_URL")
+    say "creating database $db"
+    as_root su postgres -c "psql -qc 'CREATE DATABASE \"$db\"'" >/dev/null 2>&1 || true
+  fi
+}
+
+redis_up() { command -v redis-cli >/dev/null && redis-cli -h "${FENCEKIT_REDIS_ADDR%:*}" -p "${FENCEKIT_REDIS_ADDR##*:}" ping 2>/dev/null | grep -q PONG; }
+
+start_redis() {
+  redis_up && return 0
+  if ! command -v redis-server >/dev/null; then
+    say "Redis is not installed: installing it with apt-get"
+    apt_install redis-server redis-tools
+  fi
+  say "starting Redis"
+  as_root mkdir -p /var/lib/redis /var/log/redis
+  as_root redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log
+  for _ in $(seq 1 50); do redis_up && break; sleep 0.2; done
+  redis_up || { say "Redis did not start"; return 1; }
+}
+
+if [ "${FENCEKIT_NO_SERVICES:-}" != 1 ]; then
+  start_postgres
+  ensure_test_db
+  start_redis
+fi
+
+say "go vet ./..."
+go vet ./...
+say "go test -race ./..."
+# shellcheck disable=SC2086
+go test -race -count=1 -timeout 30m ${GO_TEST_FLAGS:-} ./...
