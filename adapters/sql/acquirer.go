@@ -26,6 +26,15 @@ type AcquirerOptions struct {
 	// Drift is taken off each lease's local deadline for clock drift between
 	// this process and the database. Default: 1% of the ttl plus 2ms.
 	Drift time.Duration
+	// DisableNotify turns off release notifications on PostgreSQL, so waiters
+	// only poll with Backoff. Default: false (a release runs pg_notify, and
+	// waiting Acquire calls wake on it through LISTEN).
+	DisableNotify bool
+	// AdvanceGuards, when set, advances the guard row of the lock name (see
+	// Guards) to the new token in the same atomic step as every grant, so a
+	// stale holder's Guard is rejected from the moment a newer grant exists, not
+	// only after the new holder's first guarded transaction. Default: nil.
+	AdvanceGuards *Guards
 }
 
 // Acquirer grants leases from a lease table. The token is the row's counter,
@@ -39,6 +48,7 @@ type Acquirer struct {
 	ddl   string
 
 	grant, renew, release string
+	advance               string // SQLite: the guard statement run with the grant
 }
 
 var _ fence.Acquirer = (*Acquirer)(nil)
@@ -77,6 +87,21 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		"WHERE cur.expires_at <= %s RETURNING token", t, now, now)
 	a.renew = fmt.Sprintf("UPDATE %s SET expires_at = %s + $3 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now, now)
 	a.release = fmt.Sprintf("UPDATE %s SET expires_at = 0 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now)
+	if d == postgresDialect && !o.DisableNotify {
+		// The release and its notification are one statement: waiters hear of it
+		// when it commits. Only a real release notifies.
+		a.release = fmt.Sprintf("WITH r AS (%s RETURNING name) SELECT pg_notify('%s', md5(name)) FROM r", a.release, releaseChannel)
+	}
+	if g := o.AdvanceGuards; g != nil {
+		if d == postgresDialect {
+			// One statement: the guard advances only when the grant happened,
+			// and only upwards.
+			a.grant = fmt.Sprintf("WITH g AS (%s), adv AS (%s SELECT $1, token FROM g %s) SELECT token FROM g",
+				a.grant, g.insertPrefix, g.onConflictUp)
+		} else {
+			a.advance = g.guard
+		}
+	}
 	return a, nil
 }
 
@@ -91,10 +116,7 @@ func defaultOwner() string {
 func (a *Acquirer) DDL() string { return a.ddl }
 
 // CreateTable creates the lease table if it does not exist.
-func (a *Acquirer) CreateTable(ctx context.Context) error {
-	_, err := a.db.c.exec(ctx, a.ddl)
-	return err
-}
+func (a *Acquirer) CreateTable(ctx context.Context) error { return a.db.createTable(ctx, a.ddl) }
 
 // Owner returns the owner id recorded with this acquirer's grants.
 func (a *Acquirer) Owner() string { return a.opts.Owner }
@@ -107,8 +129,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 		return nil, err
 	}
 	sent := time.Now()
-	var tok int64
-	err := a.db.c.queryRow(ctx, a.grant, []any{name, a.opts.Owner, ttlMs(ttl)}, &tok)
+	tok, err := a.grantRow(ctx, name, ttl)
 	switch {
 	case errors.Is(err, errNoRows):
 		return nil, fence.ErrHeld
@@ -120,13 +141,39 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	return &lease{Base: leasebase.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}, nil
 }
 
+// grantRow runs the grant statement (with the guard advance on SQLite, in one
+// transaction) and returns the new token; errNoRows when the lease is held.
+func (a *Acquirer) grantRow(ctx context.Context, name string, ttl time.Duration) (int64, error) {
+	args := []any{name, a.opts.Owner, ttlMs(ttl)}
+	var tok int64
+	if a.advance == "" {
+		err := a.db.queryRow(ctx, a.grant, args, &tok)
+		return tok, err
+	}
+	err := a.db.inTx(ctx, func(c conn) error {
+		if err := c.queryRow(ctx, a.grant, args, &tok); err != nil {
+			return err
+		}
+		_, err := c.exec(ctx, a.advance, name, tok)
+		return err
+	})
+	return tok, err
+}
+
 // Acquire waits until the lease on name is granted, pacing its attempts with the
-// acquirer's Backoff. See fence.Acquirer.
+// acquirer's Backoff. On PostgreSQL a release wakes the waiters of its name at
+// once (LISTEN/NOTIFY), with the backoff as the fallback. See fence.Acquirer.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease("acquire", name, ttl); err != nil {
 		return nil, err
 	}
-	return a.opts.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
+	var wake <-chan struct{}
+	if a.db.listen != nil && !a.opts.DisableNotify {
+		var unsubscribe func()
+		wake, unsubscribe = a.db.listen.subscribe(name)
+		defer unsubscribe()
+	}
+	return a.opts.Backoff.Acquire(ctx, wake, func(ctx context.Context) (fence.Lease, error) {
 		return a.TryAcquire(ctx, name, ttl)
 	})
 }
@@ -161,7 +208,7 @@ type lease struct {
 // holds it. See fence.Lease.
 func (l *lease) Renew(ctx context.Context) error {
 	sent := time.Now()
-	n, err := l.a.db.c.exec(ctx, l.a.renew, l.Name(), int64(l.Token()), ttlMs(l.TTL()))
+	n, err := l.a.db.exec(ctx, l.a.renew, l.Name(), int64(l.Token()), ttlMs(l.TTL()))
 	if err != nil {
 		return l.a.wrap("renew", err)
 	}
@@ -180,7 +227,7 @@ func (l *lease) Renew(ctx context.Context) error {
 // Release gives the lease up if this grant still holds it; otherwise it returns
 // fence.ErrLost and changes nothing. The lease's context is done afterwards.
 func (l *lease) Release(ctx context.Context) error {
-	n, err := l.a.db.c.exec(ctx, l.a.release, l.Name(), int64(l.Token()))
+	n, err := l.a.db.exec(ctx, l.a.release, l.Name(), int64(l.Token()))
 	l.End(context.Canceled)
 	if err != nil {
 		return l.a.wrap("release", err)

@@ -6,22 +6,23 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
 )
 
 // DB is a database handle with its dialect. Build one with [SQLite] or [Postgres].
 // A DB is safe for concurrent use when its handle is.
 type DB struct {
-	c conn
-	d *dialect
+	c      conn
+	d      *dialect
+	listen *listener // PostgreSQL release notifications; nil where unsupported
+	sqlDB  *sql.DB   // for SQLite transactions
 }
 
 // SQLite wraps a database/sql handle opened with the "sqlite" driver of
 // modernc.org/sqlite (see [OpenSQLite]).
-func SQLite(db *sql.DB) *DB { return &DB{c: stdConn{db}, d: sqliteDialect} }
-
-// Postgres wraps a database/sql handle on PostgreSQL (for example opened with the
-// "pgx" driver of github.com/jackc/pgx/v5/stdlib).
-func Postgres(db *sql.DB) *DB { return &DB{c: stdConn{db}, d: postgresDialect} }
+func SQLite(db *sql.DB) *DB { return &DB{c: stdConn{db}, d: sqliteDialect, sqlDB: db} }
 
 // Dialect returns "sqlite" or "postgres".
 func (db *DB) Dialect() string { return db.d.name }
@@ -35,6 +36,44 @@ type conn interface {
 }
 
 var errNoRows = errors.New("sqlfence: no rows")
+
+// maxStatementRetries bounds how often one of the package's own statements is
+// run again after a serialization failure or deadlock (possible when the
+// server's default isolation level is REPEATABLE READ or SERIALIZABLE). Such a
+// statement had no effect, so running it again is safe.
+const maxStatementRetries = 8
+
+// exec runs one of the package's own statements, retrying serialization failures.
+func (db *DB) exec(ctx context.Context, q string, args ...any) (int64, error) {
+	for i := 0; ; i++ {
+		n, err := db.c.exec(ctx, q, args...)
+		if err == nil || i == maxStatementRetries || !db.d.serializationFailed(err) || !retryPause(ctx, i) {
+			return n, err
+		}
+	}
+}
+
+// queryRow runs one of the package's own statements, retrying serialization failures.
+func (db *DB) queryRow(ctx context.Context, q string, args []any, dest ...any) error {
+	for i := 0; ; i++ {
+		err := db.c.queryRow(ctx, q, args, dest...)
+		if err == nil || i == maxStatementRetries || !db.d.serializationFailed(err) || !retryPause(ctx, i) {
+			return err
+		}
+	}
+}
+
+// retryPause sleeps a short jittered while before retry i+1; false if ctx ended.
+func retryPause(ctx context.Context, i int) bool {
+	t := time.NewTimer(fence.Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}.Delay(i))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
 
 // stdQuerier is what *sql.DB, *sql.Conn and *sql.Tx share.
 type stdQuerier interface {
@@ -67,9 +106,14 @@ type dialect struct {
 	name string
 	// nowMs is an SQL expression for the server's clock in milliseconds since
 	// the Unix epoch; it is read when the statement runs.
-	nowMs               string
-	textType, blobType  string
-	intType             string
+	nowMs              string
+	textType, blobType string
+	intType            string
+	// updateFirst: a fenced write tries a fenced UPDATE before the upsert. On
+	// SQLite the upsert costs more than an UPDATE of an existing row; on
+	// PostgreSQL it does not (BenchmarkPostgresWrite), so there every write is
+	// one upsert statement.
+	updateFirst         bool
 	missingTable        func(error) bool
 	checkViolation      func(error) bool
 	serializationFailed func(error) bool
@@ -79,6 +123,7 @@ var sqliteDialect = &dialect{
 	name:     "sqlite",
 	nowMs:    "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
 	textType: "TEXT", blobType: "BLOB", intType: "INTEGER",
+	updateFirst:         true,
 	missingTable:        func(err error) bool { return err != nil && strings.Contains(err.Error(), "no such table") },
 	checkViolation:      func(err error) bool { return err != nil && strings.Contains(err.Error(), "CHECK constraint failed") },
 	serializationFailed: func(error) bool { return false },
@@ -98,3 +143,30 @@ func (e *TableError) Error() string {
 
 // Unwrap returns the driver's error.
 func (e *TableError) Unwrap() error { return e.Err }
+
+// inTx runs f in a transaction on a database/sql handle (SQLite), committing when
+// f returns nil.
+func (db *DB) inTx(ctx context.Context, f func(conn) error) error {
+	if db.sqlDB == nil {
+		return fmt.Errorf("sqlfence: this handle cannot begin transactions")
+	}
+	tx, err := db.sqlDB.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	if err := f(stdConn{tx}); err != nil {
+		return errors.Join(err, tx.Rollback())
+	}
+	return tx.Commit()
+}
+
+// createTable runs a CREATE TABLE IF NOT EXISTS. Two sessions running it at the
+// same moment on PostgreSQL can collide in the catalog (23505, 42P07) even with
+// IF NOT EXISTS; the loser runs it again and finds the table.
+func (db *DB) createTable(ctx context.Context, ddl string) error {
+	_, err := db.exec(ctx, ddl)
+	if c := pgCode(err); c == "23505" || c == "42P07" {
+		_, err = db.exec(ctx, ddl)
+	}
+	return err
+}

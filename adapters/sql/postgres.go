@@ -1,9 +1,13 @@
 package sqlfence
 
 import (
+	"context"
+	"database/sql"
 	"errors"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 var postgresDialect = &dialect{
@@ -21,4 +25,52 @@ func pgCode(err error) string {
 		return pe.Code
 	}
 	return ""
+}
+
+// IsSerializationFailure reports whether err is a PostgreSQL serialization
+// failure (40001) or deadlock (40P01): the transaction did nothing and may be
+// run again from the start.
+func IsSerializationFailure(err error) bool { return postgresDialect.serializationFailed(err) }
+
+// PgxQuerier is what *pgxpool.Pool, *pgx.Conn and pgx.Tx share.
+type PgxQuerier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Pgx wraps a native pgx handle on PostgreSQL: a *pgxpool.Pool (recommended:
+// waiters then wake on LISTEN/NOTIFY), a *pgx.Conn, or a pgx.Tx (every statement
+// then runs inside that transaction).
+func Pgx(q PgxQuerier) *DB {
+	db := &DB{c: pgxConn{q}, d: postgresDialect}
+	if p, ok := q.(*pgxpool.Pool); ok {
+		db.listen = newListener(func(ctx context.Context, f func(*pgx.Conn) error) error {
+			return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error { return f(c.Conn()) })
+		})
+	}
+	return db
+}
+
+// Postgres wraps a database/sql handle on PostgreSQL opened with the "pgx" driver
+// of github.com/jackc/pgx/v5/stdlib. Waiters wake on LISTEN/NOTIFY.
+func Postgres(db *sql.DB) *DB {
+	return &DB{c: stdConn{db}, d: postgresDialect, listen: newListener(stdlibConn(db))}
+}
+
+type pgxConn struct{ q PgxQuerier }
+
+func (p pgxConn) exec(ctx context.Context, q string, args ...any) (int64, error) {
+	tag, err := p.q.Exec(ctx, q, args...)
+	if err != nil {
+		return 0, err
+	}
+	return tag.RowsAffected(), nil
+}
+
+func (p pgxConn) queryRow(ctx context.Context, q string, args []any, dest ...any) error {
+	err := p.q.QueryRow(ctx, q, args...).Scan(dest...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return errNoRows
+	}
+	return err
 }

@@ -78,9 +78,9 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 		t, k, d.textType, v, d.blobType, f, d.intType, f, uint64(fence.MaxToken))
 	// Each statement decides and writes at once: it changes the row only when
 	// the stored fence is not larger than the offered one (equal tokens pass).
-	// The plain UPDATE serves the common case, an existing key, at the cost of
-	// an unfenced UPDATE; the upsert covers a new key (and tells a stale write
-	// from a missing row without a race).
+	// Where the dialect says so, a fenced UPDATE serves the common case, an
+	// existing key; the upsert covers a new key (and tells a stale write from a
+	// missing row without a race).
 	w.update = fmt.Sprintf("UPDATE %s SET %s = $2, %s = $3 WHERE %s = $1 AND %s <= $3", t, v, f, k, f)
 	w.upsert = fmt.Sprintf("INSERT INTO %s AS cur (%s, %s, %s) VALUES ($1, $2, $3) "+
 		"ON CONFLICT (%s) DO UPDATE SET %s = excluded.%s, %s = excluded.%s WHERE cur.%s <= excluded.%s",
@@ -98,10 +98,7 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 func (w *Writer) DDL() string { return w.ddl }
 
 // CreateTable creates the writer's table if it does not exist.
-func (w *Writer) CreateTable(ctx context.Context) error {
-	_, err := w.db.c.exec(ctx, w.ddl)
-	return err
-}
+func (w *Writer) CreateTable(ctx context.Context) error { return w.db.createTable(ctx, w.ddl) }
 
 // Write stores value under key with token, unless key has accepted a larger token,
 // in one statement. A nil value is stored as an empty value. See fence.FencedWriter.
@@ -112,12 +109,14 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 	if value == nil {
 		value = []byte{} // NULL marks a deleted key
 	}
-	n, err := w.db.c.exec(ctx, w.update, key, value, int64(token))
-	if err != nil {
-		return w.wrap("write", err)
-	}
-	if n > 0 {
-		return nil
+	if w.db.d.updateFirst {
+		n, err := w.db.exec(ctx, w.update, key, value, int64(token))
+		if err != nil {
+			return w.wrap("write", err)
+		}
+		if n > 0 {
+			return nil
+		}
 	}
 	return w.fenced(ctx, "write", key, token, w.upsert, key, value, int64(token))
 }
@@ -144,7 +143,7 @@ func checkWrite(op, key string, token fence.Token) error {
 // fenced runs a fenced upsert. When it changes no row, the key holds a larger
 // token; that token is read back for the StaleError (it can only have grown since).
 func (w *Writer) fenced(ctx context.Context, op, key string, token fence.Token, q string, args ...any) error {
-	n, err := w.db.c.exec(ctx, q, args...)
+	n, err := w.db.exec(ctx, q, args...)
 	if err != nil {
 		return w.wrap(op, err)
 	}
@@ -152,7 +151,7 @@ func (w *Writer) fenced(ctx context.Context, op, key string, token fence.Token, 
 		return nil
 	}
 	var cur int64
-	if err := w.db.c.queryRow(ctx, w.current, []any{key}, &cur); err != nil {
+	if err := w.db.queryRow(ctx, w.current, []any{key}, &cur); err != nil {
 		return w.wrap(op, fmt.Errorf("reading the fence of a rejected %s: %w", op, err))
 	}
 	if fence.Token(cur) <= token {
@@ -173,7 +172,7 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 		tok     int64
 		deleted int64
 	)
-	err := w.db.c.queryRow(ctx, w.read, []any{key}, &v, &tok, &deleted)
+	err := w.db.queryRow(ctx, w.read, []any{key}, &v, &tok, &deleted)
 	if errors.Is(err, errNoRows) {
 		return nil, 0, fence.ErrNotFound
 	}

@@ -1,0 +1,208 @@
+package sqlfence
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/jackc/pgx/v5"
+)
+
+// GuardOptions configures Guards. A nil *GuardOptions means the defaults.
+type GuardOptions struct {
+	// Table holds one fence row per lock name; it may be schema-qualified.
+	// Default: "fence_guards".
+	Table string
+}
+
+// Guards fences whole transactions: Guard advances a per-lock fence row inside
+// the caller's own transaction, so that every ordinary write in that transaction
+// is fenced together with it. It is safe for concurrent use.
+//
+// # Isolation
+//
+// Guard's statement takes the guard row's lock until the transaction ends, so
+// concurrent guarded transactions on one name run one after the other. A
+// transaction whose token is lower than one already committed gets ErrStale and
+// must roll back.
+//
+//   - READ COMMITTED (PostgreSQL's default) is enough: a guard waiting on the row
+//     lock re-checks the fence against the committed row when it gets the lock.
+//     Call Guard before the writes it protects.
+//   - REPEATABLE READ and SERIALIZABLE also work, but a guard that waited for a
+//     concurrent guarded transaction fails with a serialization failure (40001)
+//     instead; run the transaction again from the start ([RunTx] does).
+//   - SQLite transactions are serializable; with [OpenSQLite] they take the
+//     write lock when they begin.
+type Guards struct {
+	table string
+	ddl   string
+	// insertPrefix and onConflictUp build the guard upsert; the acquirer's
+	// advance-on-grant reuses them.
+	insertPrefix, onConflictUp string
+	guard, current             string
+}
+
+// NewGuards returns Guards on the given table. It returns an error matching
+// fence.ErrInvalid for a table name that is not a plain SQL identifier.
+func NewGuards(opts *GuardOptions) (*Guards, error) {
+	table := "fence_guards"
+	if opts != nil && opts.Table != "" {
+		table = opts.Table
+	}
+	t, err := quoteIdent("new guards", "table", table, true)
+	if err != nil {
+		return nil, err
+	}
+	g := &Guards{table: table}
+	// BIGINT and TEXT mean the same to SQLite and PostgreSQL, so one DDL serves both.
+	g.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name TEXT PRIMARY KEY,\n  fence BIGINT NOT NULL CHECK (fence BETWEEN 1 AND %d)\n)", t, uint64(fence.MaxToken))
+	g.insertPrefix = fmt.Sprintf("INSERT INTO %s AS cur (name, fence)", t)
+	g.onConflictUp = "ON CONFLICT (name) DO UPDATE SET fence = excluded.fence WHERE cur.fence <= excluded.fence"
+	g.guard = fmt.Sprintf("%s VALUES ($1, $2) %s", g.insertPrefix, g.onConflictUp)
+	g.current = fmt.Sprintf("SELECT fence FROM %s WHERE name = $1", t)
+	return g, nil
+}
+
+var defaultGuards, _ = NewGuards(nil)
+
+// Guard advances the default guard table ("fence_guards") in tx. See Guards.Guard.
+func Guard(ctx context.Context, tx any, name string, token fence.Token) error {
+	return defaultGuards.Guard(ctx, tx, name, token)
+}
+
+// DDL returns the CREATE TABLE statement of the guard table (the same on SQLite
+// and PostgreSQL).
+func (g *Guards) DDL() string { return g.ddl }
+
+// CreateTable creates the guard table on db if it does not exist.
+func (g *Guards) CreateTable(ctx context.Context, db *DB) error { return db.createTable(ctx, g.ddl) }
+
+// Guard advances the fence of name to token inside tx, the caller's own
+// transaction: a pgx.Tx, or a *sql.Tx on PostgreSQL or SQLite. A token lower
+// than one already committed for name returns a *fence.StaleError (matching
+// fence.ErrStale); then nothing was changed and the caller must roll back. Until
+// tx ends, concurrent guards on name wait for it, so the writes made in tx after
+// Guard returns nil commit only if no larger token has been committed first.
+//
+// An unsupported tx type, an empty name or an invalid token returns an error
+// matching fence.ErrInvalid.
+func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Token) error {
+	if err := fence.CheckName("guard", name); err != nil {
+		return err
+	}
+	if err := fence.CheckToken("guard", token); err != nil {
+		return err
+	}
+	var c conn
+	switch t := tx.(type) {
+	case *sql.Tx:
+		c = stdConn{t}
+	case pgx.Tx:
+		c = pgxConn{t}
+	case stdQuerier:
+		c = stdConn{t}
+	case PgxQuerier:
+		c = pgxConn{t}
+	default:
+		return &fence.InvalidError{Op: "guard", Arg: "tx", Reason: fmt.Sprintf("%T is neither a pgx.Tx nor a *sql.Tx", tx)}
+	}
+	n, err := c.exec(ctx, g.guard, name, int64(token))
+	if err != nil {
+		return g.wrap(err)
+	}
+	if n > 0 {
+		return nil
+	}
+	var cur int64
+	if err := c.queryRow(ctx, g.current, []any{name}, &cur); err != nil {
+		return g.wrap(err)
+	}
+	if fence.Token(cur) <= token {
+		return fmt.Errorf("sqlfence: guard %q: the fence row holds %d, not above token %d, yet it was not advanced: the guard table was changed outside sqlfence", name, cur, token)
+	}
+	return &fence.StaleError{Key: name, Offered: token, Current: fence.Token(cur)}
+}
+
+func (g *Guards) wrap(err error) error {
+	if sqliteDialect.missingTable(err) || postgresDialect.missingTable(err) {
+		return &TableError{Table: g.table, DDL: g.ddl, Err: err}
+	}
+	return fmt.Errorf("sqlfence: guard: %w", err)
+}
+
+// TxOptions configures RunTx. A nil *TxOptions means the defaults.
+type TxOptions struct {
+	// Isolation is the transaction's isolation level. Default: the server's.
+	Isolation sql.IsolationLevel
+	// MaxAttempts bounds how often the transaction runs when it fails with a
+	// serialization failure or deadlock. Default: 10.
+	MaxAttempts int
+}
+
+// RunTx runs f in a transaction on db (a *sql.DB) and commits it. When f or the
+// commit fails with a PostgreSQL serialization failure or deadlock (40001,
+// 40P01), the transaction is rolled back and run again from the start, at most
+// MaxAttempts times in all; f must therefore have no effects outside tx. Any
+// other error rolls back and is returned as it is (a fence.ErrStale from Guard
+// among them).
+func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) error) error {
+	var o TxOptions
+	if opts != nil {
+		o = *opts
+	}
+	if o.MaxAttempts <= 0 {
+		o.MaxAttempts = 10
+	}
+	return retryTx(ctx, o.MaxAttempts, func() error {
+		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: o.Isolation})
+		if err != nil {
+			return err
+		}
+		if err := f(tx); err != nil {
+			return errors.Join(err, tx.Rollback())
+		}
+		return tx.Commit()
+	})
+}
+
+// PgxBeginner is what *pgxpool.Pool and *pgx.Conn offer to begin a transaction.
+type PgxBeginner interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// RunPgxTx is RunTx for native pgx: it runs f in a transaction begun with txOpts
+// and commits it, running it again after a serialization failure or deadlock, at
+// most maxAttempts times in all (10 when maxAttempts <= 0).
+func RunPgxTx(ctx context.Context, db PgxBeginner, txOpts pgx.TxOptions, maxAttempts int, f func(tx pgx.Tx) error) error {
+	if maxAttempts <= 0 {
+		maxAttempts = 10
+	}
+	return retryTx(ctx, maxAttempts, func() error {
+		tx, err := db.BeginTx(ctx, txOpts)
+		if err != nil {
+			return err
+		}
+		if err := f(tx); err != nil {
+			return errors.Join(err, tx.Rollback(context.WithoutCancel(ctx)))
+		}
+		return tx.Commit(ctx)
+	})
+}
+
+// retryTx runs once until it returns something other than a serialization
+// failure, at most attempts times.
+func retryTx(ctx context.Context, attempts int, once func() error) error {
+	var err error
+	for i := 0; i < attempts; i++ {
+		if i > 0 && !retryPause(ctx, i-1) {
+			return errors.Join(err, ctx.Err())
+		}
+		if err = once(); !IsSerializationFailure(err) {
+			return err
+		}
+	}
+	return fmt.Errorf("sqlfence: transaction failed %d times with a serialization failure: %w", attempts, err)
+}

@@ -1,0 +1,259 @@
+package sqlfence_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/jackc/pgx/v5"
+)
+
+// pgHandles returns the PostgreSQL handles of both driver styles.
+func pgHandles(t *testing.T) map[string]*sqlfence.DB {
+	return map[string]*sqlfence.DB{
+		"pgx":          sqlfence.Pgx(pgPool(t, pgOpts{})),
+		"database-sql": sqlfence.Postgres(pgStd(t)),
+	}
+}
+
+func TestPostgresWriterConformance(t *testing.T) {
+	for style, fdb := range pgHandles(t) {
+		t.Run(style, func(t *testing.T) {
+			w, err := sqlfence.NewWriter(fdb, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fencetest.WriterSuite{
+				New:     func(t *testing.T) fence.FencedWriter { return w },
+				BadKeys: []string{"nul\x00byte"},
+			}.Run(t)
+		})
+	}
+}
+
+// TestPostgresWriterOwnTable runs the writer suite on a table of the user's, in a
+// schema of its own, with other column names and an extra column.
+func TestPostgresWriterOwnTable(t *testing.T) {
+	p := pgPool(t, pgOpts{})
+	ctx := context.Background()
+	for _, q := range []string{
+		`CREATE SCHEMA IF NOT EXISTS fencekit_app`,
+		`CREATE TABLE IF NOT EXISTS fencekit_app."Documents" (
+			doc_id TEXT PRIMARY KEY,
+			body BYTEA,
+			version BIGINT NOT NULL DEFAULT 0,
+			created_at TIMESTAMPTZ NOT NULL DEFAULT now())`,
+	} {
+		if _, err := p.Exec(ctx, q); err != nil && !strings.Contains(err.Error(), "already exists") {
+			t.Fatal(err)
+		}
+	}
+	w, err := sqlfence.NewWriter(sqlfence.Pgx(p), &sqlfence.WriterOptions{
+		Table: `fencekit_app.Documents`, KeyColumn: "doc_id", ValueColumn: "body", FenceColumn: "version",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }}.Run(t)
+}
+
+func TestPostgresAcquirerConformance(t *testing.T) {
+	for style, fdb := range pgHandles(t) {
+		for _, notify := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s/notify=%v", style, notify), func(t *testing.T) {
+				a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{DisableNotify: !notify})
+				if err != nil {
+					t.Fatal(err)
+				}
+				fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }}.Run(t)
+			})
+		}
+	}
+}
+
+func TestInvalidNames(t *testing.T) {
+	fdb := sqlfence.Pgx(pgPool(t, pgOpts{}))
+	bad := []string{"", "a b", `x";DROP TABLE y;--`, "1abc", "a.b.c", ".a", "a.", strings.Repeat("x", 64), "naïve"}
+	for _, name := range bad {
+		if name == "" {
+			continue // empty means the default
+		}
+		if _, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: name}); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewWriter(table %q): err = %v, want ErrInvalid", name, err)
+		}
+		if _, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{KeyColumn: name}); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewWriter(key column %q): err = %v, want ErrInvalid", name, err)
+		}
+		if _, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{Table: name}); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewAcquirer(table %q): err = %v, want ErrInvalid", name, err)
+		}
+		if _, err := sqlfence.NewGuards(&sqlfence.GuardOptions{Table: name}); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewGuards(table %q): err = %v, want ErrInvalid", name, err)
+		}
+	}
+	if _, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{KeyColumn: "v", ValueColumn: "v"}); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("NewWriter with the same key and value column: err = %v, want ErrInvalid", err)
+	}
+}
+
+func TestMissingTable(t *testing.T) {
+	ctx := context.Background()
+	handles := pgHandles(t)
+	_, handles["sqlite"] = openSQLite(t)
+	for style, fdb := range handles {
+		t.Run(style, func(t *testing.T) {
+			table := fencetest.Name("missing")
+			table = strings.ReplaceAll(table, "-", "_")
+			w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var te *sqlfence.TableError
+			err = w.Write(ctx, "k", []byte("v"), 1)
+			if !errors.As(err, &te) || te.Table != table || !strings.Contains(err.Error(), "CREATE TABLE") {
+				t.Errorf("Write to a missing table: %v, want a *TableError naming %s with its DDL", err, table)
+			}
+			a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{Table: table})
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = a.TryAcquire(ctx, "n", time.Second)
+			if !errors.As(err, &te) || te.Table != table {
+				t.Errorf("TryAcquire on a missing table: %v, want a *TableError naming %s", err, table)
+			}
+			// And CreateTable makes it work.
+			if err := w.CreateTable(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := w.Write(ctx, "k", []byte("v"), 1); err != nil {
+				t.Errorf("after CreateTable: %v", err)
+			}
+		})
+	}
+}
+
+// TestRoundTrips counts the statements an uncontended acquire + release sends.
+func TestRoundTrips(t *testing.T) {
+	tr := &counter{}
+	p := pgPool(t, pgOpts{tracer: tr})
+	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	name := fencetest.Name("rt")
+	before := tr.queries.Load()
+	l, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := tr.queries.Load() - before; n != 2 {
+		t.Errorf("acquire + release sent %d statements, want 2", n)
+	}
+	w, _ := sqlfence.NewWriter(sqlfence.Pgx(p), nil)
+	key := fencetest.Name("rt")
+	before = tr.queries.Load()
+	if err := w.Write(ctx, key, []byte("v"), 1); err != nil {
+		t.Fatal(err)
+	}
+	if n := tr.queries.Load() - before; n != 1 {
+		t.Errorf("a write to a new key sent %d statements, want 1", n)
+	}
+	before = tr.queries.Load()
+	if err := w.Write(ctx, key, []byte("v"), 2); err != nil {
+		t.Fatal(err)
+	}
+	if n := tr.queries.Load() - before; n != 1 {
+		t.Errorf("a write to an existing key sent %d statements, want 1", n)
+	}
+}
+
+// TestAdvanceOnGrant: with AdvanceGuards, a newer grant fences the older holder's
+// guarded transactions at once, before the new holder has written anything.
+func TestAdvanceOnGrant(t *testing.T) {
+	ctx := context.Background()
+	g, err := sqlfence.NewGuards(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sqliteDB, sqliteF := openSQLite(t)
+	if err := g.CreateTable(ctx, sqliteF); err != nil {
+		t.Fatal(err)
+	}
+	newSQLiteAcquirer(t, sqliteF) // creates the lease table
+	pg := pgStd(t)
+	for _, c := range []struct {
+		name string
+		db   *sql.DB
+		fdb  *sqlfence.DB
+	}{{"postgres", pg, sqlfence.Postgres(pg)}, {"sqlite", sqliteDB, sqliteF}} {
+		t.Run(c.name, func(t *testing.T) {
+			a, err := sqlfence.NewAcquirer(c.fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
+			if err != nil {
+				t.Fatal(err)
+			}
+			name := fencetest.Name("advance")
+			old, err := a.TryAcquire(ctx, name, 100*time.Millisecond)
+			if err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(200 * time.Millisecond)
+			newer, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer newer.Release(ctx)
+			err = sqlfence.RunTx(ctx, c.db, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, old.Token()) })
+			var se *fence.StaleError
+			if !errors.As(err, &se) || se.Current != newer.Token() {
+				t.Fatalf("old holder's Guard after a newer grant: %v, want StaleError naming token %d", err, newer.Token())
+			}
+			if err := sqlfence.RunTx(ctx, c.db, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, newer.Token()) }); err != nil {
+				t.Fatalf("new holder's Guard: %v", err)
+			}
+			// A held lease does not advance the guard: TryAcquire fails, fence unchanged.
+			if _, err := a.TryAcquire(ctx, name, time.Minute); !errors.Is(err, fence.ErrHeld) {
+				t.Fatalf("TryAcquire on a held lease: %v", err)
+			}
+			err = sqlfence.RunTx(ctx, c.db, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, newer.Token()) })
+			if err != nil {
+				t.Errorf("a refused grant moved the guard: %v", err)
+			}
+		})
+	}
+}
+
+// TestPgxTxGuard guards a native pgx transaction.
+func TestPgxTxGuard(t *testing.T) {
+	p := pgPool(t, pgOpts{})
+	ctx := context.Background()
+	name := fencetest.Name("pgxtx")
+	err := sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error { return sqlfence.Guard(ctx, tx, name, 7) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error { return sqlfence.Guard(ctx, tx, name, 6) })
+	var se *fence.StaleError
+	if !errors.As(err, &se) || se.Offered != 6 || se.Current != 7 || se.Key != name {
+		t.Fatalf("Guard with a lower token: %v", err)
+	}
+	if err := sqlfence.Guard(ctx, 42, name, 8); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Guard on an int: %v, want ErrInvalid", err)
+	}
+	if err := sqlfence.Guard(ctx, p, name, 0); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Guard with token 0: %v, want ErrInvalid", err)
+	}
+}
+
+var _ = sync.Mutex{}

@@ -1,0 +1,55 @@
+// Package testenv finds the servers that fencekit's tests run against. A missing
+// server skips the test with a message that says how to start it, except when
+// the CI environment variable is set: then the test fails.
+package testenv
+
+import (
+	"context"
+	"net"
+	"os"
+	"testing"
+	"time"
+)
+
+// DefaultPostgresURL is used when FENCEKIT_POSTGRES_URL is not set.
+const DefaultPostgresURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+// DefaultRedisAddr is used when FENCEKIT_REDIS_ADDR is not set.
+const DefaultRedisAddr = "127.0.0.1:6379"
+
+// PostgresURL returns the URL of the test PostgreSQL server.
+func PostgresURL() string {
+	if u := os.Getenv("FENCEKIT_POSTGRES_URL"); u != "" {
+		return u
+	}
+	return DefaultPostgresURL
+}
+
+// RedisAddr returns the address of the test Redis server.
+func RedisAddr() string {
+	if a := os.Getenv("FENCEKIT_REDIS_ADDR"); a != "" {
+		return a
+	}
+	return DefaultRedisAddr
+}
+
+// Missing skips t (or fails it when CI is set) because a server is unreachable.
+func Missing(t testing.TB, what string, err error) {
+	t.Helper()
+	msg := what + " is not reachable (" + err.Error() + "); run scripts/test.sh, which starts it, or set the FENCEKIT_* address variables"
+	if os.Getenv("CI") != "" {
+		t.Fatal(msg)
+	}
+	t.Skip(msg)
+}
+
+// Dial checks that addr accepts TCP connections.
+func Dial(addr string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	c, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return err
+	}
+	return c.Close()
+}
