@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -11,6 +12,8 @@ import (
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // store is a fenced writer that can also read.
@@ -33,7 +36,63 @@ type backend struct {
 	close        func() error
 }
 
-var backendNames = []string{"sqlite"}
+var backendNames = []string{"sqlite", "postgres"}
+
+// backendConfig holds the flags that choose and reach a backend.
+type backendConfig struct {
+	name        string
+	dbPath      string
+	postgresURL string
+}
+
+func (c *backendConfig) register(fs *flag.FlagSet) {
+	fs.StringVar(&c.name, "backend", "sqlite", "lock and storage backend: "+strings.Join(backendNames, ", "))
+	fs.StringVar(&c.dbPath, "db", "", "SQLite database file to use and keep (default: a temporary file, removed afterwards)")
+	fs.StringVar(&c.postgresURL, "postgres-url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL, for -backend postgres")
+}
+
+// rawSQL runs the demo's own statements, which are not fenced.
+type rawSQL struct {
+	exec     func(ctx context.Context, q string, args ...any) error
+	getBytes func(ctx context.Context, q string, args ...any) ([]byte, error) // fence.ErrNotFound for no row
+}
+
+// sqlBackend builds a backend on a sqlfence handle and the same database's raw SQL.
+func sqlBackend(ctx context.Context, name string, fdb *sqlfence.DB, raw rawSQL, blobType string, closeFn func() error) (*backend, error) {
+	w, err := sqlfence.NewWriter(fdb, nil)
+	if err != nil {
+		return nil, err
+	}
+	a, err := sqlfence.NewAcquirer(fdb, nil)
+	if err != nil {
+		return nil, err
+	}
+	if err := w.CreateTable(ctx); err != nil {
+		return nil, err
+	}
+	if err := a.CreateTable(ctx); err != nil {
+		return nil, err
+	}
+	if err := raw.exec(ctx, `CREATE TABLE IF NOT EXISTS demo_plain (key TEXT PRIMARY KEY, value `+blobType+` NOT NULL)`); err != nil {
+		return nil, err
+	}
+	return &backend{
+		name:   name,
+		acq:    a,
+		fenced: w,
+		plainPut: func(ctx context.Context, key string, value []byte) error {
+			return raw.exec(ctx, `INSERT INTO demo_plain (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = excluded.value`, key, value)
+		},
+		plainGet: func(ctx context.Context, key string) ([]byte, error) {
+			return raw.getBytes(ctx, `SELECT value FROM demo_plain WHERE key = $1`, key)
+		},
+		forceRelease: func(ctx context.Context, name string) error {
+			// The documented lease table, released the wrong way: no token check.
+			return raw.exec(ctx, `UPDATE fence_leases SET expires_at = 0 WHERE name = $1`, name)
+		},
+		close: closeFn,
+	}, nil
+}
 
 // openSQLiteBackend opens path, or a temporary file when path is empty.
 func openSQLiteBackend(ctx context.Context, path string) (*backend, error) {
@@ -50,57 +109,70 @@ func openSQLiteBackend(ctx context.Context, path string) (*backend, error) {
 	if err != nil {
 		return nil, errors.Join(err, cleanup())
 	}
-	fdb := sqlfence.SQLite(db)
-	fail := func(err error) (*backend, error) {
-		return nil, errors.Join(err, db.Close(), cleanup())
-	}
-	w, err := sqlfence.NewWriter(fdb, nil)
-	if err != nil {
-		return fail(err)
-	}
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		return fail(err)
-	}
-	if err := w.CreateTable(ctx); err != nil {
-		return fail(err)
-	}
-	if err := a.CreateTable(ctx); err != nil {
-		return fail(err)
-	}
-	if _, err := db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS demo_plain (key TEXT PRIMARY KEY, value BLOB NOT NULL)`); err != nil {
-		return fail(err)
-	}
-	return &backend{
-		name:   "sqlite (" + path + ")",
-		acq:    a,
-		fenced: w,
-		plainPut: func(ctx context.Context, key string, value []byte) error {
-			_, err := db.ExecContext(ctx, `INSERT INTO demo_plain (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = excluded.value`, key, value)
+	raw := rawSQL{
+		exec: func(ctx context.Context, q string, args ...any) error {
+			_, err := db.ExecContext(ctx, q, args...)
 			return err
 		},
-		plainGet: func(ctx context.Context, key string) ([]byte, error) {
+		getBytes: func(ctx context.Context, q string, args ...any) ([]byte, error) {
 			var v []byte
-			err := db.QueryRowContext(ctx, `SELECT value FROM demo_plain WHERE key = $1`, key).Scan(&v)
+			err := db.QueryRowContext(ctx, q, args...).Scan(&v)
 			if errors.Is(err, sql.ErrNoRows) {
 				return nil, fence.ErrNotFound
 			}
 			return v, err
 		},
-		forceRelease: func(ctx context.Context, name string) error {
-			// The documented lease table, released the wrong way: no token check.
-			_, err := db.ExecContext(ctx, `UPDATE fence_leases SET expires_at = 0 WHERE name = $1`, name)
-			return err
-		},
-		close: func() error { return errors.Join(db.Close(), cleanup()) },
-	}, nil
+	}
+	closeFn := func() error { return errors.Join(db.Close(), cleanup()) }
+	b, err := sqlBackend(ctx, "sqlite ("+path+")", sqlfence.SQLite(db), raw, "BLOB", closeFn)
+	if err != nil {
+		return nil, errors.Join(err, closeFn())
+	}
+	return b, nil
 }
 
-func openBackend(ctx context.Context, name, dbPath string) (*backend, error) {
-	switch name {
+func openPostgresBackend(ctx context.Context, url string) (*backend, error) {
+	p, err := pgxpool.New(ctx, url)
+	if err == nil {
+		err = p.Ping(ctx)
+	}
+	if err != nil {
+		if p != nil {
+			p.Close()
+		}
+		return nil, fmt.Errorf("postgres at %s: %w", url, err)
+	}
+	raw := rawSQL{
+		exec: func(ctx context.Context, q string, args ...any) error {
+			_, err := p.Exec(ctx, q, args...)
+			return err
+		},
+		getBytes: func(ctx context.Context, q string, args ...any) ([]byte, error) {
+			var v []byte
+			err := p.QueryRow(ctx, q, args...).Scan(&v)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil, fence.ErrNotFound
+			}
+			return v, err
+		},
+	}
+	closeFn := func() error { p.Close(); return nil }
+	u := p.Config().ConnConfig
+	b, err := sqlBackend(ctx, fmt.Sprintf("postgres (%s:%d/%s)", u.Host, u.Port, u.Database), sqlfence.Pgx(p), raw, "BYTEA", closeFn)
+	if err != nil {
+		p.Close()
+		return nil, err
+	}
+	return b, nil
+}
+
+func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
+	switch c.name {
 	case "sqlite":
-		return openSQLiteBackend(ctx, dbPath)
+		return openSQLiteBackend(ctx, c.dbPath)
+	case "postgres":
+		return openPostgresBackend(ctx, c.postgresURL)
 	default:
-		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, name, strings.Join(backendNames, ", "))
+		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
 	}
 }

@@ -16,8 +16,8 @@ import (
 func runBench(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("fence bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	backendName := fs.String("backend", "sqlite", "backend to measure: "+strings.Join(backendNames, ", "))
-	dbPath := fs.String("db", "", "SQLite database file (default: a temporary file, removed afterwards)")
+	var bc backendConfig
+	bc.register(fs)
 	ops := fs.Int("n", 2000, "operations per round of each write measurement")
 	rounds := fs.Int("rounds", 5, "rounds, alternating fenced and plain; the median round counts")
 	workers := fs.Int("workers", 20, "workers in the contention run")
@@ -36,7 +36,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("%w: -n, -rounds, -workers and -each must be at least 1", errUsage)
 	}
 	ctx := context.Background()
-	b, err := openBackend(ctx, *backendName, *dbPath)
+	b, err := openBackend(ctx, bc)
 	if err != nil {
 		return err
 	}

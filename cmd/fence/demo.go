@@ -39,8 +39,8 @@ func (d *demo) check(ok bool, what string) {
 func runDemo(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("fence demo", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	backendName := fs.String("backend", "sqlite", "lock and storage backend: "+strings.Join(backendNames, ", "))
-	dbPath := fs.String("db", "", "SQLite database file to use and keep (default: a temporary file, removed afterwards)")
+	var bc backendConfig
+	bc.register(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: fence demo [flags]\n\n"+
 			"Replays the lesson's scenarios on a real backend and checks each outcome:\n"+
@@ -53,7 +53,7 @@ func runDemo(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	ctx := context.Background()
-	b, err := openBackend(ctx, *backendName, *dbPath)
+	b, err := openBackend(ctx, bc)
 	if err != nil {
 		return err
 	}

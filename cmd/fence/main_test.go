@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/fencekit/fencekit/internal/testenv"
 )
 
 func TestDemo(t *testing.T) {
@@ -40,6 +42,25 @@ func TestDemo(t *testing.T) {
 	}
 }
 
+func TestDemoPostgres(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")
+	}
+	url := testenv.PostgresURL()
+	if err := testenv.PingPostgres(url); err != nil {
+		testenv.Missing(t, "PostgreSQL at "+url, err)
+	}
+	var out, errOut bytes.Buffer
+	if code := run([]string{"demo", "-backend", "postgres", "-postgres-url", url}, &out, &errOut); code != 0 {
+		t.Fatalf("fence demo -backend postgres exited %d\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"fence demo on postgres", `storage: REJECTED  "written by A"`, "Every outcome was the expected one."} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo output lacks %q\n%s", want, out.String())
+		}
+	}
+}
+
 func TestUsage(t *testing.T) {
 	cases := []struct {
 		args []string
@@ -54,6 +75,7 @@ func TestUsage(t *testing.T) {
 		{[]string{"demo", "extra"}, 2, "unexpected arguments"},
 		{[]string{"demo", "-nope"}, 2, "flag provided but not defined"},
 		{[]string{"bench", "-n", "0"}, 2, "must be at least 1"},
+		{[]string{"demo", "-backend", "postgres", "-postgres-url", "postgres://nobody@127.0.0.1:1/none?connect_timeout=2"}, 1, "postgres at"},
 	}
 	for _, c := range cases {
 		var out, errOut bytes.Buffer

@@ -9,6 +9,8 @@ import (
 	"os"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // DefaultPostgresURL is used when FENCEKIT_POSTGRES_URL is not set.
@@ -52,4 +54,15 @@ func Dial(addr string) error {
 		return err
 	}
 	return c.Close()
+}
+
+// PingPostgres checks that the PostgreSQL server at url accepts connections.
+func PingPostgres(url string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	return c.Close(ctx)
 }

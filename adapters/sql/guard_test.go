@@ -1,0 +1,176 @@
+package sqlfence_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"testing"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+)
+
+// guardedAccounts is a user's own table, written in guarded transactions.
+func guardedAccounts(t *testing.T, db *sql.DB) string {
+	t.Helper()
+	table := "acct_" + fencetest.Name("g")[2:]
+	for _, q := range []string{
+		fmt.Sprintf(`CREATE TABLE %s (id INTEGER PRIMARY KEY, balance BIGINT NOT NULL, written_by BIGINT NOT NULL)`, table),
+		fmt.Sprintf(`CREATE TABLE %s_log (seq INTEGER PRIMARY KEY, token BIGINT NOT NULL)`, table),
+		fmt.Sprintf(`INSERT INTO %s VALUES (1, 0, 0)`, table),
+	} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return table
+}
+
+// TestGuardConcurrent runs many guarded transactions on one lock name, each with
+// its own token, in random order. Each transaction guards, then does ordinary
+// reads and writes. The committed transactions must form an increasing token
+// sequence, the final row must be that of the largest committed token, and
+// every rejected one must be stale against a committed token.
+func TestGuardConcurrent(t *testing.T) {
+	pg := pgStd(t)
+	sqliteDB, sqliteF := openSQLite(t)
+	g, _ := sqlfence.NewGuards(nil)
+	if err := g.CreateTable(context.Background(), sqliteF); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		db   *sql.DB
+		iso  sql.IsolationLevel
+	}{
+		{"postgres/read-committed", pg, sql.LevelReadCommitted},
+		{"postgres/repeatable-read", pg, sql.LevelRepeatableRead},
+		{"postgres/serializable", pg, sql.LevelSerializable},
+		{"sqlite", sqliteDB, sql.LevelDefault},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx := context.Background()
+			table := guardedAccounts(t, c.db)
+			name := fencetest.Name("guard")
+			const n = 24
+			var (
+				wg    sync.WaitGroup
+				mu    sync.Mutex
+				stale = map[fence.Token]fence.Token{}
+			)
+			for i := 0; i < n; i++ {
+				// tokens 1..n, started in a shuffled order
+				tok := fence.Token((i*7)%n + 1)
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					err := sqlfence.RunTx(ctx, c.db, &sqlfence.TxOptions{Isolation: c.iso, MaxAttempts: 50}, func(tx *sql.Tx) error {
+						if err := sqlfence.Guard(ctx, tx, name, tok); err != nil {
+							return err
+						}
+						var bal int64
+						if err := tx.QueryRowContext(ctx, fmt.Sprintf(`SELECT balance FROM %s WHERE id = 1`, table)).Scan(&bal); err != nil {
+							return err
+						}
+						if _, err := tx.ExecContext(ctx, fmt.Sprintf(`UPDATE %s SET balance = $1, written_by = $2 WHERE id = 1`, table), bal+1, int64(tok)); err != nil {
+							return err
+						}
+						_, err := tx.ExecContext(ctx, fmt.Sprintf(`INSERT INTO %s_log (seq, token) VALUES ((SELECT COALESCE(MAX(seq), 0) + 1 FROM %s_log), $1)`, table, table), int64(tok))
+						return err
+					})
+					var se *fence.StaleError
+					switch {
+					case err == nil:
+					case errors.As(err, &se):
+						mu.Lock()
+						stale[tok] = se.Current
+						mu.Unlock()
+					default:
+						t.Errorf("token %d: %v", tok, err)
+					}
+				}()
+			}
+			wg.Wait()
+			if t.Failed() {
+				return
+			}
+			rows, err := c.db.QueryContext(ctx, fmt.Sprintf(`SELECT token FROM %s_log ORDER BY seq`, table))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var committed []fence.Token
+			for rows.Next() {
+				var tok int64
+				if err := rows.Scan(&tok); err != nil {
+					t.Fatal(err)
+				}
+				committed = append(committed, fence.Token(tok))
+			}
+			rows.Close()
+			if !sort.SliceIsSorted(committed, func(i, j int) bool { return committed[i] < committed[j] }) {
+				t.Errorf("committed tokens out of order: %v", committed)
+			}
+			if len(committed)+len(stale) != n {
+				t.Errorf("%d committed + %d stale != %d transactions", len(committed), len(stale), n)
+			}
+			if len(committed) == 0 || committed[len(committed)-1] != n {
+				t.Fatalf("the largest token %d did not commit: %v", n, committed)
+			}
+			in := map[fence.Token]bool{}
+			for _, c := range committed {
+				in[c] = true
+			}
+			for tok, cur := range stale {
+				if cur <= tok || !in[cur] {
+					t.Errorf("token %d rejected naming %d, which is not a larger committed token", tok, cur)
+				}
+			}
+			var bal, by int64
+			if err := c.db.QueryRowContext(ctx, fmt.Sprintf(`SELECT balance, written_by FROM %s WHERE id = 1`, table)).Scan(&bal, &by); err != nil {
+				t.Fatal(err)
+			}
+			if bal != int64(len(committed)) || by != n {
+				t.Errorf("row = balance %d written by %d, want %d written by %d", bal, by, len(committed), n)
+			}
+			t.Logf("%d committed in token order, %d rejected as stale", len(committed), len(stale))
+		})
+	}
+}
+
+// TestGuardStaleRollsBack: a stale guard changes nothing, and the caller's writes
+// in the same transaction roll back with it.
+func TestGuardStaleRollsBack(t *testing.T) {
+	ctx := context.Background()
+	pg := pgStd(t)
+	table := guardedAccounts(t, pg)
+	name := fencetest.Name("rollback")
+	write := func(tok fence.Token) error {
+		return sqlfence.RunTx(ctx, pg, nil, func(tx *sql.Tx) error {
+			if err := sqlfence.Guard(ctx, tx, name, tok); err != nil {
+				return err
+			}
+			_, err := tx.ExecContext(ctx, fmt.Sprintf(`UPDATE %s SET written_by = $1 WHERE id = 1`, table), int64(tok))
+			return err
+		})
+	}
+	if err := write(5); err != nil {
+		t.Fatal(err)
+	}
+	if err := write(3); !errors.Is(err, fence.ErrStale) {
+		t.Fatalf("guard with token 3 after 5: %v", err)
+	}
+	if err := write(5); err != nil {
+		t.Fatalf("equal token: %v", err)
+	}
+	var by int64
+	if err := pg.QueryRowContext(ctx, fmt.Sprintf(`SELECT written_by FROM %s WHERE id = 1`, table)).Scan(&by); err != nil {
+		t.Fatal(err)
+	}
+	if by != 5 {
+		t.Errorf("written_by = %d, want 5", by)
+	}
+}
