@@ -1,0 +1,143 @@
+package redislua_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/testenv"
+)
+
+func TestWriterConformance(t *testing.T) {
+	w, err := redislua.NewWriter(testenv.RedisClient(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fencetest.WriterSuite{
+		New:     func(t *testing.T) fence.FencedWriter { return w },
+		BadKeys: []string{"a{b}", "x}"},
+	}.Run(t)
+}
+
+func TestAcquirerConformance(t *testing.T) {
+	c := testenv.RedisClient(t)
+	for _, o := range []struct {
+		name string
+		opts redislua.AcquirerOptions
+	}{
+		{"default", redislua.AcquirerOptions{}},
+		{"no-notify", redislua.AcquirerOptions{DisableNotify: true}},
+		{"token-floor", redislua.AcquirerOptions{TokenFloor: true}},
+	} {
+		t.Run(o.name, func(t *testing.T) {
+			a, err := redislua.NewAcquirer(c, &o.opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }}.Run(t)
+		})
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	c := testenv.RedisClient(t)
+	ctx := context.Background()
+	if _, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Prefix: "x{"}); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("prefix with a brace: %v", err)
+	}
+	if _, err := redislua.NewWriter(c, &redislua.WriterOptions{Prefix: "}"}); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("writer prefix with a brace: %v", err)
+	}
+	a, _ := redislua.NewAcquirer(c, nil)
+	for _, ttl := range []time.Duration{time.Microsecond, 999 * time.Microsecond} {
+		if _, err := a.TryAcquire(ctx, "n", ttl); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("ttl %v: %v, want ErrInvalid", ttl, err)
+		}
+	}
+	if _, err := a.TryAcquire(ctx, "a{b}", time.Second); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("name with braces: %v", err)
+	}
+	// A counter someone else left behind, not a number.
+	name := fencetest.Name("corrupt")
+	if err := c.Set(ctx, "fence:{"+name+"}:token", "not-a-number", time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	_, err := a.TryAcquire(ctx, name, time.Second)
+	var ce *redislua.CorruptError
+	if !errors.As(err, &ce) || !strings.Contains(err.Error(), "not a token") || errors.Is(err, fence.ErrHeld) {
+		t.Errorf("TryAcquire with a non-numeric counter: %v, want a CorruptError", err)
+	}
+	if err := c.Exists(ctx, "fence:{"+name+"}:lock").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := c.Exists(ctx, "fence:{"+name+"}:lock").Result(); n != 0 {
+		t.Error("a refused grant left a lock key behind")
+	}
+	// A counter at the top refuses to grant.
+	name = fencetest.Name("top")
+	c.Set(ctx, "fence:{"+name+"}:token", "9007199254740991", time.Minute)
+	if _, err := a.TryAcquire(ctx, name, time.Second); !errors.Is(err, fence.ErrTokensExhausted) {
+		t.Errorf("TryAcquire at MaxToken: %v, want ErrTokensExhausted", err)
+	}
+}
+
+func TestTokenFloor(t *testing.T) {
+	c := testenv.RedisClient(t)
+	a, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{TokenFloor: true})
+	ctx := context.Background()
+	before := uint64(time.Now().Add(-time.Minute).UnixMicro())
+	l, err := a.TryAcquire(ctx, fencetest.Name("floor"), time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(ctx)
+	if uint64(l.Token()) < before || !l.Token().Valid() {
+		t.Errorf("token %d with the floor, want at least the clock in µs (%d) and valid", l.Token(), before)
+	}
+}
+
+func TestFencedScript(t *testing.T) {
+	c := testenv.RedisClient(t)
+	ctx := context.Background()
+	tag := fencetest.Name("script")
+	fenceKey, balance := "{"+tag+"}:fence", "{"+tag+"}:balance"
+	incr := redislua.NewFencedScript(`return redis.call('INCRBY', KEYS[1], ARGV[1])`)
+	got, err := incr.Run(ctx, c, fenceKey, 5, []string{balance}, 10)
+	if err != nil || got != int64(10) {
+		t.Fatalf("Run with token 5: %v, %v", got, err)
+	}
+	got, err = incr.Run(ctx, c, fenceKey, 5, []string{balance}, 1)
+	if err != nil || got != int64(11) {
+		t.Fatalf("Run with an equal token: %v, %v", got, err)
+	}
+	_, err = incr.Run(ctx, c, fenceKey, 4, []string{balance}, 100)
+	var se *fence.StaleError
+	if !errors.As(err, &se) || se.Current != 5 || se.Offered != 4 {
+		t.Fatalf("Run with a lower token: %v, want a StaleError", err)
+	}
+	if v, _ := c.Get(ctx, balance).Int(); v != 11 {
+		t.Errorf("balance %d after a rejected run, want 11: the body ran", v)
+	}
+	noReturn := redislua.NewFencedScript(`redis.call('SET', KEYS[1], ARGV[1])`)
+	if got, err := noReturn.Run(ctx, c, fenceKey, 6, []string{balance}, "x"); err != nil || got != nil {
+		t.Errorf("a body without return: %v, %v", got, err)
+	}
+	if v, _ := c.Get(ctx, fenceKey).Result(); v != "6" {
+		t.Errorf("fence = %q after token 6, want 6", v)
+	}
+	failing := redislua.NewFencedScript(`error('boom')`)
+	if _, err := failing.Run(ctx, c, fenceKey, 7, nil); err == nil {
+		t.Error("a failing body returned no error")
+	}
+	if v, _ := c.Get(ctx, fenceKey).Result(); v != "6" {
+		t.Errorf("fence = %q after a failing body, want 6 (not advanced)", v)
+	}
+	if _, err := incr.Run(ctx, c, fenceKey, 0, []string{balance}, 1); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("token 0: %v", err)
+	}
+}

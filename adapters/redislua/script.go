@@ -1,0 +1,61 @@
+package redislua
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/redis/go-redis/v9"
+)
+
+// FencedScript runs a Lua body of yours only when a fencing token passes: the
+// general form of "the same check in a Lua script when the data is in Redis". The
+// check, the body and the fence update run as one script, atomically.
+//
+// The body sees KEYS and ARGV as its own keys and arguments, and its return
+// value is returned by Run. The fence is a string key holding the largest token
+// accepted; on Redis Cluster the fence key and the body's keys must share a hash
+// tag. Redis does not roll back a script that fails half-way: a body that raises
+// an error keeps the writes it made before the error, and the fence is then not
+// advanced.
+type FencedScript struct {
+	s *redis.Script
+}
+
+// NewFencedScript wraps body, the text of a Lua function body (it may return a value).
+func NewFencedScript(body string) *FencedScript {
+	return &FencedScript{s: redis.NewScript(fencedBody(body))}
+}
+
+// Run runs the body with keys and args if token is not lower than the token held
+// at fenceKey, then raises the fence to token. A lower token returns a
+// *fence.StaleError (matching fence.ErrStale) and the body does not run.
+func (f *FencedScript) Run(ctx context.Context, c redis.Scripter, fenceKey string, token fence.Token, keys []string, args ...any) (any, error) {
+	if fenceKey == "" {
+		return nil, &fence.InvalidError{Op: "fenced script", Arg: "fence key", Reason: "empty"}
+	}
+	if err := fence.CheckToken("fenced script", token); err != nil {
+		return nil, err
+	}
+	allKeys := append([]string{fenceKey}, keys...)
+	allArgs := append([]any{strconv.FormatUint(uint64(token), 10)}, args...)
+	res, err := f.s.Run(ctx, c, allKeys, allArgs...).Slice()
+	if err != nil {
+		return nil, fmt.Errorf("redislua: fenced script: %w", scriptError(err))
+	}
+	if len(res) >= 1 && res[0] == int64(1) {
+		if len(res) == 1 {
+			return nil, nil // the body returned nil
+		}
+		return res[1], nil
+	}
+	if len(res) != 2 {
+		return nil, fmt.Errorf("redislua: fenced script: unexpected reply %v", res)
+	}
+	cur, err := strconv.ParseUint(fmt.Sprint(res[1]), 10, 64)
+	if err != nil {
+		return nil, fmt.Errorf("redislua: fenced script: unexpected reply %v", res)
+	}
+	return nil, &fence.StaleError{Key: fenceKey, Offered: token, Current: fence.Token(cur)}
+}

@@ -1,0 +1,32 @@
+package redislua
+
+import (
+	_ "embed"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+)
+
+var (
+	//go:embed scripts/acquire.lua
+	acquireLua string
+	//go:embed scripts/renew.lua
+	renewLua string
+	//go:embed scripts/release.lua
+	releaseLua string
+	//go:embed scripts/write.lua
+	writeLua string
+	//go:embed scripts/read.lua
+	readLua string
+	//go:embed scripts/fenced.lua
+	fencedLua string
+
+	acquireScript = redis.NewScript(acquireLua)
+	renewScript   = redis.NewScript(renewLua)
+	releaseScript = redis.NewScript(releaseLua)
+	writeScript   = redis.NewScript(writeLua)
+	readScript    = redis.NewScript(readLua)
+)
+
+// fencedBody returns the fenced wrapper around a user's script body.
+func fencedBody(body string) string { return strings.Replace(fencedLua, "--BODY--", body, 1) }

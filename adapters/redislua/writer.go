@@ -1,0 +1,102 @@
+package redislua
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+// WriterOptions configures a Writer. A nil *WriterOptions means the defaults.
+type WriterOptions struct {
+	// Prefix starts every key, and may not contain braces. Default: "fence:".
+	Prefix string
+}
+
+// Writer is a fence.FencedWriter, fence.Reader and fence.Deleter on Redis. A key's
+// value and fence live in one hash, prefix + "{key}" (fields v and f), and each
+// write or delete is one script that compares and writes atomically. It is safe
+// for concurrent use.
+type Writer struct {
+	c      Client
+	prefix string
+}
+
+var (
+	_ fence.FencedWriter = (*Writer)(nil)
+	_ fence.Reader       = (*Writer)(nil)
+	_ fence.Deleter      = (*Writer)(nil)
+)
+
+// NewWriter returns a Writer on c, or an error matching fence.ErrInvalid for a
+// prefix with braces.
+func NewWriter(c Client, opts *WriterOptions) (*Writer, error) {
+	prefix := DefaultPrefix
+	if opts != nil && opts.Prefix != "" {
+		prefix = opts.Prefix
+	}
+	if err := checkPrefix("new writer", prefix); err != nil {
+		return nil, err
+	}
+	return &Writer{c: c, prefix: prefix}, nil
+}
+
+// Key returns the Redis key that holds key's value and fence.
+func (w *Writer) Key(key string) string { return w.prefix + "{" + key + "}" }
+
+// Write stores value under key unless key holds a larger token. See fence.FencedWriter.
+func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
+	return w.run(ctx, "write", key, value, token, "0")
+}
+
+// Delete drops the value under key and keeps the fence at token, unless key holds
+// a larger token. See fence.Deleter.
+func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
+	return w.run(ctx, "delete", key, nil, token, "1")
+}
+
+func (w *Writer) run(ctx context.Context, op, key string, value []byte, token fence.Token, del string) error {
+	if err := checkTagged(op, "key", key); err != nil {
+		return err
+	}
+	if err := fence.CheckToken(op, token); err != nil {
+		return err
+	}
+	if value == nil {
+		value = []byte{}
+	}
+	res, err := writeScript.Run(ctx, w.c, []string{w.Key(key)}, value, strconv.FormatUint(uint64(token), 10), del).Slice()
+	if err != nil {
+		return fmt.Errorf("redislua: %s %q: %w", op, key, scriptError(err))
+	}
+	if len(res) == 1 {
+		return nil
+	}
+	cur, err := strconv.ParseUint(fmt.Sprint(res[1]), 10, 64)
+	if err != nil {
+		return fmt.Errorf("redislua: %s %q: unexpected reply %v", op, key, res)
+	}
+	return &fence.StaleError{Key: key, Offered: token, Current: fence.Token(cur)}
+}
+
+// Read returns the value stored under key and the token that wrote it;
+// fence.ErrNotFound for a key never written or deleted.
+func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
+	if err := checkTagged("read", "key", key); err != nil {
+		return nil, 0, err
+	}
+	res, err := readScript.Run(ctx, w.c, []string{w.Key(key)}).Slice()
+	if err != nil {
+		return nil, 0, fmt.Errorf("redislua: read %q: %w", key, err)
+	}
+	if len(res) != 2 || res[0] == nil {
+		return nil, 0, fence.ErrNotFound
+	}
+	v, _ := res[0].(string)
+	tok, err := strconv.ParseUint(fmt.Sprint(res[1]), 10, 64)
+	if err != nil {
+		return nil, 0, fmt.Errorf("redislua: read %q: fence %v is not a token", key, res[1])
+	}
+	return []byte(v), fence.Token(tok), nil
+}
