@@ -1,0 +1,357 @@
+package redislua
+
+import (
+	_ "embed"
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/leasebase"
+	"github.com/redis/go-redis/v9"
+)
+
+var (
+	//go:embed scripts/redlock_lock.lua
+	redlockLockLua string
+	//go:embed scripts/redlock_raise.lua
+	redlockRaiseLua string
+
+	redlockLockScript  = redis.NewScript(redlockLockLua)
+	redlockRaiseScript = redis.NewScript(redlockRaiseLua)
+)
+
+// ErrNoQuorum is returned by Redlock when too few nodes answered to decide: a
+// majority could neither be locked nor be seen to hold the lock.
+var ErrNoQuorum = errors.New("redislua: redlock: no majority of nodes answered")
+
+// RedlockOptions configures a Redlock. A nil *RedlockOptions means the defaults.
+type RedlockOptions struct {
+	// Prefix starts every key, and may not contain braces. Default: "fence:".
+	Prefix string
+	// Backoff paces Acquire while the lease is held. Default: the zero fence.Backoff.
+	Backoff fence.Backoff
+	// Drift is the clock-drift allowance taken off the validity. Default: 1% of
+	// the ttl plus 2ms.
+	Drift time.Duration
+	// NodeTimeout bounds each node's reply, so a dead node cannot eat the
+	// lease's validity. Default: a quarter of the ttl, at most 200ms.
+	NodeTimeout time.Duration
+}
+
+// Redlock grants leases on a majority of N independent Redis primaries, with
+// fencing tokens.
+//
+// A grant locks the name on every node it can within NodeTimeout, and succeeds
+// when a majority took it and time is left: the lease's validity is ttl minus the
+// time the grant took minus Drift, and its local deadline is never later. Each
+// node also reports its token counter; the token is one more than the largest
+// reported, and is written to the counter of every node that granted, while that
+// node still holds the lock, before the lease is handed out. Any later grant
+// needs a majority, which shares at least one node with this one, whose counter
+// is already at this token: so tokens grow from grant to grant.
+//
+// What that relies on, stated plainly:
+//   - Nodes do not lose their data. A node that restarts empty (no AOF with fsync)
+//     must stay down for at least the longest ttl in use, or the lock and the
+//     counter on it are forgotten and both guarantees can fail.
+//   - Clocks on the nodes advance at about the same rate (bounded drift), since
+//     each node expires the lock on its own clock. A jumping clock breaks mutual
+//     exclusion; the tokens still grow, so fenced writes stay safe.
+//   - Mutual exclusion also assumes holders do not pause past their validity,
+//     which no lease can promise: fence every write with the token.
+//
+// Under heavy contention the contenders split the nodes' votes and all retry
+// (with jittered backoff), so handoffs are slow; a hot lock is better served by
+// the single-instance Acquirer or by etcd. Redlock is not a consensus system;
+// see package etcdfence for one.
+type Redlock struct {
+	nodes  []Client
+	quorum int
+	o      RedlockOptions
+}
+
+var _ fence.Acquirer = (*Redlock)(nil)
+
+// NewRedlock returns a Redlock on nodes, independent primaries (not replicas of
+// one another). It returns an error matching fence.ErrInvalid for no nodes or bad options.
+func NewRedlock(nodes []Client, opts *RedlockOptions) (*Redlock, error) {
+	var o RedlockOptions
+	if opts != nil {
+		o = *opts
+	}
+	if len(nodes) == 0 {
+		return nil, &fence.InvalidError{Op: "new redlock", Arg: "nodes", Reason: "none given"}
+	}
+	if o.Prefix == "" {
+		o.Prefix = DefaultPrefix
+	}
+	if err := checkPrefix("new redlock", o.Prefix); err != nil {
+		return nil, err
+	}
+	if o.Drift < 0 || o.NodeTimeout < 0 {
+		return nil, &fence.InvalidError{Op: "new redlock", Arg: "options", Reason: "Drift and NodeTimeout may not be negative"}
+	}
+	return &Redlock{nodes: nodes, quorum: len(nodes)/2 + 1, o: o}, nil
+}
+
+func (r *Redlock) nodeTimeout(ttl time.Duration) time.Duration {
+	if r.o.NodeTimeout > 0 {
+		return r.o.NodeTimeout
+	}
+	return min(ttl/4, 200*time.Millisecond)
+}
+
+// errNodeTimeout marks a node that did not answer within the node timeout.
+var errNodeTimeout = errors.New("no answer within the node timeout")
+
+// onNodes runs f on the given nodes (all when nodes is nil) in parallel and
+// returns each node's reply and error. It returns when every node has answered,
+// when enough(answers so far) says the outcome is decided, or after timeout: a
+// node that has not answered by then counts as failed (errNodeTimeout), whether
+// or not its client honours context deadlines (go-redis only does with
+// ContextTimeoutEnabled). Calls still running when it returns early go on in
+// the background until the timeout cancels them: a late release still frees its
+// node.
+func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []int, f func(ctx context.Context, c Client) (any, error), enough func(ok, refused, failed int) bool) ([]any, []error) {
+	if nodes == nil {
+		nodes = make([]int, len(r.nodes))
+		for i := range nodes {
+			nodes[i] = i
+		}
+	}
+	type reply struct {
+		i   int
+		res any
+		err error
+	}
+	replies := make(chan reply, len(nodes))
+	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+	stop := context.AfterFunc(ctx, cancel) // the caller's cancellation still counts
+	defer stop()
+	for _, i := range nodes {
+		go func() {
+			res, err := f(nctx, r.nodes[i])
+			replies <- reply{i, res, err}
+		}()
+	}
+	res := make([]any, len(r.nodes))
+	errs := make([]error, len(r.nodes))
+	for _, i := range nodes {
+		errs[i] = errNodeTimeout
+	}
+	ok, refused, failed := 0, 0, 0
+	for n := 0; n < len(nodes); n++ {
+		select {
+		case rep := <-replies:
+			res[rep.i], errs[rep.i] = rep.res, rep.err
+			switch {
+			case rep.err != nil:
+				failed++
+			case rep.res == int64(1) || isGrant(rep.res):
+				ok++
+			default:
+				refused++
+			}
+			if enough != nil && enough(ok, refused, failed) {
+				return res, errs
+			}
+		case <-nctx.Done():
+			return res, errs
+		}
+	}
+	return res, errs
+}
+
+// isGrant reports whether a lock script reply is {1, counter}.
+func isGrant(res any) bool {
+	arr, ok := res.([]any)
+	return ok && len(arr) == 2 && arr[0] == int64(1)
+}
+
+// TryAcquire grants the lease on name on a majority of nodes. It returns
+// fence.ErrHeld when no majority could be locked although enough nodes answered
+// (another holder has the lock, or contenders split the votes), and ErrNoQuorum
+// (joined with the nodes' errors) when so many nodes failed to answer that no
+// majority was possible.
+func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := checkLease(name, ttl); err != nil {
+		return nil, err
+	}
+	lock, counter := lockKeys(r.o.Prefix, name)
+	nonce := newNonce()
+	keys := []string{lock, counter}
+	timeout := r.nodeTimeout(ttl)
+	drift := r.o.Drift
+	if drift <= 0 {
+		drift = leasebase.DefaultDrift(ttl)
+	}
+	sent := time.Now()
+	// Phase 1 ends as soon as a majority granted, or so many refused (or so
+	// many failed) that none can. The granted majority's counters are enough to choose the
+	// token: the previous grant raised a majority, which overlaps this one.
+	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, c Client) (any, error) {
+		return redlockLockScript.Run(ctx, c, keys, nonce, ttlMs(ttl)).Result()
+	}, func(ok, refused, failed int) bool {
+		return ok >= r.quorum || refused > len(r.nodes)-r.quorum || failed > len(r.nodes)-r.quorum
+	})
+	var (
+		granted, refused []int
+		maxCounter       uint64
+		nodeErrs         []error
+	)
+	for i := range r.nodes {
+		if errs[i] != nil {
+			nodeErrs = append(nodeErrs, fmt.Errorf("node %d: %w", i, scriptError(errs[i])))
+			continue
+		}
+		ok, n, err := parsePair(res[i])
+		if err != nil {
+			nodeErrs = append(nodeErrs, fmt.Errorf("node %d: %w", i, err))
+			continue
+		}
+		maxCounter = max(maxCounter, n)
+		if ok {
+			granted = append(granted, i)
+		} else {
+			refused = append(refused, i)
+		}
+	}
+	unlockAll := func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+		defer cancel()
+		r.releaseOn(uctx, timeout, lock, nonce, name) // on every node: one that timed out may hold it anyway
+	}
+	if len(granted) < r.quorum {
+		unlockAll()
+		failed := len(r.nodes) - len(granted) - len(refused)
+		if failed <= len(r.nodes)-r.quorum {
+			// Enough nodes answered that a majority was possible: some of them
+			// hold the lock (another holder, or a split vote). Worth retrying.
+			return nil, fence.ErrHeld
+		}
+		var corrupt *CorruptError
+		for _, e := range nodeErrs {
+			if errors.As(e, &corrupt) {
+				return nil, fmt.Errorf("redislua: redlock acquire %q: %w", name, e)
+			}
+		}
+		return nil, fmt.Errorf("redislua: redlock acquire %q: %d of %d nodes granted, %d refused: %w",
+			name, len(granted), len(r.nodes), len(refused), errors.Join(append([]error{ErrNoQuorum}, nodeErrs...)...))
+	}
+	tok := maxCounter + 1
+	if tok > uint64(fence.MaxToken) {
+		unlockAll()
+		return nil, fmt.Errorf("redislua: redlock acquire %q: %w", name, fence.ErrTokensExhausted)
+	}
+	tokStr := strconv.FormatUint(tok, 10)
+	raised := 0
+	rres, rerrs := r.onNodes(ctx, timeout, granted, func(ctx context.Context, c Client) (any, error) {
+		return redlockRaiseScript.Run(ctx, c, keys, nonce, tokStr).Int64()
+	}, nil)
+	live := granted[:0:0]
+	for _, i := range granted {
+		if rerrs[i] == nil && rres[i] == int64(1) {
+			raised++
+			live = append(live, i)
+		}
+	}
+	validity := ttl - time.Since(sent) - drift
+	if raised < r.quorum || validity <= 0 {
+		unlockAll()
+		return nil, fmt.Errorf("redislua: redlock acquire %q: the grant took too long (%d of %d nodes kept it, %v of %v left): %w",
+			name, raised, len(r.nodes), validity, ttl, ErrNoQuorum)
+	}
+	return &redlockLease{Base: leasebase.New(name, fence.Token(tok), ttl, drift, sent), r: r, lock: lock, nonce: nonce, timeout: timeout}, nil
+}
+
+// Acquire waits until the lease on name is granted, retrying with jittered
+// backoff while it is held. ErrNoQuorum ends the wait at once.
+func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := checkLease(name, ttl); err != nil {
+		return nil, err
+	}
+	return r.o.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
+		return r.TryAcquire(ctx, name, ttl)
+	})
+}
+
+// releaseOn deletes this holder's lock on every node and returns how many still
+// had it.
+func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, value, name string) (int, []error) {
+	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, c Client) (any, error) {
+		return releaseScript.Run(ctx, c, []string{lock}, value, r.o.Prefix+"released", name).Int64()
+	}, nil)
+	n := 0
+	for i := range res {
+		if errs[i] == nil && res[i] == int64(1) {
+			n++
+		}
+	}
+	return n, errs
+}
+
+type redlockLease struct {
+	*leasebase.Base
+	r       *Redlock
+	lock    string
+	nonce   string
+	timeout time.Duration
+}
+
+// Renew extends the lock on every node that still has it; it succeeds when a
+// majority does, and the local deadline moves by ttl less drift from before the
+// request. Fewer than a majority still holding it is fence.ErrLost.
+func (l *redlockLease) Renew(ctx context.Context) error {
+	sent := time.Now()
+	res, errs := l.r.onNodes(ctx, l.timeout, nil, func(ctx context.Context, c Client) (any, error) {
+		return renewScript.Run(ctx, c, []string{l.lock}, l.nonce, ttlMs(l.TTL())).Int64()
+	}, nil)
+	ok, gone := 0, 0
+	for i := range res {
+		switch {
+		case errs[i] != nil:
+		case res[i] == int64(1):
+			ok++
+		default:
+			gone++
+		}
+	}
+	if ok >= l.r.quorum {
+		if !l.Extend(sent) {
+			return l.lost()
+		}
+		return nil
+	}
+	if gone > len(l.r.nodes)-l.r.quorum {
+		l.End(fence.ErrLost)
+		return l.lost()
+	}
+	return fmt.Errorf("redislua: redlock renew %q: %d of %d nodes extended: %w", l.Name(), ok, len(l.r.nodes), errors.Join(append([]error{ErrNoQuorum}, errs...)...))
+}
+
+// Release deletes the lock on every node. It returns fence.ErrLost when fewer
+// than a majority still had it.
+func (l *redlockLease) Release(ctx context.Context) error {
+	n, errs := l.r.releaseOn(ctx, l.timeout, l.lock, l.nonce, l.Name())
+	l.End(context.Canceled)
+	if n >= l.r.quorum {
+		return nil
+	}
+	failed := 0
+	for _, e := range errs {
+		if e != nil {
+			failed++
+		}
+	}
+	if n+failed >= l.r.quorum && failed > 0 {
+		return fmt.Errorf("redislua: redlock release %q: %d nodes released, %d did not answer: %w", l.Name(), n, failed, errors.Join(errs...))
+	}
+	return l.lost()
+}
+
+func (l *redlockLease) lost() error {
+	return fmt.Errorf("redislua: redlock lease %q token %d: %w", l.Name(), l.Token(), fence.ErrLost)
+}

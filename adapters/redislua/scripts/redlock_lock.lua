@@ -1,0 +1,17 @@
+-- Redlock phase 1 on one node: take the lock if free, and report the counter.
+-- KEYS[1] the lock key, KEYS[2] the token counter; ARGV[1] the holder's nonce,
+-- ARGV[2] the ttl in ms. Returns {1, counter} when taken, {0, counter} when held.
+local n = 0
+local cur = redis.call('GET', KEYS[2])
+if cur then
+  n = tonumber(cur)
+  if not n or n < 0 or n ~= math.floor(n) then
+    return redis.error_reply('fencekit: token counter ' .. KEYS[2] .. ' holds ' .. cur .. ', not a token')
+  end
+end
+local s = string.format('%d', n)
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {0, s}
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {1, s}
