@@ -1,8 +1,8 @@
 package redislua
 
 import (
-	_ "embed"
 	"context"
+	_ "embed"
 	"errors"
 	"fmt"
 	"strconv"
