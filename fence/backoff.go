@@ -58,6 +58,16 @@ func (b Backoff) Delay(attempt int) time.Duration {
 // nil). It gives up at ctx's deadline, or after MaxWait when ctx has none, with an
 // error matching ErrHeld and the context error.
 func (b Backoff) Acquire(ctx context.Context, wake <-chan struct{}, try func(context.Context) (Lease, error)) (Lease, error) {
+	return b.loop(ctx, wake, try, true)
+}
+
+// Retry is Acquire for a caller that has just tried and found the lease held:
+// it waits (for Delay(0) or a wake-up) before its first call to try.
+func (b Backoff) Retry(ctx context.Context, wake <-chan struct{}, try func(context.Context) (Lease, error)) (Lease, error) {
+	return b.loop(ctx, wake, try, false)
+}
+
+func (b Backoff) loop(ctx context.Context, wake <-chan struct{}, try func(context.Context) (Lease, error), tryFirst bool) (Lease, error) {
 	b = b.withDefaults()
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
@@ -71,15 +81,17 @@ func (b Backoff) Acquire(ctx context.Context, wake <-chan struct{}, try func(con
 	timer.Stop()
 	defer timer.Stop()
 	for attempt := 0; ; attempt++ {
-		l, err := try(ctx)
-		if err == nil {
-			return l, nil
-		}
-		if !errors.Is(err, ErrHeld) {
-			if ctx.Err() != nil {
-				return nil, errors.Join(ErrHeld, context.Cause(ctx))
+		if tryFirst || attempt > 0 {
+			l, err := try(ctx)
+			if err == nil {
+				return l, nil
 			}
-			return nil, err
+			if !errors.Is(err, ErrHeld) {
+				if ctx.Err() != nil {
+					return nil, errors.Join(ErrHeld, context.Cause(ctx))
+				}
+				return nil, err
+			}
 		}
 		timer.Reset(b.Delay(attempt))
 		select {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -25,7 +26,10 @@ var ErrNotReplicated = errors.New("redislua: grant not acknowledged by enough re
 type AcquirerOptions struct {
 	// Prefix starts every key, and may not contain braces. Default: "fence:".
 	Prefix string
-	// Backoff paces Acquire while the lease is held. Default: the zero fence.Backoff.
+	// Backoff paces Acquire's attempts while the lease is held. Default: Min
+	// 20ms, Max 200ms, since a release wakes a waiter at once and polling only
+	// covers a missed notification; with DisableNotify, the zero fence.Backoff
+	// (Min 1ms, Max 100ms).
 	Backoff fence.Backoff
 	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
 	Drift time.Duration
@@ -53,6 +57,31 @@ type Acquirer struct {
 	channel string
 	notify  *listener
 	delex   atomic.Int32 // 0 unknown, 1 DELEX IFEQ works, 2 it does not (use the script)
+
+	// Waiters in this process, by name, in arrival order: a Release hands the
+	// lease straight to the first of them (one script: the grant moves from the
+	// old holder to the waiter), at most maxHandoffStreak times in a row.
+	hmu     sync.Mutex
+	waiting map[string][]*waiter
+	streak  map[string]int
+}
+
+// notifiedBackoff is the default pacing of waiters that are woken by
+// notifications: polling is only the fallback.
+var notifiedBackoff = fence.Backoff{Min: 20 * time.Millisecond, Max: 200 * time.Millisecond}
+
+// maxHandoffStreak bounds consecutive hand-overs within this process for one
+// name; then a Release frees the lock for everyone (waiters in other processes
+// wake by pub/sub), so they are not starved.
+const maxHandoffStreak = 8
+
+// waiter is an Acquire call of this process waiting for a name.
+type waiter struct {
+	ch      chan struct{} // wakes its wait loop: a hand-over, or a release elsewhere
+	ttl     time.Duration
+	claimed bool          // a Release is handing the lease over to it
+	done    chan struct{} // closed when that hand-over has finished
+	lease   *lease        // what the hand-over gave it, until it takes it
 }
 
 var _ fence.Acquirer = (*Acquirer)(nil)
@@ -76,10 +105,14 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	if o.WaitTimeout == 0 {
 		o.WaitTimeout = 100 * time.Millisecond
 	}
+	if o.Backoff == (fence.Backoff{}) && !o.DisableNotify {
+		o.Backoff = notifiedBackoff
+	}
 	if _, ok := c.(*redis.ClusterClient); ok && o.WaitReplicas > 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "WaitReplicas", Reason: "WAIT cannot be routed with the grant on a Cluster client"}
 	}
-	a := &Acquirer{c: c, o: o, channel: o.Prefix + "released"}
+	a := &Acquirer{c: c, o: o, channel: o.Prefix + "released",
+		waiting: map[string][]*waiter{}, streak: map[string]int{}}
 	if !o.DisableNotify {
 		a.notify = newListener(c, a.channel)
 	}
@@ -110,6 +143,20 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	if err := checkLease(name, ttl); err != nil {
 		return nil, err
 	}
+	l, err := a.grant(ctx, name, ttl, "")
+	if err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// errMoved reports a hand-over that found the lock no longer the releasing
+// holder's.
+var errMoved = errors.New("redislua: lock no longer held by the releasing holder")
+
+// grant runs the grant script: a plain grant when from is empty, else a
+// hand-over from the holder whose lock value is from.
+func (a *Acquirer) grant(ctx context.Context, name string, ttl time.Duration, from string) (*lease, error) {
 	lock, counter := lockKeys(a.o.Prefix, name)
 	nonce := newNonce()
 	floor := "0"
@@ -117,7 +164,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 		floor = "1"
 	}
 	sent := time.Now()
-	keys, args := []string{lock, counter}, []any{nonce, ttlMs(ttl), floor}
+	keys, args := []string{lock, counter}, []any{nonce, ttlMs(ttl), floor, from}
 	var (
 		res      any
 		err      error
@@ -131,18 +178,21 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	if err != nil {
 		return nil, fmt.Errorf("redislua: acquire %q: %w", name, scriptError(err))
 	}
-	granted, tok, err := parsePair(res)
+	flag, tok, err := parsePair(res)
 	if err != nil {
 		return nil, fmt.Errorf("redislua: acquire %q: %w", name, err)
 	}
-	if !granted {
+	switch flag {
+	case 0:
 		return nil, fence.ErrHeld
+	case -1:
+		return nil, errMoved
 	}
 	l := &lease{Base: leasebase.New(name, fence.Token(tok), ttl, a.o.Drift, sent), a: a, lock: lock,
 		value: nonce + ":" + strconv.FormatUint(tok, 10)}
 	if a.o.WaitReplicas > 0 && replicas < int64(a.o.WaitReplicas) {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		_ = l.Release(rctx)
+		_ = l.release(rctx, false)
 		cancel()
 		return nil, fmt.Errorf("redislua: acquire %q: %d of %d replicas acknowledged token %d within %v: %w",
 			name, replicas, a.o.WaitReplicas, tok, a.o.WaitTimeout, ErrNotReplicated)
@@ -181,29 +231,128 @@ func (a *Acquirer) grantAndWait(ctx context.Context, keys []string, args []any) 
 	return res, n, nil
 }
 
-// Acquire waits until the lease on name is granted, pacing its attempts with the
-// acquirer's Backoff; a release wakes the waiters of its name at once through
-// pub/sub. See fence.Acquirer.
+// Acquire waits until the lease on name is granted. A Release of name in this
+// process hands the lease straight to the longest-waiting Acquire here (one
+// script, one round trip); a release elsewhere wakes a waiter here through
+// pub/sub; between those, attempts are paced by the acquirer's Backoff. See
+// fence.Acquirer.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease(name, ttl); err != nil {
 		return nil, err
 	}
-	var wake <-chan struct{}
+	// Wait in line before the first attempt, so that a Release between a failed
+	// attempt and the wait still finds this waiter.
+	w := &waiter{ch: make(chan struct{}, 1), ttl: ttl}
+	a.hmu.Lock()
+	a.waiting[name] = append(a.waiting[name], w)
+	a.hmu.Unlock()
+	defer a.leaveLine(name, w)
+
+	l, err := a.grant(ctx, name, ttl, "")
+	if err == nil || !errors.Is(err, fence.ErrHeld) {
+		return lOrNil(l), err
+	}
 	if a.notify != nil {
-		var unsubscribe func()
-		wake, unsubscribe = a.notify.subscribe(name)
+		unsubscribe := a.notify.SubscribeChan(name, w.ch)
 		defer unsubscribe()
 	}
-	return a.o.Backoff.Acquire(ctx, wake, func(ctx context.Context) (fence.Lease, error) {
-		return a.TryAcquire(ctx, name, ttl)
+	return a.o.Backoff.Retry(ctx, w.ch, func(ctx context.Context) (fence.Lease, error) {
+		if l := a.takeHandoff(w); l != nil {
+			return l, nil
+		}
+		l, err := a.grant(ctx, name, ttl, "")
+		return lOrNil(l), err
 	})
 }
 
+// lOrNil keeps a nil *lease from becoming a non-nil fence.Lease.
+func lOrNil(l *lease) fence.Lease {
+	if l == nil {
+		return nil
+	}
+	return l
+}
+
+// takeHandoff returns the lease a Release handed to w, if any.
+func (a *Acquirer) takeHandoff(w *waiter) *lease {
+	a.hmu.Lock()
+	defer a.hmu.Unlock()
+	l := w.lease
+	w.lease = nil
+	return l
+}
+
+// leaveLine takes w out of the line. A hand-over to w still under way is waited
+// for, and a lease handed over that w did not take is released.
+func (a *Acquirer) leaveLine(name string, w *waiter) {
+	a.hmu.Lock()
+	a.removeLocked(name, w)
+	done := w.done
+	claimed := w.claimed
+	a.hmu.Unlock()
+	if claimed {
+		<-done
+	}
+	if l := a.takeHandoff(w); l != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_ = l.Release(ctx)
+		cancel()
+	}
+}
+
+func (a *Acquirer) removeLocked(name string, w *waiter) {
+	list := a.waiting[name]
+	for i, x := range list {
+		if x == w {
+			list = append(list[:i:i], list[i+1:]...)
+			break
+		}
+	}
+	if len(list) == 0 {
+		delete(a.waiting, name)
+		delete(a.streak, name)
+	} else {
+		a.waiting[name] = list
+	}
+}
+
+// nextWaiter claims the first waiter of name that has not been handed a lease,
+// unless the hand-over streak is used up.
+func (a *Acquirer) nextWaiter(name string) *waiter {
+	a.hmu.Lock()
+	defer a.hmu.Unlock()
+	if a.streak[name] >= maxHandoffStreak {
+		a.streak[name] = 0
+		return nil
+	}
+	for _, w := range a.waiting[name] {
+		if !w.claimed && w.lease == nil {
+			w.claimed, w.done = true, make(chan struct{})
+			a.streak[name]++
+			return w
+		}
+	}
+	return nil
+}
+
+// finishHandoff records the outcome of a hand-over to w and wakes it.
+func (a *Acquirer) finishHandoff(w *waiter, l *lease) {
+	a.hmu.Lock()
+	w.lease = l
+	w.claimed = false
+	close(w.done)
+	a.hmu.Unlock()
+	select {
+	case w.ch <- struct{}{}:
+	default:
+	}
+}
+
 // parsePair reads a script's {flag, number} reply.
-func parsePair(res any) (bool, uint64, error) {
+func parsePair(res any) (int64, uint64, error) {
 	arr, ok := res.([]any)
 	if !ok || len(arr) != 2 {
-		return false, 0, fmt.Errorf("unexpected script reply %v", res)
+		return 0, 0, fmt.Errorf("unexpected script reply %v", res)
 	}
 	flag, _ := arr[0].(int64)
 	var n uint64
@@ -216,12 +365,12 @@ func parsePair(res any) (bool, uint64, error) {
 	case string:
 		var err error
 		if n, err = strconv.ParseUint(v, 10, 64); err != nil {
-			return false, 0, fmt.Errorf("unexpected number %q in script reply", v)
+			return 0, 0, fmt.Errorf("unexpected number %q in script reply", v)
 		}
 	default:
-		return false, 0, fmt.Errorf("unexpected script reply %v", res)
+		return 0, 0, fmt.Errorf("unexpected script reply %v", res)
 	}
-	return flag == 1, n, nil
+	return flag, n, nil
 }
 
 // scriptError turns the scripts' own error replies into package errors.
@@ -276,11 +425,33 @@ func (l *lease) Renew(ctx context.Context) error {
 	return nil
 }
 
-// Release deletes the lock key if this grant still holds it (DELEX IFEQ on Redis
-// 8.4 and newer, a compare-and-delete script before) and wakes the waiters.
-func (l *lease) Release(ctx context.Context) error {
+// Release gives the lease up if this grant still holds it. When another Acquire
+// of this process waits for the name, the lease is handed straight to it in one
+// script; otherwise the lock key is deleted (DELEX IFEQ on Redis 8.4 and newer,
+// a compare-and-delete script before) and waiters everywhere are told by pub/sub.
+func (l *lease) Release(ctx context.Context) error { return l.release(ctx, true) }
+
+func (l *lease) release(ctx context.Context, handoff bool) error {
+	defer l.End(context.Canceled)
+	if handoff {
+		if w := l.a.nextWaiter(l.Name()); w != nil {
+			next, err := l.a.grant(ctx, l.Name(), w.ttl, l.value)
+			l.a.finishHandoff(w, next)
+			switch {
+			case err == nil:
+				return nil
+			case errors.Is(err, errMoved):
+				return l.lost()
+			case errors.Is(err, ErrNotReplicated):
+				// The lock moved to the waiter and was freed again (grant
+				// refused them both): it is released; the waiter tries itself.
+				return nil
+			default:
+				return fmt.Errorf("redislua: release %q: %w", l.Name(), err)
+			}
+		}
+	}
 	n, err := l.a.release(ctx, l.lock, l.value, l.Name())
-	l.End(context.Canceled)
 	if err != nil {
 		return fmt.Errorf("redislua: release %q: %w", l.Name(), err)
 	}

@@ -3,48 +3,46 @@ package redislua
 import (
 	"context"
 	"sync"
+	"time"
+
+	"github.com/fencekit/fencekit/internal/wakeup"
+	"github.com/redis/go-redis/v9"
 )
 
 // listener keeps one pub/sub subscription to the release channel while at least
-// one Acquire waits, and wakes the waiters of the released name. A missed
-// message costs a waiter only its next backoff interval.
+// one Acquire waits, and passes each release to one waiter of that name. A
+// missed message costs a waiter only its next backoff interval.
 type listener struct {
+	wakeup.Hub
 	c       Client
 	channel string
 
-	mu      sync.Mutex
-	waiters map[string]map[chan struct{}]struct{}
-	cancel  context.CancelFunc
+	mu     sync.Mutex
+	cancel context.CancelFunc
 }
 
 func newListener(c Client, channel string) *listener {
-	return &listener{c: c, channel: channel, waiters: map[string]map[chan struct{}]struct{}{}}
+	l := &listener{c: c, channel: channel}
+	l.Start = l.start
+	l.Stop = l.stop
+	return l
 }
 
-func (l *listener) subscribe(name string) (<-chan struct{}, func()) {
-	ch := make(chan struct{}, 1)
+// start and stop run under the hub's lock.
+func (l *listener) start() {
+	ctx, cancel := context.WithCancel(context.Background())
 	l.mu.Lock()
-	if l.waiters[name] == nil {
-		l.waiters[name] = map[chan struct{}]struct{}{}
-	}
-	l.waiters[name][ch] = struct{}{}
-	if l.cancel == nil {
-		ctx, cancel := context.WithCancel(context.Background())
-		l.cancel = cancel
-		go l.run(ctx)
-	}
+	l.cancel = cancel
 	l.mu.Unlock()
-	return ch, func() {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		delete(l.waiters[name], ch)
-		if len(l.waiters[name]) == 0 {
-			delete(l.waiters, name)
-		}
-		if len(l.waiters) == 0 && l.cancel != nil {
-			l.cancel()
-			l.cancel = nil
-		}
+	go l.run(ctx)
+}
+
+func (l *listener) stop() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.cancel != nil {
+		l.cancel()
+		l.cancel = nil
 	}
 }
 
@@ -52,28 +50,27 @@ func (l *listener) run(ctx context.Context) {
 	ps := l.c.Subscribe(ctx, l.channel)
 	defer ps.Close()
 	// go-redis reconnects a broken subscription by itself; a message sent while
-	// it was down is missed, and the waiters' backoff covers that.
-	msgs := ps.Channel()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case m, ok := <-msgs:
-			if !ok {
+	// it was down is missed, and the waiters' backoff covers that. Receiving
+	// here rather than through ps.Channel() saves a goroutine hop per release.
+	for ctx.Err() == nil {
+		msg, err := ps.Receive(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
 				return
 			}
-			l.wake(m.Payload)
+			l.WakeAll() // a broken connection may have lost messages
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+			continue
 		}
-	}
-}
-
-func (l *listener) wake(name string) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for ch := range l.waiters[name] {
-		select {
-		case ch <- struct{}{}:
-		default:
+		switch m := msg.(type) {
+		case *redis.Message:
+			l.WakeOne(m.Payload)
+		case *redis.Subscription:
+			l.WakeAll() // (re)subscribed: a release may have happened before
 		}
 	}
 }

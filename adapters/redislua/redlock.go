@@ -207,13 +207,13 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 			nodeErrs = append(nodeErrs, fmt.Errorf("node %d: %w", i, scriptError(errs[i])))
 			continue
 		}
-		ok, n, err := parsePair(res[i])
+		flag, n, err := parsePair(res[i])
 		if err != nil {
 			nodeErrs = append(nodeErrs, fmt.Errorf("node %d: %w", i, err))
 			continue
 		}
 		maxCounter = max(maxCounter, n)
-		if ok {
+		if flag == 1 {
 			granted = append(granted, i)
 		} else {
 			refused = append(refused, i)

@@ -10,10 +10,11 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/benchutil"
 )
 
-// BenchmarkWrite compares a fenced write with a plain UPDATE of the same row, on
-// the same SQLite file, interleaved in one run. Both store a changed value on
+// BenchmarkWrite compares a fenced write (subject) with a plain UPDATE of the
+// same row (baseline), on the same SQLite file, interleaved in one run. Both store a changed value on
 // every write (SQLite skips writing a row whose bytes do not change, which would
 // make an unchanged plain UPDATE an unfair baseline). The target is
 // fenced/plain <= 1.10.
@@ -26,7 +27,7 @@ func BenchmarkWrite(b *testing.B) {
 	if err := w.Write(ctx, "row", value, tok); err != nil {
 		b.Fatal(err)
 	}
-	writePair(b, func(i int) error {
+	benchutil.Pair(b, func(i int) error {
 		tok++ // a new grant each time: the fence moves on every write
 		value[0] = byte(i)
 		return w.Write(ctx, "row", value, tok)
@@ -35,36 +36,6 @@ func BenchmarkWrite(b *testing.B) {
 		_, err := db.ExecContext(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, "row")
 		return err
 	})
-}
-
-// writePair interleaves the fenced and the plain write, one of each per
-// iteration in random order, so that drift in the machine (disk flushes,
-// autovacuum, the other core's load) hits both alike; it reports each one's time
-// per op and their ratio. The argument of each call is its position in the
-// sequence, never its role: tying a value to a role (even values to one, odd to
-// the other) was tried and biased SQLite by 10-15% even for two identical
-// operations. Two identical operations measure within a few percent of 1.00 this
-// way (PostgreSQL ±3%, SQLite ±7% here); run with -count and take the median.
-func writePair(b *testing.B, fenced, plain func(i int) error) {
-	var tf, tp time.Duration
-	rng := rand.New(rand.NewPCG(1, 2))
-	for i := 0; i < b.N; i++ {
-		fencedFirst := rng.IntN(2) == 0
-		for k := 0; k < 2; k++ {
-			op, acc := plain, &tp
-			if fencedFirst == (k == 0) {
-				op, acc = fenced, &tf
-			}
-			start := time.Now()
-			if err := op(2*i + k); err != nil {
-				b.Fatal(err)
-			}
-			*acc += time.Since(start)
-		}
-	}
-	b.ReportMetric(float64(tf.Nanoseconds())/float64(b.N), "fenced-ns/op")
-	b.ReportMetric(float64(tp.Nanoseconds())/float64(b.N), "plain-ns/op")
-	b.ReportMetric(float64(tf)/float64(tp), "fenced/plain")
 }
 
 // BenchmarkAcquireRelease measures an uncontended TryAcquire + Release on SQLite.
@@ -84,7 +55,8 @@ func BenchmarkAcquireRelease(b *testing.B) {
 }
 
 // BenchmarkPostgresWrite compares, on one PostgreSQL server in one run, a fenced
-// write with a plain UPDATE of the same row storing a changed value. The target
+// write (subject) with a plain UPDATE of the same row storing a changed value
+// (baseline), interleaved. The target
 // is fenced/plain <= 1.10. The session runs with synchronous_commit=off: with
 // it on, each commit waits for the disk and the spread of flush times (tens of
 // percent here) swamps the statements' own cost, which is what is compared.
@@ -101,7 +73,7 @@ func BenchmarkPostgresWrite(b *testing.B) {
 	if err := w.Write(ctx, key, value, tok); err != nil {
 		b.Fatal(err)
 	}
-	writePair(b, func(i int) error {
+	benchutil.Pair(b, func(i int) error {
 		tok++
 		value[0] = byte(i)
 		return w.Write(ctx, key, value, tok)

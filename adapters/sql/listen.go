@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/fencekit/fencekit/internal/wakeup"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 )
@@ -39,19 +40,21 @@ func stdlibConn(db *sql.DB) withConn {
 }
 
 // listener keeps one connection listening on releaseChannel while at least one
-// Acquire waits, and wakes the waiters of the released name. A missed
+// Acquire waits, and passes each release to one waiter of that name. A missed
 // notification costs a waiter only its next backoff interval.
 type listener struct {
-	conn withConn
+	wakeup.Hub // keyed by md5(name), the notification payload
+	conn       withConn
 
-	mu      sync.Mutex
-	waiters map[string]map[chan struct{}]struct{} // by md5(name)
-	cancel  context.CancelFunc
-	done    chan struct{}
+	mu     sync.Mutex
+	cancel context.CancelFunc
 }
 
 func newListener(c withConn) *listener {
-	return &listener{conn: c, waiters: map[string]map[chan struct{}]struct{}{}}
+	l := &listener{conn: c}
+	l.Start = l.start
+	l.Stop = l.stop
+	return l
 }
 
 func nameHash(name string) string {
@@ -62,36 +65,29 @@ func nameHash(name string) string {
 // subscribe returns a channel that receives when name may have been released,
 // and the function that ends the subscription.
 func (l *listener) subscribe(name string) (<-chan struct{}, func()) {
-	key := nameHash(name)
-	ch := make(chan struct{}, 1)
+	return l.Subscribe(nameHash(name))
+}
+
+// start and stop run under the hub's lock.
+func (l *listener) start() {
+	ctx, cancel := context.WithCancel(context.Background())
 	l.mu.Lock()
-	if l.waiters[key] == nil {
-		l.waiters[key] = map[chan struct{}]struct{}{}
-	}
-	l.waiters[key][ch] = struct{}{}
-	if l.cancel == nil {
-		ctx, cancel := context.WithCancel(context.Background())
-		l.cancel, l.done = cancel, make(chan struct{})
-		go l.run(ctx, l.done)
-	}
+	l.cancel = cancel
 	l.mu.Unlock()
-	return ch, func() {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		delete(l.waiters[key], ch)
-		if len(l.waiters[key]) == 0 {
-			delete(l.waiters, key)
-		}
-		if len(l.waiters) == 0 && l.cancel != nil {
-			l.cancel()
-			l.cancel = nil
-		}
+	go l.run(ctx)
+}
+
+func (l *listener) stop() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.cancel != nil {
+		l.cancel()
+		l.cancel = nil
 	}
 }
 
 // run listens until ctx is cancelled, reconnecting after a broken connection.
-func (l *listener) run(ctx context.Context, done chan struct{}) {
-	defer close(done)
+func (l *listener) run(ctx context.Context) {
 	for attempt := 0; ctx.Err() == nil; attempt++ {
 		err := l.conn(ctx, func(c *pgx.Conn) error {
 			if _, err := c.Exec(ctx, "LISTEN "+releaseChannel); err != nil {
@@ -103,13 +99,13 @@ func (l *listener) run(ctx context.Context, done chan struct{}) {
 				_, _ = c.Exec(uctx, "UNLISTEN "+releaseChannel)
 			}()
 			attempt = 0
-			l.wakeAll() // a release may have happened before LISTEN took effect
+			l.WakeAll() // a release may have happened before LISTEN took effect
 			for {
 				n, err := c.WaitForNotification(ctx)
 				if err != nil {
 					return err
 				}
-				l.wake(n.Payload)
+				l.WakeOne(n.Payload)
 			}
 		})
 		if ctx.Err() != nil || err == nil {
@@ -119,30 +115,6 @@ func (l *listener) run(ctx context.Context, done chan struct{}) {
 		case <-ctx.Done():
 			return
 		case <-time.After(min(time.Duration(1<<min(attempt, 6))*10*time.Millisecond, time.Second)):
-		}
-	}
-}
-
-func (l *listener) wake(key string) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for ch := range l.waiters[key] {
-		select {
-		case ch <- struct{}{}:
-		default:
-		}
-	}
-}
-
-func (l *listener) wakeAll() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, chs := range l.waiters {
-		for ch := range chs {
-			select {
-			case ch <- struct{}{}:
-			default:
-			}
 		}
 	}
 }

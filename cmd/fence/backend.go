@@ -9,11 +9,14 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
+	"github.com/fencekit/fencekit/adapters/redislua"
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 )
 
 // store is a fenced writer that can also read.
@@ -34,21 +37,24 @@ type backend struct {
 	// plain-DEL release bug, for the demo to show what it does.
 	forceRelease func(ctx context.Context, name string) error
 	close        func() error
+	redis        *redis.Client // the Redis backend's client, for Redis-only measurements
 }
 
-var backendNames = []string{"sqlite", "postgres"}
+var backendNames = []string{"sqlite", "postgres", "redis"}
 
 // backendConfig holds the flags that choose and reach a backend.
 type backendConfig struct {
 	name        string
 	dbPath      string
 	postgresURL string
+	redisAddr   string
 }
 
 func (c *backendConfig) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.name, "backend", "sqlite", "lock and storage backend: "+strings.Join(backendNames, ", "))
 	fs.StringVar(&c.dbPath, "db", "", "SQLite database file to use and keep (default: a temporary file, removed afterwards)")
 	fs.StringVar(&c.postgresURL, "postgres-url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL, for -backend postgres")
+	fs.StringVar(&c.redisAddr, "redis-addr", "127.0.0.1:6379", "Redis address, for -backend redis")
 }
 
 // rawSQL runs the demo's own statements, which are not fenced.
@@ -172,7 +178,48 @@ func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
 		return openSQLiteBackend(ctx, c.dbPath)
 	case "postgres":
 		return openPostgresBackend(ctx, c.postgresURL)
+	case "redis":
+		return openRedisBackend(ctx, c.redisAddr)
 	default:
 		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
 	}
+}
+
+func openRedisBackend(ctx context.Context, addr string) (*backend, error) {
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	if err := c.Ping(ctx).Err(); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("redis at %s: %w", addr, err)
+	}
+	a, err := redislua.NewAcquirer(c, nil)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	w, err := redislua.NewWriter(c, nil)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	return &backend{
+		name:   "redis (" + addr + ")",
+		acq:    a,
+		fenced: w,
+		redis:  c,
+		plainPut: func(ctx context.Context, key string, value []byte) error {
+			return c.Set(ctx, "fence-demo:"+key, value, time.Hour).Err()
+		},
+		plainGet: func(ctx context.Context, key string) ([]byte, error) {
+			v, err := c.Get(ctx, "fence-demo:"+key).Bytes()
+			if errors.Is(err, redis.Nil) {
+				return nil, fence.ErrNotFound
+			}
+			return v, err
+		},
+		forceRelease: func(ctx context.Context, name string) error {
+			// The lesson's bug itself: a plain DEL of the lock key.
+			return c.Del(ctx, redislua.DefaultPrefix+"{"+name+"}:lock").Err()
+		},
+		close: c.Close,
+	}, nil
 }

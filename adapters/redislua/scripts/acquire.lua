@@ -1,9 +1,16 @@
 -- Grant a lease and its token in one step.
 -- KEYS[1] the lock key, KEYS[2] the name's token counter (same hash slot).
--- ARGV[1] the holder's nonce, ARGV[2] the ttl in milliseconds,
--- ARGV[3] "1" to raise the token to the server clock in microseconds (the floor).
--- Returns {1, token} when granted, {0, pttl} when the lock is held.
-if redis.call('EXISTS', KEYS[1]) == 1 then
+-- ARGV[1] the new holder's nonce, ARGV[2] the ttl in milliseconds,
+-- ARGV[3] "1" to raise the token to the server clock in microseconds (the floor),
+-- ARGV[4] empty for a plain grant, or the lock value of the current holder to
+-- hand the lease over from it (it must still hold the lock).
+-- Returns {1, token} when granted, {0, pttl} when the lock is held, and
+-- {-1, 0} when a hand-over finds the lock no longer the current holder's.
+if ARGV[4] ~= '' then
+  if redis.call('GET', KEYS[1]) ~= ARGV[4] then
+    return {-1, 0}
+  end
+elseif redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, redis.call('PTTL', KEYS[1])}
 end
 local n = 0

@@ -1,0 +1,8 @@
+// Package bench measures fencekit against peer libraries on the same Redis
+// server in the same run. It is a separate module so that the peers stay out of
+// fencekit's own go.mod. Run it with scripts/bench-peers.sh, or:
+//
+//	cd bench && go test -run XXX -bench Peers -benchtime 1x
+//
+// It only measures; nothing here is asserted about speed.
+package bench

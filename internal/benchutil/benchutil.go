@@ -1,0 +1,38 @@
+// Package benchutil holds what the benchmarks share.
+package benchutil
+
+import (
+	"math/rand/v2"
+	"testing"
+	"time"
+)
+
+// Pair interleaves two operations, one of each per iteration in random order, so
+// that drift in the machine (disk flushes, autovacuum, the other core's load)
+// hits both alike; it reports each one's time per op (subject-ns/op,
+// baseline-ns/op) and their ratio (subject/baseline). The argument of each call
+// is its position in the sequence, never its role: tying a value to a role (even
+// values to one, odd to the other) was tried and biased SQLite by 10-15% even for
+// two identical operations. Two identical operations measure within a few
+// percent of 1.00 this way; run with -count and take the median.
+func Pair(b *testing.B, subject, baseline func(i int) error) {
+	var ts, tb time.Duration
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := 0; i < b.N; i++ {
+		subjectFirst := rng.IntN(2) == 0
+		for k := 0; k < 2; k++ {
+			op, acc := baseline, &tb
+			if subjectFirst == (k == 0) {
+				op, acc = subject, &ts
+			}
+			start := time.Now()
+			if err := op(2*i + k); err != nil {
+				b.Fatal(err)
+			}
+			*acc += time.Since(start)
+		}
+	}
+	b.ReportMetric(float64(ts.Nanoseconds())/float64(b.N), "subject-ns/op")
+	b.ReportMetric(float64(tb.Nanoseconds())/float64(b.N), "baseline-ns/op")
+	b.ReportMetric(float64(ts)/float64(tb), "subject/baseline")
+}
