@@ -77,8 +77,9 @@ if [ "${FENCEKIT_NO_SERVICES:-}" != 1 ]; then
   start_redis
 fi
 
-say "go vet ./..."
+say "go vet ./... (and the bench module)"
 go vet ./...
+(cd bench && go vet ./...)
 say "go test -race ./..."
 # shellcheck disable=SC2086
 go test -race -count=1 -timeout 30m ${GO_TEST_FLAGS:-} ./...

@@ -5,7 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"slices"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"text/tabwriter"
@@ -20,18 +20,18 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var bc backendConfig
 	bc.register(fs)
-	ops := fs.Int("n", 2000, "operations per round of each write measurement")
-	rounds := fs.Int("rounds", 5, "rounds, alternating fenced and plain; the median round counts")
+	ops := fs.Int("n", 5000, "fenced and plain writes each, interleaved in random order")
+	rounds := fs.Int("rounds", 3, "rounds of the locked increments (alternating with the round-trip floor on Redis)")
 	workers := fs.Int("workers", 20, "workers in the contention run")
 	each := fs.Int("each", 50, "locked increments per worker in the contention run")
 	exerciseEach := fs.Int("exercise-each", 500, "updates per worker in the Redis lock-versus-Lua exercise")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: fence bench [flags]\n\n"+
-			"Measures, in one run on one backend: a fenced write against a plain write of\n"+
-			"the same row (the ratio is what counts, not the absolute figures), an\n"+
-			"uncontended acquire + release, and the lesson's locked increments. On Redis\n"+
-			"also the increments against the round-trip floor (PING) and the lesson's\n"+
-			"exercise: a lock around a read-modify-write against one Lua script.\n\nFlags:\n")
+			"Measures, in one run on one backend, each figure as a ratio to a baseline\n"+
+			"measured alongside it: a fenced write against a plain write of the same size,\n"+
+			"an uncontended acquire + release, and the lesson's locked increments. On Redis\n"+
+			"also the increments against the round-trip floor (4 PINGs per increment) and\n"+
+			"the lesson's exercise: a lock around a read-modify-write against one Lua script.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
 	if err := parseFlags(fs, args); err != nil {
@@ -47,98 +47,122 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	}
 	defer b.close()
 
-	key := fmt.Sprintf("bench-%d", time.Now().UnixNano())
-	value := []byte(strings.Repeat("v", 64))
-	if err := b.plainPut(ctx, key, value); err != nil {
-		return err
-	}
-	if err := b.fenced.Write(ctx, key, value, 1); err != nil {
-		return err
-	}
-	tok := fence.Token(1)
-	var fencedRounds, plainRounds []time.Duration
-	for r := 0; r < *rounds; r++ {
-		start := time.Now()
-		for i := 0; i < *ops; i++ {
-			tok++
-			value[0] = byte(i)
-			if err := b.fenced.Write(ctx, key, value, tok); err != nil {
-				return err
-			}
-		}
-		fencedRounds = append(fencedRounds, time.Since(start)/time.Duration(*ops))
-		start = time.Now()
-		for i := 0; i < *ops; i++ {
-			value[0] = byte(i)
-			if err := b.plainPut(ctx, key, value); err != nil {
-				return err
-			}
-		}
-		plainRounds = append(plainRounds, time.Since(start)/time.Duration(*ops))
-	}
-	fw, pw := median(fencedRounds), median(plainRounds)
-
-	var acq []time.Duration
-	for r := 0; r < *rounds; r++ {
-		start := time.Now()
-		for i := 0; i < *ops; i++ {
-			l, err := b.acq.TryAcquire(ctx, key, 10*time.Second)
-			if err != nil {
-				return err
-			}
-			if err := l.Release(ctx); err != nil {
-				return err
-			}
-		}
-		acq = append(acq, time.Since(start)/time.Duration(*ops))
-	}
-
-	n, took, err := lockedIncrements(ctx, b, "bench-balance", *workers, *each)
+	fenced, plain, err := writePair(ctx, b, *ops)
 	if err != nil {
 		return err
 	}
-	if n != *workers**each {
-		return fmt.Errorf("locked increments ended at %d, want %d: lost updates", n, *workers**each)
+	acq, err := acquireRelease(ctx, b, *ops/5+1)
+	if err != nil {
+		return err
 	}
+	var incr, floor time.Duration
+	for r := 0; r < *rounds; r++ {
+		// Alternate which goes first, so that drift hits both alike.
+		for k := 0; k < 2; k++ {
+			if (r+k)%2 == 0 {
+				n, took, err := lockedIncrements(ctx, b, "bench-balance", *workers, *each)
+				if err != nil {
+					return err
+				}
+				if n != *workers**each {
+					return fmt.Errorf("locked increments ended at %d, want %d: lost updates", n, *workers**each)
+				}
+				incr += took
+			} else if b.redis != nil {
+				d, err := pingFloor(ctx, b.redis, *workers**each)
+				if err != nil {
+					return err
+				}
+				floor += d
+			}
+		}
+	}
+	incrPer := incr / time.Duration(*rounds**workers**each)
 
-	fmt.Fprintf(stdout, "fence bench on %s (median of %d rounds x %d ops)\n\n", b.name, *rounds, *ops)
+	fmt.Fprintf(stdout, "fence bench on %s\n\n", b.name)
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(tw, "measurement\tper op\tratio\n")
-	fmt.Fprintf(tw, "plain write (baseline)\t%v\t1.00\n", pw.Round(100*time.Nanosecond))
-	fmt.Fprintf(tw, "fenced write\t%v\t%.2f\n", fw.Round(100*time.Nanosecond), float64(fw)/float64(pw))
-	fmt.Fprintf(tw, "acquire + release, uncontended\t%v\t%.2f\n", median(acq).Round(100*time.Nanosecond), float64(median(acq))/float64(pw))
-	fmt.Fprintf(tw, "locked increment, %d workers\t%v\t%.2f\n", *workers, (took / time.Duration(n)).Round(100*time.Nanosecond), float64(took/time.Duration(n))/float64(pw))
+	fmt.Fprintf(tw, "measurement\tper op\tratio to the plain write\n")
+	fmt.Fprintf(tw, "plain write of the same size (baseline)\t%v\t1.00\n", plain.Round(100*time.Nanosecond))
+	fmt.Fprintf(tw, "fenced write\t%v\t%.2f\n", fenced.Round(100*time.Nanosecond), float64(fenced)/float64(plain))
+	fmt.Fprintf(tw, "acquire + release, uncontended\t%v\t%.2f\n", acq.Round(100*time.Nanosecond), float64(acq)/float64(plain))
+	fmt.Fprintf(tw, "locked increment, %d workers\t%v\t%.2f\n", *workers, incrPer.Round(100*time.Nanosecond), float64(incrPer)/float64(plain))
 	tw.Flush()
-	fmt.Fprintf(stdout, "\n%d workers x %d locked increments -> %d in %.2fs\n", *workers, *each, n, took.Seconds())
+	fmt.Fprintf(stdout, "\n%d workers x %d locked increments -> %d each time, %.3fs on average over %d rounds\n",
+		*workers, *each, *workers**each, (incr / time.Duration(*rounds)).Seconds(), *rounds)
 	if b.redis != nil {
-		return redisBench(ctx, stdout, b, *workers, *each, took, *exerciseEach)
+		fmt.Fprintf(stdout, "round-trip floor (4 PINGs per increment, sequential, alternating with the runs): %.3fs; the increments took %.2fx the floor\n",
+			(floor / time.Duration(*rounds)).Seconds(), float64(incr)/float64(floor))
+		return luaExercise(ctx, stdout, b, *workers, *exerciseEach)
 	}
 	return nil
 }
 
-// redisBench adds the Redis-only figures: the locked increments against the
-// round-trip floor, and the lesson's exercise (a lock around a read-modify-write
-// against one Lua script doing the same update).
-func redisBench(ctx context.Context, out io.Writer, b *backend, workers, each int, took time.Duration, exerciseEach int) error {
-	var pings []time.Duration
-	for i := 0; i < 2000; i++ {
-		start := time.Now()
-		if err := b.redis.Ping(ctx).Err(); err != nil {
-			return err
-		}
-		pings = append(pings, time.Since(start))
+// writePair interleaves n fenced and n plain writes of the same size in random
+// order and returns the mean time of each.
+func writePair(ctx context.Context, b *backend, n int) (fenced, plain time.Duration, err error) {
+	key := fmt.Sprintf("bench-%d", time.Now().UnixNano())
+	value := []byte(strings.Repeat("v", 64))
+	tok := fence.Token(1)
+	if err := b.fenced.Write(ctx, key, value, tok); err != nil {
+		return 0, 0, err
 	}
-	rtt := median(pings)
-	floor := time.Duration(workers*each*4) * rtt
-	fmt.Fprintf(out, "round trip (PING, median of 2000): %v; floor for %d increments at 4 round trips each: %.3fs; locked increments took %.2fx the floor\n",
-		rtt.Round(100*time.Nanosecond), workers*each, floor.Seconds(), float64(took)/float64(floor))
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := 0; i < n; i++ {
+		fencedFirst := rng.IntN(2) == 0
+		for k := 0; k < 2; k++ {
+			value[0] = byte(2*i + k) // by position, not by role
+			start := time.Now()
+			if fencedFirst == (k == 0) {
+				tok++
+				err = b.fenced.Write(ctx, key, value, tok)
+				fenced += time.Since(start)
+			} else {
+				err = b.plainPut(ctx, key, value)
+				plain += time.Since(start)
+			}
+			if err != nil {
+				return 0, 0, err
+			}
+		}
+	}
+	return fenced / time.Duration(n), plain / time.Duration(n), nil
+}
 
-	n, lockTook, err := lockedIncrements(ctx, b, "bench-exercise", workers, exerciseEach)
+func acquireRelease(ctx context.Context, b *backend, n int) (time.Duration, error) {
+	name := fmt.Sprintf("bench-lock-%d", time.Now().UnixNano())
+	start := time.Now()
+	for i := 0; i < n; i++ {
+		l, err := b.acq.TryAcquire(ctx, name, 10*time.Second)
+		if err != nil {
+			return 0, err
+		}
+		if err := l.Release(ctx); err != nil {
+			return 0, err
+		}
+	}
+	return time.Since(start) / time.Duration(n), nil
+}
+
+// pingFloor is the time of 4 sequential PINGs per increment.
+func pingFloor(ctx context.Context, c *redis.Client, increments int) (time.Duration, error) {
+	start := time.Now()
+	for i := 0; i < 4*increments; i++ {
+		if err := c.Ping(ctx).Err(); err != nil {
+			return 0, err
+		}
+	}
+	return time.Since(start), nil
+}
+
+// luaExercise is the lesson's exercise: workers x each updates of a counter,
+// with a lock around a read-modify-write against one Lua script doing the same.
+func luaExercise(ctx context.Context, out io.Writer, b *backend, workers, each int) error {
+	n, lockTook, err := lockedIncrements(ctx, b, "bench-exercise", workers, each)
 	if err != nil {
 		return err
 	}
-	if n != workers*exerciseEach {
-		return fmt.Errorf("locked updates ended at %d, want %d", n, workers*exerciseEach)
+	if n != workers*each {
+		return fmt.Errorf("locked updates ended at %d, want %d", n, workers*each)
 	}
 	key := fmt.Sprintf("fence-demo:bench-lua-%d", time.Now().UnixNano())
 	incr := redis.NewScript(`local v = tonumber(redis.call('GET', KEYS[1]) or '0') + 1
@@ -151,7 +175,7 @@ return v`)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for i := 0; i < exerciseEach; i++ {
+			for i := 0; i < each; i++ {
 				if err := incr.Run(ctx, b.redis, []string{key}).Err(); err != nil {
 					errs <- err
 					return
@@ -169,16 +193,10 @@ return v`)
 	if err != nil {
 		return err
 	}
-	if final != workers*exerciseEach {
-		return fmt.Errorf("Lua updates ended at %d, want %d", final, workers*exerciseEach)
+	if final != workers*each {
+		return fmt.Errorf("Lua updates ended at %d, want %d", final, workers*each)
 	}
 	fmt.Fprintf(out, "exercise, %d workers x %d updates: locked read-modify-write %.2fs, one Lua script %.2fs: the lock costs %.1fx\n",
-		workers, exerciseEach, lockTook.Seconds(), luaTook.Seconds(), float64(lockTook)/float64(luaTook))
+		workers, each, lockTook.Seconds(), luaTook.Seconds(), float64(lockTook)/float64(luaTook))
 	return nil
-}
-
-func median(ds []time.Duration) time.Duration {
-	s := slices.Clone(ds)
-	slices.Sort(s)
-	return s[len(s)/2]
 }

@@ -61,6 +61,24 @@ func TestDemoPostgres(t *testing.T) {
 	}
 }
 
+func TestDemoRedis(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")
+	}
+	if err := testenv.Dial(testenv.RedisAddr()); err != nil {
+		testenv.Missing(t, "Redis at "+testenv.RedisAddr(), err)
+	}
+	var out, errOut bytes.Buffer
+	if code := run([]string{"demo", "-backend", "redis", "-redis-addr", testenv.RedisAddr()}, &out, &errOut); code != 0 {
+		t.Fatalf("fence demo -backend redis exited %d\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"fence demo on redis", `storage: REJECTED  "written by A"`, "Every outcome was the expected one."} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo output lacks %q\n%s", want, out.String())
+		}
+	}
+}
+
 func TestUsage(t *testing.T) {
 	cases := []struct {
 		args []string
@@ -76,6 +94,7 @@ func TestUsage(t *testing.T) {
 		{[]string{"demo", "-nope"}, 2, "flag provided but not defined"},
 		{[]string{"bench", "-n", "0"}, 2, "must be at least 1"},
 		{[]string{"demo", "-backend", "postgres", "-postgres-url", "postgres://nobody@127.0.0.1:1/none?connect_timeout=2"}, 1, "postgres at"},
+		{[]string{"demo", "-backend", "redis", "-redis-addr", "127.0.0.1:1"}, 1, "redis at"},
 	}
 	for _, c := range cases {
 		var out, errOut bytes.Buffer
@@ -93,7 +112,24 @@ func TestBench(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("fence bench exited %d\n%s%s", code, out.String(), errOut.String())
 	}
-	for _, want := range []string{"fenced write", "plain write (baseline)", "4 workers x 5 locked increments -> 20"} {
+	for _, want := range []string{"fenced write", "plain write of the same size (baseline)", "4 workers x 5 locked increments -> 20 each time"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("bench output lacks %q\n%s", want, out.String())
+		}
+	}
+}
+
+func TestBenchRedis(t *testing.T) {
+	if err := testenv.Dial(testenv.RedisAddr()); err != nil {
+		testenv.Missing(t, "Redis at "+testenv.RedisAddr(), err)
+	}
+	var out, errOut bytes.Buffer
+	code := run([]string{"bench", "-backend", "redis", "-redis-addr", testenv.RedisAddr(), "-n", "20", "-rounds", "1",
+		"-workers", "4", "-each", "5", "-exercise-each", "5"}, &out, &errOut)
+	if code != 0 {
+		t.Fatalf("fence bench -backend redis exited %d\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"round-trip floor", "exercise, 4 workers x 5 updates"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("bench output lacks %q\n%s", want, out.String())
 		}
