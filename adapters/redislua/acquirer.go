@@ -41,7 +41,8 @@ type AcquirerOptions struct {
 	// grant and refuses a grant they did not acknowledge within WaitTimeout
 	// (ErrNotReplicated). Not available on Redis Cluster clients. Default: 0.
 	WaitReplicas int
-	// WaitTimeout bounds the WAIT. Default: 100ms.
+	// WaitTimeout bounds the WAIT. It must be shorter than the client's
+	// ReadTimeout, since the WAIT is pipelined with the grant. Default: 100ms.
 	WaitTimeout time.Duration
 	// DisableNotify turns off waking waiters by pub/sub; they then only poll.
 	// Default: false.
@@ -110,6 +111,12 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	}
 	if _, ok := c.(*redis.ClusterClient); ok && o.WaitReplicas > 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "WaitReplicas", Reason: "WAIT cannot be routed with the grant on a Cluster client"}
+	}
+	if rc, ok := c.(*redis.Client); ok && o.WaitReplicas > 0 {
+		if rt := rc.Options().ReadTimeout; rt > 0 && rt <= o.WaitTimeout {
+			return nil, &fence.InvalidError{Op: "new acquirer", Arg: "WaitTimeout",
+				Reason: fmt.Sprintf("%v is not below the client's ReadTimeout %v", o.WaitTimeout, rt)}
+		}
 	}
 	a := &Acquirer{c: c, o: o, channel: o.Prefix + "released",
 		waiting: map[string][]*waiter{}, streak: map[string]int{}}

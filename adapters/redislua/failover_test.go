@@ -51,7 +51,7 @@ func TestFailoverLosesCounter(t *testing.T) {
 			opts := redislua.AcquirerOptions{}
 			switch mode {
 			case "wait-replicas":
-				opts.WaitReplicas, opts.WaitTimeout = 1, 200*time.Millisecond
+				opts.WaitReplicas, opts.WaitTimeout = 1, 500*time.Millisecond
 			case "token-floor":
 				opts.TokenFloor = true
 			}
@@ -60,6 +60,13 @@ func TestFailoverLosesCounter(t *testing.T) {
 			a, err := redislua.NewAcquirer(pc, &opts)
 			if err != nil {
 				t.Fatal(err)
+			}
+			if mode == "wait-replicas" {
+				long := opts
+				long.WaitTimeout = 2 * time.Second // the test client reads with a 1s timeout
+				if _, err := redislua.NewAcquirer(pc, &long); !errors.Is(err, fence.ErrInvalid) {
+					t.Errorf("WaitTimeout above the client's ReadTimeout: %v, want ErrInvalid", err)
+				}
 			}
 			handedOut := []fence.Token{}
 			l1, err := a.TryAcquire(ctx, "job", time.Minute)

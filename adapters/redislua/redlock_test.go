@@ -10,9 +10,17 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
 )
 
+// quietLogger drops go-redis's log lines: the node-loss tests kill servers on
+// purpose, and every failed dial would be logged.
+type quietLogger struct{}
+
+func (quietLogger) Printf(context.Context, string, ...any) {}
+
 func fiveNodes(t *testing.T) ([]*testenv.RedisServer, []redislua.Client) {
+	redis.SetLogger(quietLogger{})
 	servers := make([]*testenv.RedisServer, 5)
 	clients := make([]redislua.Client, 5)
 	for i := range servers {
