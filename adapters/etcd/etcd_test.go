@@ -1,0 +1,190 @@
+package etcdfence_test
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"testing"
+	"time"
+
+	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/etcdtest"
+)
+
+func TestAcquirerConformance(t *testing.T) {
+	c := etcdtest.Start(t, 1)
+	a, err := etcdfence.New(c.Client(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fencetest.AcquirerSuite{
+		New: func(t *testing.T) fence.Acquirer { return a },
+		// etcd counts leases in whole seconds and raises short ones to its
+		// minimum (about 2s with the default election timeout).
+		ShortTTL: 2 * time.Second,
+	}.Run(t)
+}
+
+func TestBadInput(t *testing.T) {
+	c := etcdtest.Start(t, 1)
+	a, _ := etcdfence.New(c.Client(t), nil)
+	if _, err := a.TryAcquire(context.Background(), "n", 500*time.Millisecond); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("ttl below a second: %v, want ErrInvalid", err)
+	}
+	if _, err := etcdfence.New(c.Client(t), &etcdfence.Options{Drift: -1}); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("negative drift: %v", err)
+	}
+}
+
+// TestNamesAreNotNested: a name that is a path prefix of another does not share
+// its queue.
+func TestNamesAreNotNested(t *testing.T) {
+	c := etcdtest.Start(t, 1)
+	a, _ := etcdfence.New(c.Client(t), nil)
+	ctx := context.Background()
+	l1, err := a.TryAcquire(ctx, "jobs", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l1.Release(ctx)
+	l2, err := a.TryAcquire(ctx, "jobs/nightly", 5*time.Second)
+	if err != nil {
+		t.Fatalf("a name below another: %v", err)
+	}
+	defer l2.Release(ctx)
+	l3, err := a.TryAcquire(ctx, "jobs%2Fnightly", 5*time.Second)
+	if err != nil {
+		t.Fatalf("a name that looks escaped: %v", err)
+	}
+	_ = l3.Release(ctx)
+}
+
+// TestWaitersQueueInOrder: waiters are granted in the order they arrived, each
+// with a larger token, without polling.
+func TestWaitersQueueInOrder(t *testing.T) {
+	c := etcdtest.Start(t, 1)
+	a, _ := etcdfence.New(c.Client(t), nil)
+	ctx := context.Background()
+	h, err := a.TryAcquire(ctx, "queue", 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	order := make(chan int, 3)
+	for i := 0; i < 3; i++ {
+		go func() {
+			l, err := a.Acquire(ctx, "queue", 10*time.Second)
+			if err != nil {
+				t.Error(err)
+				order <- -1
+				return
+			}
+			order <- i
+			time.Sleep(20 * time.Millisecond)
+			_ = l.Release(ctx)
+		}()
+		time.Sleep(100 * time.Millisecond) // arrive one after another
+	}
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for want := 0; want < 3; want++ {
+		if got := <-order; got != want {
+			t.Fatalf("waiter %d was granted in place %d", got, want)
+		}
+	}
+}
+
+// TestThreeNodeLeaderLoss holds a lease on a 3-member cluster, stops the leader,
+// and checks: the holder, cut off and not renewing, sees its context end before
+// anyone else is granted; the next grant's token is larger; the old holder's
+// write is refused by the fence; and tokens keep growing under the new leader.
+func TestThreeNodeLeaderLoss(t *testing.T) {
+	c := etcdtest.Start(t, 3)
+	cl := c.Client(t)
+	a, _ := etcdfence.New(cl, nil)
+	ctx := context.Background()
+
+	db, err := sqlfence.OpenSQLite(filepath.Join(t.TempDir(), "fence.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	w, _ := sqlfence.NewWriter(sqlfence.SQLite(db), nil)
+	if err := w.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	holder, err := a.TryAcquire(ctx, "report", 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, "report", []byte("by the first holder"), holder.Token()); err != nil {
+		t.Fatal(err)
+	}
+	type grant struct {
+		l  fence.Lease
+		at time.Time
+	}
+	next := make(chan grant, 1)
+	go func() {
+		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		l, err := a.Acquire(wctx, "report", 5*time.Second)
+		if err != nil {
+			t.Error(err)
+			next <- grant{}
+			return
+		}
+		next <- grant{l, time.Now()}
+	}()
+	time.Sleep(200 * time.Millisecond)
+	leader := c.Leader()
+	if leader < 0 {
+		t.Fatal("no leader")
+	}
+	c.StopNode(leader)
+	// The holder is cut off: it does not renew. Its lease expires on the
+	// cluster's clock once the new leader runs it out.
+	g := <-next
+	if g.l == nil {
+		t.FailNow()
+	}
+	defer g.l.Release(ctx)
+	if holder.Context().Err() == nil {
+		t.Error("the next holder was granted while the cut-off holder still believed it held the lease")
+	}
+	if !errors.Is(context.Cause(holder.Context()), fence.ErrLost) {
+		t.Errorf("cut-off holder's context cause: %v, want ErrLost", context.Cause(holder.Context()))
+	}
+	if g.l.Token() <= holder.Token() {
+		t.Errorf("token after the leader change %d not above %d", g.l.Token(), holder.Token())
+	}
+	if err := w.Write(ctx, "report", []byte("by the second holder"), g.l.Token()); err != nil {
+		t.Fatal(err)
+	}
+	err = w.Write(ctx, "report", []byte("stale"), holder.Token())
+	if !errors.Is(err, fence.ErrStale) {
+		t.Errorf("the old holder's write after the new holder's: %v, want ErrStale", err)
+	}
+	if err := holder.Release(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("old holder's Release: %v, want ErrLost", err)
+	}
+	if err := g.l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l3, err := a.TryAcquire(ctx, "report", 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l3.Token() <= g.l.Token() {
+		t.Errorf("token under the new leader %d not above %d", l3.Token(), g.l.Token())
+	}
+	_ = l3.Release(ctx)
+	v, tok, _ := w.Read(ctx, "report")
+	if string(v) != "by the second holder" || tok != g.l.Token() {
+		t.Errorf("stored %q token %d", v, tok)
+	}
+}
