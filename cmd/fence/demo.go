@@ -19,9 +19,17 @@ type demo struct {
 	out    io.Writer
 	b      *backend
 	failed []string
-	// Timings of the paused-holder scenarios: the lesson's 500ms lease, 1s stall,
-	// B arriving at 0.6s.
+	timing
+}
+
+// timing holds a scenario's durations. The lesson's are the default; a backend
+// whose leases are longer (etcd counts whole seconds) scales them.
+type timing struct {
+	// The paused holder: A's lease, A's stall, when B arrives (after A's lease
+	// expired on the backend). The lesson: 500ms, 1s, 600ms.
 	lease, stall, arrive time.Duration
+	// The release bug: A's lease, A's stall. The lesson: 300ms, 400ms.
+	bugLease, bugStall time.Duration
 }
 
 func (d *demo) printf(format string, args ...any) { fmt.Fprintf(d.out, format, args...) }
@@ -34,6 +42,11 @@ func (d *demo) check(ok bool, what string) {
 		d.failed = append(d.failed, what)
 	}
 	d.printf("   [%s] %s\n", mark, what)
+}
+
+var lessonTiming = timing{
+	lease: 500 * time.Millisecond, stall: time.Second, arrive: 600 * time.Millisecond,
+	bugLease: 300 * time.Millisecond, bugStall: 400 * time.Millisecond,
 }
 
 func runDemo(args []string, stdout, stderr io.Writer) error {
@@ -58,8 +71,15 @@ func runDemo(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer b.close()
-	d := &demo{out: stdout, b: b, lease: 500 * time.Millisecond, stall: time.Second, arrive: 600 * time.Millisecond}
-	d.printf("fence demo on %s\n\n", b.name)
+	d := &demo{out: stdout, b: b, timing: lessonTiming}
+	if b.timing != nil {
+		d.timing = *b.timing
+	}
+	d.printf("fence demo on %s\n", b.name)
+	if d.timing != lessonTiming {
+		d.printf("(this backend's leases are whole seconds: the lesson's timings are stretched)\n")
+	}
+	d.printf("\n")
 	for _, sc := range []func(context.Context) error{d.releaseBug, d.contention, d.pausedHolder, d.watchdog} {
 		if err := sc(ctx); err != nil {
 			return err
@@ -77,14 +97,14 @@ func runDemo(args []string, stdout, stderr io.Writer) error {
 // release frees B's lock and lets C in; a token-checked release does not.
 func (d *demo) releaseBug(ctx context.Context) error {
 	d.printf("1. Releasing a lock that expired\n")
-	d.printf("   A takes a 300ms lease and stalls 400ms; B takes the lock after A's lease expired; then A releases.\n")
+	d.printf("   A takes a %v lease and stalls %v; B takes the lock after A's lease expired; then A releases.\n", d.bugLease, d.bugStall)
 	for _, checked := range []bool{false, true} {
 		name := fmt.Sprintf("report-%v", checked)
-		a, err := d.b.acq.TryAcquire(ctx, name, 300*time.Millisecond)
+		a, err := d.b.acq.TryAcquire(ctx, name, d.bugLease)
 		if err != nil {
 			return fmt.Errorf("A acquires: %w", err)
 		}
-		time.Sleep(400 * time.Millisecond)
+		time.Sleep(d.bugStall)
 		bl, err := d.b.acq.TryAcquire(ctx, name, 5*time.Second)
 		if err != nil {
 			return fmt.Errorf("B acquires after A's lease expired: %w", err)

@@ -79,6 +79,21 @@ func TestDemoRedis(t *testing.T) {
 	}
 }
 
+func TestDemoEtcd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the etcd demo stretches the lesson's timings to whole-second leases (about 35s); skipped with -short")
+	}
+	var out, errOut bytes.Buffer
+	if code := run([]string{"demo", "-backend", "etcd"}, &out, &errOut); code != 0 {
+		t.Fatalf("fence demo -backend etcd exited %d\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"fence demo on embedded etcd", `storage: REJECTED  "written by A"`, "Every outcome was the expected one."} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo output lacks %q\n%s", want, out.String())
+		}
+	}
+}
+
 func TestUsage(t *testing.T) {
 	cases := []struct {
 		args []string
