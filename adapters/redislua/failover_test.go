@@ -23,6 +23,9 @@ func replicated(t *testing.T) (primary, replica *testenv.RedisServer) {
 	for {
 		info, _ := rc.Info(context.Background(), "replication").Result()
 		if strings.Contains(info, "master_link_status:up") {
+			// The replica is linked; wait until the primary counts its
+			// acknowledgements too (WAIT sees it), or the first WAIT can miss it.
+			waitReplicated(t, primary.Client(t))
 			return primary, replica
 		}
 		if time.Now().After(deadline) {

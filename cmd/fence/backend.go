@@ -41,7 +41,7 @@ type backend struct {
 	timing       *timing       // the demo's durations, when the lesson's do not fit
 }
 
-var backendNames = []string{"sqlite", "postgres", "redis", "etcd"}
+var backendNames = []string{"sqlite", "postgres", "redis", "etcd", "s3"}
 
 // backendConfig holds the flags that choose and reach a backend.
 type backendConfig struct {
@@ -185,6 +185,8 @@ func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
 		return openRedisBackend(ctx, c.redisAddr)
 	case "etcd":
 		return openEtcdBackend(ctx, c.etcd, c.dbPath)
+	case "s3":
+		return openS3Backend(ctx, c.dbPath)
 	default:
 		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
 	}

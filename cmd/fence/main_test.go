@@ -94,6 +94,21 @@ func TestDemoEtcd(t *testing.T) {
 	}
 }
 
+func TestDemoS3(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")
+	}
+	var out, errOut bytes.Buffer
+	if code := run([]string{"demo", "-backend", "s3"}, &out, &errOut); code != 0 {
+		t.Fatalf("fence demo -backend s3 exited %d\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"fence demo on in-process S3", `storage: REJECTED  "written by A"`, "Every outcome was the expected one."} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo output lacks %q\n%s", want, out.String())
+		}
+	}
+}
+
 func TestUsage(t *testing.T) {
 	cases := []struct {
 		args []string

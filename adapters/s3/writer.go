@@ -1,0 +1,335 @@
+// Package s3fence fences writes to S3 (and S3-compatible stores) with conditional
+// PUTs: If-Match on the ETag that was read, or If-None-Match: * for a new key.
+//
+// A write reads the object's current token and ETag (HEAD), refuses a stale
+// token, and PUTs with If-Match on that ETag: if anyone wrote in between, the PUT
+// fails with 412 (or 409 ConditionalRequestConflict) and the writer reads again
+// and decides again, a bounded number of times. Three corners are handled:
+//
+//   - ETag reuse (ABA): an ETag reflects the body only. Every stored body begins
+//     with a header holding the token and a random write id, so no two writes
+//     share an ETag, even when a newer grant stores byte-identical data.
+//   - Ambiguous success: the SDK retries a PUT whose response was lost; the retry
+//     can fail its precondition because the first attempt succeeded. On every
+//     precondition failure the writer checks whether the stored object is its
+//     own write (by write id); if so, the write succeeded.
+//   - Objects written by other tools have no token: they count as token 0 (any
+//     fenced write may replace them), or are refused with RefuseUnfenced.
+//
+// Writer detects S3 errors by their codes (smithy.APIError) and HTTP status,
+// never by their messages.
+package s3fence
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"sync"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
+	"github.com/aws/aws-sdk-go-v2/service/s3"
+	"github.com/aws/aws-sdk-go-v2/service/s3/types"
+	"github.com/aws/smithy-go"
+	"github.com/fencekit/fencekit/fence"
+)
+
+// Metadata keys (x-amz-meta-*) stored with every object this package writes.
+const (
+	MetaToken   = "fence-token"
+	MetaWriteID = "fence-write-id"
+	MetaDeleted = "fence-deleted"
+)
+
+// ErrUnfenced is returned, with RefuseUnfenced, for an object that has no token.
+var ErrUnfenced = errors.New("s3fence: object was not written by a fenced writer")
+
+// ErrContention is returned when other writers changed the object between every
+// read and write of MaxAttempts attempts.
+var ErrContention = errors.New("s3fence: object kept changing under the write")
+
+// API is the part of *s3.Client the writer uses.
+type API interface {
+	HeadObject(ctx context.Context, in *s3.HeadObjectInput, opts ...func(*s3.Options)) (*s3.HeadObjectOutput, error)
+	GetObject(ctx context.Context, in *s3.GetObjectInput, opts ...func(*s3.Options)) (*s3.GetObjectOutput, error)
+	PutObject(ctx context.Context, in *s3.PutObjectInput, opts ...func(*s3.Options)) (*s3.PutObjectOutput, error)
+}
+
+// Options configures a Writer. A nil *Options means the defaults.
+type Options struct {
+	// Prefix is put before every key. Default: "".
+	Prefix string
+	// MaxAttempts bounds how often a write reads and tries again after another
+	// writer got in between. Default: 8.
+	MaxAttempts int
+	// RefuseUnfenced makes writes to (and reads of) objects without a token fail
+	// with ErrUnfenced instead of treating them as token 0. Default: false.
+	RefuseUnfenced bool
+	// ReuseETag skips the HEAD when this Writer made the last write to the key:
+	// the PUT is conditional on the ETag of that write. If someone else wrote
+	// since, the PUT fails its precondition and the writer reads as usual.
+	// Default: false.
+	ReuseETag bool
+}
+
+// Writer is a fence.FencedWriter, fence.Reader and fence.Deleter on one bucket.
+// It is safe for concurrent use.
+type Writer struct {
+	api    API
+	bucket string
+	o      Options
+
+	mu   sync.Mutex
+	last map[string]state // with ReuseETag: this writer's last write per key
+}
+
+var (
+	_ fence.FencedWriter = (*Writer)(nil)
+	_ fence.Reader       = (*Writer)(nil)
+	_ fence.Deleter      = (*Writer)(nil)
+)
+
+// New returns a Writer on bucket. It returns an error matching fence.ErrInvalid
+// for an empty bucket name or negative MaxAttempts.
+func New(api API, bucket string, opts *Options) (*Writer, error) {
+	if bucket == "" {
+		return nil, &fence.InvalidError{Op: "new writer", Arg: "bucket", Reason: "empty"}
+	}
+	var o Options
+	if opts != nil {
+		o = *opts
+	}
+	if o.MaxAttempts < 0 {
+		return nil, &fence.InvalidError{Op: "new writer", Arg: "MaxAttempts", Reason: "negative"}
+	}
+	if o.MaxAttempts == 0 {
+		o.MaxAttempts = 8
+	}
+	return &Writer{api: api, bucket: bucket, o: o, last: map[string]state{}}, nil
+}
+
+// state is what a HEAD tells about an object.
+type state struct {
+	exists   bool
+	etag     string
+	token    fence.Token
+	unfenced bool // exists, but written by another tool
+	writeID  string
+}
+
+func (w *Writer) objectKey(key string) string { return w.o.Prefix + key }
+
+// checkKey refuses keys S3 cannot store.
+func checkKey(op, key string) error {
+	if err := fence.CheckKey(op, key); err != nil {
+		return err
+	}
+	if len(key) > 1024 {
+		return &fence.InvalidError{Op: op, Arg: "key", Reason: "longer than S3's 1024 bytes"}
+	}
+	return nil
+}
+
+// head reads the object's state; a missing object is exists=false.
+func (w *Writer) head(ctx context.Context, key string) (state, error) {
+	out, err := w.api.HeadObject(ctx, &s3.HeadObjectInput{Bucket: &w.bucket, Key: aws.String(w.objectKey(key))})
+	if err != nil {
+		if isNotFound(err) {
+			return state{}, nil
+		}
+		return state{}, err
+	}
+	st := state{exists: true, etag: aws.ToString(out.ETag), writeID: out.Metadata[MetaWriteID]}
+	if t, ok := out.Metadata[MetaToken]; ok {
+		n, err := strconv.ParseUint(t, 10, 64)
+		if err != nil || !fence.Token(n).Valid() {
+			return state{}, fmt.Errorf("s3fence: object %q has a malformed %s %q", key, MetaToken, t)
+		}
+		st.token = fence.Token(n)
+	} else {
+		st.unfenced = true
+	}
+	return st, nil
+}
+
+// Write stores value under key unless the object holds a larger token.
+func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
+	return w.put(ctx, "write", key, envelope{token: token, value: value})
+}
+
+// Delete replaces the object with a tombstone that keeps the fence at token,
+// unless the object holds a larger token. Read then returns fence.ErrNotFound.
+func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
+	return w.put(ctx, "delete", key, envelope{token: token, deleted: true})
+}
+
+func newWriteID() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
+	if err := checkKey(op, key); err != nil {
+		return err
+	}
+	if err := fence.CheckToken(op, e.token); err != nil {
+		return err
+	}
+	e.writeID = newWriteID()
+	body := e.encode()
+	meta := map[string]string{MetaToken: strconv.FormatUint(uint64(e.token), 10), MetaWriteID: e.writeID}
+	if e.deleted {
+		meta[MetaDeleted] = "1"
+	}
+	var st state
+	haveState := false
+	if w.o.ReuseETag {
+		w.mu.Lock()
+		st, haveState = w.last[key]
+		w.mu.Unlock()
+	}
+	for attempt := 0; attempt < w.o.MaxAttempts; attempt++ {
+		if !haveState {
+			var err error
+			if st, err = w.head(ctx, key); err != nil {
+				return fmt.Errorf("s3fence: %s %q: %w", op, key, err)
+			}
+		}
+		haveState = false
+		if st.unfenced && w.o.RefuseUnfenced {
+			return fmt.Errorf("s3fence: %s %q: %w", op, key, ErrUnfenced)
+		}
+		if st.token > e.token {
+			return &fence.StaleError{Key: key, Offered: e.token, Current: st.token}
+		}
+		in := &s3.PutObjectInput{Bucket: &w.bucket, Key: aws.String(w.objectKey(key)),
+			Body: bytes.NewReader(body), ContentLength: aws.Int64(int64(len(body))), Metadata: meta}
+		if st.exists {
+			in.IfMatch = aws.String(st.etag)
+		} else {
+			in.IfNoneMatch = aws.String("*")
+		}
+		out, err := w.api.PutObject(ctx, in)
+		if err == nil {
+			w.remember(key, state{exists: true, etag: aws.ToString(out.ETag), token: e.token, writeID: e.writeID})
+			return nil
+		}
+		if !isConflict(err) {
+			return fmt.Errorf("s3fence: %s %q: %w", op, key, err)
+		}
+		// Someone wrote in between, or our own write succeeded and its
+		// response was lost (the SDK's retry then fails the precondition).
+		cur, herr := w.head(ctx, key)
+		if herr != nil {
+			return fmt.Errorf("s3fence: %s %q: %w", op, key, herr)
+		}
+		if cur.exists && cur.writeID == e.writeID {
+			w.remember(key, cur)
+			return nil
+		}
+		st, haveState = cur, true
+	}
+	w.forget(key)
+	return fmt.Errorf("s3fence: %s %q: %d attempts: %w", op, key, w.o.MaxAttempts, ErrContention)
+}
+
+func (w *Writer) remember(key string, st state) {
+	if !w.o.ReuseETag {
+		return
+	}
+	w.mu.Lock()
+	w.last[key] = st
+	w.mu.Unlock()
+}
+
+func (w *Writer) forget(key string) {
+	if !w.o.ReuseETag {
+		return
+	}
+	w.mu.Lock()
+	delete(w.last, key)
+	w.mu.Unlock()
+}
+
+// Read returns the value stored under key and its token. A key never written or
+// deleted returns fence.ErrNotFound. An object written by another tool returns
+// its whole body with token 0 (or ErrUnfenced with RefuseUnfenced).
+func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
+	if err := checkKey("read", key); err != nil {
+		return nil, 0, err
+	}
+	out, err := w.api.GetObject(ctx, &s3.GetObjectInput{Bucket: &w.bucket, Key: aws.String(w.objectKey(key))})
+	if err != nil {
+		if isNotFound(err) {
+			return nil, 0, fence.ErrNotFound
+		}
+		return nil, 0, fmt.Errorf("s3fence: read %q: %w", key, err)
+	}
+	defer out.Body.Close()
+	b, err := io.ReadAll(out.Body)
+	if err != nil {
+		return nil, 0, fmt.Errorf("s3fence: read %q: %w", key, err)
+	}
+	e, err := parseEnvelope(b)
+	switch {
+	case errors.Is(err, errNoEnvelope):
+		if w.o.RefuseUnfenced {
+			return nil, 0, fmt.Errorf("s3fence: read %q: %w", key, ErrUnfenced)
+		}
+		return b, 0, nil
+	case err != nil:
+		return nil, 0, fmt.Errorf("s3fence: read %q: %w", key, err)
+	case e.deleted:
+		return nil, 0, fence.ErrNotFound
+	}
+	if e.value == nil {
+		e.value = []byte{}
+	}
+	return e.value, e.token, nil
+}
+
+// isConflict reports a failed precondition: 412 PreconditionFailed, 409
+// ConditionalRequestConflict, or NoSuchKey for If-Match on a key deleted in
+// between.
+func isConflict(err error) bool {
+	var ae smithy.APIError
+	if errors.As(err, &ae) {
+		switch ae.ErrorCode() {
+		case "PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey":
+			return true
+		}
+	}
+	switch httpStatus(err) {
+	case 412, 409:
+		return true
+	}
+	return false
+}
+
+func isNotFound(err error) bool {
+	var nk *types.NoSuchKey
+	var nf *types.NotFound
+	if errors.As(err, &nk) || errors.As(err, &nf) {
+		return true
+	}
+	var ae smithy.APIError
+	if errors.As(err, &ae) && (ae.ErrorCode() == "NoSuchKey" || ae.ErrorCode() == "NotFound") {
+		return true
+	}
+	return httpStatus(err) == 404
+}
+
+func httpStatus(err error) int {
+	var re *awshttp.ResponseError
+	if errors.As(err, &re) {
+		return re.HTTPStatusCode()
+	}
+	return 0
+}
+
