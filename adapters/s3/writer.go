@@ -332,4 +332,3 @@ func httpStatus(err error) int {
 	}
 	return 0
 }
-
