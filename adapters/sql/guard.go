@@ -96,18 +96,9 @@ func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Tok
 	if err := fence.CheckToken("guard", token); err != nil {
 		return err
 	}
-	var c conn
-	switch t := tx.(type) {
-	case *sql.Tx:
-		c = stdConn{t}
-	case pgx.Tx:
-		c = pgxConn{t}
-	case stdQuerier:
-		c = stdConn{t}
-	case PgxQuerier:
-		c = pgxConn{t}
-	default:
-		return &fence.InvalidError{Op: "guard", Arg: "tx", Reason: fmt.Sprintf("%T is neither a pgx.Tx nor a *sql.Tx", tx)}
+	c, err := txConn("guard", tx)
+	if err != nil {
+		return err
 	}
 	n, err := c.exec(ctx, g.guard, name, int64(token))
 	if err != nil {
@@ -124,6 +115,22 @@ func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Tok
 		return fmt.Errorf("sqlfence: guard %q: the fence row holds %d, not above token %d, yet it was not advanced: the guard table was changed outside sqlfence", name, cur, token)
 	}
 	return &fence.StaleError{Key: name, Offered: token, Current: fence.Token(cur)}
+}
+
+// txConn wraps the caller's transaction: a *sql.Tx or a pgx.Tx (or anything
+// with the methods of either).
+func txConn(op string, tx any) (conn, error) {
+	switch t := tx.(type) {
+	case *sql.Tx:
+		return stdConn{t}, nil
+	case pgx.Tx:
+		return pgxConn{t}, nil
+	case stdQuerier:
+		return stdConn{t}, nil
+	case PgxQuerier:
+		return pgxConn{t}, nil
+	}
+	return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: fmt.Sprintf("%T is neither a pgx.Tx nor a *sql.Tx", tx)}
 }
 
 func (g *Guards) wrap(err error) error {

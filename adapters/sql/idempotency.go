@@ -1,0 +1,219 @@
+package sqlfence
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/idempotency"
+)
+
+// IdempotencyOptions configures an IdempotencyStore. A nil pointer means the defaults.
+type IdempotencyOptions struct {
+	// Table holds one row per key; it may be schema-qualified.
+	// Default: "fence_idempotency".
+	Table string
+}
+
+// IdempotencyStore is an idempotency.Store in a SQL table. Each method is one
+// statement, decided on the database server's clock (milliseconds). On
+// PostgreSQL it is also an idempotency.Notifier: a change that ends an owner's
+// hold (completed, failed, released, unknown) runs pg_notify in the same
+// statement, and Do with Wait wakes on it through LISTEN.
+type IdempotencyStore struct {
+	db    *DB
+	table string
+	ddl   string
+
+	begin, get, update, purge string
+}
+
+var _ idempotency.Store = (*IdempotencyStore)(nil)
+
+// NewIdempotencyStore returns a store on db. It returns an error matching
+// fence.ErrInvalid for a table name that is not a plain SQL identifier.
+func NewIdempotencyStore(db *DB, opts *IdempotencyOptions) (*IdempotencyStore, error) {
+	table := "fence_idempotency"
+	if opts != nil && opts.Table != "" {
+		table = opts.Table
+	}
+	t, err := quoteIdent("new idempotency store", "table", table, true)
+	if err != nil {
+		return nil, err
+	}
+	d := db.d
+	now := d.nowMs
+	s := &IdempotencyStore{db: db, table: table}
+	s.ddl = fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
+  key %s PRIMARY KEY,
+  fingerprint %s NOT NULL,
+  state %s NOT NULL,
+  fence %s NOT NULL,
+  owner %s NOT NULL,
+  lease_until %s NOT NULL,
+  started_at %s NOT NULL,
+  expires_at %s,
+  result %s,
+  result_dropped %s NOT NULL DEFAULT 0
+)`, t, d.textType, d.textType, d.textType, d.intType, d.textType, d.intType, d.intType, d.intType, d.blobType, d.intType)
+	cols := fmt.Sprintf("fingerprint, state, fence, owner, lease_until - %s, %s - started_at, result, result_dropped", now, now)
+	// A claim creates the row, or takes over a released one or one past its
+	// retention, raising the fence. Otherwise it changes nothing.
+	s.begin = fmt.Sprintf(`INSERT INTO %[1]s AS cur (key, fingerprint, state, fence, owner, lease_until, started_at, expires_at, result, result_dropped)
+VALUES ($1, $2, 'claimed', 1, $3, %[2]s + $4, %[2]s, NULL, NULL, 0)
+ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, state = 'claimed', fence = cur.fence + 1,
+  owner = excluded.owner, lease_until = excluded.lease_until, started_at = excluded.started_at,
+  expires_at = NULL, result = NULL, result_dropped = 0
+WHERE cur.state = 'released' OR (cur.expires_at IS NOT NULL AND cur.expires_at <= %[2]s)
+RETURNING fence`, t, now)
+	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE key = $1", cols, t)
+	// The compare-and-set: state and fence must be what the caller saw.
+	s.update = fmt.Sprintf(`UPDATE %[1]s SET state = $4, fence = $5, owner = $6, lease_until = %[2]s + $7,
+  started_at = CASE WHEN $8 = 1 THEN %[2]s ELSE started_at END,
+  expires_at = CASE WHEN $9 > 0 THEN %[2]s + $9 ELSE NULL END,
+  result = $10, result_dropped = $11
+WHERE key = $1 AND state = $2 AND fence = $3
+RETURNING key, %[3]s`, t, now, cols)
+	if d == postgresDialect {
+		s.update = fmt.Sprintf(`WITH u AS (%s)
+SELECT u.* FROM u LEFT JOIN LATERAL (
+  SELECT pg_notify('%s', md5('idem:' || u.key)) WHERE u.state NOT IN ('claimed', 'armed')) n ON true`, s.update, releaseChannel)
+	}
+	s.purge = fmt.Sprintf("DELETE FROM %s WHERE state = 'released' OR (expires_at IS NOT NULL AND expires_at <= %s)", t, now)
+	return s, nil
+}
+
+// DDL returns the CREATE TABLE statement of the store's table.
+func (s *IdempotencyStore) DDL() string { return s.ddl }
+
+// CreateTable creates the store's table if it does not exist.
+func (s *IdempotencyStore) CreateTable(ctx context.Context) error { return s.db.createTable(ctx, s.ddl) }
+
+func (s *IdempotencyStore) wrap(op string, err error) error {
+	if s.db.d.missingTable(err) {
+		return &TableError{Table: s.table, DDL: s.ddl, Err: err}
+	}
+	return fmt.Errorf("sqlfence: idempotency %s: %w", op, err)
+}
+
+func ms(d time.Duration) int64 { return d.Milliseconds() }
+
+// Begin claims key, or returns its record. See idempotency.Store.
+func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	if err := fence.CheckKey("idempotency begin", key); err != nil {
+		return idempotency.Record{}, false, err
+	}
+	var f int64
+	err := s.db.queryRow(ctx, s.begin, []any{key, fingerprint, owner, ms(lease)}, &f)
+	if err == nil {
+		return idempotency.Record{Key: key, Fingerprint: fingerprint, State: idempotency.Claimed, Fence: fence.Token(f), Owner: owner, LeaseLeft: lease}, true, nil
+	}
+	if !errors.Is(err, errNoRows) {
+		return idempotency.Record{}, false, s.wrap("begin", err)
+	}
+	rec, err := s.Get(ctx, key)
+	return rec, false, err
+}
+
+func scanRecord(key string, scan func(dest ...any) error) (idempotency.Record, error) {
+	var (
+		r                   idempotency.Record
+		state               string
+		f, leaseMs, startMs int64
+		dropped             int64
+	)
+	if err := scan(&r.Fingerprint, &state, &f, &r.Owner, &leaseMs, &startMs, &r.Result, &dropped); err != nil {
+		return r, err
+	}
+	r.Key, r.State, r.Fence = key, idempotency.State(state), fence.Token(f)
+	r.LeaseLeft, r.InProgressFor = time.Duration(leaseMs)*time.Millisecond, time.Duration(startMs)*time.Millisecond
+	r.ResultDropped = dropped != 0
+	return r, nil
+}
+
+// Get returns key's record, or fence.ErrNotFound.
+func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Record, error) {
+	return s.getOn(ctx, s.db.c, key)
+}
+
+func (s *IdempotencyStore) getOn(ctx context.Context, c conn, key string) (idempotency.Record, error) {
+	rec, err := scanRecord(key, func(dest ...any) error { return c.queryRow(ctx, s.get, []any{key}, dest...) })
+	if errors.Is(err, errNoRows) {
+		return rec, fence.ErrNotFound
+	}
+	if err != nil {
+		return rec, s.wrap("get", err)
+	}
+	return rec, nil
+}
+
+// Update is the compare-and-set on state and fence. See idempotency.Store.
+func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	return s.updateOn(ctx, s.db.c, key, from, fromFence, ch)
+}
+
+// CompleteTx records key's result inside tx, the caller's own transaction (a
+// pgx.Tx or a *sql.Tx), so that the caller's local writes and the key's
+// completion commit together or not at all. The record must be armed with
+// fence f (the attempt's Result.Fence); retention defaults to 24h.
+func (s *IdempotencyStore) CompleteTx(ctx context.Context, tx any, key string, f fence.Token, result []byte, retention time.Duration) error {
+	c, err := txConn("complete", tx)
+	if err != nil {
+		return err
+	}
+	if retention <= 0 {
+		retention = 24 * time.Hour
+	}
+	_, err = s.updateOn(ctx, c, key, idempotency.Armed, f, idempotency.Change{State: idempotency.Completed, Fence: f, Result: result, Retention: retention})
+	return err
+}
+
+func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	restart := 0
+	if ch.Restart {
+		restart = 1
+	}
+	dropped := 0
+	if ch.ResultDropped {
+		dropped = 1
+	}
+	args := []any{key, string(from), int64(fromFence), string(ch.State), int64(ch.Fence), ch.Owner, ms(ch.Lease), restart, ms(ch.Retention), ch.Result, dropped}
+	var gotKey string
+	rec, err := scanRecord(key, func(dest ...any) error {
+		return c.queryRow(ctx, s.update, args, append([]any{&gotKey}, dest...)...)
+	})
+	if err == nil {
+		return rec, nil
+	}
+	if !errors.Is(err, errNoRows) {
+		return rec, s.wrap("update", err)
+	}
+	cur, err := s.getOn(ctx, c, key)
+	if err != nil {
+		return cur, err
+	}
+	if cur.Fence != fromFence {
+		return cur, &fence.StaleError{Key: key, Offered: fromFence, Current: cur.Fence}
+	}
+	return cur, &idempotency.StateError{Key: key, Want: from, Got: cur.State}
+}
+
+// Purge removes released records and completed or failed ones past their retention.
+func (s *IdempotencyStore) Purge(ctx context.Context) (int, error) {
+	n, err := s.db.exec(ctx, s.purge)
+	if err != nil {
+		return 0, s.wrap("purge", err)
+	}
+	return int(n), nil
+}
+
+// Subscribe wakes a waiting Do when key's record leaves the owner's hands (on
+// PostgreSQL; elsewhere the channel never receives and Do polls).
+func (s *IdempotencyStore) Subscribe(key string) (<-chan struct{}, func()) {
+	if s.db.listen == nil {
+		return nil, func() {}
+	}
+	return s.db.listen.subscribe("idem:" + key)
+}

@@ -1,0 +1,93 @@
+package sqlfence_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
+)
+
+func idemStore(t *testing.T, fdb *sqlfence.DB) *sqlfence.IdempotencyStore {
+	s, err := sqlfence.NewIdempotencyStore(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.CreateTable(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestIdempotencySQLite(t *testing.T) {
+	_, fdb := openSQLite(t)
+	s := idemStore(t, fdb)
+	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }}.Run(t)
+}
+
+func TestIdempotencyPostgres(t *testing.T) {
+	for style, fdb := range pgHandles(t) {
+		t.Run(style, func(t *testing.T) {
+			s := idemStore(t, fdb)
+			idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }}.Run(t)
+		})
+	}
+}
+
+// TestIdempotencyCompleteTx: the key's completion and the caller's own write
+// commit together; a rolled-back transaction leaves the key armed and the row
+// unwritten.
+func TestIdempotencyCompleteTx(t *testing.T) {
+	ctx := context.Background()
+	pool := pgPool(t, pgOpts{})
+	s := idemStore(t, sqlfence.Pgx(pool))
+	table := "orders_" + fencetest.Name("o")[2:]
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+table+" (id TEXT PRIMARY KEY, charge TEXT)"); err != nil {
+		t.Fatal(err)
+	}
+	for _, commit := range []bool{false, true} {
+		k := fencetest.Name("order")
+		rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Update(ctx, k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute}); err != nil {
+			t.Fatal(err)
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, "INSERT INTO "+table+" VALUES ($1, 'ch_1')", k); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.CompleteTx(ctx, tx, k, rec.Fence, []byte("ch_1"), time.Hour); err != nil {
+			t.Fatal(err)
+		}
+		if commit {
+			err = tx.Commit(ctx)
+		} else {
+			err = tx.Rollback(ctx)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := s.Get(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var n int
+		if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+table+" WHERE id = $1", k).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if commit && (got.State != idempotency.Completed || n != 1) {
+			t.Errorf("committed: state %s, %d rows; want completed and 1", got.State, n)
+		}
+		if !commit && (got.State != idempotency.Armed || n != 0) {
+			t.Errorf("rolled back: state %s, %d rows; want armed and 0", got.State, n)
+		}
+	}
+}

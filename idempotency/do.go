@@ -1,0 +1,359 @@
+package idempotency
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+// Effect performs the side effect once. effectKey is derived from the key and
+// the attempt's fence: pass it to the third party's own idempotency header, so
+// that an attempt taken over after a crash cannot make a provider that
+// deduplicates act twice. ctx is cancelled if the key's lease cannot be renewed.
+//
+// Classify the error: wrap it with NotSent when the effect provably did not
+// happen (the key is released and may be claimed again), with Definitive for a
+// business failure that must be replayed (the key becomes failed); any other
+// error is ambiguous: the record stays armed, and a later caller reconciles it.
+type Effect func(ctx context.Context, effectKey string) (result []byte, err error)
+
+// Reconcile tells, for an armed record whose owner is gone, whether the effect
+// made under effectKey happened (ask the provider). done with result completes
+// the key; not done lets Do run the effect again under a new effect key; an error
+// leaves the record as it is.
+type Reconcile func(ctx context.Context, effectKey string) (done bool, result []byte, err error)
+
+type classified struct {
+	err        error
+	notSent    bool
+	definitive bool
+}
+
+func (c *classified) Error() string { return c.err.Error() }
+func (c *classified) Unwrap() error { return c.err }
+
+// NotSent marks err as an effect that provably did not happen.
+func NotSent(err error) error { return &classified{err: err, notSent: true} }
+
+// Definitive marks err as a definitive business failure, replayed to later callers.
+func Definitive(err error) error { return &classified{err: err, definitive: true} }
+
+// Options configures Do. A nil *Options means the defaults.
+type Options struct {
+	// Owner identifies this caller in the record. Default: a random id.
+	Owner string
+	// Lease is how long a claim lasts without renewal; Do renews it every
+	// Lease/3 while the effect runs. Default: 30s.
+	Lease time.Duration
+	// InProgressCeiling bounds how long one owner may keep a key in progress by
+	// renewing; past it, Do stops renewing and cancels the effect's context.
+	// Default: 10 * Lease.
+	InProgressCeiling time.Duration
+	// Retention keeps completed and failed results for replay. Default: 24h.
+	Retention time.Duration
+	// MaxResultSize bounds a stored result. A larger one completes the key
+	// without its result (replays get ErrResultNotStored). Default: 64 KiB.
+	MaxResultSize int
+	// Wait makes Do wait while the key is in progress elsewhere (woken by the
+	// store's notifications where it has them, else polling), instead of
+	// returning ErrInProgress. ctx bounds the wait.
+	Wait bool
+	// Reconcile is consulted for an armed record whose owner's lease expired.
+	// Without it, such a record becomes unknown.
+	Reconcile Reconcile
+	// CompleteTimeout bounds recording the result after the effect, with a
+	// context detached from the caller's; the write is retried until then.
+	// Default: 10s.
+	CompleteTimeout time.Duration
+}
+
+func (o *Options) withDefaults() Options {
+	var x Options
+	if o != nil {
+		x = *o
+	}
+	if x.Owner == "" {
+		var b [8]byte
+		_, _ = rand.Read(b[:])
+		x.Owner = hex.EncodeToString(b[:])
+	}
+	if x.Lease <= 0 {
+		x.Lease = 30 * time.Second
+	}
+	if x.InProgressCeiling <= 0 {
+		x.InProgressCeiling = 10 * x.Lease
+	}
+	if x.Retention <= 0 {
+		x.Retention = 24 * time.Hour
+	}
+	if x.MaxResultSize <= 0 {
+		x.MaxResultSize = 64 << 10
+	}
+	if x.CompleteTimeout <= 0 {
+		x.CompleteTimeout = 10 * time.Second
+	}
+	return x
+}
+
+// Result is what Do returns.
+type Result struct {
+	// Value is the effect's result.
+	Value []byte
+	// Replayed is true when the effect ran earlier (in another call) and this
+	// is its recorded result.
+	Replayed bool
+	// Fence is the fence of the attempt that produced it.
+	Fence fence.Token
+}
+
+// EffectKey derives the effect key of key's attempt with fence f: stable for one
+// attempt, different for every takeover.
+func EffectKey(key string, f fence.Token) string {
+	h := sha256.Sum256([]byte(fmt.Sprintf("%d\x00%s", uint64(f), key)))
+	return hex.EncodeToString(h[:16])
+}
+
+// Do runs effect at most once for key and returns its result; later calls with
+// the same key and fingerprint replay the recorded result (Replayed). See the
+// package documentation for the states, and Options for the choices.
+//
+// Errors: ErrFingerprintMismatch; an *InProgressError (ErrInProgress) while
+// another owner holds the key; a *FailedError (ErrFailed) replaying a definitive
+// failure; ErrUnknown when the effect may have happened and nothing can tell;
+// the effect's own error (classified as above); ErrNotRecorded when the effect
+// completed but the result could not be recorded; ErrResultNotStored replaying
+// a result that was too large to keep.
+func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, opts *Options) (Result, error) {
+	if err := fence.CheckKey("idempotency", key); err != nil {
+		return Result{}, err
+	}
+	if effect == nil {
+		return Result{}, &fence.InvalidError{Op: "idempotency", Arg: "effect", Reason: "nil function"}
+	}
+	o := opts.withDefaults()
+	var wake <-chan struct{}
+	if n, ok := s.(Notifier); ok && o.Wait {
+		var unsubscribe func()
+		wake, unsubscribe = n.Subscribe(key)
+		defer unsubscribe()
+	}
+	for attempt := 0; ; attempt++ {
+		rec, created, err := s.Begin(ctx, key, fingerprint, o.Owner, o.Lease)
+		if err != nil {
+			return Result{}, err
+		}
+		if created {
+			return run(ctx, s, rec, effect, o)
+		}
+		res, owned, err := decide(ctx, s, rec, fingerprint, o)
+		if owned != nil {
+			return run(ctx, s, *owned, effect, o)
+		}
+		var ip *InProgressError
+		if !o.Wait || !errors.As(err, &ip) {
+			return res, err
+		}
+		// Wait for the other owner: a notification, or its lease running out.
+		delay := min(ip.LeaseLeft, fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}.Delay(attempt))
+		if delay <= 0 {
+			delay = time.Millisecond
+		}
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return Result{}, errors.Join(err, context.Cause(ctx))
+		case <-wake:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+}
+
+// decide handles a key that already has a record: replay it, report it, or take
+// it over (owned is then the record this caller now owns).
+func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Options) (Result, *Record, error) {
+	if rec.Fingerprint != fingerprint {
+		return Result{}, nil, fmt.Errorf("%w: key %q", ErrFingerprintMismatch, rec.Key)
+	}
+	switch rec.State {
+	case Completed:
+		if rec.ResultDropped {
+			return Result{Replayed: true, Fence: rec.Fence}, nil, fmt.Errorf("%w: key %q", ErrResultNotStored, rec.Key)
+		}
+		return Result{Value: rec.Result, Replayed: true, Fence: rec.Fence}, nil, nil
+	case Failed:
+		return Result{Replayed: true, Fence: rec.Fence}, nil, &FailedError{Key: rec.Key, Message: string(rec.Result)}
+	case Unknown:
+		return Result{}, nil, fmt.Errorf("%w: key %q (fence %d): resolve it with Resolve", ErrUnknown, rec.Key, rec.Fence)
+	case Claimed, Armed:
+		if rec.LeaseLeft > 0 {
+			return Result{}, nil, &InProgressError{Key: rec.Key, Owner: rec.Owner, LeaseLeft: rec.LeaseLeft}
+		}
+	default:
+		return Result{}, nil, fmt.Errorf("idempotency: key %q in unexpected state %q", rec.Key, rec.State)
+	}
+	// The owner's lease expired.
+	takeover := Change{State: Claimed, Fence: rec.Fence + 1, Owner: o.Owner, Lease: o.Lease, Restart: true}
+	if rec.State == Claimed {
+		// It crashed before arming: the effect never started. Take over.
+		owned, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, takeover)
+		if err != nil {
+			return Result{}, nil, raced(err, rec)
+		}
+		return Result{}, &owned, nil
+	}
+	// Armed: the effect may have happened.
+	if o.Reconcile == nil {
+		_, err := s.Update(ctx, rec.Key, Armed, rec.Fence, Change{State: Unknown, Fence: rec.Fence, Owner: rec.Owner})
+		if err != nil {
+			return Result{}, nil, raced(err, rec)
+		}
+		return Result{}, nil, fmt.Errorf("%w: key %q: its owner %s stopped after arming (fence %d) and no Reconcile hook can tell",
+			ErrUnknown, rec.Key, rec.Owner, rec.Fence)
+	}
+	done, result, err := o.Reconcile(ctx, EffectKey(rec.Key, rec.Fence))
+	if err != nil {
+		return Result{}, nil, fmt.Errorf("idempotency: reconcile key %q: %w", rec.Key, err)
+	}
+	if done {
+		ch := Change{State: Completed, Fence: rec.Fence, Owner: rec.Owner, Result: result, Retention: o.Retention}
+		if len(result) > o.MaxResultSize {
+			ch.Result, ch.ResultDropped = nil, true
+		}
+		if _, err := s.Update(ctx, rec.Key, Armed, rec.Fence, ch); err != nil {
+			return Result{}, nil, raced(err, rec)
+		}
+		return Result{Value: result, Replayed: true, Fence: rec.Fence}, nil, nil
+	}
+	owned, err := s.Update(ctx, rec.Key, Armed, rec.Fence, takeover)
+	if err != nil {
+		return Result{}, nil, raced(err, rec)
+	}
+	return Result{}, &owned, nil
+}
+
+// raced turns a lost compare-and-set into "in progress elsewhere": another
+// caller changed the record first.
+func raced(err error, rec Record) error {
+	if errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) {
+		return &InProgressError{Key: rec.Key, Owner: "another caller", LeaseLeft: 0}
+	}
+	return err
+}
+
+// run is the owner's path: arm, run the effect under a renewed lease, record.
+func run(ctx context.Context, s Store, rec Record, effect Effect, o Options) (Result, error) {
+	armed, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, Change{State: Armed, Fence: rec.Fence, Owner: o.Owner, Lease: o.Lease})
+	if err != nil {
+		return Result{}, err
+	}
+	ectx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stop := renew(ectx, s, armed, o, cancel)
+	value, effErr := effect(ectx, EffectKey(rec.Key, rec.Fence))
+	stop()
+
+	var c *classified
+	switch {
+	case effErr == nil:
+		ch := Change{State: Completed, Fence: rec.Fence, Owner: o.Owner, Result: value, Retention: o.Retention}
+		if len(value) > o.MaxResultSize {
+			ch.Result, ch.ResultDropped = nil, true
+		}
+		if err := record(ctx, s, rec, ch, o); err != nil {
+			return Result{Value: value, Fence: rec.Fence}, err
+		}
+		return Result{Value: value, Fence: rec.Fence}, nil
+	case errors.As(effErr, &c) && c.notSent:
+		err := record(ctx, s, rec, Change{State: Released, Fence: rec.Fence, Owner: o.Owner}, o)
+		return Result{Fence: rec.Fence}, errors.Join(c.err, err)
+	case errors.As(effErr, &c) && c.definitive:
+		err := record(ctx, s, rec, Change{State: Failed, Fence: rec.Fence, Owner: o.Owner, Result: []byte(c.err.Error()), Retention: o.Retention}, o)
+		return Result{Fence: rec.Fence}, errors.Join(&FailedError{Key: rec.Key, Message: c.err.Error()}, c.err, err)
+	default:
+		// Ambiguous: the record stays armed; once its lease runs out, the next
+		// caller reconciles it or marks it unknown. Never deleted.
+		return Result{Fence: rec.Fence}, fmt.Errorf("idempotency: key %q: the effect may have happened: %w", rec.Key, effErr)
+	}
+}
+
+// record writes the owner's final change with a detached, bounded context,
+// retrying transient failures. If it cannot, the record stays armed.
+func record(ctx context.Context, s Store, rec Record, ch Change, o Options) error {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
+	defer cancel()
+	var err error
+	for attempt := 0; ; attempt++ {
+		_, err = s.Update(cctx, rec.Key, Armed, rec.Fence, ch)
+		if err == nil || errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) || errors.Is(err, fence.ErrNotFound) {
+			break
+		}
+		t := time.NewTimer(fence.Backoff{Min: 10 * time.Millisecond, Max: time.Second}.Delay(attempt))
+		select {
+		case <-cctx.Done():
+			t.Stop()
+			return fmt.Errorf("%w: key %q: %v (the record stays armed)", ErrNotRecorded, rec.Key, err)
+		case <-t.C:
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("%w: key %q: %w", ErrNotRecorded, rec.Key, err)
+	}
+	return nil
+}
+
+// renew extends the armed record's lease every Lease/3 until stopped, the
+// in-progress ceiling passes, or the record is taken over (then the effect's
+// context is cancelled with fence.ErrLost).
+func renew(ctx context.Context, s Store, rec Record, o Options, cancel context.CancelCauseFunc) (stop func()) {
+	done := make(chan struct{})
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		start := time.Now()
+		t := time.NewTicker(o.Lease / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			if time.Since(start) > o.InProgressCeiling {
+				cancel(fmt.Errorf("idempotency: key %q in progress longer than %v: %w", rec.Key, o.InProgressCeiling, fence.ErrLost))
+				return
+			}
+			_, err := s.Update(ctx, rec.Key, Armed, rec.Fence, Change{State: Armed, Fence: rec.Fence, Owner: o.Owner, Lease: o.Lease})
+			if errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) || errors.Is(err, fence.ErrNotFound) {
+				cancel(fmt.Errorf("idempotency: key %q taken over: %w", rec.Key, fence.ErrLost))
+				return
+			}
+		}
+	}()
+	return func() { close(done); <-finished }
+}
+
+// Resolve is the operator's way out of unknown: it sets key, in state unknown
+// with fence f, to completed (with result), failed (with a message in result) or
+// released (the effect did not happen; the key may be claimed again).
+func Resolve(ctx context.Context, s Store, key string, f fence.Token, to State, result []byte, retention time.Duration) error {
+	switch to {
+	case Completed, Failed, Released:
+	default:
+		return &fence.InvalidError{Op: "resolve", Arg: "state", Reason: fmt.Sprintf("%q is not completed, failed or released", to)}
+	}
+	if retention <= 0 {
+		retention = 24 * time.Hour
+	}
+	_, err := s.Update(ctx, key, Unknown, f, Change{State: to, Fence: f, Result: result, Retention: retention})
+	return err
+}

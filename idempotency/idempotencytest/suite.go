@@ -1,0 +1,471 @@
+// Package idempotencytest is the contract suite every idempotency.Store runs
+// against a real backend, including a matrix of owner crashes at each step.
+package idempotencytest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+)
+
+// Suite is the contract suite for an idempotency.Store.
+type Suite struct {
+	// New returns a store on a live backend; tests use fresh random keys.
+	New func(t *testing.T) idempotency.Store
+	// Lease is the short lease of the crash tests. Default: 300ms.
+	Lease time.Duration
+}
+
+// Run runs every test of the suite as a subtest of t.
+func (s Suite) Run(t *testing.T) {
+	if s.Lease <= 0 {
+		s.Lease = 300 * time.Millisecond
+	}
+	for _, tc := range []struct {
+		name string
+		fn   func(*testing.T)
+	}{
+		{"RunsOnceThenReplays", s.testRunsOnce},
+		{"FingerprintMismatch", s.testFingerprint},
+		{"InProgress", s.testInProgress},
+		{"WaitForOtherOwner", s.testWait},
+		{"ConcurrentCallersOneEffect", s.testConcurrent},
+		{"NotSentReleases", s.testNotSent},
+		{"DefinitiveFailureReplays", s.testDefinitive},
+		{"AmbiguousStaysArmedThenUnknown", s.testAmbiguous},
+		{"CrashAfterClaim", s.testCrashAfterClaim},
+		{"CrashAfterArmWithoutReconcile", s.testCrashAfterArm},
+		{"CrashDuringEffectReconcileNotDone", s.testCrashReconcileNotDone},
+		{"CrashAfterEffectReconcileDone", s.testCrashReconcileDone},
+		{"CrashDuringCompletion", s.testCrashDuringCompletion},
+		{"StaleOwnerCannotComplete", s.testStaleOwner},
+		{"ResultSizeLimit", s.testResultSize},
+		{"PurgeAfterRetention", s.testPurge},
+		{"UpdateErrors", s.testUpdateErrors},
+	} {
+		t.Run(tc.name, tc.fn)
+	}
+}
+
+func key() string { return fencetest.Name("idem") }
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// counter is an effect that counts its runs and returns a fixed result.
+type counter struct {
+	runs atomic.Int32
+	keys sync.Map // effect keys seen
+}
+
+func (c *counter) effect(result string) idempotency.Effect {
+	return func(ctx context.Context, effectKey string) ([]byte, error) {
+		c.runs.Add(1)
+		c.keys.Store(effectKey, true)
+		return []byte(result), nil
+	}
+}
+
+func (s Suite) opts(extra ...func(*idempotency.Options)) *idempotency.Options {
+	o := &idempotency.Options{Lease: s.Lease, Retention: time.Hour}
+	for _, f := range extra {
+		f(o)
+	}
+	return o
+}
+
+func state(t *testing.T, st idempotency.Store, k string) idempotency.Record {
+	t.Helper()
+	rec, err := st.Get(ctxT(t), k)
+	if err != nil {
+		t.Fatalf("Get(%q): %v", k, err)
+	}
+	return rec
+}
+
+func (s Suite) testRunsOnce(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("charged"), s.opts())
+	if err != nil || string(r.Value) != "charged" || r.Replayed {
+		t.Fatalf("first Do: %+v, %v", r, err)
+	}
+	if _, ok := c.keys.Load(idempotency.EffectKey(k, r.Fence)); !ok {
+		t.Errorf("the effect was not given EffectKey(key, fence %d)", r.Fence)
+	}
+	for i := 0; i < 3; i++ {
+		r2, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("again"), s.opts())
+		if err != nil || string(r2.Value) != "charged" || !r2.Replayed || r2.Fence != r.Fence {
+			t.Fatalf("replay %d: %+v, %v", i, r2, err)
+		}
+	}
+	if n := c.runs.Load(); n != 1 {
+		t.Errorf("effect ran %d times, want 1", n)
+	}
+	if rec := state(t, st, k); rec.State != idempotency.Completed {
+		t.Errorf("state %s, want completed", rec.State)
+	}
+}
+
+func (s Suite) testFingerprint(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	if _, err := idempotency.Do(ctxT(t), st, k, "amount=10", c.effect("ok"), s.opts()); err != nil {
+		t.Fatal(err)
+	}
+	_, err := idempotency.Do(ctxT(t), st, k, "amount=99", c.effect("ok"), s.opts())
+	if !errors.Is(err, idempotency.ErrFingerprintMismatch) {
+		t.Fatalf("same key, other request: %v, want ErrFingerprintMismatch", err)
+	}
+	if c.runs.Load() != 1 {
+		t.Errorf("effect ran %d times", c.runs.Load())
+	}
+}
+
+func (s Suite) testInProgress(t *testing.T) {
+	st := s.New(t)
+	k := key()
+	if _, _, err := st.Begin(ctxT(t), k, "fp", "other", 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	c := &counter{}
+	_, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts())
+	var ip *idempotency.InProgressError
+	if !errors.As(err, &ip) || ip.LeaseLeft <= 0 || ip.LeaseLeft > 10*time.Second || ip.Owner != "other" {
+		t.Fatalf("Do on a key held elsewhere: %v, want InProgressError with the lease left", err)
+	}
+	if c.runs.Load() != 0 {
+		t.Error("the effect ran while another owner held the key")
+	}
+}
+
+func (s Suite) testWait(t *testing.T) {
+	st := s.New(t)
+	k := key()
+	release := make(chan struct{})
+	started := make(chan struct{})
+	go func() {
+		_, _ = idempotency.Do(context.Background(), st, k, "fp", func(context.Context, string) ([]byte, error) {
+			close(started)
+			<-release
+			return []byte("first"), nil
+		}, s.opts(func(o *idempotency.Options) { o.Lease = 10 * time.Second }))
+	}()
+	<-started
+	time.AfterFunc(100*time.Millisecond, func() { close(release) })
+	c := &counter{}
+	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("second"), s.opts(func(o *idempotency.Options) { o.Wait = true }))
+	if err != nil || string(r.Value) != "first" || !r.Replayed {
+		t.Fatalf("waiting Do: %+v, %v; want the first owner's result replayed", r, err)
+	}
+	if c.runs.Load() != 0 {
+		t.Error("the waiting caller ran the effect too")
+	}
+}
+
+func (s Suite) testConcurrent(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	var wg sync.WaitGroup
+	results := make(chan string, 10)
+	for i := 0; i < 10; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := idempotency.Do(ctxT(t), st, k, "fp", func(ctx context.Context, ek string) ([]byte, error) {
+				time.Sleep(20 * time.Millisecond)
+				return c.effect("once")(ctx, ek)
+			}, s.opts(func(o *idempotency.Options) { o.Wait = true; o.Lease = 10 * time.Second }))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			results <- string(r.Value)
+		}()
+	}
+	wg.Wait()
+	close(results)
+	for r := range results {
+		if r != "once" {
+			t.Errorf("a caller got %q", r)
+		}
+	}
+	if n := c.runs.Load(); n != 1 {
+		t.Errorf("10 concurrent callers ran the effect %d times, want 1", n)
+	}
+}
+
+func (s Suite) testNotSent(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	refused := errors.New("provider refused before charging")
+	r1, err := idempotency.Do(ctxT(t), st, k, "fp", func(context.Context, string) ([]byte, error) {
+		return nil, idempotency.NotSent(refused)
+	}, s.opts())
+	if !errors.Is(err, refused) {
+		t.Fatalf("not-sent effect: %v", err)
+	}
+	if rec := state(t, st, k); rec.State != idempotency.Released {
+		t.Fatalf("state after a not-sent effect: %s, want released", rec.State)
+	}
+	r2, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("charged"), s.opts())
+	if err != nil || string(r2.Value) != "charged" || r2.Replayed {
+		t.Fatalf("after release: %+v, %v", r2, err)
+	}
+	if r2.Fence <= r1.Fence {
+		t.Errorf("fence after the re-claim %d not above %d", r2.Fence, r1.Fence)
+	}
+}
+
+func (s Suite) testDefinitive(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	_, err := idempotency.Do(ctxT(t), st, k, "fp", func(context.Context, string) ([]byte, error) {
+		return nil, idempotency.Definitive(errors.New("card declined"))
+	}, s.opts())
+	var fe *idempotency.FailedError
+	if !errors.As(err, &fe) || fe.Message != "card declined" {
+		t.Fatalf("definitive failure: %v", err)
+	}
+	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts())
+	if !errors.As(err, &fe) || fe.Message != "card declined" || !r.Replayed {
+		t.Fatalf("replayed failure: %+v, %v", r, err)
+	}
+	if c.runs.Load() != 0 {
+		t.Error("a definitive failure was retried")
+	}
+}
+
+func (s Suite) testAmbiguous(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	timeout := errors.New("read timeout after sending the charge")
+	_, err := idempotency.Do(ctxT(t), st, k, "fp", func(context.Context, string) ([]byte, error) { return nil, timeout }, s.opts())
+	if !errors.Is(err, timeout) {
+		t.Fatalf("ambiguous effect: %v", err)
+	}
+	rec := state(t, st, k)
+	if rec.State != idempotency.Armed {
+		t.Fatalf("state after an ambiguous error: %s, want armed (never deleted)", rec.State)
+	}
+	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts()); !errors.Is(err, idempotency.ErrInProgress) {
+		t.Errorf("while the ambiguous owner's lease runs: %v, want ErrInProgress", err)
+	}
+	time.Sleep(s.Lease + 100*time.Millisecond)
+	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts()); !errors.Is(err, idempotency.ErrUnknown) {
+		t.Fatalf("after the lease, without Reconcile: %v, want ErrUnknown", err)
+	}
+	rec = state(t, st, k)
+	if rec.State != idempotency.Unknown || c.runs.Load() != 0 {
+		t.Fatalf("state %s, runs %d: want unknown and no blind retry", rec.State, c.runs.Load())
+	}
+	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts()); !errors.Is(err, idempotency.ErrUnknown) {
+		t.Errorf("an unknown key again: %v", err)
+	}
+	// The operator checked with the provider: it happened.
+	if err := idempotency.Resolve(ctxT(t), st, k, rec.Fence, idempotency.Completed, []byte("charged (resolved)"), time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts())
+	if err != nil || string(r.Value) != "charged (resolved)" || !r.Replayed {
+		t.Errorf("after Resolve: %+v, %v", r, err)
+	}
+}
+
+// crashedOwner leaves key as an owner that stopped at a step would: claimed, or armed.
+func (s Suite) crashedOwner(t *testing.T, st idempotency.Store, k string, arm bool) idempotency.Record {
+	t.Helper()
+	rec, created, err := st.Begin(ctxT(t), k, "fp", "crashed", s.Lease)
+	if err != nil || !created {
+		t.Fatalf("Begin: %v, created %v", err, created)
+	}
+	if arm {
+		if rec, err = st.Update(ctxT(t), k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "crashed", Lease: s.Lease}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(s.Lease + 100*time.Millisecond) // its lease runs out on the store's clock
+	return rec
+}
+
+func (s Suite) testCrashAfterClaim(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	old := s.crashedOwner(t, st, k, false)
+	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("taken over"), s.opts())
+	if err != nil || string(r.Value) != "taken over" || r.Replayed {
+		t.Fatalf("takeover of a claim: %+v, %v", r, err)
+	}
+	if r.Fence <= old.Fence || c.runs.Load() != 1 {
+		t.Errorf("takeover fence %d (old %d), runs %d", r.Fence, old.Fence, c.runs.Load())
+	}
+	if _, ok := c.keys.Load(idempotency.EffectKey(k, old.Fence)); ok {
+		t.Error("the takeover reused the crashed attempt's effect key")
+	}
+}
+
+func (s Suite) testCrashAfterArm(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	s.crashedOwner(t, st, k, true)
+	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts()); !errors.Is(err, idempotency.ErrUnknown) {
+		t.Fatalf("armed and abandoned, no Reconcile: %v, want ErrUnknown", err)
+	}
+	if rec := state(t, st, k); rec.State != idempotency.Unknown || c.runs.Load() != 0 {
+		t.Errorf("state %s, runs %d", rec.State, c.runs.Load())
+	}
+}
+
+func (s Suite) testCrashReconcileNotDone(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	old := s.crashedOwner(t, st, k, true)
+	var asked string
+	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("second attempt"), s.opts(func(o *idempotency.Options) {
+		o.Reconcile = func(_ context.Context, ek string) (bool, []byte, error) { asked = ek; return false, nil, nil }
+	}))
+	if err != nil || string(r.Value) != "second attempt" {
+		t.Fatalf("reconcile not done: %+v, %v", r, err)
+	}
+	if asked != idempotency.EffectKey(k, old.Fence) {
+		t.Errorf("Reconcile asked about %q, want the crashed attempt's effect key", asked)
+	}
+	if _, ok := c.keys.Load(idempotency.EffectKey(k, old.Fence)); ok || r.Fence <= old.Fence {
+		t.Errorf("the new attempt must use a new effect key and a larger fence (got fence %d after %d)", r.Fence, old.Fence)
+	}
+}
+
+func (s Suite) testCrashReconcileDone(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	s.crashedOwner(t, st, k, true)
+	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts(func(o *idempotency.Options) {
+		o.Reconcile = func(context.Context, string) (bool, []byte, error) { return true, []byte("found at the provider"), nil }
+	}))
+	if err != nil || string(r.Value) != "found at the provider" || !r.Replayed {
+		t.Fatalf("reconcile done: %+v, %v", r, err)
+	}
+	if c.runs.Load() != 0 {
+		t.Error("the effect ran although Reconcile found it done")
+	}
+	if rec := state(t, st, k); rec.State != idempotency.Completed {
+		t.Errorf("state %s, want completed", rec.State)
+	}
+}
+
+// failCompletion is a store whose completions fail, as a crash during the
+// completion write would leave it.
+type failCompletion struct{ idempotency.Store }
+
+func (f failCompletion) Update(ctx context.Context, k string, from idempotency.State, ff fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	if ch.State == idempotency.Completed {
+		return idempotency.Record{}, errors.New("injected: connection lost during completion")
+	}
+	return f.Store.Update(ctx, k, from, ff, ch)
+}
+
+func (s Suite) testCrashDuringCompletion(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	r, err := idempotency.Do(ctxT(t), failCompletion{st}, k, "fp", c.effect("charged"), s.opts(func(o *idempotency.Options) {
+		o.CompleteTimeout = 200 * time.Millisecond
+	}))
+	if !errors.Is(err, idempotency.ErrNotRecorded) || string(r.Value) != "charged" {
+		t.Fatalf("completion that cannot be recorded: %+v, %v; want the value and ErrNotRecorded", r, err)
+	}
+	if rec := state(t, st, k); rec.State != idempotency.Armed {
+		t.Fatalf("state %s, want armed (never deleted)", rec.State)
+	}
+	time.Sleep(s.Lease + 100*time.Millisecond)
+	r2, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("again"), s.opts(func(o *idempotency.Options) {
+		o.Reconcile = func(context.Context, string) (bool, []byte, error) { return true, []byte("charged"), nil }
+	}))
+	if err != nil || string(r2.Value) != "charged" || c.runs.Load() != 1 {
+		t.Fatalf("after reconcile: %+v, %v, runs %d", r2, err, c.runs.Load())
+	}
+}
+
+func (s Suite) testStaleOwner(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	old := s.crashedOwner(t, st, k, true)
+	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("new owner"), s.opts(func(o *idempotency.Options) {
+		o.Reconcile = func(context.Context, string) (bool, []byte, error) { return false, nil, nil }
+	})); err != nil {
+		t.Fatal(err)
+	}
+	// The old owner wakes up and tries to record its completion.
+	_, err := st.Update(ctxT(t), k, idempotency.Armed, old.Fence, idempotency.Change{State: idempotency.Completed, Fence: old.Fence, Result: []byte("stale")})
+	var se *fence.StaleError
+	if !errors.As(err, &se) || se.Current <= old.Fence {
+		t.Fatalf("stale owner's completion: %v, want StaleError", err)
+	}
+	if rec := state(t, st, k); string(rec.Result) != "new owner" {
+		t.Errorf("stored result %q", rec.Result)
+	}
+}
+
+func (s Suite) testResultSize(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	big := fmt.Sprintf("%040d", 7)
+	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect(big), s.opts(func(o *idempotency.Options) { o.MaxResultSize = 16 }))
+	if err != nil || string(r.Value) != big {
+		t.Fatalf("first call with an oversized result: %+v, %v", r, err)
+	}
+	_, err = idempotency.Do(ctxT(t), st, k, "fp", c.effect(big), s.opts(func(o *idempotency.Options) { o.MaxResultSize = 16 }))
+	if !errors.Is(err, idempotency.ErrResultNotStored) || c.runs.Load() != 1 {
+		t.Fatalf("replay of an oversized result: %v (runs %d), want ErrResultNotStored and no rerun", err, c.runs.Load())
+	}
+}
+
+func (s Suite) testPurge(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("v"), s.opts(func(o *idempotency.Options) { o.Retention = 100 * time.Millisecond })); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(250 * time.Millisecond)
+	n, err := st.Purge(ctxT(t))
+	if err != nil || n < 1 {
+		t.Fatalf("Purge: %d, %v", n, err)
+	}
+	if _, err := st.Get(ctxT(t), k); !errors.Is(err, fence.ErrNotFound) {
+		t.Errorf("after purge: %v", err)
+	}
+	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("v2"), s.opts()); err != nil || c.runs.Load() != 2 {
+		t.Errorf("a purged key runs anew: %v, runs %d", err, c.runs.Load())
+	}
+}
+
+func (s Suite) testUpdateErrors(t *testing.T) {
+	st := s.New(t)
+	k := key()
+	if _, err := st.Update(ctxT(t), k, idempotency.Claimed, 1, idempotency.Change{State: idempotency.Armed, Fence: 1}); !errors.Is(err, fence.ErrNotFound) {
+		t.Errorf("Update of a missing key: %v", err)
+	}
+	rec, _, err := st.Begin(ctxT(t), k, "fp", "me", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Update(ctxT(t), k, idempotency.Armed, rec.Fence, idempotency.Change{State: idempotency.Completed, Fence: rec.Fence}); !errors.Is(err, idempotency.ErrStateChanged) {
+		t.Errorf("Update from the wrong state: %v", err)
+	}
+	if _, _, err := st.Begin(ctxT(t), "", "fp", "me", time.Minute); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Begin with an empty key: %v", err)
+	}
+	if _, err := idempotency.Do(ctxT(t), st, k, "fp", nil, nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Do with a nil effect: %v", err)
+	}
+}
