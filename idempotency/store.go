@@ -7,22 +7,22 @@
 // Every key has a record at the store. Each change is one atomic
 // compare-and-set on the record's state and fence, decided on the store's clock:
 //
-//	(none) --claim--> claimed --arm--> armed --+--> completed   (result stored, replayed)
-//	                     |                      +--> failed      (definitive failure, replayed)
-//	                     |                      +--> released    (provably not sent: claim again)
-//	                     |                      +--> unknown     (may have happened: never retried blindly)
-//	                     +--> released
+//		(none) --claim--> claimed --arm--> armed --+--> completed   (result stored, replayed)
+//		                     |                      +--> failed      (definitive failure, replayed)
+//		                     |                      +--> released    (provably not sent: claim again)
+//		                     |                      +--> unknown     (may have happened: never retried blindly)
+//		                     +--> released
 //
-//   - claimed: an owner holds the key under a lease; the effect has not started.
-//   - armed: recorded durably before the effect is called: from here on, the
-//     effect may have happened.
-//   - completed / failed: the effect's result (or its definitive failure) is
-//     stored and replayed to every later caller with the same key, until the
-//     retention passes.
-//   - released: the effect provably did not happen; the key can be claimed again.
-//   - unknown: the owner crashed or got an ambiguous error after arming, and no
-//     Reconcile hook could tell whether the effect happened. An operator
-//     resolves it (Store.Resolve); Do never runs the effect again on its own.
+//	  - claimed: an owner holds the key under a lease; the effect has not started.
+//	  - armed: recorded durably before the effect is called: from here on, the
+//	    effect may have happened.
+//	  - completed / failed: the effect's result (or its definitive failure) is
+//	    stored and replayed to every later caller with the same key, until the
+//	    retention passes.
+//	  - released: the effect provably did not happen; the key can be claimed again.
+//	  - unknown: the owner crashed or got an ambiguous error after arming, and no
+//	    Reconcile hook could tell whether the effect happened. An operator
+//	    resolves it (Store.Resolve); Do never runs the effect again on its own.
 //
 // Every claim and takeover raises the record's fence, and every later change is
 // conditional on it, so an owner that was taken over cannot complete, release or

@@ -89,7 +89,9 @@ SELECT u.* FROM u LEFT JOIN LATERAL (
 func (s *IdempotencyStore) DDL() string { return s.ddl }
 
 // CreateTable creates the store's table if it does not exist.
-func (s *IdempotencyStore) CreateTable(ctx context.Context) error { return s.db.createTable(ctx, s.ddl) }
+func (s *IdempotencyStore) CreateTable(ctx context.Context) error {
+	return s.db.createTable(ctx, s.ddl)
+}
 
 func (s *IdempotencyStore) wrap(op string, err error) error {
 	if s.db.d.missingTable(err) {

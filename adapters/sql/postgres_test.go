@@ -13,6 +13,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -176,6 +177,26 @@ func TestRoundTrips(t *testing.T) {
 	}
 	if n := tr.queries.Load() - before; n != 1 {
 		t.Errorf("a write to an existing key sent %d statements, want 1", n)
+	}
+	// idempotency.Do: claim, arm, complete on a fresh key; claim (a no-op) and
+	// read on a replay.
+	s, _ := sqlfence.NewIdempotencyStore(sqlfence.Pgx(p), nil)
+	if err := s.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ik := fencetest.Name("rt")
+	effect := func(context.Context, string) ([]byte, error) { return []byte("ok"), nil }
+	for _, c := range []struct {
+		what string
+		want int64
+	}{{"a fresh key", 3}, {"a replay", 2}} {
+		before = tr.queries.Load()
+		if _, err := idempotency.Do(ctx, s, ik, "fp", effect, nil); err != nil {
+			t.Fatal(err)
+		}
+		if n := tr.queries.Load() - before; n != c.want {
+			t.Errorf("idempotency.Do on %s sent %d statements, want %d", c.what, n, c.want)
+		}
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/fencekit/fencekit/adapters/redislua"
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/idempotency"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
@@ -39,6 +40,7 @@ type backend struct {
 	close        func() error
 	redis        *redis.Client // the Redis backend's client, for Redis-only measurements
 	timing       *timing       // the demo's durations, when the lesson's do not fit
+	idem         idempotency.Store
 }
 
 var backendNames = []string{"sqlite", "postgres", "redis", "etcd", "s3"}
@@ -82,6 +84,13 @@ func sqlBackend(ctx context.Context, name string, fdb *sqlfence.DB, raw rawSQL, 
 	if err := a.CreateTable(ctx); err != nil {
 		return nil, err
 	}
+	idem, err := sqlfence.NewIdempotencyStore(fdb, nil)
+	if err != nil {
+		return nil, err
+	}
+	if err := idem.CreateTable(ctx); err != nil {
+		return nil, err
+	}
 	if err := raw.exec(ctx, `CREATE TABLE IF NOT EXISTS demo_plain (key TEXT PRIMARY KEY, value `+blobType+` NOT NULL)`); err != nil {
 		return nil, err
 	}
@@ -89,6 +98,7 @@ func sqlBackend(ctx context.Context, name string, fdb *sqlfence.DB, raw rawSQL, 
 		name:   name,
 		acq:    a,
 		fenced: w,
+		idem:   idem,
 		plainPut: func(ctx context.Context, key string, value []byte) error {
 			return raw.exec(ctx, `INSERT INTO demo_plain (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = excluded.value`, key, value)
 		},
@@ -208,10 +218,16 @@ func openRedisBackend(ctx context.Context, addr string) (*backend, error) {
 		c.Close()
 		return nil, err
 	}
+	idem, err := redislua.NewIdempotencyStore(c, nil)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
 	return &backend{
 		name:   "redis (" + addr + ")",
 		acq:    a,
 		fenced: w,
+		idem:   idem,
 		redis:  c,
 		plainPut: func(ctx context.Context, key string, value []byte) error {
 			return c.Set(ctx, "fence-demo:"+key, value, time.Hour).Err()

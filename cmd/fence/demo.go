@@ -80,7 +80,7 @@ func runDemo(args []string, stdout, stderr io.Writer) error {
 		d.printf("(this backend's leases are whole seconds: the lesson's timings are stretched)\n")
 	}
 	d.printf("\n")
-	for _, sc := range []func(context.Context) error{d.releaseBug, d.contention, d.pausedHolder, d.watchdog} {
+	for _, sc := range []func(context.Context) error{d.releaseBug, d.contention, d.pausedHolder, d.watchdog, d.payment} {
 		if err := sc(ctx); err != nil {
 			return err
 		}

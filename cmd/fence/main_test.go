@@ -26,6 +26,7 @@ func TestDemo(t *testing.T) {
 		`storage: REJECTED  "written by A" token 1 (the key already holds token 2)`,
 		`final value: "written by A"`,
 		`final value: "written by B"`,
+		"charges at the provider: 1",
 		"Every outcome was the expected one.",
 	} {
 		if !strings.Contains(out.String(), want) {

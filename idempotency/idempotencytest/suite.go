@@ -22,6 +22,9 @@ type Suite struct {
 	New func(t *testing.T) idempotency.Store
 	// Lease is the short lease of the crash tests. Default: 300ms.
 	Lease time.Duration
+	// SelfExpiring says the store removes records past their retention by
+	// itself (Redis key expiry), so Purge may find nothing to remove.
+	SelfExpiring bool
 }
 
 // Run runs every test of the suite as a subtest of t.
@@ -438,7 +441,7 @@ func (s Suite) testPurge(t *testing.T) {
 	}
 	time.Sleep(250 * time.Millisecond)
 	n, err := st.Purge(ctxT(t))
-	if err != nil || n < 1 {
+	if err != nil || (n < 1 && !s.SelfExpiring) {
 		t.Fatalf("Purge: %d, %v", n, err)
 	}
 	if _, err := st.Get(ctxT(t), k); !errors.Is(err, fence.ErrNotFound) {

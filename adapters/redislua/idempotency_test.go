@@ -1,0 +1,65 @@
+package redislua_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
+)
+
+func TestIdempotencyStore(t *testing.T) {
+	s, err := redislua.NewIdempotencyStore(testenv.RedisClient(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true}.Run(t)
+}
+
+// countingClient counts the commands a client sends (one round trip each; a
+// script is one EVALSHA).
+type countingClient struct {
+	redislua.Client
+	n atomic.Int64
+}
+
+func (c *countingClient) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
+	c.n.Add(1)
+	return c.Client.EvalSha(ctx, sha1, keys, args...)
+}
+
+func (c *countingClient) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
+	c.n.Add(1)
+	return c.Client.Eval(ctx, script, keys, args...)
+}
+
+// TestIdempotencyRoundTrips counts round trips per Do: 3 on a fresh key (claim,
+// arm, complete), 1 on a replay (the claim script returns the record).
+func TestIdempotencyRoundTrips(t *testing.T) {
+	c := &countingClient{Client: testenv.RedisClient(t)}
+	s, _ := redislua.NewIdempotencyStore(c, nil)
+	ctx := context.Background()
+	k := fencetest.Name("rt")
+	effect := func(context.Context, string) ([]byte, error) { return []byte("ok"), nil }
+	// Load the scripts first: a first EVALSHA that finds no script costs an EVAL.
+	if _, err := idempotency.Do(ctx, s, fencetest.Name("warm"), "fp", effect, nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		what string
+		want int64
+	}{{"a fresh key", 3}, {"a replay", 1}} {
+		before := c.n.Load()
+		if _, err := idempotency.Do(ctx, s, k, "fp", effect, nil); err != nil {
+			t.Fatal(err)
+		}
+		if n := c.n.Load() - before; n != tc.want {
+			t.Errorf("Do on %s: %d round trips, want %d", tc.what, n, tc.want)
+		}
+	}
+}
