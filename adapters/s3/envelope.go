@@ -56,7 +56,9 @@ func parseEnvelope(b []byte) (envelope, error) {
 		return envelope{}, fmt.Errorf("s3fence: malformed envelope header %q", b[:nl])
 	}
 	tok, err := strconv.ParseUint(string(fields[0]), 10, 64)
-	if err != nil || !fence.Token(tok).Valid() {
+	// Only the canonical form (no leading zeros) is a token: one token, one
+	// header, found by FuzzEnvelope.
+	if err != nil || !fence.Token(tok).Valid() || strconv.FormatUint(tok, 10) != string(fields[0]) {
 		return envelope{}, fmt.Errorf("s3fence: malformed token in envelope header %q", b[:nl])
 	}
 	if len(fields[1]) == 0 {
