@@ -307,3 +307,30 @@ func (l *lease) Release(ctx context.Context) error {
 func (l *lease) lost() error {
 	return fmt.Errorf("etcdfence: lease %q token %d: %w", l.Name(), l.Token(), fence.ErrLost)
 }
+
+var _ fence.Inspector = (*Acquirer)(nil)
+
+// Inspect reports name's holder (the oldest key in its queue), time left on its
+// etcd lease, and as Counter the cluster's current revision: every later
+// grant's token (a create revision) is larger. etcd has no counter to bump.
+func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, error) {
+	if err := fence.CheckName("inspect", name); err != nil {
+		return fence.LockInfo{}, err
+	}
+	resp, err := a.c.Get(ctx, a.lockPrefix(name), clientv3.WithFirstCreate()...)
+	if err != nil {
+		return fence.LockInfo{}, fmt.Errorf("etcdfence: inspect %q: %w", name, err)
+	}
+	info := fence.LockInfo{Name: name, Counter: fence.Token(resp.Header.Revision)}
+	if len(resp.Kvs) == 0 {
+		return info, nil // free; etcd cannot tell a name never used from a free one
+	}
+	kv := resp.Kvs[0]
+	info.Held, info.Token, info.Owner = true, fence.Token(kv.CreateRevision), string(kv.Value)
+	if kv.Lease != 0 {
+		if ttl, err := a.c.TimeToLive(ctx, clientv3.LeaseID(kv.Lease)); err == nil && ttl.TTL > 0 {
+			info.TimeLeft = time.Duration(ttl.TTL) * time.Second
+		}
+	}
+	return info, nil
+}

@@ -188,3 +188,22 @@ func TestThreeNodeLeaderLoss(t *testing.T) {
 		t.Errorf("stored %q token %d", v, tok)
 	}
 }
+
+func TestInspect(t *testing.T) {
+	c := etcdtest.Start(t, 1)
+	a, _ := etcdfence.New(c.Client(t), &etcdfence.Options{Owner: "worker-7"})
+	ctx := context.Background()
+	info, err := a.Inspect(ctx, "free")
+	if err != nil || info.Held || info.Counter == 0 {
+		t.Fatalf("Inspect of a free name: %+v, %v", info, err)
+	}
+	l, err := a.TryAcquire(ctx, "held", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(ctx)
+	info, err = a.Inspect(ctx, "held")
+	if err != nil || !info.Held || info.Token != l.Token() || info.Owner != "worker-7" || info.TimeLeft <= 0 || info.Counter < l.Token() {
+		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
+	}
+}

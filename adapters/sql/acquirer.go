@@ -45,10 +45,11 @@ type AcquirerOptions struct {
 // database server's clock. It is safe for concurrent use, and across processes
 // that share the database.
 type Acquirer struct {
-	db    *DB
-	opts  AcquirerOptions
-	table string
-	ddl   string
+	db     *DB
+	opts   AcquirerOptions
+	table  string
+	quoted string
+	ddl    string
 
 	grant, renew, release string
 	advance               string // SQLite: the guard statement run with the grant
@@ -81,7 +82,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		o.Backoff = fence.Backoff{Min: 20 * time.Millisecond, Max: 200 * time.Millisecond}
 	}
 	d := db.d
-	a := &Acquirer{db: db, opts: o, table: o.Table}
+	a := &Acquirer{db: db, opts: o, table: o.Table, quoted: t}
 	a.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  token %s NOT NULL CHECK (token BETWEEN 1 AND %d),\n  owner %s NOT NULL,\n  expires_at %s NOT NULL\n)",
 		t, d.textType, d.intType, uint64(fence.MaxToken), d.textType, d.intType)
 	now := d.nowMs
@@ -252,4 +253,63 @@ func (l *lease) Release(ctx context.Context) error {
 
 func (l *lease) lost() error {
 	return fmt.Errorf("sqlfence: lease %q token %d: %w", l.Name(), l.Token(), fence.ErrLost)
+}
+
+var (
+	_ fence.Inspector = (*Acquirer)(nil)
+	_ fence.Bumper    = (*Acquirer)(nil)
+)
+
+// Inspect reports name's holder, time left and counter (the row's token).
+func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, error) {
+	if err := fence.CheckName("inspect", name); err != nil {
+		return fence.LockInfo{}, err
+	}
+	var (
+		tok, left int64
+		owner     string
+	)
+	q := fmt.Sprintf("SELECT token, owner, expires_at - %s FROM %s WHERE name = $1", a.db.d.nowMs, a.quoted)
+	err := a.db.queryRow(ctx, q, []any{name}, &tok, &owner, &left)
+	if errors.Is(err, errNoRows) {
+		return fence.LockInfo{}, fmt.Errorf("sqlfence: inspect %q: %w", name, fence.ErrNotFound)
+	}
+	if err != nil {
+		return fence.LockInfo{}, a.wrap("inspect", err)
+	}
+	info := fence.LockInfo{Name: name, Counter: fence.Token(tok)}
+	if left > 0 {
+		info.Held, info.Token, info.Owner, info.TimeLeft = true, fence.Token(tok), owner, time.Duration(left)*time.Millisecond
+	}
+	return info, nil
+}
+
+// Bump raises name's counter to to. The row's counter is also the holder's
+// token, so a held lease is refused (fence.ErrHeld) rather than invalidated;
+// a counter already at or above to is refused with fence.ErrInvalid.
+func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error {
+	if err := fence.CheckName("bump", name); err != nil {
+		return err
+	}
+	if err := fence.CheckToken("bump", to); err != nil {
+		return err
+	}
+	now := a.db.d.nowMs
+	q := fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, $2, '', 0) "+
+		"ON CONFLICT (name) DO UPDATE SET token = excluded.token WHERE cur.token < excluded.token AND cur.expires_at <= %s", a.quoted, now)
+	n, err := a.db.exec(ctx, q, name, int64(to))
+	if err != nil {
+		return a.wrap("bump", err)
+	}
+	if n > 0 {
+		return nil
+	}
+	info, err := a.Inspect(ctx, name)
+	if err != nil {
+		return err
+	}
+	if info.Counter >= to {
+		return &fence.InvalidError{Op: "bump", Arg: "to", Reason: fmt.Sprintf("%d would not raise the counter, already at %d", to, info.Counter)}
+	}
+	return fmt.Errorf("sqlfence: bump %q: held by %s (token %d, %v left): %w", name, info.Owner, info.Token, info.TimeLeft, fence.ErrHeld)
 }
