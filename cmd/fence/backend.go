@@ -202,7 +202,13 @@ func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
 	}
 }
 
+// quietRedis drops go-redis's own log lines; errors reach the user as errors.
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}
+
 func openRedisBackend(ctx context.Context, addr string) (*backend, error) {
+	redis.SetLogger(quietRedis{})
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	if err := c.Ping(ctx).Err(); err != nil {
 		c.Close()

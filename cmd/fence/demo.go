@@ -212,6 +212,60 @@ func lockedIncrement(ctx context.Context, b *backend, key string) error {
 	return errors.Join(err, l.Release(ctx))
 }
 
+// clientTimes are one client's moments in the paused-holder scenario, from its start.
+type clientTimes struct {
+	granted, wrote, released time.Duration
+	token                    fence.Token
+}
+
+// timeline draws the scenario: each client's lease as the backend counts it
+// ([ granted, ) expired or released), the pause, and the write, one column per
+// 50ms, so a reader sees A's write land after B's lease began.
+func (d *demo) timeline(tl map[string]*clientTimes, log *storageLog, fenced bool) {
+	const col = 50 * time.Millisecond
+	a, b := tl["A"], tl["B"]
+	if a == nil || b == nil {
+		return
+	}
+	end := max(a.released, b.released) + col
+	width := int(end / col)
+	row := func() []byte { return []byte(strings.Repeat(" ", width+40)) }
+	at := func(t time.Duration) int { return min(int(t/col), width) }
+	axis := row()
+	for t := time.Duration(0); t < end; t += 10 * col {
+		copy(axis[at(t):], fmt.Sprintf("|%v", t))
+	}
+	d.printf("     timeline, one column per %v:\n", col)
+	d.printf("       %-9s %s\n", "", strings.TrimRight(string(axis), " "))
+	for _, who := range []string{"A", "B"} {
+		c := tl[who]
+		leaseEnd := min(c.granted+d.lease, c.released)
+		lease := row()
+		for i := at(c.granted); i < at(leaseEnd); i++ {
+			lease[i] = '='
+		}
+		lease[at(c.granted)] = '['
+		lease[at(leaseEnd)] = ')'
+		d.printf("       %-9s %s\n", who+" lease", strings.TrimRight(string(lease), " "))
+		act := row()
+		for i := at(c.granted) + 1; i < at(c.wrote); i++ {
+			act[i] = '.'
+		}
+		mark := "W ok"
+		for _, e := range log.entries {
+			if strings.Contains(e, "written by "+who) && strings.HasPrefix(e, "REJECTED") {
+				mark = "W REJECTED"
+			}
+		}
+		if fenced {
+			mark += fmt.Sprintf(" (token %d)", c.token)
+		}
+		copy(act[at(c.wrote):], mark)
+		d.printf("       %-9s %s\n", who, strings.TrimRight(string(act), " "))
+	}
+	d.printf("       ([=) lease on the backend's clock, ... waiting or paused, W the write)\n")
+}
+
 // storageLog records the writes that reach the storage, as the lesson prints them.
 type storageLog struct {
 	mu      sync.Mutex
@@ -249,18 +303,25 @@ func (d *demo) pausedHolder(ctx context.Context) error {
 			relOrder  []string
 			mu        sync.Mutex
 			clientErr error
+			start     = time.Now()
+			tl        = map[string]*clientTimes{}
 		)
 		client := func(who string, pause time.Duration) {
 			defer wg.Done()
+			ct := &clientTimes{}
 			l, err := d.b.acq.Acquire(ctx, name, d.lease)
+			ct.granted = time.Since(start)
 			if err == nil {
+				ct.token = l.Token()
 				time.Sleep(pause)
+				ct.wrote = time.Since(start)
 				err = write(who, l)
 			}
 			var rel error
 			if l != nil {
 				rel = l.Release(ctx)
 			}
+			ct.released = time.Since(start)
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
@@ -268,6 +329,7 @@ func (d *demo) pausedHolder(ctx context.Context) error {
 			}
 			releases[who] = rel
 			relOrder = append(relOrder, who)
+			tl[who] = ct
 		}
 		wg.Add(2)
 		go client("A", d.stall)
@@ -299,6 +361,7 @@ func (d *demo) pausedHolder(ctx context.Context) error {
 			return err
 		}
 		d.printf("     final value: %q\n", final)
+		d.timeline(tl, log, fenced)
 		if !fenced {
 			d.check(string(final) == "written by A" && errors.Is(releases["A"], fence.ErrLost),
 				"A, whose lease had expired, wrote last and overwrote B's newer result (the failure no TTL fixes)")

@@ -2,6 +2,7 @@
 //
 //	fence demo   replay the classic lock failures and their fixes (SQLite, no server)
 //	fence bench  measure fenced writes and locked increments
+//	fence inspect NAME, fence bump NAME -to N  look at and repair a lock's counter
 //
 // Run "fence <command> -h" for a command's flags.
 package main
@@ -19,11 +20,13 @@ const usage = `fence replays why a lease lock alone is not enough, and measures 
 Usage:
   fence demo  [flags]   replay the lesson's scenarios and check every outcome
   fence bench [flags]   measure fenced writes and locked increments
+  fence inspect [flags] NAME        show a lock's holder, time left and counter
+  fence bump [flags] NAME -to N     raise a lock's token counter (never lowers it)
   fence help            print this help
 
 Run "fence <command> -h" for a command's flags.
-Exit status: 0 when every outcome is the expected one, 1 when one is not,
-2 for bad usage.
+Exit status: 0 on success (for demo: every outcome as expected), 1 when an
+outcome is not the expected one or the backend fails or refuses, 2 for bad usage.
 `
 
 func main() {
@@ -48,6 +51,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = runDemo(args[1:], stdout, stderr)
 	case "bench":
 		err = runBench(args[1:], stdout, stderr)
+	case "inspect":
+		err = runInspect(args[1:], stdout, stderr)
+	case "bump":
+		err = runBump(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, usage)
 		return 0

@@ -27,6 +27,7 @@ func TestDemo(t *testing.T) {
 		`final value: "written by A"`,
 		`final value: "written by B"`,
 		"charges at the provider: 1",
+		"W REJECTED (token 1)",
 		"Every outcome was the expected one.",
 	} {
 		if !strings.Contains(out.String(), want) {
@@ -107,6 +108,35 @@ func TestDemoS3(t *testing.T) {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("demo output lacks %q\n%s", want, out.String())
 		}
+	}
+}
+
+func TestInspectAndBump(t *testing.T) {
+	db := filepath.Join(t.TempDir(), "locks.db")
+	fence := func(args ...string) (int, string) {
+		var out, errOut bytes.Buffer
+		code := run(args, &out, &errOut)
+		return code, out.String() + errOut.String()
+	}
+	if code, out := fence("inspect", "-db", db, "job"); code != 1 || !strings.Contains(out, `no lock named "job"`) {
+		t.Errorf("inspect of an unknown name: %d %s", code, out)
+	}
+	if code, out := fence("bump", "job", "-db", db, "-to", "40"); code != 0 || !strings.Contains(out, "counter raised to 40") {
+		t.Errorf("bump: %d %s", code, out)
+	}
+	if code, out := fence("bump", "-db", db, "-to", "39", "job"); code != 1 || !strings.Contains(out, "would not raise the counter, already at 40") {
+		t.Errorf("bump downwards: %d %s", code, out)
+	}
+	if code, out := fence("inspect", "-db", db, "-key", "report", "job"); code != 0 || !strings.Contains(out, "counter:   40") || !strings.Contains(out, "held:      no") {
+		t.Errorf("inspect after the bump: %d %s", code, out)
+	}
+	for _, bad := range [][]string{{"bump", "job"}, {"bump", "job", "-to", "0"}, {"inspect"}, {"inspect", "a", "b"}} {
+		if code, out := fence(bad...); code != 2 {
+			t.Errorf("fence %q: exit %d, want 2\n%s", bad, code, out)
+		}
+	}
+	if code, out := fence("bump", "-backend", "etcd", "job", "-to", "5"); code != 1 || !strings.Contains(out, "no counter to bump") {
+		t.Errorf("bump on etcd: %d %s", code, out)
 	}
 }
 
