@@ -2,7 +2,6 @@ package etcdfence_test
 
 import (
 	"context"
-	"slices"
 	"testing"
 	"time"
 
@@ -10,6 +9,7 @@ import (
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/benchutil"
 	"github.com/fencekit/fencekit/internal/etcdtest"
 	"github.com/fencekit/fencekit/internal/testenv"
 )
@@ -62,46 +62,10 @@ func BenchmarkAcquireRelease(b *testing.B) {
 // of an Acquire already waiting in another acquirer (another process's view: no
 // in-process hand-over), p50 and p90, on etcd and on Redis.
 func BenchmarkHandoff(b *testing.B) {
-	ctx := context.Background()
 	all := acquirers(b)
 	for _, kind := range []string{"etcd", "redis"} {
-		holders, waiters := all[kind][0], all[kind][1]
 		b.Run(kind, func(b *testing.B) {
-			name := fencetest.Name("handoff")
-			var handoffs []time.Duration
-			for i := 0; i < b.N; i++ {
-				h, err := holders.TryAcquire(ctx, name, 10*time.Second)
-				if err != nil {
-					b.Fatal(err)
-				}
-				granted := make(chan time.Time, 1)
-				go func() {
-					l, err := waiters.Acquire(ctx, name, 10*time.Second)
-					if err != nil {
-						b.Error(err)
-						granted <- time.Time{}
-						return
-					}
-					at := time.Now()
-					if err := l.Release(ctx); err != nil {
-						b.Error(err)
-					}
-					granted <- at
-				}()
-				time.Sleep(5*time.Millisecond + time.Duration(i%20)*time.Millisecond)
-				start := time.Now()
-				if err := h.Release(ctx); err != nil {
-					b.Fatal(err)
-				}
-				at := <-granted
-				if at.IsZero() {
-					b.FailNow()
-				}
-				handoffs = append(handoffs, at.Sub(start))
-			}
-			slices.Sort(handoffs)
-			b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
-			b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
+			benchutil.Handoff(b, all[kind][0], all[kind][1], fencetest.Name("handoff"))
 		})
 	}
 }

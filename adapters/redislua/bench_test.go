@@ -2,7 +2,6 @@ package redislua_test
 
 import (
 	"context"
-	"slices"
 	"testing"
 	"time"
 
@@ -59,60 +58,18 @@ func BenchmarkAcquireRelease(b *testing.B) {
 	})
 }
 
-// BenchmarkHandoff measures the time from the start of a holder's Release to the
-// grant of an Acquire already waiting (woken by pub/sub, or polling alone), and
-// reports p50 and p90 next to the PING round trip measured in the same run.
+// BenchmarkHandoff measures the time from the start of a holder's Release to
+// the grant of an Acquire already waiting in the same process (handed over in
+// the releasing script, or woken by pub/sub, or polling alone): p50 and p90.
 func BenchmarkHandoff(b *testing.B) {
 	c := testenv.RedisClient(b)
-	ctx := context.Background()
 	for _, mode := range []string{"notify", "poll"} {
 		b.Run(mode, func(b *testing.B) {
 			a, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{DisableNotify: mode == "poll"})
 			if err != nil {
 				b.Fatal(err)
 			}
-			name := fencetest.Name("handoff")
-			var handoffs, pings []time.Duration
-			for i := 0; i < b.N; i++ {
-				holder, err := a.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					b.Fatal(err)
-				}
-				granted := make(chan time.Time, 1)
-				go func() {
-					l, err := a.Acquire(ctx, name, time.Minute)
-					if err != nil {
-						b.Error(err)
-						granted <- time.Time{}
-						return
-					}
-					at := time.Now()
-					if err := l.Release(ctx); err != nil {
-						b.Error(err)
-					}
-					granted <- at
-				}()
-				time.Sleep(5*time.Millisecond + time.Duration(i%20)*time.Millisecond)
-				p := time.Now()
-				if err := c.Ping(ctx).Err(); err != nil {
-					b.Fatal(err)
-				}
-				pings = append(pings, time.Since(p))
-				start := time.Now()
-				if err := holder.Release(ctx); err != nil {
-					b.Fatal(err)
-				}
-				at := <-granted
-				if at.IsZero() {
-					b.FailNow()
-				}
-				handoffs = append(handoffs, at.Sub(start))
-			}
-			slices.Sort(handoffs)
-			slices.Sort(pings)
-			b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
-			b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
-			b.ReportMetric(float64(pings[len(pings)/2].Microseconds()), "ping-µs")
+			benchutil.Handoff(b, a, a, fencetest.Name("handoff"))
 		})
 	}
 }

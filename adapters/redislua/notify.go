@@ -2,7 +2,6 @@ package redislua
 
 import (
 	"context"
-	"sync"
 	"time"
 
 	"github.com/fencekit/fencekit/internal/wakeup"
@@ -16,34 +15,12 @@ type listener struct {
 	wakeup.Hub
 	c       Client
 	channel string
-
-	mu     sync.Mutex
-	cancel context.CancelFunc
 }
 
 func newListener(c Client, channel string) *listener {
 	l := &listener{c: c, channel: channel}
-	l.Start = l.start
-	l.Stop = l.stop
+	l.Listen = l.run
 	return l
-}
-
-// start and stop run under the hub's lock.
-func (l *listener) start() {
-	ctx, cancel := context.WithCancel(context.Background())
-	l.mu.Lock()
-	l.cancel = cancel
-	l.mu.Unlock()
-	go l.run(ctx)
-}
-
-func (l *listener) stop() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.cancel != nil {
-		l.cancel()
-		l.cancel = nil
-	}
 }
 
 func (l *listener) run(ctx context.Context) {

@@ -2,8 +2,6 @@ package sqlfence_test
 
 import (
 	"context"
-	"math/rand/v2"
-	"slices"
 	"testing"
 	"time"
 
@@ -116,54 +114,17 @@ func BenchmarkPostgresAcquireRelease(b *testing.B) {
 }
 
 // BenchmarkPostgresHandoff measures the time from the start of a holder's
-// Release to the grant of an Acquire that was already waiting, with waiters woken
-// by LISTEN/NOTIFY and with polling alone. It reports the p50 and p90 handoff.
+// Release to the grant of an Acquire already waiting, with waiters woken by
+// LISTEN/NOTIFY and with polling alone (p50 and p90).
 func BenchmarkPostgresHandoff(b *testing.B) {
 	p := pgPool(b, pgOpts{params: map[string]string{"synchronous_commit": "off"}})
-	ctx := context.Background()
 	for _, mode := range []string{"notify", "poll"} {
 		b.Run(mode, func(b *testing.B) {
 			a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{DisableNotify: mode == "poll"})
 			if err != nil {
 				b.Fatal(err)
 			}
-			name := fencetest.Name("handoff")
-			rng := rand.New(rand.NewPCG(3, 4))
-			handoffs := make([]time.Duration, 0, b.N)
-			for i := 0; i < b.N; i++ {
-				holder, err := a.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					b.Fatal(err)
-				}
-				granted := make(chan time.Time, 1)
-				go func() {
-					l, err := a.Acquire(ctx, name, time.Minute)
-					if err != nil {
-						b.Error(err)
-						granted <- time.Time{}
-						return
-					}
-					at := time.Now()
-					if err := l.Release(ctx); err != nil {
-						b.Error(err)
-					}
-					granted <- at
-				}()
-				// The waiter has been waiting 5-25ms when the holder lets go.
-				time.Sleep(5*time.Millisecond + time.Duration(rng.IntN(20))*time.Millisecond)
-				start := time.Now()
-				if err := holder.Release(ctx); err != nil {
-					b.Fatal(err)
-				}
-				at := <-granted
-				if at.IsZero() {
-					b.FailNow()
-				}
-				handoffs = append(handoffs, at.Sub(start))
-			}
-			slices.Sort(handoffs)
-			b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
-			b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
+			benchutil.Handoff(b, a, a, fencetest.Name("handoff"))
 		})
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"database/sql"
 	"encoding/hex"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/fencekit/fencekit/internal/wakeup"
@@ -45,15 +44,11 @@ func stdlibConn(db *sql.DB) withConn {
 type listener struct {
 	wakeup.Hub // keyed by md5(name), the notification payload
 	conn       withConn
-
-	mu     sync.Mutex
-	cancel context.CancelFunc
 }
 
 func newListener(c withConn) *listener {
 	l := &listener{conn: c}
-	l.Start = l.start
-	l.Stop = l.stop
+	l.Listen = l.run
 	return l
 }
 
@@ -66,24 +61,6 @@ func nameHash(name string) string {
 // and the function that ends the subscription.
 func (l *listener) subscribe(name string) (<-chan struct{}, func()) {
 	return l.Subscribe(nameHash(name))
-}
-
-// start and stop run under the hub's lock.
-func (l *listener) start() {
-	ctx, cancel := context.WithCancel(context.Background())
-	l.mu.Lock()
-	l.cancel = cancel
-	l.mu.Unlock()
-	go l.run(ctx)
-}
-
-func (l *listener) stop() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.cancel != nil {
-		l.cancel()
-		l.cancel = nil
-	}
 }
 
 // run listens until ctx is cancelled, reconnecting after a broken connection.

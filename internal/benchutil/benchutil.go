@@ -2,9 +2,13 @@
 package benchutil
 
 import (
+	"context"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
+
+	"github.com/fencekit/fencekit/fence"
 )
 
 // Pair interleaves two operations, one of each per iteration in random order, so
@@ -35,4 +39,46 @@ func Pair(b *testing.B, subject, baseline func(i int) error) {
 	b.ReportMetric(float64(ts.Nanoseconds())/float64(b.N), "subject-ns/op")
 	b.ReportMetric(float64(tb.Nanoseconds())/float64(b.N), "baseline-ns/op")
 	b.ReportMetric(float64(ts)/float64(tb), "subject/baseline")
+}
+
+// Handoff measures, b.N times, the time from the start of a holder's Release
+// to the grant of an Acquire that was already waiting (for 5-25ms), and reports
+// the p50 and p90 in microseconds. holder and waiter may be one acquirer (a
+// waiter in the same process) or two (as two processes would see it).
+func Handoff(b *testing.B, holder, waiter fence.Acquirer, name string) {
+	ctx := context.Background()
+	handoffs := make([]time.Duration, 0, b.N)
+	for i := 0; i < b.N; i++ {
+		h, err := holder.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			b.Fatal(err)
+		}
+		granted := make(chan time.Time, 1)
+		go func() {
+			l, err := waiter.Acquire(ctx, name, time.Minute)
+			if err != nil {
+				b.Error(err)
+				granted <- time.Time{}
+				return
+			}
+			at := time.Now()
+			if err := l.Release(ctx); err != nil {
+				b.Error(err)
+			}
+			granted <- at
+		}()
+		time.Sleep(5*time.Millisecond + time.Duration(i%20)*time.Millisecond)
+		start := time.Now()
+		if err := h.Release(ctx); err != nil {
+			b.Fatal(err)
+		}
+		at := <-granted
+		if at.IsZero() {
+			b.FailNow()
+		}
+		handoffs = append(handoffs, at.Sub(start))
+	}
+	slices.Sort(handoffs)
+	b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
+	b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
 }

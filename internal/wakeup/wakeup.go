@@ -2,18 +2,22 @@
 // lock name, one waiter per notification, in the order they began to wait.
 package wakeup
 
-import "sync"
+import (
+	"context"
+	"sync"
+)
 
-// Hub tracks the waiters of each name. Start and Stop are called when the first
-// waiter arrives and when the last one leaves, so that a backend listens only
-// while someone waits. It is safe for concurrent use.
+// Hub tracks the waiters of each name. Listen runs in its own goroutine from the
+// moment the first waiter arrives until its context is cancelled when the last
+// one leaves, so that a backend listens only while someone waits; it calls
+// WakeOne (or WakeAll) as notifications arrive. It is safe for concurrent use.
 type Hub struct {
-	Start func()
-	Stop  func()
+	Listen func(ctx context.Context)
 
 	mu      sync.Mutex
 	waiters map[string][]chan struct{}
 	count   int
+	cancel  context.CancelFunc
 }
 
 // Subscribe registers a waiter for name and returns its wake-up channel and the
@@ -33,8 +37,10 @@ func (h *Hub) SubscribeChan(name string, ch chan struct{}) func() {
 	}
 	h.waiters[name] = append(h.waiters[name], ch)
 	h.count++
-	if h.count == 1 && h.Start != nil {
-		h.Start()
+	if h.count == 1 && h.Listen != nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		h.cancel = cancel
+		go h.Listen(ctx)
 	}
 	h.mu.Unlock()
 	return func() {
@@ -59,8 +65,9 @@ func (h *Hub) SubscribeChan(name string, ch chan struct{}) func() {
 		default:
 		}
 		h.count--
-		if h.count == 0 && h.Stop != nil {
-			h.Stop()
+		if h.count == 0 && h.cancel != nil {
+			h.cancel()
+			h.cancel = nil
 		}
 	}
 }
