@@ -7,7 +7,6 @@ import (
 	"io"
 	"math/rand/v2"
 	"strings"
-	"sync"
 	"text/tabwriter"
 	"time"
 
@@ -168,25 +167,8 @@ func luaExercise(ctx context.Context, out io.Writer, b *backend, workers, each i
 	incr := redis.NewScript(`local v = tonumber(redis.call('GET', KEYS[1]) or '0') + 1
 redis.call('SET', KEYS[1], v)
 return v`)
-	start := time.Now()
-	var wg sync.WaitGroup
-	errs := make(chan error, workers)
-	for w := 0; w < workers; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := 0; i < each; i++ {
-				if err := incr.Run(ctx, b.redis, []string{key}).Err(); err != nil {
-					errs <- err
-					return
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	luaTook := time.Since(start)
-	close(errs)
-	if err := <-errs; err != nil {
+	luaTook, err := parallel(workers, each, func() error { return incr.Run(ctx, b.redis, []string{key}).Err() })
+	if err != nil {
 		return err
 	}
 	final, err := b.redis.Get(ctx, key).Int()

@@ -168,6 +168,21 @@ func lockedIncrements(ctx context.Context, b *backend, name string, workers, eac
 	if err := b.plainPut(ctx, key, []byte("0")); err != nil {
 		return 0, 0, err
 	}
+	took, err := parallel(workers, each, func() error { return lockedIncrement(ctx, b, key) })
+	if err != nil {
+		return 0, 0, err
+	}
+	v, err := b.plainGet(ctx, key)
+	if err != nil {
+		return 0, 0, err
+	}
+	n, err := strconv.Atoi(string(v))
+	return n, took, err
+}
+
+// parallel runs op each times in each of workers goroutines and returns the
+// time taken and the first error.
+func parallel(workers, each int, op func() error) (time.Duration, error) {
 	start := time.Now()
 	var wg sync.WaitGroup
 	errs := make(chan error, workers)
@@ -176,7 +191,7 @@ func lockedIncrements(ctx context.Context, b *backend, name string, workers, eac
 		go func() {
 			defer wg.Done()
 			for i := 0; i < each; i++ {
-				if err := lockedIncrement(ctx, b, key); err != nil {
+				if err := op(); err != nil {
 					errs <- err
 					return
 				}
@@ -186,15 +201,7 @@ func lockedIncrements(ctx context.Context, b *backend, name string, workers, eac
 	wg.Wait()
 	took := time.Since(start)
 	close(errs)
-	if err := <-errs; err != nil {
-		return 0, 0, err
-	}
-	v, err := b.plainGet(ctx, key)
-	if err != nil {
-		return 0, 0, err
-	}
-	n, err := strconv.Atoi(string(v))
-	return n, took, err
+	return took, <-errs
 }
 
 func lockedIncrement(ctx context.Context, b *backend, key string) error {
