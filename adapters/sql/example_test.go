@@ -1,0 +1,88 @@
+package sqlfence_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+)
+
+// A holder whose lease expired writes after the next holder: the fence refuses it.
+func Example() {
+	dir, _ := os.MkdirTemp("", "example")
+	defer os.RemoveAll(dir)
+	db, err := sqlfence.OpenSQLite(filepath.Join(dir, "app.db"))
+	if err != nil {
+		panic(err)
+	}
+	defer db.Close()
+	ctx := context.Background()
+	fdb := sqlfence.SQLite(db)
+	locks, _ := sqlfence.NewAcquirer(fdb, nil)
+	rows, _ := sqlfence.NewWriter(fdb, nil)
+	_ = locks.CreateTable(ctx)
+	_ = rows.CreateTable(ctx)
+
+	a, _ := locks.TryAcquire(ctx, "invoice-42", 100*time.Millisecond)
+	time.Sleep(150 * time.Millisecond) // A pauses past its lease
+	b, _ := locks.TryAcquire(ctx, "invoice-42", time.Minute)
+	fmt.Println("B writes:", rows.Write(ctx, "invoice-42", []byte("by B"), b.Token()))
+
+	err = rows.Write(ctx, "invoice-42", []byte("by A"), a.Token())
+	var stale *fence.StaleError
+	fmt.Println("A's write is stale:", errors.As(err, &stale), "offered", stale.Offered, "key holds", stale.Current)
+	fmt.Println("A's release:", errors.Is(a.Release(ctx), fence.ErrLost))
+	v, tok, _ := rows.Read(ctx, "invoice-42")
+	fmt.Printf("stored %q with token %d\n", v, tok)
+	_ = b.Release(ctx)
+	// Output:
+	// B writes: <nil>
+	// A's write is stale: true offered 1 key holds 2
+	// A's release: true
+	// stored "by B" with token 2
+}
+
+// Guard fences every write of a transaction of yours.
+func ExampleGuard() {
+	dir, _ := os.MkdirTemp("", "example")
+	defer os.RemoveAll(dir)
+	db, err := sqlfence.OpenSQLite(filepath.Join(dir, "app.db"))
+	if err != nil {
+		panic(err)
+	}
+	defer db.Close()
+	ctx := context.Background()
+	guards, _ := sqlfence.NewGuards(nil)
+	_ = guards.CreateTable(ctx, sqlfence.SQLite(db))
+	_, _ = db.Exec(`CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER)`)
+	_, _ = db.Exec(`INSERT INTO accounts VALUES (7, 100)`)
+
+	debit := func(token fence.Token) error {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback()
+		if err := guards.Guard(ctx, tx, "account-7", token); err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, `UPDATE accounts SET balance = balance - 10 WHERE id = 7`); err != nil {
+			return err
+		}
+		return tx.Commit()
+	}
+	fmt.Println("token 5:", debit(5))
+	fmt.Println("token 4 is stale:", errors.Is(debit(4), fence.ErrStale))
+	var balance int
+	_ = db.QueryRow(`SELECT balance FROM accounts WHERE id = 7`).Scan(&balance)
+	fmt.Println("balance:", balance)
+	// Output:
+	// token 5: <nil>
+	// token 4 is stale: true
+	// balance: 90
+}
