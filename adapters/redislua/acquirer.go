@@ -8,11 +8,11 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/handoff"
 	"github.com/fencekit/fencekit/internal/leasebase"
 	"github.com/redis/go-redis/v9"
 )
@@ -61,31 +61,13 @@ type Acquirer struct {
 
 	// Waiters in this process, by name, in arrival order: a Release hands the
 	// lease straight to the first of them (one script: the grant moves from the
-	// old holder to the waiter), at most maxHandoffStreak times in a row.
-	hmu     sync.Mutex
-	waiting map[string][]*waiter
-	streak  map[string]int
+	// old holder to the waiter), at most handoff.MaxStreak times in a row.
+	line handoff.Line
 }
 
 // notifiedBackoff is the default pacing of waiters that are woken by
 // notifications: polling is only the fallback.
 var notifiedBackoff = fence.Backoff{Min: 20 * time.Millisecond, Max: 200 * time.Millisecond}
-
-// maxHandoffStreak bounds consecutive hand-overs within this process for one
-// name; then a Release frees the lock for everyone (waiters in other processes
-// wake by pub/sub), so they are not starved.
-const maxHandoffStreak = 8
-
-// waiter is an Acquire call of this process waiting for a name.
-type waiter struct {
-	ch      chan struct{} // wakes its wait loop: a hand-over, or a release elsewhere
-	ttl     time.Duration
-	claimed bool          // a Release is handing the lease over to it
-	done    chan struct{} // closed when that hand-over has finished
-	lease   *lease        // what the hand-over gave it, until it takes it
-}
-
-var _ fence.Acquirer = (*Acquirer)(nil)
 
 // NewAcquirer returns an Acquirer on c. It returns an error matching fence.ErrInvalid
 // for a prefix with braces, negative options, or WaitReplicas on a Cluster client.
@@ -118,8 +100,7 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 				Reason: fmt.Sprintf("%v is not below the client's ReadTimeout %v", o.WaitTimeout, rt)}
 		}
 	}
-	a := &Acquirer{c: c, o: o, channel: o.Prefix + "released",
-		waiting: map[string][]*waiter{}, streak: map[string]int{}}
+	a := &Acquirer{c: c, o: o, channel: o.Prefix + "released"}
 	if !o.DisableNotify {
 		a.notify = newListener(c, a.channel)
 	}
@@ -249,22 +230,19 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}
 	// Wait in line before the first attempt, so that a Release between a failed
 	// attempt and the wait still finds this waiter.
-	w := &waiter{ch: make(chan struct{}, 1), ttl: ttl}
-	a.hmu.Lock()
-	a.waiting[name] = append(a.waiting[name], w)
-	a.hmu.Unlock()
-	defer a.leaveLine(name, w)
+	w := a.line.Join(name, ttl)
+	defer a.line.Leave(name, w)
 
 	l, err := a.grant(ctx, name, ttl, "")
 	if err == nil || !errors.Is(err, fence.ErrHeld) {
 		return lOrNil(l), err
 	}
 	if a.notify != nil {
-		unsubscribe := a.notify.SubscribeChan(name, w.ch)
+		unsubscribe := a.notify.SubscribeChan(name, w.Wake)
 		defer unsubscribe()
 	}
-	return a.o.Backoff.Retry(ctx, w.ch, func(ctx context.Context) (fence.Lease, error) {
-		if l := a.takeHandoff(w); l != nil {
+	return a.o.Backoff.Retry(ctx, w.Wake, func(ctx context.Context) (fence.Lease, error) {
+		if l := a.line.Take(w); l != nil {
 			return l, nil
 		}
 		l, err := a.grant(ctx, name, ttl, "")
@@ -278,81 +256,6 @@ func lOrNil(l *lease) fence.Lease {
 		return nil
 	}
 	return l
-}
-
-// takeHandoff returns the lease a Release handed to w, if any.
-func (a *Acquirer) takeHandoff(w *waiter) *lease {
-	a.hmu.Lock()
-	defer a.hmu.Unlock()
-	l := w.lease
-	w.lease = nil
-	return l
-}
-
-// leaveLine takes w out of the line. A hand-over to w still under way is waited
-// for, and a lease handed over that w did not take is released.
-func (a *Acquirer) leaveLine(name string, w *waiter) {
-	a.hmu.Lock()
-	a.removeLocked(name, w)
-	done := w.done
-	claimed := w.claimed
-	a.hmu.Unlock()
-	if claimed {
-		<-done
-	}
-	if l := a.takeHandoff(w); l != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		_ = l.Release(ctx)
-		cancel()
-	}
-}
-
-func (a *Acquirer) removeLocked(name string, w *waiter) {
-	list := a.waiting[name]
-	for i, x := range list {
-		if x == w {
-			list = append(list[:i:i], list[i+1:]...)
-			break
-		}
-	}
-	if len(list) == 0 {
-		delete(a.waiting, name)
-		delete(a.streak, name)
-	} else {
-		a.waiting[name] = list
-	}
-}
-
-// nextWaiter claims the first waiter of name that has not been handed a lease,
-// unless the hand-over streak is used up.
-func (a *Acquirer) nextWaiter(name string) *waiter {
-	a.hmu.Lock()
-	defer a.hmu.Unlock()
-	if a.streak[name] >= maxHandoffStreak {
-		a.streak[name] = 0
-		return nil
-	}
-	for _, w := range a.waiting[name] {
-		if !w.claimed && w.lease == nil {
-			w.claimed, w.done = true, make(chan struct{})
-			a.streak[name]++
-			return w
-		}
-	}
-	return nil
-}
-
-// finishHandoff records the outcome of a hand-over to w and wakes it.
-func (a *Acquirer) finishHandoff(w *waiter, l *lease) {
-	a.hmu.Lock()
-	w.lease = l
-	w.claimed = false
-	close(w.done)
-	a.hmu.Unlock()
-	select {
-	case w.ch <- struct{}{}:
-	default:
-	}
 }
 
 // parsePair reads a script's {flag, number} reply.
@@ -441,9 +344,9 @@ func (l *lease) Release(ctx context.Context) error { return l.release(ctx, true)
 func (l *lease) release(ctx context.Context, handoff bool) error {
 	defer l.End(context.Canceled)
 	if handoff {
-		if w := l.a.nextWaiter(l.Name()); w != nil {
-			next, err := l.a.grant(ctx, l.Name(), w.ttl, l.value)
-			l.a.finishHandoff(w, next)
+		if w := l.a.line.Next(l.Name()); w != nil {
+			next, err := l.a.grant(ctx, l.Name(), w.TTL, l.value)
+			l.a.line.Finish(w, lOrNil(next))
 			switch {
 			case err == nil:
 				return nil
