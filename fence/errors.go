@@ -41,6 +41,7 @@ type StaleError struct {
 	Current Token  // the token the key held when the write was rejected (> Offered)
 }
 
+// Error names the key and both tokens.
 func (e *StaleError) Error() string {
 	return fmt.Sprintf("fence: stale token for key %q: offered %d, key holds %d", e.Key, e.Offered, e.Current)
 }
@@ -55,6 +56,7 @@ type InvalidError struct {
 	Reason string // what is wrong with it
 }
 
+// Error names the operation, the argument and what is wrong with it.
 func (e *InvalidError) Error() string {
 	return fmt.Sprintf("fence: %s: invalid %s: %s", e.Op, e.Arg, e.Reason)
 }

@@ -148,6 +148,7 @@ type InProgressError struct {
 	LeaseLeft time.Duration
 }
 
+// Error names the key, its owner and the time left on its lease.
 func (e *InProgressError) Error() string {
 	return fmt.Sprintf("idempotency: key %q in progress (owner %s, lease %v left)", e.Key, e.Owner, e.LeaseLeft.Round(time.Millisecond))
 }
@@ -161,6 +162,7 @@ type FailedError struct {
 	Message string
 }
 
+// Error names the key and the replayed failure.
 func (e *FailedError) Error() string {
 	return fmt.Sprintf("idempotency: key %q failed: %s", e.Key, e.Message)
 }
@@ -174,6 +176,7 @@ type StateError struct {
 	Want, Got State
 }
 
+// Error names the key and both states.
 func (e *StateError) Error() string {
 	return fmt.Sprintf("idempotency: key %q is %s, not %s", e.Key, e.Got, e.Want)
 }

@@ -305,6 +305,7 @@ type CorruptError struct {
 	Err error
 }
 
+// Error says which key holds what.
 func (e *CorruptError) Error() string { return "redislua: " + strings.TrimPrefix(e.Msg, "fencekit: ") }
 
 // Unwrap returns the server's error reply.

@@ -137,6 +137,7 @@ type TableError struct {
 	Err   error
 }
 
+// Error names the table and gives its DDL.
 func (e *TableError) Error() string {
 	return fmt.Sprintf("sqlfence: table %s does not exist; create it with CreateTable or run:\n%s\n(cause: %v)", e.Table, e.DDL, e.Err)
 }
