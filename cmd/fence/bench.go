@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -15,24 +14,17 @@ import (
 )
 
 func runBench(args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("fence bench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	var bc backendConfig
-	bc.register(fs)
+	fs, bc := commandFlags("bench", "bench [flags]",
+		"Measures, in one run on one backend, each figure as a ratio to a baseline\n"+
+			"measured alongside it: a fenced write against a plain write of the same size,\n"+
+			"an uncontended acquire + release, and the lesson's locked increments. On Redis\n"+
+			"also the increments against the round-trip floor (4 PINGs per increment) and\n"+
+			"the lesson's exercise: a lock around a read-modify-write against one Lua script.", stderr)
 	ops := fs.Int("n", 5000, "fenced and plain writes each, interleaved in random order")
 	rounds := fs.Int("rounds", 3, "rounds of the locked increments (alternating with the round-trip floor on Redis)")
 	workers := fs.Int("workers", 20, "workers in the contention run")
 	each := fs.Int("each", 50, "locked increments per worker in the contention run")
 	exerciseEach := fs.Int("exercise-each", 500, "updates per worker in the Redis lock-versus-Lua exercise")
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: fence bench [flags]\n\n"+
-			"Measures, in one run on one backend, each figure as a ratio to a baseline\n"+
-			"measured alongside it: a fenced write against a plain write of the same size,\n"+
-			"an uncontended acquire + release, and the lesson's locked increments. On Redis\n"+
-			"also the increments against the round-trip floor (4 PINGs per increment) and\n"+
-			"the lesson's exercise: a lock around a read-modify-write against one Lua script.\n\nFlags:\n")
-		fs.PrintDefaults()
-	}
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -40,7 +32,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("%w: -n, -rounds, -workers, -each and -exercise-each must be at least 1", errUsage)
 	}
 	ctx := context.Background()
-	b, err := openBackend(ctx, bc)
+	b, err := openBackend(ctx, *bc)
 	if err != nil {
 		return err
 	}

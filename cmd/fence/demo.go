@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"strconv"
@@ -50,23 +49,17 @@ var lessonTiming = timing{
 }
 
 func runDemo(args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("fence demo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	var bc backendConfig
-	bc.register(fs)
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: fence demo [flags]\n\n"+
-			"Replays the lesson's scenarios on a real backend and checks each outcome:\n"+
+	fs, bc := commandFlags("demo", "demo [flags]",
+		"Replays the lesson's scenarios on a real backend and checks each outcome:\n"+
 			"the plain release bug, 20 workers x 50 locked increments, the paused holder\n"+
-			"with and without fencing tokens, and what the watchdog can and cannot do.\n"+
-			"Exits 1 if any outcome is not the expected one.\n\nFlags:\n")
-		fs.PrintDefaults()
-	}
+			"with and without fencing tokens (with a timeline), what the watchdog can and\n"+
+			"cannot do, and a card charged once by two workers of which one crashes.\n"+
+			"Exits 1 if any outcome is not the expected one.", stderr)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	ctx := context.Background()
-	b, err := openBackend(ctx, bc)
+	b, err := openBackend(ctx, *bc)
 	if err != nil {
 		return err
 	}

@@ -37,26 +37,19 @@ func parseWithName(fs *flag.FlagSet, args []string) (string, error) {
 }
 
 func runInspect(args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("fence inspect", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	var bc backendConfig
-	bc.register(fs)
-	key := fs.String("key", "", "also show the token stored for this protected key (sqlite, postgres, redis, s3)")
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: fence inspect [flags] NAME\n\n"+
-			"Shows the lock NAME on a backend: whether it is held, the holder's token, owner\n"+
+	fs, bc := commandFlags("inspect", "inspect [flags] NAME",
+		"Shows the lock NAME on a backend: whether it is held, the holder's token, owner\n"+
 			"and time left, and the token counter (every later grant is larger); with -key,\n"+
 			"the token a protected key holds. Exit status 1 for an unreachable backend or an\n"+
-			"unknown name, 2 for bad usage.\n\nFlags:\n")
-		fs.PrintDefaults()
-	}
+			"unknown name, 2 for bad usage.", stderr)
+	key := fs.String("key", "", "also show the token stored for this protected key (sqlite, postgres, redis, s3)")
 	name, err := parseWithName(fs, args)
 	if err != nil {
 		return err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	b, err := openBackend(ctx, bc)
+	b, err := openBackend(ctx, *bc)
 	if err != nil {
 		return err
 	}
@@ -94,19 +87,12 @@ func runInspect(args []string, stdout, stderr io.Writer) error {
 }
 
 func runBump(args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("fence bump", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	var bc backendConfig
-	bc.register(fs)
-	to := fs.String("to", "", "the value to raise the counter to (required)")
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: fence bump [flags] NAME -to N\n\n"+
-			"Raises the token counter of lock NAME to N, so every later grant's token is\n"+
+	fs, bc := commandFlags("bump", "bump [flags] NAME -to N",
+		"Raises the token counter of lock NAME to N, so every later grant's token is\n"+
 			"larger: for example after a Redis failover lost the counter. It refuses to\n"+
 			"lower a counter (exit status 1). On SQL backends it refuses while the lock is\n"+
-			"held. etcd tokens are revisions and cannot be bumped.\n\nFlags:\n")
-		fs.PrintDefaults()
-	}
+			"held. etcd tokens are revisions and cannot be bumped.", stderr)
+	to := fs.String("to", "", "the value to raise the counter to (required)")
 	name, err := parseWithName(fs, args)
 	if err != nil {
 		return err
@@ -117,7 +103,7 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	b, err := openBackend(ctx, bc)
+	b, err := openBackend(ctx, *bc)
 	if err != nil {
 		return err
 	}

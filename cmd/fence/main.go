@@ -78,6 +78,20 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 }
 
+// commandFlags returns a subcommand's flag set, with the backend flags
+// registered and a usage text of synopsis and about.
+func commandFlags(name, synopsis, about string, stderr io.Writer) (*flag.FlagSet, *backendConfig) {
+	fs := flag.NewFlagSet("fence "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	bc := &backendConfig{}
+	bc.register(fs)
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: fence %s\n\n%s\n\nFlags:\n", synopsis, about)
+		fs.PrintDefaults()
+	}
+	return fs, bc
+}
+
 // parseFlags parses a subcommand's flags; a bad flag is a usage error.
 func parseFlags(fs *flag.FlagSet, args []string) error {
 	if err := fs.Parse(args); err != nil {
