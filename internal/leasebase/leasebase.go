@@ -55,13 +55,6 @@ func (b *Base) TTL() time.Duration { return b.ttl }
 // Context is done once End was called or the local deadline passed.
 func (b *Base) Context() context.Context { return b.ctx }
 
-// Deadline returns the current local deadline.
-func (b *Base) Deadline() time.Time {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.deadline
-}
-
 // Extend moves the local deadline after a renewal that the backend confirmed, whose
 // request was sent at sent. It returns false when the lease had already ended
 // locally: a late confirmation never revives a lease whose context is done.
@@ -88,13 +81,6 @@ func (b *Base) expire() {
 	}
 	b.ended = true
 	b.cancel(fence.ErrLost)
-}
-
-// Ended reports whether the lease has ended locally.
-func (b *Base) Ended() bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.ended || b.ctx.Err() != nil
 }
 
 // End finishes the lease locally with cause (ErrLost, or context.Canceled for a
