@@ -10,12 +10,17 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/leasebase"
 )
 
 // Effect performs the side effect once. effectKey is derived from the key and
 // the attempt's fence: pass it to the third party's own idempotency header, so
 // that an attempt taken over after a crash cannot make a provider that
-// deduplicates act twice. ctx is cancelled if the key's lease cannot be renewed.
+// deduplicates act twice. ctx is cancelled, with cause fence.ErrLost, when the
+// key was taken over, when the in-progress ceiling passes, or when no renewal
+// of the key's lease was confirmed before its local deadline (measured from
+// before the request that set the lease, less a drift margin of 1% + 2ms), so
+// an owner cut off from the store stops before another may take the key over.
 //
 // Classify the error: wrap it with NotSent when the effect provably did not
 // happen (the key is released and may be claimed again), with Definitive for a
@@ -110,13 +115,27 @@ type Result struct {
 	Replayed bool
 	// Fence is the fence of the attempt that produced it.
 	Fence fence.Token
+	// EffectKey is the effect key of the attempt that produced it (see
+	// EffectKey), empty for a replay.
+	EffectKey string
 }
 
-// EffectKey derives the effect key of key's attempt with fence f: stable for one
-// attempt, different for every takeover.
-func EffectKey(key string, f fence.Token) string {
-	h := sha256.Sum256([]byte(fmt.Sprintf("%d\x00%s", uint64(f), key)))
+// EffectKey derives the effect key of the attempt that rec records: stable for
+// one attempt, and different for every claim and takeover, because it covers
+// the key, the fence and the owner, and Do makes the owner unique per claim
+// (Options.Owner, "#", and a random nonce). Two attempts therefore never share an
+// effect key, even on a store that lost a key's fence.
+func EffectKey(rec Record) string {
+	h := sha256.Sum256([]byte(fmt.Sprintf("%d\x00%s\x00%s", uint64(rec.Fence), rec.Owner, rec.Key)))
 	return hex.EncodeToString(h[:16])
+}
+
+// claimOwner is the owner Do records for one claim: the caller's Owner and a
+// nonce of this claim.
+func claimOwner(o Options) string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return o.Owner + "#" + hex.EncodeToString(b[:])
 }
 
 // Do runs effect at most once for key and returns its result; later calls with
@@ -144,7 +163,7 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 		defer unsubscribe()
 	}
 	for attempt := 0; ; attempt++ {
-		rec, created, err := s.Begin(ctx, key, fingerprint, o.Owner, o.Lease)
+		rec, created, err := s.Begin(ctx, key, fingerprint, claimOwner(o), o.Lease)
 		if err != nil {
 			return Result{}, err
 		}
@@ -200,7 +219,7 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 		return Result{}, nil, fmt.Errorf("idempotency: key %q in unexpected state %q", rec.Key, rec.State)
 	}
 	// The owner's lease expired.
-	takeover := Change{State: Claimed, Fence: rec.Fence + 1, Owner: o.Owner, Lease: o.Lease, Restart: true}
+	takeover := Change{State: Claimed, Fence: rec.Fence + 1, Owner: claimOwner(o), Lease: o.Lease, Restart: true}
 	if rec.State == Claimed {
 		// It crashed before arming: the effect never started. Take over.
 		owned, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, takeover)
@@ -218,7 +237,7 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 		return Result{}, nil, fmt.Errorf("%w: key %q: its owner %s stopped after arming (fence %d) and no Reconcile hook can tell",
 			ErrUnknown, rec.Key, rec.Owner, rec.Fence)
 	}
-	done, result, err := o.Reconcile(ctx, EffectKey(rec.Key, rec.Fence))
+	done, result, err := o.Reconcile(ctx, EffectKey(rec))
 	if err != nil {
 		return Result{}, nil, fmt.Errorf("idempotency: reconcile key %q: %w", rec.Key, err)
 	}
@@ -250,37 +269,41 @@ func raced(err error, rec Record) error {
 
 // run is the owner's path: arm, run the effect under a renewed lease, record.
 func run(ctx context.Context, s Store, rec Record, effect Effect, o Options) (Result, error) {
-	armed, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, Change{State: Armed, Fence: rec.Fence, Owner: o.Owner, Lease: o.Lease})
+	sent := time.Now() // the arm's lease starts no earlier than this
+	armed, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, Change{State: Armed, Fence: rec.Fence, Owner: rec.Owner, Lease: o.Lease})
 	if err != nil {
 		return Result{}, err
 	}
+	ek := EffectKey(armed)
 	ectx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	stop := renew(ectx, s, armed, o, cancel)
-	value, effErr := effect(ectx, EffectKey(rec.Key, rec.Fence))
+	stop := renew(ectx, s, armed, o, sent, cancel)
+	value, effErr := effect(ectx, ek)
 	stop()
 
+	res := Result{Fence: rec.Fence, EffectKey: ek}
 	var c *classified
 	switch {
 	case effErr == nil:
-		ch := Change{State: Completed, Fence: rec.Fence, Owner: o.Owner, Result: value, Retention: o.Retention}
+		ch := Change{State: Completed, Fence: rec.Fence, Owner: rec.Owner, Result: value, Retention: o.Retention}
 		if len(value) > o.MaxResultSize {
 			ch.Result, ch.ResultDropped = nil, true
 		}
+		res.Value = value
 		if err := record(ctx, s, rec, ch, o); err != nil {
-			return Result{Value: value, Fence: rec.Fence}, err
+			return res, err
 		}
-		return Result{Value: value, Fence: rec.Fence}, nil
+		return res, nil
 	case errors.As(effErr, &c) && c.notSent:
-		err := record(ctx, s, rec, Change{State: Released, Fence: rec.Fence, Owner: o.Owner}, o)
-		return Result{Fence: rec.Fence}, errors.Join(c.err, err)
+		err := record(ctx, s, rec, Change{State: Released, Fence: rec.Fence, Owner: rec.Owner}, o)
+		return res, errors.Join(c.err, err)
 	case errors.As(effErr, &c) && c.definitive:
-		err := record(ctx, s, rec, Change{State: Failed, Fence: rec.Fence, Owner: o.Owner, Result: []byte(c.err.Error()), Retention: o.Retention}, o)
-		return Result{Fence: rec.Fence}, errors.Join(&FailedError{Key: rec.Key, Message: c.err.Error()}, c.err, err)
+		err := record(ctx, s, rec, Change{State: Failed, Fence: rec.Fence, Owner: rec.Owner, Result: []byte(c.err.Error()), Retention: o.Retention}, o)
+		return res, errors.Join(&FailedError{Key: rec.Key, Message: c.err.Error()}, c.err, err)
 	default:
 		// Ambiguous: the record stays armed; once its lease runs out, the next
 		// caller reconciles it or marks it unknown. Never deleted.
-		return Result{Fence: rec.Fence}, fmt.Errorf("idempotency: key %q: the effect may have happened: %w", rec.Key, effErr)
+		return res, fmt.Errorf("idempotency: key %q: the effect may have happened: %w", rec.Key, effErr)
 	}
 }
 
@@ -309,22 +332,38 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 	return nil
 }
 
-// renew extends the armed record's lease every Lease/3 until stopped, the
-// in-progress ceiling passes, or the record is taken over (then the effect's
-// context is cancelled with fence.ErrLost).
-func renew(ctx context.Context, s Store, rec Record, o Options, cancel context.CancelCauseFunc) (stop func()) {
+// renew keeps the armed record's lease: it renews every Lease/3, and retries a
+// renewal that failed for a transient reason sooner, until stopped. The effect's
+// context is cancelled with fence.ErrLost when the record was taken over, when
+// the in-progress ceiling passes, or when the local deadline passes without a
+// confirmed renewal. The local deadline is measured from before the request that
+// set the lease (sent, then each renewal's), less a drift margin, so the effect
+// is cancelled before the store could let another owner take the key over.
+func renew(ctx context.Context, s Store, rec Record, o Options, sent time.Time, cancel context.CancelCauseFunc) (stop func()) {
+	local := leasebase.New(rec.Key, rec.Fence, o.Lease, 0, sent)
+	unwatch := context.AfterFunc(local.Context(), func() {
+		if errors.Is(context.Cause(local.Context()), fence.ErrLost) {
+			cancel(fmt.Errorf("idempotency: key %q: lease not renewed before its local deadline: %w", rec.Key, fence.ErrLost))
+		}
+	})
+	// Renewals are bounded by the local deadline (one that cannot finish
+	// before it is useless), the caller's context, and stop.
+	rctx, rcancel := context.WithCancel(local.Context())
+	unlink := context.AfterFunc(ctx, rcancel)
 	done := make(chan struct{})
 	finished := make(chan struct{})
 	go func() {
 		defer close(finished)
 		start := time.Now()
-		t := time.NewTicker(o.Lease / 3)
-		defer t.Stop()
+		wait := o.Lease / 3
 		for {
+			t := time.NewTimer(wait)
 			select {
 			case <-done:
+				t.Stop()
 				return
 			case <-ctx.Done():
+				t.Stop()
 				return
 			case <-t.C:
 			}
@@ -332,14 +371,30 @@ func renew(ctx context.Context, s Store, rec Record, o Options, cancel context.C
 				cancel(fmt.Errorf("idempotency: key %q in progress longer than %v: %w", rec.Key, o.InProgressCeiling, fence.ErrLost))
 				return
 			}
-			_, err := s.Update(ctx, rec.Key, Armed, rec.Fence, Change{State: Armed, Fence: rec.Fence, Owner: o.Owner, Lease: o.Lease})
-			if errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) || errors.Is(err, fence.ErrNotFound) {
+			sent := time.Now()
+			_, err := s.Update(rctx, rec.Key, Armed, rec.Fence, Change{State: Armed, Fence: rec.Fence, Owner: rec.Owner, Lease: o.Lease})
+			switch {
+			case err == nil:
+				local.Extend(sent)
+				wait = o.Lease / 3
+			case errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) || errors.Is(err, fence.ErrNotFound):
 				cancel(fmt.Errorf("idempotency: key %q taken over: %w", rec.Key, fence.ErrLost))
 				return
+			default:
+				// Transient: try again soon; the local deadline cancels the
+				// effect if no renewal gets through in time.
+				wait = max(o.Lease/20, time.Millisecond)
 			}
 		}
 	}()
-	return func() { close(done); <-finished }
+	return func() {
+		close(done)
+		rcancel()
+		<-finished
+		unlink()
+		unwatch()
+		local.End(context.Canceled)
+	}
 }
 
 // Resolve is the operator's way out of unknown: it sets key, in state unknown

@@ -57,7 +57,9 @@ type Record struct {
 	Fingerprint string
 	State       State
 	Fence       fence.Token
-	Owner       string
+	// Owner is the claim's owner. Do records Options.Owner, "#" and a random
+	// nonce of the claim, so that no two claims share an owner.
+	Owner string
 	// LeaseLeft is how long the owner's lease has left, on the store's clock
 	// when the record was read; zero or less when it has expired.
 	LeaseLeft time.Duration
@@ -93,8 +95,17 @@ type Change struct {
 type Store interface {
 	// Begin claims key for owner with a lease, if the key has no record, or a
 	// released one, or one past its retention: the new record has a fence
-	// larger than any the key had before, and created is true. Otherwise it
-	// changes nothing and returns the existing record with created false.
+	// larger than any the key had before, also when an earlier record was
+	// removed by Purge or by the store's own expiry, and created is true.
+	// Otherwise it changes nothing and returns the existing record with
+	// created false.
+	//
+	// The stores in this module keep that promise without keeping removed
+	// records: a fence is never below the store's clock in microseconds at the
+	// moment it was granted (a new record starts there), so it holds as long as
+	// the store's clock does not step back by more than the time since the
+	// earlier fence was granted, which is at least the removed record's
+	// retention or lease. Expiry of leases already trusts the same clock.
 	Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (rec Record, created bool, err error)
 
 	// Update replaces the record of key with change if and only if it is in
@@ -107,7 +118,8 @@ type Store interface {
 	Get(ctx context.Context, key string) (Record, error)
 
 	// Purge removes completed and failed records past their retention, and
-	// released ones, and returns how many it removed.
+	// released ones, and returns how many it removed. A key claimed again
+	// after its record was removed gets a larger fence than it ever had.
 	Purge(ctx context.Context) (int, error)
 }
 

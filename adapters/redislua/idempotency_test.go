@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence/fencetest"
@@ -14,7 +15,7 @@ import (
 )
 
 func TestIdempotencyStore(t *testing.T) {
-	s, err := redislua.NewIdempotencyStore(testenv.RedisClient(t), nil)
+	s, err := redislua.NewIdempotencyStore(testenv.RedisClient(t), &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -106,7 +106,10 @@ type dialect struct {
 	name string
 	// nowMs is an SQL expression for the server's clock in milliseconds since
 	// the Unix epoch; it is read when the statement runs.
-	nowMs              string
+	nowMs string
+	// nowUs is the server's clock in microseconds since the Unix epoch (on
+	// SQLite, milliseconds times 1000); greatest is the two-argument maximum.
+	nowUs, greatest    string
 	textType, blobType string
 	intType            string
 	// updateFirst: a fenced write tries a fenced UPDATE before the upsert. On
@@ -120,8 +123,9 @@ type dialect struct {
 }
 
 var sqliteDialect = &dialect{
-	name:     "sqlite",
-	nowMs:    "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+	name:  "sqlite",
+	nowMs: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+	nowUs: "(CAST(unixepoch('subsec') * 1000 AS INTEGER) * 1000)", greatest: "max",
 	textType: "TEXT", blobType: "BLOB", intType: "INTEGER",
 	updateFirst:         true,
 	missingTable:        func(err error) bool { return err != nil && strings.Contains(err.Error(), "no such table") },

@@ -60,14 +60,16 @@ func NewIdempotencyStore(db *DB, opts *IdempotencyOptions) (*IdempotencyStore, e
 )`, t, d.textType, d.textType, d.textType, d.intType, d.textType, d.intType, d.intType, d.intType, d.blobType, d.intType)
 	cols := fmt.Sprintf("fingerprint, state, fence, owner, lease_until - %s, %s - started_at, result, result_dropped", now, now)
 	// A claim creates the row, or takes over a released one or one past its
-	// retention, raising the fence. Otherwise it changes nothing.
+	// retention, raising the fence. Otherwise it changes nothing. A fence is
+	// never below the server's clock in microseconds when it was granted, so a
+	// key whose row was purged starts again above every fence it had.
 	s.begin = fmt.Sprintf(`INSERT INTO %[1]s AS cur (key, fingerprint, state, fence, owner, lease_until, started_at, expires_at, result, result_dropped)
-VALUES ($1, $2, 'claimed', 1, $3, %[2]s + $4, %[2]s, NULL, NULL, 0)
-ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, state = 'claimed', fence = cur.fence + 1,
+VALUES ($1, $2, 'claimed', %[3]s, $3, %[2]s + $4, %[2]s, NULL, NULL, 0)
+ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, state = 'claimed', fence = %[4]s(cur.fence + 1, %[3]s),
   owner = excluded.owner, lease_until = excluded.lease_until, started_at = excluded.started_at,
   expires_at = NULL, result = NULL, result_dropped = 0
 WHERE cur.state = 'released' OR (cur.expires_at IS NOT NULL AND cur.expires_at <= %[2]s)
-RETURNING fence`, t, now)
+RETURNING fence`, t, now, d.nowUs, d.greatest)
 	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE key = $1", cols, t)
 	// The compare-and-set: state and fence must be what the caller saw.
 	s.update = fmt.Sprintf(`UPDATE %[1]s SET state = $4, fence = $5, owner = $6, lease_until = %[2]s + $7,

@@ -11,8 +11,9 @@ import (
 )
 
 var postgresDialect = &dialect{
-	name:     "postgres",
-	nowMs:    "(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+	name:  "postgres",
+	nowMs: "(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+	nowUs: "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint", greatest: "greatest",
 	textType: "TEXT", blobType: "BYTEA", intType: "BIGINT",
 	missingTable:        func(err error) bool { return pgCode(err) == "42P01" },
 	checkViolation:      func(err error) bool { return pgCode(err) == "23514" },

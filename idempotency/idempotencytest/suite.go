@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -23,7 +24,9 @@ type Suite struct {
 	// Lease is the short lease of the crash tests. Default: 300ms.
 	Lease time.Duration
 	// SelfExpiring says the store removes records past their retention by
-	// itself (Redis key expiry), so Purge may find nothing to remove.
+	// itself (Redis key expiry), so Purge may find nothing to remove. Such a
+	// store must also remove released records within a few seconds (a short
+	// retention for them), for the tests that need a record gone.
 	SelfExpiring bool
 }
 
@@ -53,6 +56,10 @@ func (s Suite) Run(t *testing.T) {
 		{"ResultSizeLimit", s.testResultSize},
 		{"PurgeAfterRetention", s.testPurge},
 		{"UpdateErrors", s.testUpdateErrors},
+		{"FenceSurvivesPurgeOfReleased", func(t *testing.T) { s.testFenceSurvivesRemoval(t, false) }},
+		{"FenceSurvivesPurgeOfCompleted", func(t *testing.T) { s.testFenceSurvivesRemoval(t, true) }},
+		{"EffectKeyPerClaim", s.testEffectKeyPerClaim},
+		{"RenewalFailureCancelsEffect", s.testRenewalFailure},
 	} {
 		t.Run(tc.name, tc.fn)
 	}
@@ -104,8 +111,8 @@ func (s Suite) testRunsOnce(t *testing.T) {
 	if err != nil || string(r.Value) != "charged" || r.Replayed {
 		t.Fatalf("first Do: %+v, %v", r, err)
 	}
-	if _, ok := c.keys.Load(idempotency.EffectKey(k, r.Fence)); !ok {
-		t.Errorf("the effect was not given EffectKey(key, fence %d)", r.Fence)
+	if _, ok := c.keys.Load(r.EffectKey); !ok || r.EffectKey != idempotency.EffectKey(state(t, st, k)) {
+		t.Errorf("the effect was not given the EffectKey of its record (fence %d)", r.Fence)
 	}
 	for i := 0; i < 3; i++ {
 		r2, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("again"), s.opts())
@@ -313,7 +320,7 @@ func (s Suite) testCrashAfterClaim(t *testing.T) {
 	if r.Fence <= old.Fence || c.runs.Load() != 1 {
 		t.Errorf("takeover fence %d (old %d), runs %d", r.Fence, old.Fence, c.runs.Load())
 	}
-	if _, ok := c.keys.Load(idempotency.EffectKey(k, old.Fence)); ok {
+	if _, ok := c.keys.Load(idempotency.EffectKey(old)); ok {
 		t.Error("the takeover reused the crashed attempt's effect key")
 	}
 }
@@ -341,10 +348,10 @@ func (s Suite) testCrashReconcileNotDone(t *testing.T) {
 	if err != nil || string(r.Value) != "second attempt" {
 		t.Fatalf("reconcile not done: %+v, %v", r, err)
 	}
-	if asked != idempotency.EffectKey(k, old.Fence) {
+	if asked != idempotency.EffectKey(old) {
 		t.Errorf("Reconcile asked about %q, want the crashed attempt's effect key", asked)
 	}
-	if _, ok := c.keys.Load(idempotency.EffectKey(k, old.Fence)); ok || r.Fence <= old.Fence {
+	if _, ok := c.keys.Load(idempotency.EffectKey(old)); ok || r.Fence <= old.Fence {
 		t.Errorf("the new attempt must use a new effect key and a larger fence (got fence %d after %d)", r.Fence, old.Fence)
 	}
 }
@@ -470,5 +477,176 @@ func (s Suite) testUpdateErrors(t *testing.T) {
 	}
 	if _, err := idempotency.Do(ctxT(t), st, k, "fp", nil, nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("Do with a nil effect: %v", err)
+	}
+}
+
+// removed waits until k's record is gone: Purge removes it, or a self-expiring
+// store expires it.
+func (s Suite) removed(t *testing.T, st idempotency.Store, k string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := st.Purge(ctxT(t)); err != nil {
+			t.Fatalf("Purge: %v", err)
+		}
+		_, err := st.Get(ctxT(t), k)
+		if errors.Is(err, fence.ErrNotFound) {
+			return
+		}
+		if err != nil {
+			t.Fatalf("Get: %v", err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the record of %q was not removed within 10s", k)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// testFenceSurvivesRemoval: A arms and stalls; B takes over and releases (or
+// completes with a short retention); the record is removed; C claims the key
+// anew. C's fence must be above every fence the key had, so A, waking up,
+// cannot complete C's record, and C's effect key differs from A's.
+func (s Suite) testFenceSurvivesRemoval(t *testing.T, completed bool) {
+	st := s.New(t)
+	k := key()
+	a := s.crashedOwner(t, st, k, true) // armed, then stalled past its lease
+	var b idempotency.Result
+	var err error
+	b, err = idempotency.Do(ctxT(t), st, k, "fp", func(context.Context, string) ([]byte, error) {
+		if completed {
+			return []byte("B"), nil
+		}
+		return nil, idempotency.NotSent(errors.New("refused before sending"))
+	}, s.opts(func(o *idempotency.Options) {
+		o.Retention = 100 * time.Millisecond
+		o.Reconcile = func(context.Context, string) (bool, []byte, error) { return false, nil, nil }
+	}))
+	if completed && err != nil {
+		t.Fatalf("B: %v", err)
+	}
+	if b.Fence <= a.Fence {
+		t.Fatalf("B's takeover fence %d not above A's %d", b.Fence, a.Fence)
+	}
+	time.Sleep(150 * time.Millisecond)
+	s.removed(t, st, k)
+
+	c, created, err := st.Begin(ctxT(t), k, "another request", "C", time.Minute)
+	if err != nil || !created {
+		t.Fatalf("C's claim after removal: created %v, %v", created, err)
+	}
+	if c.Fence <= b.Fence {
+		t.Fatalf("after removal the key restarted at fence %d, not above B's %d (A had %d)", c.Fence, b.Fence, a.Fence)
+	}
+	if idempotency.EffectKey(c) == idempotency.EffectKey(a) {
+		t.Error("C's effect key equals A's")
+	}
+	// A wakes up and records its completion with its own fence.
+	_, err = st.Update(ctxT(t), k, idempotency.Armed, a.Fence, idempotency.Change{State: idempotency.Completed, Fence: a.Fence, Result: []byte("A, late")})
+	if !errors.Is(err, fence.ErrStale) && !errors.Is(err, idempotency.ErrStateChanged) {
+		t.Fatalf("A's late completion on C's record: %v, want ErrStale", err)
+	}
+	if rec := state(t, st, k); rec.State != idempotency.Claimed || rec.Fingerprint != "another request" || rec.Fence != c.Fence || rec.Result != nil {
+		t.Errorf("C's record after A's late completion: %+v", rec)
+	}
+}
+
+// testEffectKeyPerClaim: two claims by callers with the same Owner never share
+// an effect key, and the recorded owner carries a per-claim nonce.
+func (s Suite) testEffectKeyPerClaim(t *testing.T) {
+	st := s.New(t)
+	k := key()
+	seen := map[string]bool{}
+	owners := map[string]bool{}
+	for i := 0; i < 3; i++ {
+		r, err := idempotency.Do(ctxT(t), st, k, "fp", func(_ context.Context, ek string) ([]byte, error) {
+			seen[ek] = true
+			return nil, idempotency.NotSent(errors.New("not sent"))
+		}, s.opts(func(o *idempotency.Options) { o.Owner = "worker-1" }))
+		if err == nil || r.EffectKey == "" {
+			t.Fatalf("attempt %d: %+v, %v", i, r, err)
+		}
+		rec := state(t, st, k)
+		if !strings.HasPrefix(rec.Owner, "worker-1#") || owners[rec.Owner] {
+			t.Errorf("attempt %d recorded owner %q: want worker-1#nonce, new each claim", i, rec.Owner)
+		}
+		owners[rec.Owner] = true
+	}
+	if len(seen) != 3 {
+		t.Errorf("3 claims used %d distinct effect keys", len(seen))
+	}
+}
+
+// slowRenewals is a store whose lease renewals (armed -> armed) hang until
+// their context ends, as they would with the store cut off.
+type slowRenewals struct{ idempotency.Store }
+
+func (f slowRenewals) Update(ctx context.Context, k string, from idempotency.State, ff fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	if from == idempotency.Armed && ch.State == idempotency.Armed {
+		<-ctx.Done()
+		return idempotency.Record{}, fmt.Errorf("injected: renewal timed out: %w", ctx.Err())
+	}
+	return f.Store.Update(ctx, k, from, ff, ch)
+}
+
+// testRenewalFailure: an owner whose renewals cannot reach the store has its
+// effect cancelled with ErrLost before its lease runs out on the store, so a
+// caller that takes the key over never runs the effect at the same time.
+func (s Suite) testRenewalFailure(t *testing.T) {
+	st := s.New(t)
+	k := key()
+	var aEnded, bStarted atomic.Int64 // UnixNano
+	var aCause error
+	aDone, aRuns := make(chan struct{}), make(chan struct{})
+	start := time.Now()
+	go func() {
+		defer close(aDone)
+		_, _ = idempotency.Do(ctxT(t), slowRenewals{st}, k, "fp", func(ctx context.Context, _ string) ([]byte, error) {
+			close(aRuns)
+			select {
+			case <-ctx.Done():
+				aEnded.Store(time.Now().UnixNano())
+				aCause = context.Cause(ctx)
+				return nil, ctx.Err()
+			case <-time.After(10 * s.Lease):
+				aEnded.Store(time.Now().UnixNano())
+				return []byte("A ran on"), nil
+			}
+		}, s.opts())
+	}()
+	select {
+	case <-aRuns:
+	case <-aDone:
+		t.Fatal("A's Do ended before its effect ran")
+	}
+	// B keeps trying to take the key over, and runs the effect once it can.
+	deadline := time.Now().Add(10 * s.Lease)
+	for time.Now().Before(deadline) {
+		_, err := idempotency.Do(ctxT(t), st, k, "fp", func(context.Context, string) ([]byte, error) {
+			bStarted.Store(time.Now().UnixNano())
+			return []byte("B"), nil
+		}, s.opts(func(o *idempotency.Options) {
+			o.Reconcile = func(context.Context, string) (bool, []byte, error) { return false, nil, nil }
+		}))
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, idempotency.ErrInProgress) {
+			t.Fatalf("B: %v", err)
+		}
+		time.Sleep(s.Lease / 20)
+	}
+	<-aDone
+	if !errors.Is(aCause, fence.ErrLost) {
+		t.Fatalf("A's effect ended with cause %v, want fence.ErrLost", aCause)
+	}
+	if got := time.Duration(aEnded.Load() - start.UnixNano()); got >= s.Lease {
+		t.Errorf("A's effect was cancelled %v after Do started, not before its lease (%v) ran out", got, s.Lease)
+	}
+	if bStarted.Load() == 0 {
+		t.Fatal("B never took the key over")
+	}
+	if bStarted.Load() <= aEnded.Load() {
+		t.Errorf("B's effect started %v before A's was cancelled: two effects ran at once", time.Duration(aEnded.Load()-bStarted.Load()))
 	}
 }

@@ -18,7 +18,10 @@ if state then
   end
   fence = tonumber(redis.call('HGET', KEYS[1], 'fence'))
 end
-fence = fence + 1
+-- A fence is never below the server's clock in microseconds when it was
+-- granted, so a key whose record expired starts again above every fence it had.
+local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+fence = math.max(fence + 1, floor)
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'state', 'claimed', 'fence', string.format('%d', fence), 'owner', ARGV[2],
   'lease_until', string.format('%d', now + tonumber(ARGV[3])), 'started', string.format('%d', now), 'dropped', '0')
