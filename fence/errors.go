@@ -8,7 +8,8 @@ import (
 
 var (
 	// ErrStale is matched (with errors.Is) by every rejected fenced write: the key
-	// has already accepted a larger token. errors.As gives a *StaleError.
+	// has already accepted a larger token, and the write changed nothing.
+	// errors.As gives a *StaleError.
 	ErrStale = errors.New("fence: stale token")
 
 	// ErrHeld is returned by TryAcquire when another holder has the lease, and is
@@ -19,6 +20,15 @@ var (
 	// (it expired, was released, or a newer grant exists), and by Hold when the
 	// lease was lost while the work ran.
 	ErrLost = errors.New("fence: lease lost")
+
+	// ErrUnknown is matched by a fenced write whose outcome cannot be known: an
+	// attempt may have been applied (its response was lost, the connection
+	// broke, the server answered 5xx), and what the resource holds now does
+	// not tell whether it was. The value may have landed, and may since have
+	// been replaced by a newer token's write. Unlike ErrStale, it does not
+	// say that nothing changed. Read the key, or write again with the same
+	// token, to settle it.
+	ErrUnknown = errors.New("fence: write outcome unknown")
 
 	// ErrNotFound is returned by Reader.Read for a key that was never written or
 	// was deleted (a deleted key keeps its fence but has no value).

@@ -9,10 +9,13 @@
 //   - ETag reuse (ABA): an ETag reflects the body only. Every stored body begins
 //     with a header holding the token and a random write id, so no two writes
 //     share an ETag, even when a newer grant stores byte-identical data.
-//   - Ambiguous success: the SDK retries a PUT whose response was lost; the retry
-//     can fail its precondition because the first attempt succeeded. On every
-//     precondition failure the writer checks whether the stored object is its
-//     own write (by write id); if so, the write succeeded.
+//   - Ambiguous attempts: a PUT whose response was lost (or that got a 5xx) may
+//     have been applied. The SDK's own retries are off for the PUT; the writer
+//     retries itself, and on every read after such an attempt checks whether
+//     the stored object is its own write (by write id): if so, the write
+//     succeeded. If instead a newer token is stored, or the write ends for any
+//     other reason, the error matches fence.ErrUnknown, never fence.ErrStale:
+//     the value may have landed before it was replaced.
 //   - Objects written by other tools have no token: they count as token 0 (any
 //     fenced write may replace them), or are refused with RefuseUnfenced.
 //
@@ -30,6 +33,7 @@ import (
 	"io"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
@@ -194,18 +198,30 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 		st, haveState = w.last[key]
 		w.mu.Unlock()
 	}
+	// ambiguous is set once an attempt may have been applied without our
+	// knowing (lost response, broken connection, 5xx). From then on, a refusal
+	// cannot mean "changed nothing": our value may have landed and been
+	// replaced since.
+	var ambiguous error
 	for attempt := 0; attempt < w.o.MaxAttempts; attempt++ {
 		if !haveState {
 			var err error
 			if st, err = w.head(ctx, key); err != nil {
-				return fmt.Errorf("s3fence: %s %q: %w", op, key, err)
+				return w.failed(op, key, err, ambiguous)
+			}
+			if ambiguous != nil && st.exists && st.writeID == e.writeID {
+				w.remember(key, st)
+				return nil // an earlier attempt landed
 			}
 		}
 		haveState = false
 		if st.unfenced && w.o.RefuseUnfenced {
-			return fmt.Errorf("s3fence: %s %q: %w", op, key, ErrUnfenced)
+			return w.failed(op, key, ErrUnfenced, ambiguous)
 		}
 		if st.token > e.token {
+			if ambiguous != nil {
+				return w.failed(op, key, fmt.Errorf("the key now holds token %d (%w)", st.token, ambiguous), ambiguous)
+			}
 			return &fence.StaleError{Key: key, Offered: e.token, Current: st.token}
 		}
 		in := &s3.PutObjectInput{Bucket: &w.bucket, Key: aws.String(w.objectKey(key)),
@@ -215,28 +231,75 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 		} else {
 			in.IfNoneMatch = aws.String("*")
 		}
-		out, err := w.api.PutObject(ctx, in)
+		// No SDK retries: a retried conditional PUT whose first attempt landed
+		// fails its precondition, and only this loop knows to read that as
+		// "maybe ours".
+		out, err := w.api.PutObject(ctx, in, noRetries)
 		if err == nil {
 			w.remember(key, state{exists: true, etag: aws.ToString(out.ETag), token: e.token, writeID: e.writeID})
 			return nil
 		}
-		if !isConflict(err) {
-			return fmt.Errorf("s3fence: %s %q: %w", op, key, err)
+		switch {
+		case isConflict(err):
+			// Someone wrote in between, or (after an ambiguous attempt) our
+			// own write landed: read and decide again.
+			cur, herr := w.head(ctx, key)
+			if herr != nil {
+				return w.failed(op, key, herr, ambiguous)
+			}
+			if cur.exists && cur.writeID == e.writeID {
+				w.remember(key, cur)
+				return nil
+			}
+			st, haveState = cur, true
+		case mayHaveApplied(err):
+			ambiguous = err
+			if ctx.Err() != nil {
+				return w.failed(op, key, err, ambiguous)
+			}
+			t := time.NewTimer(fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}.Delay(attempt))
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return w.failed(op, key, context.Cause(ctx), ambiguous)
+			case <-t.C:
+			}
+		default:
+			// A definite refusal (400, 403, ...): nothing was applied by this
+			// attempt.
+			return w.failed(op, key, err, ambiguous)
 		}
-		// Someone wrote in between, or our own write succeeded and its
-		// response was lost (the SDK's retry then fails the precondition).
-		cur, herr := w.head(ctx, key)
-		if herr != nil {
-			return fmt.Errorf("s3fence: %s %q: %w", op, key, herr)
-		}
-		if cur.exists && cur.writeID == e.writeID {
-			w.remember(key, cur)
-			return nil
-		}
-		st, haveState = cur, true
 	}
 	w.forget(key)
-	return fmt.Errorf("s3fence: %s %q: %d attempts: %w", op, key, w.o.MaxAttempts, ErrContention)
+	return w.failed(op, key, fmt.Errorf("%d attempts: %w", w.o.MaxAttempts, ErrContention), ambiguous)
+}
+
+// noRetries turns the SDK's retries off for one operation.
+func noRetries(o *s3.Options) { o.Retryer = aws.NopRetryer{} }
+
+// failed wraps err for op on key. After an attempt that may have been applied
+// (ambiguous is its error), the outcome is unknown: the error matches
+// fence.ErrUnknown, whatever ended the write.
+func (w *Writer) failed(op, key string, err, ambiguous error) error {
+	w.forget(key)
+	if ambiguous != nil {
+		return fmt.Errorf("s3fence: %s %q: %w: an attempt may have been applied (%v): %w", op, key, fence.ErrUnknown, ambiguous, err)
+	}
+	return fmt.Errorf("s3fence: %s %q: %w", op, key, err)
+}
+
+// mayHaveApplied reports a PUT error after which the object may have been
+// written: no HTTP response (a broken connection, a timeout, a cancelled
+// context) or a server error (5xx).
+func mayHaveApplied(err error) bool {
+	if s := httpStatus(err); s != 0 {
+		return s >= 500
+	}
+	var ae smithy.APIError
+	if errors.As(err, &ae) && ae.ErrorFault() == smithy.FaultClient {
+		return false
+	}
+	return true
 }
 
 func (w *Writer) remember(key string, st state) {
