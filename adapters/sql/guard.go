@@ -87,8 +87,9 @@ func (g *Guards) CreateTable(ctx context.Context, db *DB) error { return db.crea
 // tx ends, concurrent guards on name wait for it, so the writes made in tx after
 // Guard returns nil commit only if no larger token has been committed first.
 //
-// An unsupported tx type, an empty name or an invalid token returns an error
-// matching fence.ErrInvalid.
+// Anything that is not a transaction (a *sql.DB, a *pgxpool.Pool, a
+// connection), an empty name or an invalid token returns an error matching
+// fence.ErrInvalid, before any statement runs.
 func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Token) error {
 	if err := fence.CheckName("guard", name); err != nil {
 		return err
@@ -117,20 +118,22 @@ func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Tok
 	return &fence.StaleError{Key: name, Offered: token, Current: fence.Token(cur)}
 }
 
-// txConn wraps the caller's transaction: a *sql.Tx or a pgx.Tx (or anything
-// with the methods of either).
+// txConn wraps the caller's transaction: a *sql.Tx or a pgx.Tx. Anything else
+// (a *sql.DB, a *sql.Conn, a *pgxpool.Pool, a *pgx.Conn) would run the
+// statement in autocommit, so the writes that follow it would not be fenced:
+// it is refused with an error matching fence.ErrInvalid.
 func txConn(op string, tx any) (conn, error) {
 	switch t := tx.(type) {
 	case *sql.Tx:
-		return stdConn{t}, nil
+		if t != nil {
+			return stdConn{t}, nil
+		}
 	case pgx.Tx:
-		return pgxConn{t}, nil
-	case stdQuerier:
-		return stdConn{t}, nil
-	case PgxQuerier:
-		return pgxConn{t}, nil
+		if t != nil {
+			return pgxConn{t}, nil
+		}
 	}
-	return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: fmt.Sprintf("%T is neither a pgx.Tx nor a *sql.Tx", tx)}
+	return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: fmt.Sprintf("%T is not a transaction (want a *sql.Tx or a pgx.Tx): outside a transaction the writes after it would not be fenced", tx)}
 }
 
 func (g *Guards) wrap(err error) error {

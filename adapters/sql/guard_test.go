@@ -174,3 +174,50 @@ func TestGuardStaleRollsBack(t *testing.T) {
 		t.Errorf("written_by = %d, want 5", by)
 	}
 }
+
+// TestGuardRefusesNonTransactions: a pool, a database handle or a connection
+// would run the guard in autocommit and leave the writes after it unfenced:
+// Guard and CompleteTx refuse them before any statement runs, and the guard row
+// is not advanced.
+func TestGuardRefusesNonTransactions(t *testing.T) {
+	ctx := context.Background()
+	pg, pool := pgStd(t), pgPool(t, pgOpts{})
+	sqliteDB, _ := openSQLite(t)
+	pconn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pconn.Release()
+	sconn, err := pg.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sconn.Close()
+	var nilTx *sql.Tx
+	store, err := sqlfence.NewIdempotencyStore(sqlfence.Postgres(pg), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("notx")
+	for _, c := range []struct {
+		what string
+		tx   any
+	}{
+		{"*sql.DB (PostgreSQL)", pg}, {"*sql.DB (SQLite)", sqliteDB}, {"*sql.Conn", sconn},
+		{"*pgxpool.Pool", pool}, {"*pgx.Conn", pconn.Conn()}, {"nil *sql.Tx", nilTx}, {"nil", nil},
+	} {
+		if err := sqlfence.Guard(ctx, c.tx, name, 7); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Guard on a %s: %v, want ErrInvalid", c.what, err)
+		}
+		if err := store.CompleteTx(ctx, c.tx, "k", 1, []byte("r"), 0); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("CompleteTx on a %s: %v, want ErrInvalid", c.what, err)
+		}
+	}
+	var n int
+	if err := pg.QueryRowContext(ctx, `SELECT count(*) FROM fence_guards WHERE name = $1`, name).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Errorf("a refused guard advanced the guard row (%d rows)", n)
+	}
+}

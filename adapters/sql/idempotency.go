@@ -161,7 +161,8 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 // CompleteTx records key's result inside tx, the caller's own transaction (a
 // pgx.Tx or a *sql.Tx), so that the caller's local writes and the key's
 // completion commit together or not at all. The record must be armed with
-// fence f (the attempt's Result.Fence); retention defaults to 24h.
+// fence f (the attempt's Result.Fence); retention defaults to 24h. Anything that
+// is not a transaction returns an error matching fence.ErrInvalid.
 func (s *IdempotencyStore) CompleteTx(ctx context.Context, tx any, key string, f fence.Token, result []byte, retention time.Duration) error {
 	c, err := txConn("complete", tx)
 	if err != nil {
