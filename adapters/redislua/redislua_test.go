@@ -130,12 +130,26 @@ func TestFencedScript(t *testing.T) {
 	if v, _ := c.Get(ctx, fenceKey).Result(); v != "6" {
 		t.Errorf("fence = %q after token 6, want 6", v)
 	}
-	failing := redislua.NewFencedScript(`error('boom')`)
-	if _, err := failing.Run(ctx, c, fenceKey, 7, nil); err == nil {
-		t.Error("a failing body returned no error")
+	// A body that fails half-way keeps its first write (Redis has no rollback),
+	// and that write is fenced at its token: the fence was raised before it.
+	failing := redislua.NewFencedScript(`redis.call('SET', KEYS[1], ARGV[1]); error('boom')`)
+	if _, err := failing.Run(ctx, c, fenceKey, 7, []string{balance}, "half of token 7"); err == nil || !strings.Contains(err.Error(), "boom") {
+		t.Errorf("a failing body: %v, want its error", err)
 	}
-	if v, _ := c.Get(ctx, fenceKey).Result(); v != "6" {
-		t.Errorf("fence = %q after a failing body, want 6 (not advanced)", v)
+	if v, _ := c.Get(ctx, fenceKey).Result(); v != "7" {
+		t.Errorf("fence = %q after a failing body with token 7, want 7", v)
+	}
+	if v, _ := c.Get(ctx, balance).Result(); v != "half of token 7" {
+		t.Errorf("balance = %q: the failing body's first write is not there", v)
+	}
+	if _, err := noReturn.Run(ctx, c, fenceKey, 6, []string{balance}, "token 6"); !errors.Is(err, fence.ErrStale) {
+		t.Errorf("token 6 after token 7's failed body: %v, want ErrStale", err)
+	}
+	if _, err := noReturn.Run(ctx, c, fenceKey, 7, []string{balance}, "token 7, finished"); err != nil {
+		t.Errorf("token 7 again: %v", err)
+	}
+	if v, _ := c.Get(ctx, balance).Result(); v != "token 7, finished" {
+		t.Errorf("balance = %q, want token 7's", v)
 	}
 	if _, err := incr.Run(ctx, c, fenceKey, 0, []string{balance}, 1); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("token 0: %v", err)

@@ -16,9 +16,13 @@ import (
 // The body sees KEYS and ARGV as its own keys and arguments, and its return
 // value is returned by Run. The fence is a string key holding the largest token
 // accepted; on Redis Cluster the fence key and the body's keys must share a hash
-// tag. Redis does not roll back a script that fails half-way: a body that raises
-// an error keeps the writes it made before the error, and the fence is then not
-// advanced.
+// tag.
+//
+// The fence is raised to the token before the body runs. Redis does not roll
+// back a script that fails half-way: a body that raises an error keeps the
+// writes it made before the error, and Run returns the error. Those writes are
+// fenced like any other: the fence already holds the token, so no lower token
+// can run over them, and the same token may run again to finish the work.
 type FencedScript struct {
 	s *redis.Script
 }
@@ -28,8 +32,8 @@ func NewFencedScript(body string) *FencedScript {
 	return &FencedScript{s: redis.NewScript(fencedBody(body))}
 }
 
-// Run runs the body with keys and args if token is not lower than the token held
-// at fenceKey, then raises the fence to token. A lower token returns a
+// Run raises the fence at fenceKey to token and runs the body with keys and args,
+// if token is not lower than the token the fence holds. A lower token returns a
 // *fence.StaleError (matching fence.ErrStale) and the body does not run.
 func (f *FencedScript) Run(ctx context.Context, c redis.Scripter, fenceKey string, token fence.Token, keys []string, args ...any) (any, error) {
 	if fenceKey == "" {

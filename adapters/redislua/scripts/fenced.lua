@@ -14,10 +14,12 @@ if cur then
     return {0, cur}
   end
 end
-local result = (function(KEYS, ARGV)
---BODY--
-end)({select(2, unpack(KEYS))}, {select(2, unpack(ARGV))})
+-- Raise the fence before the body runs: Redis keeps the writes of a body that
+-- fails half-way, and those writes must be fenced at this token like any other.
 if not cur or tonumber(cur) < tok then
   redis.call('SET', fenceKey, ARGV[1])
 end
+local result = (function(KEYS, ARGV)
+--BODY--
+end)({select(2, unpack(KEYS))}, {select(2, unpack(ARGV))})
 return {1, result}
