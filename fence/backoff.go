@@ -20,6 +20,19 @@ type Backoff struct {
 	MaxWait time.Duration
 }
 
+// Check returns an *InvalidError, for op, when a field of b is negative.
+func (b Backoff) Check(op string) error {
+	for _, f := range []struct {
+		name string
+		d    time.Duration
+	}{{"Backoff.Min", b.Min}, {"Backoff.Max", b.Max}, {"Backoff.MaxWait", b.MaxWait}} {
+		if f.d < 0 {
+			return &InvalidError{Op: op, Arg: f.name, Reason: fmt.Sprintf("%v is negative", f.d)}
+		}
+	}
+	return nil
+}
+
 // DefaultMaxWait is the wait limit of a zero Backoff.
 const DefaultMaxWait = 30 * time.Second
 

@@ -24,10 +24,16 @@ const releaseTimeout = 5 * time.Second
 // Release error. Work should pass l.Token() to every fenced write: Hold cannot
 // stop a process that pauses between checking ctx and writing, the fence can.
 func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work func(ctx context.Context, l Lease) error) error {
+	if err := CheckContext("hold", ctx); err != nil {
+		return err
+	}
+	if a == nil {
+		return &InvalidError{Op: "hold", Arg: "acquirer", Reason: "nil"}
+	}
 	if work == nil {
 		return &InvalidError{Op: "hold", Arg: "work", Reason: "nil function"}
 	}
-	if err := CheckTTL("hold", ttl, 0); err != nil {
+	if err := CheckTTL("hold", ttl, 0, 0); err != nil {
 		return err
 	}
 	l, err := a.Acquire(ctx, name, ttl)

@@ -76,6 +76,9 @@ func (x *observedAcquirer) TryAcquire(ctx context.Context, name string, ttl time
 }
 
 func (x *observedAcquirer) acquire(ctx context.Context, name string, ttl time.Duration, try bool) (Lease, error) {
+	if err := CheckContext("acquire", ctx); err != nil {
+		return nil, err // observers are not called with a nil context
+	}
 	start := time.Now()
 	var (
 		l   Lease
@@ -101,12 +104,18 @@ type observedLease struct {
 }
 
 func (l *observedLease) Renew(ctx context.Context) error {
+	if err := CheckContext("renew", ctx); err != nil {
+		return err
+	}
 	err := l.Lease.Renew(ctx)
 	l.x.o.Renew(ctx, LeaseEvent{Backend: l.x.backend, Name: l.Name(), Token: l.Token(), Lost: errors.Is(err, ErrLost), Err: err})
 	return err
 }
 
 func (l *observedLease) Release(ctx context.Context) error {
+	if err := CheckContext("release", ctx); err != nil {
+		return err
+	}
 	err := l.Lease.Release(ctx)
 	l.x.o.Release(ctx, LeaseEvent{Backend: l.x.backend, Name: l.Name(), Token: l.Token(), Lost: errors.Is(err, ErrLost), Err: err})
 	return err
@@ -146,6 +155,9 @@ type observedWriter struct {
 }
 
 func (x *observedWriter) Write(ctx context.Context, key string, value []byte, token Token) error {
+	if err := CheckContext("write", ctx); err != nil {
+		return err
+	}
 	start := time.Now()
 	err := x.w.Write(ctx, key, value, token)
 	x.report(ctx, key, token, start, err)
@@ -167,6 +179,9 @@ type observedDeleter struct {
 }
 
 func (od observedDeleter) Delete(ctx context.Context, key string, token Token) error {
+	if err := CheckContext("delete", ctx); err != nil {
+		return err
+	}
 	start := time.Now()
 	err := od.d.Delete(ctx, key, token)
 	od.x.report(ctx, key, token, start, err)

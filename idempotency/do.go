@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
@@ -49,7 +50,9 @@ func NotSent(err error) error { return &classified{err: err, notSent: true} }
 // Definitive marks err as a definitive business failure, replayed to later callers.
 func Definitive(err error) error { return &classified{err: err, definitive: true} }
 
-// Options configures Do. A nil *Options means the defaults.
+// Options configures Do. A nil *Options means the defaults, and so does a zero
+// field; a negative duration or size is refused with an error matching
+// fence.ErrInvalid.
 type Options struct {
 	// Owner identifies this caller in the record. Default: a random id.
 	Owner string
@@ -78,6 +81,37 @@ type Options struct {
 	CompleteTimeout time.Duration
 }
 
+// check refuses negative durations and sizes: zero means the default, and a
+// negative one is a mistake, not a wish for the default.
+func (o *Options) check() error {
+	if o == nil {
+		return nil
+	}
+	for _, f := range []struct {
+		name string
+		d    time.Duration
+	}{{"Lease", o.Lease}, {"InProgressCeiling", o.InProgressCeiling}, {"Retention", o.Retention}, {"CompleteTimeout", o.CompleteTimeout}} {
+		if f.d < 0 {
+			return &fence.InvalidError{Op: "idempotency", Arg: f.name, Reason: fmt.Sprintf("%v is negative", f.d)}
+		}
+	}
+	if o.MaxResultSize < 0 {
+		return &fence.InvalidError{Op: "idempotency", Arg: "MaxResultSize", Reason: fmt.Sprintf("%d is negative", o.MaxResultSize)}
+	}
+	return nil
+}
+
+// checkCall refuses a nil ctx, a nil store and an empty key.
+func checkCall(op string, ctx context.Context, s Store, key string) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	if s == nil {
+		return &fence.InvalidError{Op: op, Arg: "store", Reason: "nil"}
+	}
+	return fence.CheckKey(op, key)
+}
+
 func (o *Options) withDefaults() Options {
 	var x Options
 	if o != nil {
@@ -92,7 +126,10 @@ func (o *Options) withDefaults() Options {
 		x.Lease = 30 * time.Second
 	}
 	if x.InProgressCeiling <= 0 {
-		x.InProgressCeiling = 10 * x.Lease
+		x.InProgressCeiling = time.Duration(math.MaxInt64)
+		if x.Lease <= x.InProgressCeiling/10 {
+			x.InProgressCeiling = 10 * x.Lease
+		}
 	}
 	if x.Retention <= 0 {
 		x.Retention = 24 * time.Hour
@@ -149,11 +186,14 @@ func claimOwner(o Options) string {
 // completed but the result could not be recorded; ErrResultNotStored replaying
 // a result that was too large to keep.
 func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, opts *Options) (Result, error) {
-	if err := fence.CheckKey("idempotency", key); err != nil {
+	if err := checkCall("idempotency", ctx, s, key); err != nil {
 		return Result{}, err
 	}
 	if effect == nil {
 		return Result{}, &fence.InvalidError{Op: "idempotency", Arg: "effect", Reason: "nil function"}
+	}
+	if err := opts.check(); err != nil {
+		return Result{}, err
 	}
 	o := opts.withDefaults()
 	var wake <-chan struct{}
@@ -401,6 +441,12 @@ func renew(ctx context.Context, s Store, rec Record, o Options, sent time.Time, 
 // with fence f, to completed (with result), failed (with a message in result) or
 // released (the effect did not happen; the key may be claimed again).
 func Resolve(ctx context.Context, s Store, key string, f fence.Token, to State, result []byte, retention time.Duration) error {
+	if err := checkCall("resolve", ctx, s, key); err != nil {
+		return err
+	}
+	if retention < 0 {
+		return &fence.InvalidError{Op: "resolve", Arg: "retention", Reason: fmt.Sprintf("%v is negative", retention)}
+	}
 	switch to {
 	case Completed, Failed, Released:
 	default:

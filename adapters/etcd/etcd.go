@@ -56,6 +56,9 @@ var _ fence.Acquirer = (*Acquirer)(nil)
 
 // New returns an Acquirer on c.
 func New(c *clientv3.Client, opts *Options) (*Acquirer, error) {
+	if c == nil {
+		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "client", Reason: "nil"}
+	}
 	var o Options
 	if opts != nil {
 		o = *opts
@@ -82,11 +85,35 @@ func New(c *clientv3.Client, opts *Options) (*Acquirer, error) {
 // MinTTL is the shortest lease: etcd counts lease time in whole seconds.
 const MinTTL = time.Second
 
-func check(name string, ttl time.Duration) error {
-	if err := fence.CheckName("acquire", name); err != nil {
+// MaxTTL is the longest lease: etcd refuses a lease over 9,000,000,000 seconds
+// (about 285 years). The ttl is rounded up to whole seconds, so MaxTTL plus
+// anything is refused.
+const MaxTTL = 9_000_000_000 * time.Second
+
+// MaxNameBytes is the longest lock name, in bytes. A name is escaped into the
+// key (up to three bytes for one), and etcd bounds the size of a request.
+const MaxNameBytes = 4096
+
+func check(ctx context.Context, name string, ttl time.Duration) error {
+	if err := fence.CheckContext("acquire", ctx); err != nil {
 		return err
 	}
-	return fence.CheckTTL("acquire", ttl, MinTTL)
+	if err := checkName("acquire", name); err != nil {
+		return err
+	}
+	return fence.CheckTTL("acquire", ttl, MinTTL, MaxTTL)
+}
+
+// checkName refuses an empty name or one over MaxNameBytes; any bytes are
+// allowed, since the name is escaped into the key.
+func checkName(op, name string) error {
+	if err := fence.CheckName(op, name); err != nil {
+		return err
+	}
+	if len(name) > MaxNameBytes {
+		return &fence.InvalidError{Op: op, Arg: "name", Reason: fmt.Sprintf("%d bytes, over this backend's limit of %d", len(name), MaxNameBytes)}
+	}
+	return nil
 }
 
 // lockPrefix is the directory of name's queue; the name is escaped so that one
@@ -99,7 +126,7 @@ func (a *Acquirer) lockPrefix(name string) string {
 // fence.ErrHeld at once. Two round trips: the etcd lease, then one transaction
 // that creates the key and reads the queue's head.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := check(name, ttl); err != nil {
+	if err := check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	return a.acquire(ctx, name, ttl, false)
@@ -109,7 +136,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 // or after MaxWait when ctx has none, with an error matching fence.ErrHeld and
 // the context error; its place in line is given up then.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := check(name, ttl); err != nil {
+	if err := check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	if _, ok := ctx.Deadline(); !ok {
@@ -121,7 +148,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	return a.acquire(ctx, name, ttl, true)
 }
 
-func seconds(ttl time.Duration) int64 { return int64((ttl + time.Second - 1) / time.Second) }
+func seconds(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Second) }
 
 func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, wait bool) (fence.Lease, error) {
 	pfx := a.lockPrefix(name)
@@ -275,6 +302,9 @@ type lease struct {
 // Renew sends one keep-alive for the etcd lease. A lease etcd no longer has
 // returns fence.ErrLost.
 func (l *lease) Renew(ctx context.Context) error {
+	if err := fence.CheckContext("renew", ctx); err != nil {
+		return err
+	}
 	sent := time.Now()
 	resp, err := l.a.c.KeepAliveOnce(ctx, l.id)
 	if errors.Is(err, rpctypes.ErrLeaseNotFound) || (err == nil && resp.TTL <= 0) {
@@ -293,6 +323,9 @@ func (l *lease) Renew(ctx context.Context) error {
 // Release revokes the etcd lease, which deletes the lock key and wakes the next
 // waiter. A lease etcd no longer has returns fence.ErrLost.
 func (l *lease) Release(ctx context.Context) error {
+	if err := fence.CheckContext("release", ctx); err != nil {
+		return err
+	}
 	_, err := l.a.c.Revoke(ctx, l.id)
 	l.End(context.Canceled)
 	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
@@ -314,7 +347,10 @@ var _ fence.Inspector = (*Acquirer)(nil)
 // etcd lease, and as Counter the cluster's current revision: every later
 // grant's token (a create revision) is larger. etcd has no counter to bump.
 func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, error) {
-	if err := fence.CheckName("inspect", name); err != nil {
+	if err := fence.CheckContext("inspect", ctx); err != nil {
+		return fence.LockInfo{}, err
+	}
+	if err := checkName("inspect", name); err != nil {
 		return fence.LockInfo{}, err
 	}
 	resp, err := a.c.Get(ctx, a.lockPrefix(name), clientv3.WithFirstCreate()...)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -25,6 +26,8 @@ func TestAcquirerConformance(t *testing.T) {
 		// etcd counts leases in whole seconds and raises short ones to its
 		// minimum (about 2s with the default election timeout).
 		ShortTTL: 2 * time.Second,
+		MaxTTL:   etcdfence.MaxTTL,
+		BadNames: []string{strings.Repeat("n", etcdfence.MaxNameBytes+1)},
 	}.Run(t)
 }
 

@@ -72,6 +72,9 @@ var notifiedBackoff = fence.Backoff{Min: 20 * time.Millisecond, Max: 200 * time.
 // NewAcquirer returns an Acquirer on c. It returns an error matching fence.ErrInvalid
 // for a prefix with braces, negative options, or WaitReplicas on a Cluster client.
 func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
+	if err := checkClient("new acquirer", c); err != nil {
+		return nil, err
+	}
 	var o AcquirerOptions
 	if opts != nil {
 		o = *opts
@@ -84,6 +87,9 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	}
 	if o.Drift < 0 || o.WaitReplicas < 0 || o.WaitTimeout < 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "options", Reason: "Drift, WaitReplicas and WaitTimeout may not be negative"}
+	}
+	if err := o.Backoff.Check("new acquirer"); err != nil {
+		return nil, err
 	}
 	if o.WaitTimeout == 0 {
 		o.WaitTimeout = 100 * time.Millisecond
@@ -116,19 +122,20 @@ func newNonce() string {
 // minTTL is the shortest lease: PX takes whole milliseconds.
 const minTTL = time.Millisecond
 
-func checkLease(name string, ttl time.Duration) error {
-	if err := checkTagged("acquire", "name", name); err != nil {
+func checkLease(ctx context.Context, name string, ttl time.Duration) error {
+	if err := checkTagged(ctx, "acquire", "name", name); err != nil {
 		return err
 	}
-	return fence.CheckTTL("acquire", ttl, minTTL)
+	return fence.CheckTTL("acquire", ttl, minTTL, MaxTTL)
 }
 
-func ttlMs(ttl time.Duration) int64 { return int64((ttl + time.Millisecond - 1) / time.Millisecond) }
+// ttlMs rounds ttl up to whole milliseconds, without overflowing.
+func ttlMs(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Millisecond) }
 
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
 // ttl must be at least 1ms; name may not contain braces.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	l, err := a.grant(ctx, name, ttl, "")
@@ -225,7 +232,7 @@ func (a *Acquirer) grantAndWait(ctx context.Context, keys []string, args []any) 
 // pub/sub; between those, attempts are paced by the acquirer's Backoff. See
 // fence.Acquirer.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	// Wait in line before the first attempt, so that a Release between a failed
@@ -321,6 +328,9 @@ type lease struct {
 
 // Renew extends the lease by its ttl on Redis's clock if this grant still holds it.
 func (l *lease) Renew(ctx context.Context) error {
+	if err := fence.CheckContext("renew", ctx); err != nil {
+		return err
+	}
 	sent := time.Now()
 	n, err := renewScript.Run(ctx, l.a.c, []string{l.lock}, l.value, ttlMs(l.TTL())).Int64()
 	if err != nil {
@@ -340,7 +350,12 @@ func (l *lease) Renew(ctx context.Context) error {
 // of this process waits for the name, the lease is handed straight to it in one
 // script; otherwise the lock key is deleted (DELEX IFEQ on Redis 8.4 and newer,
 // a compare-and-delete script before) and waiters everywhere are told by pub/sub.
-func (l *lease) Release(ctx context.Context) error { return l.release(ctx, true) }
+func (l *lease) Release(ctx context.Context) error {
+	if err := fence.CheckContext("release", ctx); err != nil {
+		return err
+	}
+	return l.release(ctx, true)
+}
 
 func (l *lease) release(ctx context.Context, handoff bool) error {
 	defer l.End(context.Canceled)

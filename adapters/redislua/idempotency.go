@@ -53,6 +53,9 @@ var (
 
 // NewIdempotencyStore returns a store on c.
 func NewIdempotencyStore(c Client, opts *IdempotencyOptions) (*IdempotencyStore, error) {
+	if err := checkClient("new idempotency store", c); err != nil {
+		return nil, err
+	}
 	var o IdempotencyOptions
 	if opts != nil {
 		o = *opts
@@ -63,7 +66,10 @@ func NewIdempotencyStore(c Client, opts *IdempotencyOptions) (*IdempotencyStore,
 	if err := checkPrefix("new idempotency store", o.Prefix); err != nil {
 		return nil, err
 	}
-	if o.ReleasedRetention <= 0 {
+	if o.ReleasedRetention < 0 {
+		return nil, &fence.InvalidError{Op: "new idempotency store", Arg: "ReleasedRetention", Reason: "negative"}
+	}
+	if o.ReleasedRetention == 0 {
 		o.ReleasedRetention = 24 * time.Hour
 	}
 	s := &IdempotencyStore{c: c, o: o, channel: o.Prefix + "idem"}
@@ -101,7 +107,7 @@ func parseRecord(key string, f []any) (idempotency.Record, error) {
 
 // Begin claims key, or returns its record. One script, one round trip.
 func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
-	if err := checkTagged("idempotency begin", "key", key); err != nil {
+	if err := checkTagged(ctx, "idempotency begin", "key", key); err != nil {
 		return idempotency.Record{}, false, err
 	}
 	res, err := idemBeginScript.Run(ctx, s.c, []string{s.key(key)}, fingerprint, owner, lease.Milliseconds()).Slice()
@@ -117,7 +123,7 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 
 // Get returns key's record, or fence.ErrNotFound.
 func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Record, error) {
-	if err := checkTagged("idempotency get", "key", key); err != nil {
+	if err := checkTagged(ctx, "idempotency get", "key", key); err != nil {
 		return idempotency.Record{}, err
 	}
 	res, err := idemGetScript.Run(ctx, s.c, []string{s.key(key)}).Slice()
@@ -132,6 +138,12 @@ func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Rec
 
 // Update is the compare-and-set on state and fence. See idempotency.Store.
 func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	if err := checkTagged(ctx, "idempotency update", "key", key); err != nil {
+		return idempotency.Record{}, err
+	}
+	if ch.Lease < 0 || ch.Retention < 0 {
+		return idempotency.Record{}, &fence.InvalidError{Op: "idempotency update", Arg: "change", Reason: "negative lease or retention"}
+	}
 	flag := func(b bool) string {
 		if b {
 			return "1"
@@ -160,7 +172,9 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 }
 
 // Purge returns 0: Redis removes records past their retention itself.
-func (s *IdempotencyStore) Purge(context.Context) (int, error) { return 0, nil }
+func (s *IdempotencyStore) Purge(ctx context.Context) (int, error) {
+	return 0, fence.CheckContext("idempotency purge", ctx)
+}
 
 // Subscribe wakes a waiting Do when key's record leaves its owner's hands.
 func (s *IdempotencyStore) Subscribe(key string) (<-chan struct{}, func()) {

@@ -28,7 +28,7 @@ var (
 // Inspect reports name's holder (its owner is the grant's nonce), time left and
 // counter, read in one script.
 func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, error) {
-	if err := checkTagged("inspect", "name", name); err != nil {
+	if err := checkTagged(ctx, "inspect", "name", name); err != nil {
 		return fence.LockInfo{}, err
 	}
 	lock, counter := lockKeys(a.o.Prefix, name)
@@ -62,7 +62,7 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 // Bump raises name's counter to to (the holder, if any, keeps its lease). A
 // counter already at or above to is refused with fence.ErrInvalid.
 func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error {
-	if err := checkTagged("bump", "name", name); err != nil {
+	if err := checkTagged(ctx, "bump", "name", name); err != nil {
 		return err
 	}
 	if err := fence.CheckToken("bump", to); err != nil {

@@ -1,7 +1,12 @@
 package redislua
 
 import (
+	"context"
+	"fmt"
+	"math"
+	"reflect"
 	"strings"
+	"time"
 
 	"github.com/fencekit/fencekit/fence"
 )
@@ -18,8 +23,18 @@ func checkPrefix(op, prefix string) error {
 	return nil
 }
 
-// checkTagged refuses a name or key that cannot sit inside a hash tag.
-func checkTagged(op, arg, s string) error {
+// MaxTTL is the longest lease this package grants: the largest time.Duration.
+// The ttl is rounded up to whole milliseconds for PX, and Redis accepts any
+// such ttl added to its clock.
+const MaxTTL = time.Duration(math.MaxInt64)
+
+// checkTagged refuses a nil ctx, and a name or key that cannot sit inside a
+// hash tag. Names and keys are stored as bytes: any other byte, NUL and
+// invalid UTF-8 included, is kept as it is.
+func checkTagged(ctx context.Context, op, arg, s string) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
 	if s == "" {
 		return &fence.InvalidError{Op: op, Arg: arg, Reason: "empty"}
 	}
@@ -34,4 +49,15 @@ func checkTagged(op, arg, s string) error {
 func lockKeys(prefix, name string) (lock, counter string) {
 	base := prefix + "{" + name + "}"
 	return base + ":lock", base + ":token"
+}
+
+// checkClient refuses a nil client, also a nil pointer in the interface.
+func checkClient(op string, c any) error {
+	if c == nil {
+		return &fence.InvalidError{Op: op, Arg: "client", Reason: "nil"}
+	}
+	if v := reflect.ValueOf(c); v.Kind() == reflect.Pointer && v.IsNil() {
+		return &fence.InvalidError{Op: op, Arg: "client", Reason: fmt.Sprintf("nil %T", c)}
+	}
+	return nil
 }

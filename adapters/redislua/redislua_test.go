@@ -39,7 +39,7 @@ func TestAcquirerConformance(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }}.Run(t)
+			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, BadNames: []string{"a{b}", "x}"}}.Run(t)
 		})
 	}
 }

@@ -85,6 +85,11 @@ func NewRedlock(nodes []Client, opts *RedlockOptions) (*Redlock, error) {
 	if len(nodes) == 0 {
 		return nil, &fence.InvalidError{Op: "new redlock", Arg: "nodes", Reason: "none given"}
 	}
+	for _, n := range nodes {
+		if err := checkClient("new redlock", n); err != nil {
+			return nil, err
+		}
+	}
 	if o.Prefix == "" {
 		o.Prefix = DefaultPrefix
 	}
@@ -177,7 +182,7 @@ func isGrant(res any) bool {
 // (joined with the nodes' errors) when so many nodes failed to answer that no
 // majority was possible.
 func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	lock, counter := lockKeys(r.o.Prefix, name)
@@ -270,7 +275,7 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 // Acquire waits until the lease on name is granted, retrying with jittered
 // backoff while it is held. ErrNoQuorum ends the wait at once.
 func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	return r.o.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
@@ -305,6 +310,9 @@ type redlockLease struct {
 // majority does, and the local deadline moves by ttl less drift from before the
 // request. Fewer than a majority still holding it is fence.ErrLost.
 func (l *redlockLease) Renew(ctx context.Context) error {
+	if err := fence.CheckContext("renew", ctx); err != nil {
+		return err
+	}
 	sent := time.Now()
 	res, errs := l.r.onNodes(ctx, l.timeout, nil, func(ctx context.Context, c Client) (any, error) {
 		return renewScript.Run(ctx, c, []string{l.lock}, l.nonce, ttlMs(l.TTL())).Int64()
@@ -335,6 +343,9 @@ func (l *redlockLease) Renew(ctx context.Context) error {
 // Release deletes the lock on every node. It returns fence.ErrLost when fewer
 // than a majority still had it.
 func (l *redlockLease) Release(ctx context.Context) error {
+	if err := fence.CheckContext("release", ctx); err != nil {
+		return err
+	}
 	n, errs := l.r.releaseOn(ctx, l.timeout, l.lock, l.nonce, l.Name())
 	l.End(context.Canceled)
 	if n >= l.r.quorum {

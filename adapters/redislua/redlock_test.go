@@ -42,6 +42,8 @@ func TestRedlockConformance(t *testing.T) {
 		// Contenders split the votes and retry: keep the contention test to a
 		// size that finishes in seconds under -race on two cores.
 		Workers: 8, Increments: 10,
+		MaxTTL:   redislua.MaxTTL,
+		BadNames: []string{"a{b}", "x}"},
 	}.Run(t)
 }
 

@@ -36,6 +36,12 @@ func NewFencedScript(body string) *FencedScript {
 // if token is not lower than the token the fence holds. A lower token returns a
 // *fence.StaleError (matching fence.ErrStale) and the body does not run.
 func (f *FencedScript) Run(ctx context.Context, c redis.Scripter, fenceKey string, token fence.Token, keys []string, args ...any) (any, error) {
+	if err := fence.CheckContext("fenced script", ctx); err != nil {
+		return nil, err
+	}
+	if err := checkClient("fenced script", c); err != nil {
+		return nil, err
+	}
 	if fenceKey == "" {
 		return nil, &fence.InvalidError{Op: "fenced script", Arg: "fence key", Reason: "empty"}
 	}

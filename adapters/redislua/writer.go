@@ -32,6 +32,9 @@ var (
 // NewWriter returns a Writer on c, or an error matching fence.ErrInvalid for a
 // prefix with braces.
 func NewWriter(c Client, opts *WriterOptions) (*Writer, error) {
+	if err := checkClient("new writer", c); err != nil {
+		return nil, err
+	}
 	prefix := DefaultPrefix
 	if opts != nil && opts.Prefix != "" {
 		prefix = opts.Prefix
@@ -57,7 +60,7 @@ func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) erro
 }
 
 func (w *Writer) run(ctx context.Context, op, key string, value []byte, token fence.Token, del string) error {
-	if err := checkTagged(op, "key", key); err != nil {
+	if err := checkTagged(ctx, op, "key", key); err != nil {
 		return err
 	}
 	if err := fence.CheckToken(op, token); err != nil {
@@ -83,7 +86,7 @@ func (w *Writer) run(ctx context.Context, op, key string, value []byte, token fe
 // Read returns the value stored under key and the token that wrote it;
 // fence.ErrNotFound for a key never written or deleted.
 func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
-	if err := checkTagged("read", "key", key); err != nil {
+	if err := checkTagged(ctx, "read", "key", key); err != nil {
 		return nil, 0, err
 	}
 	res, err := readScript.Run(ctx, w.c, []string{w.Key(key)}).Slice()

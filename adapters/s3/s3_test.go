@@ -124,7 +124,7 @@ func TestWriterConformance(t *testing.T) {
 			w := newWriter(t, c, &o.opts)
 			fencetest.WriterSuite{
 				New:        func(t *testing.T) fence.FencedWriter { return w },
-				BadKeys:    []string{strings.Repeat("k", 1025)},
+				BadKeys:    []string{strings.Repeat("k", s3fence.MaxKeyBytes+1), "nul\x00byte", "bad utf-8 \xff"},
 				Writers:    8,
 				WritesEach: 15,
 			}.Run(t)

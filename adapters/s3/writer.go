@@ -31,6 +31,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"reflect"
 	"strconv"
 	"sync"
 	"time"
@@ -101,6 +102,12 @@ var (
 // New returns a Writer on bucket. It returns an error matching fence.ErrInvalid
 // for an empty bucket name or negative MaxAttempts.
 func New(api API, bucket string, opts *Options) (*Writer, error) {
+	if api == nil {
+		return nil, &fence.InvalidError{Op: "new writer", Arg: "api", Reason: "nil"}
+	}
+	if v := reflect.ValueOf(api); v.Kind() == reflect.Pointer && v.IsNil() {
+		return nil, &fence.InvalidError{Op: "new writer", Arg: "api", Reason: fmt.Sprintf("nil %T", api)}
+	}
 	if bucket == "" {
 		return nil, &fence.InvalidError{Op: "new writer", Arg: "bucket", Reason: "empty"}
 	}
@@ -113,6 +120,11 @@ func New(api API, bucket string, opts *Options) (*Writer, error) {
 	}
 	if o.MaxAttempts == 0 {
 		o.MaxAttempts = 8
+	}
+	if o.Prefix != "" {
+		if err := fence.CheckText("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
+			return nil, err
+		}
 	}
 	return &Writer{api: api, bucket: bucket, o: o, last: map[string]state{}}, nil
 }
@@ -128,13 +140,19 @@ type state struct {
 
 func (w *Writer) objectKey(key string) string { return w.o.Prefix + key }
 
-// checkKey refuses keys S3 cannot store.
-func checkKey(op, key string) error {
-	if err := fence.CheckKey(op, key); err != nil {
+// MaxKeyBytes is S3's limit on an object key, in bytes. The writer's Prefix
+// counts towards it.
+const MaxKeyBytes = 1024
+
+// checkKey refuses a nil ctx, and keys S3 cannot store: the object key
+// (Prefix + key) must be UTF-8 of at most MaxKeyBytes bytes, and without NUL
+// (which the XML of S3's listings cannot carry).
+func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
 		return err
 	}
-	if len(key) > 1024 {
-		return &fence.InvalidError{Op: op, Arg: "key", Reason: "longer than S3's 1024 bytes"}
+	if err := fence.CheckText(op, "key", key, MaxKeyBytes-len(w.o.Prefix)); err != nil {
+		return err
 	}
 	return nil
 }
@@ -179,7 +197,7 @@ func newWriteID() string {
 }
 
 func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
-	if err := checkKey(op, key); err != nil {
+	if err := w.checkKey(op, ctx, key); err != nil {
 		return err
 	}
 	if err := fence.CheckToken(op, e.token); err != nil {
@@ -324,7 +342,7 @@ func (w *Writer) forget(key string) {
 // deleted returns fence.ErrNotFound. An object written by another tool returns
 // its whole body with token 0 (or ErrUnfenced with RefuseUnfenced).
 func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
-	if err := checkKey("read", key); err != nil {
+	if err := w.checkKey("read", ctx, key); err != nil {
 		return nil, 0, err
 	}
 	out, err := w.api.GetObject(ctx, &s3.GetObjectInput{Bucket: &w.bucket, Key: aws.String(w.objectKey(key))})

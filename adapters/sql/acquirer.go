@@ -61,6 +61,9 @@ var _ fence.Acquirer = (*Acquirer)(nil)
 // fence.ErrInvalid for a table name that is not a plain SQL identifier. It does not
 // touch the database; see CreateTable.
 func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
+	if err := db.check("new acquirer"); err != nil {
+		return nil, err
+	}
 	var o AcquirerOptions
 	if opts != nil {
 		o = *opts
@@ -73,6 +76,9 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	}
 	if o.Drift < 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "drift", Reason: "negative"}
+	}
+	if err := o.Backoff.Check("new acquirer"); err != nil {
+		return nil, err
 	}
 	t, err := quoteIdent("new acquirer", "table", o.Table, true)
 	if err != nil {
@@ -132,7 +138,7 @@ func (a *Acquirer) Owner() string { return a.opts.Owner }
 // ttl is rounded up to whole milliseconds and must be positive. A name whose
 // counter reached fence.MaxToken returns fence.ErrTokensExhausted.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease("acquire", name, ttl); err != nil {
+	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	sent := time.Now()
@@ -171,7 +177,7 @@ func (a *Acquirer) grantRow(ctx context.Context, name string, ttl time.Duration)
 // acquirer's Backoff. On PostgreSQL a release wakes the waiters of its name at
 // once (LISTEN/NOTIFY), with the backoff as the fallback. See fence.Acquirer.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease("acquire", name, ttl); err != nil {
+	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	// The first attempt needs no subscription: an uncontended Acquire is one
@@ -191,18 +197,19 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	})
 }
 
-func checkLease(op, name string, ttl time.Duration) error {
-	if err := fence.CheckName(op, name); err != nil {
+func (a *Acquirer) checkLease(op string, ctx context.Context, name string, ttl time.Duration) error {
+	if err := a.db.checkCall(op, ctx); err != nil {
 		return err
 	}
-	return fence.CheckTTL(op, ttl, 0)
+	if err := checkText(op, "name", name); err != nil {
+		return err
+	}
+	return fence.CheckTTL(op, ttl, 0, MaxTTL)
 }
 
 // ttlMs rounds ttl up to whole milliseconds, so a lease is never shorter on the
 // server than asked.
-func ttlMs(ttl time.Duration) int64 {
-	return int64((ttl + time.Millisecond - 1) / time.Millisecond)
-}
+func ttlMs(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Millisecond) }
 
 func (a *Acquirer) wrap(op string, err error) error {
 	if a.db.d.missingTable(err) {
@@ -220,6 +227,9 @@ type lease struct {
 // Renew extends the lease by its ttl on the server's clock, if this grant still
 // holds it. See fence.Lease.
 func (l *lease) Renew(ctx context.Context) error {
+	if err := fence.CheckContext("renew", ctx); err != nil {
+		return err
+	}
 	sent := time.Now()
 	n, err := l.a.db.exec(ctx, l.a.renew, l.Name(), int64(l.Token()), ttlMs(l.TTL()))
 	if err != nil {
@@ -240,6 +250,9 @@ func (l *lease) Renew(ctx context.Context) error {
 // Release gives the lease up if this grant still holds it; otherwise it returns
 // fence.ErrLost and changes nothing. The lease's context is done afterwards.
 func (l *lease) Release(ctx context.Context) error {
+	if err := fence.CheckContext("release", ctx); err != nil {
+		return err
+	}
 	n, err := l.a.db.exec(ctx, l.a.release, l.Name(), int64(l.Token()))
 	l.End(context.Canceled)
 	if err != nil {
@@ -262,7 +275,10 @@ var (
 
 // Inspect reports name's holder, time left and counter (the row's token).
 func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, error) {
-	if err := fence.CheckName("inspect", name); err != nil {
+	if err := a.db.checkCall("inspect", ctx); err != nil {
+		return fence.LockInfo{}, err
+	}
+	if err := checkText("inspect", "name", name); err != nil {
 		return fence.LockInfo{}, err
 	}
 	var (
@@ -288,7 +304,10 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 // token, so a held lease is refused (fence.ErrHeld) rather than invalidated;
 // a counter already at or above to is refused with fence.ErrInvalid.
 func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error {
-	if err := fence.CheckName("bump", name); err != nil {
+	if err := a.db.checkCall("bump", ctx); err != nil {
+		return err
+	}
+	if err := checkText("bump", "name", name); err != nil {
 		return err
 	}
 	if err := fence.CheckToken("bump", to); err != nil {

@@ -18,11 +18,16 @@ type DB struct {
 	d      *dialect
 	listen *listener // PostgreSQL release notifications; nil where unsupported
 	sqlDB  *sql.DB   // for SQLite transactions
+	// nilHandle: built on a nil handle; every use returns ErrInvalid.
+	nilHandle bool
 }
 
 // SQLite wraps a database/sql handle opened with the "sqlite" driver of
 // modernc.org/sqlite (see [OpenSQLite]).
-func SQLite(db *sql.DB) *DB { return &DB{c: stdConn{db}, d: sqliteDialect, sqlDB: db} }
+// A nil db gives a *DB whose every use returns an error matching fence.ErrInvalid.
+func SQLite(db *sql.DB) *DB {
+	return &DB{c: stdConn{db}, d: sqliteDialect, sqlDB: db, nilHandle: db == nil}
+}
 
 // Dialect returns "sqlite" or "postgres".
 func (db *DB) Dialect() string { return db.d.name }
@@ -169,6 +174,9 @@ func (db *DB) inTx(ctx context.Context, f func(conn) error) error {
 // same moment on PostgreSQL can collide in the catalog (23505, 42P07) even with
 // IF NOT EXISTS; the loser runs it again and finds the table.
 func (db *DB) createTable(ctx context.Context, ddl string) error {
+	if err := db.checkCall("create table", ctx); err != nil {
+		return err
+	}
 	_, err := db.exec(ctx, ddl)
 	if c := pgCode(err); c == "23505" || c == "42P07" {
 		_, err = db.exec(ctx, ddl)

@@ -78,7 +78,12 @@ func Guard(ctx context.Context, tx any, name string, token fence.Token) error {
 func (g *Guards) DDL() string { return g.ddl }
 
 // CreateTable creates the guard table on db if it does not exist.
-func (g *Guards) CreateTable(ctx context.Context, db *DB) error { return db.createTable(ctx, g.ddl) }
+func (g *Guards) CreateTable(ctx context.Context, db *DB) error {
+	if err := db.check("create guard table"); err != nil {
+		return err
+	}
+	return db.createTable(ctx, g.ddl)
+}
 
 // Guard advances the fence of name to token inside tx, the caller's own
 // transaction: a pgx.Tx, or a *sql.Tx on PostgreSQL or SQLite. A token lower
@@ -91,7 +96,10 @@ func (g *Guards) CreateTable(ctx context.Context, db *DB) error { return db.crea
 // connection), an empty name or an invalid token returns an error matching
 // fence.ErrInvalid, before any statement runs.
 func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Token) error {
-	if err := fence.CheckName("guard", name); err != nil {
+	if err := fence.CheckContext("guard", ctx); err != nil {
+		return err
+	}
+	if err := checkText("guard", "name", name); err != nil {
 		return err
 	}
 	if err := fence.CheckToken("guard", token); err != nil {

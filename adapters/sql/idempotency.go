@@ -35,6 +35,9 @@ var _ idempotency.Store = (*IdempotencyStore)(nil)
 // NewIdempotencyStore returns a store on db. It returns an error matching
 // fence.ErrInvalid for a table name that is not a plain SQL identifier.
 func NewIdempotencyStore(db *DB, opts *IdempotencyOptions) (*IdempotencyStore, error) {
+	if err := db.check("new idempotency store"); err != nil {
+		return nil, err
+	}
 	table := "fence_idempotency"
 	if opts != nil && opts.Table != "" {
 		table = opts.Table
@@ -104,10 +107,47 @@ func (s *IdempotencyStore) wrap(op string, err error) error {
 
 func ms(d time.Duration) int64 { return d.Milliseconds() }
 
+// checkStored refuses text PostgreSQL cannot store (NUL, invalid UTF-8); it
+// may be empty and has no length limit (it is not indexed).
+func checkStored(op, arg, s string) error {
+	if s == "" {
+		return nil
+	}
+	return fence.CheckText(op, arg, s, 0)
+}
+
+func (s *IdempotencyStore) checkUpdate(op string, ctx context.Context, key string, ch idempotency.Change) error {
+	if err := s.db.checkCall(op, ctx); err != nil {
+		return err
+	}
+	if err := checkText(op, "key", key); err != nil {
+		return err
+	}
+	if err := checkStored(op, "owner", ch.Owner); err != nil {
+		return err
+	}
+	if ch.Lease < 0 || ch.Retention < 0 {
+		return &fence.InvalidError{Op: op, Arg: "change", Reason: "negative lease or retention"}
+	}
+	return nil
+}
+
 // Begin claims key, or returns its record. See idempotency.Store.
 func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
-	if err := fence.CheckKey("idempotency begin", key); err != nil {
+	if err := s.db.checkCall("idempotency begin", ctx); err != nil {
 		return idempotency.Record{}, false, err
+	}
+	if err := checkText("idempotency begin", "key", key); err != nil {
+		return idempotency.Record{}, false, err
+	}
+	if err := checkStored("idempotency begin", "fingerprint", fingerprint); err != nil {
+		return idempotency.Record{}, false, err
+	}
+	if err := checkStored("idempotency begin", "owner", owner); err != nil {
+		return idempotency.Record{}, false, err
+	}
+	if lease <= 0 {
+		return idempotency.Record{}, false, &fence.InvalidError{Op: "idempotency begin", Arg: "lease", Reason: fmt.Sprintf("%v is not positive", lease)}
 	}
 	var f int64
 	err := s.db.queryRow(ctx, s.begin, []any{key, fingerprint, owner, ms(lease)}, &f)
@@ -139,6 +179,12 @@ func scanRecord(key string, scan func(dest ...any) error) (idempotency.Record, e
 
 // Get returns key's record, or fence.ErrNotFound.
 func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Record, error) {
+	if err := s.db.checkCall("idempotency get", ctx); err != nil {
+		return idempotency.Record{}, err
+	}
+	if err := checkText("idempotency get", "key", key); err != nil {
+		return idempotency.Record{}, err
+	}
 	return s.getOn(ctx, s.db.c, key)
 }
 
@@ -155,6 +201,9 @@ func (s *IdempotencyStore) getOn(ctx context.Context, c conn, key string) (idemp
 
 // Update is the compare-and-set on state and fence. See idempotency.Store.
 func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	if err := s.checkUpdate("idempotency update", ctx, key, ch); err != nil {
+		return idempotency.Record{}, err
+	}
 	return s.updateOn(ctx, s.db.c, key, from, fromFence, ch)
 }
 
@@ -164,6 +213,9 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 // fence f (the attempt's Result.Fence); retention defaults to 24h. Anything that
 // is not a transaction returns an error matching fence.ErrInvalid.
 func (s *IdempotencyStore) CompleteTx(ctx context.Context, tx any, key string, f fence.Token, result []byte, retention time.Duration) error {
+	if err := s.checkUpdate("complete", ctx, key, idempotency.Change{}); err != nil {
+		return err
+	}
 	c, err := txConn("complete", tx)
 	if err != nil {
 		return err
@@ -207,6 +259,9 @@ func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, fro
 
 // Purge removes released records and completed or failed ones past their retention.
 func (s *IdempotencyStore) Purge(ctx context.Context) (int, error) {
+	if err := s.db.checkCall("idempotency purge", ctx); err != nil {
+		return 0, err
+	}
 	n, err := s.db.exec(ctx, s.purge)
 	if err != nil {
 		return 0, s.wrap("purge", err)

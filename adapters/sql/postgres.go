@@ -42,8 +42,13 @@ type PgxQuerier interface {
 // Pgx wraps a native pgx handle on PostgreSQL: a *pgxpool.Pool (recommended:
 // waiters then wake on LISTEN/NOTIFY), a *pgx.Conn, or a pgx.Tx (every statement
 // then runs inside that transaction).
+//
+// A nil q gives a *DB whose every use returns an error matching fence.ErrInvalid.
 func Pgx(q PgxQuerier) *DB {
-	db := &DB{c: pgxConn{q}, d: postgresDialect}
+	db := &DB{c: pgxConn{q}, d: postgresDialect, nilHandle: isNilPgx(q)}
+	if db.nilHandle {
+		return db
+	}
 	if p, ok := q.(*pgxpool.Pool); ok {
 		db.listen = newListener(func(ctx context.Context, f func(*pgx.Conn) error) error {
 			return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error { return f(c.Conn()) })
@@ -54,8 +59,26 @@ func Pgx(q PgxQuerier) *DB {
 
 // Postgres wraps a database/sql handle on PostgreSQL opened with the "pgx" driver
 // of github.com/jackc/pgx/v5/stdlib. Waiters wake on LISTEN/NOTIFY.
+//
+// A nil db gives a *DB whose every use returns an error matching fence.ErrInvalid.
 func Postgres(db *sql.DB) *DB {
+	if db == nil {
+		return &DB{d: postgresDialect, nilHandle: true}
+	}
 	return &DB{c: stdConn{db}, d: postgresDialect, listen: newListener(stdlibConn(db))}
+}
+
+// isNilPgx reports a nil handle, also one of the pgx types in an interface.
+func isNilPgx(q PgxQuerier) bool {
+	switch h := q.(type) {
+	case nil:
+		return true
+	case *pgxpool.Pool:
+		return h == nil
+	case *pgx.Conn:
+		return h == nil
+	}
+	return false
 }
 
 type pgxConn struct{ q PgxQuerier }

@@ -34,7 +34,7 @@ func TestPostgresWriterConformance(t *testing.T) {
 			}
 			fencetest.WriterSuite{
 				New:     func(t *testing.T) fence.FencedWriter { return w },
-				BadKeys: []string{"nul\x00byte"},
+				BadKeys: badKeys,
 			}.Run(t)
 		})
 	}
@@ -63,7 +63,7 @@ func TestPostgresWriterOwnTable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }}.Run(t)
+	fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys}.Run(t)
 }
 
 func TestPostgresAcquirerConformance(t *testing.T) {
@@ -74,7 +74,7 @@ func TestPostgresAcquirerConformance(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }}.Run(t)
+				fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys}.Run(t)
 			})
 		}
 	}

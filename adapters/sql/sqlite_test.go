@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/fencekit/fencekit/adapters/sql"
@@ -52,7 +53,7 @@ func TestSQLiteWriterConformance(t *testing.T) {
 	w := newSQLiteWriter(t, fdb)
 	fencetest.WriterSuite{
 		New:     func(t *testing.T) fence.FencedWriter { return w },
-		BadKeys: []string{"nul\x00byte"},
+		BadKeys: badKeys,
 	}.Run(t)
 }
 
@@ -60,7 +61,8 @@ func TestSQLiteAcquirerConformance(t *testing.T) {
 	_, fdb := openSQLite(t)
 	a := newSQLiteAcquirer(t, fdb)
 	fencetest.AcquirerSuite{
-		New: func(t *testing.T) fence.Acquirer { return a },
+		New:    func(t *testing.T) fence.Acquirer { return a },
+		MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
 	}.Run(t)
 }
 
@@ -96,4 +98,14 @@ func TestSQLiteAcrossHandles(t *testing.T) {
 		t.Errorf("token on the second handle = %d, want %d", l2.Token(), l.Token()+1)
 	}
 	_ = l2.Release(context.Background())
+}
+
+// badKeys are keys and lock names sqlfence refuses on every dialect: what
+// PostgreSQL cannot store as indexed text (NUL, invalid UTF-8, too long for a
+// btree entry), and one past MaxKeyBytes.
+var badKeys = []string{
+	"nul\x00byte",
+	"bad utf-8 \xff\xfe",
+	strings.Repeat("k", sqlfence.MaxKeyBytes+1),
+	strings.Repeat("k", 1<<20),
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/fencekit/fencekit/fence"
 )
@@ -45,6 +44,9 @@ var (
 // for a table or column name that is not a plain SQL identifier. It does not touch
 // the database; see CreateTable.
 func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
+	if err := db.check("new writer"); err != nil {
+		return nil, err
+	}
 	var o WriterOptions
 	if opts != nil {
 		o = *opts
@@ -103,7 +105,7 @@ func (w *Writer) CreateTable(ctx context.Context) error { return w.db.createTabl
 // Write stores value under key with token, unless key has accepted a larger token,
 // in one statement. A nil value is stored as an empty value. See fence.FencedWriter.
 func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
-	if err := checkWrite("write", key, token); err != nil {
+	if err := w.checkWrite("write", ctx, key, token); err != nil {
 		return err
 	}
 	if value == nil {
@@ -124,18 +126,18 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 // Delete removes the value under key, keeping the fence at token (a tombstone), unless
 // key has accepted a larger token. See fence.Deleter.
 func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
-	if err := checkWrite("delete", key, token); err != nil {
+	if err := w.checkWrite("delete", ctx, key, token); err != nil {
 		return err
 	}
 	return w.fenced(ctx, "delete", key, token, w.tombstone, key, int64(token))
 }
 
-func checkWrite(op, key string, token fence.Token) error {
-	if err := fence.CheckKey(op, key); err != nil {
+func (w *Writer) checkWrite(op string, ctx context.Context, key string, token fence.Token) error {
+	if err := w.db.checkCall(op, ctx); err != nil {
 		return err
 	}
-	if strings.IndexByte(key, 0) >= 0 {
-		return &fence.InvalidError{Op: op, Arg: "key", Reason: "contains a NUL byte, which PostgreSQL text cannot hold"}
+	if err := checkText(op, "key", key); err != nil {
+		return err
 	}
 	return fence.CheckToken(op, token)
 }
@@ -164,7 +166,10 @@ func (w *Writer) fenced(ctx context.Context, op, key string, token fence.Token, 
 // Read returns the value stored under key and the token that wrote it.
 // A key never written or deleted returns fence.ErrNotFound.
 func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
-	if err := fence.CheckKey("read", key); err != nil {
+	if err := w.db.checkCall("read", ctx); err != nil {
+		return nil, 0, err
+	}
+	if err := checkText("read", "key", key); err != nil {
 		return nil, 0, err
 	}
 	var (

@@ -9,6 +9,8 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -30,6 +32,15 @@ type AcquirerSuite struct {
 	// Workers and Increments size the mutual-exclusion test.
 	// Default: 20 workers x 25 increments (the lesson uses 20 x 50).
 	Workers, Increments int
+
+	// MaxTTL is the longest ttl the acquirer documents. A ttl up to it must be
+	// granted and exclude others; one past it must be refused with ErrInvalid.
+	// Default: the largest time.Duration (no limit of its own).
+	MaxTTL time.Duration
+
+	// BadNames are lock names the backend cannot store, beside the empty name,
+	// which every acquirer must refuse with ErrInvalid before any request.
+	BadNames []string
 }
 
 // Name returns a fresh random lock name with prefix, for tests that share a backend.
@@ -72,6 +83,8 @@ func (s AcquirerSuite) Run(t *testing.T) {
 		{"ContextDoneAfterLoss", s.testContextAfterLoss},
 		{"HoldRunsAndReleases", s.testHold},
 		{"BadInput", s.testBadInput},
+		{"ExtremeTTLs", s.testExtremeTTLs},
+		{"NilContext", s.testNilContext},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, tc.fn)
@@ -430,6 +443,18 @@ func (s AcquirerSuite) testBadInput(t *testing.T) {
 		{"empty name", "", time.Second},
 		{"zero ttl", Name("bad"), 0},
 		{"negative ttl", Name("bad"), -time.Second},
+		{"the most negative ttl", Name("bad"), math.MinInt64},
+	}
+	for _, n := range s.BadNames {
+		what := n
+		if len(what) > 40 {
+			what = fmt.Sprintf("%.40q... (%d bytes)", n, len(n))
+		}
+		cases = append(cases, struct {
+			what string
+			name string
+			ttl  time.Duration
+		}{"name " + what, n, time.Second})
 	}
 	for _, c := range cases {
 		for _, op := range []struct {
@@ -449,4 +474,90 @@ func (s AcquirerSuite) testBadInput(t *testing.T) {
 	if !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("Hold with nil work: err = %v, want ErrInvalid", err)
 	}
+}
+
+// testExtremeTTLs: the largest durations, and the acquirer's own maximum and one
+// past it. A ttl up to MaxTTL is granted; one past it is refused with
+// ErrInvalid. Whatever happens, a second acquirer never gets a lease that is
+// already granted (the bug of a ttl whose rounding overflows).
+func (s AcquirerSuite) testExtremeTTLs(t *testing.T) {
+	a, b := s.New(t), s.New(t)
+	max := s.MaxTTL
+	if max <= 0 {
+		max = math.MaxInt64
+	}
+	ttls := []time.Duration{math.MaxInt64, math.MaxInt64 - 1, max}
+	if max < math.MaxInt64 {
+		ttls = append(ttls, max+1, max+time.Second)
+	}
+	for _, ttl := range ttls {
+		for _, op := range []string{"TryAcquire", "Acquire"} {
+			name := Name("ttl")
+			var (
+				l   fence.Lease
+				err error
+			)
+			if op == "TryAcquire" {
+				l, err = a.TryAcquire(ctxT(t), name, ttl)
+			} else {
+				l, err = a.Acquire(ctxT(t), name, ttl)
+			}
+			if ttl > max {
+				if !errors.Is(err, fence.ErrInvalid) {
+					t.Errorf("%s with ttl %d, past the maximum %v: err = %v, want ErrInvalid", op, ttl, max, err)
+				}
+				if l != nil {
+					_ = l.Release(context.Background())
+				}
+				continue
+			}
+			if err != nil {
+				t.Errorf("%s with ttl %d (within the maximum %v): %v", op, ttl, max, err)
+				continue
+			}
+			if l.Context().Err() != nil {
+				t.Errorf("%s with ttl %d: the lease's context is already done", op, ttl)
+			}
+			l2, err := b.TryAcquire(ctxT(t), name, time.Second)
+			if !errors.Is(err, fence.ErrHeld) {
+				t.Errorf("a second acquirer while ttl %d is granted: %v, want ErrHeld: mutual exclusion is gone", ttl, err)
+				if l2 != nil {
+					_ = l2.Release(context.Background())
+				}
+			}
+			if err := l.Renew(ctxT(t)); err != nil {
+				t.Errorf("Renew of the ttl %d lease: %v", ttl, err)
+			}
+			release(t, l)
+		}
+	}
+}
+
+// testNilContext: every method that takes a context refuses a nil one with
+// ErrInvalid (never a panic that could leave a handle locked).
+func (s AcquirerSuite) testNilContext(t *testing.T) {
+	a := s.New(t)
+	var nilCtx context.Context
+	name := Name("nilctx")
+	if _, err := a.TryAcquire(nilCtx, name, longTTL); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("TryAcquire with a nil context: %v, want ErrInvalid", err)
+	}
+	if _, err := a.Acquire(nilCtx, name, longTTL); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Acquire with a nil context: %v, want ErrInvalid", err)
+	}
+	if err := fence.Hold(nilCtx, a, name, longTTL, func(context.Context, fence.Lease) error { return nil }); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Hold with a nil context: %v, want ErrInvalid", err)
+	}
+	l := mustTry(t, a, name, longTTL)
+	if err := l.Renew(nilCtx); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Renew with a nil context: %v, want ErrInvalid", err)
+	}
+	if err := l.Release(nilCtx); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Release with a nil context: %v, want ErrInvalid", err)
+	}
+	// The refused calls changed nothing: the lease is still held and works.
+	if _, err := a.TryAcquire(ctxT(t), name, longTTL); !errors.Is(err, fence.ErrHeld) {
+		t.Errorf("after the refused calls: %v, want ErrHeld", err)
+	}
+	release(t, l)
 }

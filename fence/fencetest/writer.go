@@ -315,9 +315,39 @@ func (s WriterSuite) testBadInput(t *testing.T) {
 			t.Errorf("Write with token %d: err = %v, want ErrInvalid", uint64(tok), err)
 		}
 	}
+	short := func(k string) string {
+		if len(k) > 40 {
+			return fmt.Sprintf("%.40q... (%d bytes)", k, len(k))
+		}
+		return fmt.Sprintf("%q", k)
+	}
 	for _, k := range append([]string{""}, s.BadKeys...) {
 		if err := w.Write(ctx, k, []byte("x"), 1); !errors.Is(err, fence.ErrInvalid) {
-			t.Errorf("Write with key %q: err = %v, want ErrInvalid", k, err)
+			t.Errorf("Write with key %s: err = %v, want ErrInvalid", short(k), err)
+		}
+		if d, ok := w.(fence.Deleter); ok {
+			if err := d.Delete(ctx, k, 1); !errors.Is(err, fence.ErrInvalid) {
+				t.Errorf("Delete with key %s: err = %v, want ErrInvalid", short(k), err)
+			}
+		}
+		if r, ok := w.(fence.Reader); ok {
+			if _, _, err := r.Read(ctx, k); !errors.Is(err, fence.ErrInvalid) {
+				t.Errorf("Read with key %s: err = %v, want ErrInvalid", short(k), err)
+			}
+		}
+	}
+	var nilCtx context.Context
+	if err := w.Write(nilCtx, key, []byte("x"), 1); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Write with a nil context: err = %v, want ErrInvalid", err)
+	}
+	if d, ok := w.(fence.Deleter); ok {
+		if err := d.Delete(nilCtx, key, 1); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Delete with a nil context: err = %v, want ErrInvalid", err)
+		}
+	}
+	if r, ok := w.(fence.Reader); ok {
+		if _, _, err := r.Read(nilCtx, key); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Read with a nil context: err = %v, want ErrInvalid", err)
 		}
 	}
 	if d, ok := w.(fence.Deleter); ok {
