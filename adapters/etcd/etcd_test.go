@@ -40,6 +40,9 @@ func TestBadInput(t *testing.T) {
 	if _, err := etcdfence.New(c.Client(t), &etcdfence.Options{Drift: -1}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("negative drift: %v", err)
 	}
+	if _, err := etcdfence.New(nil, nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("nil client: %v", err)
+	}
 }
 
 // TestNamesAreNotNested: a name that is a path prefix of another does not share

@@ -19,7 +19,7 @@ func TestIdempotencyStore(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true}.Run(t)
+	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true, BadKeys: []string{"a{b}"}}.Run(t)
 }
 
 // countingClient counts the commands a client sends (one round trip each; a

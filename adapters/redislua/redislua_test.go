@@ -11,6 +11,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
 )
 
 func TestWriterConformance(t *testing.T) {
@@ -153,5 +154,82 @@ func TestFencedScript(t *testing.T) {
 	}
 	if _, err := incr.Run(ctx, c, fenceKey, 0, []string{balance}, 1); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("token 0: %v", err)
+	}
+}
+
+// TestNilClientsAndBadOptions: constructors refuse nil clients (also a nil
+// pointer in the interface) and negative options with ErrInvalid.
+func TestNilClientsAndBadOptions(t *testing.T) {
+	var nilClient *redis.Client
+	for what, c := range map[string]redislua.Client{"nil": nil, "nil *redis.Client": nilClient} {
+		if _, err := redislua.NewAcquirer(c, nil); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewAcquirer(%s): %v", what, err)
+		}
+		if _, err := redislua.NewWriter(c, nil); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewWriter(%s): %v", what, err)
+		}
+		if _, err := redislua.NewIdempotencyStore(c, nil); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewIdempotencyStore(%s): %v", what, err)
+		}
+		if _, err := redislua.NewRedlock([]redislua.Client{testenv.RedisClient(t), c}, nil); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewRedlock with a %s node: %v", what, err)
+		}
+		if _, err := redislua.NewFencedScript("return 1").Run(context.Background(), c, "f", 1, nil); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("FencedScript.Run on a %s client: %v", what, err)
+		}
+	}
+	c := testenv.RedisClient(t)
+	for _, b := range []fence.Backoff{{Min: -1}, {Max: -time.Second}, {MaxWait: -time.Second}} {
+		if _, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Backoff: b}); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewAcquirer with Backoff %+v: %v", b, err)
+		}
+	}
+	if _, err := redislua.NewIdempotencyStore(c, &redislua.IdempotencyOptions{ReleasedRetention: -time.Second}); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("NewIdempotencyStore with a negative ReleasedRetention: %v", err)
+	}
+	var nilCtx context.Context
+	if _, err := redislua.NewFencedScript("return 1").Run(nilCtx, c, "f", 1, nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("FencedScript.Run with a nil context: %v", err)
+	}
+}
+
+// TestKeysAreBytes: Redis keys are binary-safe, so keys and names with NUL
+// bytes, invalid UTF-8 or a megabyte of length are stored as they are.
+func TestKeysAreBytes(t *testing.T) {
+	c := testenv.RedisClient(t)
+	ctx := context.Background()
+	w, err := redislua.NewWriter(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := redislua.NewAcquirer(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"nul\x00byte", "bad utf-8 \xff\xfe", strings.Repeat("k", 1<<20)} {
+		k += fencetest.Name("")
+		if err := w.Write(ctx, k, []byte("v"), 3); err != nil {
+			t.Errorf("Write with key %.20q: %v", k, err)
+			continue
+		}
+		v, tok, err := w.Read(ctx, k)
+		if err != nil || string(v) != "v" || tok != 3 {
+			t.Errorf("Read with key %.20q: %q, %d, %v", k, v, tok, err)
+		}
+		if err := w.Write(ctx, k, []byte("old"), 2); !errors.Is(err, fence.ErrStale) {
+			t.Errorf("a lower token on key %.20q: %v", k, err)
+		}
+		l, err := a.TryAcquire(ctx, k, time.Second)
+		if err != nil {
+			t.Errorf("TryAcquire with name %.20q: %v", k, err)
+			continue
+		}
+		if _, err := a.TryAcquire(ctx, k, time.Second); !errors.Is(err, fence.ErrHeld) {
+			t.Errorf("second TryAcquire with name %.20q: %v", k, err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Errorf("Release: %v", err)
+		}
+		c.Del(ctx, w.Key(k))
 	}
 }

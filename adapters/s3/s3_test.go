@@ -316,4 +316,24 @@ func TestBadOptions(t *testing.T) {
 	if _, err := s3fence.New(c, "b", &s3fence.Options{MaxAttempts: -1}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("negative MaxAttempts: %v", err)
 	}
+	var nilClient *s3.Client
+	if _, err := s3fence.New(nil, "b", nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("nil api: %v", err)
+	}
+	if _, err := s3fence.New(nilClient, "b", nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("nil *s3.Client: %v", err)
+	}
+	for _, p := range []string{strings.Repeat("p", s3fence.MaxKeyBytes), "bad \xff", "nul\x00"} {
+		if _, err := s3fence.New(c, "b", &s3fence.Options{Prefix: p}); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("prefix %.20q: %v", p, err)
+		}
+	}
+	// The prefix counts towards S3's key limit.
+	w := newWriter(t, c, &s3fence.Options{Prefix: "app/"})
+	if err := w.Write(context.Background(), strings.Repeat("k", s3fence.MaxKeyBytes-3), []byte("v"), 1); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("a key that fits only without the prefix: %v", err)
+	}
+	if err := w.Write(context.Background(), strings.Repeat("k", s3fence.MaxKeyBytes-4), []byte("v"), 1); err != nil {
+		t.Errorf("a key that fits with the prefix: %v", err)
+	}
 }

@@ -25,14 +25,14 @@ func idemStore(t *testing.T, fdb *sqlfence.DB) *sqlfence.IdempotencyStore {
 func TestIdempotencySQLite(t *testing.T) {
 	_, fdb := openSQLite(t)
 	s := idemStore(t, fdb)
-	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }}.Run(t)
+	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
 }
 
 func TestIdempotencyPostgres(t *testing.T) {
 	for style, fdb := range pgHandles(t) {
 		t.Run(style, func(t *testing.T) {
 			s := idemStore(t, fdb)
-			idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }}.Run(t)
+			idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
 		})
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -28,6 +29,9 @@ type Suite struct {
 	// store must also remove released records within a few seconds (a short
 	// retention for them), for the tests that need a record gone.
 	SelfExpiring bool
+	// BadKeys are keys the store cannot hold, beside the empty key, which it
+	// must refuse with ErrInvalid before any request.
+	BadKeys []string
 }
 
 // Run runs every test of the suite as a subtest of t.
@@ -60,6 +64,7 @@ func (s Suite) Run(t *testing.T) {
 		{"FenceSurvivesPurgeOfCompleted", func(t *testing.T) { s.testFenceSurvivesRemoval(t, true) }},
 		{"EffectKeyPerClaim", s.testEffectKeyPerClaim},
 		{"RenewalFailureCancelsEffect", s.testRenewalFailure},
+		{"BadInput", s.testBadInput},
 	} {
 		t.Run(tc.name, tc.fn)
 	}
@@ -648,5 +653,64 @@ func (s Suite) testRenewalFailure(t *testing.T) {
 	}
 	if bStarted.Load() <= aEnded.Load() {
 		t.Errorf("B's effect started %v before A's was cancelled: two effects ran at once", time.Duration(aEnded.Load()-bStarted.Load()))
+	}
+}
+
+// testBadInput: nil contexts, a nil store, negative options and keys the store
+// cannot hold are refused with ErrInvalid, and nothing is recorded.
+func (s Suite) testBadInput(t *testing.T) {
+	st := s.New(t)
+	k, c := key(), &counter{}
+	var nilCtx context.Context
+	invalid := func(what string, err error) {
+		t.Helper()
+		if !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("%s: %v, want ErrInvalid", what, err)
+		}
+	}
+	_, err := idempotency.Do(nilCtx, st, k, "fp", c.effect("x"), s.opts())
+	invalid("Do with a nil context", err)
+	_, err = idempotency.Do(ctxT(t), nil, k, "fp", c.effect("x"), s.opts())
+	invalid("Do with a nil store", err)
+	for _, o := range []func(*idempotency.Options){
+		func(o *idempotency.Options) { o.Lease = -time.Second },
+		func(o *idempotency.Options) { o.Retention = -time.Second },
+		func(o *idempotency.Options) { o.MaxResultSize = -1 },
+		func(o *idempotency.Options) { o.InProgressCeiling = -time.Second },
+		func(o *idempotency.Options) { o.CompleteTimeout = -time.Second },
+	} {
+		_, err = idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts(o))
+		invalid(fmt.Sprintf("Do with a negative option %+v", *s.opts(o)), err)
+	}
+	_, _, err = st.Begin(nilCtx, k, "fp", "me", time.Minute)
+	invalid("Begin with a nil context", err)
+	_, err = st.Get(nilCtx, k)
+	invalid("Get with a nil context", err)
+	_, err = st.Update(nilCtx, k, idempotency.Claimed, 1, idempotency.Change{State: idempotency.Armed, Fence: 1})
+	invalid("Update with a nil context", err)
+	_, err = st.Purge(nilCtx)
+	invalid("Purge with a nil context", err)
+	invalid("Resolve with a nil context", idempotency.Resolve(nilCtx, st, k, 1, idempotency.Completed, nil, time.Hour))
+	invalid("Resolve with a negative retention", idempotency.Resolve(ctxT(t), st, k, 1, idempotency.Completed, nil, -time.Hour))
+	for _, bad := range s.BadKeys {
+		what := fmt.Sprintf("%.40q (%d bytes)", bad, len(bad))
+		_, err = idempotency.Do(ctxT(t), st, bad, "fp", c.effect("x"), s.opts())
+		invalid("Do with key "+what, err)
+		_, _, err = st.Begin(ctxT(t), bad, "fp", "me", time.Minute)
+		invalid("Begin with key "+what, err)
+		_, err = st.Get(ctxT(t), bad)
+		invalid("Get with key "+what, err)
+	}
+	if c.runs.Load() != 0 {
+		t.Errorf("the effect ran %d times on refused calls", c.runs.Load())
+	}
+	if _, err := st.Get(ctxT(t), k); !errors.Is(err, fence.ErrNotFound) {
+		t.Errorf("a refused call left a record: %v", err)
+	}
+	// Huge durations are not negative: a lease near the top of time.Duration
+	// works, and its default in-progress ceiling does not overflow.
+	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("long"), s.opts(func(o *idempotency.Options) { o.Lease = math.MaxInt64 }))
+	if err != nil || string(r.Value) != "long" {
+		t.Errorf("Do with the largest lease: %+v, %v", r, err)
 	}
 }

@@ -1,0 +1,122 @@
+package sqlfence_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// TestNilHandlesAndBadOptions: constructors refuse nil handles and negative
+// options with ErrInvalid instead of panicking later.
+func TestNilHandlesAndBadOptions(t *testing.T) {
+	var nilPool *pgxpool.Pool
+	for what, db := range map[string]*sqlfence.DB{
+		"nil *DB": nil, "SQLite(nil)": sqlfence.SQLite(nil), "Postgres(nil)": sqlfence.Postgres(nil),
+		"Pgx(nil)": sqlfence.Pgx(nil), "Pgx(nil pool)": sqlfence.Pgx(nilPool),
+	} {
+		if _, err := sqlfence.NewWriter(db, nil); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewWriter(%s): %v", what, err)
+		}
+		if _, err := sqlfence.NewAcquirer(db, nil); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewAcquirer(%s): %v", what, err)
+		}
+		if _, err := sqlfence.NewIdempotencyStore(db, nil); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewIdempotencyStore(%s): %v", what, err)
+		}
+		g, _ := sqlfence.NewGuards(nil)
+		if err := g.CreateTable(context.Background(), db); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Guards.CreateTable(%s): %v", what, err)
+		}
+	}
+	_, fdb := openSQLite(t)
+	for _, b := range []fence.Backoff{{Min: -1}, {Max: -time.Second}, {MaxWait: -time.Second}} {
+		if _, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{Backoff: b}); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewAcquirer with Backoff %+v: %v", b, err)
+		}
+	}
+}
+
+// TestNilContextLeavesHandleUsable: a nil context used to panic inside
+// database/sql and leave the SQLite handle's mutex locked, so Close hung. Now it
+// is refused before the handle is touched, and the handle still works and
+// closes.
+func TestNilContextLeavesHandleUsable(t *testing.T) {
+	db, fdb := openSQLite(t)
+	w, a := newSQLiteWriter(t, fdb), newSQLiteAcquirer(t, fdb)
+	var nilCtx context.Context
+	if err := w.Write(nilCtx, "k", []byte("v"), 1); !errors.Is(err, fence.ErrInvalid) {
+		t.Fatalf("Write with a nil context: %v", err)
+	}
+	if _, err := a.TryAcquire(nilCtx, "n", time.Second); !errors.Is(err, fence.ErrInvalid) {
+		t.Fatalf("TryAcquire with a nil context: %v", err)
+	}
+	if err := sqlfence.Guard(nilCtx, nil, "n", 1); !errors.Is(err, fence.ErrInvalid) {
+		t.Fatalf("Guard with a nil context: %v", err)
+	}
+	if err := w.Write(context.Background(), "k", []byte("v"), 1); err != nil {
+		t.Fatalf("Write after the refused calls: %v", err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- db.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("db.Close hung: the handle was left locked")
+	}
+}
+
+// TestLongestKeys: a key and a lock name of exactly MaxKeyBytes, in multi-byte
+// characters that do not compress, are stored on both dialects.
+func TestLongestKeys(t *testing.T) {
+	// 1012 bytes of 3-byte characters and one ASCII byte, then 12 unique ones.
+	var b strings.Builder
+	for i := 0; i < 337; i++ {
+		b.WriteRune(rune(0x4e00 + (i*7919)%20000))
+	}
+	b.WriteString("y")
+	_, sq := openSQLite(t)
+	handles := map[string]*sqlfence.DB{"sqlite": sq}
+	for style, fdb := range pgHandles(t) {
+		handles["postgres/"+style] = fdb
+	}
+	ctx := context.Background()
+	for what, fdb := range handles {
+		w, err := sqlfence.NewWriter(fdb, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.CreateTable(ctx); err != nil {
+			t.Fatal(err)
+		}
+		key := b.String() + fencetest.Name("")[1:]
+		if len(key) != sqlfence.MaxKeyBytes {
+			t.Fatalf("built a key of %d bytes", len(key))
+		}
+		if err := w.Write(ctx, key, []byte("v"), 1); err != nil {
+			t.Errorf("%s: Write with a %d-byte key: %v", what, len(key), err)
+		}
+		a, err := sqlfence.NewAcquirer(fdb, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := a.CreateTable(ctx); err != nil {
+			t.Fatal(err)
+		}
+		l, err := a.TryAcquire(ctx, key, time.Second)
+		if err != nil {
+			t.Errorf("%s: TryAcquire with a %d-byte name: %v", what, len(key), err)
+			continue
+		}
+		_ = l.Release(ctx)
+	}
+}
