@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: starts PostgreSQL and Redis when they
 # are not running (installing them with apt-get on Debian when they are absent),
-# then runs go vet and go test -race on every package.
+# then runs go vet, the module hygiene checks (scripts/hygiene.sh: go mod tidy
+# changes nothing, staticcheck, govulncheck) and go test -race on every package.
 #
 # Environment:
 #   FENCEKIT_POSTGRES_URL  default postgres://postgres@127.0.0.1:5432/test?sslmode=disable
@@ -80,6 +81,8 @@ fi
 say "go vet ./... (and the bench module)"
 go vet ./...
 (cd bench && go vet ./...)
+say "module hygiene: go mod tidy, staticcheck, govulncheck"
+scripts/hygiene.sh
 say "go test -race ./..."
 # shellcheck disable=SC2086
 go test -race -count=1 -timeout 30m ${GO_TEST_FLAGS:-} ./...

@@ -168,7 +168,7 @@ return v`)
 		return err
 	}
 	if final != workers*each {
-		return fmt.Errorf("Lua updates ended at %d, want %d", final, workers*each)
+		return fmt.Errorf("the Lua updates ended at %d, want %d", final, workers*each)
 	}
 	fmt.Fprintf(out, "exercise, %d workers x %d updates: locked read-modify-write %.2fs, one Lua script %.2fs: the lock costs %.1fx\n",
 		workers, each, lockTook.Seconds(), luaTook.Seconds(), float64(lockTook)/float64(luaTook))

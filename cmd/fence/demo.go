@@ -95,12 +95,12 @@ func (d *demo) releaseBug(ctx context.Context) error {
 		name := fmt.Sprintf("report-%v", checked)
 		a, err := d.b.acq.TryAcquire(ctx, name, d.bugLease)
 		if err != nil {
-			return fmt.Errorf("A acquires: %w", err)
+			return fmt.Errorf("worker A acquires: %w", err)
 		}
 		time.Sleep(d.bugStall)
 		bl, err := d.b.acq.TryAcquire(ctx, name, 5*time.Second)
 		if err != nil {
-			return fmt.Errorf("B acquires after A's lease expired: %w", err)
+			return fmt.Errorf("worker B acquires after A's lease expired: %w", err)
 		}
 		var relErr error
 		if checked {
@@ -113,7 +113,7 @@ func (d *demo) releaseBug(ctx context.Context) error {
 		if cGot {
 			_ = c.Release(ctx)
 		} else if !errors.Is(cErr, fence.ErrHeld) {
-			return fmt.Errorf("C acquires: %w", cErr)
+			return fmt.Errorf("worker C acquires: %w", cErr)
 		}
 		_ = bl.Release(ctx)
 		if !checked {
