@@ -102,8 +102,11 @@ func TestTokenFloor(t *testing.T) {
 	}
 }
 
-func TestFencedScript(t *testing.T) {
-	c := testenv.RedisClient(t)
+func TestFencedScript(t *testing.T) { fencedScriptCase(t, testenv.RedisClient(t)) }
+
+// fencedScriptCase runs FencedScript through its cases on c: a plain client or
+// a cluster client (the fence key and the body's keys share a hash tag).
+func fencedScriptCase(t *testing.T, c redis.UniversalClient) {
 	ctx := context.Background()
 	tag := fencetest.Name("script")
 	fenceKey, balance := "{"+tag+"}:fence", "{"+tag+"}:balance"

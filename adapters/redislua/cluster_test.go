@@ -1,0 +1,141 @@
+package redislua_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
+	"github.com/fencekit/fencekit/internal/testenv"
+)
+
+// TestCluster runs the suites on a real 3-primary Redis Cluster through a
+// redis.ClusterClient. Names and keys are random, so they spread over the
+// slots of all three nodes; each script touches the one slot of its hash tag.
+func TestCluster(t *testing.T) {
+	rc := testenv.StartRedisCluster(t, 3)
+	c := rc.Client(t)
+	for _, o := range []struct {
+		name string
+		opts redislua.AcquirerOptions
+	}{{"acquirer", redislua.AcquirerOptions{}}, {"acquirer-token-floor", redislua.AcquirerOptions{TokenFloor: true}}} {
+		t.Run(o.name, func(t *testing.T) {
+			a, err := redislua.NewAcquirer(c, &o.opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, BadNames: []string{"a{b}"}}.Run(t)
+		})
+	}
+	t.Run("writer", func(t *testing.T) {
+		w, err := redislua.NewWriter(c, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: []string{"a{b}"}}.Run(t)
+	})
+	t.Run("fenced-script", func(t *testing.T) { fencedScriptCase(t, c) })
+	t.Run("idempotency", func(t *testing.T) {
+		s, err := redislua.NewIdempotencyStore(c, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true, BadKeys: []string{"a{b}"}}.Run(t)
+	})
+	t.Run("wait-replicas-refused", func(t *testing.T) {
+		if _, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{WaitReplicas: 1}); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("WaitReplicas on a cluster client: %v, want ErrInvalid", err)
+		}
+	})
+}
+
+// TestClusterSlotMigration moves the slot of a held lock, and of the key it
+// protects, to another node. While the slot's keys are split between the nodes
+// a grant fails with a clear error (never a second holder); once moved, the
+// lease renews on its new node, the counter keeps growing, and the stale
+// holder's write is refused.
+func TestClusterSlotMigration(t *testing.T) {
+	rc := testenv.StartRedisCluster(t, 3)
+	c := rc.Client(t)
+	ctx := context.Background()
+	a, err := redislua.NewAcquirer(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := redislua.NewWriter(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("migrate")
+	lock := redislua.DefaultPrefix + "{" + name + "}:lock"
+	slot := rc.Slot(t, lock)
+	if got := rc.Slot(t, w.Key(name)); got != slot {
+		t.Fatalf("the protected key is in slot %d, the lock in %d", got, slot)
+	}
+	from := rc.Owner(t, slot)
+	to := (from + 1) % len(rc.Nodes)
+
+	l1, err := a.TryAcquire(ctx, name, 3*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, name, []byte("first holder"), l1.Token()); err != nil {
+		t.Fatal(err)
+	}
+
+	// Half-way: the lock key has moved, the counter has not.
+	m := rc.BeginMigration(t, slot, from, to)
+	m.Move(t, lock)
+	other, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{DisableNotify: true})
+	tctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	l, err := other.TryAcquire(tctx, name, time.Second)
+	cancel()
+	if err == nil {
+		_ = l.Release(ctx)
+		t.Fatalf("granted token %d while token %d holds the lock and its slot migrates", l.Token(), l1.Token())
+	}
+	t.Logf("a grant while the slot's keys are split: %v", err)
+	if errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("a split slot reported as bad input: %v", err)
+	}
+
+	m.Finish(t)
+	if got := rc.Owner(t, slot); got != to {
+		t.Fatalf("slot %d is on node %d after the migration, want %d", slot, got, to)
+	}
+	if err := l1.Renew(ctx); err != nil {
+		t.Fatalf("Renew after the slot moved: %v", err)
+	}
+	if _, err := other.TryAcquire(ctx, name, time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("TryAcquire of the moved, held lock: %v, want ErrHeld", err)
+	}
+	if v, tok, err := w.Read(ctx, name); err != nil || string(v) != "first holder" || tok != l1.Token() {
+		t.Fatalf("Read after the move: %q, %d, %v", v, tok, err)
+	}
+
+	// The first holder pauses past its lease; the next grant's token is
+	// larger, its write lands, and the paused holder's write is refused.
+	time.Sleep(3100 * time.Millisecond)
+	l2, err := other.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Release(ctx)
+	if l2.Token() <= l1.Token() {
+		t.Fatalf("token %d after the migration is not above %d", l2.Token(), l1.Token())
+	}
+	if err := w.Write(ctx, name, []byte("second holder"), l2.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, name, []byte("paused holder"), l1.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Fatalf("the paused holder's write after the migration: %v, want ErrStale", err)
+	}
+	if v, _, _ := w.Read(ctx, name); string(v) != "second holder" {
+		t.Errorf("stored %q", v)
+	}
+}
