@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -45,6 +46,13 @@ type RedisServer struct {
 // (fails under CI).
 func StartRedis(t testing.TB, extra ...string) *RedisServer {
 	t.Helper()
+	return startRedisIn(t, t.TempDir(), extra...)
+}
+
+// startRedisIn starts redis-server with its log in dir. Arguments that do not
+// start with "--" go first (a config file), the others after the defaults.
+func startRedisIn(t testing.TB, dir string, extra ...string) *RedisServer {
+	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		Missing(t, "redis-server (for extra Redis instances)", err)
@@ -55,9 +63,14 @@ func StartRedis(t testing.TB, extra ...string) *RedisServer {
 	}
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
-	s := &RedisServer{Addr: "127.0.0.1:" + strconv.Itoa(port), Port: port, dir: t.TempDir()}
-	s.args = append([]string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", s.dir, "--logfile", filepath.Join(s.dir, "redis.log")}, extra...)
+	s := &RedisServer{Addr: "127.0.0.1:" + strconv.Itoa(port), Port: port, dir: dir}
+	var first []string
+	for len(extra) > 0 && !strings.HasPrefix(extra[0], "--") {
+		first, extra = append(first, extra[0]), extra[1:]
+	}
+	s.args = append(first, "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", s.dir, "--logfile", filepath.Join(s.dir, "redis.log"))
+	s.args = append(s.args, extra...)
 	s.start(t, bin)
 	t.Cleanup(s.Kill)
 	return s

@@ -1,0 +1,237 @@
+package redislua_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
+)
+
+// grants records every token handed out, in the order the grants returned.
+type grants struct {
+	mu     sync.Mutex
+	tokens []fence.Token
+}
+
+func (g *grants) add(t fence.Token) {
+	g.mu.Lock()
+	g.tokens = append(g.tokens, t)
+	g.mu.Unlock()
+}
+
+func (g *grants) max() fence.Token {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var m fence.Token
+	for _, t := range g.tokens {
+		m = max(m, t)
+	}
+	return m
+}
+
+// reused counts the grants from index from on whose token was not above every
+// earlier one, and describes the first.
+func (g *grants) reused(from int) (n int, first string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var m fence.Token
+	for i, t := range g.tokens {
+		if i >= from && t <= m {
+			if n == 0 {
+				first = fmt.Sprintf("grant %d: token %d after %d", i, t, m)
+			}
+			n++
+		}
+		m = max(m, t)
+	}
+	return n, first
+}
+
+func (g *grants) len() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return len(g.tokens)
+}
+
+// TestSentinelFailover runs a primary, a replica and three sentinels, with
+// grants going on through a redis.NewFailoverClient. Two failovers happen under
+// that load: one forced with SENTINEL FAILOVER, then one where the primary
+// acknowledges a grant its replica never gets and is killed (SIGKILL). Every
+// grant writes its token to a fenced writer on another Redis, the protected
+// resource. With TokenFloor or WaitReplicas no token is handed out twice and
+// the resource never accepts a write from a reused token; without them the
+// killed primary's last grant is handed out again, as the package
+// documentation says.
+func TestSentinelFailover(t *testing.T) {
+	redis.SetLogger(quietLogger{})
+	for _, mode := range []string{"none", "wait-replicas", "token-floor"} {
+		t.Run(mode, func(t *testing.T) {
+			ctx := context.Background()
+			opts := redislua.AcquirerOptions{DisableNotify: true, Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}}
+			switch mode {
+			case "wait-replicas":
+				opts.WaitReplicas, opts.WaitTimeout = 1, 300*time.Millisecond
+			case "token-floor":
+				opts.TokenFloor = true
+			}
+			primary := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0")
+			replica := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0", "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
+			waitPrimaryReplicated(t, primary)
+			nodes := map[string]*testenv.RedisServer{primary.Addr: primary, replica.Addr: replica}
+			sent := testenv.StartSentinels(t, primary, 3, 1)
+			fc := sent.FailoverClient(t)
+			a, err := redislua.NewAcquirer(fc, &opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The protected resource lives elsewhere and survives the failovers.
+			w, err := redislua.NewWriter(testenv.RedisClient(t), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			key := fencetest.Name("sentinel")
+			g := &grants{}
+			var staleRefused int
+			grant := func(ctx context.Context) error {
+				// A grant whose release was lost in a failover holds the lock for
+				// its ttl: wait for it.
+				l, err := a.Acquire(ctx, "job", time.Second)
+				if err != nil {
+					return err
+				}
+				g.add(l.Token())
+				err = w.Write(ctx, key, []byte(fmt.Sprint(l.Token())), l.Token())
+				if errors.Is(err, fence.ErrStale) {
+					staleRefused++
+				} else if err != nil {
+					return err
+				}
+				return l.Release(ctx)
+			}
+
+			// Load: grants one after another until stopped; errors while the
+			// primary changes are expected.
+			load := func() (stop func() int) {
+				done := make(chan struct{})
+				finished := make(chan int)
+				go func() {
+					n := 0
+					for {
+						select {
+						case <-done:
+							finished <- n
+							return
+						default:
+						}
+						cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+						if grant(cctx) == nil {
+							n++
+						}
+						cancel()
+					}
+				}()
+				return func() int { close(done); return <-finished }
+			}
+
+			// 1. A forced failover under load.
+			stop := load()
+			time.Sleep(300 * time.Millisecond)
+			old := sent.Primary(t)
+			if err := sent.Nodes[0].Client(t).Do(ctx, "SENTINEL", "FAILOVER", testenv.SentinelMaster).Err(); err != nil {
+				t.Fatalf("SENTINEL FAILOVER: %v", err)
+			}
+			now := sent.WaitPrimary(t, old)
+			time.Sleep(time.Second) // grants continue on the new primary
+			n := stop()
+			r1, first1 := g.reused(0)
+			t.Logf("%s: forced failover %s -> %s: %d grants, %d of them with a token handed out before (%s)", mode, old, now, n, r1, first1)
+			if n == 0 {
+				t.Fatal("no grant succeeded around the forced failover")
+			}
+
+			// 2. The replica (the old primary) stops hearing from the primary, the
+			// primary grants once more, and is killed.
+			oldNode, newNode := nodes[old], nodes[now]
+			// Sentinel turns the old primary into a replica of the new one when
+			// it next looks at it; do it now rather than wait.
+			if err := oldNode.Client(t).Do(ctx, "REPLICAOF", "127.0.0.1", fmt.Sprint(newNode.Port)).Err(); err != nil {
+				t.Fatal(err)
+			}
+			waitPrimaryReplicated(t, newNode)
+			if err := oldNode.Client(t).Do(ctx, "REPLICAOF", "127.0.0.1", "1").Err(); err != nil {
+				t.Fatal(err)
+			}
+			cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+			err = grant(cctx)
+			cancel()
+			switch mode {
+			case "wait-replicas":
+				if !errors.Is(err, redislua.ErrNotReplicated) {
+					t.Fatalf("a grant the replica cannot acknowledge: %v, want ErrNotReplicated", err)
+				}
+			default:
+				if err != nil {
+					t.Fatalf("grant before the kill: %v", err)
+				}
+			}
+			before, killedAt := g.max(), g.len()
+			newNode.Kill()
+			third := sent.WaitPrimary(t, now)
+			if third != old {
+				t.Fatalf("the sentinels promoted %s, want %s", third, old)
+			}
+			// The promoted node has no replica left to wait for.
+			opts.WaitReplicas = 0
+			if a, err = redislua.NewAcquirer(fc, &opts); err != nil {
+				t.Fatal(err)
+			}
+			stop = load()
+			time.Sleep(time.Second)
+			n = stop()
+			if n == 0 {
+				t.Fatal("no grant succeeded after the primary was killed")
+			}
+			r2, first2 := g.reused(killedAt)
+			t.Logf("%s: primary killed: max token before %d, %d grants after, %d of them with a token handed out before (%s); stale writes refused by the resource in all: %d",
+				mode, before, n, r2, first2, staleRefused)
+			switch mode {
+			case "none":
+				if r2 == 0 {
+					t.Error("without TokenFloor or WaitReplicas the killed primary's last token was expected to be handed out again")
+				}
+			default:
+				if r1+r2 > 0 {
+					t.Errorf("tokens handed out again: %d at the forced failover (%s), %d after the kill (%s)", r1, first1, r2, first2)
+				}
+				if staleRefused > 0 {
+					t.Errorf("%d writes refused as stale: a token came back", staleRefused)
+				}
+			}
+		})
+	}
+}
+
+// waitPrimaryReplicated waits until the primary's replica has everything.
+func waitPrimaryReplicated(t *testing.T, primary *testenv.RedisServer) {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: primary.Addr})
+	defer c.Close()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		n, err := c.Do(context.Background(), "WAIT", 1, 1000).Int()
+		if err == nil && n == 1 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the new primary's replica did not catch up: %d, %v", n, err)
+		}
+	}
+}
