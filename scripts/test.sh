@@ -7,6 +7,10 @@
 # Environment:
 #   FENCEKIT_POSTGRES_URL  default postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 #   FENCEKIT_REDIS_ADDR    default 127.0.0.1:6379
+#   FENCEKIT_S3_ENDPOINT   an S3-compatible server for the S3 tests instead of
+#                          a versitygw they start (with FENCEKIT_S3_ACCESS_KEY,
+#                          FENCEKIT_S3_SECRET_KEY, FENCEKIT_S3_REGION and
+#                          FENCEKIT_S3_BUCKET), for example MinIO or AWS
 #   FENCEKIT_NO_SERVICES=1 do not start or install anything (tests that need a
 #                          missing server then skip, or fail when CI is set)
 #   GO_TEST_FLAGS          extra flags for go test (for example -run Postgres)
@@ -59,11 +63,16 @@ ensure_test_db() {
 redis_up() { command -v redis-cli >/dev/null && redis-cli -h "${FENCEKIT_REDIS_ADDR%:*}" -p "${FENCEKIT_REDIS_ADDR##*:}" ping 2>/dev/null | grep -q PONG; }
 
 start_redis() {
-  redis_up && return 0
+  # The Redlock, failover, Cluster and Sentinel tests start redis-server
+  # processes of their own, so the binary is needed even when a server runs.
   if ! command -v redis-server >/dev/null; then
     say "Redis is not installed: installing it with apt-get"
-    apt_install redis-server redis-tools
+    if ! apt_install redis-server redis-tools; then
+      redis_up || return 1
+      say "no redis-server binary: the tests that start their own Redis processes will skip (or fail under CI)"
+    fi
   fi
+  redis_up && return 0
   say "starting Redis"
   as_root mkdir -p /var/lib/redis /var/log/redis
   as_root redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
@@ -72,10 +81,23 @@ start_redis() {
   redis_up || { say "Redis did not start"; return 1; }
 }
 
+# versitygw, the real S3-compatible server of the S3 tests (they start it
+# themselves, on a temporary folder); installed with go install when missing.
+VERSITYGW=github.com/versity/versitygw/cmd/versitygw@v1.8.0
+ensure_versitygw() {
+  [ -n "${FENCEKIT_S3_ENDPOINT:-}" ] && return 0
+  local gobin; gobin="$(go env GOPATH)/bin"
+  export PATH="$PATH:$gobin"
+  command -v versitygw >/dev/null && return 0
+  say "versitygw is not installed: go install $VERSITYGW (about 2 minutes)"
+  go install "$VERSITYGW" || say "could not install versitygw: its tests will skip (or fail under CI)"
+}
+
 if [ "${FENCEKIT_NO_SERVICES:-}" != 1 ]; then
   start_postgres
   ensure_test_db
   start_redis
+  ensure_versitygw
 fi
 
 say "go vet ./... (and the bench module)"

@@ -19,8 +19,9 @@ import (
 func BenchmarkWrite(b *testing.B) {
 	for _, mode := range []string{"head", "reuse-etag"} {
 		b.Run(mode, func(b *testing.B) {
-			c, _ := server(b)
-			w := newWriter(b, c, &s3fence.Options{ReuseETag: mode == "reuse-etag"})
+			e := fakeS3(b)
+			c := e.c
+			w := newWriter(b, e, &s3fence.Options{ReuseETag: mode == "reuse-etag"})
 			ctx := context.Background()
 			value := bytes.Repeat([]byte("v"), 4096)
 			tok := fence.Token(0)
@@ -30,7 +31,7 @@ func BenchmarkWrite(b *testing.B) {
 				return w.Write(ctx, "obj", value, tok)
 			}, func(i int) error {
 				value[0] = byte(i)
-				_, err := c.PutObject(ctx, &s3.PutObjectInput{Bucket: aws.String("fence"), Key: aws.String("plain"),
+				_, err := c.PutObject(ctx, &s3.PutObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("plain"),
 					Body: bytes.NewReader(value), ContentLength: aws.Int64(int64(len(value)))})
 				return err
 			})

@@ -4,21 +4,27 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
+	"github.com/aws/smithy-go"
 	s3fence "github.com/fencekit/fencekit/adapters/s3"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/johannesboyne/gofakes3"
 	"github.com/johannesboyne/gofakes3/backend/s3mem"
 )
@@ -86,42 +92,100 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// server starts an in-process S3 (gofakes3 with s3mem) behind httptest with a
-// fault injector, creates a bucket, and returns a client of it.
-func server(t testing.TB) (*s3.Client, *faults) {
+// s3env is one S3 server as a test sees it.
+type s3env struct {
+	c      *s3.Client
+	f      *faults // nil where faults cannot be injected (an external server)
+	bucket string
+}
+
+// faults returns the fault injector, or skips the test on a server that has none.
+func (e *s3env) faults(t *testing.T) *faults {
+	t.Helper()
+	if e.f == nil {
+		t.Skip("faults are injected by a proxy in front of a local server; the external server has none")
+	}
+	return e.f
+}
+
+func newClient(endpoint, region, access, secret string) *s3.Client {
+	return s3.New(s3.Options{
+		Region:       region,
+		BaseEndpoint: aws.String(endpoint),
+		UsePathStyle: true,
+		Credentials:  credentials.NewStaticCredentialsProvider(access, secret, ""),
+		HTTPClient:   &http.Client{Transport: &http.Transport{DialContext: (&net.Dialer{}).DialContext}},
+	})
+}
+
+func createBucket(t testing.TB, c *s3.Client) string {
+	t.Helper()
+	bucket := "fence-" + strings.ToLower(fencetest.Name("b")[2:])
+	if _, err := c.CreateBucket(context.Background(), &s3.CreateBucketInput{Bucket: aws.String(bucket)}); err != nil {
+		t.Fatalf("CreateBucket %s: %v", bucket, err)
+	}
+	return bucket
+}
+
+// fakeS3 starts an in-process S3 (gofakes3 with s3mem) behind httptest with a
+// fault injector, and creates a bucket.
+func fakeS3(t testing.TB) *s3env {
 	t.Helper()
 	f := &faults{next: gofakes3.New(s3mem.New()).Server()}
 	srv := httptest.NewServer(f)
 	t.Cleanup(srv.Close)
-	c := s3.New(s3.Options{
-		Region:       "us-east-1",
-		BaseEndpoint: aws.String(srv.URL),
-		UsePathStyle: true,
-		Credentials:  credentials.NewStaticCredentialsProvider("key", "secret", ""),
-		HTTPClient:   &http.Client{Transport: &http.Transport{DialContext: (&net.Dialer{}).DialContext, DisableKeepAlives: false}},
-	})
-	if _, err := c.CreateBucket(context.Background(), &s3.CreateBucketInput{Bucket: aws.String("fence")}); err != nil {
-		t.Fatal(err)
-	}
-	return c, f
+	c := newClient(srv.URL, "us-east-1", "key", "secret")
+	return &s3env{c: c, f: f, bucket: createBucket(t, c)}
 }
 
-func newWriter(t testing.TB, c *s3.Client, o *s3fence.Options) *s3fence.Writer {
-	w, err := s3fence.New(c, "fence", o)
+// realS3 connects to the real S3-compatible server of the tests (versitygw,
+// started for the test, or FENCEKIT_S3_ENDPOINT). A local server is reached
+// through the same fault injector, as a reverse proxy.
+func realS3(t testing.TB) *s3env {
+	t.Helper()
+	srv := testenv.RealS3(t)
+	if srv.External {
+		c := newClient(srv.Endpoint, srv.Region, srv.AccessKey, srv.SecretKey)
+		e := &s3env{c: c, bucket: srv.Bucket}
+		if e.bucket == "" {
+			e.bucket = createBucket(t, c)
+		}
+		return e
+	}
+	target, err := url.Parse(srv.Endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &faults{next: httputil.NewSingleHostReverseProxy(target)}
+	proxy := httptest.NewServer(f)
+	t.Cleanup(proxy.Close)
+	c := newClient(proxy.URL, srv.Region, srv.AccessKey, srv.SecretKey)
+	return &s3env{c: c, f: f, bucket: createBucket(t, c)}
+}
+
+// servers runs fn on each S3 server: the in-process gofakes3, and a real one.
+func servers(t *testing.T, fn func(t *testing.T, e *s3env)) {
+	t.Run("gofakes3", func(t *testing.T) { fn(t, fakeS3(t)) })
+	t.Run("real", func(t *testing.T) { fn(t, realS3(t)) })
+}
+
+func newWriter(t testing.TB, e *s3env, o *s3fence.Options) *s3fence.Writer {
+	w, err := s3fence.New(e.c, e.bucket, o)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return w
 }
 
-func TestWriterConformance(t *testing.T) {
-	c, _ := server(t)
+func TestWriterConformance(t *testing.T) { servers(t, testWriterConformance) }
+
+func testWriterConformance(t *testing.T, e *s3env) {
 	for _, o := range []struct {
 		name string
 		opts s3fence.Options
 	}{{"head", s3fence.Options{}}, {"reuse-etag", s3fence.Options{ReuseETag: true}}} {
 		t.Run(o.name, func(t *testing.T) {
-			w := newWriter(t, c, &o.opts)
+			w := newWriter(t, e, &o.opts)
 			fencetest.WriterSuite{
 				New:        func(t *testing.T) fence.FencedWriter { return w },
 				BadKeys:    []string{strings.Repeat("k", s3fence.MaxKeyBytes+1), "nul\x00byte", "bad utf-8 \xff"},
@@ -135,15 +199,17 @@ func TestWriterConformance(t *testing.T) {
 // TestETagReuse: grant 5 rewrites byte-identical content; a writer holding grant
 // 4 that read the ETag before must still be rejected. With a plain body the two
 // ETags would be equal and If-Match would let the stale write through.
-func TestETagReuse(t *testing.T) {
-	c, _ := server(t)
+func TestETagReuse(t *testing.T) { servers(t, testETagReuse) }
+
+func testETagReuse(t *testing.T, e *s3env) {
+	c := e.c
 	ctx := context.Background()
-	w := newWriter(t, c, nil)
+	w := newWriter(t, e, nil)
 	if err := w.Write(ctx, "state", []byte("same bytes"), 4); err != nil {
 		t.Fatal(err)
 	}
 	// The stale writer (grant 4) has read the object and its ETag.
-	head, err := c.HeadObject(ctx, &s3.HeadObjectInput{Bucket: aws.String("fence"), Key: aws.String("state")})
+	head, err := c.HeadObject(ctx, &s3.HeadObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("state")})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -151,12 +217,12 @@ func TestETagReuse(t *testing.T) {
 	if err := w.Write(ctx, "state", []byte("same bytes"), 5); err != nil {
 		t.Fatal(err)
 	}
-	head5, _ := c.HeadObject(ctx, &s3.HeadObjectInput{Bucket: aws.String("fence"), Key: aws.String("state")})
+	head5, _ := c.HeadObject(ctx, &s3.HeadObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("state")})
 	if aws.ToString(head.ETag) == aws.ToString(head5.ETag) {
 		t.Fatalf("two writes of the same value share the ETag %s", aws.ToString(head.ETag))
 	}
 	// The stale writer's conditional PUT with the ETag it read must fail.
-	_, err = c.PutObject(ctx, &s3.PutObjectInput{Bucket: aws.String("fence"), Key: aws.String("state"),
+	_, err = c.PutObject(ctx, &s3.PutObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("state"),
 		Body: bytes.NewReader([]byte("stale")), IfMatch: head.ETag})
 	if err == nil {
 		t.Fatal("a PUT conditional on the ETag read before grant 5 was accepted")
@@ -170,10 +236,12 @@ func TestETagReuse(t *testing.T) {
 
 // TestAmbiguousSuccess: the first PUT is applied but its response is lost; the
 // writer reads the object back and recognises its own write.
-func TestAmbiguousSuccess(t *testing.T) {
-	c, f := server(t)
+func TestAmbiguousSuccess(t *testing.T) { servers(t, testAmbiguousSuccess) }
+
+func testAmbiguousSuccess(t *testing.T, e *s3env) {
+	f := e.faults(t)
 	ctx := context.Background()
-	w := newWriter(t, c, nil)
+	w := newWriter(t, e, nil)
 	if err := w.Write(ctx, "k", []byte("v1"), 1); err != nil {
 		t.Fatal(err)
 	}
@@ -194,10 +262,12 @@ func TestAmbiguousSuccess(t *testing.T) {
 // TestAmbiguousThenReplaced: A's PUT lands but its response is lost, and a newer
 // grant writes token 2 before A reads again. A's write did land, so A must not
 // be told ErrStale ("changed nothing"): it gets ErrUnknown.
-func TestAmbiguousThenReplaced(t *testing.T) {
-	c, f := server(t)
+func TestAmbiguousThenReplaced(t *testing.T) { servers(t, testAmbiguousThenReplaced) }
+
+func testAmbiguousThenReplaced(t *testing.T, e *s3env) {
+	f := e.faults(t)
 	ctx := context.Background()
-	a, b := newWriter(t, c, nil), newWriter(t, c, nil)
+	a, b := newWriter(t, e, nil), newWriter(t, e, nil)
 	f.mu.Lock()
 	f.afterDrop = func() {
 		if err := b.Write(ctx, "k", []byte("B"), 2); err != nil {
@@ -218,10 +288,12 @@ func TestAmbiguousThenReplaced(t *testing.T) {
 
 // TestServerErrorsThenGiveUp: 5xx on every attempt may each have been applied:
 // the writer retries, then gives up with ErrUnknown, not a plain failure.
-func TestServerErrorsThenGiveUp(t *testing.T) {
-	c, f := server(t)
+func TestServerErrorsThenGiveUp(t *testing.T) { servers(t, testServerErrorsThenGiveUp) }
+
+func testServerErrorsThenGiveUp(t *testing.T, e *s3env) {
+	f := e.faults(t)
 	ctx := context.Background()
-	w := newWriter(t, c, &s3fence.Options{MaxAttempts: 3})
+	w := newWriter(t, e, &s3fence.Options{MaxAttempts: 3})
 	f.inject("500", "500", "500")
 	err := w.Write(ctx, "k-500", []byte("v"), 1)
 	if !errors.Is(err, fence.ErrUnknown) || !errors.Is(err, s3fence.ErrContention) {
@@ -231,10 +303,12 @@ func TestServerErrorsThenGiveUp(t *testing.T) {
 
 // TestConflictThenSuccess: a 409 ConditionalRequestConflict makes the writer read
 // and try again; a 500 is retried by the SDK. Nothing is lost, nothing stale lands.
-func TestConflictThenSuccess(t *testing.T) {
-	c, f := server(t)
+func TestConflictThenSuccess(t *testing.T) { servers(t, testConflictThenSuccess) }
+
+func testConflictThenSuccess(t *testing.T, e *s3env) {
+	f := e.faults(t)
 	ctx := context.Background()
-	w := newWriter(t, c, nil)
+	w := newWriter(t, e, nil)
 	for _, kind := range []string{"409", "500"} {
 		f.inject(kind)
 		if err := w.Write(ctx, "k-"+kind, []byte("v"), 3); err != nil {
@@ -246,7 +320,7 @@ func TestConflictThenSuccess(t *testing.T) {
 		}
 	}
 	// 409 on every attempt: the writer gives up with ErrContention.
-	w2 := newWriter(t, c, &s3fence.Options{MaxAttempts: 3})
+	w2 := newWriter(t, e, &s3fence.Options{MaxAttempts: 3})
 	f.inject("409", "409", "409")
 	if err := w2.Write(ctx, "k-busy", []byte("v"), 1); !errors.Is(err, s3fence.ErrContention) {
 		t.Fatalf("409 on every attempt: %v, want ErrContention", err)
@@ -258,21 +332,23 @@ func TestConflictThenSuccess(t *testing.T) {
 
 // TestUnfencedObjects: an object another tool wrote counts as token 0, or is
 // refused with RefuseUnfenced.
-func TestUnfencedObjects(t *testing.T) {
-	c, _ := server(t)
+func TestUnfencedObjects(t *testing.T) { servers(t, testUnfencedObjects) }
+
+func testUnfencedObjects(t *testing.T, e *s3env) {
+	c := e.c
 	ctx := context.Background()
-	if _, err := c.PutObject(ctx, &s3.PutObjectInput{Bucket: aws.String("fence"), Key: aws.String("legacy"),
+	if _, err := c.PutObject(ctx, &s3.PutObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("legacy"),
 		Body: strings.NewReader("plain bytes")}); err != nil {
 		t.Fatal(err)
 	}
-	strict := newWriter(t, c, &s3fence.Options{RefuseUnfenced: true})
+	strict := newWriter(t, e, &s3fence.Options{RefuseUnfenced: true})
 	if err := strict.Write(ctx, "legacy", []byte("x"), 1); !errors.Is(err, s3fence.ErrUnfenced) {
 		t.Errorf("RefuseUnfenced write over a legacy object: %v", err)
 	}
 	if _, _, err := strict.Read(ctx, "legacy"); !errors.Is(err, s3fence.ErrUnfenced) {
 		t.Errorf("RefuseUnfenced read of a legacy object: %v", err)
 	}
-	lax := newWriter(t, c, nil)
+	lax := newWriter(t, e, nil)
 	v, tok, err := lax.Read(ctx, "legacy")
 	if err != nil || string(v) != "plain bytes" || tok != 0 {
 		t.Errorf("legacy read: %q, %d, %v", v, tok, err)
@@ -288,11 +364,12 @@ func TestUnfencedObjects(t *testing.T) {
 
 // TestReuseETagSeesOtherWriters: a writer reusing its last ETag still notices a
 // newer writer (the PUT's precondition fails) and is rejected as stale.
-func TestReuseETagSeesOtherWriters(t *testing.T) {
-	c, _ := server(t)
+func TestReuseETagSeesOtherWriters(t *testing.T) { servers(t, testReuseETagSeesOtherWriters) }
+
+func testReuseETagSeesOtherWriters(t *testing.T, e *s3env) {
 	ctx := context.Background()
-	a := newWriter(t, c, &s3fence.Options{ReuseETag: true})
-	b := newWriter(t, c, nil)
+	a := newWriter(t, e, &s3fence.Options{ReuseETag: true})
+	b := newWriter(t, e, nil)
 	if err := a.Write(ctx, "k", []byte("a1"), 1); err != nil {
 		t.Fatal(err)
 	}
@@ -308,8 +385,10 @@ func TestReuseETagSeesOtherWriters(t *testing.T) {
 	}
 }
 
-func TestBadOptions(t *testing.T) {
-	c, _ := server(t)
+func TestBadOptions(t *testing.T) { servers(t, testBadOptions) }
+
+func testBadOptions(t *testing.T, e *s3env) {
+	c := e.c
 	if _, err := s3fence.New(c, "", nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("empty bucket: %v", err)
 	}
@@ -328,12 +407,86 @@ func TestBadOptions(t *testing.T) {
 			t.Errorf("prefix %.20q: %v", p, err)
 		}
 	}
-	// The prefix counts towards S3's key limit.
-	w := newWriter(t, c, &s3fence.Options{Prefix: "app/"})
-	if err := w.Write(context.Background(), strings.Repeat("k", s3fence.MaxKeyBytes-3), []byte("v"), 1); !errors.Is(err, fence.ErrInvalid) {
+	// The prefix counts towards S3's key limit. The key is in parts of 100
+	// bytes: versitygw's posix backend stores each part as a file name, which
+	// the file system limits to 255 bytes.
+	long := strings.Repeat(strings.Repeat("k", 99)+"/", 10) + strings.Repeat("k", s3fence.MaxKeyBytes-4-1000)
+	w := newWriter(t, e, &s3fence.Options{Prefix: "app/"})
+	if err := w.Write(context.Background(), long+"k", []byte("v"), 1); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("a key that fits only without the prefix: %v", err)
 	}
-	if err := w.Write(context.Background(), strings.Repeat("k", s3fence.MaxKeyBytes-4), []byte("v"), 1); err != nil {
+	if err := w.Write(context.Background(), long, []byte("v"), 1); err != nil {
 		t.Errorf("a key that fits with the prefix: %v", err)
+	}
+}
+
+// TestConditionalPutSemantics records how the server answers the conditional
+// PUTs the writer relies on, and checks that each answer is one the writer
+// reads as "changed in between" (412, 409, or NoSuchKey for If-Match on a
+// missing key) and that none of them wrote anything. The README's S3 section
+// lists the answers of each server.
+func TestConditionalPutSemantics(t *testing.T) { servers(t, testConditionalPutSemantics) }
+
+func testConditionalPutSemantics(t *testing.T, e *s3env) {
+	ctx := context.Background()
+	put := func(key, body string, ifMatch, ifNoneMatch *string) error {
+		_, err := e.c.PutObject(ctx, &s3.PutObjectInput{Bucket: aws.String(e.bucket), Key: aws.String(key),
+			Body: strings.NewReader(body), IfMatch: ifMatch, IfNoneMatch: ifNoneMatch})
+		return err
+	}
+	describe := func(err error) string {
+		var ae smithy.APIError
+		var re *awshttp.ResponseError
+		code, status := "", 0
+		if errors.As(err, &ae) {
+			code = ae.ErrorCode()
+		}
+		if errors.As(err, &re) {
+			status = re.HTTPStatusCode()
+		}
+		return fmt.Sprintf("%d %s", status, code)
+	}
+	if err := put("exists", "v1", nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	head, err := e.c.HeadObject(ctx, &s3.HeadObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("exists")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		what                 string
+		key                  string
+		ifMatch, ifNoneMatch *string
+		want                 []string // accepted answers: "status code"
+	}{
+		{"If-Match on a missing key", "missing", aws.String(`"0123456789abcdef0123456789abcdef"`), nil, []string{"404 NoSuchKey", "412 PreconditionFailed"}},
+		{"If-Match with another ETag", "exists", aws.String(`"0123456789abcdef0123456789abcdef"`), nil, []string{"412 PreconditionFailed"}},
+		{"If-None-Match: * on an existing key", "exists", nil, aws.String("*"), []string{"412 PreconditionFailed"}},
+	} {
+		err := put(c.key, "should not land", c.ifMatch, c.ifNoneMatch)
+		got := describe(err)
+		t.Logf("%s: %s", c.what, got)
+		ok := false
+		for _, w := range c.want {
+			ok = ok || got == w
+		}
+		if err == nil || !ok {
+			t.Errorf("%s: answered %q (err %v), want one of %v", c.what, got, err, c.want)
+		}
+	}
+	out, err := e.c.GetObject(ctx, &s3.GetObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("exists")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(out.Body)
+	out.Body.Close()
+	if string(b) != "v1" {
+		t.Errorf("a refused conditional PUT changed the object to %q", b)
+	}
+	if _, err := e.c.HeadObject(ctx, &s3.HeadObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("missing")}); err == nil {
+		t.Error("a refused If-Match PUT created the missing key")
+	}
+	if err := put("exists", "v2", head.ETag, nil); err != nil {
+		t.Errorf("If-Match with the current ETag: %v", err)
 	}
 }
