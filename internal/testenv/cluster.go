@@ -94,15 +94,23 @@ func (rc *RedisCluster) Client(t testing.TB) *redis.ClusterClient {
 // Owner returns the index of the node that serves slot.
 func (rc *RedisCluster) Owner(t testing.TB, slot int) int {
 	t.Helper()
-	slots, err := rc.Nodes[0].Client(t).ClusterSlots(context.Background()).Result()
+	shards, err := rc.Nodes[0].Client(t).ClusterShards(context.Background()).Result()
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, s := range slots {
-		if slot >= s.Start && slot <= s.End {
-			for i, n := range rc.Nodes {
-				if s.Nodes[0].Addr == n.Addr {
-					return i
+	for _, sh := range shards {
+		for _, r := range sh.Slots {
+			if slot < int(r.Start) || slot > int(r.End) {
+				continue
+			}
+			for _, n := range sh.Nodes {
+				if n.Role != "master" {
+					continue
+				}
+				for i, node := range rc.Nodes {
+					if int(n.Port) == node.Port {
+						return i
+					}
 				}
 			}
 		}
