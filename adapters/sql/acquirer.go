@@ -52,7 +52,8 @@ type Acquirer struct {
 	ddl    string
 
 	grant, renew, release string
-	advance               string // SQLite: the guard statement run with the grant
+	inspect, bump         string
+	advance               string // SQLite and MySQL: the guard statement run with the grant
 }
 
 var _ fence.Acquirer = (*Acquirer)(nil)
@@ -80,7 +81,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	if err := o.Backoff.Check("new acquirer"); err != nil {
 		return nil, err
 	}
-	t, err := quoteIdent("new acquirer", "table", o.Table, true)
+	t, err := db.d.quoteIdent("new acquirer", "table", o.Table, true)
 	if err != nil {
 		return nil, err
 	}
@@ -90,7 +91,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	d := db.d
 	a := &Acquirer{db: db, opts: o, table: o.Table, quoted: t}
 	a.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  token %s NOT NULL CHECK (token BETWEEN 1 AND %d),\n  owner %s NOT NULL,\n  expires_at %s NOT NULL\n)",
-		t, d.textType, d.intType, uint64(fence.MaxToken), d.textType, d.intType)
+		t, d.keyType, d.intType, uint64(fence.MaxToken), d.textType, d.intType)
 	now := d.nowMs
 	// Grant: create the row with token 1, or take over an expired row and advance
 	// its counter, in one statement. The CHECK constraint stops the counter at
@@ -105,7 +106,16 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		// when it commits. Only a real release notifies.
 		a.release = fmt.Sprintf("WITH r AS (%s RETURNING name) SELECT pg_notify('%s', md5(name)) FROM r", a.release, releaseChannel)
 	}
+	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s FROM %s WHERE name = $1", now, t)
+	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, $2, '', 0) "+
+		"ON CONFLICT (name) DO UPDATE SET token = excluded.token WHERE cur.token < excluded.token AND cur.expires_at <= %s", t, now)
+	if d == mysqlDialect {
+		a.mysqlStatements(t)
+	}
 	if g := o.AdvanceGuards; g != nil {
+		if (d == mysqlDialect) != g.mysql {
+			return nil, g.dialectMismatch("new acquirer", db)
+		}
 		if d == postgresDialect {
 			// One statement: the guard advances only when the grant happened,
 			// and only upwards.
@@ -159,6 +169,9 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 func (a *Acquirer) grantRow(ctx context.Context, name string, ttl time.Duration) (int64, error) {
 	args := []any{name, a.opts.Owner, ttlMs(ttl)}
 	var tok int64
+	if a.db.d == mysqlDialect {
+		return a.grantMySQL(ctx, args)
+	}
 	if a.advance == "" {
 		err := a.db.queryRow(ctx, a.grant, args, &tok)
 		return tok, err
@@ -231,7 +244,7 @@ func (l *lease) Renew(ctx context.Context) error {
 		return err
 	}
 	sent := time.Now()
-	n, err := l.a.db.exec(ctx, l.a.renew, l.Name(), int64(l.Token()), ttlMs(l.TTL()))
+	n, err := l.a.db.change(ctx, l.a.renew, l.Name(), int64(l.Token()), ttlMs(l.TTL()))
 	if err != nil {
 		return l.a.wrap("renew", err)
 	}
@@ -253,7 +266,7 @@ func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
 	}
-	n, err := l.a.db.exec(ctx, l.a.release, l.Name(), int64(l.Token()))
+	n, err := l.a.db.change(ctx, l.a.release, l.Name(), int64(l.Token()))
 	l.End(context.Canceled)
 	if err != nil {
 		return l.a.wrap("release", err)
@@ -285,8 +298,7 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 		tok, left int64
 		owner     string
 	)
-	q := fmt.Sprintf("SELECT token, owner, expires_at - %s FROM %s WHERE name = $1", a.db.d.nowMs, a.quoted)
-	err := a.db.queryRow(ctx, q, []any{name}, &tok, &owner, &left)
+	err := a.db.queryRow(ctx, a.inspect, []any{name}, &tok, &owner, &left)
 	if errors.Is(err, errNoRows) {
 		return fence.LockInfo{}, fmt.Errorf("sqlfence: inspect %q: %w", name, fence.ErrNotFound)
 	}
@@ -313,10 +325,7 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	if err := fence.CheckToken("bump", to); err != nil {
 		return err
 	}
-	now := a.db.d.nowMs
-	q := fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, $2, '', 0) "+
-		"ON CONFLICT (name) DO UPDATE SET token = excluded.token WHERE cur.token < excluded.token AND cur.expires_at <= %s", a.quoted, now)
-	n, err := a.db.exec(ctx, q, name, int64(to))
+	n, err := a.db.change(ctx, a.bump, name, int64(to))
 	if err != nil {
 		return a.wrap("bump", err)
 	}

@@ -29,7 +29,7 @@ func SQLite(db *sql.DB) *DB {
 	return &DB{c: stdConn{db}, d: sqliteDialect, sqlDB: db, nilHandle: db == nil}
 }
 
-// Dialect returns "sqlite" or "postgres".
+// Dialect returns "sqlite", "postgres" or "mysql".
 func (db *DB) Dialect() string { return db.d.name }
 
 // conn is the one small interface the package's SQL runs through, so that each
@@ -117,6 +117,10 @@ type dialect struct {
 	nowUs, greatest    string
 	textType, blobType string
 	intType            string
+	// keyType is the type of an indexed key or name column.
+	keyType string
+	// quoteChar quotes identifiers.
+	quoteChar string
 	// updateFirst: a fenced write tries a fenced UPDATE before the upsert. On
 	// SQLite the upsert costs more than an UPDATE of an existing row; on
 	// PostgreSQL it does not (BenchmarkPostgresWrite), so there every write is
@@ -131,7 +135,7 @@ var sqliteDialect = &dialect{
 	name:  "sqlite",
 	nowMs: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
 	nowUs: "(CAST(unixepoch('subsec') * 1000 AS INTEGER) * 1000)", greatest: "max",
-	textType: "TEXT", blobType: "BLOB", intType: "INTEGER",
+	textType: "TEXT", blobType: "BLOB", intType: "INTEGER", keyType: "TEXT", quoteChar: `"`,
 	updateFirst:         true,
 	missingTable:        func(err error) bool { return err != nil && strings.Contains(err.Error(), "no such table") },
 	checkViolation:      func(err error) bool { return err != nil && strings.Contains(err.Error(), "CHECK constraint failed") },

@@ -12,6 +12,9 @@ import (
 
 // GuardOptions configures Guards. A nil *GuardOptions means the defaults.
 type GuardOptions struct {
+	// MySQL makes the Guards use MySQL and MariaDB statements; Guards serve
+	// either SQLite and PostgreSQL (the default), or MySQL.
+	MySQL bool
 	// Table holds one fence row per lock name; it may be schema-qualified.
 	// Default: "fence_guards".
 	Table string
@@ -43,20 +46,41 @@ type Guards struct {
 	// advance-on-grant reuses them.
 	insertPrefix, onConflictUp string
 	guard, current             string
+	// mysql: the statements are MySQL's; advanceSQL builds the upsert with
+	// the offered token as the SQL expression v.
+	mysql      bool
+	advanceSQL func(v string) string
 }
 
 // NewGuards returns Guards on the given table. It returns an error matching
 // fence.ErrInvalid for a table name that is not a plain SQL identifier.
 func NewGuards(opts *GuardOptions) (*Guards, error) {
 	table := "fence_guards"
+	d := sqliteDialect // the statements are the same on SQLite and PostgreSQL
 	if opts != nil && opts.Table != "" {
 		table = opts.Table
 	}
-	t, err := quoteIdent("new guards", "table", table, true)
+	if opts != nil && opts.MySQL {
+		d = mysqlDialect
+	}
+	t, err := d.quoteIdent("new guards", "table", table, true)
 	if err != nil {
 		return nil, err
 	}
-	g := &Guards{table: table}
+	g := &Guards{table: table, mysql: d == mysqlDialect}
+	if g.mysql {
+		g.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  fence BIGINT NOT NULL CHECK (fence BETWEEN 1 AND %d)\n)", t, d.keyType, uint64(fence.MaxToken))
+		// LAST_INSERT_ID is the token when the fence was advanced or equal,
+		// 0 when it holds a larger one (see execID). v is the offered token.
+		g.advanceSQL = func(v string) string {
+			return fmt.Sprintf("INSERT INTO %s (name, fence) VALUES (?, LAST_INSERT_ID(%s)) ON DUPLICATE KEY UPDATE "+
+				"fence = IF(fence <= VALUES(fence), LAST_INSERT_ID(VALUES(fence)), LAST_INSERT_ID(0) + fence)", t, v)
+		}
+		g.guard = g.advanceSQL("?")
+		// A locking read: the latest committed fence, whatever the isolation.
+		g.current = fmt.Sprintf("SELECT fence FROM %s WHERE name = ? FOR UPDATE", t)
+		return g, nil
+	}
 	// BIGINT and TEXT mean the same to SQLite and PostgreSQL, so one DDL serves both.
 	g.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name TEXT PRIMARY KEY,\n  fence BIGINT NOT NULL CHECK (fence BETWEEN 1 AND %d)\n)", t, uint64(fence.MaxToken))
 	g.insertPrefix = fmt.Sprintf("INSERT INTO %s AS cur (name, fence)", t)
@@ -66,7 +90,16 @@ func NewGuards(opts *GuardOptions) (*Guards, error) {
 	return g, nil
 }
 
-var defaultGuards, _ = NewGuards(nil)
+var (
+	defaultGuards, _      = NewGuards(nil)
+	defaultMySQLGuards, _ = NewGuards(&GuardOptions{MySQL: true})
+)
+
+// MySQLGuard advances the default guard table ("fence_guards") in tx, a
+// *sql.Tx on MySQL or MariaDB. See Guards.Guard.
+func MySQLGuard(ctx context.Context, tx *sql.Tx, name string, token fence.Token) error {
+	return defaultMySQLGuards.Guard(ctx, tx, name, token)
+}
 
 // Guard advances the default guard table ("fence_guards") in tx. See Guards.Guard.
 func Guard(ctx context.Context, tx any, name string, token fence.Token) error {
@@ -81,6 +114,9 @@ func (g *Guards) DDL() string { return g.ddl }
 func (g *Guards) CreateTable(ctx context.Context, db *DB) error {
 	if err := db.check("create guard table"); err != nil {
 		return err
+	}
+	if (db.d == mysqlDialect) != g.mysql {
+		return g.dialectMismatch("create guard table", db)
 	}
 	return db.createTable(ctx, g.ddl)
 }
@@ -109,12 +145,22 @@ func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Tok
 	if err != nil {
 		return err
 	}
-	n, err := c.exec(ctx, g.guard, name, int64(token))
-	if err != nil {
-		return g.wrap(err)
-	}
-	if n > 0 {
-		return nil
+	if g.mysql {
+		id, err := execID(ctx, c, g.guard, name, int64(token))
+		if err != nil {
+			return g.wrap(err)
+		}
+		if id > 0 {
+			return nil
+		}
+	} else {
+		n, err := c.exec(ctx, g.guard, name, int64(token))
+		if err != nil {
+			return g.wrap(err)
+		}
+		if n > 0 {
+			return nil
+		}
 	}
 	var cur int64
 	if err := c.queryRow(ctx, g.current, []any{name}, &cur); err != nil {
@@ -144,8 +190,17 @@ func txConn(op string, tx any) (conn, error) {
 	return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: fmt.Sprintf("%T is not a transaction (want a *sql.Tx or a pgx.Tx): outside a transaction the writes after it would not be fenced", tx)}
 }
 
+// dialectMismatch reports Guards used on a database of the other kind.
+func (g *Guards) dialectMismatch(op string, db *DB) error {
+	want := "SQLite or PostgreSQL"
+	if g.mysql {
+		want = "MySQL"
+	}
+	return &fence.InvalidError{Op: op, Arg: "db", Reason: fmt.Sprintf("these Guards are for %s, the database is %s (see GuardOptions.MySQL)", want, db.d.name)}
+}
+
 func (g *Guards) wrap(err error) error {
-	if sqliteDialect.missingTable(err) || postgresDialect.missingTable(err) {
+	if sqliteDialect.missingTable(err) || postgresDialect.missingTable(err) || mysqlDialect.missingTable(err) {
 		return &TableError{Table: g.table, DDL: g.ddl, Err: err}
 	}
 	return fmt.Errorf("sqlfence: guard: %w", err)

@@ -42,7 +42,7 @@ func NewIdempotencyStore(db *DB, opts *IdempotencyOptions) (*IdempotencyStore, e
 	if opts != nil && opts.Table != "" {
 		table = opts.Table
 	}
-	t, err := quoteIdent("new idempotency store", "table", table, true)
+	t, err := db.d.quoteIdent("new idempotency store", "table", table, true)
 	if err != nil {
 		return nil, err
 	}
@@ -50,7 +50,7 @@ func NewIdempotencyStore(db *DB, opts *IdempotencyOptions) (*IdempotencyStore, e
 	now := d.nowMs
 	s := &IdempotencyStore{db: db, table: table}
 	s.ddl = fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
-  key %s PRIMARY KEY,
+  %skey%s %s PRIMARY KEY,
   fingerprint %s NOT NULL,
   state %s NOT NULL,
   fence %s NOT NULL,
@@ -60,7 +60,7 @@ func NewIdempotencyStore(db *DB, opts *IdempotencyOptions) (*IdempotencyStore, e
   expires_at %s,
   result %s,
   result_dropped %s NOT NULL DEFAULT 0
-)`, t, d.textType, d.textType, d.textType, d.intType, d.textType, d.intType, d.intType, d.intType, d.blobType, d.intType)
+)`, t, d.quoteChar, d.quoteChar, d.keyType, d.textType, d.textType, d.intType, d.textType, d.intType, d.intType, d.intType, d.blobType, d.intType)
 	cols := fmt.Sprintf("fingerprint, state, fence, owner, lease_until - %s, %s - started_at, result, result_dropped", now, now)
 	// A claim creates the row, or takes over a released one or one past its
 	// retention, raising the fence. Otherwise it changes nothing. A fence is
@@ -87,6 +87,9 @@ SELECT u.* FROM u LEFT JOIN LATERAL (
   SELECT pg_notify('%s', md5('idem:' || u.key)) WHERE u.state NOT IN ('claimed', 'armed')) n ON true`, s.update, releaseChannel)
 	}
 	s.purge = fmt.Sprintf("DELETE FROM %s WHERE state = 'released' OR (expires_at IS NOT NULL AND expires_at <= %s)", t, now)
+	if d == mysqlDialect {
+		s.mysqlStatements(t, cols)
+	}
 	return s, nil
 }
 
@@ -150,7 +153,14 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 		return idempotency.Record{}, false, &fence.InvalidError{Op: "idempotency begin", Arg: "lease", Reason: fmt.Sprintf("%v is not positive", lease)}
 	}
 	var f int64
-	err := s.db.queryRow(ctx, s.begin, []any{key, fingerprint, owner, ms(lease)}, &f)
+	var err error
+	if s.db.d == mysqlDialect {
+		if f, err = s.db.execID(ctx, s.begin, key, fingerprint, owner, ms(lease)); err == nil && f == 0 {
+			err = errNoRows // not claimed: the key has a live record
+		}
+	} else {
+		err = s.db.queryRow(ctx, s.begin, []any{key, fingerprint, owner, ms(lease)}, &f)
+	}
 	if err == nil {
 		return idempotency.Record{Key: key, Fingerprint: fingerprint, State: idempotency.Claimed, Fence: fence.Token(f), Owner: owner, LeaseLeft: lease}, true, nil
 	}
@@ -238,9 +248,22 @@ func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, fro
 	}
 	args := []any{key, string(from), int64(fromFence), string(ch.State), int64(ch.Fence), ch.Owner, ms(ch.Lease), restart, ms(ch.Retention), ch.Result, dropped}
 	var gotKey string
-	rec, err := scanRecord(key, func(dest ...any) error {
-		return c.queryRow(ctx, s.update, args, append([]any{&gotKey}, dest...)...)
-	})
+	var rec idempotency.Record
+	var err error
+	if s.db.d == mysqlDialect {
+		// The compare-and-set, then a read of the record it wrote.
+		var id int64
+		if id, err = execID(ctx, c, s.update, args...); err == nil && id == 0 {
+			err = errNoRows
+		}
+		if err == nil {
+			return s.getOn(ctx, c, key)
+		}
+	} else {
+		rec, err = scanRecord(key, func(dest ...any) error {
+			return c.queryRow(ctx, s.update, args, append([]any{&gotKey}, dest...)...)
+		})
+	}
 	if err == nil {
 		return rec, nil
 	}

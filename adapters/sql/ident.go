@@ -15,7 +15,10 @@ const maxIdent = 63
 // and returns it quoted. Only letters, digits and underscores are allowed, and the
 // first character of each part is not a digit, so nothing needs escaping; the
 // quotes keep keywords such as "key" and "value" usable and case exact.
-func quoteIdent(op, what, name string, qualified bool) (string, error) {
+//
+// Identifiers are quoted the dialect's way: "double quotes", or `backticks` on
+// MySQL, where double quotes are string literals.
+func (d *dialect) quoteIdent(op, what, name string, qualified bool) (string, error) {
 	bad := func(reason string) error {
 		return &fence.InvalidError{Op: op, Arg: what, Reason: fmt.Sprintf("%q %s", name, reason)}
 	}
@@ -40,7 +43,7 @@ func quoteIdent(op, what, name string, qualified bool) (string, error) {
 				return "", bad("is not a plain SQL identifier (letters, digits and _, not starting with a digit)")
 			}
 		}
-		quoted[i] = `"` + p + `"`
+		quoted[i] = d.quoteChar + p + d.quoteChar
 	}
 	return strings.Join(quoted, "."), nil
 }

@@ -14,7 +14,7 @@ var postgresDialect = &dialect{
 	name:  "postgres",
 	nowMs: "(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
 	nowUs: "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint", greatest: "greatest",
-	textType: "TEXT", blobType: "BYTEA", intType: "BIGINT",
+	textType: "TEXT", blobType: "BYTEA", intType: "BIGINT", keyType: "TEXT", quoteChar: `"`,
 	missingTable:        func(err error) bool { return pgCode(err) == "42P01" },
 	checkViolation:      func(err error) bool { return pgCode(err) == "23514" },
 	serializationFailed: func(err error) bool { c := pgCode(err); return c == "40001" || c == "40P01" },

@@ -60,13 +60,13 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 	def(&o.KeyColumn, "key")
 	def(&o.ValueColumn, "value")
 	def(&o.FenceColumn, "fence")
-	t, err := quoteIdent("new writer", "table", o.Table, true)
+	t, err := db.d.quoteIdent("new writer", "table", o.Table, true)
 	if err != nil {
 		return nil, err
 	}
 	cols := make([]string, 3)
 	for i, c := range []struct{ what, name string }{{"key column", o.KeyColumn}, {"value column", o.ValueColumn}, {"fence column", o.FenceColumn}} {
-		if cols[i], err = quoteIdent("new writer", c.what, c.name, false); err != nil {
+		if cols[i], err = db.d.quoteIdent("new writer", c.what, c.name, false); err != nil {
 			return nil, err
 		}
 	}
@@ -77,7 +77,22 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 	d := db.d
 	w := &Writer{db: db, table: o.Table}
 	w.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  %s %s PRIMARY KEY,\n  %s %s,\n  %s %s NOT NULL CHECK (%s BETWEEN 1 AND %d)\n)",
-		t, k, d.textType, v, d.blobType, f, d.intType, f, uint64(fence.MaxToken))
+		t, k, d.keyType, v, d.blobType, f, d.intType, f, uint64(fence.MaxToken))
+	if d == mysqlDialect {
+		// One upsert per write. The value is assigned before the fence, so its
+		// condition sees the old fence. LAST_INSERT_ID is the token when the
+		// write was made (also when it changed nothing, an equal token writing
+		// equal bytes), 0 when the key holds a larger token (see execID).
+		w.upsert = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (?, ?, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
+			"%[3]s = IF(%[4]s <= VALUES(%[4]s), VALUES(%[3]s), %[3]s), "+
+			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f)
+		w.tombstone = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (?, NULL, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
+			"%[3]s = IF(%[4]s <= VALUES(%[4]s), NULL, %[3]s), "+
+			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f)
+		w.read = fmt.Sprintf("SELECT %s, %s, CASE WHEN %s IS NULL THEN 1 ELSE 0 END FROM %s WHERE %s = ?", v, f, v, t, k)
+		w.current = fmt.Sprintf("SELECT %s FROM %s WHERE %s = ?", f, t, k)
+		return w, nil
+	}
 	// Each statement decides and writes at once: it changes the row only when
 	// the stored fence is not larger than the offered one (equal tokens pass).
 	// Where the dialect says so, a fenced UPDATE serves the common case, an
@@ -145,7 +160,13 @@ func (w *Writer) checkWrite(op string, ctx context.Context, key string, token fe
 // fenced runs a fenced upsert. When it changes no row, the key holds a larger
 // token; that token is read back for the StaleError (it can only have grown since).
 func (w *Writer) fenced(ctx context.Context, op, key string, token fence.Token, q string, args ...any) error {
-	n, err := w.db.exec(ctx, q, args...)
+	var n int64
+	var err error
+	if w.db.d == mysqlDialect {
+		n, err = w.db.execID(ctx, q, args...)
+	} else {
+		n, err = w.db.exec(ctx, q, args...)
+	}
 	if err != nil {
 		return w.wrap(op, err)
 	}

@@ -66,3 +66,16 @@ func PingPostgres(url string) error {
 	}
 	return c.Close(ctx)
 }
+
+// DefaultMySQLDSN is used when FENCEKIT_MYSQL_DSN is not set: the user that
+// scripts/test.sh creates on the local MariaDB (or MySQL).
+const DefaultMySQLDSN = "fencekit:fencekit@tcp(127.0.0.1:3306)/test"
+
+// MySQLDSN returns the DSN (go-sql-driver/mysql format) of the test MySQL or
+// MariaDB server.
+func MySQLDSN() string {
+	if d := os.Getenv("FENCEKIT_MYSQL_DSN"); d != "" {
+		return d
+	}
+	return DefaultMySQLDSN
+}

@@ -1,0 +1,179 @@
+package sqlfence
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+
+	"github.com/go-sql-driver/mysql"
+)
+
+// MySQL wraps a database/sql handle on MySQL 8 or MariaDB 10.5+, opened with
+// the "mysql" driver of github.com/go-sql-driver/mysql. The DSN's
+// clientFoundRows setting does not matter: the statements do not rely on the
+// rows-affected count (see the package documentation). MySQL has no
+// notifications, so waiters poll with the acquirer's Backoff.
+//
+// A nil db gives a *DB whose every use returns an error matching fence.ErrInvalid.
+func MySQL(db *sql.DB) *DB {
+	if db == nil {
+		return &DB{d: mysqlDialect, nilHandle: true}
+	}
+	return &DB{c: stdConn{db}, d: mysqlDialect, sqlDB: db}
+}
+
+// On MySQL and MariaDB, keys and names are VARBINARY: compared byte for byte
+// (as on PostgreSQL and SQLite, and unlike the case-insensitive default
+// collations), and MaxKeyBytes (1024) fits InnoDB's 3072-byte index limit.
+var mysqlDialect = &dialect{
+	name:     "mysql",
+	nowMs:    "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
+	nowUs:    "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)",
+	greatest: "GREATEST",
+	textType: "BLOB", blobType: "LONGBLOB", intType: "BIGINT",
+	keyType: "VARBINARY(1024)", quoteChar: "`",
+	missingTable:        func(err error) bool { return mysqlCode(err) == 1146 },
+	checkViolation:      func(err error) bool { c := mysqlCode(err); return c == 4025 || c == 3819 },
+	serializationFailed: func(err error) bool { c := mysqlCode(err); return c == 1213 || c == 1205 },
+}
+
+func mysqlCode(err error) uint16 {
+	var me *mysql.MySQLError
+	if errors.As(err, &me) {
+		return me.Number
+	}
+	return 0
+}
+
+// IsMySQLRetryable reports whether err is a MySQL or MariaDB deadlock (1213)
+// or lock wait timeout (1205): the transaction was rolled back (a lock wait
+// timeout rolls back only the statement; RunTx rolls back the rest) and may be
+// run again from the start.
+func IsMySQLRetryable(err error) bool { return mysqlDialect.serializationFailed(err) }
+
+// execID runs q and returns the LAST_INSERT_ID the server reported for it:
+// the MySQL statements of this package set it, with LAST_INSERT_ID(expr), to a
+// positive value exactly when they made their change (a grant's token, a
+// write's token), and to 0 when they did not. Unlike the rows-affected count,
+// it does not depend on clientFoundRows, nor on whether the new values equal
+// the old ones.
+func execID(ctx context.Context, c conn, q string, args ...any) (int64, error) {
+	s, ok := c.(stdConn)
+	if !ok {
+		return 0, errors.New("sqlfence: MySQL statements need a database/sql handle")
+	}
+	r, err := s.q.ExecContext(ctx, q, args...)
+	if err != nil {
+		return 0, err
+	}
+	return r.LastInsertId()
+}
+
+// execID runs one of the package's MySQL statements (see execID), retrying
+// deadlocks.
+func (db *DB) execID(ctx context.Context, q string, args ...any) (int64, error) {
+	for i := 0; ; i++ {
+		id, err := execID(ctx, db.c, q, args...)
+		if err == nil || i == maxStatementRetries || !db.d.serializationFailed(err) || !retryPause(ctx, i) {
+			return id, err
+		}
+	}
+}
+
+// change runs one of the package's statements that change a row and reports
+// whether it did (> 0): rows affected, or on MySQL the statement's
+// LAST_INSERT_ID marker (see execID).
+func (db *DB) change(ctx context.Context, q string, args ...any) (int64, error) {
+	if db.d == mysqlDialect {
+		return db.execID(ctx, q, args...)
+	}
+	return db.exec(ctx, q, args...)
+}
+
+// mysqlStatements replaces the acquirer's statements with MySQL's. Each sets
+// LAST_INSERT_ID to the token when it granted, renewed, released or bumped, and
+// to 0 when it did not (see execID). In the grant, the token and owner are
+// assigned before expires_at, so their conditions see the old expiry.
+func (a *Acquirer) mysqlStatements(t string) {
+	now := mysqlDialect.nowMs
+	expired := "expires_at <= " + now
+	a.grant = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (?, LAST_INSERT_ID(1), ?, %[2]s + ?) "+
+		"ON DUPLICATE KEY UPDATE token = IF(%[3]s, LAST_INSERT_ID(token + 1), LAST_INSERT_ID(0) + token), "+
+		"owner = IF(%[3]s, VALUES(owner), owner), expires_at = IF(%[3]s, VALUES(expires_at), expires_at)", t, now, expired)
+	// The arguments come in the order name, token, ttl: a joined row of
+	// parameters keeps that order with the ttl in the SET clause.
+	a.renew = fmt.Sprintf("UPDATE %[1]s l JOIN (SELECT ? AS n, ? AS k, ? AS ttl) p ON l.name = p.n AND l.token = p.k "+
+		"SET l.token = LAST_INSERT_ID(l.token), l.expires_at = %[2]s + p.ttl WHERE l.expires_at > %[2]s", t, now)
+	a.release = fmt.Sprintf("UPDATE %s SET token = LAST_INSERT_ID(token), expires_at = 0 WHERE name = ? AND token = ? AND expires_at > %s", t, now)
+	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s FROM %s WHERE name = ?", now, t)
+	a.bump = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (?, LAST_INSERT_ID(?), '', 0) "+
+		"ON DUPLICATE KEY UPDATE token = IF(token < VALUES(token) AND %[2]s, LAST_INSERT_ID(VALUES(token)), LAST_INSERT_ID(0) + token)", t, expired)
+}
+
+// grantMySQL runs the grant (with the guard advance, in one transaction, when
+// AdvanceGuards is set) and returns the new token; errNoRows when the lease
+// is held.
+func (a *Acquirer) grantMySQL(ctx context.Context, args []any) (int64, error) {
+	var tok int64
+	grant := func(c conn) error {
+		id, err := execID(ctx, c, a.grant, args...)
+		if err != nil {
+			return err
+		}
+		if id == 0 {
+			return errNoRows
+		}
+		tok = id
+		return nil
+	}
+	if a.advance == "" {
+		for i := 0; ; i++ {
+			err := grant(a.db.c)
+			if err == nil || i == maxStatementRetries || !mysqlDialect.serializationFailed(err) || !retryPause(ctx, i) {
+				return tok, err
+			}
+		}
+	}
+	err := a.db.inTx(ctx, func(c conn) error {
+		if err := grant(c); err != nil {
+			return err
+		}
+		_, err := execID(ctx, c, a.advance, args[0], tok)
+		return err
+	})
+	return tok, err
+}
+
+// mysqlStatements replaces the store's statements with MySQL's. The claim
+// decides once, in a session variable, whether the key may be claimed (no
+// record, released, or past its retention), since each assignment of an
+// upsert sees the columns assigned before it; it sets LAST_INSERT_ID to the
+// new fence when it claimed, 0 when not (see execID). The compare-and-set
+// joins a row of its parameters, so they come in the same order as on the
+// other databases, and sets LAST_INSERT_ID to the new fence when it matched.
+func (s *IdempotencyStore) mysqlStatements(t, cols string) {
+	now, nowUs := mysqlDialect.nowMs, mysqlDialect.nowUs
+	claim := "@fencekit_claim"
+	s.begin = fmt.Sprintf(`INSERT INTO %[1]s (`+"`key`"+`, fingerprint, state, fence, owner, lease_until, started_at, expires_at, result, result_dropped)
+VALUES (?, ?, 'claimed', LAST_INSERT_ID(%[3]s), ?, %[2]s + ?, %[2]s, NULL, NULL, 0)
+ON DUPLICATE KEY UPDATE
+  fence = IF(%[4]s := (state = 'released' OR (expires_at IS NOT NULL AND expires_at <= %[2]s)),
+    LAST_INSERT_ID(GREATEST(fence + 1, VALUES(fence))), LAST_INSERT_ID(0) + fence),
+  fingerprint = IF(%[4]s, VALUES(fingerprint), fingerprint),
+  owner = IF(%[4]s, VALUES(owner), owner),
+  lease_until = IF(%[4]s, VALUES(lease_until), lease_until),
+  started_at = IF(%[4]s, VALUES(started_at), started_at),
+  result = IF(%[4]s, NULL, result),
+  result_dropped = IF(%[4]s, 0, result_dropped),
+  expires_at = IF(%[4]s, NULL, expires_at),
+  state = IF(%[4]s, 'claimed', state)`, t, now, nowUs, claim)
+	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE `key` = ?", cols, t)
+	s.update = fmt.Sprintf(`UPDATE %[1]s r JOIN (SELECT ? AS k, ? AS from_state, ? AS from_fence, ? AS st, ? AS f, ? AS own,
+  ? AS lease, ? AS restart, ? AS ret, ? AS res, ? AS dropped) p
+  ON r.`+"`key`"+` = p.k AND r.state = p.from_state AND r.fence = p.from_fence
+SET r.fence = LAST_INSERT_ID(p.f), r.state = p.st, r.owner = p.own, r.lease_until = %[2]s + p.lease,
+  r.started_at = IF(p.restart = 1, %[2]s, r.started_at),
+  r.expires_at = IF(p.ret > 0, %[2]s + p.ret, NULL),
+  r.result = p.res, r.result_dropped = p.dropped`, t, now)
+}
