@@ -217,7 +217,8 @@ type TxOptions struct {
 
 // RunTx runs f in a transaction on db (a *sql.DB) and commits it. When f or the
 // commit fails with a PostgreSQL serialization failure or deadlock (40001,
-// 40P01), the transaction is rolled back and run again from the start, at most
+// 40P01), or a MySQL deadlock or lock wait timeout (1213, 1205), the
+// transaction is rolled back and run again from the start, at most
 // MaxAttempts times in all; f must therefore have no effects outside tx. Any
 // other error rolls back and is returned as it is (a fence.ErrStale from Guard
 // among them).
@@ -273,7 +274,7 @@ func retryTx(ctx context.Context, attempts int, once func() error) error {
 		if i > 0 && !retryPause(ctx, i-1) {
 			return errors.Join(err, ctx.Err())
 		}
-		if err = once(); !IsSerializationFailure(err) {
+		if err = once(); !IsSerializationFailure(err) && !IsMySQLRetryable(err) {
 			return err
 		}
 	}

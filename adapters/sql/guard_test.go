@@ -15,12 +15,16 @@ import (
 )
 
 // guardedAccounts is a user's own table, written in guarded transactions.
-func guardedAccounts(t *testing.T, db *sql.DB) string {
+func guardedAccounts(t *testing.T, db *sql.DB, mysql ...bool) string {
 	t.Helper()
 	table := "acct_" + fencetest.Name("g")[2:]
+	seq := "seq INTEGER PRIMARY KEY"
+	if len(mysql) > 0 && mysql[0] {
+		seq = "seq INTEGER AUTO_INCREMENT PRIMARY KEY"
+	}
 	for _, q := range []string{
 		fmt.Sprintf(`CREATE TABLE %s (id INTEGER PRIMARY KEY, balance BIGINT NOT NULL, written_by BIGINT NOT NULL)`, table),
-		fmt.Sprintf(`CREATE TABLE %s_log (seq INTEGER PRIMARY KEY, token BIGINT NOT NULL)`, table),
+		fmt.Sprintf(`CREATE TABLE %s_log (%s, token BIGINT NOT NULL)`, table, seq),
 		fmt.Sprintf(`INSERT INTO %s VALUES (1, 0, 0)`, table),
 	} {
 		if _, err := db.Exec(q); err != nil {
@@ -38,23 +42,35 @@ func guardedAccounts(t *testing.T, db *sql.DB) string {
 func TestGuardConcurrent(t *testing.T) {
 	pg := pgStd(t)
 	sqliteDB, sqliteF := openSQLite(t)
+	mysqlDB, _ := openMySQL(t, "")
 	g, _ := sqlfence.NewGuards(nil)
 	if err := g.CreateTable(context.Background(), sqliteF); err != nil {
 		t.Fatal(err)
 	}
 	for _, c := range []struct {
-		name string
-		db   *sql.DB
-		iso  sql.IsolationLevel
+		name  string
+		db    *sql.DB
+		iso   sql.IsolationLevel
+		mysql bool
 	}{
-		{"postgres/read-committed", pg, sql.LevelReadCommitted},
-		{"postgres/repeatable-read", pg, sql.LevelRepeatableRead},
-		{"postgres/serializable", pg, sql.LevelSerializable},
-		{"sqlite", sqliteDB, sql.LevelDefault},
+		{"postgres/read-committed", pg, sql.LevelReadCommitted, false},
+		{"postgres/repeatable-read", pg, sql.LevelRepeatableRead, false},
+		{"postgres/serializable", pg, sql.LevelSerializable, false},
+		{"sqlite", sqliteDB, sql.LevelDefault, false},
+		{"mysql/repeatable-read", mysqlDB, sql.LevelRepeatableRead, true},
+		{"mysql/read-committed", mysqlDB, sql.LevelReadCommitted, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := context.Background()
-			table := guardedAccounts(t, c.db)
+			table := guardedAccounts(t, c.db, c.mysql)
+			guard, update, log := sqlfence.Guard, `UPDATE %s SET balance = $1, written_by = $2 WHERE id = 1`,
+				`INSERT INTO %s_log (seq, token) VALUES ((SELECT COALESCE(MAX(seq), 0) + 1 FROM %s_log), $1)`
+			if c.mysql {
+				guard = func(ctx context.Context, tx any, name string, tok fence.Token) error {
+					return sqlfence.MySQLGuard(ctx, tx.(*sql.Tx), name, tok)
+				}
+				update, log = `UPDATE %s SET balance = ?, written_by = ? WHERE id = 1`, `INSERT INTO %s_log (token) VALUES (?)`
+			}
 			name := fencetest.Name("guard")
 			const n = 24
 			var (
@@ -69,17 +85,21 @@ func TestGuardConcurrent(t *testing.T) {
 				go func() {
 					defer wg.Done()
 					err := sqlfence.RunTx(ctx, c.db, &sqlfence.TxOptions{Isolation: c.iso, MaxAttempts: 50}, func(tx *sql.Tx) error {
-						if err := sqlfence.Guard(ctx, tx, name, tok); err != nil {
+						if err := guard(ctx, tx, name, tok); err != nil {
 							return err
 						}
 						var bal int64
 						if err := tx.QueryRowContext(ctx, fmt.Sprintf(`SELECT balance FROM %s WHERE id = 1`, table)).Scan(&bal); err != nil {
 							return err
 						}
-						if _, err := tx.ExecContext(ctx, fmt.Sprintf(`UPDATE %s SET balance = $1, written_by = $2 WHERE id = 1`, table), bal+1, int64(tok)); err != nil {
+						if _, err := tx.ExecContext(ctx, fmt.Sprintf(update, table), bal+1, int64(tok)); err != nil {
 							return err
 						}
-						_, err := tx.ExecContext(ctx, fmt.Sprintf(`INSERT INTO %s_log (seq, token) VALUES ((SELECT COALESCE(MAX(seq), 0) + 1 FROM %s_log), $1)`, table, table), int64(tok))
+						q := fmt.Sprintf(log, table)
+						if !c.mysql {
+							q = fmt.Sprintf(log, table, table)
+						}
+						_, err := tx.ExecContext(ctx, q, int64(tok))
 						return err
 					})
 					var se *fence.StaleError

@@ -3,6 +3,9 @@ package sqlfence_test
 import (
 	"context"
 	"database/sql"
+	"errors"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -95,5 +98,165 @@ func TestMySQLIdempotency(t *testing.T) {
 			}
 			idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
 		})
+	}
+}
+
+// questions returns the statements the session of db (one connection) has sent.
+func questions(t *testing.T, db *sql.DB) int64 {
+	t.Helper()
+	var name string
+	var n int64
+	if err := db.QueryRow("SHOW SESSION STATUS LIKE 'Questions'").Scan(&name, &n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// TestMySQLRoundTrips counts the statements the server received (its session
+// counter, on one connection): acquire + release are 2, a write is 1.
+func TestMySQLRoundTrips(t *testing.T) {
+	db, fdb := openMySQL(t, "")
+	db.SetMaxOpenConns(1)
+	ctx := context.Background()
+	a, _ := sqlfence.NewAcquirer(fdb, nil)
+	w, _ := sqlfence.NewWriter(fdb, nil)
+	count := func(what string, want int64, f func() error) {
+		t.Helper()
+		idle := questions(t, db)
+		idle = questions(t, db) - idle // the SHOW itself
+		before := questions(t, db)
+		if err := f(); err != nil {
+			t.Fatal(err)
+		}
+		if n := questions(t, db) - before - idle; n != want {
+			t.Errorf("%s sent %d statements, want %d", what, n, want)
+		}
+	}
+	name := fencetest.Name("rt")
+	count("acquire + release", 2, func() error {
+		l, err := a.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			return err
+		}
+		return l.Release(ctx)
+	})
+	key := fencetest.Name("rt")
+	count("a write to a new key", 1, func() error { return w.Write(ctx, key, []byte("v"), 1) })
+	count("a write to an existing key", 1, func() error { return w.Write(ctx, key, []byte("v2"), 2) })
+	count("an equal token writing the same bytes", 1, func() error { return w.Write(ctx, key, []byte("v2"), 2) })
+}
+
+// TestMySQLDeadlockRetried: two guarded transactions take two guard rows in
+// opposite orders, so InnoDB kills one of them (1213); RunTx runs it again and
+// both commit.
+func TestMySQLDeadlockRetried(t *testing.T) {
+	db, _ := openMySQL(t, "")
+	ctx := context.Background()
+	a, b := fencetest.Name("dl"), fencetest.Name("dl")
+	for _, n := range []string{a, b} { // the rows exist, so each guard locks one
+		if err := sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error { return sqlfence.MySQLGuard(ctx, tx, n, 1) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var attempts [2]atomic.Int32
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i, order := range [][2]string{{a, b}, {b, a}} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			err := sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error {
+				attempts[i].Add(1)
+				if err := sqlfence.MySQLGuard(ctx, tx, order[0], 2); err != nil {
+					return err
+				}
+				time.Sleep(100 * time.Millisecond) // both hold their first row
+				return sqlfence.MySQLGuard(ctx, tx, order[1], 2)
+			})
+			if err != nil {
+				t.Errorf("transaction %d: %v", i, err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	if n := attempts[0].Load() + attempts[1].Load(); n < 3 {
+		t.Errorf("%d attempts in all: the deadlock did not happen, or was not retried", n)
+	}
+	t.Logf("attempts: %d and %d", attempts[0].Load(), attempts[1].Load())
+}
+
+// TestMySQLAdvanceOnGrant: with AdvanceGuards, a newer grant fences the older
+// holder's guarded transactions at once; Guards of the other dialect are refused.
+func TestMySQLAdvanceOnGrant(t *testing.T) {
+	ctx := context.Background()
+	db, fdb := openMySQL(t, "")
+	if _, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: func() *sqlfence.Guards { g, _ := sqlfence.NewGuards(nil); return g }()}); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("SQLite/PostgreSQL Guards on a MySQL acquirer: %v, want ErrInvalid", err)
+	}
+	g, _ := sqlfence.NewGuards(&sqlfence.GuardOptions{MySQL: true})
+	a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("advance")
+	old, err := a.TryAcquire(ctx, name, 100*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	newer, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer newer.Release(ctx)
+	err = sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, old.Token()) })
+	var se *fence.StaleError
+	if !errors.As(err, &se) || se.Current != newer.Token() {
+		t.Fatalf("old holder's Guard after a newer grant: %v, want StaleError naming token %d", err, newer.Token())
+	}
+	if err := sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, newer.Token()) }); err != nil {
+		t.Fatalf("new holder's Guard: %v", err)
+	}
+}
+
+// TestMySQLInspectAndBump: Inspect and Bump on MySQL, and a counter at the top
+// refuses to grant.
+func TestMySQLInspectAndBump(t *testing.T) {
+	ctx := context.Background()
+	_, fdb := openMySQL(t, "")
+	a, _ := sqlfence.NewAcquirer(fdb, nil)
+	name := fencetest.Name("bump")
+	l, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := a.Inspect(ctx, name)
+	if err != nil || !info.Held || info.Token != l.Token() || info.TimeLeft <= 50*time.Second {
+		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
+	}
+	if err := a.Bump(ctx, name, 100); !errors.Is(err, fence.ErrHeld) {
+		t.Errorf("Bump while held: %v, want ErrHeld", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Bump(ctx, name, 100); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Bump(ctx, name, 50); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Bump downwards: %v, want ErrInvalid", err)
+	}
+	l2, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil || l2.Token() != 101 {
+		t.Fatalf("grant after the bump: %v, %v; want token 101", l2, err)
+	}
+	_ = l2.Release(ctx)
+	if err := a.Bump(ctx, name, fence.MaxToken); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.TryAcquire(ctx, name, time.Minute); !errors.Is(err, fence.ErrTokensExhausted) {
+		t.Errorf("TryAcquire at MaxToken: %v, want ErrTokensExhausted", err)
 	}
 }
