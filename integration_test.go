@@ -25,6 +25,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/etcdtest"
 	"github.com/fencekit/fencekit/internal/testenv"
+	_ "github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/johannesboyne/gofakes3"
@@ -71,6 +72,18 @@ func pgPool(t *testing.T) *pgxpool.Pool {
 	return p
 }
 
+func mysqlDB(t *testing.T) *sqlfence.DB {
+	db, err := sql.Open("mysql", testenv.MySQLDSN())
+	if err == nil {
+		err = db.Ping()
+	}
+	if err != nil {
+		testenv.Missing(t, "MySQL or MariaDB at "+testenv.MySQLDSN(), err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return sqlfence.MySQL(db)
+}
+
 // must unwraps a constructor's result; constructors fail only on invalid
 // options, a mistake in this file.
 func must[T any](v T, err error) T {
@@ -91,6 +104,13 @@ func acquirers() []acquirerCase {
 		}},
 		{"postgres", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
 			a := must(sqlfence.NewAcquirer(sqlfence.Pgx(pgPool(t)), nil))
+			if err := a.CreateTable(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			return a
+		}},
+		{"mysql", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+			a := must(sqlfence.NewAcquirer(mysqlDB(t), nil))
 			if err := a.CreateTable(context.Background()); err != nil {
 				t.Fatal(err)
 			}
@@ -183,6 +203,13 @@ func writers() []writerCase {
 			}
 			t.Cleanup(func() { _, _ = db.Exec("DROP TABLE " + table) })
 			return guardWriter{db: db, table: table}
+		}},
+		{"mysql-row", func(t *testing.T) store {
+			w := must(sqlfence.NewWriter(mysqlDB(t), nil))
+			if err := w.CreateTable(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			return w
 		}},
 		{"redis-lua", func(t *testing.T) store { return must(redislua.NewWriter(testenv.RedisClient(t), nil)) }},
 		{"s3", func(t *testing.T) store { return s3Writer(t) }},

@@ -7,6 +7,8 @@
 # Environment:
 #   FENCEKIT_POSTGRES_URL  default postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 #   FENCEKIT_REDIS_ADDR    default 127.0.0.1:6379
+#   FENCEKIT_MYSQL_DSN     default fencekit:fencekit@tcp(127.0.0.1:3306)/test
+#                          (go-sql-driver/mysql format; MariaDB or MySQL 8)
 #   FENCEKIT_S3_ENDPOINT   an S3-compatible server for the S3 tests instead of
 #                          a versitygw they start (with FENCEKIT_S3_ACCESS_KEY,
 #                          FENCEKIT_S3_SECRET_KEY, FENCEKIT_S3_REGION and
@@ -81,6 +83,37 @@ start_redis() {
   redis_up || { say "Redis did not start"; return 1; }
 }
 
+# MariaDB (or MySQL) for the sqlfence MySQL tests: started, and installed with
+# apt-get when absent, with a database "test" and a user fencekit/fencekit that
+# the default FENCEKIT_MYSQL_DSN uses. A DSN given in FENCEKIT_MYSQL_DSN is used
+# as it is.
+mysql_up() { # the test user can log in (mariadb-admin ping succeeds even when access is denied)
+  command -v mariadb >/dev/null && mariadb --protocol=tcp -h 127.0.0.1 -P 3306 -u fencekit -pfencekit -e 'SELECT 1' test >/dev/null 2>&1
+}
+mysql_server_up() {
+  command -v mariadb-admin >/dev/null && mariadb-admin --protocol=tcp -h 127.0.0.1 -P 3306 ping 2>&1 | grep -qE "alive|Access denied"
+}
+start_mysql() {
+  [ -n "${FENCEKIT_MYSQL_DSN:-}" ] && return 0
+  mysql_up && return 0
+  if ! command -v mariadbd >/dev/null && ! [ -x /usr/sbin/mariadbd ]; then
+    say "MariaDB is not installed: installing it with apt-get"
+    apt_install mariadb-server mariadb-client || { say "could not install MariaDB: the MySQL tests will skip (or fail under CI)"; return 0; }
+  fi
+  if ! mysql_server_up; then
+    say "starting MariaDB"
+    as_root mkdir -p /run/mysqld && as_root chown mysql:mysql /run/mysqld 2>/dev/null || true
+    as_root start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd || as_root service mariadb start || true
+    for _ in $(seq 1 100); do mysql_server_up && break; sleep 0.2; done
+  fi
+  mysql_server_up || { say "MariaDB did not start: the MySQL tests will skip (or fail under CI)"; return 0; }
+  as_root mariadb -e "CREATE DATABASE IF NOT EXISTS test;
+    CREATE USER IF NOT EXISTS 'fencekit'@'127.0.0.1' IDENTIFIED BY 'fencekit';
+    CREATE USER IF NOT EXISTS 'fencekit'@'localhost' IDENTIFIED BY 'fencekit';
+    GRANT ALL ON test.* TO 'fencekit'@'127.0.0.1';
+    GRANT ALL ON test.* TO 'fencekit'@'localhost';" || say "could not create the MariaDB test user"
+}
+
 # versitygw, the real S3-compatible server of the S3 tests (they start it
 # themselves, on a temporary folder); installed with go install when missing.
 VERSITYGW=github.com/versity/versitygw/cmd/versitygw@v1.8.0
@@ -97,6 +130,7 @@ if [ "${FENCEKIT_NO_SERVICES:-}" != 1 ]; then
   start_postgres
   ensure_test_db
   start_redis
+  start_mysql
   ensure_versitygw
 fi
 

@@ -89,6 +89,9 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 		w.tombstone = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (?, NULL, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
 			"%[3]s = IF(%[4]s <= VALUES(%[4]s), NULL, %[3]s), "+
 			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f)
+		// An existing key, the common case, takes a fenced UPDATE alone (its
+		// arguments: value, token, key, token); the upsert covers a new key.
+		w.update = fmt.Sprintf("UPDATE %[1]s SET %[3]s = ?, %[4]s = LAST_INSERT_ID(?) WHERE %[2]s = ? AND %[4]s <= ?", t, k, v, f)
 		w.read = fmt.Sprintf("SELECT %s, %s, CASE WHEN %s IS NULL THEN 1 ELSE 0 END FROM %s WHERE %s = ?", v, f, v, t, k)
 		w.current = fmt.Sprintf("SELECT %s FROM %s WHERE %s = ?", f, t, k)
 		return w, nil
@@ -126,7 +129,15 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 	if value == nil {
 		value = []byte{} // NULL marks a deleted key
 	}
-	if w.db.d.updateFirst {
+	if w.db.d == mysqlDialect {
+		n, err := w.db.execID(ctx, w.update, value, int64(token), key, int64(token))
+		if err != nil {
+			return w.wrap("write", err)
+		}
+		if n > 0 {
+			return nil
+		}
+	} else if w.db.d.updateFirst {
 		n, err := w.db.exec(ctx, w.update, key, value, int64(token))
 		if err != nil {
 			return w.wrap("write", err)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -57,6 +58,26 @@ func TestDemoPostgres(t *testing.T) {
 		t.Fatalf("fence demo -backend postgres exited %d\n%s%s", code, out.String(), errOut.String())
 	}
 	for _, want := range []string{"fence demo on postgres", `storage: REJECTED  "written by A"`, "Every outcome was the expected one."} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo output lacks %q\n%s", want, out.String())
+		}
+	}
+}
+
+func TestDemoMySQL(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")
+	}
+	dsn := testenv.MySQLDSN()
+	var out, errOut bytes.Buffer
+	code := run([]string{"demo", "-backend", "mysql", "-mysql-dsn", dsn}, &out, &errOut)
+	if code != 0 && strings.Contains(errOut.String(), "mysql at") {
+		testenv.Missing(t, "MySQL or MariaDB at "+dsn, errors.New(errOut.String()))
+	}
+	if code != 0 {
+		t.Fatalf("fence demo -backend mysql exited %d\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"fence demo on mysql", `storage: REJECTED  "written by A"`, "Every outcome was the expected one."} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("demo output lacks %q\n%s", want, out.String())
 		}
