@@ -1,9 +1,7 @@
 package redislua_test
 
 import (
-	"bytes"
 	"context"
-	"errors"
 	"math"
 	"testing"
 	"time"
@@ -43,48 +41,8 @@ func FuzzRedisEntryPoints(f *testing.F) {
 			c.Del(ctx, iter.Val())
 		}
 	})
-	model := map[string]fence.Token{}
+	e := &fencetest.EntryPoints{Writer: w, Acquirer: a}
 	f.Fuzz(func(t *testing.T, key, name string, ttlNs int64, token uint64, value []byte) {
-		ctx := context.Background()
-		tok := fence.Token(token)
-		err := w.Write(ctx, key, value, tok)
-		switch {
-		case err == nil:
-			if tok < model[key] {
-				t.Fatalf("Write(%q, token %d) accepted below the key's %d", key, tok, model[key])
-			}
-			model[key] = tok
-			got, gotTok, err := w.Read(ctx, key)
-			if err != nil || !bytes.Equal(got, value) || gotTok != tok {
-				t.Fatalf("Read(%q) after a write = %q, %d, %v; want %q, %d", key, got, gotTok, err, value, tok)
-			}
-		case errors.Is(err, fence.ErrStale):
-			if tok >= model[key] {
-				t.Fatalf("Write(%q, token %d) stale although the key holds %d: %v", key, tok, model[key], err)
-			}
-		case errors.Is(err, fence.ErrInvalid):
-		default:
-			t.Fatalf("Write(%q, %d): undocumented error %v", key, tok, err)
-		}
-
-		ttl := time.Duration(ttlNs)
-		l, err := a.TryAcquire(ctx, name, ttl)
-		switch {
-		case err == nil:
-			if !l.Token().Valid() {
-				t.Fatalf("granted invalid token %d", l.Token())
-			}
-			if ttl >= time.Second {
-				if _, err := a.TryAcquire(ctx, name, time.Second); !errors.Is(err, fence.ErrHeld) {
-					t.Fatalf("TryAcquire(%q) while a %v lease is held: %v", name, ttl, err)
-				}
-			}
-			if err := l.Release(ctx); err != nil && !(ttl < time.Second && errors.Is(err, fence.ErrLost)) {
-				t.Fatalf("Release: %v", err)
-			}
-		case errors.Is(err, fence.ErrInvalid), errors.Is(err, fence.ErrHeld):
-		default:
-			t.Fatalf("TryAcquire(%q, %d): undocumented error %v", name, ttlNs, err)
-		}
+		e.Check(t, key, name, ttlNs, token, value)
 	})
 }

@@ -2,13 +2,12 @@ package sqlfence_test
 
 import (
 	"bytes"
-	"context"
-	"errors"
 	"math"
 	"testing"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
 // FuzzSQLiteEntryPoints drives the public entry points with arbitrary keys,
@@ -25,53 +24,8 @@ func FuzzSQLiteEntryPoints(f *testing.F) {
 	f.Add(string(bytes.Repeat([]byte("k"), 1025)), "n", int64(1), uint64(2), []byte("x"))
 	_, fdb := openSQLite(f)
 	w, a := newSQLiteWriter(f, fdb), newSQLiteAcquirer(f, fdb)
-	model := map[string]fence.Token{} // the largest token accepted per key
+	e := &fencetest.EntryPoints{Writer: w, Acquirer: a}
 	f.Fuzz(func(t *testing.T, key, name string, ttlNs int64, token uint64, value []byte) {
-		ctx := context.Background()
-		tok := fence.Token(token)
-		err := w.Write(ctx, key, value, tok)
-		switch {
-		case err == nil:
-			if tok < model[key] {
-				t.Fatalf("Write(%q, token %d) accepted below the key's %d", key, tok, model[key])
-			}
-			model[key] = tok
-			got, gotTok, err := w.Read(ctx, key)
-			if err != nil || !bytes.Equal(got, value) || gotTok != tok {
-				t.Fatalf("Read(%q) after a write = %q, %d, %v; want %q, %d", key, got, gotTok, err, value, tok)
-			}
-		case errors.Is(err, fence.ErrStale):
-			if tok >= model[key] {
-				t.Fatalf("Write(%q, token %d) stale although the key holds %d: %v", key, tok, model[key], err)
-			}
-		case errors.Is(err, fence.ErrInvalid):
-			if _, ok := model[key]; !ok {
-				if _, _, err := w.Read(ctx, key); !errors.Is(err, fence.ErrNotFound) && !errors.Is(err, fence.ErrInvalid) {
-					t.Fatalf("Read(%q) after a refused write: %v", key, err)
-				}
-			}
-		default:
-			t.Fatalf("Write(%q, %d): undocumented error %v", key, tok, err)
-		}
-
-		ttl := time.Duration(ttlNs)
-		l, err := a.TryAcquire(ctx, name, ttl)
-		switch {
-		case err == nil:
-			if !l.Token().Valid() {
-				t.Fatalf("granted invalid token %d", l.Token())
-			}
-			if ttl >= time.Second {
-				if _, err := a.TryAcquire(ctx, name, time.Second); !errors.Is(err, fence.ErrHeld) {
-					t.Fatalf("TryAcquire(%q) while a %v lease is held: %v", name, ttl, err)
-				}
-			}
-			if err := l.Release(ctx); err != nil && !(ttl < time.Second && errors.Is(err, fence.ErrLost)) {
-				t.Fatalf("Release: %v", err)
-			}
-		case errors.Is(err, fence.ErrInvalid), errors.Is(err, fence.ErrHeld):
-		default:
-			t.Fatalf("TryAcquire(%q, %d): undocumented error %v", name, ttlNs, err)
-		}
+		e.Check(t, key, name, ttlNs, token, value)
 	})
 }

@@ -189,37 +189,17 @@ func TestMySQLDeadlockRetried(t *testing.T) {
 	t.Logf("attempts: %d and %d", attempts[0].Load(), attempts[1].Load())
 }
 
-// TestMySQLAdvanceOnGrant: with AdvanceGuards, a newer grant fences the older
-// holder's guarded transactions at once; Guards of the other dialect are refused.
-func TestMySQLAdvanceOnGrant(t *testing.T) {
-	ctx := context.Background()
-	db, fdb := openMySQL(t, "")
-	if _, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: func() *sqlfence.Guards { g, _ := sqlfence.NewGuards(nil); return g }()}); !errors.Is(err, fence.ErrInvalid) {
+// TestMySQLGuardsDialect: Guards of the other dialect are refused, on the
+// acquirer (AdvanceGuards) and on CreateTable. TestAdvanceOnGrant runs
+// AdvanceGuards on MySQL.
+func TestMySQLGuardsDialect(t *testing.T) {
+	_, fdb := openMySQL(t, "")
+	g, _ := sqlfence.NewGuards(nil)
+	if _, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("SQLite/PostgreSQL Guards on a MySQL acquirer: %v, want ErrInvalid", err)
 	}
-	g, _ := sqlfence.NewGuards(&sqlfence.GuardOptions{MySQL: true})
-	a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
-	if err != nil {
-		t.Fatal(err)
-	}
-	name := fencetest.Name("advance")
-	old, err := a.TryAcquire(ctx, name, 100*time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(200 * time.Millisecond)
-	newer, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer newer.Release(ctx)
-	err = sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, old.Token()) })
-	var se *fence.StaleError
-	if !errors.As(err, &se) || se.Current != newer.Token() {
-		t.Fatalf("old holder's Guard after a newer grant: %v, want StaleError naming token %d", err, newer.Token())
-	}
-	if err := sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, newer.Token()) }); err != nil {
-		t.Fatalf("new holder's Guard: %v", err)
+	if err := g.CreateTable(context.Background(), fdb); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("SQLite/PostgreSQL Guards' table on MySQL: %v, want ErrInvalid", err)
 	}
 }
 

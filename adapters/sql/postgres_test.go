@@ -214,12 +214,16 @@ func TestAdvanceOnGrant(t *testing.T) {
 	}
 	newSQLiteAcquirer(t, sqliteF) // creates the lease table
 	pg := pgStd(t)
+	mysqlDB, mysqlF := openMySQL(t, "")
+	mg, _ := sqlfence.NewGuards(&sqlfence.GuardOptions{MySQL: true})
 	for _, c := range []struct {
 		name string
 		db   *sql.DB
 		fdb  *sqlfence.DB
-	}{{"postgres", pg, sqlfence.Postgres(pg)}, {"sqlite", sqliteDB, sqliteF}} {
+		g    *sqlfence.Guards
+	}{{"postgres", pg, sqlfence.Postgres(pg), g}, {"sqlite", sqliteDB, sqliteF, g}, {"mysql", mysqlDB, mysqlF, mg}} {
 		t.Run(c.name, func(t *testing.T) {
+			g := c.g
 			a, err := sqlfence.NewAcquirer(c.fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 			if err != nil {
 				t.Fatal(err)
