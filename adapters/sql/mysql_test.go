@@ -115,7 +115,7 @@ func questions(t *testing.T, db *sql.DB) int64 {
 
 // TestMySQLRoundTrips counts the statements the server received (its session
 // counter, on one connection): acquire + release are 2, a write to an existing
-// key is 1, to a new key 2.
+// key is 1, to a new key 2; idempotency.Do is 5 on a fresh key, 2 on a replay.
 func TestMySQLRoundTrips(t *testing.T) {
 	db, fdb := openMySQL(t, "")
 	db.SetMaxOpenConns(1)
@@ -146,6 +146,14 @@ func TestMySQLRoundTrips(t *testing.T) {
 	count("a write to a new key (UPDATE, then the upsert)", 2, func() error { return w.Write(ctx, key, []byte("v"), 1) })
 	count("a write to an existing key", 1, func() error { return w.Write(ctx, key, []byte("v2"), 2) })
 	count("an equal token writing the same bytes", 1, func() error { return w.Write(ctx, key, []byte("v2"), 2) })
+	// idempotency.Do: claim (1), arm and complete (each the compare-and-set and
+	// a read of the record it wrote: 2) on a fresh key; the claim and a read on
+	// a replay.
+	s, _ := sqlfence.NewIdempotencyStore(fdb, nil)
+	ik := fencetest.Name("rt")
+	effect := func(context.Context, string) ([]byte, error) { return []byte("ok"), nil }
+	count("idempotency.Do on a fresh key", 5, func() error { _, err := idempotency.Do(ctx, s, ik, "fp", effect, nil); return err })
+	count("idempotency.Do on a replay", 2, func() error { _, err := idempotency.Do(ctx, s, ik, "fp", effect, nil); return err })
 }
 
 // TestMySQLDeadlockRetried: two guarded transactions take two guard rows in
