@@ -1,0 +1,145 @@
+package idemhttp
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+type keyCtx struct{}
+
+// WithKey returns a context whose requests, sent through Transport, carry key
+// as their Idempotency-Key. Inside an idempotency.Do effect, pass the effect
+// key: every attempt family then has one key, and a takeover after a crash
+// has another.
+func WithKey(ctx context.Context, key string) context.Context {
+	return context.WithValue(ctx, keyCtx{}, key)
+}
+
+// requestKey is the key a request carries: WithKey's, else the effect key of
+// the handler behind the middleware that sends it.
+func requestKey(ctx context.Context) string {
+	if k, _ := ctx.Value(keyCtx{}).(string); k != "" {
+		return k
+	}
+	return EffectKey(ctx)
+}
+
+// Transport is an http.RoundTripper for calls to services that deduplicate by
+// Idempotency-Key. A request whose context holds a key (WithKey, or EffectKey
+// behind the middleware) and whose method is one of Methods gets the header
+// (unless it has one) and is retried, with the same key, after a transport
+// error or a 409, 429, 500, 502, 503 or 504, waiting as Retry-After says (at
+// most MaxRetryAfter) or with jittered backoff, at most MaxAttempts times in
+// all. Any other answer is final (a 422 says the key was reused with another
+// request; a 4xx is the provider's decision). A request without a key is sent
+// once, as it is: retrying it could run it twice. A retry needs the request's
+// GetBody (http.NewRequest sets it for in-memory bodies); without it there is
+// none.
+type Transport struct {
+	// Base sends the requests. Default: http.DefaultTransport.
+	Base http.RoundTripper
+	// Methods are the methods that get a key. Default: POST and PATCH.
+	Methods []string
+	// MaxAttempts bounds the attempts of one request. Default: 4.
+	MaxAttempts int
+	// MaxRetryAfter caps the wait a Retry-After asks for. Default: 10s.
+	MaxRetryAfter time.Duration
+	// Quote sends the key as a structured field string ("key"), the draft's
+	// form; otherwise it is sent bare, as Stripe's API takes it. Default: bare.
+	Quote bool
+}
+
+// RoundTrip sends req, adding the key and retrying as the type describes.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	base := t.Base
+	if base == nil {
+		base = http.DefaultTransport
+	}
+	key := requestKey(req.Context())
+	methods := t.Methods
+	if len(methods) == 0 {
+		methods = []string{http.MethodPost, http.MethodPatch}
+	}
+	keyed := key != "" && slices.Contains(methods, req.Method)
+	if !keyed {
+		return base.RoundTrip(req)
+	}
+	if _, err := ParseKey(key); err != nil && !t.Quote {
+		return nil, &fence.InvalidError{Op: "idemhttp transport", Arg: "key", Reason: err.Error()}
+	}
+	attempts := t.MaxAttempts
+	if attempts <= 0 {
+		attempts = 4
+	}
+	maxWait := t.MaxRetryAfter
+	if maxWait <= 0 {
+		maxWait = 10 * time.Second
+	}
+	for attempt := 1; ; attempt++ {
+		r := req.Clone(req.Context())
+		if attempt > 1 {
+			body, err := req.GetBody()
+			if err != nil {
+				return nil, err
+			}
+			r.Body = body
+		}
+		if r.Header.Get(Header) == "" {
+			r.Header.Set(Header, t.encode(key))
+		}
+		resp, err := base.RoundTrip(r)
+		retry := err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
+		if err == nil {
+			retry = retryable(resp.StatusCode)
+		}
+		if !retry || attempt >= attempts || (req.Body != nil && req.GetBody == nil) {
+			return resp, err
+		}
+		wait := fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}.Delay(attempt - 1)
+		if resp != nil {
+			if s, perr := strconv.Atoi(resp.Header.Get("Retry-After")); perr == nil && s >= 0 {
+				wait = min(time.Duration(s)*time.Second, maxWait)
+			}
+			resp.Body.Close()
+		}
+		tm := time.NewTimer(wait)
+		select {
+		case <-req.Context().Done():
+			tm.Stop()
+			return nil, context.Cause(req.Context())
+		case <-tm.C:
+		}
+	}
+}
+
+func (t *Transport) encode(key string) string {
+	if !t.Quote {
+		return key
+	}
+	b := []byte{'"'}
+	for i := 0; i < len(key); i++ {
+		if key[i] == '"' || key[i] == '\\' {
+			b = append(b, '\\')
+		}
+		b = append(b, key[i])
+	}
+	return string(append(b, '"'))
+}
+
+// retryable: the answers after which the request, with its key, may be sent
+// again: in progress (409), throttled (429), and server errors that say it did
+// not finish.
+func retryable(status int) bool {
+	switch status {
+	case http.StatusConflict, http.StatusTooManyRequests, http.StatusInternalServerError,
+		http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+		return true
+	}
+	return false
+}
