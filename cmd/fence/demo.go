@@ -53,7 +53,8 @@ func runDemo(args []string, stdout, stderr io.Writer) error {
 		"Replays the lesson's scenarios on a real backend and checks each outcome:\n"+
 			"the plain release bug, 20 workers x 50 locked increments, the paused holder\n"+
 			"with and without fencing tokens (with a timeline), what the watchdog can and\n"+
-			"cannot do, and a card charged once by two workers of which one crashes.\n"+
+			"cannot do, a card charged once by two workers of which one crashes, and the\n"+
+			"same over HTTP (Idempotency-Key middleware, a client whose response is lost).\n"+
 			"Exits 1 if any outcome is not the expected one.", stderr)
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -73,7 +74,7 @@ func runDemo(args []string, stdout, stderr io.Writer) error {
 		d.printf("(this backend's leases are whole seconds: the lesson's timings are stretched)\n")
 	}
 	d.printf("\n")
-	for _, sc := range []func(context.Context) error{d.releaseBug, d.contention, d.pausedHolder, d.watchdog, d.payment} {
+	for _, sc := range []func(context.Context) error{d.releaseBug, d.contention, d.pausedHolder, d.watchdog, d.payment, d.httpPayment} {
 		if err := sc(ctx); err != nil {
 			return err
 		}
