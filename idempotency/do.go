@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
-	"github.com/fencekit/fencekit/internal/leasebase"
+	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
 // Effect performs the side effect once. effectKey is derived from the key and
@@ -380,7 +380,7 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 // set the lease (sent, then each renewal's), less a drift margin, so the effect
 // is cancelled before the store could let another owner take the key over.
 func renew(ctx context.Context, s Store, rec Record, o Options, sent time.Time, cancel context.CancelCauseFunc) (stop func()) {
-	local := leasebase.New(rec.Key, rec.Fence, o.Lease, 0, sent)
+	local := leasekit.New(rec.Key, rec.Fence, o.Lease, 0, sent)
 	unwatch := context.AfterFunc(local.Context(), func() {
 		if errors.Is(context.Cause(local.Context()), fence.ErrLost) {
 			cancel(fmt.Errorf("idempotency: key %q: lease not renewed before its local deadline: %w", rec.Key, fence.ErrLost))

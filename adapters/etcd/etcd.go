@@ -28,7 +28,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
-	"github.com/fencekit/fencekit/internal/leasebase"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -189,7 +189,7 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 		giveUp()
 		return nil, fmt.Errorf("etcdfence: acquire %q: revision %d: %w", name, rev, fence.ErrTokensExhausted)
 	}
-	return &lease{Base: leasebase.New(name, tok, ttl, a.o.Drift, sent), a: a, id: id}, nil
+	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, id: id}, nil
 }
 
 // fail wraps err; an ending ctx turns it into ErrHeld joined with the cause.
@@ -294,7 +294,7 @@ func (a *Acquirer) waitDelete(ctx context.Context, key string, rev int64) error 
 }
 
 type lease struct {
-	*leasebase.Base
+	*leasekit.Base
 	a  *Acquirer
 	id clientv3.LeaseID
 }

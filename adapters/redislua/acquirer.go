@@ -12,8 +12,8 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/internal/handoff"
-	"github.com/fencekit/fencekit/internal/leasebase"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -183,7 +183,7 @@ func (a *Acquirer) grant(ctx context.Context, name string, ttl time.Duration, fr
 	case -1:
 		return nil, errMoved
 	}
-	l := &lease{Base: leasebase.New(name, fence.Token(tok), ttl, a.o.Drift, sent), a: a, lock: lock,
+	l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.o.Drift, sent), a: a, lock: lock,
 		value: nonce + ":" + strconv.FormatUint(tok, 10)}
 	if a.o.WaitReplicas > 0 && replicas < int64(a.o.WaitReplicas) {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
@@ -320,7 +320,7 @@ func (e *CorruptError) Unwrap() error { return e.Err }
 
 // lease is one grant from an Acquirer.
 type lease struct {
-	*leasebase.Base
+	*leasekit.Base
 	a     *Acquirer
 	lock  string
 	value string // nonce:token, unique to this grant even if a counter is lost

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
-	"github.com/fencekit/fencekit/internal/leasebase"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -191,7 +191,7 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	timeout := r.nodeTimeout(ttl)
 	drift := r.o.Drift
 	if drift <= 0 {
-		drift = leasebase.DefaultDrift(ttl)
+		drift = leasekit.DefaultDrift(ttl)
 	}
 	sent := time.Now()
 	// Phase 1 ends as soon as a majority granted, or so many refused (or so
@@ -269,7 +269,7 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 		return nil, fmt.Errorf("redislua: redlock acquire %q: the grant took too long (%d of %d nodes kept it, %v of %v left): %w",
 			name, raised, len(r.nodes), validity, ttl, ErrNoQuorum)
 	}
-	return &redlockLease{Base: leasebase.New(name, fence.Token(tok), ttl, drift, sent), r: r, lock: lock, nonce: nonce, timeout: timeout}, nil
+	return &redlockLease{Base: leasekit.New(name, fence.Token(tok), ttl, drift, sent), r: r, lock: lock, nonce: nonce, timeout: timeout}, nil
 }
 
 // Acquire waits until the lease on name is granted, retrying with jittered
@@ -299,7 +299,7 @@ func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, va
 }
 
 type redlockLease struct {
-	*leasebase.Base
+	*leasekit.Base
 	r       *Redlock
 	lock    string
 	nonce   string

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
-	"github.com/fencekit/fencekit/internal/leasebase"
+	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
 // AcquirerOptions configures an Acquirer. A nil *AcquirerOptions means the defaults.
@@ -161,7 +161,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	case err != nil:
 		return nil, a.wrap("acquire", err)
 	}
-	return &lease{Base: leasebase.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}, nil
+	return &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}, nil
 }
 
 // grantRow runs the grant statement (with the guard advance on SQLite, in one
@@ -233,7 +233,7 @@ func (a *Acquirer) wrap(op string, err error) error {
 
 // lease is one grant from an Acquirer.
 type lease struct {
-	*leasebase.Base
+	*leasekit.Base
 	a *Acquirer
 }
 

@@ -462,4 +462,3 @@ func problem(w http.ResponseWriter, status int, code, title, detail string) {
 	w.WriteHeader(status)
 	_, _ = w.Write(b)
 }
-

@@ -1,6 +1,25 @@
-// Package leasebase holds what every adapter's lease shares: the name and token,
-// the conservative local deadline, and the lifetime context.
-package leasebase
+// Package leasekit is the local half of a lease, for anyone writing a
+// fence.Acquirer for another backend (DynamoDB, ZooKeeper, Consul, ...): the
+// name and token, a conservative local deadline, and the lease's lifetime
+// context. Every acquirer in this module is built on it.
+//
+// The rules it keeps, which a correct acquirer needs:
+//
+//   - The local deadline is measured from before the request that set the
+//     lease on the backend (the grant, then each renewal), not from its reply,
+//     and a drift margin is taken off: the holder stops believing it holds the
+//     lease before the backend can grant it to anyone else, whatever the
+//     network delay.
+//   - A renewal confirmed after the local deadline has passed never revives the
+//     lease: once Context is done, it stays done.
+//   - Context is done, with cause fence.ErrLost, when the local deadline
+//     passes, or with the cause given to End (context.Canceled for a release).
+//
+// An acquirer's lease type embeds *Base, which provides Name, Token and
+// Context; the acquirer calls New after a grant, Extend after each confirmed
+// renewal, and End when the lease is released or found lost. Run
+// fence/fencetest's AcquirerSuite against the acquirer.
+package leasekit
 
 import (
 	"context"
@@ -15,6 +34,7 @@ import (
 func DefaultDrift(ttl time.Duration) time.Duration { return ttl/100 + 2*time.Millisecond }
 
 // Base is the local half of a lease. It is safe for concurrent use.
+// Embed a *Base, made by New, in a lease type.
 type Base struct {
 	name  string
 	token fence.Token
