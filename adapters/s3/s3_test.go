@@ -1,6 +1,7 @@
 package s3fence_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -15,6 +16,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
@@ -35,11 +37,40 @@ type faults struct {
 	next http.Handler
 	mu   sync.Mutex
 	// each entry is consumed by one PUT of an object
-	plan []string // "drop-response", "409", "500"
+	plan []string // "drop-response", "409", "412", "500"
 	puts atomic.Int32
 	// afterDrop, when set, runs after a dropped response's write was applied
 	// and before the connection is closed.
 	afterDrop func()
+	// clockOffset shifts the Date header of every response: the server's
+	// clock as the client sees it, off from the client's own.
+	clockOffset atomic.Int64
+}
+
+// shiftedDate sets the Date header, shifted by offset, when the header is written.
+type shiftedDate struct {
+	http.ResponseWriter
+	offset time.Duration
+	wrote  bool
+}
+
+func (s *shiftedDate) WriteHeader(code int) {
+	if !s.wrote {
+		s.wrote = true
+		s.Header().Set("Date", time.Now().Add(s.offset).UTC().Format(http.TimeFormat))
+	}
+	s.ResponseWriter.WriteHeader(code)
+}
+
+func (s *shiftedDate) Write(b []byte) (int, error) {
+	if !s.wrote {
+		s.WriteHeader(http.StatusOK)
+	}
+	return s.ResponseWriter.Write(b)
+}
+
+func (s *shiftedDate) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	return s.ResponseWriter.(http.Hijacker).Hijack()
 }
 
 func (f *faults) inject(kinds ...string) {
@@ -49,6 +80,16 @@ func (f *faults) inject(kinds ...string) {
 }
 
 func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if off := time.Duration(f.clockOffset.Load()); off != 0 {
+		sd := &shiftedDate{ResponseWriter: w, offset: off}
+		// A handler that writes nothing still answers (200): with the date.
+		defer func() {
+			if !sd.wrote {
+				sd.WriteHeader(http.StatusOK)
+			}
+		}()
+		w = sd
+	}
 	if r.Method != http.MethodPut || strings.Count(strings.Trim(r.URL.Path, "/"), "/") < 1 {
 		f.next.ServeHTTP(w, r)
 		return
@@ -82,6 +123,11 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/xml")
 		w.WriteHeader(http.StatusConflict)
 		_, _ = io.WriteString(w, `<?xml version="1.0" encoding="UTF-8"?><Error><Code>ConditionalRequestConflict</Code><Message>A conflicting conditional operation is in progress.</Message></Error>`)
+	case "412":
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/xml")
+		w.WriteHeader(http.StatusPreconditionFailed)
+		_, _ = io.WriteString(w, `<?xml version="1.0" encoding="UTF-8"?><Error><Code>PreconditionFailed</Code><Message>injected</Message></Error>`)
 	case "500":
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/xml")

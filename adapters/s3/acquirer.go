@@ -1,0 +1,487 @@
+package s3fence
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awsmiddleware "github.com/aws/aws-sdk-go-v2/aws/middleware"
+	"github.com/aws/aws-sdk-go-v2/service/s3"
+	"github.com/aws/smithy-go/middleware"
+	smithyhttp "github.com/aws/smithy-go/transport/http"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
+)
+
+// MinAcquirerTTL is the shortest lease the S3 acquirer grants. S3 tells the
+// time in whole seconds (the Date header), so shorter leases would only be
+// refused to others for longer than they last.
+const MinAcquirerTTL = time.Second
+
+// MaxAcquirerTTL is the longest lease: the largest time.Duration (an expiry
+// in the year 2300 or so fits the lock object's milliseconds).
+const MaxAcquirerTTL = time.Duration(math.MaxInt64)
+
+// AcquirerOptions configures an Acquirer. A nil *AcquirerOptions means the defaults.
+type AcquirerOptions struct {
+	// Prefix starts the key of every lock object. Default: "fencekit-locks/".
+	Prefix string
+	// Owner is recorded in the lock object, for operators. Default: host name
+	// and process id.
+	Owner string
+	// Backoff paces Acquire's polls while the lock is held: every poll is a
+	// GET. Default: Min 50ms, Max 1s.
+	Backoff fence.Backoff
+	// Drift is taken off each lease's local deadline. Default: 1% of the ttl
+	// plus 2ms.
+	Drift time.Duration
+	// MaxAttempts bounds how often one TryAcquire, Renew or Release reads and
+	// writes again after a conflict or an ambiguous answer. Default: 8.
+	MaxAttempts int
+}
+
+// Acquirer grants leases from lock objects in an S3 bucket, with conditional
+// writes alone: no other lock service. One object per lock name holds the
+// token counter, the holder's nonce and the expiry, on S3's clock.
+//
+// A grant reads the lock object (GET), and if it is free (released, never
+// used, or past its expiry on S3's clock) writes the next token and its own
+// nonce with a conditional PUT: If-None-Match: * for a new name, If-Match on
+// the ETag it read otherwise, so of two contenders at most one succeeds. The
+// token is the object's counter plus one: it survives as long as the object
+// does, and a release keeps it (the object is never deleted). Renew and
+// Release are PUTs conditional on the holder's ETag. Acquire + release take 3
+// requests (GET, PUT, PUT).
+//
+// # Time
+//
+// Expiry is decided on S3's clock, read from the Date header of its own
+// responses, never on the client's: the client's wall clock may be off by any
+// amount (only its monotonic clock measures the time since a response). S3's
+// Date has whole seconds, so a writer records an expiry of at least S3's
+// latest possible time plus the ttl, and a reader takes a lock for expired only
+// when S3's earliest possible time has passed it: an expired lock is granted
+// again 0 to 2 seconds after its ttl ran out, and a released one at once. The
+// holder's local deadline is measured from before the request that set the
+// lease, less Drift; this tolerates clock rates differing by up to Drift over a
+// ttl, and no clock offset at all.
+//
+// A PUT whose answer was lost may have landed: the acquirer disables the SDK's
+// retries for its PUTs, reads the object again, and recognises its own write
+// by its nonce. It is safe for concurrent use.
+type Acquirer struct {
+	api    API
+	bucket string
+	o      AcquirerOptions
+}
+
+var (
+	_ fence.Acquirer  = (*Acquirer)(nil)
+	_ fence.Inspector = (*Acquirer)(nil)
+)
+
+// NewAcquirer returns an Acquirer on bucket. It returns an error matching
+// fence.ErrInvalid for a nil api, an empty bucket, or negative or invalid
+// options.
+func NewAcquirer(api API, bucket string, opts *AcquirerOptions) (*Acquirer, error) {
+	if _, err := New(api, bucket, nil); err != nil {
+		return nil, err
+	}
+	var o AcquirerOptions
+	if opts != nil {
+		o = *opts
+	}
+	if o.Drift < 0 || o.MaxAttempts < 0 {
+		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "options", Reason: "Drift and MaxAttempts may not be negative"}
+	}
+	if err := o.Backoff.Check("new acquirer"); err != nil {
+		return nil, err
+	}
+	if o.Prefix == "" {
+		o.Prefix = "fencekit-locks/"
+	}
+	if err := fence.CheckText("new acquirer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
+		return nil, err
+	}
+	if o.Owner == "" {
+		host, _ := os.Hostname()
+		o.Owner = fmt.Sprintf("%s/%d", host, os.Getpid())
+	}
+	if o.Backoff == (fence.Backoff{}) {
+		o.Backoff = fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}
+	}
+	if o.MaxAttempts == 0 {
+		o.MaxAttempts = 8
+	}
+	return &Acquirer{api: api, bucket: bucket, o: o}, nil
+}
+
+// lockState is a lock object's content.
+type lockState struct {
+	Format  string `json:"fencekit"`
+	Token   uint64 `json:"token"`
+	Holder  string `json:"holder,omitempty"` // the holding grant's nonce; empty when released
+	Owner   string `json:"owner,omitempty"`
+	Expires int64  `json:"expires_ms"` // S3's clock, ms since the epoch
+}
+
+const lockFormat = "lock-v1"
+
+// s3Clock is what one S3 response told about S3's time: its Date (whole
+// seconds) and when the request was sent and its answer received, on the
+// local monotonic clock.
+type s3Clock struct {
+	date       time.Time
+	sent, recv time.Time
+}
+
+// earliest is S3's earliest possible time now.
+func (c s3Clock) earliest() time.Time { return c.date.Add(time.Since(c.recv)) }
+
+// latest is S3's latest possible time now.
+func (c s3Clock) latest() time.Time { return c.date.Add(time.Second + time.Since(c.sent)) }
+
+// observed is one read of a lock object.
+type observed struct {
+	exists bool
+	etag   string
+	st     lockState
+	clock  s3Clock
+}
+
+func (o observed) free() bool {
+	return !o.exists || o.st.Holder == "" || !o.clock.earliest().Before(time.UnixMilli(o.st.Expires))
+}
+
+func (a *Acquirer) objectKey(name string) string { return a.o.Prefix + name }
+
+func (a *Acquirer) check(op string, ctx context.Context, name string) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	return fence.CheckText(op, "name", name, MaxKeyBytes-len(a.o.Prefix))
+}
+
+// dateOf reads S3's Date header from a response's metadata or error.
+func dateOf(md *middleware.Metadata, err error) (time.Time, bool) {
+	var h http.Header
+	if md != nil {
+		if r, ok := awsmiddleware.GetRawResponse(*md).(*smithyhttp.Response); ok && r != nil {
+			h = r.Header
+		}
+	}
+	var re *smithyhttp.ResponseError
+	if h == nil && errors.As(err, &re) && re.Response != nil {
+		h = re.Response.Header
+	}
+	if h == nil {
+		return time.Time{}, false
+	}
+	t, perr := http.ParseTime(h.Get("Date"))
+	return t, perr == nil
+}
+
+// read GETs the lock object of name.
+func (a *Acquirer) read(ctx context.Context, name string) (observed, error) {
+	sent := time.Now()
+	out, err := a.api.GetObject(ctx, &s3.GetObjectInput{Bucket: &a.bucket, Key: aws.String(a.objectKey(name))})
+	recv := time.Now()
+	var md *middleware.Metadata
+	if out != nil {
+		md = &out.ResultMetadata
+	}
+	date, ok := dateOf(md, err)
+	if err != nil && !isNotFound(err) {
+		return observed{}, err
+	}
+	if !ok {
+		return observed{}, errors.New("s3fence: the server's response has no Date header, and leases need S3's clock")
+	}
+	o := observed{clock: s3Clock{date: date, sent: sent, recv: recv}}
+	if err != nil {
+		return o, nil // no such lock object yet
+	}
+	defer out.Body.Close()
+	b, err := io.ReadAll(out.Body)
+	if err != nil {
+		return observed{}, err
+	}
+	if err := json.Unmarshal(b, &o.st); err != nil || o.st.Format != lockFormat || !fence.Token(o.st.Token).Valid() {
+		return observed{}, fmt.Errorf("s3fence: lock object %q is not a fencekit lock (%q)", a.objectKey(name), truncate(b))
+	}
+	o.exists, o.etag = true, aws.ToString(out.ETag)
+	return o, nil
+}
+
+func truncate(b []byte) string {
+	if len(b) > 80 {
+		return string(b[:80]) + "..."
+	}
+	return string(b)
+}
+
+// write PUTs st as name's lock object, conditional on etag (If-None-Match: *
+// when etag is empty), without the SDK's retries. It returns the new ETag and
+// S3's clock from the answer.
+func (a *Acquirer) write(ctx context.Context, name, etag string, st lockState) (string, s3Clock, error) {
+	st.Format = lockFormat
+	body, _ := json.Marshal(st)
+	in := &s3.PutObjectInput{Bucket: &a.bucket, Key: aws.String(a.objectKey(name)),
+		Body: bytes.NewReader(body), ContentLength: aws.Int64(int64(len(body))), ContentType: aws.String("application/json")}
+	if etag == "" {
+		in.IfNoneMatch = aws.String("*")
+	} else {
+		in.IfMatch = aws.String(etag)
+	}
+	sent := time.Now()
+	out, err := a.api.PutObject(ctx, in, noRetries)
+	clock := s3Clock{sent: sent, recv: time.Now()}
+	var md *middleware.Metadata
+	if out != nil {
+		md = &out.ResultMetadata
+	}
+	if d, ok := dateOf(md, err); ok {
+		clock.date = d
+	}
+	if err != nil {
+		return "", clock, err
+	}
+	return aws.ToString(out.ETag), clock, nil
+}
+
+func newLockNonce() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at
+// once. ttl is at least MinAcquirerTTL; name is an S3 key (UTF-8, no NUL, with
+// the prefix at most 1024 bytes). A counter at fence.MaxToken returns
+// fence.ErrTokensExhausted.
+func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := a.check("acquire", ctx, name); err != nil {
+		return nil, err
+	}
+	if err := fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL); err != nil {
+		return nil, err
+	}
+	nonce := newLockNonce()
+	var firstSent time.Time // the first PUT that may have landed
+	var ambiguous error
+	for attempt := 0; attempt < a.o.MaxAttempts; attempt++ {
+		o, err := a.read(ctx, name)
+		if err != nil {
+			return nil, a.failed("acquire", name, err, ambiguous)
+		}
+		if o.exists && o.st.Holder == nonce {
+			// An earlier attempt of ours landed; its answer was lost.
+			return a.lease(name, o.st, o.etag, o.clock, ttl, firstSent), nil
+		}
+		if !o.free() {
+			if ambiguous != nil {
+				return nil, a.failed("acquire", name, fence.ErrHeld, ambiguous)
+			}
+			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrHeld)
+		}
+		next := o.st.Token + 1
+		if !fence.Token(next).Valid() {
+			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrTokensExhausted)
+		}
+		st := lockState{Token: next, Holder: nonce, Owner: a.o.Owner}
+		sent := time.Now()
+		// S3's latest possible time when this PUT lands, plus the ttl.
+		st.Expires = o.clock.latest().Add(ttl).UnixMilli() + 1
+		if firstSent.IsZero() {
+			firstSent = sent
+		}
+		etag, clock, err := a.write(ctx, name, o.etag, st)
+		switch {
+		case err == nil:
+			return a.lease(name, st, etag, clock, ttl, firstSent), nil
+		case isConflict(err):
+			// Someone else wrote in between (or created the object): read again.
+		case mayHaveApplied(err):
+			ambiguous = err
+			if ctx.Err() != nil {
+				return nil, a.failed("acquire", name, err, ambiguous)
+			}
+		default:
+			return nil, a.failed("acquire", name, err, ambiguous)
+		}
+		if err := pause(ctx, attempt); err != nil {
+			return nil, a.failed("acquire", name, err, ambiguous)
+		}
+	}
+	return nil, a.failed("acquire", name, fmt.Errorf("%d attempts: %w", a.o.MaxAttempts, ErrContention), ambiguous)
+}
+
+// failed wraps err; after an ambiguous PUT the grant may exist (under this
+// call's nonce) and will expire on its own.
+func (a *Acquirer) failed(op, name string, err, ambiguous error) error {
+	if ambiguous != nil {
+		return fmt.Errorf("s3fence: %s %q: %w (an earlier attempt may have been granted and will expire at its ttl: %v)", op, name, err, ambiguous)
+	}
+	return fmt.Errorf("s3fence: %s %q: %w", op, name, err)
+}
+
+func pause(ctx context.Context, attempt int) error {
+	t := time.NewTimer(fence.Backoff{Min: 10 * time.Millisecond, Max: 200 * time.Millisecond}.Delay(attempt))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	case <-t.C:
+		return nil
+	}
+}
+
+func (a *Acquirer) lease(name string, st lockState, etag string, clock s3Clock, ttl time.Duration, sent time.Time) *lease {
+	return &lease{Base: leasekit.New(name, fence.Token(st.Token), ttl, a.o.Drift, sent), a: a, st: st, etag: etag, clock: clock}
+}
+
+// Acquire waits until the lease on name is granted, polling the lock object
+// with the acquirer's Backoff. See fence.Acquirer.
+func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := a.check("acquire", ctx, name); err != nil {
+		return nil, err
+	}
+	if err := fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL); err != nil {
+		return nil, err
+	}
+	return a.o.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
+		return a.TryAcquire(ctx, name, ttl)
+	})
+}
+
+// Inspect reads name's lock object: its holder (the owner recorded by the
+// grant), the time left on S3's clock (at least; up to a second more), and
+// its counter.
+func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, error) {
+	if err := a.check("inspect", ctx, name); err != nil {
+		return fence.LockInfo{}, err
+	}
+	o, err := a.read(ctx, name)
+	if err != nil {
+		return fence.LockInfo{}, fmt.Errorf("s3fence: inspect %q: %w", name, err)
+	}
+	if !o.exists {
+		return fence.LockInfo{}, fmt.Errorf("s3fence: inspect %q: %w", name, fence.ErrNotFound)
+	}
+	info := fence.LockInfo{Name: name, Counter: fence.Token(o.st.Token)}
+	if !o.free() {
+		info.Held, info.Token, info.Owner = true, fence.Token(o.st.Token), o.st.Owner
+		info.TimeLeft = time.UnixMilli(o.st.Expires).Sub(o.clock.earliest())
+	}
+	return info, nil
+}
+
+// lease is one grant: the lock object's content and ETag as this holder wrote
+// them last.
+type lease struct {
+	*leasekit.Base
+	a *Acquirer
+
+	mu    sync.Mutex
+	st    lockState
+	etag  string
+	clock s3Clock // S3's time from the latest answer
+}
+
+// Renew extends the lease by its ttl on S3's clock, with a PUT conditional on
+// the holder's ETag. See fence.Lease.
+func (l *lease) Renew(ctx context.Context) error {
+	if err := fence.CheckContext("renew", ctx); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for attempt := 0; attempt < l.a.o.MaxAttempts; attempt++ {
+		st := l.st
+		sent := time.Now()
+		st.Expires = l.clock.latest().Add(l.TTL()).UnixMilli() + 1
+		etag, clock, err := l.a.write(ctx, l.Name(), l.etag, st)
+		if err == nil {
+			l.st, l.etag, l.clock = st, etag, clock
+			if !l.Extend(sent) {
+				return l.lost()
+			}
+			return nil
+		}
+		if !isConflict(err) && !mayHaveApplied(err) {
+			return fmt.Errorf("s3fence: renew %q: %w", l.Name(), err)
+		}
+		// Someone else wrote, or our write may have landed: read and decide.
+		o, rerr := l.a.read(ctx, l.Name())
+		if rerr != nil {
+			return fmt.Errorf("s3fence: renew %q: %w (after %v)", l.Name(), rerr, err)
+		}
+		if !o.exists || o.st.Holder != st.Holder || o.st.Token != st.Token {
+			l.End(fence.ErrLost)
+			return l.lost()
+		}
+		// Still ours: our write landed (its answer was lost) or not. Take the
+		// current ETag and write again; the local deadline moves only when a
+		// write is confirmed.
+		l.st, l.etag, l.clock = o.st, o.etag, o.clock
+		if err := pause(ctx, attempt); err != nil {
+			return fmt.Errorf("s3fence: renew %q: %w", l.Name(), err)
+		}
+	}
+	return fmt.Errorf("s3fence: renew %q: %d attempts: %w", l.Name(), l.a.o.MaxAttempts, ErrContention)
+}
+
+// Release frees the lock, keeping its counter, with a PUT conditional on the
+// holder's ETag; fence.ErrLost if another grant holds it. The lease's context is
+// done afterwards.
+func (l *lease) Release(ctx context.Context) error {
+	if err := fence.CheckContext("release", ctx); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	defer l.End(context.Canceled)
+	for attempt := 0; attempt < l.a.o.MaxAttempts; attempt++ {
+		st := lockState{Token: l.st.Token, Owner: l.st.Owner}
+		_, _, err := l.a.write(ctx, l.Name(), l.etag, st)
+		if err == nil {
+			if l.Context().Err() != nil && errors.Is(context.Cause(l.Context()), fence.ErrLost) {
+				return l.lost() // released, but its local deadline had passed
+			}
+			return nil
+		}
+		if !isConflict(err) && !mayHaveApplied(err) {
+			return fmt.Errorf("s3fence: release %q: %w", l.Name(), err)
+		}
+		o, rerr := l.a.read(ctx, l.Name())
+		if rerr != nil {
+			return fmt.Errorf("s3fence: release %q: %w (after %v)", l.Name(), rerr, err)
+		}
+		switch {
+		case o.exists && o.st.Token == l.st.Token && o.st.Holder == "":
+			return nil // our release landed; its answer was lost
+		case !o.exists || o.st.Token != l.st.Token || o.st.Holder != l.st.Holder:
+			return l.lost()
+		}
+		l.etag = o.etag // still ours: release against the current ETag
+		if err := pause(ctx, attempt); err != nil {
+			return fmt.Errorf("s3fence: release %q: %w", l.Name(), err)
+		}
+	}
+	return fmt.Errorf("s3fence: release %q: %d attempts: %w", l.Name(), l.a.o.MaxAttempts, ErrContention)
+}
+
+func (l *lease) lost() error {
+	return fmt.Errorf("s3fence: lease %q token %d: %w", l.Name(), l.Token(), fence.ErrLost)
+}

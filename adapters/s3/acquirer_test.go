@@ -1,0 +1,185 @@
+package s3fence_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/s3"
+	s3fence "github.com/fencekit/fencekit/adapters/s3"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+)
+
+func newAcquirer(t testing.TB, e *s3env) *s3fence.Acquirer {
+	a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// TestAcquirerConformance runs the acquirer suite on gofakes3 and on the real
+// S3 server. S3 tells time in whole seconds, so an expired lease is granted
+// again up to 2s after its ttl: the short ttl is 4s.
+func TestAcquirerConformance(t *testing.T) {
+	servers(t, func(t *testing.T, e *s3env) {
+		t.Parallel()
+		a := newAcquirer(t, e)
+		fencetest.AcquirerSuite{
+			New:      func(*testing.T) fence.Acquirer { return a },
+			ShortTTL: 4 * time.Second,
+			MaxTTL:   s3fence.MaxAcquirerTTL,
+			BadNames: []string{"nul\x00", "bad \xff"},
+			// Waiters poll: keep the contention test small.
+			Workers: 4, Increments: 5,
+		}.Run(t)
+	})
+}
+
+// TestAcquirerFaults: a grant whose answer was lost is recognised as ours by
+// its nonce; 409, 412 and 500 on the grant's PUT make it read and try again;
+// a renewal and a release whose answers were lost are recognised too.
+func TestAcquirerFaults(t *testing.T) { servers(t, testAcquirerFaults) }
+
+func testAcquirerFaults(t *testing.T, e *s3env) {
+	f := e.faults(t)
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	var last fence.Token
+	for _, kind := range []string{"drop-response", "409", "412", "500"} {
+		name := fencetest.Name("fault")
+		f.inject(kind)
+		before := f.puts.Load()
+		l, err := a.TryAcquire(ctx, name, 10*time.Second)
+		if err != nil {
+			t.Fatalf("grant after an injected %s: %v", kind, err)
+		}
+		if n := f.puts.Load() - before; (kind == "drop-response" && n != 1) || (kind != "drop-response" && n != 2) {
+			t.Errorf("%s: %d PUTs (want 1 for a landed grant recognised by its nonce, 2 otherwise)", kind, n)
+		}
+		if _, err := a.TryAcquire(ctx, name, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("after the %s grant: %v, want ErrHeld", kind, err)
+		}
+		if l.Token() != 1 {
+			t.Errorf("%s: token %d for a new name, want 1", kind, l.Token())
+		}
+		f.inject("drop-response")
+		if err := l.Renew(ctx); err != nil {
+			t.Fatalf("renew whose answer was lost (%s case): %v", kind, err)
+		}
+		f.inject("drop-response")
+		if err := l.Release(ctx); err != nil {
+			t.Fatalf("release whose answer was lost (%s case): %v", kind, err)
+		}
+		l2, err := a.TryAcquire(ctx, name, 10*time.Second)
+		if err != nil || l2.Token() <= l.Token() {
+			t.Fatalf("after the release: %v, token %v", err, l2)
+		}
+		last = l2.Token()
+		_ = l2.Release(ctx)
+	}
+	if last != 2 {
+		t.Errorf("the token after one grant and a release is %d, want 2: the release kept the counter", last)
+	}
+}
+
+// TestLockObjectABA: every write of the lock object has a new ETag (the body
+// holds a random nonce), so a PUT conditional on an ETag read before a
+// release and a new grant fails, even though the name is free again.
+func TestLockObjectABA(t *testing.T) { servers(t, testLockObjectABA) }
+
+func testLockObjectABA(t *testing.T, e *s3env) {
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	name := fencetest.Name("aba")
+	key := "fencekit-locks/" + name
+	l1, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = l1.Release(ctx)
+	head, err := e.c.HeadObject(ctx, &s3.HeadObjectInput{Bucket: aws.String(e.bucket), Key: aws.String(key)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l2, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = l2.Release(ctx)
+	head2, _ := e.c.HeadObject(ctx, &s3.HeadObjectInput{Bucket: aws.String(e.bucket), Key: aws.String(key)})
+	if aws.ToString(head.ETag) == aws.ToString(head2.ETag) {
+		t.Fatalf("two released states of the lock share the ETag %s", aws.ToString(head.ETag))
+	}
+	_, err = e.c.PutObject(ctx, &s3.PutObjectInput{Bucket: aws.String(e.bucket), Key: aws.String(key),
+		Body: bytes.NewReader([]byte(`{"fencekit":"lock-v1","token":1,"holder":"stale"}`)), IfMatch: head.ETag})
+	if err == nil {
+		t.Fatal("a PUT conditional on the lock's ETag from before a newer grant was accepted")
+	}
+	info, err := a.Inspect(ctx, name)
+	if err != nil || info.Held || info.Counter != l2.Token() {
+		t.Errorf("Inspect after the stale PUT: %+v, %v", info, err)
+	}
+}
+
+// TestAcquirerClockSkew: the server's clock, as its Date header tells it, is
+// minutes off from the client's. Expiry is decided on the server's clock and
+// the time since its answers, never on the client's wall clock: a lease is
+// neither taken over early nor held for minutes.
+func TestAcquirerClockSkew(t *testing.T) { servers(t, testClockSkew) }
+
+func testClockSkew(t *testing.T, e *s3env) {
+	f := e.faults(t)
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	for _, off := range []time.Duration{10 * time.Minute, -10 * time.Minute} {
+		f.clockOffset.Store(int64(off))
+		name := fencetest.Name("skew")
+		l1, err := a.TryAcquire(ctx, name, 2*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := a.TryAcquire(ctx, name, 2*time.Second); !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("server clock %v off: a second grant at once: %v, want ErrHeld", off, err)
+		}
+		if err := l1.Renew(ctx); err != nil {
+			t.Fatalf("server clock %v off: renew: %v", off, err)
+		}
+		time.Sleep(time.Second)
+		if _, err := a.TryAcquire(ctx, name, 2*time.Second); !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("server clock %v off: a grant within the renewed lease: %v, want ErrHeld", off, err)
+		}
+		start := time.Now()
+		l2, err := a.Acquire(ctx, name, 2*time.Second)
+		if err != nil {
+			t.Fatalf("server clock %v off: waiting for the expiry: %v", off, err)
+		}
+		waited := time.Since(start)
+		if waited > 6*time.Second || l2.Token() <= l1.Token() || l1.Context().Err() == nil {
+			t.Errorf("server clock %v off: granted after %v with token %d (first %d); the first lease's context done: %v",
+				off, waited, l2.Token(), l1.Token(), l1.Context().Err() != nil)
+		}
+		_ = l2.Release(ctx)
+	}
+	f.clockOffset.Store(0)
+}
+
+func TestAcquirerBadOptions(t *testing.T) {
+	e := fakeS3(t)
+	for _, o := range []*s3fence.AcquirerOptions{{Drift: -1}, {MaxAttempts: -1}, {Backoff: fence.Backoff{Min: -1}}, {Prefix: "bad\x00"}} {
+		if _, err := s3fence.NewAcquirer(e.c, e.bucket, o); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("options %+v: %v", o, err)
+		}
+	}
+	if _, err := s3fence.NewAcquirer(nil, "b", nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("nil api: %v", err)
+	}
+	a := newAcquirer(t, e)
+	if _, err := a.TryAcquire(context.Background(), "n", 500*time.Millisecond); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("ttl below a second: %v", err)
+	}
+}
