@@ -126,6 +126,24 @@ func acquirers() []acquirerCase {
 			}
 			return must(redislua.NewRedlock(nodes, nil))
 		}},
+		{"s3", time.Second, func(t *testing.T) fence.Acquirer {
+			c, bucket := s3Client(t)
+			return must(s3fence.NewAcquirer(c, bucket, &s3fence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
+		}},
+		{"s3-real", time.Second, func(t *testing.T) fence.Acquirer {
+			srv := testenv.RealS3(t)
+			c := s3.New(s3.Options{Region: srv.Region, BaseEndpoint: aws.String(srv.Endpoint), UsePathStyle: true,
+				Credentials: credentials.NewStaticCredentialsProvider(srv.AccessKey, srv.SecretKey, "")})
+			bucket := srv.Bucket
+			if bucket == "" {
+				bucket = "paused-" + strings.ToLower(fencetest.Name("b")[2:])
+				if _, err := c.CreateBucket(context.Background(), &s3.CreateBucketInput{Bucket: aws.String(bucket)}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			return must(s3fence.NewAcquirer(c, bucket, &s3fence.AcquirerOptions{Prefix: fencetest.Name("locks") + "/",
+				Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
+		}},
 		{"etcd", time.Second, func(t *testing.T) fence.Acquirer {
 			return must(etcdfence.New(etcdtest.Start(t, 1).Client(t), nil))
 		}},
@@ -162,7 +180,8 @@ func (g guardWriter) Read(ctx context.Context, key string) ([]byte, fence.Token,
 	return v, fence.Token(tok), err
 }
 
-func s3Writer(t *testing.T) *s3fence.Writer {
+// s3Client starts an in-process S3 (gofakes3) with a bucket.
+func s3Client(t *testing.T) (*s3.Client, string) {
 	srv := httptest.NewServer(gofakes3.New(s3mem.New()).Server())
 	t.Cleanup(srv.Close)
 	c := s3.New(s3.Options{Region: "us-east-1", BaseEndpoint: aws.String(srv.URL), UsePathStyle: true,
@@ -170,7 +189,12 @@ func s3Writer(t *testing.T) *s3fence.Writer {
 	if _, err := c.CreateBucket(context.Background(), &s3.CreateBucketInput{Bucket: aws.String("fenced")}); err != nil {
 		t.Fatal(err)
 	}
-	return must(s3fence.New(c, "fenced", nil))
+	return c, "fenced"
+}
+
+func s3Writer(t *testing.T) *s3fence.Writer {
+	c, bucket := s3Client(t)
+	return must(s3fence.New(c, bucket, nil))
 }
 
 func writers() []writerCase {
