@@ -39,6 +39,7 @@ type faults struct {
 	// each entry is consumed by one PUT of an object
 	plan []string // "drop-response", "409", "412", "500"
 	puts atomic.Int32
+	reqs atomic.Int32 // every request
 	// afterDrop, when set, runs after a dropped response's write was applied
 	// and before the connection is closed.
 	afterDrop func()
@@ -80,6 +81,7 @@ func (f *faults) inject(kinds ...string) {
 }
 
 func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	f.reqs.Add(1)
 	if off := time.Duration(f.clockOffset.Load()); off != 0 {
 		sd := &shiftedDate{ResponseWriter: w, offset: off}
 		// A handler that writes nothing still answers (200): with the date.
