@@ -3,7 +3,6 @@ package sqlfence_test
 import (
 	"context"
 	"testing"
-	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
@@ -84,33 +83,14 @@ func BenchmarkPostgresWrite(b *testing.B) {
 }
 
 // BenchmarkPostgresAcquireRelease measures an uncontended TryAcquire + Release
-// (two statements, see TestRoundTrips) next to a plain SELECT 1 round trip.
+// (two statements, see TestRoundTrips) next to a plain SELECT 1 round trip (benchutil.AcquireRelease).
 func BenchmarkPostgresAcquireRelease(b *testing.B) {
 	p := pgPool(b, pgOpts{params: map[string]string{"synchronous_commit": "off"}})
 	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
 	if err != nil {
 		b.Fatal(err)
 	}
-	ctx := context.Background()
-	name := fencetest.Name("bench")
-	b.Run("acquire+release", func(b *testing.B) {
-		for i := 0; i < b.N; i++ {
-			l, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				b.Fatal(err)
-			}
-			if err := l.Release(ctx); err != nil {
-				b.Fatal(err)
-			}
-		}
-	})
-	b.Run("select1-round-trip", func(b *testing.B) {
-		for i := 0; i < b.N; i++ {
-			if _, err := p.Exec(ctx, "SELECT 1"); err != nil {
-				b.Fatal(err)
-			}
-		}
-	})
+	benchutil.AcquireRelease(b, a, func(ctx context.Context) error { _, err := p.Exec(ctx, "SELECT 1"); return err })
 }
 
 // BenchmarkPostgresHandoff measures the time from the start of a holder's

@@ -281,33 +281,14 @@ func BenchmarkMySQLWrite(b *testing.B) {
 }
 
 // BenchmarkMySQLAcquireRelease measures an uncontended TryAcquire + Release
-// (two statements, see TestMySQLRoundTrips) next to a plain SELECT 1.
+// (two statements, see TestMySQLRoundTrips) next to a plain SELECT 1 (benchutil.AcquireRelease).
 func BenchmarkMySQLAcquireRelease(b *testing.B) {
 	db, fdb := openMySQL(b, "")
 	a, err := sqlfence.NewAcquirer(fdb, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
-	ctx := context.Background()
-	name := fencetest.Name("bench")
-	b.Run("acquire+release", func(b *testing.B) {
-		for i := 0; i < b.N; i++ {
-			l, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				b.Fatal(err)
-			}
-			if err := l.Release(ctx); err != nil {
-				b.Fatal(err)
-			}
-		}
-	})
-	b.Run("select1-round-trip", func(b *testing.B) {
-		for i := 0; i < b.N; i++ {
-			if _, err := db.ExecContext(ctx, "SELECT 1"); err != nil {
-				b.Fatal(err)
-			}
-		}
-	})
+	benchutil.AcquireRelease(b, a, func(ctx context.Context) error { _, err := db.ExecContext(ctx, "SELECT 1"); return err })
 }
 
 // BenchmarkMySQLHandoff measures the time from the start of a holder's Release

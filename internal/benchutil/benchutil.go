@@ -82,3 +82,29 @@ func Handoff(b *testing.B, holder, waiter fence.Acquirer, name string) {
 	b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
 	b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
 }
+
+// AcquireRelease measures an uncontended TryAcquire + Release of name with a
+// (sub-benchmark "acquire+release") next to one round trip to the same
+// backend (sub-benchmark "round-trip"), the unit its cost is counted in.
+func AcquireRelease(b *testing.B, a fence.Acquirer, roundTrip func(ctx context.Context) error) {
+	ctx := context.Background()
+	name := "bench-acquire-release-" + time.Now().Format("150405.000000")
+	b.Run("acquire+release", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			l, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := l.Release(ctx); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("round-trip", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			if err := roundTrip(ctx); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
