@@ -602,11 +602,14 @@ func (s Suite) testRenewalFailure(t *testing.T) {
 	k := key()
 	var aEnded, bStarted atomic.Int64 // UnixNano
 	var aCause error
+	var aCtx atomic.Pointer[context.Context]
+	var aLiveAtB atomic.Bool
 	aDone, aRuns := make(chan struct{}), make(chan struct{})
 	start := time.Now()
 	go func() {
 		defer close(aDone)
 		_, _ = idempotency.Do(ctxT(t), slowRenewals{st}, k, "fp", func(ctx context.Context, _ string) ([]byte, error) {
+			aCtx.Store(&ctx)
 			close(aRuns)
 			select {
 			case <-ctx.Done():
@@ -629,6 +632,8 @@ func (s Suite) testRenewalFailure(t *testing.T) {
 	for time.Now().Before(deadline) {
 		_, err := idempotency.Do(ctxT(t), st, k, "fp", func(context.Context, string) ([]byte, error) {
 			bStarted.Store(time.Now().UnixNano())
+			// The property itself: when B's effect starts, A's context is done.
+			aLiveAtB.Store((*aCtx.Load()).Err() == nil)
 			return []byte("B"), nil
 		}, s.opts(func(o *idempotency.Options) {
 			o.Reconcile = func(context.Context, string) (bool, []byte, error) { return false, nil, nil }
@@ -642,17 +647,20 @@ func (s Suite) testRenewalFailure(t *testing.T) {
 		time.Sleep(s.Lease / 20)
 	}
 	<-aDone
-	if !errors.Is(aCause, fence.ErrLost) {
-		t.Fatalf("A's effect ended with cause %v, want fence.ErrLost", aCause)
+	if !errors.Is(aCause, fence.ErrLost) || !strings.Contains(aCause.Error(), "local deadline") {
+		t.Fatalf("A's effect ended with cause %v, want fence.ErrLost from the local deadline", aCause)
 	}
-	if got := time.Duration(aEnded.Load() - start.UnixNano()); got >= s.Lease {
-		t.Errorf("A's effect was cancelled %v after Do started, not before its lease (%v) ran out", got, s.Lease)
+	// A sanity bound on when A's effect saw the cancellation: its local
+	// deadline is before the lease's end; the margin is for the scheduler of
+	// a loaded test machine, not part of the guarantee (checked below).
+	if got := time.Duration(aEnded.Load() - start.UnixNano()); got >= s.Lease+100*time.Millisecond {
+		t.Errorf("A's effect was cancelled %v after Do started, long after its lease (%v) ran out", got, s.Lease)
 	}
 	if bStarted.Load() == 0 {
 		t.Fatal("B never took the key over")
 	}
-	if bStarted.Load() <= aEnded.Load() {
-		t.Errorf("B's effect started %v before A's was cancelled: two effects ran at once", time.Duration(aEnded.Load()-bStarted.Load()))
+	if aLiveAtB.Load() {
+		t.Error("B's effect started while A's context was still live: two effects ran at once")
 	}
 }
 
