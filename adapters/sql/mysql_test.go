@@ -170,6 +170,8 @@ func TestMySQLDeadlockRetried(t *testing.T) {
 	}
 	var attempts [2]atomic.Int32
 	start := make(chan struct{})
+	var firstRows sync.WaitGroup // both first attempts hold their first row
+	firstRows.Add(2)
 	var wg sync.WaitGroup
 	for i, order := range [][2]string{{a, b}, {b, a}} {
 		wg.Add(1)
@@ -177,11 +179,14 @@ func TestMySQLDeadlockRetried(t *testing.T) {
 			defer wg.Done()
 			<-start
 			err := sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error {
-				attempts[i].Add(1)
+				n := attempts[i].Add(1)
 				if err := sqlfence.MySQLGuard(ctx, tx, order[0], 2); err != nil {
 					return err
 				}
-				time.Sleep(100 * time.Millisecond) // both hold their first row
+				if n == 1 {
+					firstRows.Done()
+					firstRows.Wait() // both hold their first row: the next guard deadlocks
+				}
 				return sqlfence.MySQLGuard(ctx, tx, order[1], 2)
 			})
 			if err != nil {
