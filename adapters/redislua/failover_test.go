@@ -54,19 +54,22 @@ func TestFailoverLosesCounter(t *testing.T) {
 			opts := redislua.AcquirerOptions{}
 			switch mode {
 			case "wait-replicas":
-				opts.WaitReplicas, opts.WaitTimeout = 1, 500*time.Millisecond
+				// Generous: on a loaded machine (CI runs packages side by
+				// side on 2 cores) a replica's acknowledgement took over 500ms.
+				opts.WaitReplicas, opts.WaitTimeout = 1, 2*time.Second
 			case "token-floor":
 				opts.TokenFloor = true
 			}
 			primary, replica := replicated(t)
-			pc := primary.Client(t)
+			pc := redis.NewClient(&redis.Options{Addr: primary.Addr, MaxRetries: -1, DialTimeout: time.Second, ReadTimeout: 4 * time.Second})
+			t.Cleanup(func() { pc.Close() })
 			a, err := redislua.NewAcquirer(pc, &opts)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if mode == "wait-replicas" {
 				long := opts
-				long.WaitTimeout = 2 * time.Second // the test client reads with a 1s timeout
+				long.WaitTimeout = 5 * time.Second // the test client reads with a 4s timeout
 				if _, err := redislua.NewAcquirer(pc, &long); !errors.Is(err, fence.ErrInvalid) {
 					t.Errorf("WaitTimeout above the client's ReadTimeout: %v, want ErrInvalid", err)
 				}

@@ -78,7 +78,7 @@ func TestSentinelFailover(t *testing.T) {
 			opts := redislua.AcquirerOptions{DisableNotify: true, Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}}
 			switch mode {
 			case "wait-replicas":
-				opts.WaitReplicas, opts.WaitTimeout = 1, 300*time.Millisecond
+				opts.WaitReplicas, opts.WaitTimeout = 1, 800*time.Millisecond // below the client's 1s ReadTimeout
 			case "token-floor":
 				opts.TokenFloor = true
 			}
