@@ -1,7 +1,10 @@
 package idemhttp
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"io"
 	"errors"
 	"net/http"
 	"slices"
@@ -34,7 +37,8 @@ func requestKey(ctx context.Context) string {
 // Idempotency-Key. A request whose context holds a key (WithKey, or EffectKey
 // behind the middleware) and whose method is one of Methods gets the header
 // (unless it has one) and is retried, with the same key, after a transport
-// error or a 409, 429, 500, 502, 503 or 504, waiting as Retry-After says (at
+// error or a 409, 429, 500, 502, 503 or 504 (but not the middleware's final
+// 500s: outcome unknown, response not kept), waiting as Retry-After says (at
 // most MaxRetryAfter) or with jittered backoff, at most MaxAttempts times in
 // all. Any other answer is final (a 422 says the key was reused with another
 // request; a 4xx is the provider's decision). A request without a key is sent
@@ -96,7 +100,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		resp, err := base.RoundTrip(r)
 		retry := err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
 		if err == nil {
-			retry = retryable(resp.StatusCode)
+			retry = retryable(resp.StatusCode) && !finalProblem(resp)
 		}
 		if !retry || attempt >= attempts || (req.Body != nil && req.GetBody == nil) {
 			return resp, err
@@ -130,6 +134,26 @@ func (t *Transport) encode(key string) string {
 		b = append(b, key[i])
 	}
 	return string(append(b, '"'))
+}
+
+// finalProblem reports a problem answer of this package's middleware that no
+// retry can change: the outcome is unknown until an operator resolves the
+// key, or the response was not kept. The body is read and put back.
+func finalProblem(resp *http.Response) bool {
+	if resp.StatusCode != http.StatusInternalServerError || resp.Header.Get("Content-Type") != "application/problem+json" {
+		return false
+	}
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	resp.Body.Close()
+	resp.Body = io.NopCloser(bytes.NewReader(b))
+	if err != nil {
+		return false
+	}
+	var p struct {
+		Code string `json:"code"`
+	}
+	_ = json.Unmarshal(b, &p)
+	return p.Code == "outcome-unknown" || p.Code == "response-not-stored"
 }
 
 // retryable: the answers after which the request, with its key, may be sent

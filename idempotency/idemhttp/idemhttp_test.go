@@ -579,6 +579,25 @@ func TestTransport(t *testing.T) {
 	if r := send(&idemhttp.Transport{MaxAttempts: 3}, idemhttp.WithKey(context.Background(), key())); r.StatusCode != http.StatusServiceUnavailable || f.seen.Load() != 3 {
 		t.Errorf("always 503: %d after %d attempts; want 3", r.StatusCode, f.seen.Load())
 	}
+	// The middleware's "outcome unknown" is final: a retry cannot change it.
+	unknown := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		f.seen.Add(1)
+		w.Header().Set("Content-Type", "application/problem+json")
+		w.WriteHeader(http.StatusInternalServerError)
+		_, _ = io.WriteString(w, `{"type":"about:blank","status":500,"code":"outcome-unknown","detail":"x"}`)
+	}))
+	defer unknown.Close()
+	f.seen.Store(0)
+	ureq, _ := http.NewRequestWithContext(idemhttp.WithKey(context.Background(), key()), http.MethodPost, unknown.URL, strings.NewReader("4200"))
+	uresp, err := (&http.Client{Transport: &idemhttp.Transport{}}).Do(ureq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ub, _ := io.ReadAll(uresp.Body)
+	uresp.Body.Close()
+	if uresp.StatusCode != http.StatusInternalServerError || f.seen.Load() != 1 || !strings.Contains(string(ub), "outcome-unknown") {
+		t.Errorf("outcome unknown: %d after %d attempts, body %q; want one attempt and the body intact", uresp.StatusCode, f.seen.Load(), ub)
+	}
 	// A 422 (the key reused with another request) is final.
 	f.fails.Store(0)
 	f.seen.Store(0)
