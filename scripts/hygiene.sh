@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Module hygiene, run by scripts/test.sh: go mod tidy changes nothing (both
-# modules), staticcheck finds nothing, and govulncheck finds no vulnerable
+# modules), gofmt changes nothing, staticcheck finds nothing, and govulncheck finds no vulnerable
 # function of a required module that the code calls.
 #
 # govulncheck reads its database from golang.org/x/vulndb, a module fetched
@@ -30,6 +30,10 @@ for m in . bench; do
     say "go mod tidy would change $m/go.mod or $m/go.sum:"; printf '%s\n' "$out" >&2; status=1
   fi
 done
+
+if out=$(gofmt -l . 2>&1) && [ -n "$out" ]; then
+  say "gofmt would change:"; printf '%s\n' "$out" >&2; status=1
+fi
 
 say "staticcheck ./... (and the bench module)"
 if go run "$STATICCHECK" -version >/dev/null 2>&1; then
