@@ -65,6 +65,19 @@ func (b Backoff) Delay(attempt int) time.Duration {
 	return rand.N(ceil + 1)
 }
 
+// Sleep waits Delay(attempt), or until ctx is done: then it returns ctx's
+// cause. It paces a retry loop of the caller's own.
+func (b Backoff) Sleep(ctx context.Context, attempt int) error {
+	t := time.NewTimer(b.Delay(attempt))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	case <-t.C:
+		return nil
+	}
+}
+
 // Acquire is the waiting loop that acquirers share. It calls try until try returns
 // a lease or an error that does not match ErrHeld. Between calls it sleeps for
 // Delay(attempt), or less when wake receives (a release notification; wake may be

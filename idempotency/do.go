@@ -358,12 +358,8 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 		if err == nil || errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) || errors.Is(err, fence.ErrNotFound) {
 			break
 		}
-		t := time.NewTimer(fence.Backoff{Min: 10 * time.Millisecond, Max: time.Second}.Delay(attempt))
-		select {
-		case <-cctx.Done():
-			t.Stop()
+		if (fence.Backoff{Min: 10 * time.Millisecond, Max: time.Second}).Sleep(cctx, attempt) != nil {
 			return fmt.Errorf("%w: key %q: %v (the record stays armed)", ErrNotRecorded, rec.Key, err)
-		case <-t.C:
 		}
 	}
 	if err != nil {

@@ -336,15 +336,9 @@ func (a *Acquirer) failed(op, name string, err, ambiguous error) error {
 	return fmt.Errorf("s3fence: %s %q: %w", op, name, err)
 }
 
+// pause paces the retries of one request after a conflict.
 func pause(ctx context.Context, attempt int) error {
-	t := time.NewTimer(fence.Backoff{Min: 10 * time.Millisecond, Max: 200 * time.Millisecond}.Delay(attempt))
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	case <-t.C:
-		return nil
-	}
+	return fence.Backoff{Min: 10 * time.Millisecond, Max: 200 * time.Millisecond}.Sleep(ctx, attempt)
 }
 
 func (a *Acquirer) lease(name string, st lockState, etag string, clock s3Clock, ttl time.Duration, sent time.Time) *lease {

@@ -275,12 +275,8 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 			if ctx.Err() != nil {
 				return w.failed(op, key, err, ambiguous)
 			}
-			t := time.NewTimer(fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}.Delay(attempt))
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return w.failed(op, key, context.Cause(ctx), ambiguous)
-			case <-t.C:
+			if err := (fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}).Sleep(ctx, attempt); err != nil {
+				return w.failed(op, key, err, ambiguous)
 			}
 		default:
 			// A definite refusal (400, 403, ...): nothing was applied by this

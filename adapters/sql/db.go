@@ -70,14 +70,7 @@ func (db *DB) queryRow(ctx context.Context, q string, args []any, dest ...any) e
 
 // retryPause sleeps a short jittered while before retry i+1; false if ctx ended.
 func retryPause(ctx context.Context, i int) bool {
-	t := time.NewTimer(fence.Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}.Delay(i))
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
+	return fence.Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}.Sleep(ctx, i) == nil
 }
 
 // stdQuerier is what *sql.DB, *sql.Conn and *sql.Tx share.
