@@ -115,31 +115,23 @@ func (a *Acquirer) mysqlStatements(t string) {
 // AdvanceGuards is set) and returns the new token; errNoRows when the lease
 // is held.
 func (a *Acquirer) grantMySQL(ctx context.Context, args []any) (int64, error) {
-	var tok int64
-	grant := func(c conn) error {
-		id, err := execID(ctx, c, a.grant, args...)
-		if err != nil {
-			return err
+	// The grant's LAST_INSERT_ID is its token, 0 when the lease is held.
+	granted := func(tok int64, err error) (int64, error) {
+		if err == nil && tok == 0 {
+			err = errNoRows
 		}
-		if id == 0 {
-			return errNoRows
-		}
-		tok = id
-		return nil
+		return tok, err
 	}
 	if a.advance == "" {
-		for i := 0; ; i++ {
-			err := grant(a.db.c)
-			if err == nil || i == maxStatementRetries || !mysqlDialect.serializationFailed(err) || !retryPause(ctx, i) {
-				return tok, err
-			}
-		}
+		return granted(a.db.execID(ctx, a.grant, args...))
 	}
+	var tok int64
 	err := a.db.inTx(ctx, func(c conn) error {
-		if err := grant(c); err != nil {
+		var err error
+		if tok, err = granted(execID(ctx, c, a.grant, args...)); err != nil {
 			return err
 		}
-		_, err := execID(ctx, c, a.advance, args[0], tok)
+		_, err = execID(ctx, c, a.advance, args[0], tok)
 		return err
 	})
 	return tok, err

@@ -171,13 +171,7 @@ func (w *Writer) checkWrite(op string, ctx context.Context, key string, token fe
 // fenced runs a fenced upsert. When it changes no row, the key holds a larger
 // token; that token is read back for the StaleError (it can only have grown since).
 func (w *Writer) fenced(ctx context.Context, op, key string, token fence.Token, q string, args ...any) error {
-	var n int64
-	var err error
-	if w.db.d == mysqlDialect {
-		n, err = w.db.execID(ctx, q, args...)
-	} else {
-		n, err = w.db.exec(ctx, q, args...)
-	}
+	n, err := w.db.change(ctx, q, args...)
 	if err != nil {
 		return w.wrap(op, err)
 	}
