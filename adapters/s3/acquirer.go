@@ -95,7 +95,7 @@ var (
 // fence.ErrInvalid for a nil api, an empty bucket, or negative or invalid
 // options.
 func NewAcquirer(api API, bucket string, opts *AcquirerOptions) (*Acquirer, error) {
-	if _, err := New(api, bucket, nil); err != nil {
+	if err := checkTarget("new acquirer", api, bucket); err != nil {
 		return nil, err
 	}
 	var o AcquirerOptions

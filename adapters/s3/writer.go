@@ -102,14 +102,8 @@ var (
 // New returns a Writer on bucket. It returns an error matching fence.ErrInvalid
 // for an empty bucket name or negative MaxAttempts.
 func New(api API, bucket string, opts *Options) (*Writer, error) {
-	if api == nil {
-		return nil, &fence.InvalidError{Op: "new writer", Arg: "api", Reason: "nil"}
-	}
-	if v := reflect.ValueOf(api); v.Kind() == reflect.Pointer && v.IsNil() {
-		return nil, &fence.InvalidError{Op: "new writer", Arg: "api", Reason: fmt.Sprintf("nil %T", api)}
-	}
-	if bucket == "" {
-		return nil, &fence.InvalidError{Op: "new writer", Arg: "bucket", Reason: "empty"}
+	if err := checkTarget("new writer", api, bucket); err != nil {
+		return nil, err
 	}
 	var o Options
 	if opts != nil {
@@ -127,6 +121,21 @@ func New(api API, bucket string, opts *Options) (*Writer, error) {
 		}
 	}
 	return &Writer{api: api, bucket: bucket, o: o, last: map[string]state{}}, nil
+}
+
+// checkTarget refuses a nil api (also a nil pointer in the interface) and an
+// empty bucket, for op.
+func checkTarget(op string, api API, bucket string) error {
+	if api == nil {
+		return &fence.InvalidError{Op: op, Arg: "api", Reason: "nil"}
+	}
+	if v := reflect.ValueOf(api); v.Kind() == reflect.Pointer && v.IsNil() {
+		return &fence.InvalidError{Op: op, Arg: "api", Reason: fmt.Sprintf("nil %T", api)}
+	}
+	if bucket == "" {
+		return &fence.InvalidError{Op: op, Arg: "bucket", Reason: "empty"}
+	}
+	return nil
 }
 
 // state is what a HEAD tells about an object.
