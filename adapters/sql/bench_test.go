@@ -17,21 +17,29 @@ import (
 // fenced/plain <= 1.10.
 func BenchmarkWrite(b *testing.B) {
 	db, fdb := openSQLite(b)
-	w := newSQLiteWriter(b, fdb)
+	pairWrites(b, newSQLiteWriter(b, fdb), "row", func(ctx context.Context, value []byte) error {
+		_, err := db.ExecContext(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, "row")
+		return err
+	})
+}
+
+// pairWrites interleaves fenced writes of key through w (subject) with plain
+// updates of the same row (baseline), both storing a changed 64-byte value
+// each time; every fenced write carries a new, larger token.
+func pairWrites(b *testing.B, w *sqlfence.Writer, key string, plain func(ctx context.Context, value []byte) error) {
 	ctx := context.Background()
 	value := []byte("a value of a typical small size, 64 bytes long.................")
 	tok := fence.Token(1)
-	if err := w.Write(ctx, "row", value, tok); err != nil {
+	if err := w.Write(ctx, key, value, tok); err != nil {
 		b.Fatal(err)
 	}
 	benchutil.Pair(b, func(i int) error {
 		tok++ // a new grant each time: the fence moves on every write
 		value[0] = byte(i)
-		return w.Write(ctx, "row", value, tok)
+		return w.Write(ctx, key, value, tok)
 	}, func(i int) error {
 		value[0] = byte(i)
-		_, err := db.ExecContext(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, "row")
-		return err
+		return plain(ctx, value)
 	})
 }
 
@@ -63,19 +71,8 @@ func BenchmarkPostgresWrite(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	ctx := context.Background()
 	key := fencetest.Name("bench")
-	value := []byte("a value of a typical small size, 64 bytes long.................")
-	tok := fence.Token(1)
-	if err := w.Write(ctx, key, value, tok); err != nil {
-		b.Fatal(err)
-	}
-	benchutil.Pair(b, func(i int) error {
-		tok++
-		value[0] = byte(i)
-		return w.Write(ctx, key, value, tok)
-	}, func(i int) error {
-		value[0] = byte(i)
+	pairWrites(b, w, key, func(ctx context.Context, value []byte) error {
 		_, err := p.Exec(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, key)
 		return err
 	})

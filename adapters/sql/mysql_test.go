@@ -267,19 +267,8 @@ func BenchmarkMySQLWrite(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	ctx := context.Background()
 	key := fencetest.Name("bench")
-	value := []byte("a value of a typical small size, 64 bytes long.................")
-	tok := fence.Token(1)
-	if err := w.Write(ctx, key, value, tok); err != nil {
-		b.Fatal(err)
-	}
-	benchutil.Pair(b, func(i int) error {
-		tok++
-		value[0] = byte(i)
-		return w.Write(ctx, key, value, tok)
-	}, func(i int) error {
-		value[0] = byte(i)
+	pairWrites(b, w, key, func(ctx context.Context, value []byte) error {
 		_, err := db.ExecContext(ctx, "UPDATE fence_values SET value = ? WHERE `key` = ?", value, key)
 		return err
 	})
