@@ -286,7 +286,7 @@ func (m *middleware) serve(next http.Handler, w http.ResponseWriter, r *http.Req
 		func(ctx context.Context, effectKey string) ([]byte, error) {
 			rec := &recorder{header: http.Header{}, limit: m.o.MaxResponseSize}
 			ctx = context.WithValue(ctx, effectKeyCtx{}, effectKey)
-			if err := m.runHandler(next, rec, r.WithContext(ctx)); err != nil {
+			if err := runHandler(next, rec, r.WithContext(ctx)); err != nil {
 				return nil, err
 			}
 			sent = rec.response()
@@ -348,17 +348,14 @@ func (m *middleware) serve(next http.Handler, w http.ResponseWriter, r *http.Req
 
 // runHandler runs the handler; a panic releases the key (NotSent is returned
 // to Do first, so the release is recorded) and is then raised again.
-func (m *middleware) runHandler(next http.Handler, w http.ResponseWriter, r *http.Request) (err error) {
-	panicked := true
-	var p any
+func runHandler(next http.Handler, w http.ResponseWriter, r *http.Request) (err error) {
 	defer func() {
-		if panicked {
-			p = recover()
-			err = idempotency.NotSent(&handlerPanic{p})
+		// Since Go 1.21 even panic(nil) recovers a non-nil value.
+		if v := recover(); v != nil {
+			err = idempotency.NotSent(&handlerPanic{v})
 		}
 	}()
 	next.ServeHTTP(w, r)
-	panicked = false
 	return nil
 }
 
