@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
@@ -81,7 +82,20 @@ func openEtcdBackend(ctx context.Context, endpoints, dbPath string) (*backend, e
 	return store, nil
 }
 
+// startEmbeddedEtcd starts a one-member etcd on two free loopback ports. A port
+// found free can be taken by another process before etcd binds it, so a bind
+// failure is retried on new ports a few times.
 func startEmbeddedEtcd() (*embed.Etcd, string, error) {
+	for attempt := 1; ; attempt++ {
+		e, dir, err := startEmbeddedEtcdOnce()
+		inUse := err != nil && (errors.Is(err, syscall.EADDRINUSE) || strings.Contains(err.Error(), "address already in use"))
+		if !inUse || attempt == 3 {
+			return e, dir, err
+		}
+	}
+}
+
+func startEmbeddedEtcdOnce() (*embed.Etcd, string, error) {
 	dir, err := os.MkdirTemp("", "fence-etcd-")
 	if err != nil {
 		return nil, "", err

@@ -4,12 +4,12 @@ package etcdtest
 
 import (
 	"fmt"
-	"net"
 	"net/url"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/fencekit/fencekit/internal/testenv"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
@@ -28,14 +28,11 @@ type Cluster struct {
 	Nodes []*Node
 }
 
+// freeURL reserves a loopback port (testenv.Port: never one another test
+// binary or an outgoing connection can take meanwhile).
 func freeURL(t testing.TB) *url.URL {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	u, _ := url.Parse("http://" + l.Addr().String())
+	u, _ := url.Parse("http://" + testenv.Addr(t))
 	return u
 }
 

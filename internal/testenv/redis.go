@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -57,12 +56,7 @@ func startRedisIn(t testing.TB, dir string, extra ...string) *RedisServer {
 	if err != nil {
 		Missing(t, "redis-server (for extra Redis instances)", err)
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
+	port := Port(t)
 	s := &RedisServer{Addr: "127.0.0.1:" + strconv.Itoa(port), Port: port, dir: dir}
 	var first []string
 	for len(extra) > 0 && !strings.HasPrefix(extra[0], "--") {

@@ -2,7 +2,6 @@ package testenv
 
 import (
 	"go/build"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -55,12 +54,7 @@ func RealS3(t testing.TB) *S3Server {
 			Missing(t, "versitygw (go install github.com/versity/versitygw/cmd/versitygw@"+VersityVersion+")", err)
 		}
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
+	addr := Addr(t)
 	s := &S3Server{Name: "versitygw", Endpoint: "http://" + addr, Region: "us-east-1", AccessKey: "fencekit", SecretKey: "fencekit-secret"}
 	dir := t.TempDir()
 	logf, err := os.Create(filepath.Join(t.TempDir(), "versitygw.log"))
