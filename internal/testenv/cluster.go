@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -88,12 +89,23 @@ func (rc *RedisCluster) Client(t testing.TB) *redis.ClusterClient {
 	return c
 }
 
-// Owner returns the index of the node that serves slot.
+// Owner returns the index of the node that serves slot, as node 0 sees it.
 func (rc *RedisCluster) Owner(t testing.TB, slot int) int {
 	t.Helper()
-	shards, err := rc.Nodes[0].Client(t).ClusterShards(context.Background()).Result()
+	i, err := rc.ownerSeenBy(t, 0, slot)
 	if err != nil {
 		t.Fatal(err)
+	}
+	return i
+}
+
+// ownerSeenBy returns the index of the node that serves slot in node
+// viewer's view of the cluster.
+func (rc *RedisCluster) ownerSeenBy(t testing.TB, viewer, slot int) (int, error) {
+	t.Helper()
+	shards, err := rc.Nodes[viewer].Client(t).ClusterShards(context.Background()).Result()
+	if err != nil {
+		return -1, err
 	}
 	for _, sh := range shards {
 		for _, r := range sh.Slots {
@@ -106,14 +118,13 @@ func (rc *RedisCluster) Owner(t testing.TB, slot int) int {
 				}
 				for i, node := range rc.Nodes {
 					if int(n.Port) == node.Port {
-						return i
+						return i, nil
 					}
 				}
 			}
 		}
 	}
-	t.Fatalf("no node serves slot %d", slot)
-	return -1
+	return -1, fmt.Errorf("node %d sees no node serving slot %d", viewer, slot)
 }
 
 // Slot returns the cluster slot of key.
@@ -187,6 +198,22 @@ func (m *Migration) Finish(t testing.TB) {
 	for i, n := range m.rc.Nodes {
 		if i != m.to && i != m.from {
 			_ = n.Client(t).Do(ctx, "CLUSTER", "SETSLOT", m.slot, "NODE", m.rc.ids[m.to]).Err()
+		}
+	}
+	// As redis-cli --cluster reshard does, wait until every node agrees: a
+	// client that reloads its slot map from a node with the old view is sent
+	// back and forth with MOVED until its redirects run out.
+	deadline := time.Now().Add(10 * time.Second)
+	for i := range m.rc.Nodes {
+		for {
+			owner, err := m.rc.ownerSeenBy(t, i, m.slot)
+			if err == nil && owner == m.to {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("node %d still sees slot %d on node %d (%v) after the migration to %d", i, m.slot, owner, err, m.to)
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
 	}
 }
