@@ -8,12 +8,10 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
-	"github.com/fencekit/fencekit/internal/handoff"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -49,20 +47,22 @@ type AcquirerOptions struct {
 	DisableNotify bool
 }
 
-// Acquirer grants leases from Redis. A grant is one script: it checks the lock
-// key, advances the name's token counter and sets the lock key with the ttl
-// (expiry on Redis's clock). It is safe for concurrent use.
+// Acquirer grants leases from Redis. Every operation on a lock is one script
+// (scripts/lock.lua) over the name's lock key, token counter and line of
+// waiters, which share one Cluster slot: a grant checks the lock, advances the
+// counter and sets the lock with the ttl (expiry on Redis's clock); a waiter
+// that finds the lock held joins the line in the same script; a release grants
+// the lock to the first live waiter, in any process, and publishes the grant on
+// that waiter's acquirer channel. It is safe for concurrent use.
 type Acquirer struct {
-	c       Client
-	o       AcquirerOptions
-	channel string
-	notify  *listener
-	delex   atomic.Int32 // 0 unknown, 1 DELEX IFEQ works, 2 it does not (use the script)
-
-	// Waiters in this process, by name, in arrival order: a Release hands the
-	// lease straight to the first of them (one script: the grant moves from the
-	// old holder to the waiter), at most handoff.MaxStreak times in a row.
-	line handoff.Line
+	c      Client
+	o      AcquirerOptions
+	id     string  // names this acquirer's line entries and grant channel
+	grants *grants // nil with DisableNotify: waiters poll and do not queue
+	life   time.Duration
+	// heard is "1" when PUBLISH's receiver count tells whether an acquirer
+	// listens (not on Cluster, where it counts one node's subscribers).
+	heard string
 }
 
 // notifiedBackoff is the default pacing of waiters that are woken by
@@ -106,9 +106,14 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 				Reason: fmt.Sprintf("%v is not below the client's ReadTimeout %v", o.WaitTimeout, rt)}
 		}
 	}
-	a := &Acquirer{c: c, o: o, channel: o.Prefix + "released"}
+	a := &Acquirer{c: c, o: o, id: newNonce(), heard: "1"}
+	if _, ok := c.(*redis.ClusterClient); ok {
+		a.heard = "0"
+	}
+	// A line entry lives five polls, and at least a second, without a refresh.
+	a.life = max(time.Second, 5*o.Backoff.Max)
 	if !o.DisableNotify {
-		a.notify = newListener(c, a.channel)
+		a.grants = newGrants(c, a.grantChannel()+a.id)
 	}
 	return a, nil
 }
@@ -138,56 +143,118 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	l, err := a.grant(ctx, name, ttl, "")
+	l, err := a.grant(ctx, name, ttl)
 	if err != nil {
 		return nil, err
 	}
 	return l, nil
 }
 
-// errMoved reports a hand-over that found the lock no longer the releasing
-// holder's.
-var errMoved = errors.New("redislua: lock no longer held by the releasing holder")
+// grantChannel is the prefix of the acquirers' grant channels.
+func (a *Acquirer) grantChannel() string { return a.o.Prefix + "grant:" }
 
-// grant runs the grant script: a plain grant when from is empty, else a
-// hand-over from the holder whose lock value is from.
-func (a *Acquirer) grant(ctx context.Context, name string, ttl time.Duration, from string) (*lease, error) {
-	lock, counter := lockKeys(a.o.Prefix, name)
-	nonce := newNonce()
+// lineKeys returns the keys of name's lock script: lock, counter, line and
+// waiters' entries, all with the hash tag {name}.
+func lineKeys(prefix, name string) []string {
+	lock, counter := lockKeys(prefix, name)
+	base := strings.TrimSuffix(lock, ":lock")
+	return []string{lock, counter, base + ":line", base + ":waiters"}
+}
+
+// lockReply is the lock script's answer.
+type lockReply struct {
+	code   int64
+	number uint64
+	// A grant the script made to the first waiter in line, if any.
+	handed                 bool
+	nonce, stamp, acquirer string
+	token                  uint64
+	replicas               int64 // WAIT's count, -1 when not asked
+}
+
+// lockOp runs one operation of the lock script. With WaitReplicas, "try" and
+// "wait" are pipelined with WAIT, so that WAIT covers any grant they made.
+func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Duration, stamp string) (lockReply, error) {
 	floor := "0"
 	if a.o.TokenFloor {
 		floor = "1"
 	}
-	sent := time.Now()
-	keys, args := []string{lock, counter}, []any{nonce, ttlMs(ttl), floor, from}
+	keys := lineKeys(a.o.Prefix, name)
+	args := []any{op, me, ttlMs(ttl), floor, a.id, stamp, a.life.Milliseconds(), name, a.grantChannel(), a.heard}
+	r := lockReply{replicas: -1}
 	var (
-		res      any
-		err      error
-		replicas int64 = -1
+		res any
+		err error
 	)
-	if a.o.WaitReplicas > 0 {
-		res, replicas, err = a.grantAndWait(ctx, keys, args)
+	if a.o.WaitReplicas > 0 && (op == "try" || op == "wait") {
+		res, r.replicas, err = a.runWait(ctx, lockScript, keys, args)
 	} else {
-		res, err = acquireScript.Run(ctx, a.c, keys, args...).Result()
+		res, err = lockScript.Run(ctx, a.c, keys, args...).Result()
 	}
 	if err != nil {
-		return nil, fmt.Errorf("redislua: acquire %q: %w", name, scriptError(err))
+		return r, scriptError(err)
 	}
-	flag, tok, err := parsePair(res)
+	arr, ok := res.([]any)
+	if !ok || (len(arr) != 2 && len(arr) != 6) {
+		return r, fmt.Errorf("unexpected script reply %v", res)
+	}
+	if r.code, r.number, err = parsePair(arr[:2]); err != nil {
+		return r, err
+	}
+	if len(arr) == 6 {
+		r.handed = true
+		r.nonce, _ = arr[2].(string)
+		r.stamp, _ = arr[4].(string)
+		r.acquirer, _ = arr[5].(string)
+		tok, _ := arr[3].(string)
+		if r.token, err = strconv.ParseUint(tok, 10, 64); err != nil {
+			return r, fmt.Errorf("unexpected token %q in script reply", arr[3])
+		}
+	}
+	return r, nil
+}
+
+// handOver passes a grant the script made to a waiter of this acquirer
+// straight to it: the script published nothing for it. sent is when the
+// request that made the grant was sent.
+func (a *Acquirer) handOver(r lockReply, sent time.Time) {
+	if !r.handed || r.acquirer != a.id || a.grants == nil {
+		return
+	}
+	a.grants.deliver(r.nonce, grantMsg{token: r.token, sent: later(a.grants.sentAt(r.stamp), sent)})
+}
+
+func later(x, y time.Time) time.Time {
+	if y.After(x) {
+		return y
+	}
+	return x
+}
+
+// grant runs a "try" for a new grant (nonce) on name.
+func (a *Acquirer) grant(ctx context.Context, name string, ttl time.Duration) (*lease, error) {
+	nonce := newNonce()
+	sent := time.Now()
+	r, err := a.lockOp(ctx, name, "try", nonce, ttl, "0")
 	if err != nil {
 		return nil, fmt.Errorf("redislua: acquire %q: %w", name, err)
 	}
-	switch flag {
-	case 0:
+	a.handOver(r, sent)
+	if r.code != 1 {
 		return nil, fence.ErrHeld
-	case -1:
-		return nil, errMoved
 	}
+	return a.granted(ctx, name, ttl, nonce, r.number, sent, r.replicas)
+}
+
+// granted makes the lease of a grant to nonce; with WaitReplicas it refuses
+// (and releases) one too few replicas acknowledged.
+func (a *Acquirer) granted(ctx context.Context, name string, ttl time.Duration, nonce string, tok uint64, sent time.Time, replicas int64) (*lease, error) {
+	lock, _ := lockKeys(a.o.Prefix, name)
 	l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.o.Drift, sent), a: a, lock: lock,
 		value: nonce + ":" + strconv.FormatUint(tok, 10)}
 	if a.o.WaitReplicas > 0 && replicas < int64(a.o.WaitReplicas) {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		_ = l.release(rctx, false)
+		_ = l.release(rctx)
 		cancel()
 		return nil, fmt.Errorf("redislua: acquire %q: %d of %d replicas acknowledged token %d within %v: %w",
 			name, replicas, a.o.WaitReplicas, tok, a.o.WaitTimeout, ErrNotReplicated)
@@ -195,19 +262,19 @@ func (a *Acquirer) grant(ctx context.Context, name string, ttl time.Duration, fr
 	return l, nil
 }
 
-// grantAndWait sends the grant script and WAIT in one pipeline on one
-// connection, so that WAIT covers the grant.
-func (a *Acquirer) grantAndWait(ctx context.Context, keys []string, args []any) (any, int64, error) {
+// runWait sends a script and WAIT in one pipeline on one connection, so that
+// WAIT covers the script's writes.
+func (a *Acquirer) runWait(ctx context.Context, s *redis.Script, keys []string, args []any) (any, int64, error) {
 	run := func() ([]redis.Cmder, error) {
 		return a.c.Pipelined(ctx, func(p redis.Pipeliner) error {
-			acquireScript.EvalSha(ctx, p, keys, args...)
+			s.EvalSha(ctx, p, keys, args...)
 			p.Do(ctx, "WAIT", a.o.WaitReplicas, a.o.WaitTimeout.Milliseconds())
 			return nil
 		})
 	}
 	cmds, err := run()
 	if err != nil && redis.HasErrorPrefix(cmds[0].Err(), "NOSCRIPT") {
-		if err := acquireScript.Load(ctx, a.c).Err(); err != nil {
+		if err := s.Load(ctx, a.c).Err(); err != nil {
 			return nil, 0, err
 		}
 		cmds, err = run()
@@ -226,35 +293,138 @@ func (a *Acquirer) grantAndWait(ctx context.Context, keys []string, args []any) 
 	return res, n, nil
 }
 
-// Acquire waits until the lease on name is granted. A Release of name in this
-// process hands the lease straight to the longest-waiting Acquire here (one
-// script, one round trip); a release elsewhere wakes a waiter here through
-// pub/sub; between those, attempts are paced by the acquirer's Backoff. See
-// fence.Acquirer.
+// Acquire waits until the lease on name is granted. A waiter that finds the
+// lease held joins the name's line in Redis (in the same script), and a
+// release anywhere grants the lease to the first live waiter in line, in
+// arrival order across processes, and tells it by pub/sub: the waiter holds the
+// lease without another request. Meanwhile it polls, paced by Backoff, which
+// keeps its place alive and finds a lock freed by expiry. With DisableNotify
+// it does not queue and only polls. See fence.Acquirer.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	// Wait in line before the first attempt, so that a Release between a failed
-	// attempt and the wait still finds this waiter.
-	w := a.line.Join(name, ttl)
-	defer a.line.Leave(name, w)
-
-	l, err := a.grant(ctx, name, ttl, "")
-	if err == nil || !errors.Is(err, fence.ErrHeld) {
+	try := func(ctx context.Context) (fence.Lease, error) {
+		l, err := a.grant(ctx, name, ttl)
 		return lOrNil(l), err
 	}
-	if a.notify != nil {
-		unsubscribe := a.notify.SubscribeChan(name, w.Wake)
-		defer unsubscribe()
+	if a.grants == nil {
+		return a.o.Backoff.Acquire(ctx, nil, try)
 	}
-	return a.o.Backoff.Retry(ctx, w.Wake, func(ctx context.Context) (fence.Lease, error) {
-		if l := a.line.Take(w); l != nil {
-			return l, nil
+	nonce := newNonce()
+	ch, ready := a.grants.join(nonce)
+	defer a.grants.leave(nonce)
+	if _, ok := ctx.Deadline(); !ok {
+		maxWait := a.o.Backoff.MaxWait
+		if maxWait <= 0 {
+			maxWait = fence.DefaultMaxWait
 		}
-		l, err := a.grant(ctx, name, ttl, "")
-		return lOrNil(l), err
-	})
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, maxWait,
+			fmt.Errorf("redislua: gave up after the maximum wait %v: %w", maxWait, context.DeadlineExceeded))
+		defer cancel()
+	}
+	select {
+	case <-ready:
+	default:
+		// Not yet listening for grants: try once meanwhile, then wait for the
+		// subscription, since a grant published before it would be missed.
+		if l, err := try(ctx); err == nil || !errors.Is(err, fence.ErrHeld) {
+			return l, err
+		}
+		select {
+		case <-ready:
+		case <-ctx.Done():
+			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
+		}
+	}
+	inLine := false
+	defer func() {
+		if inLine {
+			a.leaveLine(ctx, name, nonce)
+		}
+	}()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for attempt := 0; ; attempt++ {
+		sent := time.Now()
+		inLine = true
+		r, err := a.lockOp(ctx, name, "wait", nonce, ttl, a.grants.stamp(sent))
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
+			}
+			return nil, fmt.Errorf("redislua: acquire %q: %w", name, err)
+		}
+		a.handOver(r, sent)
+		if r.code == 1 {
+			inLine = false
+			return a.granted(ctx, name, ttl, nonce, r.number, sent, r.replicas)
+		}
+		// Poll at least every ttl/4, so that a grant's stamp is recent.
+		timer.Reset(min(a.o.Backoff.Delay(attempt), max(ttl/4, time.Millisecond)))
+		select {
+		case m := <-ch:
+			l, err := a.take(ctx, name, ttl, nonce, m)
+			if l != nil || err != nil {
+				inLine = l == nil
+				return lOrNil(l), err
+			}
+			// Lost before it was taken: queue again.
+		case <-timer.C:
+		case <-ctx.Done():
+			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
+		}
+	}
+}
+
+// take turns a grant made by another request into this waiter's lease. Its
+// local deadline counts from m.sent, which is before the grant; when that
+// leaves less than half the ttl, or WaitReplicas needs a WAIT after the grant,
+// the lease is renewed first (one request). nil, nil: the grant was lost
+// before it could be confirmed.
+func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, nonce string, m grantMsg) (*lease, error) {
+	drift := a.o.Drift
+	if drift == 0 {
+		drift = leasekit.DefaultDrift(ttl)
+	}
+	if a.o.WaitReplicas == 0 && time.Until(m.sent.Add(ttl-drift)) >= ttl/2 {
+		return a.granted(ctx, name, ttl, nonce, m.token, m.sent, -1)
+	}
+	lock, _ := lockKeys(a.o.Prefix, name)
+	value := nonce + ":" + strconv.FormatUint(m.token, 10)
+	keys, args := []string{lock}, []any{value, ttlMs(ttl)}
+	sent := time.Now()
+	var (
+		res      any
+		err      error
+		replicas int64 = -1
+	)
+	if a.o.WaitReplicas > 0 {
+		res, replicas, err = a.runWait(ctx, renewScript, keys, args)
+	} else {
+		res, err = renewScript.Run(ctx, a.c, keys, args...).Result()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("redislua: acquire %q: confirming a grant: %w", name, err)
+	}
+	if n, _ := res.(int64); n != 1 {
+		return nil, nil
+	}
+	return a.granted(ctx, name, ttl, nonce, m.token, sent, replicas)
+}
+
+// leaveLine takes a waiter that gives up out of the line; if a grant to it
+// raced with that, the same script releases the grant (to the next waiter).
+// A waiter that cannot reach Redis here is dropped from the line once its
+// entry expires (AcquirerOptions.Backoff: five polls, at least 1s).
+func (a *Acquirer) leaveLine(ctx context.Context, name, nonce string) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	sent := time.Now()
+	if r, err := a.lockOp(ctx, name, "leave", nonce, 0, "0"); err == nil {
+		a.handOver(r, sent)
+	}
 }
 
 // lOrNil keeps a nil *lease from becoming a non-nil fence.Lease.
@@ -346,69 +516,28 @@ func (l *lease) Renew(ctx context.Context) error {
 	return nil
 }
 
-// Release gives the lease up if this grant still holds it. When another Acquire
-// of this process waits for the name, the lease is handed straight to it in one
-// script; otherwise the lock key is deleted (DELEX IFEQ on Redis 8.4 and newer,
-// a compare-and-delete script before) and waiters everywhere are told by pub/sub.
+// Release gives the lease up if this grant still holds it: one script deletes
+// the lock, or grants it at once to the first live waiter in line (in any
+// process) and tells that waiter.
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
 	}
-	return l.release(ctx, true)
+	return l.release(ctx)
 }
 
-func (l *lease) release(ctx context.Context, handoff bool) error {
+func (l *lease) release(ctx context.Context) error {
 	defer l.End(context.Canceled)
-	if handoff {
-		if w := l.a.line.Next(l.Name()); w != nil {
-			next, err := l.a.grant(ctx, l.Name(), w.TTL, l.value)
-			l.a.line.Finish(w, lOrNil(next))
-			switch {
-			case err == nil:
-				return nil
-			case errors.Is(err, errMoved):
-				return l.lost()
-			case errors.Is(err, ErrNotReplicated):
-				// The lock moved to the waiter and was freed again (grant
-				// refused them both): it is released; the waiter tries itself.
-				return nil
-			default:
-				return fmt.Errorf("redislua: release %q: %w", l.Name(), err)
-			}
-		}
-	}
-	n, err := l.a.release(ctx, l.lock, l.value, l.Name())
+	sent := time.Now()
+	r, err := l.a.lockOp(ctx, l.Name(), "release", l.value, 0, "0")
 	if err != nil {
 		return fmt.Errorf("redislua: release %q: %w", l.Name(), err)
 	}
-	if n == 0 {
+	l.a.handOver(r, sent)
+	if r.code == 0 {
 		return l.lost()
 	}
 	return nil
-}
-
-func (a *Acquirer) release(ctx context.Context, lock, value, name string) (int64, error) {
-	if a.delex.Load() != 2 {
-		var del *redis.Cmd
-		_, err := a.c.Pipelined(ctx, func(p redis.Pipeliner) error {
-			del = p.Do(ctx, "DELEX", lock, "IFEQ", value)
-			p.Publish(ctx, a.channel, name)
-			return nil
-		})
-		if err == nil || del == nil || !isUnknownCommand(del.Err()) {
-			if err == nil {
-				a.delex.Store(1)
-				return del.Int64()
-			}
-			return 0, err
-		}
-		a.delex.Store(2) // an older server: use the script from now on
-	}
-	return releaseScript.Run(ctx, a.c, []string{lock}, value, a.channel, name).Int64()
-}
-
-func isUnknownCommand(err error) bool {
-	return err != nil && (strings.Contains(err.Error(), "unknown command") || strings.Contains(err.Error(), "syntax error"))
 }
 
 func (l *lease) lost() error {

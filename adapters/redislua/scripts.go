@@ -8,8 +8,8 @@ import (
 )
 
 var (
-	//go:embed scripts/acquire.lua
-	acquireLua string
+	//go:embed scripts/lock.lua
+	lockLua string
 	//go:embed scripts/renew.lua
 	renewLua string
 	//go:embed scripts/release.lua
@@ -21,7 +21,7 @@ var (
 	//go:embed scripts/fenced.lua
 	fencedLua string
 
-	acquireScript = redis.NewScript(acquireLua)
+	lockScript    = redis.NewScript(lockLua)
 	renewScript   = redis.NewScript(renewLua)
 	releaseScript = redis.NewScript(releaseLua)
 	writeScript   = redis.NewScript(writeLua)

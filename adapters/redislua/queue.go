@@ -1,0 +1,148 @@
+package redislua
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// A waiter's place in line lives in Redis (see scripts/lock.lua): the script
+// that frees a lock grants it to the first live waiter of any process, and
+// tells that waiter's acquirer on its own channel, so the waiter holds the
+// lease without asking again. grants is the acquirer's end of that channel.
+
+// grantMsg is a grant to one waiter, made by a script on its behalf.
+type grantMsg struct {
+	token uint64
+	// sent is when the waiter sent the last request that Redis handled before
+	// the grant (its stamp), or the releaser's send time when later: the
+	// grant happened after it, so the lease's local deadline counts from it.
+	sent time.Time
+}
+
+// grants subscribes to an acquirer's grant channel while any of its Acquire
+// calls wait, and passes each grant to the waiter whose nonce it names.
+type grants struct {
+	c       Client
+	channel string
+	epoch   time.Time // stamps are durations since epoch, on the monotonic clock
+
+	mu      sync.Mutex
+	waiters map[string]chan grantMsg
+	ready   chan struct{} // closed once the current subscription is confirmed
+	stop    context.CancelFunc
+	idle    *time.Timer // ends the subscription after a spell with no waiter
+}
+
+// grantsLinger keeps the subscription after the last waiter leaves, so a
+// process that waits again soon does not subscribe again.
+const grantsLinger = 2 * time.Second
+
+func newGrants(c Client, channel string) *grants {
+	return &grants{c: c, channel: channel, epoch: time.Now(), waiters: map[string]chan grantMsg{}}
+}
+
+// stamp encodes t for the line entry.
+func (g *grants) stamp(t time.Time) string { return strconv.FormatInt(int64(t.Sub(g.epoch)), 10) }
+
+// sentAt decodes a stamp; a malformed one gives the epoch (the most
+// conservative answer: the lease's deadline then lies in the past).
+func (g *grants) sentAt(stamp string) time.Time {
+	n, err := strconv.ParseInt(stamp, 10, 64)
+	if err != nil {
+		return g.epoch
+	}
+	return g.epoch.Add(time.Duration(n))
+}
+
+// join registers a waiter and returns its channel and the subscription's
+// ready channel: until that is closed a grant published to this acquirer may
+// find no receiver, and the script would skip the waiter.
+func (g *grants) join(nonce string) (chan grantMsg, <-chan struct{}) {
+	ch := make(chan grantMsg, 1)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.waiters[nonce] = ch
+	if g.idle != nil {
+		g.idle.Stop()
+		g.idle = nil
+	}
+	if g.stop == nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		g.stop, g.ready = cancel, make(chan struct{})
+		go g.run(ctx, g.ready)
+	}
+	return ch, g.ready
+}
+
+// leave unregisters a waiter; a grant for it from then on is dropped (the
+// waiter's leave script releases it).
+func (g *grants) leave(nonce string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	delete(g.waiters, nonce)
+	if len(g.waiters) == 0 && g.stop != nil && g.idle == nil {
+		g.idle = time.AfterFunc(grantsLinger, func() {
+			g.mu.Lock()
+			defer g.mu.Unlock()
+			if len(g.waiters) == 0 && g.stop != nil {
+				g.stop()
+				g.stop, g.ready, g.idle = nil, nil, nil
+			}
+		})
+	}
+}
+
+// deliver hands a grant to the waiter with nonce; false when it has left.
+func (g *grants) deliver(nonce string, m grantMsg) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	ch, ok := g.waiters[nonce]
+	if !ok {
+		return false
+	}
+	select {
+	case ch <- m:
+	default: // it has one already; the newer grant replaces nothing
+	}
+	return true
+}
+
+func (g *grants) run(ctx context.Context, ready chan struct{}) {
+	ps := g.c.Subscribe(ctx, g.channel)
+	defer ps.Close()
+	var once sync.Once
+	for ctx.Err() == nil {
+		msg, err := ps.Receive(ctx)
+		if err != nil {
+			// go-redis resubscribes by itself. A grant published meanwhile
+			// found no receiver and skipped the waiter, which finds itself out
+			// of line at its next poll and queues again.
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+			continue
+		}
+		switch m := msg.(type) {
+		case *redis.Subscription:
+			once.Do(func() { close(ready) })
+		case *redis.Message:
+			// nonce token stamp name
+			f := strings.SplitN(m.Payload, " ", 4)
+			if len(f) < 3 {
+				continue
+			}
+			tok, err := strconv.ParseUint(f[1], 10, 64)
+			if err != nil {
+				continue
+			}
+			g.deliver(f[0], grantMsg{token: tok, sent: g.sentAt(f[2])})
+		}
+	}
+}

@@ -1,0 +1,152 @@
+-- The lease of one name, with a line of waiters from any process.
+-- KEYS[1] the lock key (value nonce:token), KEYS[2] the token counter,
+-- KEYS[3] the line (a list of waiter nonces, oldest first), KEYS[4] the
+-- waiters' entries (hash nonce -> "acquirer stamp ttl_ms deadline_ms floor").
+-- All four share the hash tag {name}, so one Cluster slot.
+-- ARGV[1] the operation: "try", "wait", "release" or "leave".
+-- ARGV[2] the caller's nonce ("release": the holder's lock value).
+-- ARGV[3] the ttl in ms, ARGV[4] "1" to raise tokens to the server clock in µs,
+-- ARGV[5] the caller's acquirer id, ARGV[6] the caller's stamp (opaque),
+-- ARGV[7] how long a waiter's entry lives without a refresh, in ms,
+-- ARGV[8] the lock name, ARGV[9] the grant channel prefix (+ acquirer id),
+-- ARGV[10] "1" when PUBLISH's receiver count shows whether an acquirer listens.
+--
+-- Reply: {code, number, [nonce, token, stamp, acquirer]} where the last four
+-- describe a grant this call made to a waiter (the head of the line).
+--   try/wait: code 1 = granted to the caller (number: token);
+--             code 0 = held (number: pttl); "wait" has queued the caller.
+--   release:  code 0 = not the holder; 1 = released; 2 = handed to a waiter.
+--   leave:    code 0 = left the line; 3 = the caller had been granted the lock
+--             (number: that token), and released it.
+-- A grant to a waiter of another acquirer is published on its channel
+-- (nonce token stamp name); one to the caller's own acquirer is only in the
+-- reply. A waiter whose entry expired, or (ARGV[10]) whose acquirer no longer
+-- listens, is skipped.
+local lock, counter, line, entries = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local op, me, acq = ARGV[1], ARGV[2], ARGV[5]
+
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local function next_token(floor)
+  local n = 0
+  local cur = redis.call('GET', counter)
+  if cur then
+    n = tonumber(cur)
+    if not n or n < 0 or n ~= math.floor(n) then
+      return nil, redis.error_reply('fencekit: token counter ' .. counter .. ' holds ' .. cur .. ', not a token')
+    end
+  end
+  local tok = n + 1
+  if floor then
+    local f = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if f > tok then tok = f end
+  end
+  if tok > 9007199254740991 then
+    return nil, redis.error_reply('fencekit: token counter ' .. counter .. ' exhausted')
+  end
+  return string.format('%d', tok)
+end
+
+local function set_lock(nonce, tok, ttl)
+  redis.call('SET', counter, tok)
+  redis.call('SET', lock, nonce .. ':' .. tok, 'PX', ttl)
+end
+
+-- grant_head gives the free lock to the first live waiter in line.
+local function grant_head()
+  while true do
+    local n = redis.call('LPOP', line)
+    if not n then return nil end
+    local e = redis.call('HGET', entries, n)
+    redis.call('HDEL', entries, n)
+    if e then
+      local wacq, stamp, ttl, deadline, floor = string.match(e, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+      if wacq and tonumber(deadline) >= now_ms then
+        local tok, err = next_token(floor == '1' or ARGV[4] == '1')
+        if not tok then return nil, err end
+        local heard = 1
+        if wacq ~= acq then
+          heard = redis.call('PUBLISH', ARGV[9] .. wacq, n .. ' ' .. tok .. ' ' .. stamp .. ' ' .. ARGV[8])
+        end
+        if heard > 0 or ARGV[10] ~= '1' then
+          set_lock(n, tok, ttl)
+          return {n, tok, stamp, wacq}
+        end
+      end
+    end
+  end
+end
+
+local function reply(code, number, g)
+  if g then return {code, number, g[1], g[2], g[3], g[4]} end
+  return {code, number}
+end
+
+local function enqueue()
+  local e = acq .. ' ' .. ARGV[6] .. ' ' .. ARGV[3] .. ' ' .. (now_ms + tonumber(ARGV[7])) .. ' ' .. ARGV[4]
+  if redis.call('HSET', entries, me, e) == 1 then
+    redis.call('RPUSH', line, me)
+  end
+  local life = tonumber(ARGV[7]) * 2
+  if redis.call('PTTL', entries) < life then
+    redis.call('PEXPIRE', entries, life)
+    redis.call('PEXPIRE', line, life)
+  end
+end
+
+local function leave_line()
+  if redis.call('HDEL', entries, me) == 1 then
+    redis.call('LREM', line, 1, me)
+  end
+end
+
+if op == 'try' or op == 'wait' then
+  local cur = redis.call('GET', lock)
+  if cur and string.sub(cur, 1, #me + 1) == me .. ':' then
+    -- Granted to this waiter already (its message may be on the way, or
+    -- lost): the lease counts from this call.
+    redis.call('PEXPIRE', lock, ARGV[3])
+    return reply(1, string.sub(cur, #me + 2))
+  end
+  if cur then
+    if op == 'wait' then enqueue() end
+    return reply(0, redis.call('PTTL', lock))
+  end
+  -- Free: the line goes first (the caller's own entry counts from now).
+  if op == 'wait' and redis.call('HEXISTS', entries, me) == 1 then enqueue() end
+  local g, err = grant_head()
+  if err then return err end
+  if g and g[1] == me then
+    return reply(1, g[2])
+  end
+  if g then
+    if op == 'wait' then enqueue() end
+    return reply(0, redis.call('PTTL', lock), g)
+  end
+  leave_line()
+  local tok, err2 = next_token(ARGV[4] == '1')
+  if not tok then return err2 end
+  set_lock(me, tok, ARGV[3])
+  return reply(1, tok)
+elseif op == 'release' then
+  if redis.call('GET', lock) ~= me then
+    return reply(0, 0)
+  end
+  redis.call('DEL', lock)
+  local g, err = grant_head()
+  if err then return err end
+  if g then return reply(2, 0, g) end
+  return reply(1, 0)
+elseif op == 'leave' then
+  leave_line()
+  local cur = redis.call('GET', lock)
+  if cur and string.sub(cur, 1, #me + 1) == me .. ':' then
+    redis.call('DEL', lock)
+    local g, err = grant_head()
+    if err then return err end
+    return reply(3, string.sub(cur, #me + 2), g)
+  end
+  return reply(0, 0)
+end
+return redis.error_reply('fencekit: unknown lock operation ' .. tostring(op))
