@@ -3,6 +3,7 @@ package redislua_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -144,21 +145,23 @@ func TestHandoffToGivenUpWaiter(t *testing.T) {
 	}
 }
 
-// TestHandoffStreakLetsOthersIn: waiters in one process hand the lease round
-// among themselves, but a waiter of another process (another acquirer) still
-// gets it within a bounded number of releases.
-func TestHandoffStreakLetsOthersIn(t *testing.T) {
+// TestHandoffFairAcrossAcquirers: waiters of one acquirer keep the lease
+// busy, yet a waiter of another acquirer (another process) that joins the line
+// gets it after at most one grant to each waiter ahead of it: the line is FIFO
+// across processes.
+func TestHandoffFairAcrossAcquirers(t *testing.T) {
 	c := testenv.RedisClient(t)
 	local, _ := redislua.NewAcquirer(c, nil)
 	remote, _ := redislua.NewAcquirer(c, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	name := fencetest.Name("streak")
+	name := fencetest.Name("fair")
+	const workers = 4
 	var (
 		wg    sync.WaitGroup
 		total atomic.Int64
 	)
-	for w := 0; w < 4; w++ {
+	for w := 0; w < workers; w++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -174,15 +177,49 @@ func TestHandoffStreakLetsOthersIn(t *testing.T) {
 		}()
 	}
 	time.Sleep(50 * time.Millisecond)
-	before := total.Load()
-	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
-	defer rcancel()
-	l, err := remote.Acquire(rctx, name, 10*time.Second)
-	if err != nil {
-		t.Fatalf("the other process's waiter never got in: %v (%d local grants meanwhile)", err, total.Load()-before)
+	got := make(chan error, 1)
+	var grantsAtGrant int64
+	go func() {
+		rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
+		defer rcancel()
+		l, err := remote.Acquire(rctx, name, 10*time.Second)
+		if err == nil {
+			grantsAtGrant = total.Load()
+			_ = l.Release(context.Background())
+		}
+		got <- err
+	}()
+	// The moment the remote waiter's entry is in line.
+	entries := redislua.DefaultPrefix + "{" + name + "}:waiters"
+	id := redislua.AcquirerID(remote) + " "
+	var grantsAtJoin int64 = -1
+	for grantsAtJoin < 0 {
+		vals, _ := c.HVals(ctx, entries).Result()
+		for _, v := range vals {
+			if strings.HasPrefix(v, id) {
+				grantsAtJoin = total.Load()
+			}
+		}
+		select {
+		case err := <-got:
+			if err != nil {
+				t.Fatalf("the other acquirer's waiter: %v", err)
+			}
+			t.Log("the other acquirer's waiter found the lock free: it never queued")
+			cancel()
+			wg.Wait()
+			return
+		default:
+		}
 	}
-	t.Logf("the other process got the lease after %d local grants", total.Load()-before)
-	_ = l.Release(context.Background())
+	if err := <-got; err != nil {
+		t.Fatalf("the other acquirer's waiter never got in: %v", err)
+	}
+	n := grantsAtGrant - grantsAtJoin
+	t.Logf("the other acquirer's waiter got the lease after %d local grants", n)
+	if n > workers {
+		t.Errorf("%d local grants after the remote waiter joined the line, want at most %d (one per waiter ahead)", n, workers)
+	}
 	cancel()
 	wg.Wait()
 }

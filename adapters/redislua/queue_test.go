@@ -1,0 +1,284 @@
+package redislua_test
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
+)
+
+// The cross-process tests run waiters as child processes: this test binary,
+// run again with FENCEKIT_QUEUE_CHILD set to the lock name, is one waiter.
+
+// TestQueueChild is the child's body: Acquire the name (ttl 30s), print
+// "granted <token>", hold it for FENCEKIT_QUEUE_HOLD, release it, print
+// "released". It does nothing in a normal test run.
+func TestQueueChild(t *testing.T) {
+	name := os.Getenv("FENCEKIT_QUEUE_CHILD")
+	if name == "" {
+		t.Skip("only run as a child process of the cross-process tests")
+	}
+	hold, _ := time.ParseDuration(os.Getenv("FENCEKIT_QUEUE_HOLD"))
+	a, err := redislua.NewAcquirer(testenv.RedisClient(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	l, err := a.Acquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Printf("granted %d\n", l.Token())
+	time.Sleep(hold)
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	fmt.Println("released")
+}
+
+// child is a waiter in another process.
+type child struct {
+	cmd     *exec.Cmd
+	granted chan uint64 // its token, once granted
+	at      chan time.Time
+}
+
+func startChild(t *testing.T, name string, hold time.Duration) *child {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestQueueChild$", "-test.count=1", "-test.v")
+	cmd.Env = append(os.Environ(), "FENCEKIT_QUEUE_CHILD="+name, "FENCEKIT_QUEUE_HOLD="+hold.String())
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	c := &child{cmd: cmd, granted: make(chan uint64, 1), at: make(chan time.Time, 1)}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			if tok, ok := strings.CutPrefix(sc.Text(), "granted "); ok {
+				n, _ := strconv.ParseUint(tok, 10, 64)
+				c.at <- time.Now()
+				c.granted <- n
+			}
+		}
+	}()
+	return c
+}
+
+// waitInLine waits until name's line holds n waiters.
+func waitInLine(t *testing.T, c *redis.Client, name string, n int64) {
+	t.Helper()
+	key := redislua.DefaultPrefix + "{" + name + "}:line"
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		got, err := c.LLen(context.Background(), key).Result()
+		if err == nil && got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("line of %q holds %d waiters (%v), want %d", name, got, err, n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestQueueOrderAcrossProcesses: waiters in three processes, queued one after
+// another, are granted the lease in that order, with growing tokens, each on
+// the previous holder's release.
+func TestQueueOrderAcrossProcesses(t *testing.T) {
+	c := testenv.RedisClient(t)
+	a, _ := redislua.NewAcquirer(c, nil)
+	ctx := context.Background()
+	name := fencetest.Name("xorder")
+	h, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var kids []*child
+	for i := 0; i < 3; i++ {
+		kids = append(kids, startChild(t, name, 30*time.Millisecond))
+		waitInLine(t, c, name, int64(i+1))
+	}
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	last := uint64(h.Token())
+	for i, k := range kids {
+		select {
+		case tok := <-k.granted:
+			if tok <= last {
+				t.Fatalf("waiter %d got token %d, not above the previous grant's %d", i, tok, last)
+			}
+			last = tok
+		case <-time.After(20 * time.Second):
+			t.Fatalf("waiter %d (queued %d of 3) never got the lease", i, i+1)
+		}
+	}
+	for i, k := range kids {
+		if err := k.cmd.Wait(); err != nil {
+			t.Errorf("waiter %d: %v", i, err)
+		}
+	}
+}
+
+// TestQueueSkipsKilledWaiter: a queued waiter killed with SIGKILL is skipped at
+// the next release (its acquirer no longer listens), so the waiter behind it
+// gets the lease at once instead of after the dead waiter's 30s ttl.
+func TestQueueSkipsKilledWaiter(t *testing.T) {
+	c := testenv.RedisClient(t)
+	a, _ := redislua.NewAcquirer(c, nil)
+	ctx := context.Background()
+	name := fencetest.Name("xkilled")
+	h, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := startChild(t, name, 0)
+	waitInLine(t, c, name, 1)
+	live := startChild(t, name, 0)
+	waitInLine(t, c, name, 2)
+	if err := dead.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	_ = dead.cmd.Wait()
+	// Redis closes the dead process's connections when the kernel resets
+	// them; give that a moment, as a release some time later would.
+	time.Sleep(100 * time.Millisecond)
+	released := time.Now()
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case tok := <-live.granted:
+		at := <-live.at
+		if tok <= uint64(h.Token()) {
+			t.Fatalf("token %d not above %d", tok, h.Token())
+		}
+		t.Logf("the waiter behind the killed one got token %d %v after the release", tok, at.Sub(released).Round(time.Millisecond))
+		if d := at.Sub(released); d > 5*time.Second {
+			t.Errorf("granted %v after the release: the dead waiter held the lock meanwhile", d)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the waiter behind the killed one never got the lease")
+	}
+}
+
+// TestQueueExpiredHolder: a holder that never releases expires while waiters
+// of two acquirers queue; they get the lease in line order, and the expired
+// holder's late Release reports the loss without disturbing them.
+func TestQueueExpiredHolder(t *testing.T) {
+	c := testenv.RedisClient(t)
+	ctx := context.Background()
+	name := fencetest.Name("xexpired")
+	holder, _ := redislua.NewAcquirer(c, nil)
+	h, err := holder.TryAcquire(ctx, name, 300*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type got struct {
+		i   int
+		l   fence.Lease
+		err error
+	}
+	res := make(chan got, 2)
+	for i := 0; i < 2; i++ {
+		a, _ := redislua.NewAcquirer(c, nil)
+		go func() {
+			l, err := a.Acquire(ctx, name, 5*time.Second)
+			res <- got{i, l, err}
+			if err == nil {
+				time.Sleep(50 * time.Millisecond)
+				_ = l.Release(ctx)
+			}
+		}()
+		waitInLine(t, c, name, int64(i+1))
+	}
+	first := <-res
+	if first.err != nil || first.i != 0 {
+		t.Fatalf("first grant after the expiry went to waiter %d (%v), want waiter 0", first.i, first.err)
+	}
+	if first.l.Token() <= h.Token() {
+		t.Fatalf("token %d not above the expired holder's %d", first.l.Token(), h.Token())
+	}
+	if err := h.Release(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("the expired holder's Release: %v, want ErrLost", err)
+	}
+	second := <-res
+	if second.err != nil || second.l.Token() <= first.l.Token() {
+		t.Fatalf("second waiter: token %v, %v; want above %d", second.l, second.err, first.l.Token())
+	}
+}
+
+// TestQueueCancelAtGrant: a waiter of another acquirer gives up at about the
+// moment a release grants it the lease. Whichever wins, the lock ends free or
+// held by a lease someone has: never held by nobody.
+func TestQueueCancelAtGrant(t *testing.T) {
+	c := testenv.RedisClient(t)
+	holder, _ := redislua.NewAcquirer(c, nil)
+	waiter, _ := redislua.NewAcquirer(c, nil)
+	ctx := context.Background()
+	name := fencetest.Name("xcancel")
+	lock := redislua.DefaultPrefix + "{" + name + "}:lock"
+	var raced atomic.Int64
+	for i := 0; i < 30; i++ {
+		h, err := holder.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			t.Fatalf("round %d: %v", i, err)
+		}
+		wctx, cancel := context.WithCancel(ctx)
+		done := make(chan fence.Lease, 1)
+		go func() {
+			l, err := waiter.Acquire(wctx, name, time.Minute)
+			if err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("round %d: waiter: %v", i, err)
+			}
+			done <- l
+		}()
+		waitInLine(t, c, name, 1)
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Duration(i%5) * 100 * time.Microsecond)
+			cancel()
+		}()
+		if err := h.Release(ctx); err != nil {
+			t.Fatalf("round %d: Release: %v", i, err)
+		}
+		wg.Wait()
+		l := <-done
+		if l != nil {
+			raced.Add(1)
+			if err := l.Release(ctx); err != nil {
+				t.Fatalf("round %d: the waiter's lease: %v", i, err)
+			}
+		}
+		if n, _ := c.Exists(ctx, lock).Result(); n != 0 {
+			t.Fatalf("round %d: the lock is held after the waiter gave up (waiter got a lease: %v)", i, l != nil)
+		}
+		if n, _ := c.LLen(ctx, redislua.DefaultPrefix+"{"+name+"}:line").Result(); n != 0 {
+			t.Fatalf("round %d: %d waiters left in line", i, n)
+		}
+	}
+	t.Logf("the waiter took the lease in %d of 30 rounds, gave up in the others", raced.Load())
+}
