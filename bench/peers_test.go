@@ -71,11 +71,27 @@ func redsyncLocker(c *redis.Client, opts ...redsync.Option) locker {
 // fails when the count is not exact.
 func increments(ctx context.Context, c *redis.Client, lock locker, workers, each int) (time.Duration, error) {
 	key := fmt.Sprintf("bench-counter-%d", time.Now().UnixNano())
-	name := key + "-lock"
 	if err := c.Set(ctx, key, 0, time.Hour).Err(); err != nil {
 		return 0, err
 	}
 	start := time.Now()
+	if err := incrementLoop(ctx, c, lock, key, workers, each); err != nil {
+		return 0, err
+	}
+	took := time.Since(start)
+	n, err := c.Get(ctx, key).Int()
+	if err != nil {
+		return 0, err
+	}
+	if n != workers*each {
+		return 0, fmt.Errorf("counter ended at %d, want %d: lost updates", n, workers*each)
+	}
+	return took, nil
+}
+
+// incrementLoop runs workers goroutines, each doing each read-modify-write
+// increments of key under the lock (named key+"-lock"), and returns the first error.
+func incrementLoop(ctx context.Context, c *redis.Client, lock locker, key string, workers, each int) error {
 	var wg sync.WaitGroup
 	errs := make(chan error, workers)
 	for w := 0; w < workers; w++ {
@@ -83,7 +99,7 @@ func increments(ctx context.Context, c *redis.Client, lock locker, workers, each
 		go func() {
 			defer wg.Done()
 			for i := 0; i < each; i++ {
-				release, err := lock(ctx, name)
+				release, err := lock(ctx, key+"-lock")
 				if err != nil {
 					errs <- err
 					return
@@ -100,19 +116,8 @@ func increments(ctx context.Context, c *redis.Client, lock locker, workers, each
 		}()
 	}
 	wg.Wait()
-	took := time.Since(start)
 	close(errs)
-	if err := <-errs; err != nil {
-		return 0, err
-	}
-	n, err := c.Get(ctx, key).Int()
-	if err != nil {
-		return 0, err
-	}
-	if n != workers*each {
-		return 0, fmt.Errorf("counter ended at %d, want %d: lost updates", n, workers*each)
-	}
-	return took, nil
+	return <-errs
 }
 
 // floor is the sequential time of 4 round trips per increment, by PING.

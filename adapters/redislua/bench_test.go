@@ -1,7 +1,14 @@
 package redislua_test
 
 import (
+	"bufio"
 	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -59,17 +66,100 @@ func BenchmarkAcquireRelease(b *testing.B) {
 }
 
 // BenchmarkHandoff measures the time from the start of a holder's Release to
-// the grant of an Acquire already waiting in the same process (handed over in
-// the releasing script, or woken by pub/sub, or polling alone): p50 and p90.
+// the grant of an Acquire already waiting: of the same acquirer (the grant is
+// in the release's reply), of another acquirer (published on its channel, as
+// a waiter in another process hears it), or polling alone: p50 and p90.
 func BenchmarkHandoff(b *testing.B) {
 	c := testenv.RedisClient(b)
-	for _, mode := range []string{"notify", "poll"} {
+	for _, mode := range []string{"same-acquirer", "other-acquirer", "poll"} {
 		b.Run(mode, func(b *testing.B) {
-			a, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{DisableNotify: mode == "poll"})
+			opts := &redislua.AcquirerOptions{DisableNotify: mode == "poll"}
+			holder, err := redislua.NewAcquirer(c, opts)
 			if err != nil {
 				b.Fatal(err)
 			}
-			benchutil.Handoff(b, a, a, fencetest.Name("handoff"))
+			waiter := holder
+			if mode == "other-acquirer" {
+				waiter, _ = redislua.NewAcquirer(c, opts)
+			}
+			benchutil.Handoff(b, holder, waiter, fencetest.Name("handoff"))
 		})
+	}
+}
+
+// BenchmarkHandoffAcrossProcesses is BenchmarkHandoff with the waiter in a
+// child process: the time from the start of the holder's Release to the
+// child's grant, on the host's clock, p50 and p90.
+func BenchmarkHandoffAcrossProcesses(b *testing.B) {
+	c := testenv.RedisClient(b)
+	a, _ := redislua.NewAcquirer(c, nil)
+	ctx := context.Background()
+	name := fencetest.Name("xhandoff")
+	h, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		b.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHandoffChild$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "FENCEKIT_HANDOFF_CHILD="+name, fmt.Sprintf("FENCEKIT_HANDOFF_ROUNDS=%d", b.N))
+	stdin, _ := cmd.StdinPipe()
+	stdout, _ := cmd.StdoutPipe()
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	lines := bufio.NewScanner(stdout)
+	handoffs := make([]time.Duration, 0, b.N)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if i > 0 {
+			if h, err = a.Acquire(ctx, name, time.Minute); err != nil {
+				b.Fatal(err)
+			}
+		}
+		fmt.Fprintln(stdin, "next")
+		time.Sleep(5*time.Millisecond + time.Duration(i%20)*time.Millisecond)
+		start := time.Now()
+		if err := h.Release(ctx); err != nil {
+			b.Fatal(err)
+		}
+		var at int64
+		for at == 0 && lines.Scan() {
+			if v, ok := strings.CutPrefix(lines.Text(), "granted "); ok {
+				at, _ = strconv.ParseInt(v, 10, 64)
+			}
+		}
+		if at == 0 {
+			b.Fatal("the child process ended without a grant")
+		}
+		handoffs = append(handoffs, time.Unix(0, at).Sub(start))
+	}
+	b.StopTimer()
+	slices.Sort(handoffs)
+	b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
+	b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
+}
+
+// TestHandoffChild is BenchmarkHandoffAcrossProcesses's waiter: for each
+// "next" on stdin, Acquire, print "granted <unix ns>", Release.
+func TestHandoffChild(t *testing.T) {
+	name := os.Getenv("FENCEKIT_HANDOFF_CHILD")
+	if name == "" {
+		t.Skip("only run as the child process of BenchmarkHandoffAcrossProcesses")
+	}
+	a, err := redislua.NewAcquirer(testenv.RedisClient(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		l, err := a.Acquire(ctx, name, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Printf("granted %d\n", time.Now().UnixNano())
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -25,8 +26,15 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	workers := fs.Int("workers", 20, "workers in the contention run")
 	each := fs.Int("each", 50, "locked increments per worker in the contention run")
 	exerciseEach := fs.Int("exercise-each", 500, "updates per worker in the Redis lock-versus-Lua exercise")
+	processes := fs.Int("processes", 1, "processes the contention run's workers are spread over (postgres, mysql and redis)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
+	}
+	if *processes < 1 || *processes > *workers {
+		return fmt.Errorf("%w: -processes must be between 1 and -workers (%d)", errUsage, *workers)
+	}
+	if *processes > 1 && !slices.Contains(sharedBackends, bc.name) {
+		return fmt.Errorf("%w: -processes needs a backend other processes can reach: %s", errUsage, strings.Join(sharedBackends, ", "))
 	}
 	if *ops < 1 || *rounds < 1 || *workers < 1 || *each < 1 || *exerciseEach < 1 {
 		return fmt.Errorf("%w: -n, -rounds, -workers, -each and -exercise-each must be at least 1", errUsage)
@@ -46,12 +54,26 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	var incr, floor time.Duration
+	var (
+		incr, floor time.Duration
+		sent        int64
+	)
 	for r := 0; r < *rounds; r++ {
 		// Alternate which goes first, so that drift hits both alike.
 		for k := 0; k < 2; k++ {
 			if (r+k)%2 == 0 {
-				n, took, err := lockedIncrements(ctx, b, "bench-balance", *workers, *each)
+				var (
+					n    int
+					took time.Duration
+					err  error
+				)
+				if *processes > 1 {
+					var m int64
+					n, took, m, err = processIncrements(ctx, b, *bc, "bench-balance", *processes, *workers, *each)
+					sent += m
+				} else {
+					n, took, err = lockedIncrements(ctx, b, "bench-balance", *workers, *each)
+				}
 				if err != nil {
 					return err
 				}
@@ -78,8 +100,16 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fmt.Fprintf(tw, "acquire + release, uncontended\t%v\t%.2f\n", acq.Round(100*time.Nanosecond), float64(acq)/float64(plain))
 	fmt.Fprintf(tw, "locked increment, %d workers\t%v\t%.2f\n", *workers, incrPer.Round(100*time.Nanosecond), float64(incrPer)/float64(plain))
 	tw.Flush()
-	fmt.Fprintf(stdout, "\n%d workers x %d locked increments -> %d each time, %.3fs on average over %d rounds\n",
-		*workers, *each, *workers**each, (incr / time.Duration(*rounds)).Seconds(), *rounds)
+	where := ""
+	if *processes > 1 {
+		where = fmt.Sprintf(" in %d processes", *processes)
+	}
+	fmt.Fprintf(stdout, "\n%d workers%s x %d locked increments -> %d each time, %.3fs on average over %d rounds\n",
+		*workers, where, *each, *workers**each, (incr / time.Duration(*rounds)).Seconds(), *rounds)
+	if *processes > 1 && b.redis != nil {
+		fmt.Fprintf(stdout, "Redis commands sent per increment (a script counts once; the workload's GET and SET are 2): %.2f\n",
+			float64(sent)/float64(*rounds**workers**each))
+	}
 	if b.redis != nil {
 		fmt.Fprintf(stdout, "round-trip floor (4 PINGs per increment, sequential, alternating with the runs): %.3fs; the increments took %.2fx the floor\n",
 			(floor / time.Duration(*rounds)).Seconds(), float64(incr)/float64(floor))

@@ -51,6 +51,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = runDemo(args[1:], stdout, stderr)
 	case "bench":
 		err = runBench(args[1:], stdout, stderr)
+	case "bench-child": // one process of fence bench -processes
+		err = runBenchChild(args[1:], stdout, stderr)
 	case "inspect":
 		err = runInspect(args[1:], stdout, stderr)
 	case "bump":
