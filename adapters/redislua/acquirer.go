@@ -153,12 +153,11 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 // grantChannel is the prefix of the acquirers' grant channels.
 func (a *Acquirer) grantChannel() string { return a.o.Prefix + "grant:" }
 
-// lineKeys returns the keys of name's lock script: lock, counter, line and
-// waiters' entries, all with the hash tag {name}.
+// lineKeys returns the keys of name's lock script: lock, counter and line,
+// all with the hash tag {name} (the waiters' entry keys too).
 func lineKeys(prefix, name string) []string {
 	lock, counter := lockKeys(prefix, name)
-	base := strings.TrimSuffix(lock, ":lock")
-	return []string{lock, counter, base + ":line", base + ":waiters"}
+	return []string{lock, counter, strings.TrimSuffix(lock, ":lock") + ":line"}
 }
 
 // lockReply is the lock script's answer.

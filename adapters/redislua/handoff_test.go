@@ -190,13 +190,13 @@ func TestHandoffFairAcrossAcquirers(t *testing.T) {
 		got <- err
 	}()
 	// The moment the remote waiter's entry is in line.
-	entries := redislua.DefaultPrefix + "{" + name + "}:waiters"
+	entries := redislua.DefaultPrefix + "{" + name + "}:w:*"
 	id := redislua.AcquirerID(remote) + " "
 	var grantsAtJoin int64 = -1
 	for grantsAtJoin < 0 {
-		vals, _ := c.HVals(ctx, entries).Result()
-		for _, v := range vals {
-			if strings.HasPrefix(v, id) {
+		keys, _ := c.Keys(ctx, entries).Result()
+		for _, k := range keys {
+			if v, _ := c.Get(ctx, k).Result(); strings.HasPrefix(v, id) {
 				grantsAtJoin = total.Load()
 			}
 		}

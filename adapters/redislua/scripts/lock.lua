@@ -1,8 +1,9 @@
 -- The lease of one name, with a line of waiters from any process.
 -- KEYS[1] the lock key (value nonce:token), KEYS[2] the token counter,
--- KEYS[3] the line (a list of waiter nonces, oldest first), KEYS[4] the
--- waiters' entries (hash nonce -> "acquirer stamp ttl_ms deadline_ms floor").
--- All four share the hash tag {name}, so one Cluster slot.
+-- KEYS[3] the line (a list of waiter nonces, oldest first). Each waiter has
+-- an entry key, KEYS[1] without ":lock" plus ":w:" and its nonce, holding
+-- "acquirer stamp ttl_ms floor" and expiring unless the waiter refreshes it.
+-- All share the hash tag {name}, so one Cluster slot.
 -- ARGV[1] the operation: "try", "wait", "release" or "leave".
 -- ARGV[2] the caller's nonce ("release": the holder's lock value).
 -- ARGV[3] the ttl in ms, ARGV[4] "1" to raise tokens to the server clock in µs,
@@ -14,7 +15,7 @@
 -- Reply: {code, number, [nonce, token, stamp, acquirer]} where the last four
 -- describe a grant this call made to a waiter (the head of the line).
 --   try/wait: code 1 = granted to the caller (number: token);
---             code 0 = held (number: pttl); "wait" has queued the caller.
+--             code 0 = held; "wait" has queued the caller.
 --   release:  code 0 = not the holder; 1 = released; 2 = handed to a waiter.
 --   leave:    code 0 = left the line; 3 = the caller had been granted the lock
 --             (number: that token), and released it.
@@ -22,11 +23,9 @@
 -- (nonce token stamp name); one to the caller's own acquirer is only in the
 -- reply. A waiter whose entry expired, or (ARGV[10]) whose acquirer no longer
 -- listens, is skipped.
-local lock, counter, line, entries = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local lock, counter, line = KEYS[1], KEYS[2], KEYS[3]
 local op, me, acq = ARGV[1], ARGV[2], ARGV[5]
-
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local entry_base = string.sub(lock, 1, #lock - 5) .. ':w:'
 
 local function next_token(floor)
   local n = 0
@@ -39,6 +38,7 @@ local function next_token(floor)
   end
   local tok = n + 1
   if floor then
+    local t = redis.call('TIME')
     local f = tonumber(t[1]) * 1000000 + tonumber(t[2])
     if f > tok then tok = f end
   end
@@ -58,11 +58,10 @@ local function grant_head()
   while true do
     local n = redis.call('LPOP', line)
     if not n then return nil end
-    local e = redis.call('HGET', entries, n)
-    redis.call('HDEL', entries, n)
+    local e = redis.call('GETDEL', entry_base .. n)
     if e then
-      local wacq, stamp, ttl, deadline, floor = string.match(e, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
-      if wacq and tonumber(deadline) >= now_ms then
+      local wacq, stamp, ttl, floor = string.match(e, '^(%S+) (%S+) (%S+) (%S+)$')
+      if wacq then
         local tok, err = next_token(floor == '1' or ARGV[4] == '1')
         if not tok then return nil, err end
         local heard = 1
@@ -83,20 +82,19 @@ local function reply(code, number, g)
   return {code, number}
 end
 
+-- enqueue puts the caller at the end of the line, or refreshes its entry.
+-- The line itself expires an hour after its last newcomer: by then only
+-- entries of waiters that died can be in it, and grants skip those.
 local function enqueue()
-  local e = acq .. ' ' .. ARGV[6] .. ' ' .. ARGV[3] .. ' ' .. (now_ms + tonumber(ARGV[7])) .. ' ' .. ARGV[4]
-  if redis.call('HSET', entries, me, e) == 1 then
+  local e = acq .. ' ' .. ARGV[6] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4]
+  if not redis.call('SET', entry_base .. me, e, 'PX', ARGV[7], 'GET') then
     redis.call('RPUSH', line, me)
-  end
-  local life = tonumber(ARGV[7]) * 2
-  if redis.call('PTTL', entries) < life then
-    redis.call('PEXPIRE', entries, life)
-    redis.call('PEXPIRE', line, life)
+    redis.call('PEXPIRE', line, 3600000)
   end
 end
 
 local function leave_line()
-  if redis.call('HDEL', entries, me) == 1 then
+  if redis.call('DEL', entry_base .. me) == 1 then
     redis.call('LREM', line, 1, me)
   end
 end
@@ -111,10 +109,10 @@ if op == 'try' or op == 'wait' then
   end
   if cur then
     if op == 'wait' then enqueue() end
-    return reply(0, redis.call('PTTL', lock))
+    return reply(0, 0)
   end
   -- Free: the line goes first (the caller's own entry counts from now).
-  if op == 'wait' and redis.call('HEXISTS', entries, me) == 1 then enqueue() end
+  if op == 'wait' and redis.call('EXISTS', entry_base .. me) == 1 then enqueue() end
   local g, err = grant_head()
   if err then return err end
   if g and g[1] == me then
@@ -122,7 +120,7 @@ if op == 'try' or op == 'wait' then
   end
   if g then
     if op == 'wait' then enqueue() end
-    return reply(0, redis.call('PTTL', lock), g)
+    return reply(0, 0, g)
   end
   leave_line()
   local tok, err2 = next_token(ARGV[4] == '1')
