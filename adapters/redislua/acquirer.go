@@ -24,10 +24,13 @@ var ErrNotReplicated = errors.New("redislua: grant not acknowledged by enough re
 type AcquirerOptions struct {
 	// Prefix starts every key, and may not contain braces. Default: "fence:".
 	Prefix string
-	// Backoff paces Acquire's attempts while the lease is held. Default: Min
-	// 20ms, Max 200ms, since a release wakes a waiter at once and polling only
-	// covers a missed notification; with DisableNotify, the zero fence.Backoff
-	// (Min 1ms, Max 100ms).
+	// Backoff paces Acquire's polls while the lease is held; a queued waiter
+	// also polls at least every ttl/4, which keeps its place in line. Its Max
+	// sets how long a place outlives its last poll: five times Max, at least
+	// 1s. Default: Min 20ms, Max 200ms, since a release grants the lease to the
+	// first waiter in line at once and polling only covers a lost message or
+	// an expired holder; with DisableNotify, the zero fence.Backoff (Min 1ms,
+	// Max 100ms).
 	Backoff fence.Backoff
 	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
 	Drift time.Duration
@@ -42,8 +45,9 @@ type AcquirerOptions struct {
 	// WaitTimeout bounds the WAIT. It must be shorter than the client's
 	// ReadTimeout, since the WAIT is pipelined with the grant. Default: 100ms.
 	WaitTimeout time.Duration
-	// DisableNotify turns off waking waiters by pub/sub; they then only poll.
-	// Default: false.
+	// DisableNotify turns off the line: waiters do not queue and are not told
+	// of grants by pub/sub; they only poll, and the first to find the lock free
+	// takes it (no order). Default: false.
 	DisableNotify bool
 }
 

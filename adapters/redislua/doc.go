@@ -3,8 +3,9 @@
 //
 //   - [Acquirer]: SET-NX-style leases whose token comes from a per-name counter,
 //     granted by one script in one round trip; token-checked renew and release;
-//     waiters wake on a release notification (pub/sub), with jittered backoff as
-//     the fallback.
+//     waiters of any process queue in Redis, and a release grants the lease to
+//     the first live one in its own script and tells it by pub/sub, with
+//     jittered polling as the fallback.
 //   - [Redlock]: the same on a majority of independent Redis primaries, with a
 //     fencing token that a later majority always exceeds.
 //   - [Writer]: a fence.FencedWriter keeping value and fence in one hash.
