@@ -2,10 +2,11 @@ package redislua
 
 import (
 	"context"
-	"crypto/rand"
+	crand "crypto/rand"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"time"
@@ -124,7 +125,7 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 
 func newNonce() string {
 	var b [12]byte
-	_, _ = rand.Read(b[:])
+	_, _ = crand.Read(b[:])
 	return hex.EncodeToString(b[:])
 }
 
@@ -364,8 +365,12 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 			inLine = false
 			return a.granted(ctx, name, ttl, nonce, r.number, sent, r.replicas)
 		}
-		// Poll at least every ttl/4, so that a grant's stamp is recent.
-		timer.Reset(min(a.o.Backoff.Delay(attempt), max(ttl/4, time.Millisecond)))
+		// In line, a release grants the lease and says so: polls only keep the
+		// place, find a holder that expired, and cover a lost message, so they
+		// come every half to whole Backoff.Max, and at least every ttl/4 so
+		// that a grant's stamp is recent.
+		delay := a.o.Backoff.Max/2 + rand.N(a.o.Backoff.Max/2+1)
+		timer.Reset(min(delay, max(ttl/4, time.Millisecond)))
 		select {
 		case m := <-ch:
 			l, err := a.take(ctx, name, ttl, nonce, m)
