@@ -185,16 +185,8 @@ func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Dur
 	}
 	keys := lineKeys(a.o.Prefix, name)
 	args := []any{op, me, ttlMs(ttl), floor, a.id, stamp, a.life.Milliseconds(), name, a.grantChannel(), a.heard}
-	r := lockReply{replicas: -1}
-	var (
-		res any
-		err error
-	)
-	if a.o.WaitReplicas > 0 && (op == "try" || op == "wait") {
-		res, r.replicas, err = a.runWait(ctx, lockScript, keys, args)
-	} else {
-		res, err = lockScript.Run(ctx, a.c, keys, args...).Result()
-	}
+	res, replicas, err := a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+	r := lockReply{replicas: replicas}
 	if err != nil {
 		return r, scriptError(err)
 	}
@@ -266,9 +258,15 @@ func (a *Acquirer) granted(ctx context.Context, name string, ttl time.Duration, 
 	return l, nil
 }
 
-// runWait sends a script and WAIT in one pipeline on one connection, so that
-// WAIT covers the script's writes.
-func (a *Acquirer) runWait(ctx context.Context, s *redis.Script, keys []string, args []any) (any, int64, error) {
+// run runs a script. When wait is set and the acquirer has WaitReplicas, it
+// sends the script and WAIT in one pipeline on one connection, so that WAIT
+// covers the script's writes, and returns WAIT's count; otherwise the count
+// is -1.
+func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args []any, wait bool) (any, int64, error) {
+	if !wait || a.o.WaitReplicas == 0 {
+		res, err := s.Run(ctx, a.c, keys, args...).Result()
+		return res, -1, err
+	}
 	run := func() ([]redis.Cmder, error) {
 		return a.c.Pipelined(ctx, func(p redis.Pipeliner) error {
 			s.EvalSha(ctx, p, keys, args...)
@@ -403,16 +401,7 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 	value := nonce + ":" + strconv.FormatUint(m.token, 10)
 	keys, args := []string{lock}, []any{value, ttlMs(ttl)}
 	sent := time.Now()
-	var (
-		res      any
-		err      error
-		replicas int64 = -1
-	)
-	if a.o.WaitReplicas > 0 {
-		res, replicas, err = a.runWait(ctx, renewScript, keys, args)
-	} else {
-		res, err = renewScript.Run(ctx, a.c, keys, args...).Result()
-	}
+	res, replicas, err := a.run(ctx, renewScript, keys, args, true)
 	if err != nil {
 		return nil, fmt.Errorf("redislua: acquire %q: confirming a grant: %w", name, err)
 	}

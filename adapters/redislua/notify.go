@@ -24,18 +24,27 @@ func newListener(c Client, channel string) *listener {
 }
 
 func (l *listener) run(ctx context.Context) {
-	ps := l.c.Subscribe(ctx, l.channel)
+	receive(ctx, l.c, l.channel,
+		l.WakeAll, // (re)subscribed: a release may have happened before
+		l.WakeOne,
+		l.WakeAll) // a broken connection may have lost messages
+}
+
+// receive subscribes to channel and, until ctx ends, calls subscribed on each
+// (re)subscription, message with each message's payload, and broken after a
+// receive error. go-redis reconnects a broken subscription by itself; a
+// message sent while it was down is lost. Receiving here rather than through
+// ps.Channel() saves a goroutine hop per message.
+func receive(ctx context.Context, c Client, channel string, subscribed func(), message func(payload string), broken func()) {
+	ps := c.Subscribe(ctx, channel)
 	defer ps.Close()
-	// go-redis reconnects a broken subscription by itself; a message sent while
-	// it was down is missed, and the waiters' backoff covers that. Receiving
-	// here rather than through ps.Channel() saves a goroutine hop per release.
 	for ctx.Err() == nil {
 		msg, err := ps.Receive(ctx)
 		if err != nil {
 			if ctx.Err() != nil {
 				return
 			}
-			l.WakeAll() // a broken connection may have lost messages
+			broken()
 			select {
 			case <-ctx.Done():
 				return
@@ -45,9 +54,9 @@ func (l *listener) run(ctx context.Context) {
 		}
 		switch m := msg.(type) {
 		case *redis.Message:
-			l.WakeOne(m.Payload)
+			message(m.Payload)
 		case *redis.Subscription:
-			l.WakeAll() // (re)subscribed: a release may have happened before
+			subscribed()
 		}
 	}
 }

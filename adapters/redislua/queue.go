@@ -6,8 +6,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
 // A waiter's place in line lives in Redis (see scripts/lock.lua): the script
@@ -113,36 +111,25 @@ func (g *grants) deliver(nonce string, m grantMsg) bool {
 }
 
 func (g *grants) run(ctx context.Context, ready chan struct{}) {
-	ps := g.c.Subscribe(ctx, g.channel)
-	defer ps.Close()
 	var once sync.Once
-	for ctx.Err() == nil {
-		msg, err := ps.Receive(ctx)
-		if err != nil {
-			// go-redis resubscribes by itself. A grant published meanwhile
-			// found no receiver and skipped the waiter, which finds itself out
-			// of line at its next poll and queues again.
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(10 * time.Millisecond):
-			}
-			continue
-		}
-		switch m := msg.(type) {
-		case *redis.Subscription:
-			once.Do(func() { close(ready) })
-		case *redis.Message:
-			// nonce token stamp name
-			f := strings.SplitN(m.Payload, " ", 4)
-			if len(f) < 3 {
-				continue
-			}
-			tok, err := strconv.ParseUint(f[1], 10, 64)
-			if err != nil {
-				continue
-			}
-			g.deliver(f[0], grantMsg{token: tok, sent: g.sentAt(f[2])})
-		}
+	receive(ctx, g.c, g.channel,
+		func() { once.Do(func() { close(ready) }) },
+		g.message,
+		// A grant published while the subscription was down found no
+		// receiver and skipped its waiter, which finds itself out of line at
+		// its next poll and queues again.
+		func() {})
+}
+
+// message passes a published grant ("nonce token stamp name") to its waiter.
+func (g *grants) message(payload string) {
+	f := strings.SplitN(payload, " ", 4)
+	if len(f) < 3 {
+		return
 	}
+	tok, err := strconv.ParseUint(f[1], 10, 64)
+	if err != nil {
+		return
+	}
+	g.deliver(f[0], grantMsg{token: tok, sent: g.sentAt(f[2])})
 }
