@@ -66,6 +66,36 @@ func redsyncLocker(c *redis.Client, opts ...redsync.Option) locker {
 	}
 }
 
+// contender builds one of the compared lockers by name.
+func contender(name string, c *redis.Client) locker {
+	switch name {
+	case "fencekit":
+		return fencekitLocker(c)
+	// redislock does not retry by default; its README retries with a
+	// linear 100ms backoff.
+	case "redislock-100ms":
+		return redislockLocker(c, redislock.LinearBackoff(100*time.Millisecond))
+	case "redislock-1ms":
+		return redislockLocker(c, redislock.LinearBackoff(time.Millisecond))
+	// redsync's defaults: 32 tries, 50-250ms apart; tries raised so that 20
+	// contenders do not give up.
+	case "redsync-default":
+		return redsyncLocker(c, redsync.WithTries(math.MaxInt32))
+	case "redsync-1ms":
+		return redsyncLocker(c, redsync.WithTries(math.MaxInt32), redsync.WithRetryDelay(time.Millisecond))
+	}
+	panic("unknown contender " + name)
+}
+
+var contenderNames = []string{"fencekit", "redislock-100ms", "redislock-1ms", "redsync-default", "redsync-1ms"}
+
+func redisAddr() string {
+	if a := os.Getenv("FENCEKIT_REDIS_ADDR"); a != "" {
+		return a
+	}
+	return "127.0.0.1:6379"
+}
+
 // increments is the lesson's workload: workers x each read-modify-write
 // increments of one counter, each under the lock. It returns the time taken and
 // fails when the count is not exact.
@@ -142,40 +172,44 @@ func envInt(name string, def int) int {
 // fencekit, bsm/redislock and go-redsync/redsync (each with its documented retry
 // and with a 1ms retry), and the round-trip floor, in rounds of random order.
 // It reports each one's mean time and its ratio to the floor and to fencekit.
-// BENCH_ROUNDS (default 5), BENCH_WORKERS (20) and BENCH_EACH (50) size it.
+// BENCH_ROUNDS (default 5), BENCH_WORKERS (20) and BENCH_EACH (50) size it;
+// BENCH_CONTENDERS (comma-separated) picks contenders.
 func BenchmarkPeers(b *testing.B) {
-	addr := os.Getenv("FENCEKIT_REDIS_ADDR")
-	if addr == "" {
-		addr = "127.0.0.1:6379"
-	}
-	c := redis.NewClient(&redis.Options{Addr: addr, PoolSize: 64})
+	c := redis.NewClient(&redis.Options{Addr: redisAddr(), PoolSize: 64})
 	defer c.Close()
+	lockers := map[string]locker{}
+	comparePeers(b, c, "", func(ctx context.Context, name string, workers, each int) (time.Duration, int64, int64, error) {
+		if lockers[name] == nil {
+			lockers[name] = contender(name, c)
+		}
+		d, err := increments(ctx, c, lockers[name], workers, each)
+		return d, -1, -1, err
+	})
+}
+
+// run is one contender's locked increments: the time, and the commands
+// processed by Redis and sent by the clients (-1 when not counted).
+type run func(ctx context.Context, name string, workers, each int) (took time.Duration, server, sent int64, err error)
+
+// comparePeers runs every contender and the round-trip floor in rounds of
+// random order and logs each one's mean time, its ratios to the floor and to
+// fencekit, and the commands per increment when counted.
+func comparePeers(b *testing.B, c *redis.Client, where string, inc run) {
 	ctx := context.Background()
 	if err := c.Ping(ctx).Err(); err != nil {
-		b.Skipf("Redis at %s: %v (run scripts/test.sh once to start it)", addr, err)
+		b.Skipf("Redis at %s: %v (run scripts/test.sh once to start it)", redisAddr(), err)
 	}
 	rounds, workers, each := envInt("BENCH_ROUNDS", 5), envInt("BENCH_WORKERS", 20), envInt("BENCH_EACH", 50)
-	contenders := []struct {
-		name string
-		lock locker
-	}{
-		{"fencekit", fencekitLocker(c)},
-		// redislock does not retry by default; its README retries with a
-		// linear 100ms backoff.
-		{"redislock-100ms", redislockLocker(c, redislock.LinearBackoff(100*time.Millisecond))},
-		{"redislock-1ms", redislockLocker(c, redislock.LinearBackoff(time.Millisecond))},
-		// redsync's defaults: 32 tries, 50-250ms apart; tries raised so that 20
-		// contenders do not give up.
-		{"redsync-default", redsyncLocker(c, redsync.WithTries(math.MaxInt32))},
-		{"redsync-1ms", redsyncLocker(c, redsync.WithTries(math.MaxInt32), redsync.WithRetryDelay(time.Millisecond))},
+	only := contenderNames
+	if v := os.Getenv("BENCH_CONTENDERS"); v != "" {
+		only = strings.Split(v, ",")
 	}
 	for i := 0; i < b.N; i++ {
-		total := map[string]time.Duration{}
+		total, server, sent := map[string]time.Duration{}, map[string]int64{}, map[string]int64{}
 		rng := rand.New(rand.NewPCG(uint64(i), 7))
 		for r := 0; r < rounds; r++ {
-			order := rng.Perm(len(contenders) + 1)
-			for _, k := range order {
-				if k == len(contenders) {
+			for _, k := range rng.Perm(len(only) + 1) {
+				if k == len(only) {
 					d, err := floor(ctx, c, workers*each)
 					if err != nil {
 						b.Fatal(err)
@@ -183,11 +217,13 @@ func BenchmarkPeers(b *testing.B) {
 					total["floor"] += d
 					continue
 				}
-				d, err := increments(ctx, c, contenders[k].lock, workers, each)
+				d, n, m, err := inc(ctx, only[k], workers, each)
 				if err != nil {
-					b.Fatalf("%s: %v", contenders[k].name, err)
+					b.Fatalf("%s: %v", only[k], err)
 				}
-				total[contenders[k].name] += d
+				total[only[k]] += d
+				server[only[k]] += n
+				sent[only[k]] += m
 			}
 		}
 		names := make([]string, 0, len(total))
@@ -195,13 +231,26 @@ func BenchmarkPeers(b *testing.B) {
 			names = append(names, n)
 		}
 		sort.Slice(names, func(i, j int) bool { return total[names[i]] < total[names[j]] })
+		counted := sent[only[0]] >= 0
 		var sb strings.Builder
-		fmt.Fprintf(&sb, "%d workers x %d locked increments, mean of %d rounds (floor: 4 PINGs per increment, sequential)\n", workers, each, rounds)
-		fmt.Fprintf(&sb, "%-16s %10s %8s %12s\n", "", "time", "/floor", "/fencekit")
+		fmt.Fprintf(&sb, "%d workers%s x %d locked increments, mean of %d rounds (floor: 4 PINGs per increment, sequential)\n",
+			workers, where, each, rounds)
+		fmt.Fprintf(&sb, "%-16s %10s %8s %10s", "", "time", "/floor", "/fencekit")
+		if counted {
+			fmt.Fprintf(&sb, " %10s %12s", "sent/incr", "server/incr")
+		}
+		sb.WriteString("\n")
+		incr := float64(rounds * workers * each)
 		for _, n := range names {
 			mean := total[n] / time.Duration(rounds)
-			fmt.Fprintf(&sb, "%-16s %10v %8.2f %12.2f\n", n, mean.Round(time.Millisecond),
+			fmt.Fprintf(&sb, "%-16s %10v %8.2f %10.2f", n, mean.Round(time.Millisecond),
 				float64(total[n])/float64(total["floor"]), float64(total[n])/float64(total["fencekit"]))
+			if counted && n == "floor" {
+				fmt.Fprintf(&sb, " %10.1f %12.1f", 4.0, 4.0)
+			} else if counted {
+				fmt.Fprintf(&sb, " %10.1f %12.1f", float64(sent[n])/incr, float64(server[n])/incr)
+			}
+			sb.WriteString("\n")
 			b.ReportMetric(float64(mean.Milliseconds()), n+"-ms")
 		}
 		b.Log("\n" + sb.String())

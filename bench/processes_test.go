@@ -4,11 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
-	"math/rand/v2"
 	"os"
 	"os/exec"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -16,37 +13,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/bsm/redislock"
 	"github.com/fencekit/fencekit/internal/childproc"
-	"github.com/go-redsync/redsync/v4"
 	"github.com/redis/go-redis/v9"
 )
-
-// contender builds one of the compared lockers by name.
-func contender(name string, c *redis.Client) locker {
-	switch name {
-	case "fencekit":
-		return fencekitLocker(c)
-	case "redislock-100ms":
-		return redislockLocker(c, redislock.LinearBackoff(100*time.Millisecond))
-	case "redislock-1ms":
-		return redislockLocker(c, redislock.LinearBackoff(time.Millisecond))
-	case "redsync-default":
-		return redsyncLocker(c, redsync.WithTries(math.MaxInt32))
-	case "redsync-1ms":
-		return redsyncLocker(c, redsync.WithTries(math.MaxInt32), redsync.WithRetryDelay(time.Millisecond))
-	}
-	panic("unknown contender " + name)
-}
-
-var contenderNames = []string{"fencekit", "redislock-100ms", "redislock-1ms", "redsync-default", "redsync-1ms"}
-
-func redisAddr() string {
-	if a := os.Getenv("FENCEKIT_REDIS_ADDR"); a != "" {
-		return a
-	}
-	return "127.0.0.1:6379"
-}
 
 // commands reads the server's total_commands_processed.
 func commands(ctx context.Context, c *redis.Client) (int64, error) {
@@ -73,60 +42,10 @@ func commands(ctx context.Context, c *redis.Client) (int64, error) {
 func BenchmarkPeersProcesses(b *testing.B) {
 	c := redis.NewClient(&redis.Options{Addr: redisAddr()})
 	defer c.Close()
-	ctx := context.Background()
-	if err := c.Ping(ctx).Err(); err != nil {
-		b.Skipf("Redis at %s: %v (run scripts/test.sh once to start it)", redisAddr(), err)
-	}
 	procs := envInt("BENCH_PROCESSES", 4)
-	rounds, workers, each := envInt("BENCH_ROUNDS", 5), envInt("BENCH_WORKERS", 20), envInt("BENCH_EACH", 50)
-	only := contenderNames
-	if v := os.Getenv("BENCH_CONTENDERS"); v != "" {
-		only = strings.Split(v, ",")
-	}
-	for i := 0; i < b.N; i++ {
-		total, cmds, sent := map[string]time.Duration{}, map[string]int64{}, map[string]int64{}
-		rng := rand.New(rand.NewPCG(uint64(i), 11))
-		for r := 0; r < rounds; r++ {
-			for _, k := range rng.Perm(len(only) + 1) {
-				if k == len(only) {
-					d, err := floor(ctx, c, workers*each)
-					if err != nil {
-						b.Fatal(err)
-					}
-					total["floor"] += d
-					continue
-				}
-				d, n, m, err := processIncrements(ctx, c, only[k], procs, workers, each)
-				if err != nil {
-					b.Fatalf("%s: %v", only[k], err)
-				}
-				total[only[k]] += d
-				cmds[only[k]] += n
-				sent[only[k]] += m
-			}
-		}
-		names := make([]string, 0, len(total))
-		for n := range total {
-			names = append(names, n)
-		}
-		sort.Slice(names, func(i, j int) bool { return total[names[i]] < total[names[j]] })
-		var sb strings.Builder
-		fmt.Fprintf(&sb, "%d processes x %d workers x %d locked increments, mean of %d rounds (floor: 4 PINGs per increment, sequential)\n",
-			procs, workers/procs, each, rounds)
-		fmt.Fprintf(&sb, "%-16s %10s %8s %10s %10s %12s\n", "", "time", "/floor", "/fencekit", "sent/incr", "server/incr")
-		for _, n := range names {
-			mean := total[n] / time.Duration(rounds)
-			per, server := "4.0", "4.0"
-			if n != "floor" {
-				incr := float64(rounds * workers * each)
-				per, server = fmt.Sprintf("%.1f", float64(sent[n])/incr), fmt.Sprintf("%.1f", float64(cmds[n])/incr)
-			}
-			fmt.Fprintf(&sb, "%-16s %10v %8.2f %10.2f %10s %12s\n", n, mean.Round(time.Millisecond),
-				float64(total[n])/float64(total["floor"]), float64(total[n])/float64(total["fencekit"]), per, server)
-			b.ReportMetric(float64(mean.Milliseconds()), n+"-ms")
-		}
-		b.Log("\n" + sb.String())
-	}
+	comparePeers(b, c, fmt.Sprintf(" in %d processes", procs), func(ctx context.Context, name string, workers, each int) (time.Duration, int64, int64, error) {
+		return processIncrements(ctx, c, name, procs, workers, each)
+	})
 }
 
 // processIncrements runs workers x each locked increments of a fresh counter
@@ -140,10 +59,7 @@ func processIncrements(ctx context.Context, c *redis.Client, name string, procs,
 	}
 	var cmds []*exec.Cmd
 	for p := 0; p < procs; p++ {
-		w := workers / procs
-		if p < workers%procs {
-			w++
-		}
+		w := childproc.Share(workers, procs, p)
 		cmd := exec.Command(os.Args[0], "-test.run=^TestPeerChild$", "-test.count=1")
 		cmd.Env = append(os.Environ(), "BENCH_CHILD="+name, "BENCH_KEY="+key,
 			"BENCH_CHILD_WORKERS="+strconv.Itoa(w), "BENCH_CHILD_EACH="+strconv.Itoa(each))

@@ -41,10 +41,7 @@ func processIncrements(ctx context.Context, b *backend, bc backendConfig, name s
 	}
 	var cmds []*exec.Cmd
 	for p := 0; p < procs; p++ {
-		w := workers / procs
-		if p < workers%procs {
-			w++
-		}
+		w := childproc.Share(workers, procs, p)
 		args := append([]string{"bench-child"}, bc.args()...)
 		args = append(args, "-key", key, "-workers", strconv.Itoa(w), "-each", strconv.Itoa(each))
 		cmds = append(cmds, exec.CommandContext(ctx, exe, args...))

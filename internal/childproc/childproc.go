@@ -122,3 +122,12 @@ func Sum(out [][]string, prefix string) int64 {
 	}
 	return n
 }
+
+// Share is child i's share when total workers are split between n children
+// as evenly as they go (the first total%n get one more).
+func Share(total, n, i int) int {
+	if i < total%n {
+		return total/n + 1
+	}
+	return total / n
+}
