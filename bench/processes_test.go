@@ -9,11 +9,11 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fencekit/fencekit/internal/childproc"
+	"github.com/fencekit/fencekit/internal/rediscount"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -60,7 +60,7 @@ func processIncrements(ctx context.Context, c *redis.Client, name string, procs,
 	var cmds []*exec.Cmd
 	for p := 0; p < procs; p++ {
 		w := childproc.Share(workers, procs, p)
-		cmd := exec.Command(os.Args[0], "-test.run=^TestPeerChild$", "-test.count=1")
+		cmd := exec.Command(os.Args[0])
 		cmd.Env = append(os.Environ(), "BENCH_CHILD="+name, "BENCH_KEY="+key,
 			"BENCH_CHILD_WORKERS="+strconv.Itoa(w), "BENCH_CHILD_EACH="+strconv.Itoa(each))
 		cmds = append(cmds, cmd)
@@ -89,20 +89,30 @@ func processIncrements(ctx context.Context, c *redis.Client, name string, procs,
 	return took, after - before - 1, childproc.Sum(out, "sent "), nil
 }
 
-// TestPeerChild is one process of BenchmarkPeersProcesses: it connects,
-// warms one connection per worker, prints "ready", waits for a line on stdin,
-// then runs its workers' locked increments and exits.
-func TestPeerChild(t *testing.T) {
+// TestMain runs this test binary as one process of BenchmarkPeersProcesses
+// when the benchmark starts it with BENCH_CHILD set, and as the test binary
+// otherwise.
+func TestMain(m *testing.M) {
 	name := os.Getenv("BENCH_CHILD")
 	if name == "" {
-		t.Skip("only run as a child process of BenchmarkPeersProcesses")
+		os.Exit(m.Run())
 	}
+	if err := peerChild(name); err != nil {
+		fmt.Fprintf(os.Stderr, "bench child %s: %v\n", name, err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// peerChild is one process of BenchmarkPeersProcesses: it connects, warms one
+// connection per worker, prints "ready", waits for a line on stdin, runs its
+// workers' locked increments with contender name, and prints "sent N".
+func peerChild(name string) error {
 	workers, each, key := envInt("BENCH_CHILD_WORKERS", 1), envInt("BENCH_CHILD_EACH", 1), os.Getenv("BENCH_KEY")
 	c := redis.NewClient(&redis.Options{Addr: redisAddr(), PoolSize: 64})
 	defer c.Close()
 	ctx := context.Background()
-	var sent atomic.Int64
-	c.AddHook(countHook{&sent})
+	sent := rediscount.Attach(c)
 	lock := contender(name, c)
 	var wg sync.WaitGroup
 	for w := 0; w < workers; w++ {
@@ -110,32 +120,13 @@ func TestPeerChild(t *testing.T) {
 		go func() { defer wg.Done(); _ = c.Ping(ctx).Err() }()
 	}
 	wg.Wait()
-	sent.Store(0)
+	sent.Reset()
 	if err := childproc.AwaitStart(os.Stdout); err != nil {
-		t.Fatal(err)
+		return err
 	}
 	if err := incrementLoop(ctx, c, lock, key, workers, each); err != nil {
-		t.Fatal(err)
+		return err
 	}
 	fmt.Printf("sent %d\n", sent.Load())
-}
-
-// countHook counts the commands a client sends (each command of a pipeline,
-// and a script as one command, EVALSHA or EVAL).
-type countHook struct{ n *atomic.Int64 }
-
-func (h countHook) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (h countHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		h.n.Add(1)
-		return next(ctx, cmd)
-	}
-}
-
-func (h countHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		h.n.Add(int64(len(cmds)))
-		return next(ctx, cmds)
-	}
+	return nil
 }

@@ -99,8 +99,8 @@ func BenchmarkHandoffAcrossProcesses(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHandoffChild$", "-test.count=1")
-	cmd.Env = append(os.Environ(), "FENCEKIT_HANDOFF_CHILD="+name, fmt.Sprintf("FENCEKIT_HANDOFF_ROUNDS=%d", b.N))
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), "FENCEKIT_CHILD=handoff", "FENCEKIT_CHILD_NAME="+name)
 	stdin, _ := cmd.StdinPipe()
 	stdout, _ := cmd.StdoutPipe()
 	if err := cmd.Start(); err != nil {
@@ -137,29 +137,4 @@ func BenchmarkHandoffAcrossProcesses(b *testing.B) {
 	slices.Sort(handoffs)
 	b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
 	b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
-}
-
-// TestHandoffChild is BenchmarkHandoffAcrossProcesses's waiter: for each
-// "next" on stdin, Acquire, print "granted <unix ns>", Release.
-func TestHandoffChild(t *testing.T) {
-	name := os.Getenv("FENCEKIT_HANDOFF_CHILD")
-	if name == "" {
-		t.Skip("only run as the child process of BenchmarkHandoffAcrossProcesses")
-	}
-	a, err := redislua.NewAcquirer(testenv.RedisClient(t), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	in := bufio.NewScanner(os.Stdin)
-	for in.Scan() {
-		l, err := a.Acquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
-		fmt.Printf("granted %d\n", time.Now().UnixNano())
-		if err := l.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
 }

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"strconv"
@@ -21,36 +20,6 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// The cross-process tests run waiters as child processes: this test binary,
-// run again with FENCEKIT_QUEUE_CHILD set to the lock name, is one waiter.
-
-// TestQueueChild is the child's body: Acquire the name (ttl 30s), print
-// "granted <token>", hold it for FENCEKIT_QUEUE_HOLD, release it, print
-// "released". It does nothing in a normal test run.
-func TestQueueChild(t *testing.T) {
-	name := os.Getenv("FENCEKIT_QUEUE_CHILD")
-	if name == "" {
-		t.Skip("only run as a child process of the cross-process tests")
-	}
-	hold, _ := time.ParseDuration(os.Getenv("FENCEKIT_QUEUE_HOLD"))
-	a, err := redislua.NewAcquirer(testenv.RedisClient(t), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	l, err := a.Acquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	fmt.Printf("granted %d\n", l.Token())
-	time.Sleep(hold)
-	if err := l.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	fmt.Println("released")
-}
-
 // child is a waiter in another process.
 type child struct {
 	cmd     *exec.Cmd
@@ -60,8 +29,8 @@ type child struct {
 
 func startChild(t *testing.T, name string, hold time.Duration) *child {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestQueueChild$", "-test.count=1", "-test.v")
-	cmd.Env = append(os.Environ(), "FENCEKIT_QUEUE_CHILD="+name, "FENCEKIT_QUEUE_HOLD="+hold.String())
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), "FENCEKIT_CHILD=queue", "FENCEKIT_CHILD_NAME="+name, "FENCEKIT_QUEUE_HOLD="+hold.String())
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

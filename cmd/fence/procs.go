@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/internal/childproc"
+	"github.com/fencekit/fencekit/internal/rediscount"
 )
 
 // Multi-process runs of the locked increments: fence bench -processes N runs
@@ -79,20 +80,20 @@ func runBenchChild(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer b.close()
-	var sent *commandCount
+	var sent *rediscount.Count
 	if b.redis != nil {
-		sent = countCommands(b.redis)
+		sent = rediscount.Attach(b.redis)
 	}
 	if _, err := parallel(*workers, 1, func() error { _, err := b.plainGet(ctx, *key); return err }); err != nil {
 		return err
 	}
-	sent.reset()
+	sent.Reset()
 	if err := childproc.AwaitStart(stdout); err != nil {
 		return err
 	}
 	if _, err := parallel(*workers, *each, func() error { return lockedIncrement(ctx, b, *key) }); err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "sent %d\n", sent.load())
+	fmt.Fprintf(stdout, "sent %d\n", sent.Load())
 	return nil
 }

@@ -122,7 +122,9 @@ if op == 'try' or op == 'wait' then
     if op == 'wait' then enqueue() end
     return reply(0, 0, g)
   end
-  leave_line()
+  -- A "try" caller was never in line; a "wait" caller still is only if the
+  -- line list expired under its entry.
+  if op == 'wait' then leave_line() end
   local tok, err2 = next_token(ARGV[4] == '1')
   if not tok then return err2 end
   set_lock(me, tok, ARGV[3])
