@@ -36,7 +36,10 @@ func (b Backoff) Check(op string) error {
 // DefaultMaxWait is the wait limit of a zero Backoff.
 const DefaultMaxWait = 30 * time.Second
 
-func (b Backoff) withDefaults() Backoff {
+// WithDefaults returns b as Delay, Sleep and Acquire read it: an unset Min is
+// 1ms, an unset Max 100ms (and never below Min), an unset MaxWait
+// DefaultMaxWait.
+func (b Backoff) WithDefaults() Backoff {
 	if b.Min <= 0 {
 		b.Min = time.Millisecond
 	}
@@ -55,7 +58,7 @@ func (b Backoff) withDefaults() Backoff {
 // Delay returns the pause before retry number attempt (0-based): a uniformly random
 // duration in [0, min(Max, Min*2^attempt)] ("full jitter").
 func (b Backoff) Delay(attempt int) time.Duration {
-	b = b.withDefaults()
+	b = b.WithDefaults()
 	ceil := b.Max
 	if attempt < 30 {
 		if d := b.Min << attempt; d > 0 && d < ceil {
@@ -94,7 +97,7 @@ func (b Backoff) Retry(ctx context.Context, wake <-chan struct{}, try func(conte
 }
 
 func (b Backoff) loop(ctx context.Context, wake <-chan struct{}, try func(context.Context) (Lease, error), tryFirst bool) (Lease, error) {
-	b = b.withDefaults()
+	b = b.WithDefaults()
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeoutCause(ctx, b.MaxWait,

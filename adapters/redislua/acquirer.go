@@ -62,9 +62,10 @@ type AcquirerOptions struct {
 type Acquirer struct {
 	c      Client
 	o      AcquirerOptions
-	id     string  // names this acquirer's line entries and grant channel
-	grants *grants // nil with DisableNotify: waiters poll and do not queue
-	life   time.Duration
+	id     string        // names this acquirer's line entries and grant channel
+	grants *grants       // nil with DisableNotify: waiters poll and do not queue
+	poll   time.Duration // a waiter in line polls every poll/2 to poll
+	life   time.Duration // how long a place in line outlives its last poll
 	// heard is "1" when PUBLISH's receiver count tells whether an acquirer
 	// listens (not on Cluster, where it counts one node's subscribers).
 	heard string
@@ -116,7 +117,8 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 		a.heard = "0"
 	}
 	// A line entry lives five polls, and at least a second, without a refresh.
-	a.life = max(time.Second, 5*o.Backoff.Max)
+	a.poll = o.Backoff.WithDefaults().Max
+	a.life = max(time.Second, 5*a.poll)
 	if !o.DisableNotify {
 		a.grants = newGrants(c, a.grantChannel()+a.id)
 	}
@@ -317,10 +319,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	ch, ready := a.grants.join(nonce)
 	defer a.grants.leave(nonce)
 	if _, ok := ctx.Deadline(); !ok {
-		maxWait := a.o.Backoff.MaxWait
-		if maxWait <= 0 {
-			maxWait = fence.DefaultMaxWait
-		}
+		maxWait := a.o.Backoff.WithDefaults().MaxWait
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeoutCause(ctx, maxWait,
 			fmt.Errorf("redislua: gave up after the maximum wait %v: %w", maxWait, context.DeadlineExceeded))
@@ -361,13 +360,14 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		a.handOver(r, sent)
 		if r.code == 1 {
 			inLine = false
-			return a.granted(ctx, name, ttl, nonce, r.number, sent, r.replicas)
+			l, err := a.granted(ctx, name, ttl, nonce, r.number, sent, r.replicas)
+			return lOrNil(l), err
 		}
 		// In line, a release grants the lease and says so: polls only keep the
 		// place, find a holder that expired, and cover a lost message, so they
 		// come every half to whole Backoff.Max, and at least every ttl/4 so
 		// that a grant's stamp is recent.
-		delay := a.o.Backoff.Max/2 + rand.N(a.o.Backoff.Max/2+1)
+		delay := a.poll/2 + rand.N(a.poll/2+1)
 		timer.Reset(min(delay, max(ttl/4, time.Millisecond)))
 		select {
 		case m := <-ch:

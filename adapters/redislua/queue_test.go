@@ -251,3 +251,42 @@ func TestQueueCancelAtGrant(t *testing.T) {
 	}
 	t.Logf("the waiter took the lease in %d of 30 rounds, gave up in the others", raced.Load())
 }
+
+// TestQueuedWaiterPollPace: a waiter in line polls every half to whole
+// Backoff.Max, read with fence.Backoff's defaults: with only Min set (Max
+// then 100ms), half a second of waiting costs a few polls, not a busy loop.
+func TestQueuedWaiterPollPace(t *testing.T) {
+	srv := testenv.StartRedis(t)
+	c := srv.Client(t)
+	opts := &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: time.Millisecond}}
+	holder, _ := redislua.NewAcquirer(c, opts)
+	waiter, _ := redislua.NewAcquirer(c, opts)
+	ctx := context.Background()
+	name := fencetest.Name("pace")
+	if _, err := holder.TryAcquire(ctx, name, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	calls := func() int64 {
+		info, err := c.Info(ctx, "commandstats").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(info, "\n") {
+			if rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:calls="); ok {
+				n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
+				return n
+			}
+		}
+		return 0
+	}
+	before := calls()
+	wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel()
+	if _, err := waiter.Acquire(wctx, name, time.Minute); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("Acquire of a held lock: %v, want ErrHeld", err)
+	}
+	// The first attempt, its place in line, 5 to 10 polls, leaving.
+	if n := calls() - before; n > 15 {
+		t.Errorf("%d scripts in 500ms of waiting, want at most 15", n)
+	}
+}
