@@ -25,10 +25,11 @@ var ErrNotReplicated = errors.New("redislua: grant not acknowledged by enough re
 type AcquirerOptions struct {
 	// Prefix starts every key, and may not contain braces. Default: "fence:".
 	Prefix string
-	// Backoff paces Acquire's polls while the lease is held; a queued waiter
-	// also polls at least every ttl/4, which keeps its place in line. Its Max
-	// sets how long a place outlives its last poll: five times Max, at least
-	// 1s. Default: Min 20ms, Max 200ms, since a release grants the lease to the
+	// Backoff paces Acquire's polls while the lease is held. A waiter in line
+	// polls every Max/2 to Max (and at least every ttl/4), which keeps its
+	// place; a place outlives its last poll by five times Max, at least 1s.
+	// With DisableNotify, polls follow Backoff.Delay. Its MaxWait bounds a
+	// wait whose ctx has no deadline. Default: Min 20ms, Max 200ms, since a release grants the lease to the
 	// first waiter in line at once and polling only covers a lost message or
 	// an expired holder; with DisableNotify, the zero fence.Backoff (Min 1ms,
 	// Max 100ms).
