@@ -75,7 +75,9 @@ type AcquirerOptions struct {
 // again 0 to 2 seconds after its ttl ran out, and a released one at once. The
 // holder's local deadline is measured from before the request that set the
 // lease, less Drift; this tolerates clock rates differing by up to Drift over a
-// ttl, and no clock offset at all.
+// ttl, and no clock offset at all. A read whose answer has no Date header is
+// an error; a PUT whose answer has none (a proxy may drop it) computes the
+// next expiry from the last Date seen, which only makes it later.
 //
 // A PUT whose answer was lost may have landed: the acquirer disables the SDK's
 // retries for its PUTs, reads the object again, and recognises its own write
@@ -233,8 +235,10 @@ func truncate(b []byte) string {
 
 // write PUTs st as name's lock object, conditional on etag (If-None-Match: *
 // when etag is empty), without the SDK's retries. It returns the new ETag and
-// S3's clock from the answer.
-func (a *Acquirer) write(ctx context.Context, name, etag string, st lockState) (string, s3Clock, error) {
+// S3's clock from the answer; an answer without a Date header gives prev, the
+// clock of an earlier answer, which still bounds S3's time (its latest() only
+// grows), so the next expiry computed from it is never too early.
+func (a *Acquirer) write(ctx context.Context, name, etag string, st lockState, prev s3Clock) (string, s3Clock, error) {
 	st.Format = lockFormat
 	body, _ := json.Marshal(st)
 	in := &s3.PutObjectInput{Bucket: &a.bucket, Key: aws.String(a.objectKey(name)),
@@ -253,6 +257,8 @@ func (a *Acquirer) write(ctx context.Context, name, etag string, st lockState) (
 	}
 	if d, ok := dateOf(md, err); ok {
 		clock.date = d
+	} else {
+		clock = prev
 	}
 	if err != nil {
 		return "", clock, err
@@ -306,7 +312,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 		if firstSent.IsZero() {
 			firstSent = sent
 		}
-		etag, clock, err := a.write(ctx, name, o.etag, st)
+		etag, clock, err := a.write(ctx, name, o.etag, st, o.clock)
 		switch {
 		case err == nil:
 			return a.lease(name, st, etag, clock, ttl, firstSent), nil
@@ -405,7 +411,7 @@ func (l *lease) Renew(ctx context.Context) error {
 		st := l.st
 		sent := time.Now()
 		st.Expires = l.clock.latest().Add(l.TTL()).UnixMilli() + 1
-		etag, clock, err := l.a.write(ctx, l.Name(), l.etag, st)
+		etag, clock, err := l.a.write(ctx, l.Name(), l.etag, st, l.clock)
 		if err == nil {
 			l.st, l.etag, l.clock = st, etag, clock
 			if !l.Extend(sent) {
@@ -448,7 +454,7 @@ func (l *lease) Release(ctx context.Context) error {
 	defer l.End(context.Canceled)
 	for attempt := 0; attempt < l.a.o.MaxAttempts; attempt++ {
 		st := lockState{Token: l.st.Token, Owner: l.st.Owner}
-		_, _, err := l.a.write(ctx, l.Name(), l.etag, st)
+		_, _, err := l.a.write(ctx, l.Name(), l.etag, st, l.clock)
 		if err == nil {
 			if l.Context().Err() != nil && errors.Is(context.Cause(l.Context()), fence.ErrLost) {
 				return l.lost() // released, but its local deadline had passed

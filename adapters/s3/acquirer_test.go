@@ -168,6 +168,39 @@ func testClockSkew(t *testing.T, e *s3env) {
 	f.clockOffset.Store(0)
 }
 
+// TestAcquirerPutWithoutDate: a server (or a proxy) whose answers to PUTs
+// carry no Date header leaves the acquirer with S3's time from its last read.
+// A renewal then still records an expiry past the holder's local deadline, so
+// a second grant waits for it.
+func TestAcquirerPutWithoutDate(t *testing.T) { servers(t, testPutWithoutDate) }
+
+func testPutWithoutDate(t *testing.T, e *s3env) {
+	f := e.faults(t)
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	f.noDate.Store(true)
+	defer f.noDate.Store(false)
+	name := fencetest.Name("nodate")
+	l, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 2; i++ {
+		if err := l.Renew(ctx); err != nil {
+			t.Fatalf("renew %d: %v", i, err)
+		}
+		if l2, err := a.TryAcquire(ctx, name, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("after renewal %d with no Date on the PUT's answer, a second grant: %v (token %v), want ErrHeld", i, err, l2)
+		}
+	}
+	if l.Context().Err() != nil {
+		t.Errorf("the lease ended: %v", context.Cause(l.Context()))
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+}
+
 func TestAcquirerBadOptions(t *testing.T) {
 	e := fakeS3(t)
 	for _, o := range []*s3fence.AcquirerOptions{{Drift: -1}, {MaxAttempts: -1}, {Backoff: fence.Backoff{Min: -1}}, {Prefix: "bad\x00"}} {

@@ -46,6 +46,8 @@ type faults struct {
 	// clockOffset shifts the Date header of every response: the server's
 	// clock as the client sees it, off from the client's own.
 	clockOffset atomic.Int64
+	// noDate drops the Date header from the answers to PUTs.
+	noDate atomic.Bool
 }
 
 // shiftedDate sets the Date header, shifted by offset, when the header is written.
@@ -97,6 +99,9 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	f.puts.Add(1)
+	if f.noDate.Load() {
+		w.Header()["Date"] = nil // net/http then sends none
+	}
 	f.mu.Lock()
 	var kind string
 	if len(f.plan) > 0 {
