@@ -92,7 +92,10 @@ type Options struct {
 	MaxBodySize int64
 	// MaxResponseSize bounds a recorded response body. A larger response is
 	// sent once; later requests with its key get 500, naming the cause, and the
-	// handler does not run again. Default: 1 MiB.
+	// handler does not run again. Every response to a request with a key is
+	// held in memory whole until it is recorded, whatever its size: do not put
+	// the middleware in front of handlers that stream large bodies.
+	// Default: 1 MiB.
 	MaxResponseSize int
 	// Idempotency configures idempotency.Do (lease, retention, Wait, Reconcile,
 	// Owner). Its MaxResultSize is set from MaxResponseSize.
@@ -284,7 +287,7 @@ func (m *middleware) serve(next http.Handler, w http.ResponseWriter, r *http.Req
 	var sent *storedResponse // what this request's own handler answered
 	res, err := idempotency.Do(r.Context(), m.store, storeKey(principal, key), m.fingerprint(r, body),
 		func(ctx context.Context, effectKey string) ([]byte, error) {
-			rec := &recorder{header: http.Header{}, limit: m.o.MaxResponseSize}
+			rec := &recorder{header: http.Header{}}
 			ctx = context.WithValue(ctx, effectKeyCtx{}, effectKey)
 			if err := runHandler(next, rec, r.WithContext(ctx)); err != nil {
 				return nil, err
@@ -384,12 +387,13 @@ func storeKey(principal, key string) string {
 	return "idemhttp:" + hex.EncodeToString(h[:])
 }
 
-// recorder buffers a handler's response.
+// recorder buffers a handler's whole response: it is sent after the store has
+// recorded it (or released the key, for a 5xx), so its size is bounded only by
+// what the handler writes; MaxResponseSize bounds what is recorded.
 type recorder struct {
 	header http.Header
 	status int
 	body   bytes.Buffer
-	limit  int
 }
 
 func (r *recorder) Header() http.Header { return r.header }
