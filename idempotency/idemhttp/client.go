@@ -138,14 +138,18 @@ func (t *Transport) encode(key string) string {
 
 // finalProblem reports a problem answer of this package's middleware that no
 // retry can change: the outcome is unknown until an operator resolves the
-// key, or the response was not kept. The body is read and put back.
+// key, or the response was not kept. The head of the body (64 KiB at most)
+// is read to tell, and put back in front of the rest.
 func finalProblem(resp *http.Response) bool {
 	if resp.StatusCode != http.StatusInternalServerError || resp.Header.Get("Content-Type") != "application/problem+json" {
 		return false
 	}
-	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-	resp.Body.Close()
-	resp.Body = io.NopCloser(bytes.NewReader(b))
+	rest := resp.Body
+	b, err := io.ReadAll(io.LimitReader(rest, 64<<10))
+	resp.Body = struct {
+		io.Reader
+		io.Closer
+	}{io.MultiReader(bytes.NewReader(b), rest), rest}
 	if err != nil {
 		return false
 	}

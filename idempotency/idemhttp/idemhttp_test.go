@@ -598,6 +598,25 @@ func TestTransport(t *testing.T) {
 	if uresp.StatusCode != http.StatusInternalServerError || f.seen.Load() != 1 || !strings.Contains(string(ub), "outcome-unknown") {
 		t.Errorf("outcome unknown: %d after %d attempts, body %q; want one attempt and the body intact", uresp.StatusCode, f.seen.Load(), ub)
 	}
+	// A large 500 problem body that is not final reaches the caller whole
+	// after the last attempt (the transport reads its head to decide).
+	big := `{"type":"about:blank","status":500,"code":"other","detail":"` + strings.Repeat("x", 100<<10) + `"}`
+	large := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/problem+json")
+		w.WriteHeader(http.StatusInternalServerError)
+		_, _ = io.WriteString(w, big)
+	}))
+	defer large.Close()
+	lreq, _ := http.NewRequestWithContext(idemhttp.WithKey(context.Background(), key()), http.MethodPost, large.URL, strings.NewReader("4200"))
+	lresp, err := (&http.Client{Transport: &idemhttp.Transport{MaxAttempts: 1}}).Do(lreq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb, _ := io.ReadAll(lresp.Body)
+	lresp.Body.Close()
+	if string(lb) != big {
+		t.Errorf("a %d-byte 500 problem body reached the caller as %d bytes", len(big), len(lb))
+	}
 	// A 422 (the key reused with another request) is final.
 	f.fails.Store(0)
 	f.seen.Store(0)
