@@ -43,10 +43,9 @@ func TestAcquirerConformance(t *testing.T) {
 // TestAcquirerFaults: a grant whose answer was lost is recognised as ours by
 // its nonce; 409, 412 and 500 on the grant's PUT make it read and try again;
 // a renewal and a release whose answers were lost are recognised too.
-func TestAcquirerFaults(t *testing.T) { servers(t, testAcquirerFaults) }
+func TestAcquirerFaults(t *testing.T) { faultServers(t, testAcquirerFaults) }
 
-func testAcquirerFaults(t *testing.T, e *s3env) {
-	f := e.faults(t)
+func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 	a := newAcquirer(t, e)
 	ctx := context.Background()
 	var last fence.Token
@@ -130,10 +129,9 @@ func testLockObjectABA(t *testing.T, e *s3env) {
 // minutes off from the client's. Expiry is decided on the server's clock and
 // the time since its answers, never on the client's wall clock: a lease is
 // neither taken over early nor held for minutes.
-func TestAcquirerClockSkew(t *testing.T) { servers(t, testClockSkew) }
+func TestAcquirerClockSkew(t *testing.T) { faultServers(t, testClockSkew) }
 
-func testClockSkew(t *testing.T, e *s3env) {
-	f := e.faults(t)
+func testClockSkew(t *testing.T, e *s3env, f *faults) {
 	a := newAcquirer(t, e)
 	ctx := context.Background()
 	for _, off := range []time.Duration{10 * time.Minute, -10 * time.Minute} {
@@ -172,10 +170,9 @@ func testClockSkew(t *testing.T, e *s3env) {
 // carry no Date header leaves the acquirer with S3's time from its last read.
 // A renewal then still records an expiry past the holder's local deadline, so
 // a second grant waits for it.
-func TestAcquirerPutWithoutDate(t *testing.T) { servers(t, testPutWithoutDate) }
+func TestAcquirerPutWithoutDate(t *testing.T) { faultServers(t, testPutWithoutDate) }
 
-func testPutWithoutDate(t *testing.T, e *s3env) {
-	f := e.faults(t)
+func testPutWithoutDate(t *testing.T, e *s3env, f *faults) {
 	a := newAcquirer(t, e)
 	ctx := context.Background()
 	f.noDate.Store(true)
