@@ -12,7 +12,6 @@ import (
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -220,7 +219,7 @@ func servers(t *testing.T, fn func(t *testing.T, e *s3env)) {
 // change the Host its requests are signed for: fn is not run on it.
 func faultServers(t *testing.T, fn func(t *testing.T, e *s3env, f *faults)) {
 	t.Run("gofakes3", func(t *testing.T) { e := fakeS3(t); fn(t, e, e.f) })
-	if os.Getenv("FENCEKIT_S3_ENDPOINT") != "" {
+	if testenv.ExternalS3() {
 		t.Log("not run on the external server of FENCEKIT_S3_ENDPOINT: faults need a proxy in front of a local server")
 		return
 	}

@@ -29,6 +29,10 @@ type S3Server struct {
 	External bool
 }
 
+// ExternalS3 reports whether FENCEKIT_S3_ENDPOINT names the real S3 server of
+// the tests, which RealS3 then returns instead of starting versitygw.
+func ExternalS3() bool { return os.Getenv("FENCEKIT_S3_ENDPOINT") != "" }
+
 // RealS3 returns the real S3-compatible server the tests run against: the one
 // named by FENCEKIT_S3_ENDPOINT (with FENCEKIT_S3_ACCESS_KEY,
 // FENCEKIT_S3_SECRET_KEY, FENCEKIT_S3_REGION and FENCEKIT_S3_BUCKET), for
@@ -38,7 +42,8 @@ type S3Server struct {
 // fails when CI is set.
 func RealS3(t testing.TB) *S3Server {
 	t.Helper()
-	if ep := os.Getenv("FENCEKIT_S3_ENDPOINT"); ep != "" {
+	if ExternalS3() {
+		ep := os.Getenv("FENCEKIT_S3_ENDPOINT")
 		s := &S3Server{Name: "external", Endpoint: ep, Region: os.Getenv("FENCEKIT_S3_REGION"),
 			AccessKey: os.Getenv("FENCEKIT_S3_ACCESS_KEY"), SecretKey: os.Getenv("FENCEKIT_S3_SECRET_KEY"),
 			Bucket: os.Getenv("FENCEKIT_S3_BUCKET"), External: true}
