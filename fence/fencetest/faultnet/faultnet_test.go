@@ -57,7 +57,9 @@ func (c *conn) must(cmd string) string {
 	return r
 }
 
-func key(t *testing.T) string { return "faultnet:" + t.Name() + ":" + time.Now().Format("150405.000000000") }
+func key(t *testing.T) string {
+	return "faultnet:" + t.Name() + ":" + time.Now().Format("150405.000000000")
+}
 
 func TestForwards(t *testing.T) {
 	p := faultnet.Start(t, redisTarget(t))
