@@ -25,7 +25,7 @@ const LostReplyEnv = "FENCEKIT_LOST_REPLY"
 func (s Suite) faulty(t *testing.T) (faulty idempotency.Store, px *faultnet.Proxy, direct idempotency.Store) {
 	t.Helper()
 	if s.Faulty == nil {
-		t.Skip("no Faulty harness: the store is not reached over a network")
+		t.Skip("no Faulty harness (the store behind a fault proxy) for this backend")
 	}
 	if os.Getenv(LostReplyEnv) == "" {
 		t.Skipf("the lost-reply cases are off: set %s=1 to run them", LostReplyEnv)

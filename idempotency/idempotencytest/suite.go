@@ -200,15 +200,45 @@ func (s Suite) testWait(t *testing.T) {
 		}, s.opts(func(o *idempotency.Options) { o.Lease = 10 * time.Second }))
 	}()
 	<-started
-	time.AfterFunc(100*time.Millisecond, func() { close(release) })
+	// The first owner finishes once the waiting caller has found the key in
+	// progress, so the case shows a wait, not a replay that came too late.
+	seen := &seesInProgress{Store: st, k: k, ch: make(chan struct{})}
+	go func() {
+		select {
+		case <-seen.ch:
+		case <-time.After(20 * time.Second):
+		}
+		close(release)
+	}()
 	c := &counter{}
-	r, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("second"), s.opts(func(o *idempotency.Options) { o.Wait = true }))
+	r, err := idempotency.Do(ctxT(t), seen, k, "fp", c.effect("second"), s.opts(func(o *idempotency.Options) { o.Wait = true }))
+	select {
+	case <-seen.ch:
+	default:
+		t.Error("the waiting caller never found the key in progress")
+	}
 	if err != nil || string(r.Value) != "first" || !r.Replayed {
 		t.Fatalf("waiting Do: %+v, %v; want the first owner's result replayed", r, err)
 	}
 	if c.runs.Load() != 0 {
 		t.Error("the waiting caller ran the effect too")
 	}
+}
+
+// seesInProgress closes ch the first time Begin finds k held by another owner.
+type seesInProgress struct {
+	idempotency.Store
+	k    string
+	ch   chan struct{}
+	once sync.Once
+}
+
+func (w *seesInProgress) Begin(ctx context.Context, k, fp, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	rec, created, err := w.Store.Begin(ctx, k, fp, owner, lease)
+	if err == nil && !created && k == w.k && (rec.State == idempotency.Claimed || rec.State == idempotency.Armed) && rec.LeaseLeft > 0 {
+		w.once.Do(func() { close(w.ch) })
+	}
+	return rec, created, err
 }
 
 func (s Suite) testConcurrent(t *testing.T) {
@@ -299,7 +329,7 @@ func (s Suite) testAmbiguous(t *testing.T) {
 	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts()); !errors.Is(err, idempotency.ErrInProgress) {
 		t.Errorf("while the ambiguous owner's lease runs: %v, want ErrInProgress", err)
 	}
-	time.Sleep(s.Lease + 100*time.Millisecond)
+	s.leaseOver(t, st, k)
 	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts()); !errors.Is(err, idempotency.ErrUnknown) {
 		t.Fatalf("after the lease, without Reconcile: %v, want ErrUnknown", err)
 	}
@@ -445,7 +475,7 @@ func (s Suite) testCrashDuringCompletion(t *testing.T) {
 	if rec := state(t, st, k); rec.State != idempotency.Armed {
 		t.Fatalf("state %s, want armed (never deleted)", rec.State)
 	}
-	time.Sleep(s.Lease + 100*time.Millisecond)
+	s.leaseOver(t, st, k)
 	r2, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("again"), s.opts(func(o *idempotency.Options) {
 		o.Reconcile = func(context.Context, string) (bool, []byte, error) { return true, []byte("charged"), nil }
 	}))
@@ -494,13 +524,9 @@ func (s Suite) testPurge(t *testing.T) {
 	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("v"), s.opts(func(o *idempotency.Options) { o.Retention = 100 * time.Millisecond })); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(250 * time.Millisecond)
-	n, err := st.Purge(ctxT(t))
-	if err != nil || (n < 1 && !s.SelfExpiring) {
-		t.Fatalf("Purge: %d, %v", n, err)
-	}
-	if _, err := st.Get(ctxT(t), k); !errors.Is(err, fence.ErrNotFound) {
-		t.Errorf("after purge: %v", err)
+	time.Sleep(100 * time.Millisecond)
+	if n := s.removed(t, st, k); n < 1 && !s.SelfExpiring {
+		t.Fatalf("the record is gone, but Purge reported %d records removed", n)
 	}
 	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("v2"), s.opts()); err != nil || c.runs.Load() != 2 {
 		t.Errorf("a purged key runs anew: %v, runs %d", err, c.runs.Load())
@@ -529,17 +555,20 @@ func (s Suite) testUpdateErrors(t *testing.T) {
 }
 
 // removed waits until k's record is gone: Purge removes it, or a self-expiring
-// store expires it.
-func (s Suite) removed(t *testing.T, st idempotency.Store, k string) {
+// store expires it. It returns how many records its Purge calls removed.
+func (s Suite) removed(t *testing.T, st idempotency.Store, k string) int {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
+	purged := 0
 	for {
-		if _, err := st.Purge(ctxT(t)); err != nil {
+		n, err := st.Purge(ctxT(t))
+		if err != nil {
 			t.Fatalf("Purge: %v", err)
 		}
-		_, err := st.Get(ctxT(t), k)
+		purged += n
+		_, err = st.Get(ctxT(t), k)
 		if errors.Is(err, fence.ErrNotFound) {
-			return
+			return purged
 		}
 		if err != nil {
 			t.Fatalf("Get: %v", err)
