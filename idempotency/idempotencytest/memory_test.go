@@ -33,6 +33,8 @@ const (
 	bugTakeoverDropsFingerprint = "takeover-drops-fingerprint"
 	// Get falls back to a record whose key starts with the key asked for.
 	bugGetByPrefix = "get-by-prefix"
+	// Keys are compared as a case-insensitive, PAD SPACE collation does.
+	bugKeyCollation = "key-collation"
 	// Begin claims anew only a missing or released record: past its
 	// retention, a record nobody purged is still replayed.
 	bugBeginIgnoresRetention = "begin-ignores-retention"
@@ -74,6 +76,14 @@ func newMemStore(bug string) *memStore {
 
 var _ idempotency.Store = (*memStore)(nil)
 
+// id is the map key of key: key itself, or what the collation mutant makes of it.
+func (s *memStore) id(key string) string {
+	if s.bug == bugKeyCollation {
+		return strings.ToLower(strings.TrimRight(key, " "))
+	}
+	return key
+}
+
 func check(op string, ctx context.Context, key string) error {
 	if err := fence.CheckContext(op, ctx); err != nil {
 		return err
@@ -113,12 +123,12 @@ func (s *memStore) Begin(ctx context.Context, key, fingerprint, owner string, le
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := time.Now()
-	if r, ok := s.recs[key]; ok && r.state != idempotency.Released && (s.bug == bugBeginIgnoresRetention || !pastRetention(r, now)) {
+	if r, ok := s.recs[s.id(key)]; ok && r.state != idempotency.Released && (s.bug == bugBeginIgnoresRetention || !pastRetention(r, now)) {
 		return s.read(key, r, now), false, nil
 	}
-	r := &memRecord{fingerprint: fingerprint, state: idempotency.Claimed, fence: s.high[key] + 1, owner: owner, leaseUntil: now.Add(lease), started: now}
-	s.raise(key, r.fence)
-	s.recs[key] = r
+	r := &memRecord{fingerprint: fingerprint, state: idempotency.Claimed, fence: s.high[s.id(key)] + 1, owner: owner, leaseUntil: now.Add(lease), started: now}
+	s.raise(s.id(key), r.fence)
+	s.recs[s.id(key)] = r
 	return s.read(key, r, now), true, nil
 }
 
@@ -132,7 +142,7 @@ func (s *memStore) Update(ctx context.Context, key string, from idempotency.Stat
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := time.Now()
-	r, ok := s.recs[key]
+	r, ok := s.recs[s.id(key)]
 	if !ok {
 		return idempotency.Record{}, fence.ErrNotFound
 	}
@@ -163,7 +173,7 @@ func (s *memStore) Update(ctx context.Context, key string, from idempotency.Stat
 	if ch.Retention > 0 {
 		r.expires = now.Add(ch.Retention)
 	}
-	s.raise(key, r.fence)
+	s.raise(s.id(key), r.fence)
 	return s.read(key, r, now), nil
 }
 
@@ -173,7 +183,7 @@ func (s *memStore) Get(ctx context.Context, key string) (idempotency.Record, err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	r, ok := s.recs[key]
+	r, ok := s.recs[s.id(key)]
 	if !ok && s.bug == bugGetByPrefix {
 		for _, k := range slices.Sorted(maps.Keys(s.recs)) {
 			if strings.HasPrefix(k, key) {

@@ -19,6 +19,7 @@ var mutants = []struct{ bug, kill string }{
 	{bugRenewKeepsLease, "RenewalKeepsKeyPastLease"},
 	{bugTakeoverDropsFingerprint, "TakeoverKeepsFingerprint"},
 	{bugGetByPrefix, "GetMatchesWholeKey"},
+	{bugKeyCollation, "GetMatchesWholeKey"},
 	{bugBeginIgnoresRetention, "BeginAfterRetentionWithoutPurge"},
 	{bugRestartIgnored, "TakeoverRestartsInProgress"},
 	{bugAliasStoredResult, "ResultNotAliased"},
