@@ -244,6 +244,15 @@ func (w *seesInProgress) Begin(ctx context.Context, k, fp, owner string, lease t
 	return rec, created, err
 }
 
+// Subscribe passes the store's notifications through, so a waiting Do is woken
+// as it would be without the wrapper.
+func (w *seesInProgress) Subscribe(k string) (<-chan struct{}, func()) {
+	if n, ok := w.Store.(idempotency.Notifier); ok {
+		return n.Subscribe(k)
+	}
+	return nil, func() {} // a nil channel never receives: Do polls
+}
+
 func (s Suite) testConcurrent(t *testing.T) {
 	st := s.New(t)
 	k, c := key(), &counter{}

@@ -1,6 +1,7 @@
 package idempotencytest_test
 
 import (
+	"errors"
 	"os"
 	"os/exec"
 	"strings"
@@ -50,7 +51,8 @@ func TestMutantsKilled(t *testing.T) {
 			cmd := exec.Command(os.Args[0], "-test.run=^TestMemoryStore$/^"+m.kill+"$", "-test.count=1", "-test.timeout=2m")
 			cmd.Env = append(os.Environ(), mutantEnv+"="+m.bug)
 			out, err := cmd.CombinedOutput()
-			if _, failed := err.(*exec.ExitError); !failed {
+			var exit *exec.ExitError
+			if !errors.As(err, &exit) {
 				t.Fatalf("the suite's %s passed on mutant %s (err %v):\n%s", m.kill, m.bug, err, out)
 			}
 			if !strings.Contains(string(out), "--- FAIL: TestMemoryStore/"+m.kill+" ") {
