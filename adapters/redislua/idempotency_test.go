@@ -8,6 +8,7 @@ import (
 
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 	"github.com/fencekit/fencekit/internal/testenv"
@@ -15,11 +16,27 @@ import (
 )
 
 func TestIdempotencyStore(t *testing.T) {
-	s, err := redislua.NewIdempotencyStore(testenv.RedisClient(t), &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
+	opts := &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond}
+	s, err := redislua.NewIdempotencyStore(testenv.RedisClient(t), opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true, BadKeys: []string{"a{b}"}}.Run(t)
+	idempotencytest.Suite{
+		New:          func(t *testing.T) idempotency.Store { return s },
+		SelfExpiring: true,
+		BadKeys:      []string{"a{b}"},
+		// The test server through a fault proxy, with a client on go-redis's defaults.
+		Faulty: func(t *testing.T) (idempotency.Store, *faultnet.Proxy) {
+			px := faultnet.Start(t, testenv.RedisAddr())
+			c := redis.NewClient(&redis.Options{Addr: px.Addr()})
+			t.Cleanup(func() { c.Close() })
+			fs, err := redislua.NewIdempotencyStore(c, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return fs, px
+		},
+	}.Run(t)
 }
 
 // countingClient counts the commands a client sends (one round trip each; a

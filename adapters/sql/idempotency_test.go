@@ -2,13 +2,19 @@ package sqlfence_test
 
 import (
 	"context"
+	"net"
+	"strconv"
 	"testing"
 	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/idempotency/idempotencytest"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 )
 
 func idemStore(t *testing.T, fdb *sqlfence.DB) *sqlfence.IdempotencyStore {
@@ -32,9 +38,36 @@ func TestIdempotencyPostgres(t *testing.T) {
 	for style, fdb := range pgHandles(t) {
 		t.Run(style, func(t *testing.T) {
 			s := idemStore(t, fdb)
-			idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
+			idempotencytest.Suite{
+				New:     func(t *testing.T) idempotency.Store { return s },
+				BadKeys: badKeys,
+				Faulty:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyPostgres(t, style) },
+			}.Run(t)
 		})
 	}
+}
+
+// faultyPostgres returns an idempotency store on the test PostgreSQL server,
+// reached through a fault proxy, with the handle style of pgHandles.
+func faultyPostgres(t *testing.T, style string) (idempotency.Store, *faultnet.Proxy) {
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	px := faultnet.Start(t, net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port))))
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = "127.0.0.1", uint16(px.Port()), nil
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	fdb := sqlfence.Pgx(p)
+	if style != "pgx" {
+		db := stdlib.OpenDBFromPool(p)
+		t.Cleanup(func() { db.Close() })
+		fdb = sqlfence.Postgres(db)
+	}
+	return idemStore(t, fdb), px
 }
 
 // TestIdempotencyCompleteTx: the key's completion and the caller's own write

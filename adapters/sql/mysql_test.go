@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -12,11 +13,12 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 	"github.com/fencekit/fencekit/internal/benchutil"
 	"github.com/fencekit/fencekit/internal/testenv"
-	_ "github.com/go-sql-driver/mysql"
+	"github.com/go-sql-driver/mysql"
 )
 
 // openMySQL opens the test MySQL or MariaDB server with extra DSN parameters
@@ -97,9 +99,42 @@ func TestMySQLIdempotency(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
+			idempotencytest.Suite{
+				New:     func(t *testing.T) idempotency.Store { return s },
+				BadKeys: badKeys,
+				Faulty:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyMySQL(t, params) },
+			}.Run(t)
 		})
 	}
+}
+
+// faultyMySQL returns an idempotency store on the test MySQL or MariaDB server,
+// reached through a fault proxy, with openMySQL's extra DSN parameters.
+func faultyMySQL(t *testing.T, params string) (idempotency.Store, *faultnet.Proxy) {
+	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	px := faultnet.Start(t, cfg.Addr)
+	cfg.Addr = px.Addr()
+	dsn := cfg.FormatDSN()
+	if params != "" {
+		sep := "?"
+		if strings.Contains(dsn, "?") {
+			sep = "&"
+		}
+		dsn += sep + params
+	}
+	db, err := sql.Open("mysql", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	s, err := sqlfence.NewIdempotencyStore(sqlfence.MySQL(db), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, px
 }
 
 // questions returns the statements the session of db (one connection) has sent.
