@@ -44,6 +44,7 @@ var mutants = []struct {
 	{"key-fold-case", "Writer", "KeysIndependent", "keys compared case-insensitively (a _ci collation)"},
 	{"key-pad-space", "Writer", "KeysIndependent", "trailing spaces ignored in keys (PAD SPACE)"},
 	{"key-utf8mb3", "Writer", "KeysIndependent", "4-byte characters in keys stored as '?' (a 3-byte character set)"},
+	{"refuse-valid", "EntryPoints", "valid", "Write refuses a valid key of 64 bytes with ErrInvalid"},
 }
 
 // memServer is the "server": its own clock, its locks and rows, one mutex for
@@ -282,6 +283,9 @@ func (w memWriter) put(op string, ctx context.Context, key string, value []byte,
 	if err := fence.CheckToken(op, token); err != nil {
 		return err
 	}
+	if w.s.bug == "refuse-valid" && len(key) >= 64 {
+		return &fence.InvalidError{Op: op, Arg: "key", Reason: "too long"}
+	}
 	w.s.mu.Lock()
 	defer w.s.mu.Unlock()
 	k := w.s.fold("key", key)
@@ -382,5 +386,23 @@ func TestMutantsKilled(t *testing.T) {
 			}
 			t.Logf("mutant %q (%s) killed by %s (all failing cases: %v)", m.name, m.what, m.kill, cases)
 		})
+	}
+}
+
+// TestMemoryEntryPoints: EntryPoints accepts the correct in-memory backend's
+// answers to valid and invalid input.
+func TestMemoryEntryPoints(t *testing.T) {
+	srv := newMemServer(memoryBug(t))
+	e := &fencetest.EntryPoints{Writer: memWriter{s: srv}, Acquirer: memAcquirer{s: srv, maxWait: time.Second},
+		Refuses: func(s string) bool { return fence.CheckText("", "", s, 0) != nil }}
+	for _, c := range []struct {
+		name, key, lock string
+		ttl             time.Duration
+		token           uint64
+	}{
+		{"valid", strings.Repeat("k", 100), "n", time.Second, 1},
+		{"invalid", "nul\x00", "", 0, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) { e.Check(t, c.key, c.lock, int64(c.ttl), c.token, []byte("v")) })
 	}
 }
