@@ -455,11 +455,12 @@ func (s AcquirerSuite) testReleaseTwice(t *testing.T) {
 func (s AcquirerSuite) testRenewExtends(t *testing.T) {
 	a, b := s.New(t), s.NewOther(t)
 	name := Name("renew")
-	l := mustTry(t, a, name, s.ShortTTL)
+	ttl := s.renewTTL()
+	l := mustTry(t, a, name, ttl)
 	defer release(t, l)
-	end := time.Now().Add(3 * s.ShortTTL)
+	end := time.Now().Add(3 * ttl)
 	for time.Now().Before(end) {
-		time.Sleep(s.ShortTTL / 3)
+		time.Sleep(ttl / 3)
 		if err := l.Renew(ctxT(t)); err != nil {
 			t.Fatalf("Renew: %v", err)
 		}
@@ -475,6 +476,12 @@ func (s AcquirerSuite) testRenewExtends(t *testing.T) {
 		t.Fatalf("TryAcquire after renewals kept the lease past 3 ttl: err = %v, want ErrHeld", err)
 	}
 }
+
+// renewTTL is the lease of the cases that keep a lease alive by renewing it
+// every third of its ttl: ShortTTL, but at least 600ms, so that a renewal
+// delayed on a loaded machine does not lose it (a 150ms lease leaves a
+// renewal under 100ms of slack).
+func (s AcquirerSuite) renewTTL() time.Duration { return max(s.ShortTTL, 600*time.Millisecond) }
 
 func (s AcquirerSuite) testContextAfterRelease(t *testing.T) {
 	a := s.New(t)
@@ -514,11 +521,12 @@ func (s AcquirerSuite) testHold(t *testing.T) {
 	a, b := s.New(t), s.NewOther(t)
 	name := Name("hold")
 	var token fence.Token
-	err := fence.Hold(ctxT(t), a, name, s.ShortTTL, func(ctx context.Context, l fence.Lease) error {
+	ttl := s.renewTTL()
+	err := fence.Hold(ctxT(t), a, name, ttl, func(ctx context.Context, l fence.Lease) error {
 		token = l.Token()
 		// Outlive the ttl several times: the watchdog must keep the lease.
 		select {
-		case <-time.After(3 * s.ShortTTL):
+		case <-time.After(3 * ttl):
 		case <-ctx.Done():
 			return context.Cause(ctx)
 		}
