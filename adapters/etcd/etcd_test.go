@@ -23,6 +23,14 @@ func TestAcquirerConformance(t *testing.T) {
 	}
 	fencetest.AcquirerSuite{
 		New: func(t *testing.T) fence.Acquirer { return a },
+		// Another process: an acquirer on a client of its own.
+		NewOther: func(t *testing.T) fence.Acquirer {
+			a, err := etcdfence.New(c.Client(t), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return a
+		},
 		// etcd counts leases in whole seconds and raises short ones to its
 		// minimum (about 2s with the default election timeout).
 		ShortTTL: 2 * time.Second,

@@ -22,6 +22,7 @@ func TestWriterConformance(t *testing.T) {
 	fencetest.WriterSuite{
 		New:     func(t *testing.T) fence.FencedWriter { return w },
 		BadKeys: []string{"a{b}", "x}"},
+		Faulty:  faultyWriter,
 	}.Run(t)
 }
 
@@ -40,7 +41,10 @@ func TestAcquirerConformance(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, BadNames: []string{"a{b}", "x}"}}.Run(t)
+			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, BadNames: []string{"a{b}", "x}"},
+				NewOther: otherAcquirer(&o.opts),
+				Faulty:   faultyAcquirer(&o.opts),
+			}.Run(t)
 		})
 	}
 }

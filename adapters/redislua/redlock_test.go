@@ -31,13 +31,25 @@ func fiveNodes(t *testing.T) ([]*testenv.RedisServer, []redislua.Client) {
 }
 
 func TestRedlockConformance(t *testing.T) {
-	_, clients := fiveNodes(t)
+	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	fencetest.AcquirerSuite{
-		New:      func(t *testing.T) fence.Acquirer { return r },
+		New: func(t *testing.T) fence.Acquirer { return r },
+		// Another process: a Redlock on clients of its own to the same nodes.
+		NewOther: func(t *testing.T) fence.Acquirer {
+			own := make([]redislua.Client, len(servers))
+			for i, s := range servers {
+				own[i] = s.Client(t)
+			}
+			r, err := redislua.NewRedlock(own, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return r
+		},
 		ShortTTL: 300 * time.Millisecond,
 		// Contenders split the votes and retry: keep the contention test to a
 		// size that finishes in seconds under -race on two cores.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net/http"
 	"testing"
 	"time"
 
@@ -30,7 +31,14 @@ func TestAcquirerConformance(t *testing.T) {
 		t.Parallel()
 		a := newAcquirer(t, e)
 		fencetest.AcquirerSuite{
-			New:      func(*testing.T) fence.Acquirer { return a },
+			New: func(*testing.T) fence.Acquirer { return a },
+			// Another process: an acquirer on a client (and connections) of its own.
+			NewOther: func(t *testing.T) fence.Acquirer {
+				c := s3.New(e.c.Options(), func(o *s3.Options) {
+					o.HTTPClient = &http.Client{Transport: &http.Transport{}}
+				})
+				return newAcquirer(t, &s3env{c: c, bucket: e.bucket})
+			},
 			ShortTTL: 4 * time.Second,
 			MaxTTL:   s3fence.MaxAcquirerTTL,
 			BadNames: []string{"nul\x00", "bad \xff"},

@@ -248,6 +248,7 @@ func testWriterConformance(t *testing.T, e *s3env) {
 				BadKeys:    []string{strings.Repeat("k", s3fence.MaxKeyBytes+1), "nul\x00byte", "bad utf-8 \xff"},
 				Writers:    8,
 				WritesEach: 15,
+				Faulty:     faultyWriter(e, &o.opts),
 			}.Run(t)
 		})
 	}

@@ -73,7 +73,9 @@ func TestMySQLWriterConformance(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys}.Run(t)
+			fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys,
+				Faulty: faultyWriter(mysqlOpener(params), mysqlTarget),
+			}.Run(t)
 		})
 	}
 }
@@ -86,7 +88,10 @@ func TestMySQLAcquirerConformance(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys}.Run(t)
+			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+				NewOther: otherAcquirer(mysqlOpener(params), nil),
+				Faulty:   faultyAcquirer(mysqlOpener(params), mysqlTarget, nil),
+			}.Run(t)
 		})
 	}
 }

@@ -3,6 +3,8 @@ package sqlfence_test
 import (
 	"context"
 	"database/sql"
+	"net"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -34,6 +36,7 @@ func (c *counter) TraceQueryEnd(_ context.Context, _ *pgx.Conn, d pgx.TraceQuery
 type pgOpts struct {
 	params map[string]string // server settings for every connection
 	tracer *counter
+	addr   string // host:port to dial instead of the server's (a faultnet proxy)
 }
 
 // pgPool returns a pgx pool on the test server, closed at the end of the test.
@@ -48,6 +51,14 @@ func pgPool(t testing.TB, o pgOpts) *pgxpool.Pool {
 	}
 	if o.tracer != nil {
 		cfg.ConnConfig.Tracer = o.tracer
+	}
+	if o.addr != "" {
+		host, port, err := net.SplitHostPort(o.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, _ := strconv.Atoi(port)
+		cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(n), nil
 	}
 	ctx := context.Background()
 	p, err := pgxpool.NewWithConfig(ctx, cfg)

@@ -35,6 +35,7 @@ func TestPostgresWriterConformance(t *testing.T) {
 			fencetest.WriterSuite{
 				New:     func(t *testing.T) fence.FencedWriter { return w },
 				BadKeys: badKeys,
+				Faulty:  faultyWriter(pgOpener(style), pgTarget),
 			}.Run(t)
 		})
 	}
@@ -70,11 +71,15 @@ func TestPostgresAcquirerConformance(t *testing.T) {
 	for style, fdb := range pgHandles(t) {
 		for _, notify := range []bool{true, false} {
 			t.Run(fmt.Sprintf("%s/notify=%v", style, notify), func(t *testing.T) {
-				a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{DisableNotify: !notify})
+				opts := &sqlfence.AcquirerOptions{DisableNotify: !notify}
+				a, err := sqlfence.NewAcquirer(fdb, opts)
 				if err != nil {
 					t.Fatal(err)
 				}
-				fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys}.Run(t)
+				fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+					NewOther: otherAcquirer(pgOpener(style), opts),
+					Faulty:   faultyAcquirer(pgOpener(style), pgTarget, opts),
+				}.Run(t)
 			})
 		}
 	}

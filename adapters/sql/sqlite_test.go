@@ -98,6 +98,8 @@ func TestSQLiteAcrossHandles(t *testing.T) {
 		t.Errorf("token on the second handle = %d, want %d", l2.Token(), l.Token()+1)
 	}
 	_ = l2.Release(context.Background())
+	// The suite, with New and NewOther each on a handle of its own.
+	fencetest.AcquirerSuite{New: open, NewOther: open, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys}.Run(t)
 }
 
 // badKeys are keys and lock names sqlfence refuses on every dialect: what

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 )
 
 // AcquirerSuite is the conformance suite for a fence.Acquirer.
@@ -41,6 +42,29 @@ type AcquirerSuite struct {
 	// BadNames are lock names the backend cannot store, beside the empty name,
 	// which every acquirer must refuse with ErrInvalid before any request.
 	BadNames []string
+
+	// NewOther returns an acquirer independent of the ones New returns: its own
+	// client, connection pool or database handle on the same backend, as a
+	// second process would have. Cases that mean two processes (mutual
+	// exclusion, a new holder after an expiry, a second acquirer's TryAcquire)
+	// take one acquirer from New and one from NewOther.
+	// Default: New, called again (which shares whatever New shares).
+	NewOther func(t *testing.T) fence.Acquirer
+
+	// SetCounter, when set, makes the backend's token counter for name say that
+	// tok was the last token granted, with no holder, so the next grant would
+	// carry tok+1. The TokensExhausted case uses it to bring a counter to
+	// MaxToken. Default: the acquirer's Bump when it is a fence.Bumper;
+	// without either, that case is skipped with a logged reason.
+	SetCounter func(t *testing.T, name string, tok fence.Token)
+
+	// Faulty, when set, returns an acquirer with a client of its own that
+	// reaches the backend only through the returned proxy, and nothing else
+	// uses that proxy. The lost-reply cases arm the proxy to lose the reply
+	// of the next request after a warm-up grant. They run only when the
+	// environment variable named by LostReplyEnv is "1"; otherwise, and when
+	// Faulty is nil, they are skipped with a logged reason.
+	Faulty func(t *testing.T) (fence.Acquirer, *faultnet.Proxy)
 }
 
 // Name returns a fresh random lock name with prefix, for tests that share a backend.
@@ -64,6 +88,9 @@ func (s AcquirerSuite) Run(t *testing.T) {
 	if s.Increments <= 0 {
 		s.Increments = 25
 	}
+	if s.NewOther == nil {
+		s.NewOther = s.New
+	}
 	tests := []struct {
 		name string
 		fn   func(*testing.T)
@@ -85,6 +112,13 @@ func (s AcquirerSuite) Run(t *testing.T) {
 		{"BadInput", s.testBadInput},
 		{"ExtremeTTLs", s.testExtremeTTLs},
 		{"NilContext", s.testNilContext},
+		{"StaleRenewKeepsNewHolder", s.testStaleRenew},
+		{"NoGrantWhileHolderContextLive", s.testNoGrantWhileLive},
+		{"TokensExhausted", s.testTokensExhausted},
+		{"LostReplyTryAcquire", s.lostReply(s.testLostReplyGrant(false))},
+		{"LostReplyAcquire", s.lostReply(s.testLostReplyGrant(true))},
+		{"LostReplyRenew", s.lostReply(s.testLostReplyRenew)},
+		{"LostReplyRelease", s.lostReply(s.testLostReplyRelease)},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, tc.fn)
@@ -123,8 +157,9 @@ func mustTry(t *testing.T, a fence.Acquirer, name string, ttl time.Duration) fen
 
 // testMutualExclusion: workers do a non-atomic read-modify-write of a shared
 // counter under the lease; the result is exact and no two holders overlap.
+// Half the workers use New's acquirer, half NewOther's, as two processes would.
 func (s AcquirerSuite) testMutualExclusion(t *testing.T) {
-	a := s.New(t)
+	acqs := [2]fence.Acquirer{s.New(t), s.NewOther(t)}
 	name := Name("mutex")
 	var (
 		// counter is read and written in two separate steps; mu only keeps the race
@@ -141,6 +176,7 @@ func (s AcquirerSuite) testMutualExclusion(t *testing.T) {
 	errs := make(chan error, s.Workers)
 	for w := 0; w < s.Workers; w++ {
 		wg.Add(1)
+		a := acqs[w%2]
 		go func() {
 			defer wg.Done()
 			for i := 0; i < s.Increments; i++ {
@@ -201,26 +237,34 @@ func (s AcquirerSuite) testTokensIncrease(t *testing.T) {
 }
 
 func (s AcquirerSuite) testTokensIncreaseAfterExpiry(t *testing.T) {
-	a := s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	name := Name("expiry")
 	l1 := mustTry(t, a, name, s.ShortTTL)
 	time.Sleep(s.ShortTTL + s.ShortTTL/2)
-	l2 := mustTry(t, a, name, longTTL)
+	l2 := mustTry(t, b, name, longTTL)
 	defer release(t, l2)
 	if l2.Token() <= l1.Token() {
 		t.Fatalf("re-grant after expiry: token %d not larger than expired grant's %d", l2.Token(), l1.Token())
 	}
 }
 
+// tryBound is how long a TryAcquire on a held lease may take on a loaded
+// machine: one round trip (or one per node), never a wait for the holder.
+const tryBound = 750 * time.Millisecond
+
+// lateBound is how long after its context ended a waiting Acquire may take to
+// return on a loaded machine.
+const lateBound = 400 * time.Millisecond
+
 func (s AcquirerSuite) testTryAcquireHeld(t *testing.T) {
-	a := s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	name := Name("held")
 	l := mustTry(t, a, name, longTTL)
 	defer release(t, l)
 	// No deadline on ctx: an acquirer that waited instead of answering at once
 	// would wait its whole maximum wait.
 	start := time.Now()
-	l2, err := a.TryAcquire(context.Background(), name, longTTL)
+	l2, err := b.TryAcquire(context.Background(), name, longTTL)
 	if !errors.Is(err, fence.ErrHeld) {
 		if l2 != nil {
 			_ = l2.Release(context.Background())
@@ -230,21 +274,64 @@ func (s AcquirerSuite) testTryAcquireHeld(t *testing.T) {
 	if l2 != nil {
 		t.Errorf("TryAcquire returned a lease together with ErrHeld")
 	}
-	if d := time.Since(start); d > 5*time.Second {
-		t.Errorf("TryAcquire on a held lease waited %v instead of answering at once", d)
+	if d := time.Since(start); d > tryBound {
+		t.Errorf("TryAcquire on a held lease took %v (more than %v) instead of answering at once", d, tryBound)
 	}
 }
 
+// testNamesIndependent: names that differ in any byte are different locks,
+// also where a collation or a conversion would fold them into one (case, a
+// trailing space, 4-byte characters, Unicode normalisation, a tab, a long
+// name's last byte). Holding the first of a pair must not block the second.
 func (s AcquirerSuite) testNamesIndependent(t *testing.T) {
 	a := s.New(t)
 	la := mustTry(t, a, Name("a"), longTTL)
 	defer release(t, la)
 	lb := mustTry(t, a, Name("b"), longTTL)
 	release(t, lb)
+	for _, p := range confusablePairs(Name("names")) {
+		if p.skip(s.BadNames) {
+			continue
+		}
+		l1, err := a.TryAcquire(ctxT(t), p.a, longTTL)
+		if errors.Is(err, fence.ErrInvalid) && p.long {
+			l2, err2 := a.TryAcquire(ctxT(t), p.b, longTTL)
+			if errors.Is(err2, fence.ErrInvalid) {
+				t.Logf("%s: both names refused with ErrInvalid (a length limit below %d bytes): %v", p.what, len(p.a), err)
+				continue
+			}
+			if l2 != nil {
+				_ = l2.Release(context.Background())
+			}
+			t.Errorf("%s: one name refused (%v), the other of the same length not (%v)", p.what, err, err2)
+			continue
+		}
+		if err != nil {
+			t.Errorf("%s: TryAcquire(%s): %v", p.what, shortName(p.a), err)
+			continue
+		}
+		l2, err := a.TryAcquire(ctxT(t), p.b, longTTL)
+		if err != nil {
+			t.Errorf("%s: while %s is held, TryAcquire(%s): %v, want a grant: the two names share one lock", p.what, shortName(p.a), shortName(p.b), err)
+		} else {
+			if l2.Name() != p.b {
+				t.Errorf("%s: lease name = %s, want %s", p.what, shortName(l2.Name()), shortName(p.b))
+			}
+			release(t, l2)
+		}
+		// The first lease is still held after the second came and went.
+		if l3, err := a.TryAcquire(ctxT(t), p.a, longTTL); !errors.Is(err, fence.ErrHeld) {
+			if l3 != nil {
+				_ = l3.Release(context.Background())
+			}
+			t.Errorf("%s: after the lease on %s was released, TryAcquire(%s) = %v, want ErrHeld", p.what, shortName(p.b), shortName(p.a), err)
+		}
+		release(t, l1)
+	}
 }
 
 func (s AcquirerSuite) testAcquireWaitsForRelease(t *testing.T) {
-	a := s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	name := Name("wait")
 	l1 := mustTry(t, a, name, longTTL)
 	var released atomic.Bool
@@ -255,7 +342,7 @@ func (s AcquirerSuite) testAcquireWaitsForRelease(t *testing.T) {
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	l2, err := a.Acquire(ctx, name, longTTL)
+	l2, err := b.Acquire(ctx, name, longTTL)
 	if err != nil {
 		t.Fatalf("Acquire waiting for a release: %v", err)
 	}
@@ -268,14 +355,21 @@ func (s AcquirerSuite) testAcquireWaitsForRelease(t *testing.T) {
 	}
 }
 
+// testAcquireGivesUp: Acquire returns soon after its deadline (at most
+// lateBound later), with ErrHeld joined with DeadlineExceeded.
 func (s AcquirerSuite) testAcquireGivesUp(t *testing.T) {
-	a := s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	name := Name("giveup")
 	l := mustTry(t, a, name, longTTL)
 	defer release(t, l)
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	const wait = 200 * time.Millisecond
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	defer cancel()
-	l2, err := a.Acquire(ctx, name, longTTL)
+	l2, err := b.Acquire(ctx, name, longTTL)
+	if d := time.Since(start); d > wait+lateBound {
+		t.Errorf("Acquire with a %v deadline returned after %v, more than %v past its deadline", wait, d, lateBound)
+	}
 	if err == nil {
 		_ = l2.Release(context.Background())
 		t.Fatal("Acquire granted a held lease")
@@ -285,14 +379,29 @@ func (s AcquirerSuite) testAcquireGivesUp(t *testing.T) {
 	}
 }
 
+// testAcquireCancelled: a cancelled Acquire returns soon after the cancel (at
+// most lateBound later), with ErrHeld joined with context.Canceled.
 func (s AcquirerSuite) testAcquireCancelled(t *testing.T) {
-	a := s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	name := Name("cancel")
 	l := mustTry(t, a, name, longTTL)
 	defer release(t, l)
 	ctx, cancel := context.WithCancel(context.Background())
-	time.AfterFunc(100*time.Millisecond, cancel)
-	_, err := a.Acquire(ctx, name, longTTL)
+	var cancelled atomic.Int64
+	time.AfterFunc(100*time.Millisecond, func() {
+		cancelled.Store(time.Now().UnixNano())
+		cancel()
+	})
+	l2, err := b.Acquire(ctx, name, longTTL)
+	if at := cancelled.Load(); at == 0 {
+		t.Errorf("Acquire returned before it was cancelled (err %v)", err)
+	} else if d := time.Since(time.Unix(0, at)); d > lateBound {
+		t.Errorf("Acquire returned %v after it was cancelled, more than %v", d, lateBound)
+	}
+	if err == nil {
+		_ = l2.Release(context.Background())
+		t.Fatal("Acquire granted a held lease")
+	}
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
 		t.Errorf("cancelled Acquire: err = %v, want ErrHeld joined with context.Canceled", err)
 	}
@@ -301,11 +410,11 @@ func (s AcquirerSuite) testAcquireCancelled(t *testing.T) {
 // testExpiredRelease is the lesson's plain-DEL bug: A's lease expires, B takes the
 // lock, A "releases". A's release must report the loss and leave B's lease alone.
 func (s AcquirerSuite) testExpiredRelease(t *testing.T) {
-	a := s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	name := Name("plaindel")
 	la := mustTry(t, a, name, s.ShortTTL)
 	time.Sleep(s.ShortTTL + s.ShortTTL/2)
-	lb := mustTry(t, a, name, longTTL)
+	lb := mustTry(t, b, name, longTTL)
 	defer release(t, lb)
 	if err := la.Release(context.Background()); !errors.Is(err, fence.ErrLost) {
 		t.Errorf("expired holder's Release: err = %v, want ErrLost", err)
@@ -344,13 +453,14 @@ func (s AcquirerSuite) testReleaseTwice(t *testing.T) {
 }
 
 func (s AcquirerSuite) testRenewExtends(t *testing.T) {
-	a := s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	name := Name("renew")
-	l := mustTry(t, a, name, s.ShortTTL)
+	ttl := s.renewTTL()
+	l := mustTry(t, a, name, ttl)
 	defer release(t, l)
-	end := time.Now().Add(3 * s.ShortTTL)
+	end := time.Now().Add(3 * ttl)
 	for time.Now().Before(end) {
-		time.Sleep(s.ShortTTL / 3)
+		time.Sleep(ttl / 3)
 		if err := l.Renew(ctxT(t)); err != nil {
 			t.Fatalf("Renew: %v", err)
 		}
@@ -358,7 +468,7 @@ func (s AcquirerSuite) testRenewExtends(t *testing.T) {
 	if err := l.Context().Err(); err != nil {
 		t.Fatalf("context of a renewed lease is done: %v", context.Cause(l.Context()))
 	}
-	l2, err := a.TryAcquire(ctxT(t), name, longTTL)
+	l2, err := b.TryAcquire(ctxT(t), name, longTTL)
 	if !errors.Is(err, fence.ErrHeld) {
 		if l2 != nil {
 			_ = l2.Release(context.Background())
@@ -366,6 +476,12 @@ func (s AcquirerSuite) testRenewExtends(t *testing.T) {
 		t.Fatalf("TryAcquire after renewals kept the lease past 3 ttl: err = %v, want ErrHeld", err)
 	}
 }
+
+// renewTTL is the lease of the cases that keep a lease alive by renewing it
+// every third of its ttl: ShortTTL, but at least 600ms, so that a renewal
+// delayed on a loaded machine does not lose it (a 150ms lease leaves a
+// renewal under 100ms of slack).
+func (s AcquirerSuite) renewTTL() time.Duration { return max(s.ShortTTL, 600*time.Millisecond) }
 
 func (s AcquirerSuite) testContextAfterRelease(t *testing.T) {
 	a := s.New(t)
@@ -402,18 +518,19 @@ func (s AcquirerSuite) testContextAfterLoss(t *testing.T) {
 }
 
 func (s AcquirerSuite) testHold(t *testing.T) {
-	a := s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	name := Name("hold")
 	var token fence.Token
-	err := fence.Hold(ctxT(t), a, name, s.ShortTTL, func(ctx context.Context, l fence.Lease) error {
+	ttl := s.renewTTL()
+	err := fence.Hold(ctxT(t), a, name, ttl, func(ctx context.Context, l fence.Lease) error {
 		token = l.Token()
 		// Outlive the ttl several times: the watchdog must keep the lease.
 		select {
-		case <-time.After(3 * s.ShortTTL):
+		case <-time.After(3 * ttl):
 		case <-ctx.Done():
 			return context.Cause(ctx)
 		}
-		l2, err := a.TryAcquire(context.Background(), name, longTTL)
+		l2, err := b.TryAcquire(context.Background(), name, longTTL)
 		if !errors.Is(err, fence.ErrHeld) {
 			if l2 != nil {
 				_ = l2.Release(context.Background())
@@ -425,7 +542,7 @@ func (s AcquirerSuite) testHold(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Hold: %v", err)
 	}
-	l := mustTry(t, a, name, longTTL)
+	l := mustTry(t, b, name, longTTL)
 	defer release(t, l)
 	if l.Token() <= token {
 		t.Errorf("token after Hold %d not larger than Hold's %d", l.Token(), token)
@@ -481,7 +598,7 @@ func (s AcquirerSuite) testBadInput(t *testing.T) {
 // ErrInvalid. Whatever happens, a second acquirer never gets a lease that is
 // already granted (the bug of a ttl whose rounding overflows).
 func (s AcquirerSuite) testExtremeTTLs(t *testing.T) {
-	a, b := s.New(t), s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	max := s.MaxTTL
 	if max <= 0 {
 		max = math.MaxInt64
@@ -536,7 +653,7 @@ func (s AcquirerSuite) testExtremeTTLs(t *testing.T) {
 // testNilContext: every method that takes a context refuses a nil one with
 // ErrInvalid (never a panic that could leave a handle locked).
 func (s AcquirerSuite) testNilContext(t *testing.T) {
-	a := s.New(t)
+	a, b := s.New(t), s.NewOther(t)
 	var nilCtx context.Context
 	name := Name("nilctx")
 	if _, err := a.TryAcquire(nilCtx, name, longTTL); !errors.Is(err, fence.ErrInvalid) {
@@ -556,8 +673,133 @@ func (s AcquirerSuite) testNilContext(t *testing.T) {
 		t.Errorf("Release with a nil context: %v, want ErrInvalid", err)
 	}
 	// The refused calls changed nothing: the lease is still held and works.
-	if _, err := a.TryAcquire(ctxT(t), name, longTTL); !errors.Is(err, fence.ErrHeld) {
+	if _, err := b.TryAcquire(ctxT(t), name, longTTL); !errors.Is(err, fence.ErrHeld) {
 		t.Errorf("after the refused calls: %v, want ErrHeld", err)
 	}
 	release(t, l)
+}
+
+// testStaleRenew: A's lease expires, B is granted the name, then A renews. A
+// gets ErrLost, and A's renewal must not touch B's lease on the backend: one
+// ttl of A's later, the name is still B's. (A Renew that checks the expiry but
+// not the holder's token would shorten B's lease to A's ttl, and a third
+// client would be granted while B's context is live.)
+func (s AcquirerSuite) testStaleRenew(t *testing.T) {
+	a, b := s.New(t), s.NewOther(t)
+	name := Name("stalerenew")
+	start := time.Now()
+	la := mustTry(t, a, name, s.ShortTTL)
+	time.Sleep(time.Until(start.Add(s.ShortTTL + s.ShortTTL/2)))
+	lb := mustTry(t, b, name, longTTL)
+	defer release(t, lb)
+	renewed := time.Now()
+	if err := la.Renew(ctxT(t)); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("expired holder's Renew: err = %v, want ErrLost", err)
+	}
+	// Past the ttl the stale renewal would have set on the backend.
+	time.Sleep(time.Until(renewed.Add(s.ShortTTL + s.ShortTTL/2)))
+	lc, err := a.TryAcquire(ctxT(t), name, longTTL)
+	if !errors.Is(err, fence.ErrHeld) {
+		if lc != nil {
+			_ = lc.Release(context.Background())
+		}
+		t.Fatalf("%v after the expired holder's Renew, a third client got %v, want ErrHeld: the stale Renew shortened the new holder's lease", s.ShortTTL+s.ShortTTL/2, err)
+	}
+	if err := lb.Context().Err(); err != nil {
+		t.Errorf("the new holder's context is done: %v", context.Cause(lb.Context()))
+	}
+	if err := lb.Renew(ctxT(t)); err != nil {
+		t.Errorf("the new holder's Renew after the stale Renew: %v", err)
+	}
+}
+
+// testNoGrantWhileLive is the core promise: the holder's context ends before
+// anyone else can be granted the name. A second acquirer polls TryAcquire from
+// the grant until the first lease's context is done; a grant while that
+// context is live fails (a backend whose lease is shorter than the ttl, e.g. a
+// ttl rounded down, does that).
+func (s AcquirerSuite) testNoGrantWhileLive(t *testing.T) {
+	a, b := s.New(t), s.NewOther(t)
+	name := Name("core")
+	before := time.Now()
+	la := mustTry(t, a, name, s.ShortTTL)
+	defer func() { _ = la.Release(context.Background()) }()
+	giveUp := before.Add(s.ShortTTL + 10*time.Second)
+	tries := 0
+	for la.Context().Err() == nil {
+		if time.Now().After(giveUp) {
+			t.Fatalf("the context of a %v lease is not done after %v", s.ShortTTL, time.Since(before))
+		}
+		l, err := b.TryAcquire(ctxT(t), name, s.ShortTTL)
+		tries++
+		if err == nil {
+			at := time.Since(before)
+			live := la.Context().Err() == nil
+			_ = l.Release(context.Background())
+			// Only a grant before the ttl has passed since the first request was
+			// sent is certain to overlap: later, a late local timer is possible.
+			if live && at < s.ShortTTL {
+				t.Fatalf("a second acquirer was granted %q (token %d) %v after the first grant of a %v lease, while the first lease's context was live: the backend's lease is shorter than the holder's local deadline", name, l.Token(), at, s.ShortTTL)
+			}
+			if live {
+				select {
+				case <-la.Context().Done():
+				case <-time.After(time.Second):
+					t.Fatalf("a second acquirer was granted %q %v after the first grant, and the first lease's context was still live a second later", name, at)
+				}
+			}
+			break
+		}
+		if !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("TryAcquire while the first lease is held: %v, want ErrHeld", err)
+		}
+		time.Sleep(max(2*time.Millisecond, s.ShortTTL/100)) // paces the polling; not a synchronisation
+	}
+	if tries == 0 {
+		t.Fatalf("the first lease's context was done before any TryAcquire (%v after the grant request): the case proved nothing; raise ShortTTL", time.Since(before))
+	}
+	t.Logf("%d TryAcquire before the first lease's local deadline, %v after its request", tries, time.Since(before))
+}
+
+// testTokensExhausted: a counter at MaxToken-1 grants MaxToken once; the next
+// grant is refused with ErrTokensExhausted (never a wrapped or invalid token),
+// by TryAcquire and by Acquire, and the refusal grants nothing.
+func (s AcquirerSuite) testTokensExhausted(t *testing.T) {
+	a, b := s.New(t), s.NewOther(t)
+	name := Name("exhausted")
+	switch bumper, ok := a.(fence.Bumper); {
+	case s.SetCounter != nil:
+		s.SetCounter(t, name, fence.MaxToken-1)
+	case ok:
+		if err := bumper.Bump(ctxT(t), name, fence.MaxToken-1); err != nil {
+			t.Fatalf("Bump(%q, %d): %v", name, fence.MaxToken-1, err)
+		}
+	default:
+		t.Skipf("fencetest: the harness has no SetCounter and %T is no fence.Bumper: ErrTokensExhausted is not tested", a)
+	}
+	l := mustTry(t, a, name, longTTL)
+	if l.Token() != fence.MaxToken {
+		t.Errorf("grant after a counter at %d: token %d, want %d", fence.MaxToken-1, l.Token(), fence.MaxToken)
+	}
+	release(t, l)
+	for _, op := range []struct {
+		n string
+		f func(context.Context, string, time.Duration) (fence.Lease, error)
+	}{{"TryAcquire", a.TryAcquire}, {"Acquire", b.Acquire}} {
+		ctx, cancel := context.WithTimeout(ctxT(t), 5*time.Second)
+		l, err := op.f(ctx, name, longTTL)
+		cancel()
+		if !errors.Is(err, fence.ErrTokensExhausted) {
+			if l != nil {
+				t.Errorf("%s after the token %d was granted: a lease with token %d, want ErrTokensExhausted", op.n, fence.MaxToken, l.Token())
+				_ = l.Release(context.Background())
+			} else {
+				t.Errorf("%s after the token %d was granted: err = %v, want ErrTokensExhausted", op.n, fence.MaxToken, err)
+			}
+			continue
+		}
+		if l != nil {
+			t.Errorf("%s returned a lease together with ErrTokensExhausted", op.n)
+		}
+	}
 }

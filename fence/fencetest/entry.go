@@ -13,7 +13,8 @@ import (
 // EntryPoints drives an adapter's public entry points with arbitrary input, as
 // the body of a fuzz target: every call must either succeed with the
 // documented outcome or fail with a documented error (ErrInvalid before any
-// request, ErrStale, ErrHeld), never panic, never return a raw backend error
+// request, and only for input the backend refuses by Refuses, MinTTL and
+// MaxTTL; ErrStale; ErrHeld), never panic, never return a raw backend error
 // for input that should have been refused, never grant a lease that does not
 // exclude. It keeps a model of the largest token each key accepted, so the
 // Writer must be used only through it. Make one per fuzz target (one per
@@ -25,7 +26,28 @@ type EntryPoints struct {
 	}
 	Acquirer fence.Acquirer
 
+	// Refuses reports whether the backend refuses s as a key or a lock name,
+	// beside the empty string, which every backend refuses. ErrInvalid for a
+	// key (or name) it does not refuse, with a valid token (or a ttl within
+	// MinTTL..MaxTTL), fails the check: valid input must be served.
+	// Default: nil, which refuses only the empty string.
+	Refuses func(s string) bool
+
+	// MinTTL and MaxTTL are the acquirer's documented ttl range; 0 means no
+	// limit of its own (every ttl > 0 is valid).
+	MinTTL, MaxTTL time.Duration
+
 	model map[string]fence.Token
+}
+
+// refused reports whether s is a key or name the backend may refuse.
+func (e *EntryPoints) refused(s string) bool {
+	return s == "" || (e.Refuses != nil && e.Refuses(s))
+}
+
+// ttlValid reports whether ttl is within the acquirer's documented range.
+func (e *EntryPoints) ttlValid(ttl time.Duration) bool {
+	return ttl > 0 && ttl >= e.MinTTL && (e.MaxTTL <= 0 || ttl <= e.MaxTTL)
 }
 
 // Check writes value under key with token, reads it back, then takes and
@@ -53,6 +75,9 @@ func (e *EntryPoints) Check(t *testing.T, key, name string, ttlNs int64, token u
 			t.Fatalf("Write(%q, token %d) stale although the key holds %d: %v", key, tok, e.model[key], err)
 		}
 	case errors.Is(err, fence.ErrInvalid):
+		if !e.refused(key) && tok.Valid() {
+			t.Fatalf("Write(%q, token %d) refused valid input: %v", key, tok, err)
+		}
 		if _, written := e.model[key]; !written {
 			if _, _, err := e.Writer.Read(ctx, key); !errors.Is(err, fence.ErrNotFound) && !errors.Is(err, fence.ErrInvalid) {
 				t.Fatalf("Read(%q) after a refused write: %v", key, err)
@@ -77,7 +102,11 @@ func (e *EntryPoints) Check(t *testing.T, key, name string, ttlNs int64, token u
 		if err := l.Release(ctx); err != nil && !(ttl < time.Second && errors.Is(err, fence.ErrLost)) {
 			t.Fatalf("Release: %v", err)
 		}
-	case errors.Is(err, fence.ErrInvalid), errors.Is(err, fence.ErrHeld):
+	case errors.Is(err, fence.ErrInvalid):
+		if !e.refused(name) && e.ttlValid(ttl) {
+			t.Fatalf("TryAcquire(%q, %d) refused valid input: %v", name, ttlNs, err)
+		}
+	case errors.Is(err, fence.ErrHeld):
 	default:
 		t.Fatalf("TryAcquire(%q, %d): undocumented error %v", name, ttlNs, err)
 	}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 )
 
 // WriterSuite is the conformance suite for a fence.FencedWriter. The optional
@@ -28,6 +29,15 @@ type WriterSuite struct {
 
 	// Writers and WritesEach size the concurrency test. Default: 16 x 20.
 	Writers, WritesEach int
+
+	// Faulty, when set, returns a writer with a client of its own that reaches
+	// the backend only through the returned proxy, and nothing else uses that
+	// proxy. The lost-reply cases arm the proxy to lose the reply of the next
+	// request after a warm-up write, and check the outcome through a writer
+	// from New. They run only when the environment variable named by
+	// LostReplyEnv is "1"; otherwise, and when Faulty is nil, they are
+	// skipped with a logged reason.
+	Faulty func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy)
 }
 
 // Run runs every test of the suite as a subtest of t.
@@ -52,6 +62,9 @@ func (s WriterSuite) Run(t *testing.T) {
 		{"EmptyAndLargeValues", s.testValues},
 		{"ConcurrentWriters", s.testConcurrent},
 		{"BadInput", s.testBadInput},
+		{"KeysIndependent", s.testKeysIndependent},
+		{"LostReplyWrite", s.lostReply(s.testLostReplyWrite)},
+		{"LostReplyDelete", s.lostReply(s.testLostReplyDelete)},
 	}
 	// The optional capabilities are tested only where the writer has them, as
 	// testing/fstest does; their tests are not registered otherwise.
@@ -60,7 +73,10 @@ func (s WriterSuite) Run(t *testing.T) {
 		tests = append(tests, struct {
 			name string
 			fn   func(*testing.T)
-		}{"ReadMissing", s.testReadMissing})
+		}{"ReadMissing", s.testReadMissing}, struct {
+			name string
+			fn   func(*testing.T)
+		}{"ValueNotAliased", s.testNotAliased})
 	} else {
 		t.Logf("fencetest: %T has no Read: read-back checks are left out", probe)
 	}
@@ -166,6 +182,73 @@ func (s WriterSuite) testValues(t *testing.T) {
 	big := bytes.Repeat([]byte{0, 1, 2, 0xff}, 256*1024) // 1 MiB, with NUL and high bytes
 	mustWrite(t, w, key, big, 2)
 	expect(t, w, key, big, 2)
+}
+
+// testNotAliased: the writer keeps no reference to the caller's buffer, and
+// Read hands out no reference to what it stores: changing either buffer
+// afterwards leaves the stored value as written.
+func (s WriterSuite) testNotAliased(t *testing.T) {
+	w := s.New(t)
+	r := w.(fence.Reader)
+	key := Name("alias")
+	buf := []byte("original")
+	mustWrite(t, w, key, buf, 1)
+	copy(buf, "CHANGED!")
+	expect(t, w, key, []byte("original"), 1)
+	v, _, err := r.Read(ctxT(t), key)
+	if err != nil {
+		t.Fatalf("Read(%q): %v", key, err)
+	}
+	for i := range v {
+		v[i] = 'Z'
+	}
+	expect(t, w, key, []byte("original"), 1)
+}
+
+// testKeysIndependent: keys that differ in any byte are different keys, also
+// where a collation or a conversion would fold them into one (case, a
+// trailing space, 4-byte characters, Unicode normalisation, a tab, a long
+// key's last byte). A larger token on one key of a pair must not fence the
+// other, and each keeps its own value.
+func (s WriterSuite) testKeysIndependent(t *testing.T) {
+	w := s.New(t)
+	for _, p := range confusablePairs(Name("keys")) {
+		if p.skip(s.BadKeys) {
+			continue
+		}
+		err := w.Write(ctxT(t), p.a, []byte("first"), 10)
+		if errors.Is(err, fence.ErrInvalid) && p.long {
+			err2 := w.Write(ctxT(t), p.b, []byte("second"), 5)
+			if errors.Is(err2, fence.ErrInvalid) {
+				t.Logf("%s: both keys refused with ErrInvalid (a length limit below %d bytes): %v", p.what, len(p.a), err)
+				continue
+			}
+			t.Errorf("%s: one key refused (%v), the other of the same length not (%v)", p.what, err, err2)
+			continue
+		}
+		if err != nil {
+			t.Errorf("%s: Write(%s, token 10): %v", p.what, shortName(p.a), err)
+			continue
+		}
+		if err := w.Write(ctxT(t), p.b, []byte("second"), 5); err != nil {
+			t.Errorf("%s: after Write(%s, token 10), Write(%s, token 5): %v, want success: the two keys share one fence", p.what, shortName(p.a), shortName(p.b), err)
+			continue
+		}
+		r, ok := w.(fence.Reader)
+		if !ok {
+			continue
+		}
+		for _, k := range []struct {
+			key string
+			v   string
+			tok fence.Token
+		}{{p.a, "first", 10}, {p.b, "second", 5}} {
+			v, tok, err := r.Read(ctxT(t), k.key)
+			if err != nil || string(v) != k.v || tok != k.tok {
+				t.Errorf("%s: Read(%s) = %q token %d, %v; want %q token %d: the two keys share one row", p.what, shortName(k.key), trim(v), tok, err, k.v, k.tok)
+			}
+		}
+	}
 }
 
 func (s WriterSuite) testReadMissing(t *testing.T) {

@@ -1,0 +1,55 @@
+package redislua_test
+
+import (
+	"testing"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
+)
+
+// The suites' optional harness parts for Redis: an independent acquirer on a
+// client of its own (NewOther), and a writer or acquirer whose client reaches
+// the server through a faultnet proxy (Faulty).
+
+// proxiedClient returns a client of the test Redis server that dials it only
+// through a new proxy.
+func proxiedClient(t *testing.T) (*redis.Client, *faultnet.Proxy) {
+	p := faultnet.Start(t, testenv.RedisAddr())
+	c := redis.NewClient(&redis.Options{Addr: p.Addr()})
+	t.Cleanup(func() { c.Close() })
+	return c, p
+}
+
+func newAcquirerOn(t *testing.T, c redislua.Client, opts *redislua.AcquirerOptions) *redislua.Acquirer {
+	a, err := redislua.NewAcquirer(c, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// otherAcquirer returns NewOther: an acquirer with opts on a client of its own.
+func otherAcquirer(opts *redislua.AcquirerOptions) func(*testing.T) fence.Acquirer {
+	return func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, testenv.RedisClient(t), opts) }
+}
+
+// faultyAcquirer returns Faulty: an acquirer with opts behind a new proxy.
+func faultyAcquirer(opts *redislua.AcquirerOptions) func(*testing.T) (fence.Acquirer, *faultnet.Proxy) {
+	return func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
+		c, p := proxiedClient(t)
+		return newAcquirerOn(t, c, opts), p
+	}
+}
+
+// faultyWriter is Faulty: a default writer behind a new proxy.
+func faultyWriter(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
+	c, p := proxiedClient(t)
+	w, err := redislua.NewWriter(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w, p
+}

@@ -1,0 +1,408 @@
+package fencetest_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+	"unicode/utf8"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/leasekit"
+)
+
+// The in-memory backend: a correct FencedWriter (with Reader and Deleter) and
+// an Acquirer on leasekit, each with one switch per realistic bug. The correct
+// backend must pass the suites; TestMutantsKilled runs the suites on each bug
+// in a child process and checks the case meant to catch it fails.
+
+// mutantEnv selects the bug of the in-memory backend in a child process.
+const mutantEnv = "FENCETEST_MUTANT"
+
+// mutants are the bugs, each with the suite and case that must catch it.
+var mutants = []struct {
+	name, suite, kill, what string
+}{
+	{"renew-no-token", "Acquirer", "StaleRenewKeepsNewHolder", "Renew checks the expiry but not the holder's token"},
+	{"ttl-round-down", "Acquirer", "NoGrantWhileHolderContextLive", "the server keeps a lease for 2/3 of its ttl (150ms becomes 100ms)"},
+	{"late-after-deadline", "Acquirer", "AcquireGivesUpAtDeadline", "Acquire sleeps between tries until 500ms past its deadline"},
+	{"ignore-ctx", "Acquirer", "AcquireCancelled", "Acquire ignores ctx until its own maximum wait"},
+	{"try-waits", "Acquirer", "TryAcquireHeld", "TryAcquire on a held name waits a second before ErrHeld"},
+	{"name-fold-case", "Acquirer", "NamesIndependent", "names compared case-insensitively (a _ci collation)"},
+	{"name-pad-space", "Acquirer", "NamesIndependent", "trailing spaces ignored in names (PAD SPACE)"},
+	{"name-utf8mb3", "Acquirer", "NamesIndependent", "4-byte characters in names stored as '?' (a 3-byte character set)"},
+	{"token-wrap", "Acquirer", "TokensExhausted", "the counter goes past MaxToken"},
+	{"write-alias", "Writer", "ValueNotAliased", "Write keeps the caller's buffer"},
+	{"read-alias", "Writer", "ValueNotAliased", "Read returns the stored buffer"},
+	{"key-fold-case", "Writer", "KeysIndependent", "keys compared case-insensitively (a _ci collation)"},
+	{"key-pad-space", "Writer", "KeysIndependent", "trailing spaces ignored in keys (PAD SPACE)"},
+	{"key-utf8mb3", "Writer", "KeysIndependent", "4-byte characters in keys stored as '?' (a 3-byte character set)"},
+	{"refuse-valid", "EntryPoints", "valid", "Write refuses a valid key of 64 bytes with ErrInvalid"},
+}
+
+// memServer is the "server": its own clock, its locks and rows, one mutex for
+// the atomic steps.
+type memServer struct {
+	bug string
+
+	mu    sync.Mutex
+	locks map[string]*memLock
+	rows  map[string]*memRow
+}
+
+type memLock struct {
+	counter, holder fence.Token
+	expires         time.Time
+}
+
+type memRow struct {
+	value []byte
+	token fence.Token
+	dead  bool // a tombstone: the fence without a value
+}
+
+func newMemServer(bug string) *memServer {
+	return &memServer{bug: bug, locks: map[string]*memLock{}, rows: map[string]*memRow{}}
+}
+
+// now is the server's clock.
+func (s *memServer) now() time.Time { return time.Now() }
+
+// fold is what a buggy collation or character set does to a name or key.
+func (s *memServer) fold(kind, k string) string {
+	if !strings.HasPrefix(s.bug, kind+"-") {
+		return k
+	}
+	switch strings.TrimPrefix(s.bug, kind+"-") {
+	case "fold-case":
+		return strings.ToLower(k)
+	case "pad-space":
+		return strings.TrimRight(k, " ")
+	case "utf8mb3":
+		return strings.Map(func(r rune) rune {
+			if utf8.RuneLen(r) == 4 {
+				return '?'
+			}
+			return r
+		}, k)
+	}
+	return k
+}
+
+func (s *memServer) lock(name string) *memLock {
+	name = s.fold("name", name)
+	l := s.locks[name]
+	if l == nil {
+		l = &memLock{}
+		s.locks[name] = l
+	}
+	return l
+}
+
+// grant takes a free or expired lock and advances its counter.
+func (s *memServer) grant(name string, ttl time.Duration) (fence.Token, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	l, now := s.lock(name), s.now()
+	if l.holder != 0 && now.Before(l.expires) {
+		return 0, fence.ErrHeld
+	}
+	if l.counter >= fence.MaxToken && s.bug != "token-wrap" {
+		return 0, fmt.Errorf("mem: acquire %q: %w", name, fence.ErrTokensExhausted)
+	}
+	if s.bug == "ttl-round-down" {
+		ttl -= ttl / 3
+	}
+	l.counter++
+	l.holder, l.expires = l.counter, now.Add(ttl)
+	return l.counter, nil
+}
+
+// extend renews (ttl > 0) or releases (ttl 0) the lock if tok still holds it.
+func (s *memServer) extend(name string, tok fence.Token, ttl time.Duration) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	l, now := s.lock(name), s.now()
+	if !now.Before(l.expires) || (l.holder != tok && s.bug != "renew-no-token") {
+		return false
+	}
+	if ttl == 0 {
+		if l.holder != tok {
+			return false
+		}
+		l.holder = 0
+		return true
+	}
+	l.expires = now.Add(ttl)
+	return true
+}
+
+func (s *memServer) setCounter(name string, tok fence.Token) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	l := s.lock(name)
+	l.counter, l.holder = tok, 0
+}
+
+// memAcquirer is a fence.Acquirer on memServer and leasekit.
+type memAcquirer struct {
+	s       *memServer
+	maxWait time.Duration
+}
+
+type memLease struct {
+	*leasekit.Base
+	s *memServer
+}
+
+func (a memAcquirer) check(ctx context.Context, name string, ttl time.Duration) error {
+	if err := fence.CheckContext("acquire", ctx); err != nil {
+		return err
+	}
+	if err := fence.CheckName("acquire", name); err != nil {
+		return err
+	}
+	return fence.CheckTTL("acquire", ttl, 0, 0)
+}
+
+// TryAcquire grants name or returns ErrHeld at once.
+func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := a.check(ctx, name, ttl); err != nil {
+		return nil, err
+	}
+	l, err := a.try(name, ttl)
+	if errors.Is(err, fence.ErrHeld) && a.s.bug == "try-waits" {
+		time.Sleep(time.Second)
+	}
+	return l, err
+}
+
+func (a memAcquirer) try(name string, ttl time.Duration) (fence.Lease, error) {
+	sent := time.Now() // before the request: the local deadline counts from here
+	tok, err := a.s.grant(name, ttl)
+	if err != nil {
+		return nil, err
+	}
+	return &memLease{Base: leasekit.New(name, tok, ttl, 0, sent), s: a.s}, nil
+}
+
+// Acquire waits for name until ctx is done or the maximum wait passed.
+func (a memAcquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := a.check(ctx, name, ttl); err != nil {
+		return nil, err
+	}
+	try := func(context.Context) (fence.Lease, error) { return a.try(name, ttl) }
+	switch a.s.bug {
+	case "late-after-deadline":
+		// Near its deadline, sleeps without looking at ctx until 500ms past it.
+		for attempt := 0; ; attempt++ {
+			l, err := try(ctx)
+			if !errors.Is(err, fence.ErrHeld) {
+				return l, err
+			}
+			if ctx.Err() != nil {
+				return nil, errors.Join(fence.ErrHeld, ctx.Err())
+			}
+			if d, ok := ctx.Deadline(); ok && time.Until(d) < time.Second {
+				time.Sleep(time.Until(d) + 500*time.Millisecond)
+				continue
+			}
+			_ = fence.Backoff{}.Sleep(ctx, attempt)
+		}
+	case "ignore-ctx":
+		// Waits its own maximum wait, whatever ctx says.
+		own, cancel := context.WithTimeout(context.Background(), a.maxWait)
+		defer cancel()
+		l, err := fence.Backoff{MaxWait: a.maxWait}.Acquire(own, nil, try)
+		if err != nil && ctx.Err() != nil {
+			return nil, errors.Join(fence.ErrHeld, ctx.Err())
+		}
+		return l, err
+	}
+	return fence.Backoff{MaxWait: a.maxWait}.Acquire(ctx, nil, try)
+}
+
+// Renew extends the lease on the server by its ttl.
+func (l *memLease) Renew(ctx context.Context) error { return l.extend("renew", ctx, l.TTL()) }
+
+// Release gives the lease up, token-checked.
+func (l *memLease) Release(ctx context.Context) error { return l.extend("release", ctx, 0) }
+
+// extend renews the lease (ttl > 0) or releases it (ttl 0) on the server.
+func (l *memLease) extend(op string, ctx context.Context, ttl time.Duration) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	sent := time.Now()
+	ok := l.s.extend(l.Name(), l.Token(), ttl)
+	switch {
+	case ttl == 0:
+		l.End(context.Canceled)
+	case !ok:
+		l.End(fence.ErrLost)
+	case !l.Extend(sent): // confirmed after the local deadline: stays lost
+		ok = false
+	}
+	if !ok {
+		return fence.ErrLost
+	}
+	return nil
+}
+
+// memWriter is a fence.FencedWriter with Read and Delete on memServer.
+type memWriter struct{ s *memServer }
+
+func (w memWriter) check(op string, ctx context.Context, key string) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	return fence.CheckText(op, "key", key, 0)
+}
+
+// Write stores value under key unless key holds a larger token.
+func (w memWriter) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
+	return w.put("write", ctx, key, value, token, false)
+}
+
+// Delete leaves a tombstone under key unless key holds a larger token.
+func (w memWriter) Delete(ctx context.Context, key string, token fence.Token) error {
+	return w.put("delete", ctx, key, nil, token, true)
+}
+
+func (w memWriter) put(op string, ctx context.Context, key string, value []byte, token fence.Token, dead bool) error {
+	if err := w.check(op, ctx, key); err != nil {
+		return err
+	}
+	if err := fence.CheckToken(op, token); err != nil {
+		return err
+	}
+	if w.s.bug == "refuse-valid" && len(key) >= 64 {
+		return &fence.InvalidError{Op: op, Arg: "key", Reason: "too long"}
+	}
+	w.s.mu.Lock()
+	defer w.s.mu.Unlock()
+	k := w.s.fold("key", key)
+	if r := w.s.rows[k]; r != nil && r.token > token {
+		return &fence.StaleError{Key: key, Offered: token, Current: r.token}
+	}
+	if w.s.bug != "write-alias" {
+		value = append([]byte{}, value...)
+	}
+	w.s.rows[k] = &memRow{value: value, token: token, dead: dead}
+	return nil
+}
+
+// Read returns the value and token under key.
+func (w memWriter) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
+	if err := w.check("read", ctx, key); err != nil {
+		return nil, 0, err
+	}
+	w.s.mu.Lock()
+	defer w.s.mu.Unlock()
+	r := w.s.rows[w.s.fold("key", key)]
+	if r == nil || r.dead {
+		return nil, 0, fence.ErrNotFound
+	}
+	if w.s.bug == "read-alias" {
+		return r.value, r.token, nil
+	}
+	return append([]byte{}, r.value...), r.token, nil
+}
+
+var (
+	_ fence.FencedWriter = memWriter{}
+	_ fence.Reader       = memWriter{}
+	_ fence.Deleter      = memWriter{}
+	_ fence.Acquirer     = memAcquirer{}
+)
+
+// memoryBug is the bug this process runs with: none unless a child of
+// TestMutantsKilled.
+func memoryBug(t *testing.T) string {
+	bug := os.Getenv(mutantEnv)
+	if bug != "" {
+		t.Logf("running the in-memory backend with the bug %q", bug)
+	}
+	return bug
+}
+
+// TestMemoryAcquirer: the correct in-memory acquirer passes AcquirerSuite.
+func TestMemoryAcquirer(t *testing.T) {
+	srv := newMemServer(memoryBug(t))
+	newAcq := func(*testing.T) fence.Acquirer { return memAcquirer{s: srv, maxWait: 3 * time.Second} }
+	fencetest.AcquirerSuite{
+		New:        newAcq,
+		NewOther:   newAcq,
+		SetCounter: func(_ *testing.T, name string, tok fence.Token) { srv.setCounter(name, tok) },
+	}.Run(t)
+}
+
+// TestMemoryWriter: the correct in-memory writer passes WriterSuite.
+func TestMemoryWriter(t *testing.T) {
+	srv := newMemServer(memoryBug(t))
+	fencetest.WriterSuite{
+		New:     func(*testing.T) fence.FencedWriter { return memWriter{s: srv} },
+		BadKeys: []string{"nul\x00", "bad utf-8 \xff"},
+	}.Run(t)
+}
+
+// TestMutantsKilled runs each mutant's suite in a child process (this test
+// binary, with the bug chosen by FENCETEST_MUTANT) and checks that the suite
+// failed, in the case meant to catch the bug.
+func TestMutantsKilled(t *testing.T) {
+	if os.Getenv(mutantEnv) != "" {
+		t.Skip("a child process runs the suites only")
+	}
+	if testing.Short() {
+		t.Skip("runs the suites once per mutant")
+	}
+	for _, m := range mutants {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			top := "TestMemory" + m.suite
+			cmd := exec.Command(os.Args[0], "-test.run=^"+top+"$", "-test.count=1", "-test.timeout=5m")
+			cmd.Env = append(os.Environ(), mutantEnv+"="+m.name)
+			out, err := cmd.CombinedOutput()
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) {
+				t.Fatalf("mutant %q (%s): the suite passed (err %v):\n%s", m.name, m.what, err, out)
+			}
+			failed := regexp.MustCompile(`--- FAIL: `+top+`/(\S+)`).FindAllStringSubmatch(string(out), -1)
+			var cases []string
+			killed := false
+			for _, f := range failed {
+				cases = append(cases, f[1])
+				killed = killed || f[1] == m.kill
+			}
+			if !killed {
+				t.Fatalf("mutant %q (%s): %s did not fail (failed: %v):\n%s", m.name, m.what, m.kill, cases, out)
+			}
+			t.Logf("mutant %q (%s) killed by %s (all failing cases: %v)", m.name, m.what, m.kill, cases)
+		})
+	}
+}
+
+// TestMemoryEntryPoints: EntryPoints accepts the correct in-memory backend's
+// answers to valid and invalid input.
+func TestMemoryEntryPoints(t *testing.T) {
+	srv := newMemServer(memoryBug(t))
+	e := &fencetest.EntryPoints{Writer: memWriter{s: srv}, Acquirer: memAcquirer{s: srv, maxWait: time.Second},
+		Refuses: func(s string) bool { return fence.CheckText("", "", s, 0) != nil }}
+	for _, c := range []struct {
+		name, key, lock string
+		ttl             time.Duration
+		token           uint64
+	}{
+		{"valid", strings.Repeat("k", 100), "n", time.Second, 1},
+		{"invalid", "nul\x00", "", 0, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) { e.Check(t, c.key, c.lock, int64(c.ttl), c.token, []byte("v")) })
+	}
+}
