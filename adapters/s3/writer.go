@@ -173,6 +173,13 @@ func (w *Writer) head(ctx context.Context, key string) (state, error) {
 		if isNotFound(err) {
 			return state{}, nil
 		}
+		if httpStatus(err) == 400 {
+			// HEAD carries nothing but the key: a server that refuses it
+			// refuses the key (versitygw's posix backend, for one, allows
+			// 255 bytes per path segment, below S3's 1024 for a key).
+			return state{}, fmt.Errorf("%w: the server refused key %q (%d bytes) with 400 Bad Request; it may allow shorter keys than S3's %d bytes: %w",
+				fence.ErrInvalid, key, len(key), MaxKeyBytes, err)
+		}
 		return state{}, err
 	}
 	st := state{exists: true, etag: aws.ToString(out.ETag), writeID: out.Metadata[MetaWriteID]}
