@@ -12,6 +12,10 @@ type FencedWriter interface {
 	// changes nothing and returns an error e with errors.Is(e, ErrStale); errors.As
 	// gives *StaleError with the key, the token offered and the token the key holds.
 	// An empty key or a token outside 1..MaxToken returns an error matching ErrInvalid.
+	// A write whose outcome cannot be known (a lost response, a 5xx, a broken
+	// connection, with nothing at the resource to tell) returns an error matching
+	// ErrUnknown, never ErrStale: the value may have landed. Read the key, or write
+	// again with the same token, to settle it.
 	Write(ctx context.Context, key string, value []byte, token Token) error
 }
 
@@ -31,7 +35,9 @@ type Deleter interface {
 }
 
 // Acquirer grants leases. Every grant carries a token larger than every earlier
-// grant's token for the same name.
+// grant's token for the same name; when the name's counter has reached MaxToken,
+// Acquire and TryAcquire refuse with an error matching ErrTokensExhausted instead
+// of granting a token that is not larger.
 type Acquirer interface {
 	// Acquire waits until the lease on name is granted. ctx bounds the wait; an
 	// acquirer also gives up after its configured maximum wait when ctx has no

@@ -7,8 +7,8 @@ import (
 
 // LockInfo is what an Inspector reports about a lock name.
 type LockInfo struct {
-	Name     string
-	Held     bool
+	Name     string        // the lock name inspected
+	Held     bool          // whether a lease on the name is live on the backend's clock
 	Token    Token         // the holder's token; 0 when the lock is free
 	Owner    string        // the holder's owner id, as the backend records it
 	TimeLeft time.Duration // until the holder's lease expires, on the backend's clock

@@ -27,32 +27,32 @@ type Observer interface {
 
 // AcquireEvent describes one Acquire or TryAcquire.
 type AcquireEvent struct {
-	Backend string
-	Name    string
+	Backend string        // the label given to Observe
+	Name    string        // the lock name
 	Try     bool          // TryAcquire
 	Token   Token         // the grant's token; 0 when not granted
 	Waited  time.Duration // from the call to its end
-	Err     error
+	Err     error         // the call's error; nil when granted
 }
 
 // LeaseEvent describes one Renew or Release.
 type LeaseEvent struct {
-	Backend string
-	Name    string
-	Token   Token
-	Lost    bool // the lease was no longer held (ErrLost)
-	Err     error
+	Backend string // the label given to Observe
+	Name    string // the lock name
+	Token   Token  // the lease's token
+	Lost    bool   // the lease was no longer held (ErrLost)
+	Err     error  // the call's error; nil when renewed or released
 }
 
 // WriteEvent describes one fenced write.
 type WriteEvent struct {
-	Backend string
-	Key     string
-	Offered Token
-	Current Token // for a stale write: the token the key holds
-	Stale   bool
-	Took    time.Duration
-	Err     error
+	Backend string        // the label given to ObserveWriter
+	Key     string        // the key written
+	Offered Token         // the token the write carried
+	Current Token         // for a stale write: the token the key holds
+	Stale   bool          // the write was refused as stale (ErrStale)
+	Took    time.Duration // from the call to its end
+	Err     error         // the write's error; nil when accepted
 }
 
 // Observe wraps a so that every grant, renewal and release is

@@ -22,7 +22,7 @@
 //	  - released: the effect provably did not happen; the key can be claimed again.
 //	  - unknown: the owner crashed or got an ambiguous error after arming, and no
 //	    Reconcile hook could tell whether the effect happened. An operator
-//	    resolves it (Store.Resolve); Do never runs the effect again on its own.
+//	    resolves it ([Resolve]); Do never runs the effect again on its own.
 //
 // Every claim and takeover raises the record's fence, and every later change is
 // conditional on it, so an owner that was taken over cannot complete, release or
@@ -53,10 +53,16 @@ const (
 
 // Record is a key's record as the store holds it.
 type Record struct {
-	Key         string
+	// Key is the idempotency key, as the caller gave it.
+	Key string
+	// Fingerprint is what the claim said the request was; a later call with
+	// the same key and another fingerprint gets ErrFingerprintMismatch.
 	Fingerprint string
-	State       State
-	Fence       fence.Token
+	// State is where the record is in its state machine.
+	State State
+	// Fence is the claim's fence: it grows with every takeover and never goes
+	// down for a key, so an older owner's update is refused.
+	Fence fence.Token
 	// Owner is the claim's owner. Do records Options.Owner, "#" and a random
 	// nonce of the claim, so that no two claims share an owner.
 	Owner string
@@ -75,13 +81,15 @@ type Record struct {
 
 // Change is the new content of a record in Store.Update.
 type Change struct {
-	State State
+	State State       // the new state
 	Fence fence.Token // the new fence: the same, or larger on a takeover
-	Owner string
+	Owner string      // the new owner (see Record.Owner)
 	// Lease is the new lease, from now on the store's clock (claimed, armed).
 	Lease time.Duration
 	// Result is stored with completed and failed.
-	Result        []byte
+	Result []byte
+	// ResultDropped marks a completed record whose result was over the size
+	// limit and is not stored (see Record.ResultDropped).
 	ResultDropped bool
 	// Retention keeps a completed or failed record this long, then Purge
 	// removes it and the key may be claimed anew.
@@ -155,8 +163,10 @@ var (
 
 // InProgressError reports a key held by another owner.
 type InProgressError struct {
-	Key       string
-	Owner     string
+	Key   string // the key asked for
+	Owner string // the owner holding it (see Record.Owner)
+	// LeaseLeft is the time left on that owner's lease, on the store's clock:
+	// a retry after it may take the key over.
 	LeaseLeft time.Duration
 }
 
@@ -170,8 +180,8 @@ func (e *InProgressError) Unwrap() error { return ErrInProgress }
 
 // FailedError is a replayed definitive failure.
 type FailedError struct {
-	Key     string
-	Message string
+	Key     string // the key asked for
+	Message string // the recorded failure's message (the effect's Definitive error)
 }
 
 // Error names the key and the replayed failure.
@@ -184,7 +194,8 @@ func (e *FailedError) Unwrap() error { return ErrFailed }
 
 // StateError reports an Update that found the record in another state.
 type StateError struct {
-	Key       string
+	Key string // the record's key
+	// Want is the state the Update expected, Got the state the record was in.
 	Want, Got State
 }
 

@@ -476,7 +476,9 @@ func scriptError(err error) error {
 // CorruptError reports a key this package uses that holds something it did not
 // write (for example a token counter that is not a number): someone else wrote it.
 type CorruptError struct {
+	// Msg is the script's description of the key and what it holds.
 	Msg string
+	// Err is the error the script returned, as go-redis reported it.
 	Err error
 }
 

@@ -138,9 +138,13 @@ var sqliteDialect = &dialect{
 // TableError reports that a table sqlfence needs is missing, and says how to
 // create it.
 type TableError struct {
+	// Table is the missing table's name, as it appears in the statements.
 	Table string
-	DDL   string
-	Err   error
+	// DDL creates the table (what CreateTable runs), for an operator to run
+	// instead.
+	DDL string
+	// Err is the database's own error.
+	Err error
 }
 
 // Error names the table and gives its DDL.

@@ -10,7 +10,7 @@ import (
 
 // WriterOptions configures a Writer. A nil *WriterOptions means the defaults.
 // Names are plain SQL identifiers; anything else is refused by NewWriter before
-// any SQL runs.
+// any SQL runs, with an error matching fence.ErrInvalid that names the option.
 type WriterOptions struct {
 	// Table holds one row per key; it may be schema-qualified. Default: "fence_values".
 	Table string

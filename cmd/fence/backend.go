@@ -15,7 +15,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/idempotency"
-	_ "github.com/go-sql-driver/mysql" // registers the "mysql" driver
+	"github.com/go-sql-driver/mysql" // also registers the "mysql" driver
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
@@ -53,16 +53,120 @@ type backendConfig struct {
 	postgresURL string
 	mysqlDSN    string
 	redisAddr   string
+	redisURL    string
 	etcd        string
+	s3Endpoint  string
+	s3Bucket    string
+	s3Region    string
+	// operator is set for inspect and bump, which act on the backend the flags
+	// name and nothing else: no defaults, no temporary or embedded backend, no
+	// tables created.
+	operator bool
 }
 
-func (c *backendConfig) register(fs *flag.FlagSet) {
+// The demo's and benchmarks' defaults: the servers scripts/test.sh starts.
+const (
+	defaultPostgresURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	defaultMySQLDSN    = "fencekit:fencekit@tcp(127.0.0.1:3306)/test"
+	defaultRedisAddr   = "127.0.0.1:6379"
+)
+
+// register adds the backend flags to fs: with the demo's defaults, or, for an
+// operator's command, with none.
+func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
+	c.operator = operator
+	def := func(v string) string {
+		if operator {
+			return ""
+		}
+		return v
+	}
+	need := func(demo, op string) string {
+		if operator {
+			return op
+		}
+		return demo
+	}
 	fs.StringVar(&c.name, "backend", "sqlite", "lock and storage backend: "+strings.Join(backendNames, ", "))
-	fs.StringVar(&c.dbPath, "db", "", "SQLite database file to use and keep (default: a temporary file, removed afterwards)")
-	fs.StringVar(&c.postgresURL, "postgres-url", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL URL, for -backend postgres")
-	fs.StringVar(&c.mysqlDSN, "mysql-dsn", "fencekit:fencekit@tcp(127.0.0.1:3306)/test", "MySQL or MariaDB DSN (go-sql-driver/mysql format), for -backend mysql")
-	fs.StringVar(&c.redisAddr, "redis-addr", "127.0.0.1:6379", "Redis address, for -backend redis")
-	fs.StringVar(&c.etcd, "etcd-endpoints", "", "comma-separated etcd endpoints, for -backend etcd (default: an embedded etcd in a temporary directory)")
+	fs.StringVar(&c.dbPath, "db", "", need(
+		"SQLite database file to use and keep (when empty, a temporary file is used and removed afterwards)",
+		"SQLite database file, which must exist: required for -backend sqlite, and with -key on etcd"))
+	fs.StringVar(&c.postgresURL, "postgres-url", def(defaultPostgresURL), need(
+		"PostgreSQL URL or keyword/value DSN, for -backend postgres",
+		"PostgreSQL URL or keyword/value DSN, required for -backend postgres (PGPASSWORD and ~/.pgpass work as in psql)"))
+	fs.StringVar(&c.mysqlDSN, "mysql-dsn", def(defaultMySQLDSN), need(
+		"MySQL or MariaDB DSN (go-sql-driver/mysql format), for -backend mysql",
+		"MySQL or MariaDB DSN (go-sql-driver/mysql format), required for -backend mysql"))
+	fs.StringVar(&c.redisAddr, "redis-addr", def(defaultRedisAddr), need(
+		"Redis address host:port, for -backend redis (password from REDIS_PASSWORD)",
+		"Redis address host:port, for -backend redis: this or -redis-url is required (password from REDIS_PASSWORD)"))
+	fs.StringVar(&c.redisURL, "redis-url", "", "Redis URL (redis://[user:password@]host:port/db or rediss://), for -backend redis; overrides -redis-addr")
+	fs.StringVar(&c.etcd, "etcd-endpoints", "", need(
+		"comma-separated etcd endpoints, for -backend etcd (when empty, an embedded etcd in a temporary directory; ETCDCTL_USERNAME and ETCDCTL_PASSWORD for auth)",
+		"comma-separated etcd endpoints, required for -backend etcd (ETCDCTL_USERNAME and ETCDCTL_PASSWORD for auth)"))
+	fs.StringVar(&c.s3Endpoint, "s3-endpoint", "", need(
+		"S3 endpoint URL, for -backend s3 (when empty and -s3-bucket too, an in-process S3 server); credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN",
+		"S3 endpoint URL, for -backend s3 (when empty, AWS); credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN"))
+	fs.StringVar(&c.s3Bucket, "s3-bucket", "", need(
+		"S3 bucket, for -backend s3 with -s3-endpoint (it must exist)",
+		"S3 bucket, required for -backend s3 (it must exist)"))
+	fs.StringVar(&c.s3Region, "s3-region", "", "S3 region, for -backend s3 (default: AWS_REGION, else us-east-1)")
+	if !operator {
+		// The default DSN's password is the test user's; help shows it redacted.
+		fs.Lookup("mysql-dsn").DefValue = redactConn(defaultMySQLDSN)
+	}
+}
+
+// checkOperator refuses, as a usage error, an operator's command whose flags
+// do not name a real backend: inspect and bump never act on a default, a
+// temporary file or an embedded server.
+func (c *backendConfig) checkOperator(key string) error {
+	missing := func(flagName, what string) error {
+		return fmt.Errorf("%w: -backend %s needs %s naming %s (inspect and bump never act on a default or temporary backend)", errUsage, c.name, flagName, what)
+	}
+	existing := func() error {
+		if _, err := os.Stat(c.dbPath); err != nil {
+			return fmt.Errorf("%w: -db %s: %v (inspect and bump never create a database)", errUsage, c.dbPath, errors.Unwrap(err))
+		}
+		return nil
+	}
+	switch c.name {
+	case "sqlite":
+		if c.dbPath == "" {
+			return missing("-db FILE", "an existing database file")
+		}
+		return existing()
+	case "postgres":
+		if c.postgresURL == "" {
+			return missing("-postgres-url URL", "the database")
+		}
+	case "mysql":
+		if c.mysqlDSN == "" {
+			return missing("-mysql-dsn DSN", "the database")
+		}
+	case "redis":
+		if c.redisAddr == "" && c.redisURL == "" {
+			return missing("-redis-addr ADDR or -redis-url URL", "the server")
+		}
+	case "etcd":
+		if c.etcd == "" {
+			return missing("-etcd-endpoints URLS", "the cluster")
+		}
+		if key != "" && c.dbPath == "" {
+			return fmt.Errorf("%w: -key on -backend etcd needs -db FILE, the SQLite file that holds the protected keys", errUsage)
+		}
+		if c.dbPath != "" {
+			return existing()
+		}
+	case "s3":
+		if c.s3Bucket == "" {
+			return missing("-s3-bucket BUCKET", "an existing bucket")
+		}
+		if os.Getenv("AWS_ACCESS_KEY_ID") == "" || os.Getenv("AWS_SECRET_ACCESS_KEY") == "" {
+			return fmt.Errorf("%w: -backend s3 needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment", errUsage)
+		}
+	}
+	return nil
 }
 
 // rawSQL runs the demo's own statements, which are not fenced, in the
@@ -154,8 +258,14 @@ func openSQLiteBackend(ctx context.Context, path string) (*backend, error) {
 	return b, nil
 }
 
-func openPostgresBackend(ctx context.Context, url string) (*backend, error) {
-	p, err := pgxpool.New(ctx, url)
+// connectPostgres opens a pool on url and checks that the server answers; a
+// url that does not parse is a usage error.
+func connectPostgres(ctx context.Context, url string) (*pgxpool.Pool, string, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, "", fmt.Errorf("%w: -postgres-url %s does not parse: %v", errUsage, redactConn(url), err)
+	}
+	p, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err == nil {
 		err = p.Ping(ctx)
 	}
@@ -163,7 +273,16 @@ func openPostgresBackend(ctx context.Context, url string) (*backend, error) {
 		if p != nil {
 			p.Close()
 		}
-		return nil, fmt.Errorf("postgres at %s: %w", url, err)
+		return nil, "", fmt.Errorf("postgres at %s: %w", redactConn(url), err)
+	}
+	u := cfg.ConnConfig
+	return p, fmt.Sprintf("postgres (%s:%d/%s)", u.Host, u.Port, u.Database), nil
+}
+
+func openPostgresBackend(ctx context.Context, url string) (*backend, error) {
+	p, name, err := connectPostgres(ctx, url)
+	if err != nil {
+		return nil, err
 	}
 	raw := plainSQL("BYTEA")
 	raw.exec = func(ctx context.Context, q string, args ...any) error {
@@ -179,8 +298,7 @@ func openPostgresBackend(ctx context.Context, url string) (*backend, error) {
 		return v, err
 	}
 	closeFn := func() error { p.Close(); return nil }
-	u := p.Config().ConnConfig
-	b, err := sqlBackend(ctx, fmt.Sprintf("postgres (%s:%d/%s)", u.Host, u.Port, u.Database), sqlfence.Pgx(p), raw, closeFn)
+	b, err := sqlBackend(ctx, name, sqlfence.Pgx(p), raw, closeFn)
 	if err != nil {
 		p.Close()
 		return nil, err
@@ -205,8 +323,14 @@ func stdRaw(db *sql.DB, raw rawSQL) rawSQL {
 	return raw
 }
 
-// openMySQLBackend opens MySQL or MariaDB at dsn (go-sql-driver/mysql format).
-func openMySQLBackend(ctx context.Context, dsn string) (*backend, error) {
+// connectMySQL opens MySQL or MariaDB at dsn (go-sql-driver/mysql format)
+// and checks that the server answers; a dsn that does not parse is a usage
+// error.
+func connectMySQL(ctx context.Context, dsn string) (*sql.DB, string, error) {
+	cfg, err := mysql.ParseDSN(dsn)
+	if err != nil {
+		return nil, "", fmt.Errorf("%w: -mysql-dsn %s does not parse: %v", errUsage, redactConn(dsn), err)
+	}
 	db, err := sql.Open("mysql", dsn)
 	if err == nil {
 		err = db.PingContext(ctx)
@@ -215,7 +339,16 @@ func openMySQLBackend(ctx context.Context, dsn string) (*backend, error) {
 		if db != nil {
 			db.Close()
 		}
-		return nil, fmt.Errorf("mysql at %s: %w", dsn, err)
+		return nil, "", fmt.Errorf("mysql at %s: %w", redactConn(dsn), err)
+	}
+	return db, fmt.Sprintf("mysql (%s/%s)", cfg.Addr, cfg.DBName), nil
+}
+
+// openMySQLBackend opens MySQL or MariaDB at dsn for the demo and benchmarks.
+func openMySQLBackend(ctx context.Context, dsn string) (*backend, error) {
+	db, name, err := connectMySQL(ctx, dsn)
+	if err != nil {
+		return nil, err
 	}
 	raw := stdRaw(db, rawSQL{
 		createPlain:  "CREATE TABLE IF NOT EXISTS demo_plain (k VARBINARY(255) PRIMARY KEY, value LONGBLOB NOT NULL)",
@@ -223,7 +356,7 @@ func openMySQLBackend(ctx context.Context, dsn string) (*backend, error) {
 		getPlain:     "SELECT value FROM demo_plain WHERE k = ?",
 		forceRelease: "UPDATE fence_leases SET expires_at = 0 WHERE name = ?",
 	})
-	b, err := sqlBackend(ctx, "mysql", sqlfence.MySQL(db), raw, db.Close)
+	b, err := sqlBackend(ctx, name, sqlfence.MySQL(db), raw, db.Close)
 	if err != nil {
 		db.Close()
 		return nil, err
@@ -240,11 +373,11 @@ func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
 	case "mysql":
 		return openMySQLBackend(ctx, c.mysqlDSN)
 	case "redis":
-		return openRedisBackend(ctx, c.redisAddr)
+		return openRedisBackend(ctx, c)
 	case "etcd":
 		return openEtcdBackend(ctx, c.etcd, c.dbPath)
 	case "s3":
-		return openS3Backend(ctx, c.dbPath)
+		return openS3Backend(ctx, c)
 	default:
 		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
 	}
@@ -255,12 +388,34 @@ type quietRedis struct{}
 
 func (quietRedis) Printf(context.Context, string, ...any) {}
 
-func openRedisBackend(ctx context.Context, addr string) (*backend, error) {
+// connectRedis connects to the server of -redis-url, else -redis-addr, with
+// the password from REDIS_PASSWORD when the URL has none, and checks that it
+// answers; a URL that does not parse is a usage error.
+func connectRedis(ctx context.Context, cfg backendConfig) (*redis.Client, string, error) {
 	redis.SetLogger(quietRedis{})
-	c := redis.NewClient(&redis.Options{Addr: addr})
+	opts, shown := &redis.Options{Addr: cfg.redisAddr}, cfg.redisAddr
+	if cfg.redisURL != "" {
+		var err error
+		if opts, err = redis.ParseURL(cfg.redisURL); err != nil {
+			return nil, "", fmt.Errorf("%w: -redis-url %s does not parse: %v", errUsage, redactConn(cfg.redisURL), err)
+		}
+		shown = redactConn(cfg.redisURL)
+	}
+	if opts.Password == "" {
+		opts.Password = os.Getenv("REDIS_PASSWORD")
+	}
+	c := redis.NewClient(opts)
 	if err := c.Ping(ctx).Err(); err != nil {
 		c.Close()
-		return nil, fmt.Errorf("redis at %s: %w", addr, err)
+		return nil, "", fmt.Errorf("redis at %s: %w", shown, err)
+	}
+	return c, "redis (" + opts.Addr + ")", nil
+}
+
+func openRedisBackend(ctx context.Context, cfg backendConfig) (*backend, error) {
+	c, name, err := connectRedis(ctx, cfg)
+	if err != nil {
+		return nil, err
 	}
 	a, err := redislua.NewAcquirer(c, nil)
 	if err != nil {
@@ -278,7 +433,7 @@ func openRedisBackend(ctx context.Context, addr string) (*backend, error) {
 		return nil, err
 	}
 	return &backend{
-		name:   "redis (" + addr + ")",
+		name:   name,
 		acq:    a,
 		fenced: w,
 		idem:   idem,

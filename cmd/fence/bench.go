@@ -20,7 +20,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 			"measured alongside it: a fenced write against a plain write of the same size,\n"+
 			"an uncontended acquire + release, and the lesson's locked increments. On Redis\n"+
 			"also the increments against the round-trip floor (4 PINGs per increment) and\n"+
-			"the lesson's exercise: a lock around a read-modify-write against one Lua script.", stderr)
+			"the lesson's exercise: a lock around a read-modify-write against one Lua script.", false, stdout, stderr)
 	ops := fs.Int("n", 5000, "fenced and plain writes each, interleaved in random order")
 	rounds := fs.Int("rounds", 3, "rounds of the locked increments (alternating with the round-trip floor on Redis)")
 	workers := fs.Int("workers", 20, "workers in the contention run")

@@ -55,7 +55,7 @@ func runDemo(args []string, stdout, stderr io.Writer) error {
 			"with and without fencing tokens (with a timeline), what the watchdog can and\n"+
 			"cannot do, a card charged once by two workers of which one crashes, and the\n"+
 			"same over HTTP (Idempotency-Key middleware, a client whose response is lost).\n"+
-			"Exits 1 if any outcome is not the expected one.", stderr)
+			"Exits 1 if any outcome is not the expected one.", false, stdout, stderr)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}

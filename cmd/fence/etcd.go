@@ -40,18 +40,10 @@ func openEtcdBackend(ctx context.Context, endpoints, dbPath string) (*backend, e
 		endpoints = e.Config().ListenClientUrls[0].String()
 		name = "embedded etcd (" + endpoints + ")"
 	}
-	cl, err := clientv3.New(clientv3.Config{Endpoints: strings.Split(endpoints, ","), DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	cl, err := connectEtcd(ctx, endpoints)
 	if err != nil {
 		stopEmbedded()
-		return nil, fmt.Errorf("etcd at %s: %w", endpoints, err)
-	}
-	sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	_, err = cl.Status(sctx, cl.Endpoints()[0])
-	cancel()
-	if err != nil {
-		cl.Close()
-		stopEmbedded()
-		return nil, fmt.Errorf("etcd at %s: %w", endpoints, err)
+		return nil, err
 	}
 	a, err := etcdfence.New(cl, nil)
 	if err != nil {
@@ -80,6 +72,57 @@ func openEtcdBackend(ctx context.Context, endpoints, dbPath string) (*backend, e
 		return err
 	}
 	return store, nil
+}
+
+// etcdStatusTimeout bounds the first request to each endpoint.
+const etcdStatusTimeout = 5 * time.Second
+
+// connectEtcd connects to the comma-separated endpoints (user and password
+// from ETCDCTL_USERNAME and ETCDCTL_PASSWORD) and checks that one answers a
+// status request. When none does, the error names every endpoint and what a
+// plain TCP connection to it found, not only the client's deadline.
+func connectEtcd(ctx context.Context, endpoints string) (*clientv3.Client, error) {
+	eps := strings.Split(endpoints, ",")
+	cl, err := clientv3.New(clientv3.Config{
+		Endpoints: eps, DialTimeout: etcdStatusTimeout, Logger: zap.NewNop(),
+		Username: os.Getenv("ETCDCTL_USERNAME"), Password: os.Getenv("ETCDCTL_PASSWORD"),
+	})
+	if err != nil {
+		return nil, etcdUnreachable(eps, err)
+	}
+	var errs []error
+	for _, ep := range cl.Endpoints() {
+		sctx, cancel := context.WithTimeout(ctx, etcdStatusTimeout)
+		_, err := cl.Status(sctx, ep)
+		cancel()
+		if err == nil {
+			return cl, nil
+		}
+		errs = append(errs, err)
+	}
+	cl.Close()
+	return nil, etcdUnreachable(eps, errors.Join(errs...))
+}
+
+// etcdUnreachable describes a failed connection to eps: for each endpoint,
+// whether a TCP connection to it succeeds.
+func etcdUnreachable(eps []string, err error) error {
+	var tried []string
+	for _, ep := range eps {
+		host := ep
+		if u, perr := url.Parse(ep); perr == nil && u.Host != "" {
+			host = u.Host
+		}
+		c, derr := net.DialTimeout("tcp", host, time.Second)
+		if derr != nil {
+			tried = append(tried, fmt.Sprintf("%s: TCP connect failed (%v)", ep, derr))
+			continue
+		}
+		c.Close()
+		tried = append(tried, fmt.Sprintf("%s: TCP connects, but no etcd answer (TLS, auth, or not an etcd client port?)", ep))
+	}
+	return fmt.Errorf("etcd: no endpoint answered a status request within %v: %s; the client said: %w",
+		etcdStatusTimeout, strings.Join(tried, "; "), err)
 }
 
 // startEmbeddedEtcd starts a one-member etcd on two free loopback ports. A port

@@ -3,26 +3,27 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"strconv"
+	"strings"
 	"time"
 
+	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	"github.com/fencekit/fencekit/adapters/redislua"
+	s3fence "github.com/fencekit/fencekit/adapters/s3"
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 )
 
 // parseWithName parses flags given before and after the one positional
 // argument (the lock name), as "fence bump NAME -to N" and "fence bump -to N NAME"
 // both read naturally.
-func parseWithName(fs *flag.FlagSet, args []string) (string, error) {
+func parseWithName(fs *flagSet, args []string) (string, error) {
 	var names []string
 	for {
-		if err := fs.Parse(args); err != nil {
-			if errors.Is(err, flag.ErrHelp) {
-				return "", err
-			}
-			return "", fmt.Errorf("%w: %v", errReported, err)
+		if err := fs.parse(args); err != nil {
+			return "", err
 		}
 		if fs.NArg() == 0 {
 			break
@@ -41,15 +42,19 @@ func runInspect(args []string, stdout, stderr io.Writer) error {
 		"Shows the lock NAME on a backend: whether it is held, the holder's token, owner\n"+
 			"and time left, and the token counter (every later grant is larger); with -key,\n"+
 			"the token a protected key holds. Exit status 1 for an unreachable backend or an\n"+
-			"unknown name, 2 for bad usage.", stderr)
-	key := fs.String("key", "", "also show the token stored for this protected key (sqlite, postgres, redis, s3)")
+			"unknown name, 2 for bad usage or when the flags do not name a backend:\n"+
+			"inspect never looks at a default, temporary or embedded one.", true, stdout, stderr)
+	key := fs.String("key", "", "also show the token stored for this protected key (the writer's default table, hash or objects)")
 	name, err := parseWithName(fs, args)
 	if err != nil {
 		return err
 	}
+	if err := bc.checkOperator(*key); err != nil {
+		return err
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	b, err := openBackend(ctx, *bc)
+	b, err := openOperator(ctx, *bc, *key != "")
 	if err != nil {
 		return err
 	}
@@ -72,7 +77,7 @@ func runInspect(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "  held:      no\n")
 	}
 	fmt.Fprintf(stdout, "  counter:   %d (every later grant's token is larger)\n", info.Counter)
-	if *key != "" {
+	if *key != "" && b.fenced != nil {
 		v, tok, err := b.fenced.Read(ctx, *key)
 		switch {
 		case errors.Is(err, fence.ErrNotFound):
@@ -91,7 +96,9 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 		"Raises the token counter of lock NAME to N, so every later grant's token is\n"+
 			"larger: for example after a Redis failover lost the counter. It refuses to\n"+
 			"lower a counter (exit status 1). On SQL backends it refuses while the lock is\n"+
-			"held. etcd tokens are revisions and cannot be bumped.", stderr)
+			"held. etcd tokens are revisions and S3 lock objects have no bump: both refuse.\n"+
+			"Exit status 2 for bad usage or when the flags do not name a backend: bump\n"+
+			"never acts on a default, temporary or embedded one.", true, stdout, stderr)
 	to := fs.String("to", "", "the value to raise the counter to (required)")
 	name, err := parseWithName(fs, args)
 	if err != nil {
@@ -101,20 +108,116 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 	if err != nil || !fence.Token(n).Valid() {
 		return fmt.Errorf("%w: -to wants a token in 1..%d, got %q", errUsage, uint64(fence.MaxToken), *to)
 	}
+	if err := bc.checkOperator(""); err != nil {
+		return err
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	b, err := openBackend(ctx, *bc)
+	b, err := openOperator(ctx, *bc, false)
 	if err != nil {
 		return err
 	}
 	defer b.close()
 	bu, ok := b.acq.(fence.Bumper)
 	if !ok {
-		return fmt.Errorf("backend %s has no counter to bump (etcd tokens are revisions)", bc.name)
+		return fmt.Errorf("backend %s has no counter to bump (etcd tokens are revisions; S3 lock objects cannot be bumped)", bc.name)
 	}
 	if err := bu.Bump(ctx, name, fence.Token(n)); err != nil {
 		return err
 	}
 	fmt.Fprintf(stdout, "lock %q on %s: counter raised to %d\n", name, b.name, n)
 	return nil
+}
+
+// openOperator opens the backend an operator's flags name (checkOperator has
+// passed): its acquirer and, with keys, the fenced writer that reads a
+// protected key's token. Nothing is created: a missing table is an error that
+// names it.
+func openOperator(ctx context.Context, c backendConfig, keys bool) (*backend, error) {
+	sqlOps := func(name string, fdb *sqlfence.DB, closeFn func() error) (*backend, error) {
+		a, err := sqlfence.NewAcquirer(fdb, nil)
+		if err != nil {
+			return nil, errors.Join(err, closeFn())
+		}
+		b := &backend{name: name, acq: a, close: closeFn}
+		if keys {
+			if b.fenced, err = sqlfence.NewWriter(fdb, nil); err != nil {
+				return nil, errors.Join(err, closeFn())
+			}
+		}
+		return b, nil
+	}
+	switch c.name {
+	case "sqlite":
+		db, err := sqlfence.OpenSQLite(c.dbPath)
+		if err != nil {
+			return nil, err
+		}
+		return sqlOps("sqlite ("+c.dbPath+")", sqlfence.SQLite(db), db.Close)
+	case "postgres":
+		p, name, err := connectPostgres(ctx, c.postgresURL)
+		if err != nil {
+			return nil, err
+		}
+		return sqlOps(name, sqlfence.Pgx(p), func() error { p.Close(); return nil })
+	case "mysql":
+		db, name, err := connectMySQL(ctx, c.mysqlDSN)
+		if err != nil {
+			return nil, err
+		}
+		return sqlOps(name, sqlfence.MySQL(db), db.Close)
+	case "redis":
+		cl, name, err := connectRedis(ctx, c)
+		if err != nil {
+			return nil, err
+		}
+		a, err := redislua.NewAcquirer(cl, nil)
+		if err != nil {
+			return nil, errors.Join(err, cl.Close())
+		}
+		w, err := redislua.NewWriter(cl, nil)
+		if err != nil {
+			return nil, errors.Join(err, cl.Close())
+		}
+		return &backend{name: name, acq: a, fenced: w, close: cl.Close}, nil
+	case "etcd":
+		cl, err := connectEtcd(ctx, c.etcd)
+		if err != nil {
+			return nil, err
+		}
+		a, err := etcdfence.New(cl, nil)
+		if err != nil {
+			return nil, errors.Join(err, cl.Close())
+		}
+		b := &backend{name: "etcd (" + c.etcd + ")", acq: a, close: cl.Close}
+		if keys {
+			db, err := sqlfence.OpenSQLite(c.dbPath)
+			if err != nil {
+				return nil, errors.Join(err, cl.Close())
+			}
+			w, err := sqlfence.NewWriter(sqlfence.SQLite(db), nil)
+			if err != nil {
+				return nil, errors.Join(err, db.Close(), cl.Close())
+			}
+			b.fenced = w
+			b.close = func() error { return errors.Join(db.Close(), cl.Close()) }
+		}
+		return b, nil
+	case "s3":
+		sc, err := connectS3(ctx, c)
+		if err != nil {
+			return nil, err
+		}
+		a, err := s3fence.NewAcquirer(sc.c, sc.bucket, nil)
+		if err != nil {
+			return nil, err
+		}
+		w, err := s3fence.New(sc.c, sc.bucket, nil)
+		if err != nil {
+			return nil, err
+		}
+		return &backend{name: sc.name, acq: a, fenced: w, close: func() error { sc.close(); return nil }}, nil
+	default:
+		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
+	}
 }

@@ -12,7 +12,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log"
 	"os"
+
+	"github.com/go-sql-driver/mysql"
 )
 
 const usage = `fence replays why a lease lock alone is not enough, and measures the fix.
@@ -22,9 +25,12 @@ Usage:
   fence bench [flags]   measure fenced writes and locked increments
   fence inspect [flags] NAME        show a lock's holder, time left and counter
   fence bump [flags] NAME -to N     raise a lock's token counter (never lowers it)
-  fence help            print this help
+  fence help [command]  print this help, or a command's
 
-Run "fence <command> -h" for a command's flags.
+Run "fence <command> -h" for a command's flags. inspect and bump act only on
+the backend their flags name (a database file, URL, endpoint or bucket) and
+refuse to run without one. Passwords in connection strings and credential
+variables are shown as xxxxx in every message.
 Exit status: 0 on success (for demo: every outcome as expected), 1 when an
 outcome is not the expected one or the backend fails or refuses, 2 for bad usage.
 `
@@ -40,7 +46,18 @@ var (
 	errReported = errors.New("usage error reported")
 )
 
+// run runs the command line args, writing through a redactor that blanks the
+// passwords args and the credential variables carry, and returns the exit
+// status.
 func run(args []string, stdout, stderr io.Writer) int {
+	red := newRedactor(args)
+	stdout, stderr = red.writer(stdout), red.writer(stderr)
+	// go-sql-driver/mysql logs to the standard logger's stderr on its own.
+	mysql.SetLogger(log.New(stderr, "[mysql] ", log.LstdFlags))
+	return runCommand(args, stdout, stderr)
+}
+
+func runCommand(args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
 		return 2
@@ -58,6 +75,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "bump":
 		err = runBump(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
+		if len(args) > 1 && args[0] == "help" {
+			return runCommand([]string{args[1], "-h"}, stdout, stderr)
+		}
 		fmt.Fprint(stdout, usage)
 		return 0
 	default:
@@ -80,27 +100,55 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 }
 
+// flagSet is a subcommand's flags: its help (-h) goes to stdout, a mistake
+// and the usage after it to stderr.
+type flagSet struct {
+	*flag.FlagSet
+	synopsis, about string
+	stdout, stderr  io.Writer
+}
+
 // commandFlags returns a subcommand's flag set, with the backend flags
-// registered and a usage text of synopsis and about.
-func commandFlags(name, synopsis, about string, stderr io.Writer) (*flag.FlagSet, *backendConfig) {
-	fs := flag.NewFlagSet("fence "+name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
+// registered (for an operator's command, with no defaults) and a usage text
+// of synopsis and about.
+func commandFlags(name, synopsis, about string, operator bool, stdout, stderr io.Writer) (*flagSet, *backendConfig) {
+	fs := &flagSet{FlagSet: flag.NewFlagSet("fence "+name, flag.ContinueOnError), synopsis: synopsis, about: about, stdout: stdout, stderr: stderr}
+	fs.SetOutput(io.Discard) // parse prints the error and the usage itself
+	fs.Usage = func() {}
 	bc := &backendConfig{}
-	bc.register(fs)
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: fence %s\n\n%s\n\nFlags:\n", synopsis, about)
-		fs.PrintDefaults()
-	}
+	bc.register(fs.FlagSet, operator)
 	return fs, bc
 }
 
-// parseFlags parses a subcommand's flags; a bad flag is a usage error.
-func parseFlags(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
+func (fs *flagSet) printUsage(w io.Writer) {
+	fmt.Fprintf(w, "Usage: fence %s\n\n%s\n\nFlags:\n", fs.synopsis, fs.about)
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+	fs.SetOutput(io.Discard)
+}
+
+// parse parses args once: -h prints the usage to stdout and returns
+// flag.ErrHelp; a bad flag prints the mistake and the usage to stderr and
+// returns errReported.
+func (fs *flagSet) parse(args []string) error {
+	err := fs.Parse(args)
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, flag.ErrHelp):
+		fs.printUsage(fs.stdout)
+		return err
+	default:
+		fmt.Fprintf(fs.stderr, "%s: %v\n", fs.Name(), err)
+		fs.printUsage(fs.stderr)
 		return fmt.Errorf("%w: %v", errReported, err)
+	}
+}
+
+// parseFlags parses a subcommand's flags; a bad flag is a usage error.
+func parseFlags(fs *flagSet, args []string) error {
+	if err := fs.parse(args); err != nil {
+		return err
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("%w: unexpected arguments %q", errUsage, fs.Args())

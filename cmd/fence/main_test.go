@@ -132,35 +132,6 @@ func TestDemoS3(t *testing.T) {
 	}
 }
 
-func TestInspectAndBump(t *testing.T) {
-	db := filepath.Join(t.TempDir(), "locks.db")
-	fence := func(args ...string) (int, string) {
-		var out, errOut bytes.Buffer
-		code := run(args, &out, &errOut)
-		return code, out.String() + errOut.String()
-	}
-	if code, out := fence("inspect", "-db", db, "job"); code != 1 || !strings.Contains(out, `no lock named "job"`) {
-		t.Errorf("inspect of an unknown name: %d %s", code, out)
-	}
-	if code, out := fence("bump", "job", "-db", db, "-to", "40"); code != 0 || !strings.Contains(out, "counter raised to 40") {
-		t.Errorf("bump: %d %s", code, out)
-	}
-	if code, out := fence("bump", "-db", db, "-to", "39", "job"); code != 1 || !strings.Contains(out, "would not raise the counter, already at 40") {
-		t.Errorf("bump downwards: %d %s", code, out)
-	}
-	if code, out := fence("inspect", "-db", db, "-key", "report", "job"); code != 0 || !strings.Contains(out, "counter:   40") || !strings.Contains(out, "held:      no") {
-		t.Errorf("inspect after the bump: %d %s", code, out)
-	}
-	for _, bad := range [][]string{{"bump", "job"}, {"bump", "job", "-to", "0"}, {"inspect"}, {"inspect", "a", "b"}} {
-		if code, out := fence(bad...); code != 2 {
-			t.Errorf("fence %q: exit %d, want 2\n%s", bad, code, out)
-		}
-	}
-	if code, out := fence("bump", "-backend", "etcd", "job", "-to", "5"); code != 1 || !strings.Contains(out, "no counter to bump") {
-		t.Errorf("bump on etcd: %d %s", code, out)
-	}
-}
-
 func TestUsage(t *testing.T) {
 	cases := []struct {
 		args []string
@@ -169,6 +140,9 @@ func TestUsage(t *testing.T) {
 	}{
 		{nil, 2, "Usage:"},
 		{[]string{"help"}, 0, "fence demo"},
+		{[]string{"-h"}, 0, "fence demo"},
+		{[]string{"help", "demo"}, 0, "Usage: fence demo"},
+		{[]string{"help", "nope"}, 2, `unknown command "nope"`},
 		{[]string{"nope"}, 2, `unknown command "nope"`},
 		{[]string{"demo", "-h"}, 0, "Usage: fence demo"},
 		{[]string{"demo", "-backend", "nope"}, 2, `unknown backend "nope"`},
@@ -176,6 +150,10 @@ func TestUsage(t *testing.T) {
 		{[]string{"demo", "-nope"}, 2, "flag provided but not defined"},
 		{[]string{"bench", "-n", "0"}, 2, "must be at least 1"},
 		{[]string{"demo", "-backend", "postgres", "-postgres-url", "postgres://nobody@127.0.0.1:1/none?connect_timeout=2"}, 1, "postgres at"},
+		{[]string{"demo", "-backend", "postgres", "-postgres-url", "postgres://nobody@127.0.0.1:notaport/none"}, 2, "does not parse"},
+		{[]string{"demo", "-backend", "mysql", "-mysql-dsn", "nobody@127.0.0.1:3306/test"}, 2, "does not parse"},
+		{[]string{"demo", "-backend", "redis", "-redis-url", "http://127.0.0.1:6379"}, 2, "does not parse"},
+		{[]string{"demo", "-backend", "s3", "-s3-endpoint", "127.0.0.1:9000", "-s3-bucket", "b"}, 2, "is not a URL"},
 		{[]string{"demo", "-backend", "redis", "-redis-addr", "127.0.0.1:1"}, 1, "redis at"},
 	}
 	for _, c := range cases {
@@ -185,6 +163,36 @@ func TestUsage(t *testing.T) {
 		if code != c.code || !strings.Contains(all, c.want) {
 			t.Errorf("fence %q: exit %d, want %d; output lacks %q?\n%s", c.args, code, c.code, c.want, all)
 		}
+		// Help asked for goes to stdout; a mistake and its usage to stderr.
+		if code == 0 && (out.Len() == 0 || errOut.Len() > 0) {
+			t.Errorf("fence %q: exit 0 with stdout %q and stderr %q: help belongs on stdout", c.args, out.String(), errOut.String())
+		}
+		if code == 2 && (errOut.Len() == 0 || out.Len() > 0) {
+			t.Errorf("fence %q: exit 2 with stdout %q and stderr %q: a usage error belongs on stderr", c.args, out.String(), errOut.String())
+		}
+	}
+}
+
+// TestOperatorHelp: inspect's and bump's help shows no default backend to act
+// on, the demo's does.
+func TestOperatorHelp(t *testing.T) {
+	for _, cmd := range []string{"inspect", "bump"} {
+		var out, errOut bytes.Buffer
+		if code := run([]string{cmd, "-h"}, &out, &errOut); code != 0 {
+			t.Fatalf("fence %s -h: exit %d\n%s", cmd, code, errOut.String())
+		}
+		_, flags, _ := strings.Cut(out.String(), "Flags:")
+		flags = strings.ReplaceAll(flags, `(default "sqlite")`, "")
+		for _, bad := range []string{"temporary", "embedded", "in-process", "127.0.0.1", "(default \""} {
+			if strings.Contains(flags, bad) {
+				t.Errorf("fence %s -h shows %q:\n%s", cmd, bad, out.String())
+			}
+		}
+	}
+	var out, errOut bytes.Buffer
+	run([]string{"demo", "-h"}, &out, &errOut)
+	if !strings.Contains(out.String(), "temporary file") || !strings.Contains(out.String(), "127.0.0.1") {
+		t.Errorf("fence demo -h lost its defaults:\n%s", out.String())
 	}
 }
 

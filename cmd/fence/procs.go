@@ -24,7 +24,7 @@ var sharedBackends = []string{"postgres", "mysql", "redis"}
 
 // args returns the flags that reach the same backend from a child process.
 func (c backendConfig) args() []string {
-	return []string{"-backend", c.name, "-postgres-url", c.postgresURL, "-mysql-dsn", c.mysqlDSN, "-redis-addr", c.redisAddr}
+	return []string{"-backend", c.name, "-postgres-url", c.postgresURL, "-mysql-dsn", c.mysqlDSN, "-redis-addr", c.redisAddr, "-redis-url", c.redisURL}
 }
 
 // processIncrements runs workers x each locked increments of a fresh counter
@@ -64,7 +64,7 @@ func processIncrements(ctx context.Context, b *backend, bc backendConfig, name s
 // runs its workers' locked increments, and prints "sent N" (Redis commands
 // its client sent, on Redis).
 func runBenchChild(args []string, stdout, stderr io.Writer) error {
-	fs, bc := commandFlags("bench-child", "bench-child [flags]", "One process of fence bench -processes.", stderr)
+	fs, bc := commandFlags("bench-child", "bench-child [flags]", "One process of fence bench -processes.", false, stdout, stderr)
 	key := fs.String("key", "", "the counter key")
 	workers := fs.Int("workers", 1, "workers in this process")
 	each := fs.Int("each", 1, "locked increments per worker")

@@ -2,11 +2,15 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http/httptest"
+	"net/url"
+	"os"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
@@ -26,37 +30,87 @@ var s3Timing = timing{
 	bugLease: time.Second, bugStall: 3500 * time.Millisecond,
 }
 
-// openS3Backend keeps the protected data and the locks in an in-process S3
-// server (gofakes3, which honours conditional PUTs): the locks are lock
-// objects of s3fence.Acquirer, no other lock service. The idempotency keys of
-// the payment scenarios live in SQLite (dbPath, or a temporary file).
-func openS3Backend(ctx context.Context, dbPath string) (*backend, error) {
-	srv := httptest.NewServer(gofakes3.New(s3mem.New()).Server())
-	c := s3.New(s3.Options{
-		Region: "us-east-1", BaseEndpoint: aws.String(srv.URL), UsePathStyle: true,
-		Credentials: credentials.NewStaticCredentialsProvider("demo", "demo", ""),
-	})
-	bucket := "fence-demo"
-	if _, err := c.CreateBucket(ctx, &s3.CreateBucketInput{Bucket: aws.String(bucket)}); err != nil {
-		srv.Close()
+// s3Client is an S3 client with its bucket and a name for messages.
+type s3Client struct {
+	c      *s3.Client
+	bucket string
+	name   string
+	close  func()
+}
+
+// connectS3 returns a client of the S3 server and bucket the flags name
+// (credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and
+// AWS_SESSION_TOKEN), checking that the bucket answers; or, when neither
+// -s3-endpoint nor -s3-bucket is set, of an in-process S3 server (gofakes3,
+// which honours conditional PUTs) with a new bucket. An operator's command
+// never gets the in-process server (checkOperator refuses first).
+func connectS3(ctx context.Context, cfg backendConfig) (*s3Client, error) {
+	if cfg.s3Endpoint == "" && cfg.s3Bucket == "" {
+		srv := httptest.NewServer(gofakes3.New(s3mem.New()).Server())
+		c := s3.New(s3.Options{
+			Region: "us-east-1", BaseEndpoint: aws.String(srv.URL), UsePathStyle: true,
+			Credentials: credentials.NewStaticCredentialsProvider("demo", "demo", ""),
+		})
+		bucket := "fence-demo"
+		if _, err := c.CreateBucket(ctx, &s3.CreateBucketInput{Bucket: aws.String(bucket)}); err != nil {
+			srv.Close()
+			return nil, err
+		}
+		return &s3Client{c: c, bucket: bucket, name: "in-process S3 (" + srv.URL + ")", close: srv.Close}, nil
+	}
+	if cfg.s3Bucket == "" {
+		return nil, fmt.Errorf("%w: -s3-endpoint needs -s3-bucket", errUsage)
+	}
+	region := cmp.Or(cfg.s3Region, os.Getenv("AWS_REGION"), "us-east-1")
+	opts := s3.Options{
+		Region: region,
+		Credentials: credentials.NewStaticCredentialsProvider(
+			os.Getenv("AWS_ACCESS_KEY_ID"), os.Getenv("AWS_SECRET_ACCESS_KEY"), os.Getenv("AWS_SESSION_TOKEN")),
+	}
+	where := "AWS " + region
+	if cfg.s3Endpoint != "" {
+		u, err := url.Parse(cfg.s3Endpoint)
+		if err != nil || u.Scheme == "" || u.Host == "" {
+			return nil, fmt.Errorf("%w: -s3-endpoint %s is not a URL such as http://127.0.0.1:9000", errUsage, redactConn(cfg.s3Endpoint))
+		}
+		opts.BaseEndpoint, opts.UsePathStyle = aws.String(cfg.s3Endpoint), true
+		where = redactConn(cfg.s3Endpoint)
+	}
+	c := s3.New(opts)
+	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := c.HeadBucket(hctx, &s3.HeadBucketInput{Bucket: aws.String(cfg.s3Bucket)}); err != nil {
+		return nil, fmt.Errorf("s3 bucket %q at %s: %w", cfg.s3Bucket, where, err)
+	}
+	return &s3Client{c: c, bucket: cfg.s3Bucket, name: fmt.Sprintf("s3 bucket %q at %s", cfg.s3Bucket, where), close: func() {}}, nil
+}
+
+// openS3Backend keeps the protected data and the locks in S3 (connectS3):
+// the locks are lock objects of s3fence.Acquirer, no other lock service. The
+// idempotency keys of the payment scenarios live in SQLite (dbPath, or a
+// temporary file).
+func openS3Backend(ctx context.Context, cfg backendConfig) (*backend, error) {
+	sc, err := connectS3(ctx, cfg)
+	if err != nil {
 		return nil, err
 	}
+	c, bucket := sc.c, sc.bucket
 	w, err := s3fence.New(c, bucket, nil)
 	if err != nil {
-		srv.Close()
+		sc.close()
 		return nil, err
 	}
 	a, err := s3fence.NewAcquirer(c, bucket, &s3fence.AcquirerOptions{Backoff: fence.Backoff{Min: 10 * time.Millisecond, Max: 200 * time.Millisecond}})
 	if err != nil {
-		srv.Close()
+		sc.close()
 		return nil, err
 	}
-	b, err := openSQLiteBackend(ctx, dbPath)
+	b, err := openSQLiteBackend(ctx, cfg.dbPath)
 	if err != nil {
-		srv.Close()
+		sc.close()
 		return nil, err
 	}
-	b.name = "in-process S3 (" + srv.URL + "): data and locks; idempotency keys in " + b.name
+	b.name = sc.name + ": data and locks; idempotency keys in " + b.name
 	b.acq, b.fenced, b.timing = a, w, &s3Timing
 	b.forceRelease = func(ctx context.Context, name string) error {
 		// The lesson's bug on a lock object: free it without checking whose it is.
@@ -92,6 +146,6 @@ func openS3Backend(ctx context.Context, dbPath string) (*backend, error) {
 		return io.ReadAll(out.Body)
 	}
 	closeLocks := b.close
-	b.close = func() error { srv.Close(); return closeLocks() }
+	b.close = func() error { sc.close(); return closeLocks() }
 	return b, nil
 }

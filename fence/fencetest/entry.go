@@ -20,10 +20,13 @@ import (
 // Writer must be used only through it. Make one per fuzz target (one per
 // fuzzing process); it is not safe for concurrent use.
 type EntryPoints struct {
+	// Writer is the adapter's fenced writer under test (required); Check
+	// reads each accepted write back through it.
 	Writer interface {
 		fence.FencedWriter
 		fence.Reader
 	}
+	// Acquirer is the adapter's acquirer under test (required).
 	Acquirer fence.Acquirer
 
 	// Refuses reports whether the backend refuses s as a key or a lock name,

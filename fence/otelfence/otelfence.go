@@ -18,8 +18,10 @@ import (
 
 // Options configures an Observer. A nil *Options means the defaults.
 type Options struct {
-	// MeterProvider and TracerProvider default to the global ones.
-	MeterProvider  metric.MeterProvider
+	// MeterProvider makes the instruments. Default: otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
+	// TracerProvider makes the spans fence.acquire and fence.write. Default:
+	// otel.GetTracerProvider().
 	TracerProvider trace.TracerProvider
 	// MaxNames bounds the label cardinality: the first MaxNames lock names
 	// (and keys) seen are labelled as they are, later ones as "other".

@@ -1,0 +1,285 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"fmt"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/credentials"
+	"github.com/aws/aws-sdk-go-v2/service/s3"
+	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	"github.com/fencekit/fencekit/adapters/redislua"
+	s3fence "github.com/fencekit/fencekit/adapters/s3"
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/etcdtest"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/johannesboyne/gofakes3"
+	"github.com/johannesboyne/gofakes3/backend/s3mem"
+	"github.com/redis/go-redis/v9"
+)
+
+// fenceCmd runs the CLI and returns its exit status and all it printed.
+func fenceCmd(args ...string) (int, string) {
+	var out, errOut bytes.Buffer
+	code := run(args, &out, &errOut)
+	return code, out.String() + errOut.String()
+}
+
+// uniqueName is a lock name no earlier run used.
+func uniqueName(t *testing.T) string {
+	return fmt.Sprintf("cli-%s-%d", strings.ToLower(t.Name()[len("TestOperator"):]), time.Now().UnixNano())
+}
+
+// TestOperatorRefusesUnnamedBackend: for every backend, inspect and bump
+// without the flags that name a real backend exit 2 with one line, and touch
+// nothing (no file appears).
+func TestOperatorRefusesUnnamedBackend(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "missing.db")
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"bump", "job", "-to", "100"}, "-backend sqlite needs -db FILE"},
+		{[]string{"inspect", "job"}, "-backend sqlite needs -db FILE"},
+		{[]string{"bump", "-db", missing, "job", "-to", "100"}, "inspect and bump never create a database"},
+		{[]string{"inspect", "-db", missing, "job"}, "inspect and bump never create a database"},
+		{[]string{"inspect", "-backend", "postgres", "job"}, "-backend postgres needs -postgres-url"},
+		{[]string{"bump", "-backend", "postgres", "job", "-to", "5"}, "-backend postgres needs -postgres-url"},
+		{[]string{"inspect", "-backend", "mysql", "job"}, "-backend mysql needs -mysql-dsn"},
+		{[]string{"bump", "-backend", "mysql", "job", "-to", "5"}, "-backend mysql needs -mysql-dsn"},
+		{[]string{"inspect", "-backend", "redis", "job"}, "-backend redis needs -redis-addr ADDR or -redis-url"},
+		{[]string{"bump", "-backend", "redis", "job", "-to", "5"}, "-backend redis needs -redis-addr ADDR or -redis-url"},
+		{[]string{"inspect", "-backend", "etcd", "job"}, "-backend etcd needs -etcd-endpoints"},
+		{[]string{"bump", "-backend", "etcd", "job", "-to", "5"}, "-backend etcd needs -etcd-endpoints"},
+		{[]string{"inspect", "-backend", "etcd", "-etcd-endpoints", "http://127.0.0.1:1", "-key", "k", "job"}, "-key on -backend etcd needs -db FILE"},
+		{[]string{"inspect", "-backend", "etcd", "-etcd-endpoints", "http://127.0.0.1:1", "-db", missing, "job"}, "never create a database"},
+		{[]string{"inspect", "-backend", "s3", "job"}, "-backend s3 needs -s3-bucket"},
+		{[]string{"bump", "-backend", "s3", "job", "-to", "5"}, "-backend s3 needs -s3-bucket"},
+		{[]string{"inspect", "-backend", "s3", "-s3-endpoint", "http://127.0.0.1:1", "job"}, "-backend s3 needs -s3-bucket"},
+		{[]string{"inspect", "-backend", "s3", "-s3-bucket", "b", "job"}, "needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"},
+		{[]string{"inspect", "-backend", "nope", "job"}, `unknown backend "nope"`},
+	}
+	t.Setenv("AWS_ACCESS_KEY_ID", "")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "")
+	for _, c := range cases {
+		code, out := fenceCmd(c.args...)
+		if code != 2 || !strings.Contains(out, c.want) {
+			t.Errorf("fence %q: exit %d, want 2 with %q:\n%s", c.args, code, c.want, out)
+		}
+		if first, _, _ := strings.Cut(out, "\n"); !strings.Contains(first, c.want) {
+			t.Errorf("fence %q: the reason is not on the first line:\n%s", c.args, out)
+		}
+	}
+	if _, err := os.Stat(missing); !os.IsNotExist(err) {
+		t.Errorf("a refused command created %s: %v", missing, err)
+	}
+}
+
+// checkBump bumps name to 40 through the CLI, refuses 39, and inspects it;
+// counter reads the counter from the backend itself.
+func checkBump(t *testing.T, flags []string, name string, counter func() fence.Token) {
+	t.Helper()
+	with := func(args ...string) []string { return append(append([]string{args[0]}, flags...), args[1:]...) }
+	if code, out := fenceCmd(with("inspect", name)...); code != 1 || !strings.Contains(out, "no lock named") {
+		t.Errorf("inspect of a name never granted: exit %d\n%s", code, out)
+	}
+	if code, out := fenceCmd(with("bump", name, "-to", "40")...); code != 0 || !strings.Contains(out, "counter raised to 40") {
+		t.Fatalf("bump: exit %d\n%s", code, out)
+	}
+	if got := counter(); got != 40 {
+		t.Errorf("after fence bump -to 40 the backend's counter is %d", got)
+	}
+	if code, out := fenceCmd(with("bump", name, "-to", "39")...); code != 1 || !strings.Contains(out, "already at 40") {
+		t.Errorf("bump downwards: exit %d\n%s", code, out)
+	}
+	if code, out := fenceCmd(with("inspect", "-key", "never-written", name)...); code != 0 || !strings.Contains(out, "counter:   40") ||
+		!strings.Contains(out, "held:      no") || !strings.Contains(out, `key "never-written": no value`) {
+		t.Errorf("inspect after the bump: exit %d\n%s", code, out)
+	}
+}
+
+func inspectCounter(t *testing.T, in fence.Inspector, name string) func() fence.Token {
+	return func() fence.Token {
+		info, err := in.Inspect(context.Background(), name)
+		if err != nil {
+			t.Fatalf("inspect %q on the backend: %v", name, err)
+		}
+		return info.Counter
+	}
+}
+
+// sqlTables creates the lease and row tables on fdb, as an application using
+// the library would have, and returns the acquirer.
+func sqlTables(t *testing.T, fdb *sqlfence.DB) *sqlfence.Acquirer {
+	t.Helper()
+	ctx := context.Background()
+	a, err := sqlfence.NewAcquirer(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := sqlfence.NewWriter(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+func TestOperatorSQLite(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "locks.db")
+	db, err := sqlfence.OpenSQLite(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	a := sqlTables(t, sqlfence.SQLite(db))
+	checkBump(t, []string{"-db", path}, "job", inspectCounter(t, a, "job"))
+	// A database without the lease table is an error naming it; nothing is created.
+	empty := filepath.Join(t.TempDir(), "empty.db")
+	edb, err := sql.Open("sqlite", empty)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := edb.Exec("CREATE TABLE other (x INT)"); err != nil {
+		t.Fatal(err)
+	}
+	edb.Close()
+	if code, out := fenceCmd("bump", "-db", empty, "job", "-to", "5"); code != 1 || !strings.Contains(out, "fence_leases") {
+		t.Errorf("bump on a database without the lease table: exit %d\n%s", code, out)
+	}
+}
+
+func TestOperatorPostgres(t *testing.T) {
+	url := testenv.PostgresURL()
+	if err := testenv.PingPostgres(url); err != nil {
+		testenv.Missing(t, "PostgreSQL at "+url, err)
+	}
+	ctx := context.Background()
+	p, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	a := sqlTables(t, sqlfence.Pgx(p))
+	name := uniqueName(t)
+	checkBump(t, []string{"-backend", "postgres", "-postgres-url", url}, name, inspectCounter(t, a, name))
+}
+
+func TestOperatorMySQL(t *testing.T) {
+	dsn := testenv.MySQLDSN()
+	ctx := context.Background()
+	db, err := sql.Open("mysql", dsn)
+	if err == nil {
+		err = db.PingContext(ctx)
+	}
+	if err != nil {
+		testenv.Missing(t, "MySQL or MariaDB at "+redactConn(dsn), err)
+	}
+	t.Cleanup(func() { db.Close() })
+	a := sqlTables(t, sqlfence.MySQL(db))
+	name := uniqueName(t)
+	checkBump(t, []string{"-backend", "mysql", "-mysql-dsn", dsn}, name, inspectCounter(t, a, name))
+}
+
+func TestOperatorRedis(t *testing.T) {
+	addr := testenv.RedisAddr()
+	if err := testenv.Dial(addr); err != nil {
+		testenv.Missing(t, "Redis at "+addr, err)
+	}
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	t.Cleanup(func() { c.Close() })
+	a, err := redislua.NewAcquirer(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := uniqueName(t)
+	checkBump(t, []string{"-backend", "redis", "-redis-addr", addr}, name, inspectCounter(t, a, name))
+	// The same lock through -redis-url.
+	if code, out := fenceCmd("inspect", "-backend", "redis", "-redis-url", "redis://"+addr+"/0", name); code != 0 || !strings.Contains(out, "counter:   40") {
+		t.Errorf("inspect -redis-url: exit %d\n%s", code, out)
+	}
+}
+
+func TestOperatorEtcd(t *testing.T) {
+	cluster := etcdtest.Start(t, 1)
+	a, err := etcdfence.New(cluster.Client(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	name := uniqueName(t)
+	l, err := a.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Release(context.Background()) })
+	eps := strings.Join(cluster.Endpoints(), ",")
+	code, out := fenceCmd("inspect", "-backend", "etcd", "-etcd-endpoints", eps, name)
+	if want := fmt.Sprintf("held:      yes, token %d", l.Token()); code != 0 || !strings.Contains(out, want) {
+		t.Errorf("inspect of a held etcd lock: exit %d, want %q\n%s", code, want, out)
+	}
+	if code, out := fenceCmd("bump", "-backend", "etcd", "-etcd-endpoints", eps, name, "-to", "5"); code != 1 || !strings.Contains(out, "no counter to bump") {
+		t.Errorf("bump on etcd: exit %d\n%s", code, out)
+	}
+}
+
+func TestOperatorEtcdUnreachable(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits for the etcd client's 5s deadline; skipped with -short")
+	}
+	eps := "http://127.0.0.1:1,127.0.0.1:2"
+	code, out := fenceCmd("inspect", "-backend", "etcd", "-etcd-endpoints", eps, "job")
+	for _, want := range []string{"http://127.0.0.1:1: TCP connect failed", "127.0.0.1:2: TCP connect failed", "connection refused", "no endpoint answered"} {
+		if code != 1 || !strings.Contains(out, want) {
+			t.Errorf("inspect on unreachable etcd: exit %d, want %q\n%s", code, want, out)
+		}
+	}
+}
+
+func TestOperatorS3(t *testing.T) {
+	srv := httptest.NewServer(gofakes3.New(s3mem.New()).Server())
+	t.Cleanup(srv.Close)
+	t.Setenv("AWS_ACCESS_KEY_ID", "operator")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "operator-secret")
+	c := s3.New(s3.Options{Region: "us-east-1", BaseEndpoint: aws.String(srv.URL), UsePathStyle: true,
+		Credentials: credentials.NewStaticCredentialsProvider("operator", "operator-secret", "")})
+	ctx := context.Background()
+	if _, err := c.CreateBucket(ctx, &s3.CreateBucketInput{Bucket: aws.String("locks")}); err != nil {
+		t.Fatal(err)
+	}
+	a, err := s3fence.NewAcquirer(c, "locks", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := a.TryAcquire(ctx, "job", 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Release(context.Background()) })
+	flags := []string{"-backend", "s3", "-s3-endpoint", srv.URL, "-s3-bucket", "locks"}
+	code, out := fenceCmd(append(append([]string{"inspect"}, flags...), "job")...)
+	if want := fmt.Sprintf("held:      yes, token %d", l.Token()); code != 0 || !strings.Contains(out, want) || !strings.Contains(out, srv.URL) {
+		t.Errorf("inspect of a held S3 lock: exit %d, want %q and the endpoint\n%s", code, want, out)
+	}
+	if code, out := fenceCmd(append(append([]string{"bump"}, flags...), "job", "-to", "50")...); code != 1 || !strings.Contains(out, "no counter to bump") {
+		t.Errorf("bump on S3: exit %d\n%s", code, out)
+	}
+	if code, out := fenceCmd("inspect", "-backend", "s3", "-s3-endpoint", srv.URL, "-s3-bucket", "no-such-bucket", "job"); code != 1 || !strings.Contains(out, `s3 bucket "no-such-bucket"`) {
+		t.Errorf("inspect of a missing bucket: exit %d\n%s", code, out)
+	}
+}
