@@ -24,18 +24,23 @@ func WithKey(ctx context.Context, key string) context.Context {
 	return context.WithValue(ctx, keyCtx{}, key)
 }
 
-// requestKey is the key a request carries: WithKey's, else the effect key of
-// the handler behind the middleware that sends it.
-func requestKey(ctx context.Context) string {
-	if k, _ := ctx.Value(keyCtx{}).(string); k != "" {
+// requestKey is the key a request carries: WithKey's, else, inside a handler
+// behind the middleware, a key of its own for this call (see CallKey).
+func requestKey(req *http.Request) string {
+	if k, _ := req.Context().Value(keyCtx{}).(string); k != "" {
 		return k
 	}
-	return EffectKey(ctx)
+	if a := attemptOf(req.Context()); a != nil {
+		return a.nextCallKey(req.Method, req.URL.Host, req.URL.Path)
+	}
+	return ""
 }
 
 // Transport is an http.RoundTripper for calls to services that deduplicate by
-// Idempotency-Key. A request whose context holds a key (WithKey, or EffectKey
-// behind the middleware) and whose method is one of Methods gets the header
+// Idempotency-Key. A request whose context holds a key (WithKey; or, from a
+// handler behind the middleware, a key derived for each call from the
+// attempt's effect key: the n-th call with one method to one host and path,
+// see CallKey) and whose method is one of Methods gets the header
 // (unless it has one) and is retried, with the same key, after a transport
 // error or a 409, 429, 500, 502, 503 or 504 (but not the middleware's final
 // 500s: outcome unknown, response not kept), waiting as Retry-After says (at
@@ -65,12 +70,15 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if base == nil {
 		base = http.DefaultTransport
 	}
-	key := requestKey(req.Context())
 	methods := t.Methods
 	if len(methods) == 0 {
 		methods = []string{http.MethodPost, http.MethodPatch}
 	}
-	keyed := key != "" && slices.Contains(methods, req.Method)
+	key := ""
+	if slices.Contains(methods, req.Method) {
+		key = requestKey(req)
+	}
+	keyed := key != ""
 	if !keyed {
 		return base.RoundTrip(req)
 	}
