@@ -414,7 +414,7 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 // record that is gone was removed after the release (an armed one is never
 // removed).
 func applied(ctx context.Context, s Store, rec Record, ch Change, err error) bool {
-	got, gerr := s.Get(ctx, rec.Key)
+	got, gerr := read(ctx, s, rec.Key)
 	if ch.State == Released && errors.Is(gerr, fence.ErrNotFound) && errors.Is(err, fence.ErrNotFound) {
 		return true
 	}
@@ -431,39 +431,48 @@ func (o Options) keep() time.Duration {
 	return o.Retention
 }
 
-// definite reports an error after which the store certainly did not apply
-// the step: it refused it. Any other error (a lost reply, a timeout, a bare
-// transport error) may hide an applied step.
-func definite(err error) bool {
-	return errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) || errors.Is(err, fence.ErrNotFound) || errors.Is(err, fence.ErrInvalid)
+// read gets key's record, trying again after errors that are not an answer
+// (a lost reply, a cut connection) until ctx ends.
+func read(ctx context.Context, s Store, key string) (Record, error) {
+	for attempt := 0; ; attempt++ {
+		got, err := s.Get(ctx, key)
+		if err == nil || errors.Is(err, fence.ErrNotFound) || errors.Is(err, fence.ErrInvalid) {
+			return got, err
+		}
+		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(ctx, attempt) != nil {
+			return got, err
+		}
+	}
+}
+
+// refused reports an answer after which a step certainly did not happen and
+// cannot be this caller's own: bad input, or no record at all.
+func refused(err error) bool {
+	return errors.Is(err, fence.ErrInvalid) || errors.Is(err, fence.ErrNotFound)
 }
 
 // arm moves the claimed record to armed and returns it with the time the
-// request that set its lease was sent. When the arm's outcome is unknown
-// (its reply was lost), it re-reads the record: armed under this claim's
-// fence and owner means the arm landed, and a renewal confirms the lease;
-// still claimed means it did not, and it is sent again. If ctx has ended by
-// then, the key is released instead: the effect never ran.
+// request that set its lease was sent. When the arm's outcome is unknown (its
+// reply was lost), or it was refused as stale or in another state (which the
+// client library's own resend of an applied arm also gets), it re-reads the
+// record: armed under this claim's fence and owner means the arm landed, and
+// a renewal confirms the lease; still claimed means it did not, and it is
+// sent again. If ctx has ended by then, the key is released instead: the
+// effect never ran. Anything else is another owner's.
 func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time, error) {
 	sent := time.Now() // the arm's lease starts no earlier than this
 	ch := Change{State: Armed, Fence: rec.Fence, Owner: rec.Owner, Lease: o.Lease}
 	armed, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, ch)
-	if err == nil || definite(err) {
+	if err == nil || refused(err) {
 		return armed, sent, err
 	}
 	first := err
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
 	defer cancel()
 	for attempt := 0; ; attempt++ {
-		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(cctx, attempt) != nil {
-			return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w (the effect did not run; the key may stay armed)", rec.Key, first)
-		}
-		got, gerr := s.Get(cctx, rec.Key)
+		got, gerr := read(cctx, s, rec.Key)
 		if gerr != nil {
-			if definite(gerr) {
-				return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w, then: %w", rec.Key, first, gerr)
-			}
-			continue
+			return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w, then reading it: %w (the effect did not run; the key may stay armed)", rec.Key, first, gerr)
 		}
 		if got.Fence != rec.Fence || got.Owner != rec.Owner || (got.State != Claimed && got.State != Armed) {
 			return Record{}, sent, raced(ErrStateChanged, rec)
@@ -475,8 +484,11 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 		}
 		sent = time.Now()
 		armed, err = s.Update(ctx, rec.Key, got.State, rec.Fence, ch)
-		if err == nil || definite(err) {
+		if err == nil || refused(err) {
 			return armed, sent, err
+		}
+		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(cctx, attempt) != nil {
+			return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w (the effect did not run; the key may stay armed)", rec.Key, err)
 		}
 	}
 }

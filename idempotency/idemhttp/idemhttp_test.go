@@ -3,67 +3,27 @@ package idemhttp_test
 import (
 	"bytes"
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/fencekit/fencekit/adapters/redislua"
-	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/idempotency/idemhttp"
-	"github.com/fencekit/fencekit/internal/testenv"
-	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/fencekit/fencekit/internal/idemstores"
 )
 
 // stores returns the three stores the middleware is tested on.
-func stores(t testing.TB) map[string]idempotency.Store {
-	t.Helper()
-	out := map[string]idempotency.Store{}
-	db, err := sqlfence.OpenSQLite(filepath.Join(t.TempDir(), "idem.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	out["sqlite"] = sqlStore(t, sqlfence.SQLite(db))
-	pg, err := sql.Open("pgx", testenv.PostgresURL())
-	if err == nil {
-		err = pg.Ping()
-	}
-	if err != nil {
-		testenv.Missing(t, "PostgreSQL at "+testenv.PostgresURL(), err)
-	}
-	t.Cleanup(func() { pg.Close() })
-	out["postgres"] = sqlStore(t, sqlfence.Postgres(pg))
-	rs, err := redislua.NewIdempotencyStore(testenv.RedisClient(t), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	out["redis"] = rs
-	return out
-}
-
-func sqlStore(t testing.TB, db *sqlfence.DB) idempotency.Store {
-	s, err := sqlfence.NewIdempotencyStore(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.CreateTable(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
+func stores(t testing.TB) map[string]idempotency.Store { return idemstores.All(t) }
 
 // charges is a payment handler: it counts its runs and answers 201 with a
 // charge id, a Location and a cookie (which must never be recorded).
