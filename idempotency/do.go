@@ -234,7 +234,7 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 		defer unsubscribe()
 	}
 	for attempt := 0; ; attempt++ {
-		rec, created, err := s.Begin(ctx, key, fingerprint, claimOwner(o), o.Lease)
+		rec, created, err := begin(ctx, s, key, fingerprint, o)
 		if err != nil {
 			return Result{}, err
 		}
@@ -263,6 +263,33 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 		case <-t.C:
 		}
 		t.Stop()
+	}
+}
+
+// begin claims key. When the claim's outcome is unknown (its reply was lost,
+// or the client library sent it again), it reads the record: claimed under
+// this claim's owner is this claim, which landed; another record is answered
+// as Begin would have; no record means it did not land, and it is sent again
+// (three tries in all).
+func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Record, bool, error) {
+	owner := claimOwner(o)
+	for try := 1; ; try++ {
+		rec, created, err := s.Begin(ctx, key, fingerprint, owner, o.Lease)
+		if err == nil && !created && rec.Owner == owner && rec.State == Claimed {
+			return rec, true, nil // the client library's resend of this claim
+		}
+		if err == nil || refused(err) || try == 3 || ctx.Err() != nil {
+			return rec, created, err
+		}
+		rctx, cancel := context.WithTimeout(ctx, o.CompleteTimeout)
+		got, gerr := read(rctx, s, key)
+		cancel()
+		switch {
+		case gerr == nil:
+			return got, got.Owner == owner && got.State == Claimed, nil
+		case !errors.Is(gerr, fence.ErrNotFound):
+			return rec, created, err
+		}
 	}
 }
 

@@ -59,6 +59,11 @@ func completion(k string) func([]byte) bool {
 	return func(b []byte) bool { return bytes.Contains(b, []byte(k)) && bytes.Contains(b, []byte("completed")) }
 }
 
+// beginning matches the claim by its fingerprint, which only Begin sends.
+func beginning(k string) func([]byte) bool {
+	return func(b []byte) bool { return bytes.Contains(b, []byte("fp-"+k)) }
+}
+
 func arming(k string) func([]byte) bool {
 	return func(b []byte) bool {
 		return bytes.Contains(b, []byte(k)) && bytes.Contains(b, []byte("claimed")) && bytes.Contains(b, []byte("armed"))
@@ -70,19 +75,21 @@ func arming(k string) func([]byte) bool {
 // reporting ErrNotRecorded.
 // Issue 23 item 4: an arm whose reply was lost landed; Do goes on with the
 // effect instead of leaving the key armed (later unknown) with no effect run.
+// The same for a claim whose reply was lost: Do goes on with its own claim
+// instead of an error, or ErrInProgress against itself.
 func TestLostReplies(t *testing.T) {
 	for name, f := range faultyStores(t) {
 		t.Run(name, func(t *testing.T) {
 			for _, c := range []struct {
 				step  string
 				match func(string) func([]byte) bool
-			}{{"complete", completion}, {"arm", arming}} {
+			}{{"begin", beginning}, {"complete", completion}, {"arm", arming}} {
 				t.Run(c.step, func(t *testing.T) {
 					var l ledger
 					k := key()
 					lost := f.Proxy.Stats().LostReplies
 					f.Proxy.LoseReply(c.match(k))
-					r, err := idempotency.Do(ctxT(t), f.Store, k, "fp", l.effect(k), &idempotency.Options{Lease: 2 * time.Second})
+					r, err := idempotency.Do(ctxT(t), f.Store, k, "fp-"+k, l.effect(k), &idempotency.Options{Lease: 2 * time.Second})
 					if f.Proxy.Pending() != 0 || f.Proxy.Stats().LostReplies == lost {
 						t.Fatalf("the %s's reply was never lost (pending %d)", c.step, f.Proxy.Pending())
 					}
@@ -100,8 +107,9 @@ func TestLostReplies(t *testing.T) {
 }
 
 // TestCutConnections runs 200 keys under 2% random cuts (half of them lose
-// the reply of a request the server applied): no completion that landed is
-// reported ErrNotRecorded, no key is left armed or unknown without its effect
+// the reply of a request the server applied): every Do succeeds (Do
+// recognises its own claim, arm and completion, and sends again what did not
+// land), so no completion that landed is reported ErrNotRecorded, no key is left armed or unknown without its effect
 // having run, and no effect runs twice, also when every key is tried again
 // without faults.
 func TestCutConnections(t *testing.T) {
@@ -132,7 +140,7 @@ func TestCutConnections(t *testing.T) {
 							t.Errorf("key %s: %v", k, err)
 						case err != nil:
 							failed.Add(1)
-							t.Logf("key %s: %v", k, err)
+							t.Errorf("key %s: %v", k, err)
 						}
 					}
 				}()
