@@ -328,8 +328,8 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 	}
 	// Armed: the effect may have happened.
 	if o.Reconcile == nil {
-		_, err := s.Update(ctx, rec.Key, Armed, rec.Fence, Change{State: Unknown, Fence: rec.Fence, Owner: rec.Owner})
-		if err != nil {
+		ch := Change{State: Unknown, Fence: rec.Fence, Owner: rec.Owner}
+		if _, err := s.Update(ctx, rec.Key, Armed, rec.Fence, ch); err != nil && !applied(ctx, s, rec, ch, err) {
 			return Result{}, nil, raced(err, rec)
 		}
 		return Result{}, nil, fmt.Errorf("%w: key %q: its owner %s stopped after arming (fence %d) and no Reconcile hook can tell",
@@ -344,7 +344,7 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 		if len(result) > o.MaxResultSize || o.DiscardResult {
 			ch.Result, ch.ResultDropped = nil, true
 		}
-		if _, err := s.Update(ctx, rec.Key, Armed, rec.Fence, ch); err != nil {
+		if _, err := s.Update(ctx, rec.Key, Armed, rec.Fence, ch); err != nil && !applied(ctx, s, rec, ch, err) {
 			return Result{}, nil, raced(err, rec)
 		}
 		return Result{Value: result, Replayed: true, Fence: rec.Fence}, nil, nil
@@ -434,10 +434,10 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 	return nil
 }
 
-// applied reports whether a change the store refused (err: stale, another
-// state, no record) is in fact this owner's own change, applied by an earlier
-// try whose reply was lost, or by the client library's own resend: the
-// record holds this attempt's fence, owner, state and result. A released
+// applied reports whether a change that failed (err: a lost reply, or a
+// refusal as stale, another state, no record) is in fact this caller's own
+// change, applied by a try whose reply was lost, or by the client library's
+// own resend: the record holds the change's fence, owner, state and result. A released
 // record that is gone was removed after the release (an armed one is never
 // removed).
 func applied(ctx context.Context, s Store, rec Record, ch Change, err error) bool {

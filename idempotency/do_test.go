@@ -106,6 +106,55 @@ func TestLostReplies(t *testing.T) {
 	}
 }
 
+// A Reconcile hook's completion, and the mark of an unknown key, whose replies
+// were lost, landed: Do answers with the result found, or ErrUnknown, instead
+// of a bare transport error or ErrInProgress against its own change.
+func TestLostRepliesAfterCrash(t *testing.T) {
+	for name, f := range faultyStores(t) {
+		t.Run(name, func(t *testing.T) {
+			for _, reconcile := range []bool{true, false} {
+				k := key()
+				lease := 300 * time.Millisecond
+				// An owner that stops after arming: its effect's outcome is ambiguous.
+				_, err := idempotency.Do(ctxT(t), f.Store, k, "fp", func(context.Context, string) ([]byte, error) {
+					return nil, errors.New("connection to the provider reset")
+				}, &idempotency.Options{Lease: lease})
+				if err == nil {
+					t.Fatal("the ambiguous effect returned no error")
+				}
+				o := &idempotency.Options{Lease: lease}
+				match := func(b []byte) bool { return bytes.Contains(b, []byte(k)) && bytes.Contains(b, []byte("unknown")) }
+				if reconcile {
+					o.Reconcile = func(context.Context, string) (bool, []byte, error) { return true, []byte("found " + k), nil }
+					match = completion(k)
+				}
+				var r idempotency.Result
+				for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+					if rec, err := f.Store.Get(ctxT(t), k); err == nil && rec.LeaseLeft <= 0 {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatal("the lease never ran out")
+					}
+				}
+				lost := f.Proxy.Stats().LostReplies
+				f.Proxy.LoseReply(match)
+				r, err = idempotency.Do(ctxT(t), f.Store, k, "fp", func(context.Context, string) ([]byte, error) { return nil, errors.New("must not run") }, o)
+				if f.Proxy.Pending() != 0 || f.Proxy.Stats().LostReplies == lost {
+					t.Fatalf("reconcile %v: the reply was never lost", reconcile)
+				}
+				rec, gerr := f.Store.Get(ctxT(t), k)
+				switch {
+				case reconcile && (err != nil || string(r.Value) != "found "+k || rec.State != idempotency.Completed):
+					t.Fatalf("Reconcile found the effect, its completion's reply lost: %+v, %v; record %+v, %v", r, err, rec, gerr)
+				case !reconcile && (!errors.Is(err, idempotency.ErrUnknown) || rec.State != idempotency.Unknown):
+					t.Fatalf("no Reconcile, the unknown mark's reply lost: %v; want ErrUnknown; record %+v, %v", err, rec, gerr)
+				}
+			}
+		})
+	}
+}
+
 // TestCutConnections runs 200 keys under 2% random cuts (half of them lose
 // the reply of a request the server applied): every Do succeeds (Do
 // recognises its own claim, arm and completion, and sends again what did not

@@ -22,7 +22,7 @@
 //	  - released: the effect provably did not happen; the key can be claimed again.
 //	  - unknown: the owner crashed or got an ambiguous error after arming, and no
 //	    Reconcile hook could tell whether the effect happened. An operator
-//	    resolves it (Store.Resolve); Do never runs the effect again on its own.
+//	    resolves it ([Resolve]); Do never runs the effect again on its own.
 //
 // Every claim and takeover raises the record's fence, and every later change is
 // conditional on it, so an owner that was taken over cannot complete, release or

@@ -46,7 +46,11 @@ func requestKey(req *http.Request) string {
 // 500s: outcome unknown, response not kept), waiting as Retry-After says (at
 // most MaxRetryAfter) or with jittered backoff, at most MaxAttempts times in
 // all. Any other answer is final (a 422 says the key was reused with another
-// request; a 4xx is the provider's decision). A request without a key is sent
+// request; a 4xx is the provider's decision). Retrying a 5xx is safe only
+// because the key goes with it: this package's middleware answers a retry
+// after a 5xx with 409 while the first attempt's lease lasts, then with what
+// its Reconcile hook found or a final outcome-unknown, and never runs the
+// handler again; a provider that releases its key on a 5xx would. A request without a key is sent
 // once, as it is: retrying it could run it twice. A retry needs the request's
 // GetBody (http.NewRequest sets it for in-memory bodies); without it there is
 // none.

@@ -9,7 +9,10 @@
 // PATCH by default) and an Idempotency-Key header, it runs the handler at most
 // once per key, through [idempotency.Do] on the store, records the response
 // (status, the allowed headers, body) and replays it to every later request
-// with the same key, marked with "Idempotent-Replayed: true":
+// with the same key, marked with "Idempotent-Replayed: true". "At most once"
+// lasts as long as the key's record: Options.Idempotency.Retention after the
+// answer (24h by default; idempotency.Forever keeps it), and within one
+// scope (see Options.Principal). The answers:
 //
 //   - no key: passed through, or 400 when Options.Required;
 //   - a malformed key (empty, over 255 characters, not a draft string): 400;
@@ -46,8 +49,9 @@
 // # Client
 //
 // [Transport] adds an Idempotency-Key to outbound requests whose context holds a
-// key ([WithKey], or the effect key inside a handler behind the middleware),
-// and retries such a request, with the same key, after a transport error or an
+// key ([WithKey], or inside a handler behind the middleware a key of each call's
+// own, derived from the attempt's effect key), and
+// retries such a request, with the same key, after a transport error or an
 // answer that says the request did not finish (409, 429, 5xx), a bounded
 // number of times: with the key, a provider that deduplicates runs it once.
 // Requests without a key are sent once, as they are.
