@@ -207,6 +207,10 @@ func claimOwner(o Options) string {
 // (the effect's context is then cancelled, so that a cooperative effect can
 // stop): renewals end only when the effect returns, the in-progress ceiling
 // passes, or the lease's local deadline passes without a confirmed renewal.
+// In the last two cases the effect's context is cancelled before the lease
+// ends at the store; an effect that goes on regardless may then overlap with
+// a takeover, which only its effect key (a new one per takeover) lets a
+// provider tell apart.
 // An effect that panics leaves the key armed (it may have happened) and the
 // panic goes on unrecovered, with its stack.
 //
@@ -215,7 +219,11 @@ func claimOwner(o Options) string {
 // failure; ErrUnknown when the effect may have happened and nothing can tell;
 // the effect's own error (classified as above); ErrNotRecorded when the effect
 // completed but the result could not be recorded; ErrResultNotStored replaying
-// a result that was too large to keep.
+// a result that was too large to keep (or discarded: DiscardResult); an error
+// matching fence.ErrInvalid, naming it, for a bad argument or option; a
+// store's error (a step it could not complete, or could not tell whether it
+// did, and that re-reading the record could not settle) before the effect
+// started: the effect did not run.
 func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, opts *Options) (Result, error) {
 	if err := checkCall("idempotency", ctx, s, key); err != nil {
 		return Result{}, err
@@ -237,6 +245,11 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 		rec, created, err := begin(ctx, s, key, fingerprint, o)
 		if err != nil {
 			return Result{}, err
+		}
+		if !created && rec.State == Released && attempt < 3 {
+			// Released between the claim and the read of the record (a
+			// store that answers Begin in two statements): claim it again.
+			continue
 		}
 		if created {
 			return run(ctx, s, rec, effect, o)

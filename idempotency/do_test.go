@@ -285,7 +285,7 @@ func TestRetention(t *testing.T) {
 func TestRenewalsOutliveCaller(t *testing.T) {
 	for name, s := range stores(t) {
 		t.Run(name, func(t *testing.T) {
-			lease := 300 * time.Millisecond
+			lease := 600 * time.Millisecond // renewals every 200ms, under load too
 			k := key()
 			var runs, reconciles atomic.Int32
 			release, cancelled := make(chan struct{}), make(chan struct{})
@@ -303,7 +303,7 @@ func TestRenewalsOutliveCaller(t *testing.T) {
 				done <- err
 			}()
 			<-cancelled
-			time.Sleep(3 * lease) // the time under test: renewals alone keep the key
+			time.Sleep(2 * lease) // the time under test: renewals alone keep the key
 			o := &idempotency.Options{Lease: lease, Reconcile: func(context.Context, string) (bool, []byte, error) {
 				reconciles.Add(1)
 				return false, nil, nil
@@ -320,6 +320,63 @@ func TestRenewalsOutliveCaller(t *testing.T) {
 			r, err := idempotency.Do(ctxT(t), s, k, "fp", func(context.Context, string) ([]byte, error) { runs.Add(1); return nil, nil }, o)
 			if err != nil || string(r.Value) != "done" || !r.Replayed || runs.Load() != 1 || reconciles.Load() != 0 {
 				t.Fatalf("after: %+v, %v, runs %d, reconciles %d; want the replay of the one run", r, err, runs.Load(), reconciles.Load())
+			}
+		})
+	}
+}
+
+// twoStepBegin answers Begin as a store that claims in one statement and reads
+// the record in a second would, when the record changes between the two: after
+// a real Begin that found the key armed, it lets the owner go on (next), waits
+// for the key to be released, and answers with the released record.
+type twoStepBegin struct {
+	idempotency.Store
+	next chan struct{}
+}
+
+func (s twoStepBegin) Begin(ctx context.Context, key, fp, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	rec, created, err := s.Store.Begin(ctx, key, fp, owner, lease)
+	if err != nil || created || rec.State != idempotency.Armed || s.next == nil {
+		return rec, created, err
+	}
+	close(s.next)
+	for {
+		got, err := s.Store.Get(ctx, key)
+		if err != nil || got.State == idempotency.Released {
+			return got, false, err
+		}
+		select {
+		case <-ctx.Done():
+			return got, false, ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// A Begin answered with a record released in the meantime claims the key
+// again, instead of failing with "unexpected state released".
+func TestBeginSeesRelease(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			k := key()
+			next, armed := make(chan struct{}), make(chan struct{})
+			first := make(chan error, 1)
+			go func() {
+				_, err := idempotency.Do(ctxT(t), s, k, "fp", func(context.Context, string) ([]byte, error) {
+					close(armed)
+					<-next
+					return nil, idempotency.NotSent(errors.New("the provider refused the request unread"))
+				}, nil)
+				first <- err
+			}()
+			<-armed
+			var l ledger
+			r, err := idempotency.Do(ctxT(t), twoStepBegin{s, next}, k, "fp", l.effect(k), nil)
+			if err != nil || string(r.Value) != "charged "+k || l.count(k) != 1 {
+				t.Fatalf("Begin answered with a released record: %+v, %v, runs %d; want a claim and a run", r, err, l.count(k))
+			}
+			if err := <-first; err == nil {
+				t.Error("the first call's NotSent error was lost")
 			}
 		})
 	}

@@ -230,7 +230,7 @@ func testPanic(t *testing.T, s idempotency.Store) {
 // hook that says "not done"), and the original answer is replayed once the
 // handler finished.
 func testClientLeft(t *testing.T, s idempotency.Store, reconcile bool) {
-	lease := 300 * time.Millisecond
+	lease := 600 * time.Millisecond // renewals every 200ms, under load too
 	var runs, reconciles atomic.Int32
 	started, noticed, release := make(chan struct{}, 4), make(chan struct{}, 4), make(chan struct{})
 	var rh idempotency.Reconcile
@@ -266,8 +266,8 @@ func testClientLeft(t *testing.T, s idempotency.Store, reconcile bool) {
 		t.Fatal("the client that left got an answer")
 	}
 	<-noticed // the handler's context was cancelled: the server saw the client leave
-	// The time under test: well past the lease, which only renewals keep.
-	time.Sleep(3 * lease)
+	// The time under test: past the lease, which only renewals keep.
+	time.Sleep(2 * lease)
 	r, b := post(t, srv.URL, k, "4200")
 	if r.StatusCode != http.StatusConflict {
 		close(release)
@@ -557,7 +557,9 @@ func testOneEffectPerKey(t *testing.T, s idempotency.Store) {
 		w.WriteHeader(http.StatusCreated)
 		fmt.Fprintf(w, "charge %s #%d", k, n)
 	})
-	mw, err := idemhttp.Middleware(s, leaseOpts(900*time.Millisecond, nil))
+	// The lease is sized for renewals (every second) to get through 30
+	// concurrent requests on SQLite under -race on a loaded machine.
+	mw, err := idemhttp.Middleware(s, leaseOpts(3*time.Second, nil))
 	if err != nil {
 		t.Fatal(err)
 	}
