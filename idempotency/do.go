@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -17,7 +18,8 @@ import (
 // Effect performs the side effect once. effectKey is derived from the key and
 // the attempt's fence: pass it to the third party's own idempotency header, so
 // that an attempt taken over after a crash cannot make a provider that
-// deduplicates act twice. ctx is cancelled, with cause fence.ErrLost, when the
+// deduplicates act twice. ctx is cancelled when Do's ctx ends (the key's lease
+// is still renewed until the effect returns), and with cause fence.ErrLost when the
 // key was taken over, when the in-progress ceiling passes, or when no renewal
 // of the key's lease was confirmed before its local deadline (measured from
 // before the request that set the lease, less a drift margin of 1% + 2ms), so
@@ -63,8 +65,18 @@ type Options struct {
 	// renewing; past it, Do stops renewing and cancels the effect's context.
 	// Default: 10 * Lease.
 	InProgressCeiling time.Duration
-	// Retention keeps completed and failed results for replay. Default: 24h.
+	// Retention keeps a completed or failed record, and so the promise that its
+	// effect does not run again, this long after it completed. Past it the
+	// record may be removed, and the next Do with the key is a new request: it
+	// claims the key afresh and runs the effect again, under a new effect key
+	// (see EffectKey). Use Forever for keys that must never run twice, with
+	// DiscardResult to keep only the decision. Default: 24h.
 	Retention time.Duration
+	// DiscardResult completes the key without storing the effect's result:
+	// the effect still runs at most once, and later calls get
+	// ErrResultNotStored instead of a replay. With Retention Forever it keeps
+	// the records small. Default: false.
+	DiscardResult bool
 	// MaxResultSize bounds a stored result. A larger one completes the key
 	// without its result (replays get ErrResultNotStored). Default: 64 KiB.
 	MaxResultSize int
@@ -81,9 +93,15 @@ type Options struct {
 	CompleteTimeout time.Duration
 }
 
-// check refuses negative durations and sizes: zero means the default, and a
-// negative one is a mistake, not a wish for the default.
-func (o *Options) check() error {
+// Forever, as Options.Retention, keeps completed and failed records without
+// end: their keys never run again (Purge and the stores' expiry leave them).
+const Forever time.Duration = math.MaxInt64
+
+// Validate returns an error matching fence.ErrInvalid, naming the field, for a
+// negative duration or size: the options Do refuses (zero means the default,
+// and a negative value is a mistake, not a wish for the default). Durations
+// up to the largest time.Duration work. A nil *Options is valid.
+func (o *Options) Validate() error {
 	if o == nil {
 		return nil
 	}
@@ -179,12 +197,33 @@ func claimOwner(o Options) string {
 // the same key and fingerprint replay the recorded result (Replayed). See the
 // package documentation for the states, and Options for the choices.
 //
+// "At most once" lasts as long as the key's record: Options.Retention after
+// the key completed or failed (24h by default). A call with the key after
+// that claims it afresh and runs the effect again, under a new effect key, so
+// a provider's own deduplication cannot catch it either. Keys that must
+// never run twice need Retention Forever.
+//
+// While the effect runs, Do renews the key's lease, also after ctx ended
+// (the effect's context is then cancelled, so that a cooperative effect can
+// stop): renewals end only when the effect returns, the in-progress ceiling
+// passes, or the lease's local deadline passes without a confirmed renewal.
+// In the last two cases the effect's context is cancelled before the lease
+// ends at the store; an effect that goes on regardless may then overlap with
+// a takeover, which only its effect key (a new one per takeover) lets a
+// provider tell apart.
+// An effect that panics leaves the key armed (it may have happened) and the
+// panic goes on unrecovered, with its stack.
+//
 // Errors: ErrFingerprintMismatch; an *InProgressError (ErrInProgress) while
 // another owner holds the key; a *FailedError (ErrFailed) replaying a definitive
 // failure; ErrUnknown when the effect may have happened and nothing can tell;
 // the effect's own error (classified as above); ErrNotRecorded when the effect
 // completed but the result could not be recorded; ErrResultNotStored replaying
-// a result that was too large to keep.
+// a result that was too large to keep (or discarded: DiscardResult); an error
+// matching fence.ErrInvalid, naming it, for a bad argument or option; a
+// store's error (a step it could not complete, or could not tell whether it
+// did, and that re-reading the record could not settle) before the effect
+// started: the effect did not run.
 func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, opts *Options) (Result, error) {
 	if err := checkCall("idempotency", ctx, s, key); err != nil {
 		return Result{}, err
@@ -192,7 +231,7 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 	if effect == nil {
 		return Result{}, &fence.InvalidError{Op: "idempotency", Arg: "effect", Reason: "nil function"}
 	}
-	if err := opts.check(); err != nil {
+	if err := opts.Validate(); err != nil {
 		return Result{}, err
 	}
 	o := opts.withDefaults()
@@ -203,9 +242,14 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 		defer unsubscribe()
 	}
 	for attempt := 0; ; attempt++ {
-		rec, created, err := s.Begin(ctx, key, fingerprint, claimOwner(o), o.Lease)
+		rec, created, err := begin(ctx, s, key, fingerprint, o)
 		if err != nil {
 			return Result{}, err
+		}
+		if !created && rec.State == Released && attempt < 3 {
+			// Released between the claim and the read of the record (a
+			// store that answers Begin in two statements): claim it again.
+			continue
 		}
 		if created {
 			return run(ctx, s, rec, effect, o)
@@ -232,6 +276,33 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 		case <-t.C:
 		}
 		t.Stop()
+	}
+}
+
+// begin claims key. When the claim's outcome is unknown (its reply was lost,
+// or the client library sent it again), it reads the record: claimed under
+// this claim's owner is this claim, which landed; another record is answered
+// as Begin would have; no record means it did not land, and it is sent again
+// (three tries in all).
+func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Record, bool, error) {
+	owner := claimOwner(o)
+	for try := 1; ; try++ {
+		rec, created, err := s.Begin(ctx, key, fingerprint, owner, o.Lease)
+		if err == nil && !created && rec.Owner == owner && rec.State == Claimed {
+			return rec, true, nil // the client library's resend of this claim
+		}
+		if err == nil || refused(err) || try == 3 || ctx.Err() != nil {
+			return rec, created, err
+		}
+		rctx, cancel := context.WithTimeout(ctx, o.CompleteTimeout)
+		got, gerr := read(rctx, s, key)
+		cancel()
+		switch {
+		case gerr == nil:
+			return got, got.Owner == owner && got.State == Claimed, nil
+		case !errors.Is(gerr, fence.ErrNotFound):
+			return rec, created, err
+		}
 	}
 }
 
@@ -270,8 +341,8 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 	}
 	// Armed: the effect may have happened.
 	if o.Reconcile == nil {
-		_, err := s.Update(ctx, rec.Key, Armed, rec.Fence, Change{State: Unknown, Fence: rec.Fence, Owner: rec.Owner})
-		if err != nil {
+		ch := Change{State: Unknown, Fence: rec.Fence, Owner: rec.Owner}
+		if _, err := s.Update(ctx, rec.Key, Armed, rec.Fence, ch); err != nil && !applied(ctx, s, rec, ch, err) {
 			return Result{}, nil, raced(err, rec)
 		}
 		return Result{}, nil, fmt.Errorf("%w: key %q: its owner %s stopped after arming (fence %d) and no Reconcile hook can tell",
@@ -282,11 +353,11 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 		return Result{}, nil, fmt.Errorf("idempotency: reconcile key %q: %w", rec.Key, err)
 	}
 	if done {
-		ch := Change{State: Completed, Fence: rec.Fence, Owner: rec.Owner, Result: result, Retention: o.Retention}
-		if len(result) > o.MaxResultSize {
+		ch := Change{State: Completed, Fence: rec.Fence, Owner: rec.Owner, Result: result, Retention: o.keep()}
+		if len(result) > o.MaxResultSize || o.DiscardResult {
 			ch.Result, ch.ResultDropped = nil, true
 		}
-		if _, err := s.Update(ctx, rec.Key, Armed, rec.Fence, ch); err != nil {
+		if _, err := s.Update(ctx, rec.Key, Armed, rec.Fence, ch); err != nil && !applied(ctx, s, rec, ch, err) {
 			return Result{}, nil, raced(err, rec)
 		}
 		return Result{Value: result, Replayed: true, Fence: rec.Fence}, nil, nil
@@ -309,24 +380,32 @@ func raced(err error, rec Record) error {
 
 // run is the owner's path: arm, run the effect under a renewed lease, record.
 func run(ctx context.Context, s Store, rec Record, effect Effect, o Options) (Result, error) {
-	sent := time.Now() // the arm's lease starts no earlier than this
-	armed, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, Change{State: Armed, Fence: rec.Fence, Owner: rec.Owner, Lease: o.Lease})
+	armed, sent, err := arm(ctx, s, rec, o)
 	if err != nil {
 		return Result{}, err
 	}
 	ek := EffectKey(armed)
 	ectx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	stop := renew(ectx, s, armed, o, sent, cancel)
+	stop := renew(s, armed, o, sent, cancel)
+	returned := false
+	defer func() {
+		if !returned {
+			// The effect panicked: it may have happened, so the record
+			// stays armed. The panic goes on with its own stack.
+			stop()
+		}
+	}()
 	value, effErr := effect(ectx, ek)
+	returned = true
 	stop()
 
 	res := Result{Fence: rec.Fence, EffectKey: ek}
 	var c *classified
 	switch {
 	case effErr == nil:
-		ch := Change{State: Completed, Fence: rec.Fence, Owner: rec.Owner, Result: value, Retention: o.Retention}
-		if len(value) > o.MaxResultSize {
+		ch := Change{State: Completed, Fence: rec.Fence, Owner: rec.Owner, Result: value, Retention: o.keep()}
+		if len(value) > o.MaxResultSize || o.DiscardResult {
 			ch.Result, ch.ResultDropped = nil, true
 		}
 		res.Value = value
@@ -338,7 +417,7 @@ func run(ctx context.Context, s Store, rec Record, effect Effect, o Options) (Re
 		err := record(ctx, s, rec, Change{State: Released, Fence: rec.Fence, Owner: rec.Owner}, o)
 		return res, errors.Join(c.err, err)
 	case errors.As(effErr, &c) && c.definitive:
-		err := record(ctx, s, rec, Change{State: Failed, Fence: rec.Fence, Owner: rec.Owner, Result: []byte(c.err.Error()), Retention: o.Retention}, o)
+		err := record(ctx, s, rec, Change{State: Failed, Fence: rec.Fence, Owner: rec.Owner, Result: []byte(c.err.Error()), Retention: o.keep()}, o)
 		return res, errors.Join(&FailedError{Key: rec.Key, Message: c.err.Error()}, c.err, err)
 	default:
 		// Ambiguous: the record stays armed; once its lease runs out, the next
@@ -362,10 +441,96 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 			return fmt.Errorf("%w: key %q: %v (the record stays armed)", ErrNotRecorded, rec.Key, err)
 		}
 	}
-	if err != nil {
+	if err != nil && !applied(cctx, s, rec, ch, err) {
 		return fmt.Errorf("%w: key %q: %w", ErrNotRecorded, rec.Key, err)
 	}
 	return nil
+}
+
+// applied reports whether a change that failed (err: a lost reply, or a
+// refusal as stale, another state, no record) is in fact this caller's own
+// change, applied by a try whose reply was lost, or by the client library's
+// own resend: the record holds the change's fence, owner, state and result. A released
+// record that is gone was removed after the release (an armed one is never
+// removed).
+func applied(ctx context.Context, s Store, rec Record, ch Change, err error) bool {
+	got, gerr := read(ctx, s, rec.Key)
+	if ch.State == Released && errors.Is(gerr, fence.ErrNotFound) && errors.Is(err, fence.ErrNotFound) {
+		return true
+	}
+	return gerr == nil && got.Fence == ch.Fence && got.Owner == ch.Owner && got.State == ch.State &&
+		(ch.State == Released || (bytes.Equal(got.Result, ch.Result) && got.ResultDropped == ch.ResultDropped))
+}
+
+// keep is the retention a completed or failed record gets at the store:
+// zero, no end, for Forever.
+func (o Options) keep() time.Duration {
+	if o.Retention == Forever {
+		return 0
+	}
+	return o.Retention
+}
+
+// read gets key's record, trying again after errors that are not an answer
+// (a lost reply, a cut connection) until ctx ends.
+func read(ctx context.Context, s Store, key string) (Record, error) {
+	for attempt := 0; ; attempt++ {
+		got, err := s.Get(ctx, key)
+		if err == nil || errors.Is(err, fence.ErrNotFound) || errors.Is(err, fence.ErrInvalid) {
+			return got, err
+		}
+		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(ctx, attempt) != nil {
+			return got, err
+		}
+	}
+}
+
+// refused reports an answer after which a step certainly did not happen and
+// cannot be this caller's own: bad input, or no record at all.
+func refused(err error) bool {
+	return errors.Is(err, fence.ErrInvalid) || errors.Is(err, fence.ErrNotFound)
+}
+
+// arm moves the claimed record to armed and returns it with the time the
+// request that set its lease was sent. When the arm's outcome is unknown (its
+// reply was lost), or it was refused as stale or in another state (which the
+// client library's own resend of an applied arm also gets), it re-reads the
+// record: armed under this claim's fence and owner means the arm landed, and
+// a renewal confirms the lease; still claimed means it did not, and it is
+// sent again. If ctx has ended by then, the key is released instead: the
+// effect never ran. Anything else is another owner's.
+func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time, error) {
+	sent := time.Now() // the arm's lease starts no earlier than this
+	ch := Change{State: Armed, Fence: rec.Fence, Owner: rec.Owner, Lease: o.Lease}
+	armed, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, ch)
+	if err == nil || refused(err) {
+		return armed, sent, err
+	}
+	first := err
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
+	defer cancel()
+	for attempt := 0; ; attempt++ {
+		got, gerr := read(cctx, s, rec.Key)
+		if gerr != nil {
+			return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w, then reading it: %w (the effect did not run; the key may stay armed)", rec.Key, first, gerr)
+		}
+		if got.Fence != rec.Fence || got.Owner != rec.Owner || (got.State != Claimed && got.State != Armed) {
+			return Record{}, sent, raced(ErrStateChanged, rec)
+		}
+		if ctx.Err() != nil {
+			// The caller is gone: do not start the effect; free the key.
+			_, rerr := s.Update(cctx, rec.Key, got.State, rec.Fence, Change{State: Released, Fence: rec.Fence, Owner: rec.Owner})
+			return Record{}, sent, errors.Join(fmt.Errorf("idempotency: key %q: not started: %w", rec.Key, context.Cause(ctx)), rerr)
+		}
+		sent = time.Now()
+		armed, err = s.Update(ctx, rec.Key, got.State, rec.Fence, ch)
+		if err == nil || refused(err) {
+			return armed, sent, err
+		}
+		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(cctx, attempt) != nil {
+			return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w (the effect did not run; the key may stay armed)", rec.Key, err)
+		}
+	}
 }
 
 // renew keeps the armed record's lease: it renews every Lease/3, and retries a
@@ -375,7 +540,11 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 // confirmed renewal. The local deadline is measured from before the request that
 // set the lease (sent, then each renewal's), less a drift margin, so the effect
 // is cancelled before the store could let another owner take the key over.
-func renew(ctx context.Context, s Store, rec Record, o Options, sent time.Time, cancel context.CancelCauseFunc) (stop func()) {
+//
+// The caller's context does not stop renewals: the effect may still run after
+// it ended (it is cancelled, but need not stop), and letting the lease lapse
+// then would let another owner run the effect at the same time.
+func renew(s Store, rec Record, o Options, sent time.Time, cancel context.CancelCauseFunc) (stop func()) {
 	local := leasekit.New(rec.Key, rec.Fence, o.Lease, 0, sent)
 	unwatch := context.AfterFunc(local.Context(), func() {
 		if errors.Is(context.Cause(local.Context()), fence.ErrLost) {
@@ -383,9 +552,8 @@ func renew(ctx context.Context, s Store, rec Record, o Options, sent time.Time, 
 		}
 	})
 	// Renewals are bounded by the local deadline (one that cannot finish
-	// before it is useless), the caller's context, and stop.
+	// before it is useless) and stop.
 	rctx, rcancel := context.WithCancel(local.Context())
-	unlink := context.AfterFunc(ctx, rcancel)
 	done := make(chan struct{})
 	finished := make(chan struct{})
 	go func() {
@@ -396,9 +564,6 @@ func renew(ctx context.Context, s Store, rec Record, o Options, sent time.Time, 
 			t := time.NewTimer(wait)
 			select {
 			case <-done:
-				t.Stop()
-				return
-			case <-ctx.Done():
 				t.Stop()
 				return
 			case <-t.C:
@@ -427,7 +592,6 @@ func renew(ctx context.Context, s Store, rec Record, o Options, sent time.Time, 
 		close(done)
 		rcancel()
 		<-finished
-		unlink()
 		unwatch()
 		local.End(context.Canceled)
 	}

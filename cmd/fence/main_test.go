@@ -28,6 +28,7 @@ func TestDemo(t *testing.T) {
 		`final value: "written by A"`,
 		`final value: "written by B"`,
 		"charges at the provider: 1",
+		"charges at the provider after the 5xx and its retries: 1",
 		"W REJECTED (token 1)",
 		"Every outcome was the expected one.",
 	} {

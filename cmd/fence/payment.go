@@ -4,11 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idemhttp"
 )
 
 // provider is a payment API that cannot check a fencing token but deduplicates
@@ -106,8 +112,72 @@ func (d *demo) payment(ctx context.Context) error {
 	d.printf("   charges at the provider: %d\n", p.n)
 	d.check(p.n == 1 && inProgress && string(r.Value) == charged && r2.Replayed && mismatch,
 		"two workers, one crash, one charge: the idempotency key and the provider's lookup kept the card from a second charge")
+	return d.paymentServerError(ctx, lease)
+}
+
+// paymentServerError: over HTTP, a payment API behind the Idempotency-Key
+// middleware charges the card and then answers 500 (its own database write
+// failed after the charge). A 5xx does not prove that nothing happened, so the
+// key stays armed: the client's Transport retries with the same key, gets 409
+// while the attempt's lease lasts, and then the charge the Reconcile hook
+// found at the provider. The card is charged once.
+func (d *demo) paymentServerError(ctx context.Context, lease time.Duration) error {
+	p := &provider{charges: map[string]string{}}
+	found := func(_ context.Context, ek string) (bool, []byte, error) {
+		id, ok := p.lookup(ek)
+		return ok, idemhttp.RecordedResponse(http.StatusCreated, http.Header{"Content-Type": {"text/plain"}}, []byte(id)), nil
+	}
+	mw, err := idemhttp.Middleware(d.b.idem, &idemhttp.Options{Idempotency: &idempotency.Options{Lease: lease, Reconcile: found}})
+	if err != nil {
+		return err
+	}
+	api := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.charge(idemhttp.EffectKey(r.Context()), 4200)
+		http.Error(w, "charged, but recording the order failed", http.StatusInternalServerError)
+	})
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: mw(api), ErrorLog: log.New(io.Discard, "", 0), ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(l) }()
+	defer srv.Close()
+
+	var answers []int
+	tr := &idemhttp.Transport{MaxAttempts: 20, MaxRetryAfter: lease / 4, Base: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		resp, err := http.DefaultTransport.RoundTrip(r)
+		if err == nil {
+			answers = append(answers, resp.StatusCode)
+		}
+		return resp, err
+	})}
+	key := fmt.Sprintf("order-44-%d", time.Now().UnixNano())
+	req, err := http.NewRequestWithContext(idemhttp.WithKey(ctx, key), http.MethodPost, "http://"+l.Addr().String()+"/v1/charges", strings.NewReader("amount=4200"))
+	if err != nil {
+		return err
+	}
+	resp, err := (&http.Client{Transport: tr}).Do(req)
+	if err != nil {
+		return fmt.Errorf("client: %w", err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		return err
+	}
+	d.printf("   over HTTP: the API charges, then answers 500; the client's transport retries with the same key\n")
+	d.printf("   answers on the wire: %v; the client got %d %q (Idempotent-Replayed: %s)\n", answers, resp.StatusCode, body, resp.Header.Get(idemhttp.ReplayedHeader))
+	d.printf("   charges at the provider after the 5xx and its retries: %d\n", p.n)
+	d.check(p.n == 1 && len(answers) > 1 && answers[0] == http.StatusInternalServerError && resp.StatusCode == http.StatusCreated &&
+		resp.Header.Get(idemhttp.ReplayedHeader) == "true",
+		"a 5xx after the charge, retried over HTTP: the key stayed armed, the retry got the charge found at the provider, one charge")
 	return nil
 }
+
+// roundTripFunc is an http.RoundTripper from a function.
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
 
 // crashAfterEffect is a store whose owner dies after the effect: its completion
 // never reaches the store.

@@ -24,24 +24,33 @@ func WithKey(ctx context.Context, key string) context.Context {
 	return context.WithValue(ctx, keyCtx{}, key)
 }
 
-// requestKey is the key a request carries: WithKey's, else the effect key of
-// the handler behind the middleware that sends it.
-func requestKey(ctx context.Context) string {
-	if k, _ := ctx.Value(keyCtx{}).(string); k != "" {
+// requestKey is the key a request carries: WithKey's, else, inside a handler
+// behind the middleware, a key of its own for this call (see CallKey).
+func requestKey(req *http.Request) string {
+	if k, _ := req.Context().Value(keyCtx{}).(string); k != "" {
 		return k
 	}
-	return EffectKey(ctx)
+	if a := attemptOf(req.Context()); a != nil {
+		return a.nextCallKey(req.Method, req.URL.Host, req.URL.Path)
+	}
+	return ""
 }
 
 // Transport is an http.RoundTripper for calls to services that deduplicate by
-// Idempotency-Key. A request whose context holds a key (WithKey, or EffectKey
-// behind the middleware) and whose method is one of Methods gets the header
+// Idempotency-Key. A request whose context holds a key (WithKey; or, from a
+// handler behind the middleware, a key derived for each call from the
+// attempt's effect key: the n-th call with one method to one host and path,
+// see CallKey) and whose method is one of Methods gets the header
 // (unless it has one) and is retried, with the same key, after a transport
 // error or a 409, 429, 500, 502, 503 or 504 (but not the middleware's final
 // 500s: outcome unknown, response not kept), waiting as Retry-After says (at
 // most MaxRetryAfter) or with jittered backoff, at most MaxAttempts times in
 // all. Any other answer is final (a 422 says the key was reused with another
-// request; a 4xx is the provider's decision). A request without a key is sent
+// request; a 4xx is the provider's decision). Retrying a 5xx is safe only
+// because the key goes with it: this package's middleware answers a retry
+// after a 5xx with 409 while the first attempt's lease lasts, then with what
+// its Reconcile hook found or a final outcome-unknown, and never runs the
+// handler again; a provider that releases its key on a 5xx would. A request without a key is sent
 // once, as it is: retrying it could run it twice. A retry needs the request's
 // GetBody (http.NewRequest sets it for in-memory bodies); without it there is
 // none.
@@ -65,12 +74,15 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if base == nil {
 		base = http.DefaultTransport
 	}
-	key := requestKey(req.Context())
 	methods := t.Methods
 	if len(methods) == 0 {
 		methods = []string{http.MethodPost, http.MethodPatch}
 	}
-	keyed := key != "" && slices.Contains(methods, req.Method)
+	key := ""
+	if slices.Contains(methods, req.Method) {
+		key = requestKey(req)
+	}
+	keyed := key != ""
 	if !keyed {
 		return base.RoundTrip(req)
 	}

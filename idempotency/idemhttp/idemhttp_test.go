@@ -3,68 +3,27 @@ package idemhttp_test
 import (
 	"bytes"
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"log"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/fencekit/fencekit/adapters/redislua"
-	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/idempotency/idemhttp"
-	"github.com/fencekit/fencekit/internal/testenv"
-	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/fencekit/fencekit/internal/idemstores"
 )
 
 // stores returns the three stores the middleware is tested on.
-func stores(t testing.TB) map[string]idempotency.Store {
-	t.Helper()
-	out := map[string]idempotency.Store{}
-	db, err := sqlfence.OpenSQLite(filepath.Join(t.TempDir(), "idem.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	out["sqlite"] = sqlStore(t, sqlfence.SQLite(db))
-	pg, err := sql.Open("pgx", testenv.PostgresURL())
-	if err == nil {
-		err = pg.Ping()
-	}
-	if err != nil {
-		testenv.Missing(t, "PostgreSQL at "+testenv.PostgresURL(), err)
-	}
-	t.Cleanup(func() { pg.Close() })
-	out["postgres"] = sqlStore(t, sqlfence.Postgres(pg))
-	rs, err := redislua.NewIdempotencyStore(testenv.RedisClient(t), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	out["redis"] = rs
-	return out
-}
-
-func sqlStore(t testing.TB, db *sqlfence.DB) idempotency.Store {
-	s, err := sqlfence.NewIdempotencyStore(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.CreateTable(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
+func stores(t testing.TB) map[string]idempotency.Store { return idemstores.All(t) }
 
 // charges is a payment handler: it counts its runs and answers 201 with a
 // charge id, a Location and a cookie (which must never be recorded).
@@ -115,7 +74,13 @@ func newEnv(t *testing.T, store idempotency.Store, o *idemhttp.Options) *env {
 // post sends a POST with key (none when empty) and headers.
 func (e *env) post(t *testing.T, key, body string, headers ...string) (*http.Response, string) {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodPost, e.srv.URL+"/charges?currency=eur", strings.NewReader(body))
+	return post(t, e.srv.URL, key, body, headers...)
+}
+
+// post sends a POST to url's /charges with key (none when empty) and headers.
+func post(t *testing.T, url, key, body string, headers ...string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, url+"/charges?currency=eur", strings.NewReader(body))
 	if key != "" {
 		req.Header.Set(idemhttp.Header, key)
 	}
@@ -166,8 +131,17 @@ func TestMiddleware(t *testing.T) {
 				{"OversizedBody", testOversized},
 				{"OversizedResponse", testOversizedResponse},
 				{"PrincipalScoping", testPrincipals},
-				{"ServerErrorReleases", testServerError},
-				{"PanicReleases", testPanic},
+				{"ServerErrorAfterEffectKeepsKey", testServerError},
+				{"NotSentReleases", testNotSent},
+				{"TransportDoesNotMultiply5xx", testTransport5xx},
+				{"PanicAfterEffectKeepsKeyAndStack", testPanic},
+				{"ClientLeftLeaseRenewed", func(t *testing.T, s idempotency.Store) { testClientLeft(t, s, false) }},
+				{"ClientLeftReconcileNotDone", func(t *testing.T, s idempotency.Store) { testClientLeft(t, s, true) }},
+				{"DistinctDownstreamKeys", testDownstreamKeys},
+				{"NoAnswerAfterClientLeft", testNoAnswer},
+				{"DefaultScopeIsCredentials", testDefaultScope},
+				{"EarlyHintsKeepStatus", testEarlyHints},
+				{"OneEffectPerKeyUnderFaults", testOneEffectPerKey},
 				{"ClientErrorIsFinal", testClientError},
 				{"KeysAndMethods", testKeys},
 			} {
@@ -414,42 +388,6 @@ func testPrincipals(t *testing.T, s idempotency.Store) {
 	}
 }
 
-func testServerError(t *testing.T, s idempotency.Store) {
-	e := newEnv(t, s, nil)
-	e.h.status.Store(http.StatusServiceUnavailable)
-	k := key()
-	if r, _ := e.post(t, k, "4200"); r.StatusCode != http.StatusServiceUnavailable || r.Header.Get(idemhttp.ReplayedHeader) != "" {
-		t.Fatalf("first: %d", r.StatusCode)
-	}
-	e.h.status.Store(0)
-	if r, _ := e.post(t, k, "4200"); r.StatusCode != http.StatusCreated || r.Header.Get(idemhttp.ReplayedHeader) != "" {
-		t.Fatalf("after a 5xx the key runs again: %d", r.StatusCode)
-	}
-	if r, _ := e.post(t, k, "4200"); r.Header.Get(idemhttp.ReplayedHeader) != "true" {
-		t.Fatal("the success after a 5xx is not replayed")
-	}
-	if n := e.h.runs.Load(); n != 2 {
-		t.Errorf("handler ran %d times, want 2", n)
-	}
-}
-
-func testPanic(t *testing.T, s idempotency.Store) {
-	e := newEnv(t, s, nil)
-	e.srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the panic's stack trace
-	e.h.panics.Store(true)
-	k := key()
-	req, _ := http.NewRequest(http.MethodPost, e.srv.URL, strings.NewReader("4200"))
-	req.Header.Set(idemhttp.Header, k)
-	if resp, err := http.DefaultClient.Do(req); err == nil {
-		resp.Body.Close()
-		t.Fatalf("a panicking handler answered %d", resp.StatusCode)
-	}
-	e.h.panics.Store(false)
-	if r, _ := e.post(t, k, "4200"); r.StatusCode != http.StatusCreated || r.Header.Get(idemhttp.ReplayedHeader) != "" {
-		t.Fatalf("after a panic the key runs again: %d", r.StatusCode)
-	}
-}
-
 func testClientError(t *testing.T, s idempotency.Store) {
 	e := newEnv(t, s, nil)
 	e.h.status.Store(http.StatusPaymentRequired)
@@ -502,16 +440,6 @@ func testKeys(t *testing.T, s idempotency.Store) {
 	resp.Body.Close()
 	if resp.Header.Get(idemhttp.ReplayedHeader) != "" || e.h.runs.Load() != 4 {
 		t.Errorf("a GET went through the middleware (runs %d)", e.h.runs.Load())
-	}
-}
-
-func TestBadOptions(t *testing.T) {
-	if _, err := idemhttp.Middleware(nil, nil); !errors.Is(err, fence.ErrInvalid) {
-		t.Errorf("nil store: %v", err)
-	}
-	s := stores(t)["sqlite"]
-	if _, err := idemhttp.Middleware(s, &idemhttp.Options{MaxBodySize: -1}); !errors.Is(err, fence.ErrInvalid) {
-		t.Errorf("negative MaxBodySize: %v", err)
 	}
 }
 

@@ -9,7 +9,10 @@
 // PATCH by default) and an Idempotency-Key header, it runs the handler at most
 // once per key, through [idempotency.Do] on the store, records the response
 // (status, the allowed headers, body) and replays it to every later request
-// with the same key, marked with "Idempotent-Replayed: true":
+// with the same key, marked with "Idempotent-Replayed: true". "At most once"
+// lasts as long as the key's record: Options.Idempotency.Retention after the
+// answer (24h by default; idempotency.Forever keeps it), and within one
+// scope (see Options.Principal). The answers:
 //
 //   - no key: passed through, or 400 when Options.Required;
 //   - a malformed key (empty, over 255 characters, not a draft string): 400;
@@ -18,22 +21,37 @@
 //   - the key in progress elsewhere: 409 with Retry-After (or a wait, with
 //     Options.Wait);
 //   - a request body over Options.MaxBodySize: 413;
-//   - the handler answered 5xx, or panicked: the key is released and nothing is
-//     recorded, so the request may be retried (a panic is re-raised);
-//   - any other status, 4xx included, is recorded as final;
+//   - the handler answered 1xx-4xx: recorded as final and replayed (1xx
+//     interim answers such as 103 Early Hints are not recorded, and not sent);
+//   - the handler called [NotSent] on its request: its answer is sent once and
+//     not recorded, and the key is released: the request may run again;
+//   - the handler answered 5xx, panicked, or returned without answering after
+//     its client left, and did not call NotSent: the effect may have
+//     happened, so the key stays armed: a retry gets 409 while its lease
+//     lasts, then what the Reconcile hook finds (the effect done: its result
+//     replayed; not done: the handler runs again under a new effect key), or
+//     without a hook 500 outcome-unknown until an operator resolves the key
+//     (idempotency.Resolve). The 5xx itself goes to its client as it is; a
+//     panic goes on to the server, with the handler's stack;
 //   - the outcome is unknown (the server stopped between the handler and the
 //     record, and no Reconcile hook could tell): 500.
 //
+// While the handler runs, its key's lease is renewed, also after its client
+// left (the request's context is then cancelled): no retry takes the key over
+// from a handler that is still running.
+//
 // Errors are problem details (RFC 9457, application/problem+json). Keys are
-// scoped by Options.Principal, so one client cannot replay another's response
-// by sending its key. The handler finds the attempt's effect key with
-// [EffectKey], for the calls it makes downstream.
+// scoped by Options.Principal (by default, the request's credentials), so one
+// client cannot replay another's response by sending its key. The handler
+// finds the attempt's effect key with [EffectKey], and a key for each call it
+// makes downstream with [CallKey] (Transport derives one by itself).
 //
 // # Client
 //
 // [Transport] adds an Idempotency-Key to outbound requests whose context holds a
-// key ([WithKey], or the effect key inside a handler behind the middleware),
-// and retries such a request, with the same key, after a transport error or an
+// key ([WithKey], or inside a handler behind the middleware a key of each call's
+// own, derived from the attempt's effect key), and
+// retries such a request, with the same key, after a transport error or an
 // answer that says the request did not finish (409, 429, 5xx), a bounded
 // number of times: with the key, a provider that deduplicates runs it once.
 // Requests without a key are sent once, as they are.
@@ -53,6 +71,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/idempotency"
@@ -77,8 +97,12 @@ type Options struct {
 	Required bool
 	// Principal returns the authenticated principal of a request; keys are
 	// scoped by it, so the same key from two principals names two requests.
-	// An error answers 401. Default: none, one scope for all clients: set it
-	// whenever clients are authenticated.
+	// An error answers 401. Default: the request's credentials, a digest of
+	// its Authorization and Cookie headers, so that a response is replayed
+	// only to a request with the same credentials. A client whose credentials
+	// change between two tries of one request (a refreshed token, a rotated
+	// cookie) is then a new request and runs again: set Principal to the
+	// authenticated identity whenever that can happen.
 	Principal func(r *http.Request) (string, error)
 	// FingerprintHeaders are request headers that, beside the method, the path
 	// and query and the body, make two requests the same. Default: none.
@@ -95,12 +119,18 @@ type Options struct {
 	// handler does not run again. Every response to a request with a key is
 	// held in memory whole until it is recorded, whatever its size: do not put
 	// the middleware in front of handlers that stream large bodies.
-	// Default: 1 MiB.
+	// At most MaxRecordSize. Default: 1 MiB.
 	MaxResponseSize int
 	// Idempotency configures idempotency.Do (lease, retention, Wait, Reconcile,
-	// Owner). Its MaxResultSize is set from MaxResponseSize.
+	// Owner), checked as idempotency.Options.Validate does. Its MaxResultSize
+	// is set from MaxResponseSize.
 	Idempotency *idempotency.Options
 }
+
+// MaxRecordSize is the largest Options.MaxResponseSize: a recorded response
+// is stored in one value at the store, which none of the stores takes much
+// larger.
+const MaxRecordSize = 256 << 20
 
 var defaultRecordHeaders = []string{"Content-Type", "Content-Language", "Location", "Cache-Control", "ETag", "Last-Modified"}
 
@@ -112,7 +142,9 @@ type middleware struct {
 }
 
 // Middleware returns the middleware on store. It returns an error matching
-// fence.ErrInvalid for a nil store or negative sizes.
+// fence.ErrInvalid, naming the option, for a nil store, a negative size, a
+// MaxResponseSize over MaxRecordSize, or Idempotency options that
+// idempotency.Do would refuse.
 func Middleware(store idempotency.Store, opts *Options) (func(http.Handler) http.Handler, error) {
 	if store == nil {
 		return nil, &fence.InvalidError{Op: "idemhttp", Arg: "store", Reason: "nil"}
@@ -121,8 +153,18 @@ func Middleware(store idempotency.Store, opts *Options) (func(http.Handler) http
 	if opts != nil {
 		m.o = *opts
 	}
-	if m.o.MaxBodySize < 0 || m.o.MaxResponseSize < 0 {
-		return nil, &fence.InvalidError{Op: "idemhttp", Arg: "options", Reason: "MaxBodySize and MaxResponseSize may not be negative"}
+	switch {
+	case m.o.MaxBodySize < 0:
+		return nil, &fence.InvalidError{Op: "idemhttp", Arg: "MaxBodySize", Reason: fmt.Sprintf("%d is negative", m.o.MaxBodySize)}
+	case m.o.MaxResponseSize < 0 || m.o.MaxResponseSize > MaxRecordSize:
+		return nil, &fence.InvalidError{Op: "idemhttp", Arg: "MaxResponseSize", Reason: fmt.Sprintf("%d is outside 0..%d (MaxRecordSize)", m.o.MaxResponseSize, MaxRecordSize)}
+	}
+	if err := m.o.Idempotency.Validate(); err != nil {
+		var ie *fence.InvalidError
+		if errors.As(err, &ie) {
+			return nil, &fence.InvalidError{Op: "idemhttp", Arg: "Idempotency." + ie.Arg, Reason: ie.Reason}
+		}
+		return nil, err
 	}
 	if len(m.o.Methods) == 0 {
 		m.o.Methods = []string{http.MethodPost, http.MethodPatch}
@@ -201,15 +243,75 @@ func ParseKey(v string) (string, error) {
 	return key, nil
 }
 
-type effectKeyCtx struct{}
+type attemptCtx struct{}
+
+// attempt is what the middleware tells a handler's run, through its request's
+// context: the effect key, the calls made so far, and whether the handler
+// said it did nothing.
+type attempt struct {
+	effectKey string
+	notSent   atomic.Bool
+	mu        sync.Mutex
+	calls     map[string]int
+}
+
+func attemptOf(ctx context.Context) *attempt {
+	a, _ := ctx.Value(attemptCtx{}).(*attempt)
+	return a
+}
 
 // EffectKey returns the effect key of the attempt a request runs under, inside
-// a handler behind the middleware ("" elsewhere). Pass it to the services the
-// handler calls (Transport does so by itself), so that a retried attempt after
-// a crash cannot make a deduplicating provider act twice.
+// a handler behind the middleware ("" elsewhere): stable for one attempt, new
+// for every takeover. Do not send it as it is to more than one call: derive
+// one key per call with CallKey (Transport does so by itself).
 func EffectKey(ctx context.Context) string {
-	k, _ := ctx.Value(effectKeyCtx{}).(string)
-	return k
+	if a := attemptOf(ctx); a != nil {
+		return a.effectKey
+	}
+	return ""
+}
+
+// CallKey returns the Idempotency-Key for the downstream call that a handler
+// behind the middleware names name: distinct for every name, the same for the
+// same name in the same attempt (so the same call, sent again, is
+// deduplicated), and new for every takeover. Send it with
+// WithKey(ctx, CallKey(ctx, name)). Outside such a handler it returns "".
+func CallKey(ctx context.Context, name string) string {
+	ek := EffectKey(ctx)
+	if ek == "" {
+		return ""
+	}
+	h := sha256.Sum256([]byte(ek + "\x00" + name))
+	return hex.EncodeToString(h[:16])
+}
+
+// nextCallKey is the key Transport gives a keyed call from a handler that
+// named none: the n-th call with this method to this host and path in this
+// attempt, so that two calls never share a key, and a run of the same
+// handler code under the same effect key derives the same keys in the same
+// order.
+func (a *attempt) nextCallKey(method, host, path string) string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.calls == nil {
+		a.calls = map[string]int{}
+	}
+	id := method + " " + host + path
+	a.calls[id]++
+	return CallKey(context.WithValue(context.Background(), attemptCtx{}, a), fmt.Sprintf("%s #%d", id, a.calls[id]))
+}
+
+// NotSent tells the middleware, from a handler, that this request did nothing
+// that needs to happen only once (it failed before its effect, or it can
+// prove the effect did not happen): its answer is then sent once and not
+// recorded, and the key is released, so a retry with the key runs the
+// handler again. Call it before the handler returns; it changes nothing once
+// the handler panicked (a panic keeps the key armed), and outside the
+// middleware.
+func NotSent(r *http.Request) {
+	if a := attemptOf(r.Context()); a != nil {
+		a.notSent.Store(true)
+	}
 }
 
 // storedResponse is a recorded response, as the store keeps it.
@@ -235,11 +337,18 @@ func RecordedResponse(status int, header http.Header, body []byte) []byte {
 	return b
 }
 
-// notRecorded is the handler's answer that must not be recorded (5xx): the key
-// is released and the response is sent as it is.
-type notRecorded struct{ resp *storedResponse }
+// unrecorded is a handler's answer that is sent to its client once and not
+// recorded: after NotSent (the key is released), or a 5xx (the key stays
+// armed: the effect may have happened).
+type unrecorded struct {
+	resp *storedResponse
+	why  string
+}
 
-func (notRecorded) Error() string { return "idemhttp: the handler answered with a server error" }
+func (u *unrecorded) Error() string { return "idemhttp: the handler " + u.why }
+
+// errNoAnswer: the handler returned without answering after its client left.
+var errNoAnswer = errors.New("idemhttp: the handler returned without answering after its client left")
 
 func (m *middleware) serve(next http.Handler, w http.ResponseWriter, r *http.Request) {
 	if !slices.Contains(m.o.Methods, r.Method) {
@@ -264,12 +373,10 @@ func (m *middleware) serve(next http.Handler, w http.ResponseWriter, r *http.Req
 		problem(w, http.StatusBadRequest, "malformed-key", "Malformed Idempotency-Key", err.Error()+".")
 		return
 	}
-	principal := ""
-	if m.o.Principal != nil {
-		if principal, err = m.o.Principal(r); err != nil {
-			problem(w, http.StatusUnauthorized, "unauthenticated", "Unauthenticated", err.Error())
-			return
-		}
+	principal, err := m.principal(r)
+	if err != nil {
+		problem(w, http.StatusUnauthorized, "unauthenticated", "Unauthenticated", err.Error())
+		return
 	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.o.MaxBodySize))
 	if err != nil {
@@ -288,28 +395,32 @@ func (m *middleware) serve(next http.Handler, w http.ResponseWriter, r *http.Req
 	res, err := idempotency.Do(r.Context(), m.store, storeKey(principal, key), m.fingerprint(r, body),
 		func(ctx context.Context, effectKey string) ([]byte, error) {
 			rec := &recorder{header: http.Header{}}
-			ctx = context.WithValue(ctx, effectKeyCtx{}, effectKey)
-			if err := runHandler(next, rec, r.WithContext(ctx)); err != nil {
-				return nil, err
+			a := &attempt{effectKey: effectKey}
+			// No recover: a panic goes on through Do, which keeps the key
+			// armed, to the server, with the handler's stack.
+			next.ServeHTTP(rec, r.WithContext(context.WithValue(ctx, attemptCtx{}, a)))
+			resp := rec.response()
+			switch {
+			case a.notSent.Load():
+				return nil, idempotency.NotSent(&unrecorded{resp, "said it did nothing (NotSent)"})
+			case rec.status == 0 && r.Context().Err() != nil:
+				return nil, fmt.Errorf("%w: %w", errNoAnswer, context.Cause(r.Context()))
+			case resp.Status >= 500:
+				return nil, &unrecorded{resp, fmt.Sprintf("answered %d: it may have taken effect", resp.Status)}
 			}
-			sent = rec.response()
-			if sent.Status >= 500 {
-				return nil, idempotency.NotSent(notRecorded{sent})
-			}
+			sent = resp
 			stored := sent.recorded(m.record)
 			if len(stored.Body) > m.o.MaxResponseSize {
 				stored = &storedResponse{Status: sent.Status, Dropped: true}
 			}
 			return json.Marshal(stored)
 		}, &m.do)
-	var nr notRecorded
+	var ur *unrecorded
 	var ip *idempotency.InProgressError
-	var hp *handlerPanic
-	if errors.As(err, &hp) {
-		panic(hp.v) // the key was released; let the server's own recovery see it
-	}
 	switch {
-	case sent != nil && (err == nil || errors.Is(err, idempotency.ErrNotRecorded) || errors.As(err, &nr)):
+	case errors.As(err, &ur):
+		writeResponse(w, ur.resp, false)
+	case sent != nil && (err == nil || errors.Is(err, idempotency.ErrNotRecorded)):
 		// This request ran the handler: send its answer (also when the record
 		// could not be written; the store keeps the key armed).
 		writeResponse(w, sent, false)
@@ -349,24 +460,16 @@ func (m *middleware) serve(next http.Handler, w http.ResponseWriter, r *http.Req
 	}
 }
 
-// runHandler runs the handler; a panic releases the key (NotSent is returned
-// to Do first, so the release is recorded) and is then raised again.
-func runHandler(next http.Handler, w http.ResponseWriter, r *http.Request) (err error) {
-	defer func() {
-		// Since Go 1.21 even panic(nil) recovers a non-nil value.
-		if v := recover(); v != nil {
-			err = idempotency.NotSent(&handlerPanic{v})
-		}
-	}()
-	next.ServeHTTP(w, r)
-	return nil
+// principal is the scope of a request's keys: Options.Principal's answer, or
+// by default a digest of the request's credentials.
+func (m *middleware) principal(r *http.Request) (string, error) {
+	if m.o.Principal != nil {
+		return m.o.Principal(r)
+	}
+	h := sha256.New()
+	fmt.Fprintf(h, "%q\n%q\n", r.Header.Values("Authorization"), r.Header.Values("Cookie"))
+	return "\x00credentials:" + hex.EncodeToString(h.Sum(nil)), nil
 }
-
-// handlerPanic carries a handler's panic out of idempotency.Do, which releases
-// the key; serve raises it again.
-type handlerPanic struct{ v any }
-
-func (h *handlerPanic) Error() string { return fmt.Sprintf("idemhttp: the handler panicked: %v", h.v) }
 
 // fingerprint is the digest of what makes two requests the same.
 func (m *middleware) fingerprint(r *http.Request, body []byte) string {
@@ -398,7 +501,13 @@ type recorder struct {
 
 func (r *recorder) Header() http.Header { return r.header }
 
+// WriteHeader keeps the first final status; 1xx interim answers (103 Early
+// Hints) are neither kept nor sent, since the answer goes out only after it
+// is recorded.
 func (r *recorder) WriteHeader(status int) {
+	if status >= 100 && status < 200 {
+		return
+	}
 	if r.status == 0 {
 		r.status = status
 	}

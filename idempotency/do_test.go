@@ -1,0 +1,383 @@
+package idempotency_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/internal/idemstores"
+)
+
+// faultyStores returns the PostgreSQL and Redis stores, each through its own
+// fault proxy.
+func faultyStores(t *testing.T) map[string]idemstores.Faulty { return idemstores.Faults(t) }
+
+// stores returns the SQLite, PostgreSQL and Redis stores, without faults.
+func stores(t *testing.T) map[string]idempotency.Store { return idemstores.All(t) }
+
+func key() string { return fencetest.Name("idem") }
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// ledger counts an effect's runs per key.
+type ledger struct {
+	mu   sync.Mutex
+	runs map[string]int
+}
+
+func (l *ledger) effect(key string) idempotency.Effect {
+	return func(context.Context, string) ([]byte, error) {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if l.runs == nil {
+			l.runs = map[string]int{}
+		}
+		l.runs[key]++
+		return []byte("charged " + key), nil
+	}
+}
+
+func (l *ledger) count(key string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.runs[key]
+}
+
+// the requests of one key's store steps, as the proxy sees them: the
+// completion carries "completed", the arm "claimed" and "armed".
+func completion(k string) func([]byte) bool {
+	return func(b []byte) bool { return bytes.Contains(b, []byte(k)) && bytes.Contains(b, []byte("completed")) }
+}
+
+// beginning matches the claim by its fingerprint, which only Begin sends.
+func beginning(k string) func([]byte) bool {
+	return func(b []byte) bool { return bytes.Contains(b, []byte("fp-"+k)) }
+}
+
+func arming(k string) func([]byte) bool {
+	return func(b []byte) bool {
+		return bytes.Contains(b, []byte(k)) && bytes.Contains(b, []byte("claimed")) && bytes.Contains(b, []byte("armed"))
+	}
+}
+
+// Issue 23 item 3: a completion whose reply was lost landed; Do recognises its
+// own applied change (re-sent by Do, or by the client library) instead of
+// reporting ErrNotRecorded.
+// Issue 23 item 4: an arm whose reply was lost landed; Do goes on with the
+// effect instead of leaving the key armed (later unknown) with no effect run.
+// The same for a claim whose reply was lost: Do goes on with its own claim
+// instead of an error, or ErrInProgress against itself.
+func TestLostReplies(t *testing.T) {
+	for name, f := range faultyStores(t) {
+		t.Run(name, func(t *testing.T) {
+			for _, c := range []struct {
+				step  string
+				match func(string) func([]byte) bool
+			}{{"begin", beginning}, {"complete", completion}, {"arm", arming}} {
+				t.Run(c.step, func(t *testing.T) {
+					var l ledger
+					k := key()
+					lost := f.Proxy.Stats().LostReplies
+					f.Proxy.LoseReply(c.match(k))
+					r, err := idempotency.Do(ctxT(t), f.Store, k, "fp-"+k, l.effect(k), &idempotency.Options{Lease: 2 * time.Second})
+					if f.Proxy.Pending() != 0 || f.Proxy.Stats().LostReplies == lost {
+						t.Fatalf("the %s's reply was never lost (pending %d)", c.step, f.Proxy.Pending())
+					}
+					if err != nil || string(r.Value) != "charged "+k {
+						t.Fatalf("Do with the %s's reply lost: %+v, %v; want its result", c.step, r, err)
+					}
+					rec, err := f.Store.Get(ctxT(t), k)
+					if err != nil || rec.State != idempotency.Completed || string(rec.Result) != "charged "+k || l.count(k) != 1 {
+						t.Fatalf("record %+v, %v, effect ran %d times; want completed with the one run's result", rec, err, l.count(k))
+					}
+				})
+			}
+		})
+	}
+}
+
+// A Reconcile hook's completion, and the mark of an unknown key, whose replies
+// were lost, landed: Do answers with the result found, or ErrUnknown, instead
+// of a bare transport error or ErrInProgress against its own change.
+func TestLostRepliesAfterCrash(t *testing.T) {
+	for name, f := range faultyStores(t) {
+		t.Run(name, func(t *testing.T) {
+			for _, reconcile := range []bool{true, false} {
+				k := key()
+				lease := 300 * time.Millisecond
+				// An owner that stops after arming: its effect's outcome is ambiguous.
+				_, err := idempotency.Do(ctxT(t), f.Store, k, "fp", func(context.Context, string) ([]byte, error) {
+					return nil, errors.New("connection to the provider reset")
+				}, &idempotency.Options{Lease: lease})
+				if err == nil {
+					t.Fatal("the ambiguous effect returned no error")
+				}
+				o := &idempotency.Options{Lease: lease}
+				match := func(b []byte) bool { return bytes.Contains(b, []byte(k)) && bytes.Contains(b, []byte("unknown")) }
+				if reconcile {
+					o.Reconcile = func(context.Context, string) (bool, []byte, error) { return true, []byte("found " + k), nil }
+					match = completion(k)
+				}
+				var r idempotency.Result
+				for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+					if rec, err := f.Store.Get(ctxT(t), k); err == nil && rec.LeaseLeft <= 0 {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatal("the lease never ran out")
+					}
+				}
+				lost := f.Proxy.Stats().LostReplies
+				f.Proxy.LoseReply(match)
+				r, err = idempotency.Do(ctxT(t), f.Store, k, "fp", func(context.Context, string) ([]byte, error) { return nil, errors.New("must not run") }, o)
+				if f.Proxy.Pending() != 0 || f.Proxy.Stats().LostReplies == lost {
+					t.Fatalf("reconcile %v: the reply was never lost", reconcile)
+				}
+				rec, gerr := f.Store.Get(ctxT(t), k)
+				switch {
+				case reconcile && (err != nil || string(r.Value) != "found "+k || rec.State != idempotency.Completed):
+					t.Fatalf("Reconcile found the effect, its completion's reply lost: %+v, %v; record %+v, %v", r, err, rec, gerr)
+				case !reconcile && (!errors.Is(err, idempotency.ErrUnknown) || rec.State != idempotency.Unknown):
+					t.Fatalf("no Reconcile, the unknown mark's reply lost: %v; want ErrUnknown; record %+v, %v", err, rec, gerr)
+				}
+			}
+		})
+	}
+}
+
+// TestCutConnections runs 200 keys under 2% random cuts (half of them lose
+// the reply of a request the server applied): every Do succeeds (Do
+// recognises its own claim, arm and completion, and sends again what did not
+// land), so no completion that landed is reported ErrNotRecorded, no key is left armed or unknown without its effect
+// having run, and no effect runs twice, also when every key is tried again
+// without faults.
+func TestCutConnections(t *testing.T) {
+	const keys = 200
+	for name, f := range faultyStores(t) {
+		t.Run(name, func(t *testing.T) {
+			var l ledger
+			opts := &idempotency.Options{Lease: 2 * time.Second, Wait: true}
+			ks := make([]string, keys)
+			for i := range ks {
+				ks[i] = key()
+			}
+			f.Proxy.CutRate(0.02)
+			var notRecorded, failed atomic.Int32
+			var wg sync.WaitGroup
+			next := make(chan string)
+			for w := 0; w < 4; w++ {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for k := range next {
+						ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+						_, err := idempotency.Do(ctx, f.Store, k, "fp", l.effect(k), opts)
+						cancel()
+						switch {
+						case errors.Is(err, idempotency.ErrNotRecorded):
+							notRecorded.Add(1)
+							t.Errorf("key %s: %v", k, err)
+						case err != nil:
+							failed.Add(1)
+							t.Errorf("key %s: %v", k, err)
+						}
+					}
+				}()
+			}
+			for _, k := range ks {
+				next <- k
+			}
+			close(next)
+			wg.Wait()
+			f.Proxy.CutRate(0)
+			st := f.Proxy.Stats()
+			t.Logf("%d keys: %d connections cut, %d replies lost; %d ErrNotRecorded, %d other errors", keys, st.Cuts, st.LostReplies, notRecorded.Load(), failed.Load())
+			if st.LostReplies == 0 {
+				t.Fatal("no reply was lost: the run shows nothing")
+			}
+			for _, k := range ks {
+				rec, err := f.Store.Get(ctxT(t), k)
+				if err == nil && (rec.State == idempotency.Armed || rec.State == idempotency.Unknown) && l.count(k) == 0 {
+					t.Errorf("key %s left %s although its effect never ran", k, rec.State)
+				}
+				// Again, without faults: a replay, or the first run.
+				r, err := idempotency.Do(ctxT(t), f.Store, k, "fp", l.effect(k), opts)
+				if err != nil || string(r.Value) != "charged "+k {
+					t.Errorf("key %s, again: %+v, %v", k, r, err)
+				}
+				if n := l.count(k); n != 1 {
+					t.Errorf("key %s: the effect ran %d times", k, n)
+				}
+			}
+		})
+	}
+}
+
+// Issue 25 item 1: Retention Forever keeps the record past every purge, so
+// the key never runs again; a finite retention ends the promise, and the
+// claim after it is a new request with a new effect key.
+func TestRetention(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			var l ledger
+			keys := map[string]bool{}
+			effect := func(k string) idempotency.Effect {
+				return func(ctx context.Context, ek string) ([]byte, error) {
+					keys[ek] = true
+					return l.effect(k)(ctx, ek)
+				}
+			}
+			short := &idempotency.Options{Retention: 50 * time.Millisecond}
+			k := key()
+			if _, err := idempotency.Do(ctxT(t), s, k, "fp", effect(k), short); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(100 * time.Millisecond) // past the retention under test
+			if _, err := s.Purge(ctxT(t)); err != nil {
+				t.Fatal(err)
+			}
+			r, err := idempotency.Do(ctxT(t), s, k, "fp", effect(k), short)
+			if err != nil || r.Replayed || l.count(k) != 2 || len(keys) != 2 {
+				t.Fatalf("after the retention: %+v, %v, runs %d, effect keys %d; want a new run under a new effect key (the documented end of the promise)", r, err, l.count(k), len(keys))
+			}
+			for _, discard := range []bool{false, true} {
+				forever := &idempotency.Options{Retention: idempotency.Forever, DiscardResult: discard}
+				k := key()
+				if _, err := idempotency.Do(ctxT(t), s, k, "fp", effect(k), forever); err != nil {
+					t.Fatal(err)
+				}
+				time.Sleep(100 * time.Millisecond)
+				if _, err := s.Purge(ctxT(t)); err != nil {
+					t.Fatal(err)
+				}
+				r, err := idempotency.Do(ctxT(t), s, k, "fp", effect(k), short)
+				switch {
+				case l.count(k) != 1:
+					t.Fatalf("Forever (discard %v): the effect ran %d times", discard, l.count(k))
+				case discard && !errors.Is(err, idempotency.ErrResultNotStored):
+					t.Fatalf("Forever, results discarded: %+v, %v; want ErrResultNotStored", r, err)
+				case !discard && (err != nil || !r.Replayed || string(r.Value) != "charged "+k):
+					t.Fatalf("Forever: %+v, %v; want the replay", r, err)
+				}
+				rec, err := s.Get(ctxT(t), k)
+				if err != nil || rec.State != idempotency.Completed {
+					t.Fatalf("Forever: record %+v, %v", rec, err)
+				}
+			}
+		})
+	}
+}
+
+// Issue 24 item 4, in Do itself: when the caller's ctx ends, the effect's ctx
+// is cancelled, but renewals go on while the effect runs: another caller gets
+// ErrInProgress (never a takeover, even with a Reconcile hook that says "not
+// done"), then the result.
+func TestRenewalsOutliveCaller(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			lease := 600 * time.Millisecond // renewals every 200ms, under load too
+			k := key()
+			var runs, reconciles atomic.Int32
+			release, cancelled := make(chan struct{}), make(chan struct{})
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() {
+				_, err := idempotency.Do(ctx, s, k, "fp", func(ectx context.Context, _ string) ([]byte, error) {
+					runs.Add(1)
+					cancel()
+					<-ectx.Done()
+					close(cancelled)
+					<-release // ignores its context
+					return []byte("done"), nil
+				}, &idempotency.Options{Lease: lease})
+				done <- err
+			}()
+			<-cancelled
+			time.Sleep(2 * lease) // the time under test: renewals alone keep the key
+			o := &idempotency.Options{Lease: lease, Reconcile: func(context.Context, string) (bool, []byte, error) {
+				reconciles.Add(1)
+				return false, nil, nil
+			}}
+			_, err := idempotency.Do(ctxT(t), s, k, "fp", func(context.Context, string) ([]byte, error) { runs.Add(1); return nil, nil }, o)
+			close(release)
+			if !errors.Is(err, idempotency.ErrInProgress) {
+				t.Fatalf("another caller while the first effect runs: %v; want ErrInProgress", err)
+			}
+			if err := <-done; err != nil {
+				t.Fatalf("the first call, whose caller left: %v", err)
+			}
+			o.Wait = true
+			r, err := idempotency.Do(ctxT(t), s, k, "fp", func(context.Context, string) ([]byte, error) { runs.Add(1); return nil, nil }, o)
+			if err != nil || string(r.Value) != "done" || !r.Replayed || runs.Load() != 1 || reconciles.Load() != 0 {
+				t.Fatalf("after: %+v, %v, runs %d, reconciles %d; want the replay of the one run", r, err, runs.Load(), reconciles.Load())
+			}
+		})
+	}
+}
+
+// twoStepBegin answers Begin as a store that claims in one statement and reads
+// the record in a second would, when the record changes between the two: after
+// a real Begin that found the key armed, it lets the owner go on (next), waits
+// for the key to be released, and answers with the released record.
+type twoStepBegin struct {
+	idempotency.Store
+	next chan struct{}
+}
+
+func (s twoStepBegin) Begin(ctx context.Context, key, fp, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	rec, created, err := s.Store.Begin(ctx, key, fp, owner, lease)
+	if err != nil || created || rec.State != idempotency.Armed || s.next == nil {
+		return rec, created, err
+	}
+	close(s.next)
+	for {
+		got, err := s.Store.Get(ctx, key)
+		if err != nil || got.State == idempotency.Released {
+			return got, false, err
+		}
+		select {
+		case <-ctx.Done():
+			return got, false, ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// A Begin answered with a record released in the meantime claims the key
+// again, instead of failing with "unexpected state released".
+func TestBeginSeesRelease(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			k := key()
+			next, armed := make(chan struct{}), make(chan struct{})
+			first := make(chan error, 1)
+			go func() {
+				_, err := idempotency.Do(ctxT(t), s, k, "fp", func(context.Context, string) ([]byte, error) {
+					close(armed)
+					<-next
+					return nil, idempotency.NotSent(errors.New("the provider refused the request unread"))
+				}, nil)
+				first <- err
+			}()
+			<-armed
+			var l ledger
+			r, err := idempotency.Do(ctxT(t), twoStepBegin{s, next}, k, "fp", l.effect(k), nil)
+			if err != nil || string(r.Value) != "charged "+k || l.count(k) != 1 {
+				t.Fatalf("Begin answered with a released record: %+v, %v, runs %d; want a claim and a run", r, err, l.count(k))
+			}
+			if err := <-first; err == nil {
+				t.Error("the first call's NotSent error was lost")
+			}
+		})
+	}
+}
