@@ -188,10 +188,23 @@ func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Dur
 	}
 	keys := lineKeys(a.o.Prefix, name)
 	args := []any{op, me, ttlMs(ttl), floor, a.id, stamp, a.life.Milliseconds(), name, a.grantChannel(), a.heard}
-	res, replicas, err := a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+	var (
+		res      any
+		replicas int64 = -1
+		err      error
+	)
+	if op == "release" {
+		// A release sent again after it ran finds the lock gone and would
+		// report the lease lost: send it once.
+		res, err = runOnce(ctx, a.c, lockScript, keys, args...)
+	} else {
+		// A "try" or "wait" sent again finds its own grant and adopts it; a
+		// "leave" sent again finds nothing to do: go-redis may resend them.
+		res, replicas, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+	}
 	r := lockReply{replicas: replicas}
 	if err != nil {
-		return r, scriptError(err)
+		return r, scriptError(ambiguous(err))
 	}
 	arr, ok := res.([]any)
 	if !ok || (len(arr) != 2 && len(arr) != 6) {
@@ -230,13 +243,23 @@ func later(x, y time.Time) time.Time {
 	return x
 }
 
-// grant runs a "try" for a new grant (nonce) on name.
+// maxAmbiguous is how many times a grant whose reply was lost is asked for
+// again (with the same nonce) before it is given up.
+const maxAmbiguous = 3
+
+// grant runs a "try" for a new grant (nonce) on name. A try whose reply was
+// lost may have granted: it is sent again with the same nonce, which finds
+// that grant and adopts it, and when that fails too the grant is undone
+// (released, if it was made), so that no orphan lease blocks the name.
 func (a *Acquirer) grant(ctx context.Context, name string, ttl time.Duration) (*lease, error) {
 	nonce := newNonce()
 	sent := time.Now()
 	r, err := a.lockOp(ctx, name, "try", nonce, ttl, "0")
+	for i := 0; i < maxAmbiguous && errors.Is(err, fence.ErrUnknown) && ctx.Err() == nil; i++ {
+		r, err = a.lockOp(ctx, name, "try", nonce, ttl, "0")
+	}
 	if err != nil {
-		return nil, fmt.Errorf("redislua: acquire %q: %w", name, err)
+		return nil, a.giveUp(ctx, name, nonce, err)
 	}
 	a.handOver(r, sent)
 	if r.code != 1 {
@@ -348,15 +371,24 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
-	for attempt := 0; ; attempt++ {
+	lost := 0 // "wait" requests in a row whose reply was lost
+	for {
 		sent := time.Now()
 		inLine = true
 		r, err := a.lockOp(ctx, name, "wait", nonce, ttl, a.grants.stamp(sent))
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
-			}
-			return nil, fmt.Errorf("redislua: acquire %q: %w", name, err)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
+		case errors.Is(err, fence.ErrUnknown) && lost < maxAmbiguous:
+			// The reply was lost: the next "wait" (same nonce) adopts a grant
+			// it made, and giving up leaves the line and releases it.
+			lost++
+			r = lockReply{}
+		case err != nil:
+			inLine = inLine && !errors.Is(err, fence.ErrUnknown) // giveUp leaves
+			return nil, a.giveUp(ctx, name, nonce, err)
+		default:
+			lost = 0
 		}
 		a.handOver(r, sent)
 		if r.code == 1 {
@@ -412,17 +444,33 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 	return a.granted(ctx, name, ttl, nonce, m.token, sent, replicas)
 }
 
+// giveUp ends an acquire that failed with err. When the last request's reply
+// was lost (it may have granted), it leaves the line, which releases such a
+// grant: once Redis answered that, the outcome is known and the error no
+// longer matches fence.ErrUnknown; otherwise it does, and a grant made lasts
+// until its ttl.
+func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, err error) error {
+	if errors.Is(err, fence.ErrUnknown) && a.leaveLine(ctx, name, nonce) {
+		return fmt.Errorf("redislua: acquire %q: not granted (a grant whose reply was lost, if any, is released): %v", name, err)
+	}
+	return fmt.Errorf("redislua: acquire %q: %w", name, err)
+}
+
 // leaveLine takes a waiter that gives up out of the line; if a grant to it
-// raced with that, the same script releases the grant (to the next waiter).
-// A waiter that cannot reach Redis here is dropped from the line once its
-// entry expires (AcquirerOptions.Backoff: five polls, at least 1s).
-func (a *Acquirer) leaveLine(ctx context.Context, name, nonce string) {
+// raced with that (or was made by a request whose reply was lost), the same
+// script releases the grant (to the next waiter). It reports whether Redis
+// answered. A waiter that cannot reach Redis here is dropped from the line
+// once its entry expires (AcquirerOptions.Backoff: five polls, at least 1s);
+// a grant to it lasts until its ttl.
+func (a *Acquirer) leaveLine(ctx context.Context, name, nonce string) bool {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
 	sent := time.Now()
-	if r, err := a.lockOp(ctx, name, "leave", nonce, 0, "0"); err == nil {
+	r, err := a.lockOp(ctx, name, "leave", nonce, 0, "0")
+	if err == nil {
 		a.handOver(r, sent)
 	}
+	return err == nil
 }
 
 // lOrNil keeps a nil *lease from becoming a non-nil fence.Lease.
@@ -494,21 +542,35 @@ type lease struct {
 	value string // nonce:token, unique to this grant even if a counter is lost
 }
 
-// Renew extends the lease by its ttl on Redis's clock if this grant still holds it.
+// Renew extends the lease by its ttl on Redis's clock if this grant still
+// holds it. It returns fence.ErrLost, and extends nothing, when the grant is
+// gone or the lease's context has already ended (released, or past its local
+// deadline: a renewal that Redis applies after that is given back at once, so
+// the lock is not held for a ttl by a holder that stopped). A renewal whose
+// reply was lost returns an error matching fence.ErrUnknown, and the local
+// deadline does not move.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
 	}
+	if l.Context().Err() != nil {
+		return l.lost()
+	}
 	sent := time.Now()
+	// Sent again by go-redis after a network error, a renewal only extends
+	// this grant again.
 	n, err := renewScript.Run(ctx, l.a.c, []string{l.lock}, l.value, ttlMs(l.TTL())).Int64()
 	if err != nil {
-		return fmt.Errorf("redislua: renew %q: %w", l.Name(), err)
+		return fmt.Errorf("redislua: renew %q: %w", l.Name(), ambiguous(err))
 	}
 	if n == 0 {
 		l.End(fence.ErrLost)
 		return l.lost()
 	}
 	if !l.Extend(sent) {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		_ = l.release(rctx)
 		return l.lost()
 	}
 	return nil
@@ -516,7 +578,12 @@ func (l *lease) Renew(ctx context.Context) error {
 
 // Release gives the lease up if this grant still holds it: one script deletes
 // the lock, or grants it at once to the first live waiter in line (in any
-// process) and tells that waiter.
+// process) and tells that waiter. It returns fence.ErrLost when the grant had
+// already expired. The script is sent once; when its reply is lost it is sent
+// again, and when that finds the lock free the error matches
+// fence.ErrUnknown (released by the first, or expired before it); when no
+// reply comes at all the error matches fence.ErrUnknown and the lock, if
+// still held, expires after its ttl.
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
@@ -528,6 +595,12 @@ func (l *lease) release(ctx context.Context) error {
 	defer l.End(context.Canceled)
 	sent := time.Now()
 	r, err := l.a.lockOp(ctx, l.Name(), "release", l.value, 0, "0")
+	if errors.Is(err, fence.ErrUnknown) && ctx.Err() == nil {
+		// The lost send may have released: send it again to find out.
+		if r, err = l.a.lockOp(ctx, l.Name(), "release", l.value, 0, "0"); err == nil && r.code == 0 {
+			return fmt.Errorf("redislua: release %q: the lock is free, released by a request whose reply was lost or expired before it: %w", l.Name(), fence.ErrUnknown)
+		}
+	}
 	if err != nil {
 		return fmt.Errorf("redislua: release %q: %w", l.Name(), err)
 	}
