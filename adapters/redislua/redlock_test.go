@@ -34,13 +34,16 @@ func fiveNodes(t *testing.T) ([]*testenv.RedisServer, []redislua.Client) {
 
 func TestRedlockConformance(t *testing.T) {
 	_, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, nil)
+	// A node gets 500ms to answer (the default, a quarter of the ttl and at
+	// most 200ms, is too short under -race on a loaded 2-CPU machine), so
+	// the shortest lease is 2s.
+	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
 	fencetest.AcquirerSuite{
 		New:      func(t *testing.T) fence.Acquirer { return r },
-		ShortTTL: 300 * time.Millisecond,
+		ShortTTL: 2 * time.Second,
 		// Contenders split the votes and retry: keep the contention test to a
 		// size that finishes in seconds under -race on two cores.
 		Workers: 8, Increments: 10,
@@ -117,8 +120,8 @@ func TestRedlockTokensAcrossMajorities(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 100 * time.Millisecond})
-		l, err := r.TryAcquire(ctx, "rotating", 400*time.Millisecond)
+		r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
+		l, err := r.TryAcquire(ctx, "rotating", 4*time.Second)
 		if err != nil {
 			t.Fatalf("round %d (nodes %v paused): %v", round, down, err)
 		}
@@ -134,9 +137,22 @@ func TestRedlockTokensAcrossMajorities(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		// A paused node still runs the lock request it never answered for when
-		// it resumes, possibly after the release: that lock lasts until its ttl.
-		time.Sleep(500 * time.Millisecond)
+		// A paused node runs the lock and release requests it held when it
+		// resumes, in either order (the release's mark refuses a lock that
+		// lands after it): wait until it has, so the next round finds it free.
+		for _, i := range down {
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				n, err := clients[i].Do(ctx, "EXISTS", "fence:{rotating}:lock").Int()
+				if err == nil && n == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("round %d: node %d still locked after it resumed: %d, %v", round, i, n, err)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
 	}
 }
 
