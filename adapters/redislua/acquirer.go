@@ -36,9 +36,19 @@ type AcquirerOptions struct {
 	Backoff fence.Backoff
 	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
 	Drift time.Duration
-	// TokenFloor makes every token at least the server's clock in microseconds,
-	// so tokens keep growing after a failover loses the counter (see the
-	// package documentation). Default: false.
+	// CounterTokens turns the clock floor off: tokens come from the counter
+	// alone (1, 2, 3, ...). A counter that is lost (FLUSHALL, DEL, eviction
+	// under maxmemory, a failover that lost it) then restarts at 1, below
+	// tokens already handed out, and a paused holder's write beats the new
+	// holder's. Use it only where that cannot happen. Default: false: every
+	// token is at least Redis's clock (TIME) in microseconds, and one more
+	// than the counter; see the package documentation for the clock
+	// assumption.
+	CounterTokens bool
+	// TokenFloor is the default now, and setting it changes nothing; it may
+	// not be combined with CounterTokens.
+	//
+	// Deprecated: the clock floor is on unless CounterTokens is set.
 	TokenFloor bool
 	// WaitReplicas, when positive, runs WAIT for that many replicas after each
 	// grant and refuses a grant they did not acknowledge within WaitTimeout
@@ -67,6 +77,8 @@ type Acquirer struct {
 	grants *grants       // nil with DisableNotify: waiters poll and do not queue
 	poll   time.Duration // a waiter in line polls every poll/2 to poll
 	life   time.Duration // how long a place in line outlives its last poll
+	// lineLife is how long the line outlives the last poll of any waiter.
+	lineLife time.Duration
 	// heard is "1" when PUBLISH's receiver count tells whether an acquirer
 	// listens (not on Cluster, where it counts one node's subscribers).
 	heard string
@@ -77,7 +89,9 @@ type Acquirer struct {
 var notifiedBackoff = fence.Backoff{Min: 20 * time.Millisecond, Max: 200 * time.Millisecond}
 
 // NewAcquirer returns an Acquirer on c. It returns an error matching fence.ErrInvalid
-// for a prefix with braces, negative options, or WaitReplicas on a Cluster client.
+// for a nil client, a *redis.Ring (it routes the grant channel and the lock key
+// to different shards), a prefix with braces, negative options, TokenFloor with
+// CounterTokens, or WaitReplicas on a Cluster client.
 func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	if err := checkClient("new acquirer", c); err != nil {
 		return nil, err
@@ -98,6 +112,12 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	if err := o.Backoff.Check("new acquirer"); err != nil {
 		return nil, err
 	}
+	if o.TokenFloor && o.CounterTokens {
+		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "CounterTokens", Reason: "contradicts TokenFloor"}
+	}
+	if err := checkNotRing("new acquirer", c); err != nil {
+		return nil, err
+	}
 	if o.WaitTimeout == 0 {
 		o.WaitTimeout = 100 * time.Millisecond
 	}
@@ -113,7 +133,7 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 				Reason: fmt.Sprintf("%v is not below the client's ReadTimeout %v", o.WaitTimeout, rt)}
 		}
 	}
-	a := &Acquirer{c: c, o: o, id: newNonce(), heard: "1"}
+	a := &Acquirer{c: c, o: o, id: newNonce(), heard: "1", lineLife: time.Hour}
 	if _, ok := c.(*redis.ClusterClient); ok {
 		a.heard = "0"
 	}
@@ -182,12 +202,12 @@ type lockReply struct {
 // lockOp runs one operation of the lock script. With WaitReplicas, "try" and
 // "wait" are pipelined with WAIT, so that WAIT covers any grant they made.
 func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Duration, stamp string) (lockReply, error) {
-	floor := "0"
-	if a.o.TokenFloor {
-		floor = "1"
+	floor := "1"
+	if a.o.CounterTokens {
+		floor = "0"
 	}
 	keys := lineKeys(a.o.Prefix, name)
-	args := []any{op, me, ttlMs(ttl), floor, a.id, stamp, a.life.Milliseconds(), name, a.grantChannel(), a.heard}
+	args := []any{op, me, ttlMs(ttl), floor, a.id, stamp, a.life.Milliseconds(), name, a.grantChannel(), a.heard, a.lineLife.Milliseconds()}
 	var (
 		res      any
 		replicas int64 = -1
@@ -326,8 +346,23 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 // release anywhere grants the lease to the first live waiter in line, in
 // arrival order across processes, and tells it by pub/sub: the waiter holds the
 // lease without another request. Meanwhile it polls, paced by Backoff, which
-// keeps its place alive and finds a lock freed by expiry. With DisableNotify
-// it does not queue and only polls. See fence.Acquirer.
+// keeps its place (and the line) alive and finds a lock freed by expiry. With
+// DisableNotify it does not queue and only polls. See fence.Acquirer.
+//
+// The arrival order holds with these exceptions:
+//   - A waiter whose acquirer does not listen when the lock is freed (its
+//     pub/sub connection is reconnecting) misses that grant, which goes to
+//     the next waiter; it keeps its place at the head of the line for the
+//     next one. (This is what skips a waiter whose process died at once.)
+//   - A waiter that cannot poll for longer than its place lives (five polls,
+//     at least 1s: see Backoff) loses its place and joins again at the end.
+//   - The line itself expires an hour after the last poll of any waiter (so
+//     only when every waiter stopped polling); a waiter whose line expired
+//     joins the new one at the end.
+//
+// A request whose reply was lost is asked again with the same nonce, which
+// adopts a grant it made; when the wait ends without a lease, the waiter
+// leaves the line in a script that also releases such a grant.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
@@ -371,7 +406,6 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
-	lost := 0 // "wait" requests in a row whose reply was lost
 	for {
 		sent := time.Now()
 		inLine = true
@@ -379,16 +413,13 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		switch {
 		case err != nil && ctx.Err() != nil:
 			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
-		case errors.Is(err, fence.ErrUnknown) && lost < maxAmbiguous:
-			// The reply was lost: the next "wait" (same nonce) adopts a grant
-			// it made, and giving up leaves the line and releases it.
-			lost++
+		case errors.Is(err, fence.ErrUnknown) || notSent(err):
+			// A network error: the next "wait" (same nonce) adopts a grant a
+			// lost one made, and giving up leaves the line and releases it.
 			r = lockReply{}
 		case err != nil:
 			inLine = inLine && !errors.Is(err, fence.ErrUnknown) // giveUp leaves
 			return nil, a.giveUp(ctx, name, nonce, err)
-		default:
-			lost = 0
 		}
 		a.handOver(r, sent)
 		if r.code == 1 {

@@ -23,13 +23,13 @@ func TestCluster(t *testing.T) {
 	for _, o := range []struct {
 		name string
 		opts redislua.AcquirerOptions
-	}{{"acquirer", redislua.AcquirerOptions{}}, {"acquirer-token-floor", redislua.AcquirerOptions{TokenFloor: true}}} {
+	}{{"acquirer", redislua.AcquirerOptions{}}, {"acquirer-counter-tokens", redislua.AcquirerOptions{CounterTokens: true}}} {
 		t.Run(o.name, func(t *testing.T) {
 			a, err := redislua.NewAcquirer(c, &o.opts)
 			if err != nil {
 				t.Fatal(err)
 			}
-			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, BadNames: []string{"a{b}"}}.Run(t)
+			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, ShortTTL: shortTTL, BadNames: []string{"a{b}"}}.Run(t)
 		})
 	}
 	t.Run("writer", func(t *testing.T) {
@@ -126,16 +126,5 @@ func TestClusterSlotMigration(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l2.Release(ctx)
-	if l2.Token() <= l1.Token() {
-		t.Fatalf("token %d after the migration is not above %d", l2.Token(), l1.Token())
-	}
-	if err := w.Write(ctx, name, []byte("second holder"), l2.Token()); err != nil {
-		t.Fatal(err)
-	}
-	if err := w.Write(ctx, name, []byte("paused holder"), l1.Token()); !errors.Is(err, fence.ErrStale) {
-		t.Fatalf("the paused holder's write after the migration: %v, want ErrStale", err)
-	}
-	if v, _, _ := w.Read(ctx, name); string(v) != "second holder" {
-		t.Errorf("stored %q", v)
-	}
+	checkStaleRefused(t, w, name, l2.Token(), l1.Token(), "after the migration")
 }

@@ -51,9 +51,15 @@ var (
 	_ idempotency.Notifier = (*IdempotencyStore)(nil)
 )
 
-// NewIdempotencyStore returns a store on c.
+// NewIdempotencyStore returns a store on c. It returns an error matching
+// fence.ErrInvalid for a nil client, a *redis.Ring (its notifications would
+// be published on another shard than the one it listens on), a prefix with
+// braces or a negative ReleasedRetention.
 func NewIdempotencyStore(c Client, opts *IdempotencyOptions) (*IdempotencyStore, error) {
 	if err := checkClient("new idempotency store", c); err != nil {
+		return nil, err
+	}
+	if err := checkNotRing("new idempotency store", c); err != nil {
 		return nil, err
 	}
 	var o IdempotencyOptions
