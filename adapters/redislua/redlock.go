@@ -332,10 +332,17 @@ type redlockLease struct {
 
 // Renew extends the lock on every node that still has it; it succeeds when a
 // majority does, and the local deadline moves by ttl less drift from before the
-// request. Fewer than a majority still holding it is fence.ErrLost.
+// request. Fewer than a majority still holding it is fence.ErrLost. A lease
+// whose context has ended (released, or past its local deadline) is not
+// renewed (fence.ErrLost), and a renewal the nodes applied after the local
+// deadline passed is released at once, so no node holds the lock for another
+// ttl for a holder that stopped.
 func (l *redlockLease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
+	}
+	if l.Context().Err() != nil {
+		return l.lost()
 	}
 	sent := time.Now()
 	res, errs := l.r.onNodes(ctx, l.timeout, nil, func(ctx context.Context, c Client) (any, error) {
@@ -353,6 +360,9 @@ func (l *redlockLease) Renew(ctx context.Context) error {
 	}
 	if ok >= l.r.quorum {
 		if !l.Extend(sent) {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.timeout)
+			defer cancel()
+			l.r.releaseOn(rctx, l.timeout, l.lock, l.nonce, l.TTL())
 			return l.lost()
 		}
 		return nil

@@ -278,3 +278,30 @@ func TestRedlockLateLockAfterRelease(t *testing.T) {
 		})
 	}
 }
+
+// TestRedlockRenewAfterLocalDeadline (HAZARDS 6): a Renew on a lease whose
+// local deadline has passed returns ErrLost and leaves no node locked for
+// another ttl: the next grant succeeds once the first grant expires.
+func TestRedlockRenewAfterLocalDeadline(t *testing.T) {
+	_, clients := fiveNodes(t)
+	r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond, Drift: 200 * time.Millisecond})
+	ctx := context.Background()
+	name := fencetest.Name("rlrenew")
+	const ttl = 4 * time.Second
+	l, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-l.Context().Done() // the local deadline, up to the drift before the nodes' expiry
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("Renew after the local deadline: %v, want ErrLost", err)
+	}
+	// A renewal would have held the nodes for another 4s.
+	actx, cancel := context.WithTimeout(ctx, ttl/2)
+	defer cancel()
+	next, err := r.Acquire(actx, name, ttl)
+	if err != nil {
+		t.Fatalf("a grant after a Renew past the local deadline: %v", err)
+	}
+	next.Release(ctx)
+}
