@@ -166,7 +166,11 @@ func checkLease(ctx context.Context, name string, ttl time.Duration) error {
 func ttlMs(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Millisecond) }
 
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
-// ttl must be at least 1ms; name may not contain braces.
+// ttl must be at least 1ms; name may not contain braces. A try whose reply was
+// lost is sent again with the same nonce (up to 3 times), which adopts a
+// grant it made; if every reply is lost, the grant is undone by a script that
+// releases it if it was made, and the error says "not granted"; only when
+// that cannot reach Redis either does the error match fence.ErrUnknown.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
@@ -360,9 +364,11 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 //     only when every waiter stopped polling); a waiter whose line expired
 //     joins the new one at the end.
 //
-// A request whose reply was lost is asked again with the same nonce, which
-// adopts a grant it made; when the wait ends without a lease, the waiter
-// leaves the line in a script that also releases such a grant.
+// A network error while waiting (a lost reply, a failed dial) does not end
+// the wait: the next poll, with the same nonce, adopts a grant a lost request
+// made. When the wait ends without a lease (ctx), the waiter leaves the line
+// in a script that also releases such a grant; if Redis cannot be reached for
+// that either, the grant lasts until its ttl.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
