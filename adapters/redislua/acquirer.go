@@ -36,9 +36,19 @@ type AcquirerOptions struct {
 	Backoff fence.Backoff
 	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
 	Drift time.Duration
-	// TokenFloor makes every token at least the server's clock in microseconds,
-	// so tokens keep growing after a failover loses the counter (see the
-	// package documentation). Default: false.
+	// CounterTokens turns the clock floor off: tokens come from the counter
+	// alone (1, 2, 3, ...). A counter that is lost (FLUSHALL, DEL, eviction
+	// under maxmemory, a failover that lost it) then restarts at 1, below
+	// tokens already handed out, and a paused holder's write beats the new
+	// holder's. Use it only where that cannot happen. Default: false: every
+	// token is at least Redis's clock (TIME) in microseconds, and one more
+	// than the counter; see the package documentation for the clock
+	// assumption.
+	CounterTokens bool
+	// TokenFloor is the default now, and setting it changes nothing; it may
+	// not be combined with CounterTokens.
+	//
+	// Deprecated: the clock floor is on unless CounterTokens is set.
 	TokenFloor bool
 	// WaitReplicas, when positive, runs WAIT for that many replicas after each
 	// grant and refuses a grant they did not acknowledge within WaitTimeout
@@ -67,6 +77,8 @@ type Acquirer struct {
 	grants *grants       // nil with DisableNotify: waiters poll and do not queue
 	poll   time.Duration // a waiter in line polls every poll/2 to poll
 	life   time.Duration // how long a place in line outlives its last poll
+	// lineLife is how long the line outlives the last poll of any waiter.
+	lineLife time.Duration
 	// heard is "1" when PUBLISH's receiver count tells whether an acquirer
 	// listens (not on Cluster, where it counts one node's subscribers).
 	heard string
@@ -77,7 +89,9 @@ type Acquirer struct {
 var notifiedBackoff = fence.Backoff{Min: 20 * time.Millisecond, Max: 200 * time.Millisecond}
 
 // NewAcquirer returns an Acquirer on c. It returns an error matching fence.ErrInvalid
-// for a prefix with braces, negative options, or WaitReplicas on a Cluster client.
+// for a nil client, a *redis.Ring (it routes the grant channel and the lock key
+// to different shards), a prefix with braces, negative options, TokenFloor with
+// CounterTokens, or WaitReplicas on a Cluster client.
 func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	if err := checkClient("new acquirer", c); err != nil {
 		return nil, err
@@ -98,6 +112,12 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	if err := o.Backoff.Check("new acquirer"); err != nil {
 		return nil, err
 	}
+	if o.TokenFloor && o.CounterTokens {
+		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "CounterTokens", Reason: "contradicts TokenFloor"}
+	}
+	if err := checkNotRing("new acquirer", c); err != nil {
+		return nil, err
+	}
 	if o.WaitTimeout == 0 {
 		o.WaitTimeout = 100 * time.Millisecond
 	}
@@ -113,7 +133,7 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 				Reason: fmt.Sprintf("%v is not below the client's ReadTimeout %v", o.WaitTimeout, rt)}
 		}
 	}
-	a := &Acquirer{c: c, o: o, id: newNonce(), heard: "1"}
+	a := &Acquirer{c: c, o: o, id: newNonce(), heard: "1", lineLife: time.Hour}
 	if _, ok := c.(*redis.ClusterClient); ok {
 		a.heard = "0"
 	}
@@ -146,7 +166,11 @@ func checkLease(ctx context.Context, name string, ttl time.Duration) error {
 func ttlMs(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Millisecond) }
 
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
-// ttl must be at least 1ms; name may not contain braces.
+// ttl must be at least 1ms; name may not contain braces. A try whose reply was
+// lost is sent again with the same nonce (up to 3 times), which adopts a
+// grant it made; if every reply is lost, the grant is undone by a script that
+// releases it if it was made, and the error says "not granted"; only when
+// that cannot reach Redis either does the error match fence.ErrUnknown.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
@@ -182,16 +206,29 @@ type lockReply struct {
 // lockOp runs one operation of the lock script. With WaitReplicas, "try" and
 // "wait" are pipelined with WAIT, so that WAIT covers any grant they made.
 func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Duration, stamp string) (lockReply, error) {
-	floor := "0"
-	if a.o.TokenFloor {
-		floor = "1"
+	floor := "1"
+	if a.o.CounterTokens {
+		floor = "0"
 	}
 	keys := lineKeys(a.o.Prefix, name)
-	args := []any{op, me, ttlMs(ttl), floor, a.id, stamp, a.life.Milliseconds(), name, a.grantChannel(), a.heard}
-	res, replicas, err := a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+	args := []any{op, me, ttlMs(ttl), floor, a.id, stamp, a.life.Milliseconds(), name, a.grantChannel(), a.heard, a.lineLife.Milliseconds()}
+	var (
+		res      any
+		replicas int64 = -1
+		err      error
+	)
+	if op == "release" {
+		// A release sent again after it ran finds the lock gone and would
+		// report the lease lost: send it once.
+		res, err = runOnce(ctx, a.c, lockScript, keys, args...)
+	} else {
+		// A "try" or "wait" sent again finds its own grant and adopts it; a
+		// "leave" sent again finds nothing to do: go-redis may resend them.
+		res, replicas, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+	}
 	r := lockReply{replicas: replicas}
 	if err != nil {
-		return r, scriptError(err)
+		return r, scriptError(ambiguous(err))
 	}
 	arr, ok := res.([]any)
 	if !ok || (len(arr) != 2 && len(arr) != 6) {
@@ -230,13 +267,23 @@ func later(x, y time.Time) time.Time {
 	return x
 }
 
-// grant runs a "try" for a new grant (nonce) on name.
+// maxAmbiguous is how many times a grant whose reply was lost is asked for
+// again (with the same nonce) before it is given up.
+const maxAmbiguous = 3
+
+// grant runs a "try" for a new grant (nonce) on name. A try whose reply was
+// lost may have granted: it is sent again with the same nonce, which finds
+// that grant and adopts it, and when that fails too the grant is undone
+// (released, if it was made), so that no orphan lease blocks the name.
 func (a *Acquirer) grant(ctx context.Context, name string, ttl time.Duration) (*lease, error) {
 	nonce := newNonce()
 	sent := time.Now()
 	r, err := a.lockOp(ctx, name, "try", nonce, ttl, "0")
+	for i := 0; i < maxAmbiguous && errors.Is(err, fence.ErrUnknown) && ctx.Err() == nil; i++ {
+		r, err = a.lockOp(ctx, name, "try", nonce, ttl, "0")
+	}
 	if err != nil {
-		return nil, fmt.Errorf("redislua: acquire %q: %w", name, err)
+		return nil, a.giveUp(ctx, name, nonce, err)
 	}
 	a.handOver(r, sent)
 	if r.code != 1 {
@@ -303,8 +350,25 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 // release anywhere grants the lease to the first live waiter in line, in
 // arrival order across processes, and tells it by pub/sub: the waiter holds the
 // lease without another request. Meanwhile it polls, paced by Backoff, which
-// keeps its place alive and finds a lock freed by expiry. With DisableNotify
-// it does not queue and only polls. See fence.Acquirer.
+// keeps its place (and the line) alive and finds a lock freed by expiry. With
+// DisableNotify it does not queue and only polls. See fence.Acquirer.
+//
+// The arrival order holds with these exceptions:
+//   - A waiter whose acquirer does not listen when the lock is freed (its
+//     pub/sub connection is reconnecting) misses that grant, which goes to
+//     the next waiter; it keeps its place at the head of the line for the
+//     next one. (This is what skips a waiter whose process died at once.)
+//   - A waiter that cannot poll for longer than its place lives (five polls,
+//     at least 1s: see Backoff) loses its place and joins again at the end.
+//   - The line itself expires an hour after the last poll of any waiter (so
+//     only when every waiter stopped polling); a waiter whose line expired
+//     joins the new one at the end.
+//
+// A network error while waiting (a lost reply, a failed dial) does not end
+// the wait: the next poll, with the same nonce, adopts a grant a lost request
+// made. When the wait ends without a lease (ctx), the waiter leaves the line
+// in a script that also releases such a grant; if Redis cannot be reached for
+// that either, the grant lasts until its ttl.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease(ctx, name, ttl); err != nil {
 		return nil, err
@@ -348,15 +412,20 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
-	for attempt := 0; ; attempt++ {
+	for {
 		sent := time.Now()
 		inLine = true
 		r, err := a.lockOp(ctx, name, "wait", nonce, ttl, a.grants.stamp(sent))
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
-			}
-			return nil, fmt.Errorf("redislua: acquire %q: %w", name, err)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
+		case errors.Is(err, fence.ErrUnknown) || notSent(err):
+			// A network error: the next "wait" (same nonce) adopts a grant a
+			// lost one made, and giving up leaves the line and releases it.
+			r = lockReply{}
+		case err != nil:
+			inLine = inLine && !errors.Is(err, fence.ErrUnknown) // giveUp leaves
+			return nil, a.giveUp(ctx, name, nonce, err)
 		}
 		a.handOver(r, sent)
 		if r.code == 1 {
@@ -412,17 +481,33 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 	return a.granted(ctx, name, ttl, nonce, m.token, sent, replicas)
 }
 
+// giveUp ends an acquire that failed with err. When the last request's reply
+// was lost (it may have granted), it leaves the line, which releases such a
+// grant: once Redis answered that, the outcome is known and the error no
+// longer matches fence.ErrUnknown; otherwise it does, and a grant made lasts
+// until its ttl.
+func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, err error) error {
+	if errors.Is(err, fence.ErrUnknown) && a.leaveLine(ctx, name, nonce) {
+		return fmt.Errorf("redislua: acquire %q: not granted (a grant whose reply was lost, if any, is released): %v", name, err)
+	}
+	return fmt.Errorf("redislua: acquire %q: %w", name, err)
+}
+
 // leaveLine takes a waiter that gives up out of the line; if a grant to it
-// raced with that, the same script releases the grant (to the next waiter).
-// A waiter that cannot reach Redis here is dropped from the line once its
-// entry expires (AcquirerOptions.Backoff: five polls, at least 1s).
-func (a *Acquirer) leaveLine(ctx context.Context, name, nonce string) {
+// raced with that (or was made by a request whose reply was lost), the same
+// script releases the grant (to the next waiter). It reports whether Redis
+// answered. A waiter that cannot reach Redis here is dropped from the line
+// once its entry expires (AcquirerOptions.Backoff: five polls, at least 1s);
+// a grant to it lasts until its ttl.
+func (a *Acquirer) leaveLine(ctx context.Context, name, nonce string) bool {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
 	sent := time.Now()
-	if r, err := a.lockOp(ctx, name, "leave", nonce, 0, "0"); err == nil {
+	r, err := a.lockOp(ctx, name, "leave", nonce, 0, "0")
+	if err == nil {
 		a.handOver(r, sent)
 	}
+	return err == nil
 }
 
 // lOrNil keeps a nil *lease from becoming a non-nil fence.Lease.
@@ -496,21 +581,35 @@ type lease struct {
 	value string // nonce:token, unique to this grant even if a counter is lost
 }
 
-// Renew extends the lease by its ttl on Redis's clock if this grant still holds it.
+// Renew extends the lease by its ttl on Redis's clock if this grant still
+// holds it. It returns fence.ErrLost, and extends nothing, when the grant is
+// gone or the lease's context has already ended (released, or past its local
+// deadline: a renewal that Redis applies after that is given back at once, so
+// the lock is not held for a ttl by a holder that stopped). A renewal whose
+// reply was lost returns an error matching fence.ErrUnknown, and the local
+// deadline does not move.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
 	}
+	if l.Context().Err() != nil {
+		return l.lost()
+	}
 	sent := time.Now()
+	// Sent again by go-redis after a network error, a renewal only extends
+	// this grant again.
 	n, err := renewScript.Run(ctx, l.a.c, []string{l.lock}, l.value, ttlMs(l.TTL())).Int64()
 	if err != nil {
-		return fmt.Errorf("redislua: renew %q: %w", l.Name(), err)
+		return fmt.Errorf("redislua: renew %q: %w", l.Name(), ambiguous(err))
 	}
 	if n == 0 {
 		l.End(fence.ErrLost)
 		return l.lost()
 	}
 	if !l.Extend(sent) {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		_ = l.release(rctx)
 		return l.lost()
 	}
 	return nil
@@ -518,7 +617,12 @@ func (l *lease) Renew(ctx context.Context) error {
 
 // Release gives the lease up if this grant still holds it: one script deletes
 // the lock, or grants it at once to the first live waiter in line (in any
-// process) and tells that waiter.
+// process) and tells that waiter. It returns fence.ErrLost when the grant had
+// already expired. The script is sent once; when its reply is lost it is sent
+// again, and when that finds the lock free the error matches
+// fence.ErrUnknown (released by the first, or expired before it); when no
+// reply comes at all the error matches fence.ErrUnknown and the lock, if
+// still held, expires after its ttl.
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
@@ -530,6 +634,12 @@ func (l *lease) release(ctx context.Context) error {
 	defer l.End(context.Canceled)
 	sent := time.Now()
 	r, err := l.a.lockOp(ctx, l.Name(), "release", l.value, 0, "0")
+	if errors.Is(err, fence.ErrUnknown) && ctx.Err() == nil {
+		// The lost send may have released: send it again to find out.
+		if r, err = l.a.lockOp(ctx, l.Name(), "release", l.value, 0, "0"); err == nil && r.code == 0 {
+			return fmt.Errorf("redislua: release %q: the lock is free, released by a request whose reply was lost or expired before it: %w", l.Name(), fence.ErrUnknown)
+		}
+	}
 	if err != nil {
 		return fmt.Errorf("redislua: release %q: %w", l.Name(), err)
 	}

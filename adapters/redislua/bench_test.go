@@ -2,6 +2,7 @@ package redislua_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -30,15 +31,23 @@ func BenchmarkWrite(b *testing.B) {
 	ctx := context.Background()
 	key := fencetest.Name("bench")
 	value := []byte("a value of a typical small size, 64 bytes long.................")
+	plain := bytes.Clone(value)
 	tok := fence.Token(0)
 	benchutil.Pair(b, func(i int) error {
 		tok++
 		value[0] = byte(i)
 		return w.Write(ctx, key, value, tok)
 	}, func(i int) error {
-		value[0] = byte(i)
-		return c.Set(ctx, key+"-plain", value, 0).Err()
+		plain[0] = byte(i)
+		return c.Set(ctx, key+"-plain", plain, 0).Err()
 	})
+	// Both did their work: the last write of each is what the keys hold.
+	if v, got, err := w.Read(ctx, key); err != nil || got != tok || !bytes.Equal(v, value) {
+		b.Fatalf("after %d fenced writes the key holds %q at token %d (%v), want the last write at %d", tok, v, got, err, tok)
+	}
+	if v, err := c.Get(ctx, key+"-plain").Bytes(); err != nil || !bytes.Equal(v, plain) {
+		b.Fatalf("after the plain SETs the key holds %q (%v), want the last SET", v, err)
+	}
 }
 
 // BenchmarkAcquireRelease measures an uncontended TryAcquire + Release (subject)

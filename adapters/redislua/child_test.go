@@ -29,7 +29,7 @@ func TestMain(m *testing.M) {
 }
 
 // runChild is a waiter in its own process, on the lock FENCEKIT_CHILD_NAME:
-//   - "queue": Acquire it (ttl 30s), print "granted <token>", hold it for
+//   - "queue": print "acquirer <id>", Acquire it (ttl 30s), print "granted <token>", hold it for
 //     FENCEKIT_QUEUE_HOLD, release it, print "released";
 //   - "handoff": for each line on stdin, Acquire it, print "granted <unix ns>",
 //     release it.
@@ -44,6 +44,7 @@ func runChild(kind, name string) error {
 	defer cancel()
 	switch kind {
 	case "queue":
+		fmt.Printf("acquirer %s\n", redislua.AcquirerID(a))
 		hold, _ := time.ParseDuration(os.Getenv("FENCEKIT_QUEUE_HOLD"))
 		l, err := a.Acquire(ctx, name, 30*time.Second)
 		if err != nil {

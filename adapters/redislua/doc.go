@@ -17,25 +17,29 @@
 //
 // # Token durability
 //
-// The token counter is an ordinary Redis key. Redis replicates asynchronously: if
-// a primary acknowledges a grant and fails before a replica has it, the promoted
-// replica's counter is behind and the next grant can reuse a token that was
-// already handed out. A stale holder and a new one would then carry the same
-// token, and fencing cannot tell them apart. Two options close that gap:
+// The token counter is an ordinary Redis key, and it can be lost: a DEL or
+// FLUSHALL, eviction under maxmemory, a restart without persistence, or an
+// asynchronous failover (a primary acknowledges a grant and fails before a
+// replica has it). A counter that restarted would hand out a token below one
+// already handed out, and a paused holder's write would beat the new holder's.
+// So by default every token is at least the server's clock in microseconds
+// (Redis TIME), and one more than the counter: after the counter is lost, the
+// next token is still larger than every earlier one, provided the clock of
+// the Redis that grants it (the same server, or the promoted replica) is not
+// behind the clock that granted the last token by more than the time that
+// passed between the two grants. Tokens are large numbers (about 1.8e15
+// today, within the 2^53 limit until the year 2255).
 //
+//   - CounterTokens turns the floor off (tokens 1, 2, 3, ...): tokens are then
+//     as durable as the counter key, fine only for a Redis that never loses
+//     it (AOF with fsync always, no eviction, no failover, nobody deletes
+//     keys under the prefix).
 //   - WaitReplicas: after each grant the acquirer runs WAIT for that many
 //     replicas. A grant that did not reach them in time is released and
 //     reported as ErrNotReplicated; no token that could be lost is handed out.
 //     (A replica that acknowledged can still lose the write if it crashes too.)
-//   - TokenFloor: each token is at least the server's clock in microseconds
-//     (Redis TIME). After a failover that lost the counter, the next token is
-//     still larger than every earlier one, provided the new primary's clock is
-//     not behind the old primary's by more than the time that passed between
-//     the lost grant and the next one. Tokens are then large numbers (about
-//     1.8e15 today, within the 2^53 limit until the year 2255).
 //
-// Without either, tokens are as durable as the counter key: fine for a single
-// Redis with persistence (AOF with fsync always), not across failovers. For
-// tokens that survive node loss without clock assumptions, use a consensus
-// store (package etcdfence).
+// Redlock keeps a counter on each node and does not use the clock: it relies
+// on nodes not losing their data (see Redlock). For tokens that survive node
+// loss without clock assumptions, use a consensus store (package etcdfence).
 package redislua

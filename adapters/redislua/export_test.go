@@ -1,4 +1,10 @@
 package redislua
 
+import "time"
+
 // AcquirerID exposes an acquirer's id, which its line entries carry, to tests.
 func AcquirerID(a *Acquirer) string { return a.id }
+
+// SetLineLife sets how long a's lines outlive the last poll of any waiter
+// (an hour by default), so a test can see a line expire.
+func SetLineLife(a *Acquirer, d time.Duration) { a.lineLife = d }

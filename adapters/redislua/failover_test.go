@@ -45,9 +45,11 @@ func waitReplicated(t *testing.T, pc *redis.Client) {
 // TestFailoverLosesCounter acknowledges a grant on a primary whose replica is
 // paused, kills the primary, promotes the replica and grants again, with each
 // durability option. It shows what the package documentation says: without an
-// option the token is reused; WaitReplicas refuses the grant that could be lost;
-// TokenFloor keeps tokens growing.
+// option (CounterTokens) the token is reused; WaitReplicas refuses the grant
+// that could be lost; the default clock floor keeps tokens growing.
 func TestFailoverLosesCounter(t *testing.T) {
+	// "none" is CounterTokens (the clock floor off), "wait-replicas" adds
+	// WaitReplicas to it, "token-floor" is the default.
 	for _, mode := range []string{"none", "wait-replicas", "token-floor"} {
 		t.Run(mode, func(t *testing.T) {
 			ctx := context.Background()
@@ -57,9 +59,8 @@ func TestFailoverLosesCounter(t *testing.T) {
 				// Generous: on a loaded machine (CI runs packages side by
 				// side on 2 cores) a replica's acknowledgement took over 500ms.
 				opts.WaitReplicas, opts.WaitTimeout = 1, 2*time.Second
-			case "token-floor":
-				opts.TokenFloor = true
 			}
+			opts.CounterTokens = mode != "token-floor"
 			primary, replica := replicated(t)
 			pc := redis.NewClient(&redis.Options{Addr: primary.Addr, MaxRetries: -1, DialTimeout: time.Second, ReadTimeout: 4 * time.Second})
 			t.Cleanup(func() { pc.Close() })
@@ -139,7 +140,7 @@ func TestRestartWhileHeld(t *testing.T) {
 		t.Run(fmt.Sprintf("floor=%v", floor), func(t *testing.T) {
 			s := testenv.StartRedis(t)
 			c := s.Client(t)
-			a, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{TokenFloor: floor})
+			a, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{CounterTokens: !floor})
 			ctx := context.Background()
 			var (
 				token fence.Token

@@ -13,13 +13,34 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
 )
 
-// waitUntilWaiting gives a started Acquire time to find the lease held and wait.
-func waitUntilWaiting() { time.Sleep(50 * time.Millisecond) }
+// counterOf reads name's token counter: a grant sets it to the token it
+// handed out.
+func counterOf(t *testing.T, c *redis.Client, name string) uint64 {
+	t.Helper()
+	n, err := c.Get(context.Background(), redislua.DefaultPrefix+"{"+name+"}:token").Uint64()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// lockHeld reports whether name's lock key exists.
+func lockHeld(t *testing.T, c *redis.Client, name string) bool {
+	t.Helper()
+	n, err := c.Exists(context.Background(), redislua.DefaultPrefix+"{"+name+"}:lock").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n == 1
+}
 
 // TestHandoffToLocalWaiter: a Release hands the lease to the Acquire waiting in
-// the same process, with a larger token, and the old lease is over.
+// the same process, with a larger token, and the old lease is over. The
+// release script itself makes the grant: right after Release the lock is held
+// and the counter is at the waiter's token, before the waiter asked again.
 func TestHandoffToLocalWaiter(t *testing.T) {
 	c := testenv.RedisClient(t)
 	a, _ := redislua.NewAcquirer(c, nil)
@@ -37,16 +58,20 @@ func TestHandoffToLocalWaiter(t *testing.T) {
 		}
 		got <- l
 	}()
-	waitUntilWaiting()
+	waitInLine(t, c, name, 1)
 	if err := h.Release(ctx); err != nil {
 		t.Fatalf("Release with a waiter: %v", err)
 	}
+	held, byRelease := lockHeld(t, c, name), counterOf(t, c, name)
 	w := <-got
 	if w == nil {
 		t.FailNow()
 	}
 	if w.Token() <= h.Token() {
 		t.Errorf("handed-over token %d not above %d", w.Token(), h.Token())
+	}
+	if !held || uint64(w.Token()) != byRelease {
+		t.Errorf("right after Release: lock held %v, counter %d; the waiter got %d: not handed over by the release", held, byRelease, w.Token())
 	}
 	if h.Context().Err() == nil {
 		t.Error("the releasing holder's context is not done")
@@ -106,12 +131,16 @@ func TestHandoffExpiredHolder(t *testing.T) {
 
 // TestHandoffToGivenUpWaiter: a waiter whose context ends while the lease is
 // being handed to it releases what it was handed; the lock does not stay held.
+// The race must happen: a round where the release granted the waiter (the
+// counter moved past the holder's token) and the waiter still gave up.
 func TestHandoffToGivenUpWaiter(t *testing.T) {
 	c := testenv.RedisClient(t)
 	a, _ := redislua.NewAcquirer(c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("givenup")
-	for i := 0; i < 20; i++ {
+	raced := 0
+	const rounds = 40
+	for i := 0; i < rounds; i++ {
 		h, err := a.TryAcquire(ctx, name, time.Minute)
 		if err != nil {
 			t.Fatalf("round %d: %v", i, err)
@@ -125,30 +154,38 @@ func TestHandoffToGivenUpWaiter(t *testing.T) {
 			}
 			done <- err
 		}()
-		waitUntilWaiting()
+		waitInLine(t, c, name, 1)
 		// Cancel and release at about the same moment, in varying order.
 		if i%2 == 0 {
 			cancel()
 		}
 		relErr := h.Release(ctx)
 		cancel()
-		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
-			t.Fatalf("round %d: waiter: %v", i, err)
+		werr := <-done
+		if werr != nil && !errors.Is(werr, context.Canceled) {
+			t.Fatalf("round %d: waiter: %v", i, werr)
 		}
 		if relErr != nil {
 			t.Fatalf("round %d: Release: %v", i, relErr)
 		}
+		if werr != nil && counterOf(t, c, name) > uint64(h.Token()) {
+			raced++ // handed to the waiter, which gave up anyway
+		}
 		// Whatever happened, the lock is free now.
-		if n, _ := c.Exists(ctx, "fence:{"+name+"}:lock").Result(); n != 0 {
+		if lockHeld(t, c, name) {
 			t.Fatalf("round %d: the lock is still held after the waiter gave up", i)
 		}
+	}
+	t.Logf("the release granted a waiter that gave up in %d of %d rounds", raced, rounds)
+	if raced == 0 {
+		t.Fatalf("in %d rounds the release never granted a waiter that was giving up: the race was not tested", rounds)
 	}
 }
 
 // TestHandoffFairAcrossAcquirers: waiters of one acquirer keep the lease
 // busy, yet a waiter of another acquirer (another process) that joins the line
-// gets it after at most one grant to each waiter ahead of it: the line is FIFO
-// across processes.
+// gets it after exactly one grant to each waiter ahead of it, though those
+// waiters queue again at once: the line is FIFO across processes.
 func TestHandoffFairAcrossAcquirers(t *testing.T) {
 	c := testenv.RedisClient(t)
 	local, _ := redislua.NewAcquirer(c, nil)
@@ -161,6 +198,12 @@ func TestHandoffFairAcrossAcquirers(t *testing.T) {
 		wg    sync.WaitGroup
 		total atomic.Int64
 	)
+	// A blocker holds the lock until every local waiter and the remote one
+	// are in line, so the remote waiter always queues.
+	blocker, err := local.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for w := 0; w < workers; w++ {
 		wg.Add(1)
 		go func() {
@@ -176,7 +219,7 @@ func TestHandoffFairAcrossAcquirers(t *testing.T) {
 			}
 		}()
 	}
-	time.Sleep(50 * time.Millisecond)
+	waitInLine(t, c, name, workers)
 	got := make(chan error, 1)
 	var grantsAtGrant int64
 	go func() {
@@ -189,36 +232,36 @@ func TestHandoffFairAcrossAcquirers(t *testing.T) {
 		}
 		got <- err
 	}()
-	// The moment the remote waiter's entry is in line.
+	// The remote waiter's entry is in line behind the local ones.
+	waitInLine(t, c, name, workers+1)
 	entries := redislua.DefaultPrefix + "{" + name + "}:w:*"
 	id := redislua.AcquirerID(remote) + " "
-	var grantsAtJoin int64 = -1
-	for grantsAtJoin < 0 {
-		keys, _ := c.Keys(ctx, entries).Result()
-		for _, k := range keys {
-			if v, _ := c.Get(ctx, k).Result(); strings.HasPrefix(v, id) {
-				grantsAtJoin = total.Load()
-			}
+	keys, err := c.Keys(ctx, entries).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	queued := false
+	for _, k := range keys {
+		v, err := c.Get(ctx, k).Result()
+		if err != nil && !errors.Is(err, redis.Nil) {
+			t.Fatal(err)
 		}
-		select {
-		case err := <-got:
-			if err != nil {
-				t.Fatalf("the other acquirer's waiter: %v", err)
-			}
-			t.Log("the other acquirer's waiter found the lock free: it never queued")
-			cancel()
-			wg.Wait()
-			return
-		default:
-		}
+		queued = queued || strings.HasPrefix(v, id)
+	}
+	if !queued {
+		t.Fatal("the other acquirer's waiter is not in line")
+	}
+	grantsAtJoin := total.Load() // 0: the blocker still holds the lock
+	if err := blocker.Release(ctx); err != nil {
+		t.Fatal(err)
 	}
 	if err := <-got; err != nil {
 		t.Fatalf("the other acquirer's waiter never got in: %v", err)
 	}
 	n := grantsAtGrant - grantsAtJoin
 	t.Logf("the other acquirer's waiter got the lease after %d local grants", n)
-	if n > workers {
-		t.Errorf("%d local grants after the remote waiter joined the line, want at most %d (one per waiter ahead)", n, workers)
+	if n != workers {
+		t.Errorf("%d local grants after the remote waiter joined the line, want %d (one per waiter ahead, in line order)", n, workers)
 	}
 	cancel()
 	wg.Wait()

@@ -51,9 +51,15 @@ var (
 	_ idempotency.Notifier = (*IdempotencyStore)(nil)
 )
 
-// NewIdempotencyStore returns a store on c.
+// NewIdempotencyStore returns a store on c. It returns an error matching
+// fence.ErrInvalid for a nil client, a *redis.Ring (its notifications would
+// be published on another shard than the one it listens on), a prefix with
+// braces or a negative ReleasedRetention.
 func NewIdempotencyStore(c Client, opts *IdempotencyOptions) (*IdempotencyStore, error) {
 	if err := checkClient("new idempotency store", c); err != nil {
+		return nil, err
+	}
+	if err := checkNotRing("new idempotency store", c); err != nil {
 		return nil, err
 	}
 	var o IdempotencyOptions
@@ -105,12 +111,14 @@ func parseRecord(key string, f []any) (idempotency.Record, error) {
 	return r, nil
 }
 
-// Begin claims key, or returns its record. One script, one round trip.
+// Begin claims key, or returns its record. One script, one round trip, sent
+// once: a Begin whose reply was lost returns an error matching
+// fence.ErrUnknown (the key may be claimed for owner: Get tells).
 func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
 	if err := checkTagged(ctx, "idempotency begin", "key", key); err != nil {
 		return idempotency.Record{}, false, err
 	}
-	res, err := idemBeginScript.Run(ctx, s.c, []string{s.key(key)}, fingerprint, owner, lease.Milliseconds()).Slice()
+	res, err := runOnceSlice(ctx, s.c, idemBeginScript, []string{s.key(key)}, fingerprint, owner, lease.Milliseconds())
 	if err != nil {
 		return idempotency.Record{}, false, fmt.Errorf("redislua: idempotency begin %q: %w", key, err)
 	}
@@ -137,6 +145,9 @@ func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Rec
 }
 
 // Update is the compare-and-set on state and fence. See idempotency.Store.
+// The script is sent once: an Update whose reply was lost returns an error
+// matching fence.ErrUnknown (applied or not: Get tells), never the
+// ErrStateChanged or stale error a resend would find after its own change.
 func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
 	if err := checkTagged(ctx, "idempotency update", "key", key); err != nil {
 		return idempotency.Record{}, err
@@ -150,10 +161,10 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 		}
 		return "0"
 	}
-	res, err := idemUpdateScript.Run(ctx, s.c, []string{s.key(key)},
+	res, err := runOnceSlice(ctx, s.c, idemUpdateScript, []string{s.key(key)},
 		string(from), strconv.FormatUint(uint64(fromFence), 10), string(ch.State), strconv.FormatUint(uint64(ch.Fence), 10),
 		ch.Owner, ch.Lease.Milliseconds(), flag(ch.Restart), ch.Retention.Milliseconds(), ch.Result,
-		flag(ch.ResultDropped), flag(ch.Result != nil), s.channel, key, s.o.ReleasedRetention.Milliseconds()).Slice()
+		flag(ch.ResultDropped), flag(ch.Result != nil), s.channel, key, s.o.ReleasedRetention.Milliseconds())
 	if err != nil {
 		return idempotency.Record{}, fmt.Errorf("redislua: idempotency update %q: %w", key, err)
 	}

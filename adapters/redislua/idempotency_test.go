@@ -51,6 +51,13 @@ func (c *countingClient) EvalSha(ctx context.Context, sha1 string, keys []string
 	return c.Client.EvalSha(ctx, sha1, keys, args...)
 }
 
+// Pipelined counts a pipeline (one round trip): scripts that must not be
+// sent twice go as a one-command pipeline.
+func (c *countingClient) Pipelined(ctx context.Context, fn func(redis.Pipeliner) error) ([]redis.Cmder, error) {
+	c.n.Add(1)
+	return c.Client.Pipelined(ctx, fn)
+}
+
 func (c *countingClient) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
 	c.n.Add(1)
 	return c.Client.Eval(ctx, script, keys, args...)

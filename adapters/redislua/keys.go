@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/redis/go-redis/v9"
 )
 
 // DefaultPrefix starts every key this package writes, unless options say otherwise.
@@ -49,6 +50,16 @@ func checkTagged(ctx context.Context, op, arg, s string) error {
 func lockKeys(prefix, name string) (lock, counter string) {
 	base := prefix + "{" + name + "}"
 	return base + ":lock", base + ":token"
+}
+
+// checkNotRing refuses a redis.Ring: it routes a pub/sub channel and a key
+// by different hashes, so a grant or a notification published by a script on
+// the key's shard never reaches a subscriber on the channel's shard.
+func checkNotRing(op string, c any) error {
+	if _, ok := c.(*redis.Ring); ok {
+		return &fence.InvalidError{Op: op, Arg: "client", Reason: "a *redis.Ring sends pub/sub and keys to different shards; use a Client, a ClusterClient or a failover client"}
+	}
+	return nil
 }
 
 // checkClient refuses a nil client, also a nil pointer in the interface.

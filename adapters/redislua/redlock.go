@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
@@ -18,9 +19,12 @@ var (
 	redlockLockLua string
 	//go:embed scripts/redlock_raise.lua
 	redlockRaiseLua string
+	//go:embed scripts/redlock_release.lua
+	redlockReleaseLua string
 
-	redlockLockScript  = redis.NewScript(redlockLockLua)
-	redlockRaiseScript = redis.NewScript(redlockRaiseLua)
+	redlockLockScript    = redis.NewScript(redlockLockLua)
+	redlockRaiseScript   = redis.NewScript(redlockRaiseLua)
+	redlockReleaseScript = redis.NewScript(redlockReleaseLua)
 )
 
 // ErrNoQuorum is returned by Redlock when too few nodes answered to decide: a
@@ -62,6 +66,14 @@ type RedlockOptions struct {
 //     exclusion; the tokens still grow, so fenced writes stay safe.
 //   - Mutual exclusion also assumes holders do not pause past their validity,
 //     which no lease can promise: fence every write with the token.
+//
+// A grant's calls to the nodes that had not answered when it returned go on
+// in the background, and one may land after the lease's release (or after a
+// failed or abandoned grant was undone). Release therefore marks the grant
+// released on every node it reaches, for a ttl, and the lock script refuses a
+// released grant: whatever order the calls land in, no node stays locked by
+// a released grant, unless its lock call lands more than a ttl after the
+// release reached that node (a node paused that long).
 //
 // Under heavy contention the contenders split the nodes' votes and all retry
 // (with jittered backoff), so handoffs are slow; a hot lock is better served by
@@ -187,7 +199,7 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	}
 	lock, counter := lockKeys(r.o.Prefix, name)
 	nonce := newNonce()
-	keys := []string{lock, counter}
+	keys := []string{lock, counter, releasedKey(lock, nonce)}
 	timeout := r.nodeTimeout(ttl)
 	drift := r.o.Drift
 	if drift <= 0 {
@@ -227,7 +239,7 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	unlockAll := func() {
 		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 		defer cancel()
-		r.releaseOn(uctx, timeout, lock, nonce, name) // on every node: one that timed out may hold it anyway
+		r.releaseOn(uctx, timeout, lock, nonce, ttl) // on every node: one that timed out may hold it anyway
 	}
 	if len(granted) < r.quorum {
 		unlockAll()
@@ -254,7 +266,7 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	tokStr := strconv.FormatUint(tok, 10)
 	raised := 0
 	rres, rerrs := r.onNodes(ctx, timeout, granted, func(ctx context.Context, c Client) (any, error) {
-		return redlockRaiseScript.Run(ctx, c, keys, nonce, tokStr).Int64()
+		return redlockRaiseScript.Run(ctx, c, keys[:2], nonce, tokStr).Int64()
 	}, nil)
 	live := granted[:0:0]
 	for _, i := range granted {
@@ -283,11 +295,23 @@ func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (
 	})
 }
 
-// releaseOn deletes this holder's lock on every node and returns how many still
-// had it.
-func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, value, name string) (int, []error) {
+// releasedKey is the key that marks the grant nonce of lock released on a
+// node; it shares the lock's hash tag.
+func releasedKey(lock, nonce string) string {
+	return strings.TrimSuffix(lock, ":lock") + ":gone:" + nonce
+}
+
+// releaseOn deletes this grant's lock on every node and returns how many still
+// had it. It also marks the grant released on every node it reaches, for the
+// ttl, so that a lock call of this grant still on its way (sent before the
+// release, or resent by the client) is refused where it lands: a release, a
+// failed grant and an abandoned one leave no node locked whatever order the
+// calls land in, unless a lock call arrives more than a ttl after the release
+// reached its node.
+func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, nonce string, ttl time.Duration) (int, []error) {
+	keys := []string{lock, releasedKey(lock, nonce)}
 	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, c Client) (any, error) {
-		return releaseScript.Run(ctx, c, []string{lock}, value, r.o.Prefix+"released", name).Int64()
+		return redlockReleaseScript.Run(ctx, c, keys, nonce, ttlMs(ttl)).Int64()
 	}, nil)
 	n := 0
 	for i := range res {
@@ -308,10 +332,17 @@ type redlockLease struct {
 
 // Renew extends the lock on every node that still has it; it succeeds when a
 // majority does, and the local deadline moves by ttl less drift from before the
-// request. Fewer than a majority still holding it is fence.ErrLost.
+// request. Fewer than a majority still holding it is fence.ErrLost. A lease
+// whose context has ended (released, or past its local deadline) is not
+// renewed (fence.ErrLost), and a renewal the nodes applied after the local
+// deadline passed is released at once, so no node holds the lock for another
+// ttl for a holder that stopped.
 func (l *redlockLease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
+	}
+	if l.Context().Err() != nil {
+		return l.lost()
 	}
 	sent := time.Now()
 	res, errs := l.r.onNodes(ctx, l.timeout, nil, func(ctx context.Context, c Client) (any, error) {
@@ -329,6 +360,9 @@ func (l *redlockLease) Renew(ctx context.Context) error {
 	}
 	if ok >= l.r.quorum {
 		if !l.Extend(sent) {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.timeout)
+			defer cancel()
+			l.r.releaseOn(rctx, l.timeout, l.lock, l.nonce, l.TTL())
 			return l.lost()
 		}
 		return nil
@@ -346,7 +380,7 @@ func (l *redlockLease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
 	}
-	n, errs := l.r.releaseOn(ctx, l.timeout, l.lock, l.nonce, l.Name())
+	n, errs := l.r.releaseOn(ctx, l.timeout, l.lock, l.nonce, l.TTL())
 	l.End(context.Canceled)
 	if n >= l.r.quorum {
 		return nil

@@ -3,12 +3,14 @@ package redislua_test
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/redis/go-redis/v9"
 )
@@ -32,7 +34,11 @@ func fiveNodes(t *testing.T) ([]*testenv.RedisServer, []redislua.Client) {
 
 func TestRedlockConformance(t *testing.T) {
 	servers, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, nil)
+	// A node gets 500ms to answer (the default, a quarter of the ttl and at
+	// most 200ms, is too short under -race on a loaded 2-CPU machine), so
+	// the shortest lease is 2s.
+	opts := &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond}
+	r, err := redislua.NewRedlock(clients, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,13 +50,13 @@ func TestRedlockConformance(t *testing.T) {
 			for i, s := range servers {
 				own[i] = s.Client(t)
 			}
-			r, err := redislua.NewRedlock(own, nil)
+			r, err := redislua.NewRedlock(own, opts)
 			if err != nil {
 				t.Fatal(err)
 			}
 			return r
 		},
-		ShortTTL: 300 * time.Millisecond,
+		ShortTTL: 2 * time.Second,
 		// Contenders split the votes and retry: keep the contention test to a
 		// size that finishes in seconds under -race on two cores.
 		Workers: 8, Increments: 10,
@@ -63,7 +69,9 @@ func TestRedlockConformance(t *testing.T) {
 // that keep growing; with 3 killed it refuses with ErrNoQuorum.
 func TestRedlockNodeLoss(t *testing.T) {
 	servers, clients := fiveNodes(t)
-	r, _ := redislua.NewRedlock(clients, nil)
+	// 500ms per node: the default 200ms is too short under -race on a loaded
+	// 2-CPU machine ("0 of 5 nodes granted" once in 20 runs).
+	r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 	ctx := context.Background()
 	var last fence.Token
 	grant := func(stage string) error {
@@ -127,8 +135,8 @@ func TestRedlockTokensAcrossMajorities(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 100 * time.Millisecond})
-		l, err := r.TryAcquire(ctx, "rotating", 400*time.Millisecond)
+		r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
+		l, err := r.TryAcquire(ctx, "rotating", 4*time.Second)
 		if err != nil {
 			t.Fatalf("round %d (nodes %v paused): %v", round, down, err)
 		}
@@ -144,8 +152,171 @@ func TestRedlockTokensAcrossMajorities(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		// A paused node still runs the lock request it never answered for when
-		// it resumes, possibly after the release: that lock lasts until its ttl.
-		time.Sleep(500 * time.Millisecond)
+		// A paused node runs the lock and release requests it held when it
+		// resumes, in either order (the release's mark refuses a lock that
+		// lands after it): wait until it has, so the next round finds it free.
+		for _, i := range down {
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				n, err := clients[i].Do(ctx, "EXISTS", "fence:{rotating}:lock").Int()
+				if err == nil && n == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("round %d: node %d still locked after it resumed: %d, %v", round, i, n, err)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
 	}
+}
+
+// heldNode is a Redlock node whose next script call, once armed, goes through
+// a proxy (which the test partitions, so the call lands when the test heals
+// it), while every other call goes straight to the server.
+type heldNode struct {
+	redislua.Client
+	slow   redislua.Client
+	armed  atomic.Bool
+	landed chan *redis.Cmd // the held call, once its reply came back
+}
+
+func newHeldNode(t *testing.T, s *testenv.RedisServer) (*heldNode, *faultnet.Proxy) {
+	p := faultnet.Start(t, s.Addr)
+	slow := redis.NewClient(&redis.Options{Addr: p.Addr(), MaxRetries: -1, ReadTimeout: time.Minute})
+	t.Cleanup(func() { slow.Close() })
+	return &heldNode{Client: s.Client(t), slow: slow, landed: make(chan *redis.Cmd, 1)}, p
+}
+
+func (h *heldNode) EvalSha(ctx context.Context, sha string, keys []string, args ...any) *redis.Cmd {
+	if h.armed.CompareAndSwap(true, false) {
+		cmd := h.slow.EvalSha(context.WithoutCancel(ctx), sha, keys, args...)
+		h.landed <- cmd
+		return cmd
+	}
+	return h.Client.EvalSha(ctx, sha, keys, args...)
+}
+
+// TestRedlockLateLockAfterRelease forces the order that left a node locked
+// by nobody for a whole ttl: a grant's lock call to one node is held on the
+// way until the grant has returned (released, failed or abandoned) and its
+// release has run on that node; then the lock call lands. With two of the
+// five nodes killed, one such stray lock on a survivor made every grant fail
+// with ErrHeld for the ttl. The next TryAcquire must succeed.
+func TestRedlockLateLockAfterRelease(t *testing.T) {
+	const ttl = 20 * time.Second // a stray lock outlives the test
+	for _, tc := range []string{"released", "failed", "abandoned"} {
+		t.Run(tc, func(t *testing.T) {
+			servers, clients := fiveNodes(t)
+			held, proxy := newHeldNode(t, servers[4])
+			clients[4] = held
+			r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := context.Background()
+			name := fencetest.Name("late")
+			// One grant loads the scripts on every node, so the held call is
+			// the lock script itself, not a NOSCRIPT round.
+			l, err := r.TryAcquire(ctx, name, ttl)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if tc != "released" {
+				servers[0].Kill()
+				servers[1].Kill()
+			}
+			proxy.Partition()
+			held.armed.Store(true)
+			switch tc {
+			case "released":
+				l, err := r.TryAcquire(ctx, name, ttl)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := l.Release(ctx); err != nil {
+					t.Fatal(err)
+				}
+			case "failed":
+				// Nodes 2 and 3 grant, node 4 does not answer in time.
+				if _, err := r.TryAcquire(ctx, name, ttl); !errors.Is(err, redislua.ErrNoQuorum) {
+					t.Fatalf("grant with node 4 held: %v, want ErrNoQuorum", err)
+				}
+			case "abandoned":
+				actx, cancel := context.WithCancel(ctx)
+				c2, c3 := servers[2].Client(t), servers[3].Client(t)
+				go func() {
+					// Give up as soon as nodes 2 and 3 have granted.
+					for {
+						n2, err2 := c2.Exists(ctx, "fence:{"+name+"}:lock").Result()
+						n3, err3 := c3.Exists(ctx, "fence:{"+name+"}:lock").Result()
+						if (err2 == nil && err3 == nil && n2+n3 == 2) || actx.Err() != nil {
+							cancel()
+							return
+						}
+						time.Sleep(time.Millisecond)
+					}
+				}()
+				_, err := r.TryAcquire(actx, name, ttl)
+				cancel()
+				if err == nil {
+					t.Fatal("abandoned grant succeeded")
+				}
+			}
+			if held.armed.Load() {
+				t.Fatal("the grant never called node 4")
+			}
+			proxy.Heal()
+			var landed *redis.Cmd
+			select {
+			case landed = <-held.landed:
+			case <-time.After(30 * time.Second):
+				t.Fatal("the held lock call never came back")
+			}
+			if landed.Err() != nil {
+				t.Fatalf("held lock call: %v", landed.Err())
+			}
+			if tc == "released" {
+				servers[0].Kill()
+				servers[1].Kill()
+			}
+			l, err = r.TryAcquire(ctx, name, ttl)
+			if err != nil {
+				t.Fatalf("after the %s grant's lock call landed late on node 4 (reply %v), with 2 of 5 nodes killed: %v", tc, landed.Val(), err)
+			}
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// TestRedlockRenewAfterLocalDeadline (HAZARDS 6): a Renew on a lease whose
+// local deadline has passed returns ErrLost and leaves no node locked for
+// another ttl: the next grant succeeds once the first grant expires.
+func TestRedlockRenewAfterLocalDeadline(t *testing.T) {
+	_, clients := fiveNodes(t)
+	r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond, Drift: 200 * time.Millisecond})
+	ctx := context.Background()
+	name := fencetest.Name("rlrenew")
+	const ttl = 4 * time.Second
+	l, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-l.Context().Done() // the local deadline, up to the drift before the nodes' expiry
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("Renew after the local deadline: %v, want ErrLost", err)
+	}
+	// A renewal would have held the nodes for another 4s.
+	actx, cancel := context.WithTimeout(ctx, ttl/2)
+	defer cancel()
+	next, err := r.Acquire(actx, name, ttl)
+	if err != nil {
+		t.Fatalf("a grant after a Renew past the local deadline: %v", err)
+	}
+	next.Release(ctx)
 }

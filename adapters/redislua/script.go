@@ -35,12 +35,22 @@ func NewFencedScript(body string) *FencedScript {
 // Run raises the fence at fenceKey to token and runs the body with keys and args,
 // if token is not lower than the token the fence holds. A lower token returns a
 // *fence.StaleError (matching fence.ErrStale) and the body does not run.
+//
+// The body runs at most once per call: the script is sent once, never again
+// by go-redis after a network error (equal tokens pass the fence, so a resent
+// INCR would count twice). A call whose reply was lost returns an error
+// matching fence.ErrUnknown: the body may have run. c must be a go-redis
+// client or pipeline (it needs Process or Pipelined to send the script
+// once); another redis.Scripter gets fence.ErrInvalid.
 func (f *FencedScript) Run(ctx context.Context, c redis.Scripter, fenceKey string, token fence.Token, keys []string, args ...any) (any, error) {
 	if err := fence.CheckContext("fenced script", ctx); err != nil {
 		return nil, err
 	}
 	if err := checkClient("fenced script", c); err != nil {
 		return nil, err
+	}
+	if sender(c) == nil {
+		return nil, &fence.InvalidError{Op: "fenced script", Arg: "client", Reason: errNoProcess.Error()}
 	}
 	if fenceKey == "" {
 		return nil, &fence.InvalidError{Op: "fenced script", Arg: "fence key", Reason: "empty"}
@@ -50,7 +60,7 @@ func (f *FencedScript) Run(ctx context.Context, c redis.Scripter, fenceKey strin
 	}
 	allKeys := append([]string{fenceKey}, keys...)
 	allArgs := append([]any{strconv.FormatUint(uint64(token), 10)}, args...)
-	res, err := f.s.Run(ctx, c, allKeys, allArgs...).Slice()
+	res, err := runOnceSlice(ctx, c, f.s, allKeys, allArgs...)
 	if err != nil {
 		return nil, fmt.Errorf("redislua: fenced script: %w", scriptError(err))
 	}

@@ -66,12 +66,15 @@ func (g *grants) len() int {
 // that load: one forced with SENTINEL FAILOVER, then one where the primary
 // acknowledges a grant its replica never gets and is killed (SIGKILL). Every
 // grant writes its token to a fenced writer on another Redis, the protected
-// resource. With TokenFloor or WaitReplicas no token is handed out twice and
-// the resource never accepts a write from a reused token; without them the
+// resource. With the clock floor (the default) or WaitReplicas no token is
+// handed out twice and the resource never accepts a write from a reused
+// token; with CounterTokens and no WaitReplicas the
 // killed primary's last grant is handed out again, as the package
 // documentation says.
 func TestSentinelFailover(t *testing.T) {
 	redis.SetLogger(quietLogger{})
+	// "none" is CounterTokens (the clock floor off), "wait-replicas" adds
+	// WaitReplicas to it, "token-floor" is the default.
 	for _, mode := range []string{"none", "wait-replicas", "token-floor"} {
 		t.Run(mode, func(t *testing.T) {
 			ctx := context.Background()
@@ -79,9 +82,8 @@ func TestSentinelFailover(t *testing.T) {
 			switch mode {
 			case "wait-replicas":
 				opts.WaitReplicas, opts.WaitTimeout = 1, 800*time.Millisecond // below the client's 1s ReadTimeout
-			case "token-floor":
-				opts.TokenFloor = true
 			}
+			opts.CounterTokens = mode != "token-floor"
 			primary := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0")
 			replica := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0", "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
 			waitPrimaryReplicated(t, primary)
@@ -205,7 +207,7 @@ func TestSentinelFailover(t *testing.T) {
 			switch mode {
 			case "none":
 				if r2 == 0 {
-					t.Error("without TokenFloor or WaitReplicas the killed primary's last token was expected to be handed out again")
+					t.Error("with CounterTokens and no WaitReplicas the killed primary's last token was expected to be handed out again")
 				}
 			default:
 				if r1+r2 > 0 {

@@ -48,13 +48,18 @@ func NewWriter(c Client, opts *WriterOptions) (*Writer, error) {
 // Key returns the Redis key that holds key's value and fence.
 func (w *Writer) Key(key string) string { return w.prefix + "{" + key + "}" }
 
-// Write stores value under key unless key holds a larger token. See fence.FencedWriter.
+// Write stores value under key unless key holds a larger token. See
+// fence.FencedWriter. The script is sent once (go-redis does not send it
+// again after a network error): a write whose reply was lost returns an error
+// matching fence.ErrUnknown, applied or not; read the key, or write again
+// with the same token, to settle it.
 func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
 	return w.run(ctx, "write", key, value, token, "0")
 }
 
 // Delete drops the value under key and keeps the fence at token, unless key holds
-// a larger token. See fence.Deleter.
+// a larger token. See fence.Deleter. Like Write, it is sent once, and a lost
+// reply returns an error matching fence.ErrUnknown.
 func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
 	return w.run(ctx, "delete", key, nil, token, "1")
 }
@@ -69,7 +74,7 @@ func (w *Writer) run(ctx context.Context, op, key string, value []byte, token fe
 	if value == nil {
 		value = []byte{}
 	}
-	res, err := writeScript.Run(ctx, w.c, []string{w.Key(key)}, value, strconv.FormatUint(uint64(token), 10), del).Slice()
+	res, err := runOnceSlice(ctx, w.c, writeScript, []string{w.Key(key)}, value, strconv.FormatUint(uint64(token), 10), del)
 	if err != nil {
 		return fmt.Errorf("redislua: %s %q: %w", op, key, scriptError(err))
 	}

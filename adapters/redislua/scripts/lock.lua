@@ -10,7 +10,8 @@
 -- ARGV[5] the caller's acquirer id, ARGV[6] the caller's stamp (opaque),
 -- ARGV[7] how long a waiter's entry lives without a refresh, in ms,
 -- ARGV[8] the lock name, ARGV[9] the grant channel prefix (+ acquirer id),
--- ARGV[10] "1" when PUBLISH's receiver count shows whether an acquirer listens.
+-- ARGV[10] "1" when PUBLISH's receiver count shows whether an acquirer listens,
+-- ARGV[11] how long the line lives after the last waiter's poll, in ms.
 --
 -- Reply: {code, number, [nonce, token, stamp, acquirer]} where the last four
 -- describe a grant this call made to a waiter (the head of the line).
@@ -21,8 +22,10 @@
 --             (number: that token), and released it.
 -- A grant to a waiter of another acquirer is published on its channel
 -- (nonce token stamp name); one to the caller's own acquirer is only in the
--- reply. A waiter whose entry expired, or (ARGV[10]) whose acquirer no longer
--- listens, is skipped.
+-- reply. A waiter whose entry expired is dropped from the line; one whose
+-- acquirer does not listen (ARGV[10]: its subscription is reconnecting, or
+-- its process died) misses this grant, which goes to the next waiter, but
+-- keeps its place; a dead waiter's entry expires and it is dropped then.
 local lock, counter, line = KEYS[1], KEYS[2], KEYS[3]
 local op, me, acq = ARGV[1], ARGV[2], ARGV[5]
 local entry_base = string.sub(lock, 1, #lock - 5) .. ':w:'
@@ -53,28 +56,39 @@ local function set_lock(nonce, tok, ttl)
   redis.call('SET', lock, nonce .. ':' .. tok, 'PX', ttl)
 end
 
--- grant_head gives the free lock to the first live waiter in line.
+-- grant_head gives the free lock to the first live waiter in line. Waiters
+-- nobody heard go back to the head of the line, in their order.
 local function grant_head()
+  local unheard, g, err = {}, nil, nil
   while true do
     local n = redis.call('LPOP', line)
-    if not n then return nil end
-    local e = redis.call('GETDEL', entry_base .. n)
+    if not n then break end
+    local e = redis.call('GET', entry_base .. n)
     if e then
       local wacq, stamp, ttl, floor = string.match(e, '^(%S+) (%S+) (%S+) (%S+)$')
       if wacq then
-        local tok, err = next_token(floor == '1' or ARGV[4] == '1')
-        if not tok then return nil, err end
+        local tok
+        tok, err = next_token(floor == '1' or ARGV[4] == '1')
+        if not tok then break end
         local heard = 1
         if wacq ~= acq then
           heard = redis.call('PUBLISH', ARGV[9] .. wacq, n .. ' ' .. tok .. ' ' .. stamp .. ' ' .. ARGV[8])
         end
         if heard > 0 or ARGV[10] ~= '1' then
+          redis.call('DEL', entry_base .. n)
           set_lock(n, tok, ttl)
-          return {n, tok, stamp, wacq}
+          g = {n, tok, stamp, wacq}
+          break
         end
+        table.insert(unheard, n)
+      else
+        redis.call('DEL', entry_base .. n)
       end
     end
   end
+  for i = #unheard, 1, -1 do redis.call('LPUSH', line, unheard[i]) end
+  if #unheard > 0 then redis.call('PEXPIRE', line, ARGV[11]) end
+  return g, err
 end
 
 local function reply(code, number, g)
@@ -82,15 +96,17 @@ local function reply(code, number, g)
   return {code, number}
 end
 
--- enqueue puts the caller at the end of the line, or refreshes its entry.
--- The line itself expires an hour after its last newcomer: by then only
--- entries of waiters that died can be in it, and grants skip those.
+-- enqueue puts the caller at the end of the line, or refreshes its entry and
+-- the line's expiry. The line expires ARGV[11] ms after the last poll of any
+-- waiter: by then only entries of waiters that died can be in it, and grants
+-- drop those. A waiter whose line expired anyway (a poll later than that)
+-- joins the new line at its end.
 local function enqueue()
   local e = acq .. ' ' .. ARGV[6] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4]
-  if not redis.call('SET', entry_base .. me, e, 'PX', ARGV[7], 'GET') then
+  if not redis.call('SET', entry_base .. me, e, 'PX', ARGV[7], 'GET') or redis.call('EXISTS', line) == 0 then
     redis.call('RPUSH', line, me)
-    redis.call('PEXPIRE', line, 3600000)
   end
+  redis.call('PEXPIRE', line, ARGV[11])
 end
 
 local function leave_line()

@@ -1,0 +1,75 @@
+package redislua_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
+)
+
+// namePairs are names that a conversion on the way (case folding, trailing
+// space, a 4-byte character turned into '?', Unicode normalisation, a
+// truncation) would make one (HAZARDS 4). Each gets a fresh random prefix.
+func namePairs() [][2]string {
+	long := strings.Repeat("n", 1023)
+	return [][2]string{
+		{"a", "a "}, {"a", "A"}, {"x😀", "x????"}, {"\u00e9", "e\u0301"}, {"ss", "\u00df"},
+		{"a\tb", "a b"}, {long + "a", long + "b"},
+	}
+}
+
+// checkNamesApart holds and renews one name of each pair while the other is
+// granted, renewed and released, and writes keys so named at different
+// tokens: every step must see two locks and two keys.
+func checkNamesApart(t *testing.T, c redis.UniversalClient) {
+	ctx := context.Background()
+	a, _ := redislua.NewAcquirer(c, nil)
+	w, _ := redislua.NewWriter(c, nil)
+	for _, p := range namePairs() {
+		pre := fencetest.Name("names") + ":"
+		n1, n2 := pre+p[0], pre+p[1]
+		l1, err := a.TryAcquire(ctx, n1, time.Minute)
+		if err != nil {
+			t.Fatalf("%q: %v", n1, err)
+		}
+		l2, err := a.TryAcquire(ctx, n2, time.Minute)
+		if err != nil {
+			t.Fatalf("%q while %q is held: %v, want a separate lock", n2, n1, err)
+		}
+		if err := l2.Renew(ctx); err != nil {
+			t.Fatalf("renew %q: %v", n2, err)
+		}
+		if err := l2.Release(ctx); err != nil {
+			t.Fatalf("release %q: %v", n2, err)
+		}
+		if err := l1.Renew(ctx); err != nil {
+			t.Fatalf("renew %q after %q was released: %v", n1, n2, err)
+		}
+		if _, err := a.TryAcquire(ctx, n1, time.Minute); !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("%q after %q was released: %v, want ErrHeld", n1, n2, err)
+		}
+		l1.Release(ctx)
+		if err := w.Write(ctx, n1, []byte("one"), 9); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Write(ctx, n2, []byte("two"), 1); err != nil {
+			t.Fatalf("write %q at token 1 after %q at 9: %v, want a separate key", n2, n1, err)
+		}
+		if v, tok, err := w.Read(ctx, n1); err != nil || string(v) != "one" || tok != 9 {
+			t.Fatalf("read %q: %q %d %v", n1, v, tok, err)
+		}
+	}
+}
+
+func TestNamesApart(t *testing.T) { checkNamesApart(t, testenv.RedisClient(t)) }
+
+func TestClusterNamesApart(t *testing.T) {
+	checkNamesApart(t, testenv.StartRedisCluster(t, 3).Client(t))
+}

@@ -1,0 +1,136 @@
+package redislua
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/redis/go-redis/v9"
+)
+
+// go-redis sends a command again after a network error (MaxRetries, 3 by
+// default), EVALSHA included: a script whose reply was lost after it ran runs
+// a second time. Steps that are not safe to repeat (a fenced write, a fenced
+// script, an idempotency record's change, a release) are sent by runOnce,
+// which go-redis never resends, and a lost reply is reported as
+// fence.ErrUnknown.
+
+// onceCmd is a command that go-redis must not send again after a network
+// error.
+type onceCmd struct{ *redis.Cmd }
+
+// NoRetry tells go-redis not to resend the command.
+func (onceCmd) NoRetry() bool { return true }
+
+// processor is the part of a go-redis client (or pipeline) that sends a
+// command as it is given.
+type processor interface {
+	Process(ctx context.Context, cmd redis.Cmder) error
+}
+
+// errNoProcess is returned for a client that can neither Process a command
+// nor run a pipeline: runOnce cannot send through it.
+var errNoProcess = errors.New("client has no Process or Pipelined method to send a command once")
+
+// runOnce runs s with keys and args, and sends it at most once: a NOSCRIPT
+// reply (the script did not run) loads it and sends it again; a request that
+// was never sent (a failed dial, a pool timeout) is sent again within ctx.
+// A network error after the request may have reached Redis is returned
+// matching fence.ErrUnknown.
+func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []string, args ...any) (any, error) {
+	send := sender(c)
+	if send == nil {
+		return nil, errNoProcess
+	}
+	args = append([]any{"evalsha", s.Hash(), len(keys)}, append(anys(keys), args...)...)
+	loaded := false
+	for unsent := 0; ; {
+		if err := ctx.Err(); err != nil {
+			return nil, err // not sent
+		}
+		cmd := onceCmd{redis.NewCmd(ctx, args...)}
+		err := send(ctx, cmd)
+		if err == nil {
+			err = cmd.Err()
+		}
+		switch {
+		case err == nil || errors.Is(err, redis.Nil):
+			return cmd.Val(), nil
+		case !loaded && redis.HasErrorPrefix(err, "NOSCRIPT"):
+			if err := s.Load(ctx, c).Err(); err != nil {
+				return nil, err
+			}
+			loaded = true
+		case notSent(err) && unsent < maxUnsent:
+			unsent++
+		default:
+			return nil, ambiguous(err)
+		}
+	}
+}
+
+// maxUnsent is how many times runOnce sends again a request that never left
+// the client, as go-redis's default MaxRetries would.
+const maxUnsent = 3
+
+// runOnceSlice is runOnce for a script that returns an array.
+func runOnceSlice(ctx context.Context, c redis.Scripter, s *redis.Script, keys []string, args ...any) ([]any, error) {
+	res, err := runOnce(ctx, c, s, keys, args...)
+	if err != nil {
+		return nil, err
+	}
+	arr, ok := res.([]any)
+	if !ok {
+		return nil, fmt.Errorf("unexpected script reply %v", res)
+	}
+	return arr, nil
+}
+
+// sender returns how to send one command through c, or nil.
+func sender(c redis.Scripter) func(ctx context.Context, cmd redis.Cmder) error {
+	if p, ok := c.(processor); ok {
+		return p.Process
+	}
+	if p, ok := c.(interface {
+		Pipelined(ctx context.Context, fn func(redis.Pipeliner) error) ([]redis.Cmder, error)
+	}); ok {
+		return func(ctx context.Context, cmd redis.Cmder) error {
+			_, err := p.Pipelined(ctx, func(pl redis.Pipeliner) error { return pl.Process(ctx, cmd) })
+			return err
+		}
+	}
+	return nil
+}
+
+func anys(s []string) []any {
+	a := make([]any, len(s))
+	for i, v := range s {
+		a[i] = v
+	}
+	return a
+}
+
+// isReply reports whether err is a reply from Redis (the request was
+// handled and answered), rather than a network or client error.
+func isReply(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re)
+}
+
+// notSent reports whether err shows that the request never left the client.
+func notSent(err error) bool {
+	var op *net.OpError
+	return errors.Is(err, redis.ErrPoolTimeout) || (errors.As(err, &op) && op.Op == "dial")
+}
+
+// ambiguous wraps err so that it matches fence.ErrUnknown when it is not a
+// reply from Redis and not a request that was never sent: the request may
+// have been applied, its reply lost.
+func ambiguous(err error) error {
+	if err == nil || isReply(err) || notSent(err) || errors.Is(err, fence.ErrUnknown) {
+		return err
+	}
+	return fmt.Errorf("%w (applied or not): %w", fence.ErrUnknown, err)
+}
