@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/idemstores"
@@ -377,6 +378,41 @@ func TestBeginSeesRelease(t *testing.T) {
 			}
 			if err := <-first; err == nil {
 				t.Error("the first call's NotSent error was lost")
+			}
+		})
+	}
+}
+
+// A lease shorter than the stores' millisecond resolution and the local drift
+// margin (1% + 2ms) is no lease: the store records it as already expired, so a
+// second caller whose Reconcile hook says "not done" (the provider has not
+// seen the first charge yet, it is still running) takes the key over and
+// charges again, while the first effect runs. Do refuses such a lease, or
+// keeps the key while the effect runs: one charge per key either way.
+func TestTinyLeaseNeverRunsTwice(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			for _, lease := range []time.Duration{time.Nanosecond, 500 * time.Microsecond, 2 * time.Millisecond} {
+				k := key()
+				var runs atomic.Int32
+				notDone := func(context.Context, string) (bool, []byte, error) { return false, nil, nil }
+				opts := &idempotency.Options{Lease: lease, Reconcile: notDone}
+				var second error
+				_, first := idempotency.Do(ctxT(t), s, k, "fp", func(ctx context.Context, ek string) ([]byte, error) {
+					runs.Add(1)
+					// A retry arrives while the charge is in flight.
+					_, second = idempotency.Do(ctxT(t), s, k, "fp", func(context.Context, string) ([]byte, error) {
+						runs.Add(1)
+						return []byte("second charge"), nil
+					}, &idempotency.Options{Lease: time.Second, Reconcile: notDone})
+					return []byte("first charge"), nil
+				}, opts)
+				if n := runs.Load(); n > 1 {
+					t.Fatalf("lease %v: the effect ran %d times for one key (first: %v; retry during the run: %v)", lease, n, first, second)
+				}
+				if runs.Load() == 0 && !errors.Is(first, fence.ErrInvalid) {
+					t.Fatalf("lease %v: the effect did not run, and Do said %v, not ErrInvalid", lease, first)
+				}
 			}
 		})
 	}
