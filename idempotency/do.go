@@ -59,7 +59,7 @@ type Options struct {
 	// Owner identifies this caller in the record. Default: a random id.
 	Owner string
 	// Lease is how long a claim lasts without renewal; Do renews it every
-	// Lease/3 while the effect runs. Default: 30s.
+	// Lease/3 while the effect runs. At least MinLease. Default: 30s.
 	Lease time.Duration
 	// InProgressCeiling bounds how long one owner may keep a key in progress by
 	// renewing; past it, Do stops renewing and cancels the effect's context.
@@ -97,10 +97,17 @@ type Options struct {
 // end: their keys never run again (Purge and the stores' expiry leave them).
 const Forever time.Duration = math.MaxInt64
 
+// MinLease is the shortest Options.Lease: the stores keep leases in
+// milliseconds, and the effect's local deadline is the lease less a drift
+// margin of 1% + 2ms, so a shorter lease would be over at the store, and
+// taken over by the next caller, while its effect runs.
+const MinLease = 10 * time.Millisecond
+
 // Validate returns an error matching fence.ErrInvalid, naming the field, for a
-// negative duration or size: the options Do refuses (zero means the default,
-// and a negative value is a mistake, not a wish for the default). Durations
-// up to the largest time.Duration work. A nil *Options is valid.
+// negative duration or size, or a Lease under MinLease: the options Do refuses
+// (zero means the default, and a negative value is a mistake, not a wish for
+// the default). Durations up to the largest time.Duration work. A nil
+// *Options is valid.
 func (o *Options) Validate() error {
 	if o == nil {
 		return nil
@@ -112,6 +119,9 @@ func (o *Options) Validate() error {
 		if f.d < 0 {
 			return &fence.InvalidError{Op: "idempotency", Arg: f.name, Reason: fmt.Sprintf("%v is negative", f.d)}
 		}
+	}
+	if o.Lease > 0 && o.Lease < MinLease {
+		return &fence.InvalidError{Op: "idempotency", Arg: "Lease", Reason: fmt.Sprintf("%v is under %v (MinLease)", o.Lease, MinLease)}
 	}
 	if o.MaxResultSize < 0 {
 		return &fence.InvalidError{Op: "idempotency", Arg: "MaxResultSize", Reason: fmt.Sprintf("%d is negative", o.MaxResultSize)}
