@@ -417,3 +417,32 @@ func TestTinyLeaseNeverRunsTwice(t *testing.T) {
 		})
 	}
 }
+
+// An operator who finds that an unknown key's charge did happen resolves it
+// as completed for good: Resolve with Retention Forever keeps the record (as
+// Do's Forever does) on every store, and the key never runs again.
+func TestResolveForever(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			k := key()
+			rec, _, err := s.Begin(ctxT(t), k, "fp", "crashed", time.Minute)
+			if err == nil {
+				rec, err = s.Update(ctxT(t), k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "crashed", Lease: time.Minute})
+			}
+			if err == nil {
+				rec, err = s.Update(ctxT(t), k, idempotency.Armed, rec.Fence, idempotency.Change{State: idempotency.Unknown, Fence: rec.Fence, Owner: "crashed"})
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := idempotency.Resolve(ctxT(t), s, k, rec.Fence, idempotency.Completed, []byte("charged"), idempotency.Forever); err != nil {
+				t.Fatalf("Resolve with Retention Forever: %v", err)
+			}
+			var l ledger
+			r, err := idempotency.Do(ctxT(t), s, k, "fp", l.effect(k), nil)
+			if err != nil || !r.Replayed || string(r.Value) != "charged" || l.count(k) != 0 {
+				t.Fatalf("after Resolve: %+v, %v, runs %d; want the resolved result replayed", r, err, l.count(k))
+			}
+		})
+	}
+}
