@@ -610,6 +610,8 @@ func renew(s Store, rec Record, o Options, sent time.Time, cancel context.Cancel
 // Resolve is the operator's way out of unknown: it sets key, in state unknown
 // with fence f, to completed (with result), failed (with a message in result) or
 // released (the effect did not happen; the key may be claimed again).
+// retention is kept as Options.Retention is: zero means 24h, and Forever keeps
+// the record without end.
 func Resolve(ctx context.Context, s Store, key string, f fence.Token, to State, result []byte, retention time.Duration) error {
 	if err := checkCall("resolve", ctx, s, key); err != nil {
 		return err
@@ -622,9 +624,9 @@ func Resolve(ctx context.Context, s Store, key string, f fence.Token, to State, 
 	default:
 		return &fence.InvalidError{Op: "resolve", Arg: "state", Reason: fmt.Sprintf("%q is not completed, failed or released", to)}
 	}
-	if retention <= 0 {
+	if retention == 0 {
 		retention = 24 * time.Hour
 	}
-	_, err := s.Update(ctx, key, Unknown, f, Change{State: to, Fence: f, Result: result, Retention: retention})
+	_, err := s.Update(ctx, key, Unknown, f, Change{State: to, Fence: f, Result: result, Retention: Options{Retention: retention}.keep()})
 	return err
 }
