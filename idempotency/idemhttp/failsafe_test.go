@@ -403,8 +403,17 @@ func testDefaultScope(t *testing.T, s idempotency.Store) {
 	if c1 == c2 || rc.Header.Get(idemhttp.ReplayedHeader) != "" {
 		t.Errorf("two session cookies, one key: %s and %s; want two runs", c1, c2)
 	}
-	if n := e.h.runs.Load(); n != 4 {
-		t.Errorf("handler ran %d times, want 4 (alice, bob, carol, dave)", n)
+	// API keys in their own headers, as many payment APIs take them.
+	for _, h := range []string{"X-Api-Key", "Api-Key", "X-Auth-Token", "Proxy-Authorization"} {
+		k := key()
+		_, erin := e.post(t, k, "4200", h, "erin-secret")
+		rf, frank := e.post(t, k, "4200", h, "frank-secret")
+		if erin == frank || rf.Header.Get(idemhttp.ReplayedHeader) != "" {
+			t.Errorf("two %s credentials, one key and body: frank got %s (replayed %q) after erin's %s; want a run of his own", h, frank, rf.Header.Get(idemhttp.ReplayedHeader), erin)
+		}
+	}
+	if n := e.h.runs.Load(); n != 12 {
+		t.Errorf("handler ran %d times, want 12 (alice, bob, carol, dave, and two per API-key header)", n)
 	}
 }
 
