@@ -98,11 +98,13 @@ type Options struct {
 	// Principal returns the authenticated principal of a request; keys are
 	// scoped by it, so the same key from two principals names two requests.
 	// An error answers 401. Default: the request's credentials, a digest of
-	// its Authorization and Cookie headers, so that a response is replayed
+	// its Authorization, Cookie, Proxy-Authorization, X-Api-Key, Api-Key and
+	// X-Auth-Token headers, so that a response is replayed
 	// only to a request with the same credentials. A client whose credentials
 	// change between two tries of one request (a refreshed token, a rotated
 	// cookie) is then a new request and runs again: set Principal to the
-	// authenticated identity whenever that can happen.
+	// authenticated identity whenever that can happen, and whenever
+	// credentials come in another header or a TLS client certificate.
 	Principal func(r *http.Request) (string, error)
 	// FingerprintHeaders are request headers that, beside the method, the path
 	// and query and the body, make two requests the same. Default: none.
@@ -460,6 +462,11 @@ func (m *middleware) serve(next http.Handler, w http.ResponseWriter, r *http.Req
 	}
 }
 
+// moreCredentialHeaders are the request headers, beside Authorization and
+// Cookie, whose digest is part of the default principal: where HTTP clients
+// also carry credentials.
+var moreCredentialHeaders = []string{"Proxy-Authorization", "X-Api-Key", "Api-Key", "X-Auth-Token"}
+
 // principal is the scope of a request's keys: Options.Principal's answer, or
 // by default a digest of the request's credentials.
 func (m *middleware) principal(r *http.Request) (string, error) {
@@ -468,6 +475,13 @@ func (m *middleware) principal(r *http.Request) (string, error) {
 	}
 	h := sha256.New()
 	fmt.Fprintf(h, "%q\n%q\n", r.Header.Values("Authorization"), r.Header.Values("Cookie"))
+	// The other headers count only when present, so that a request with
+	// neither keeps the scope it had before they counted.
+	for _, name := range moreCredentialHeaders {
+		if v := r.Header.Values(name); len(v) > 0 {
+			fmt.Fprintf(h, "%s: %q\n", name, v)
+		}
+	}
 	return "\x00credentials:" + hex.EncodeToString(h.Sum(nil)), nil
 }
 
