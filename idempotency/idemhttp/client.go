@@ -119,8 +119,11 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		wait := fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}.Delay(attempt - 1)
 		if resp != nil {
-			if s, perr := strconv.Atoi(resp.Header.Get("Retry-After")); perr == nil && s >= 0 {
-				wait = min(time.Duration(s)*time.Second, maxWait)
+			if s, perr := strconv.ParseInt(resp.Header.Get("Retry-After"), 10, 64); perr == nil && s >= 0 {
+				wait = maxWait
+				if s < int64(maxWait/time.Second)+1 {
+					wait = min(time.Duration(s)*time.Second, maxWait)
+				}
 			}
 			resp.Body.Close()
 		}
