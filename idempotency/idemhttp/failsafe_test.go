@@ -339,6 +339,73 @@ func testDownstreamKeys(t *testing.T, s idempotency.Store) {
 	}
 }
 
+// A handler charges a provider through Transport (or with a CallKey it
+// named), then answers 502: the key stays armed. The Reconcile hook asks the
+// provider whether that call happened, by the key the call carried, derived
+// from the effect key the hook is given (CallKeyFor): it finds the charge, and
+// the retry gets the original answer. The provider charged once.
+func testReconcileDownstream(t *testing.T, s idempotency.Store) {
+	for _, named := range []bool{false, true} {
+		var mu sync.Mutex
+		charged := map[string]int{} // by Idempotency-Key
+		provider := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			defer mu.Unlock()
+			if r.Method == http.MethodGet { // GET /charges/{key}: did it happen?
+				if charged[strings.TrimPrefix(r.URL.Path, "/charges/")] == 0 {
+					w.WriteHeader(http.StatusNotFound)
+				}
+				return
+			}
+			charged[r.Header.Get(idemhttp.Header)]++
+			w.WriteHeader(http.StatusCreated)
+		}))
+		host := strings.TrimPrefix(provider.URL, "http://")
+		callName := "POST " + host + "/charges #1" // the Transport's name for the first such call
+		if named {
+			callName = "charge"
+		}
+		reconcile := func(ctx context.Context, ek string) (bool, []byte, error) {
+			resp, err := http.Get(provider.URL + "/charges/" + idemhttp.CallKeyFor(ek, callName))
+			if err != nil {
+				return false, nil, err
+			}
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusNotFound {
+				return false, nil, nil
+			}
+			return true, idemhttp.RecordedResponse(http.StatusCreated, nil, []byte("charged")), nil
+		}
+		srv := serveMW(t, s, leaseOpts(600*time.Millisecond, reconcile), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			ctx := r.Context()
+			if named {
+				ctx = idemhttp.WithKey(ctx, idemhttp.CallKey(ctx, "charge"))
+			}
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, provider.URL+"/charges", strings.NewReader("4200"))
+			resp, err := (&http.Client{Transport: &idemhttp.Transport{}}).Do(req)
+			if err == nil {
+				resp.Body.Close()
+			}
+			w.WriteHeader(http.StatusBadGateway) // our own write after the charge failed
+		}), nil)
+		k := key()
+		if r, b := post(t, srv.URL, k, "4200"); r.StatusCode != http.StatusBadGateway {
+			t.Fatalf("first answer %d %s, want the handler's 502", r.StatusCode, b)
+		}
+		r, b := untilNot409(t, srv.URL, k, "4200")
+		mu.Lock()
+		n := 0
+		for _, c := range charged {
+			n += c
+		}
+		mu.Unlock()
+		if n != 1 || r.StatusCode != http.StatusCreated || b != "charged" {
+			t.Errorf("named %v: the provider charged %d times; the retry got %d %s; want one charge, and the reconciled 201", named, n, r.StatusCode, b)
+		}
+		provider.Close()
+	}
+}
+
 // Issue 24 item 6: a handler that returns without answering after its client
 // left is not a 200 success: the key stays armed (409, then outcome-unknown),
 // or, when it called NotSent, the key is released and the retry runs it.

@@ -138,6 +138,7 @@ func TestMiddleware(t *testing.T) {
 				{"ClientLeftLeaseRenewed", func(t *testing.T, s idempotency.Store) { testClientLeft(t, s, false) }},
 				{"ClientLeftReconcileNotDone", func(t *testing.T, s idempotency.Store) { testClientLeft(t, s, true) }},
 				{"DistinctDownstreamKeys", testDownstreamKeys},
+				{"ReconcileFindsDownstreamCall", testReconcileDownstream},
 				{"NoAnswerAfterClientLeft", testNoAnswer},
 				{"DefaultScopeIsCredentials", testDefaultScope},
 				{"EarlyHintsKeepStatus", testEarlyHints},
