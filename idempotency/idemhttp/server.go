@@ -44,7 +44,9 @@
 // scoped by Options.Principal (by default, the request's credentials), so one
 // client cannot replay another's response by sending its key. The handler
 // finds the attempt's effect key with [EffectKey], and a key for each call it
-// makes downstream with [CallKey] (Transport derives one by itself).
+// makes downstream with [CallKey] (Transport derives one by itself); a
+// Reconcile hook, given an attempt's effect key, finds those calls' keys with
+// [CallKeyFor].
 //
 // # Client
 //
@@ -283,7 +285,22 @@ func CallKey(ctx context.Context, name string) string {
 	if ek == "" {
 		return ""
 	}
-	h := sha256.Sum256([]byte(ek + "\x00" + name))
+	return CallKeyFor(ek, name)
+}
+
+// CallKeyFor returns the key that CallKey gives the call named name in the
+// attempt whose effect key is effectKey: for a Reconcile hook
+// (Options.Idempotency.Reconcile), which is given the effect key of the
+// attempt it asks about, and must ask the provider by the keys its calls
+// carried. Transport names the n-th keyed call of an attempt with one method
+// to one host and path (from 1) "METHOD host/path #n", for example
+// "POST api.example.com/v1/charges #1" (the host as in the request's URL,
+// with its port if it has one; no query).
+func CallKeyFor(effectKey, name string) string {
+	if effectKey == "" {
+		return ""
+	}
+	h := sha256.Sum256([]byte(effectKey + "\x00" + name))
 	return hex.EncodeToString(h[:16])
 }
 
@@ -300,7 +317,7 @@ func (a *attempt) nextCallKey(method, host, path string) string {
 	}
 	id := method + " " + host + path
 	a.calls[id]++
-	return CallKey(context.WithValue(context.Background(), attemptCtx{}, a), fmt.Sprintf("%s #%d", id, a.calls[id]))
+	return CallKeyFor(a.effectKey, fmt.Sprintf("%s #%d", id, a.calls[id]))
 }
 
 // NotSent tells the middleware, from a handler, that this request did nothing
