@@ -446,3 +446,51 @@ func TestResolveForever(t *testing.T) {
 		})
 	}
 }
+
+// A takeover whose reply was lost landed: the key is this caller's claim. Do
+// goes on with it (one run, its result) instead of a bare transport error or
+// ErrInProgress against its own claim, which leaves the key held by nobody
+// for a whole lease.
+func TestLostTakeoverReply(t *testing.T) {
+	for name, f := range faultyStores(t) {
+		t.Run(name, func(t *testing.T) {
+			for _, armed := range []bool{true, false} {
+				k := key()
+				lease := 300 * time.Millisecond
+				if armed {
+					// An owner that stops after arming, and a Reconcile hook that
+					// finds its effect did not happen.
+					_, err := idempotency.Do(ctxT(t), f.Store, k, "fp", func(context.Context, string) ([]byte, error) {
+						return nil, errors.New("connection to the provider reset")
+					}, &idempotency.Options{Lease: lease})
+					if err == nil {
+						t.Fatal("the ambiguous effect returned no error")
+					}
+				} else if _, _, err := f.Store.Begin(ctxT(t), k, "fp", "crashed", lease); err != nil { // a claim whose owner crashed before arming
+					t.Fatal(err)
+				}
+				for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+					if rec, err := f.Store.Get(ctxT(t), k); err == nil && rec.LeaseLeft <= 0 {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatal("the lease never ran out")
+					}
+				}
+				lost := f.Proxy.Stats().LostReplies
+				// The takeover is the first update of k from here, to claimed.
+				f.Proxy.LoseReply(func(b []byte) bool { return bytes.Contains(b, []byte(k)) && bytes.Contains(b, []byte("claimed")) })
+				var l ledger
+				notDone := func(context.Context, string) (bool, []byte, error) { return false, nil, nil }
+				r, err := idempotency.Do(ctxT(t), f.Store, k, "fp", l.effect(k), &idempotency.Options{Lease: 2 * time.Second, Reconcile: notDone})
+				if f.Proxy.Pending() != 0 || f.Proxy.Stats().LostReplies == lost {
+					t.Fatalf("armed %v: the takeover's reply was never lost", armed)
+				}
+				rec, gerr := f.Store.Get(ctxT(t), k)
+				if err != nil || string(r.Value) != "charged "+k || l.count(k) != 1 || gerr != nil || rec.State != idempotency.Completed {
+					t.Fatalf("armed %v, the takeover's reply lost: %+v, %v, runs %d; record %+v, %v; want one run and its result", armed, r, err, l.count(k), rec, gerr)
+				}
+			}
+		})
+	}
+}
