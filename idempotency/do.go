@@ -343,11 +343,7 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 	takeover := Change{State: Claimed, Fence: rec.Fence + 1, Owner: claimOwner(o), Lease: o.Lease, Restart: true}
 	if rec.State == Claimed {
 		// It crashed before arming: the effect never started. Take over.
-		owned, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, takeover)
-		if err != nil {
-			return Result{}, nil, raced(err, rec)
-		}
-		return Result{}, &owned, nil
+		return takeOver(ctx, s, rec, takeover, o)
 	}
 	// Armed: the effect may have happened.
 	if o.Reconcile == nil {
@@ -372,7 +368,23 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 		}
 		return Result{Value: result, Replayed: true, Fence: rec.Fence}, nil, nil
 	}
-	owned, err := s.Update(ctx, rec.Key, Armed, rec.Fence, takeover)
+	return takeOver(ctx, s, rec, takeover, o)
+}
+
+// takeOver moves rec, whose owner's lease expired, to this caller's claim.
+// When the takeover's reply was lost, or the client library's resend of it
+// was refused, the record tells: claimed under the takeover's fence and owner
+// is this caller's own claim.
+func takeOver(ctx context.Context, s Store, rec Record, takeover Change, o Options) (Result, *Record, error) {
+	owned, err := s.Update(ctx, rec.Key, rec.State, rec.Fence, takeover)
+	if err != nil && !refused(err) {
+		rctx, cancel := context.WithTimeout(ctx, o.CompleteTimeout)
+		got, gerr := read(rctx, s, rec.Key)
+		cancel()
+		if gerr == nil && got.State == Claimed && got.Fence == takeover.Fence && got.Owner == takeover.Owner {
+			return Result{}, &got, nil
+		}
+	}
 	if err != nil {
 		return Result{}, nil, raced(err, rec)
 	}
