@@ -494,3 +494,21 @@ func TestLostTakeoverReply(t *testing.T) {
 		})
 	}
 }
+
+// A CompleteTimeout too short for any round trip to the store (10, meant as
+// seconds, is 10ns) is accepted and then fails every completion: the charge
+// happens and its result is never recorded, so every key is left armed, then
+// unknown. Do refuses it, naming the option, before the effect runs.
+func TestTinyCompleteTimeout(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			var l ledger
+			k := key()
+			_, err := idempotency.Do(ctxT(t), s, k, "fp", l.effect(k), &idempotency.Options{CompleteTimeout: 10})
+			if l.count(k) != 0 || !errors.Is(err, fence.ErrInvalid) {
+				rec, _ := s.Get(ctxT(t), k)
+				t.Fatalf("CompleteTimeout 10ns: %v, effect ran %d times, record %s; want ErrInvalid before the effect", err, l.count(k), rec.State)
+			}
+		})
+	}
+}
