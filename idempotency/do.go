@@ -89,7 +89,7 @@ type Options struct {
 	Reconcile Reconcile
 	// CompleteTimeout bounds recording the result after the effect, with a
 	// context detached from the caller's; the write is retried until then.
-	// Default: 10s.
+	// At least MinCompleteTimeout. Default: 10s.
 	CompleteTimeout time.Duration
 }
 
@@ -103,8 +103,14 @@ const Forever time.Duration = math.MaxInt64
 // taken over by the next caller, while its effect runs.
 const MinLease = 10 * time.Millisecond
 
+// MinCompleteTimeout is the shortest Options.CompleteTimeout: a shorter one
+// (10 meant as seconds is 10ns) would end before the completion's round trip
+// to the store, leave every key armed after its effect ran, then unknown.
+const MinCompleteTimeout = 10 * time.Millisecond
+
 // Validate returns an error matching fence.ErrInvalid, naming the field, for a
-// negative duration or size, or a Lease under MinLease: the options Do refuses
+// negative duration or size, a Lease under MinLease or a CompleteTimeout under
+// MinCompleteTimeout: the options Do refuses
 // (zero means the default, and a negative value is a mistake, not a wish for
 // the default). Durations up to the largest time.Duration work. A nil
 // *Options is valid.
@@ -122,6 +128,9 @@ func (o *Options) Validate() error {
 	}
 	if o.Lease > 0 && o.Lease < MinLease {
 		return &fence.InvalidError{Op: "idempotency", Arg: "Lease", Reason: fmt.Sprintf("%v is under %v (MinLease)", o.Lease, MinLease)}
+	}
+	if o.CompleteTimeout > 0 && o.CompleteTimeout < MinCompleteTimeout {
+		return &fence.InvalidError{Op: "idempotency", Arg: "CompleteTimeout", Reason: fmt.Sprintf("%v is under %v (MinCompleteTimeout)", o.CompleteTimeout, MinCompleteTimeout)}
 	}
 	if o.MaxResultSize < 0 {
 		return &fence.InvalidError{Op: "idempotency", Arg: "MaxResultSize", Reason: fmt.Sprintf("%d is negative", o.MaxResultSize)}
