@@ -502,6 +502,50 @@ func testEarlyHints(t *testing.T, s idempotency.Store) {
 	}
 }
 
+// A handler that charges and then writes a status net/http refuses (outside
+// 100-999) panics there without the middleware. Behind it, the status must not
+// be recorded as the key's final answer, which no replay could then send: the
+// key stays armed, as after any panic after the effect, and a retry gets
+// outcome-unknown, never a connection cut on every replay.
+func testInvalidStatus(t *testing.T, s idempotency.Store) {
+	for _, status := range []int{42, 1000} {
+		var runs atomic.Int32
+		srv := serveMW(t, s, leaseOpts(600*time.Millisecond, nil), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			w.WriteHeader(status)
+			_, _ = io.WriteString(w, "charged")
+		}), nil)
+		k := key()
+		send := func() (*http.Response, error) {
+			req, _ := http.NewRequest(http.MethodPost, srv.URL+"/charges", strings.NewReader("4200"))
+			req.Header.Set(idemhttp.Header, k)
+			return http.DefaultClient.Do(req)
+		}
+		if resp, err := send(); err == nil {
+			resp.Body.Close()
+		}
+		for i := 0; i < 2; i++ {
+			var r *http.Response
+			var err error
+			for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+				if r, err = send(); err != nil || r.StatusCode != http.StatusConflict || time.Now().After(deadline) {
+					break
+				}
+				r.Body.Close()
+			}
+			if err != nil {
+				t.Fatalf("retry %d after a status %d: %v; want an answer", i, status, err)
+			}
+			b, _ := io.ReadAll(r.Body)
+			r.Body.Close()
+			wantCode(t, fmt.Sprintf("retry after a status %d", status), r, string(b), http.StatusInternalServerError, "outcome-unknown")
+		}
+		if n := runs.Load(); n != 1 {
+			t.Errorf("status %d: the handler ran %d times, want 1", status, n)
+		}
+	}
+}
+
 // Issue 24 item 9: options that would fail every keyed request are refused,
 // naming the option; the largest accepted MaxResponseSize works.
 func TestBadOptions(t *testing.T) {

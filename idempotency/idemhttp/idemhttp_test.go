@@ -142,6 +142,7 @@ func TestMiddleware(t *testing.T) {
 				{"NoAnswerAfterClientLeft", testNoAnswer},
 				{"DefaultScopeIsCredentials", testDefaultScope},
 				{"EarlyHintsKeepStatus", testEarlyHints},
+				{"InvalidStatusIsAPanic", testInvalidStatus},
 				{"OneEffectPerKeyUnderFaults", testOneEffectPerKey},
 				{"ClientErrorIsFinal", testClientError},
 				{"KeysAndMethods", testKeys},
