@@ -534,8 +534,12 @@ func (r *recorder) Header() http.Header { return r.header }
 
 // WriteHeader keeps the first final status; 1xx interim answers (103 Early
 // Hints) are neither kept nor sent, since the answer goes out only after it
-// is recorded.
+// is recorded. A code outside 100-999 panics, as net/http's own WriteHeader
+// does: a panic keeps the key armed, and such a status could not be replayed.
 func (r *recorder) WriteHeader(status int) {
+	if status < 100 || status > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
+	}
 	if status >= 100 && status < 200 {
 		return
 	}
