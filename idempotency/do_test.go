@@ -512,3 +512,30 @@ func TestTinyCompleteTimeout(t *testing.T) {
 		})
 	}
 }
+
+// An InProgressCeiling under the lease (5, meant as minutes, is 5ns) is
+// accepted and then cancels every effect at its first renewal, Lease/3 after
+// it started, and stops the renewals: Do refuses it, naming the option, before
+// the effect runs.
+func TestCeilingUnderLease(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			k := key()
+			var runs atomic.Int32
+			var cause error
+			_, err := idempotency.Do(ctxT(t), s, k, "fp", func(ctx context.Context, _ string) ([]byte, error) {
+				runs.Add(1)
+				select { // a card network call that takes a while
+				case <-ctx.Done():
+					cause = context.Cause(ctx)
+					return nil, idempotency.NotSent(cause)
+				case <-time.After(2 * time.Second):
+					return []byte("charged"), nil
+				}
+			}, &idempotency.Options{Lease: 300 * time.Millisecond, InProgressCeiling: 5})
+			if runs.Load() != 0 || !errors.Is(err, fence.ErrInvalid) {
+				t.Fatalf("InProgressCeiling 5ns: %v (effect ran %d times, its context ended with %v); want ErrInvalid before the effect", err, runs.Load(), cause)
+			}
+		})
+	}
+}
