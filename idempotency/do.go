@@ -63,7 +63,7 @@ type Options struct {
 	Lease time.Duration
 	// InProgressCeiling bounds how long one owner may keep a key in progress by
 	// renewing; past it, Do stops renewing and cancels the effect's context.
-	// Default: 10 * Lease.
+	// At least Lease. Default: 10 * Lease.
 	InProgressCeiling time.Duration
 	// Retention keeps a completed or failed record, and so the promise that its
 	// effect does not run again, this long after it completed. Past it the
@@ -103,14 +103,17 @@ const Forever time.Duration = math.MaxInt64
 // taken over by the next caller, while its effect runs.
 const MinLease = 10 * time.Millisecond
 
+// defaultLease is Options.Lease's default.
+const defaultLease = 30 * time.Second
+
 // MinCompleteTimeout is the shortest Options.CompleteTimeout: a shorter one
 // (10 meant as seconds is 10ns) would end before the completion's round trip
 // to the store, leave every key armed after its effect ran, then unknown.
 const MinCompleteTimeout = 10 * time.Millisecond
 
 // Validate returns an error matching fence.ErrInvalid, naming the field, for a
-// negative duration or size, a Lease under MinLease or a CompleteTimeout under
-// MinCompleteTimeout: the options Do refuses
+// negative duration or size, a Lease under MinLease, an InProgressCeiling under
+// the Lease, or a CompleteTimeout under MinCompleteTimeout: the options Do refuses
 // (zero means the default, and a negative value is a mistake, not a wish for
 // the default). Durations up to the largest time.Duration work. A nil
 // *Options is valid.
@@ -128,6 +131,14 @@ func (o *Options) Validate() error {
 	}
 	if o.Lease > 0 && o.Lease < MinLease {
 		return &fence.InvalidError{Op: "idempotency", Arg: "Lease", Reason: fmt.Sprintf("%v is under %v (MinLease)", o.Lease, MinLease)}
+	}
+	if lease := o.Lease; o.InProgressCeiling > 0 {
+		if lease == 0 {
+			lease = defaultLease
+		}
+		if o.InProgressCeiling < lease {
+			return &fence.InvalidError{Op: "idempotency", Arg: "InProgressCeiling", Reason: fmt.Sprintf("%v is under the lease (%v): the effect would be cancelled at its first renewal", o.InProgressCeiling, lease)}
+		}
 	}
 	if o.CompleteTimeout > 0 && o.CompleteTimeout < MinCompleteTimeout {
 		return &fence.InvalidError{Op: "idempotency", Arg: "CompleteTimeout", Reason: fmt.Sprintf("%v is under %v (MinCompleteTimeout)", o.CompleteTimeout, MinCompleteTimeout)}
@@ -160,7 +171,7 @@ func (o *Options) withDefaults() Options {
 		x.Owner = hex.EncodeToString(b[:])
 	}
 	if x.Lease <= 0 {
-		x.Lease = 30 * time.Second
+		x.Lease = defaultLease
 	}
 	if x.InProgressCeiling <= 0 {
 		x.InProgressCeiling = time.Duration(math.MaxInt64)
