@@ -565,6 +565,11 @@ func TestBadOptions(t *testing.T) {
 				{"Idempotency.Lease", idemhttp.Options{Idempotency: &idempotency.Options{Lease: -time.Second}}},
 				{"Idempotency.CompleteTimeout", idemhttp.Options{Idempotency: &idempotency.Options{CompleteTimeout: -time.Second}}},
 				{"Idempotency.Retention", idemhttp.Options{Idempotency: &idempotency.Options{Retention: -time.Second}}},
+				// Methods are case-sensitive: "post" would let every POST
+				// through without its key, and a retry charge again.
+				{"Methods", idemhttp.Options{Methods: []string{"post"}}},
+				{"Methods", idemhttp.Options{Methods: []string{http.MethodPost, "Patch"}}},
+				{"Methods", idemhttp.Options{Methods: []string{""}}},
 			} {
 				_, err := idemhttp.Middleware(s, &c.o)
 				if !errors.Is(err, fence.ErrInvalid) || !strings.Contains(err.Error(), c.option) {
