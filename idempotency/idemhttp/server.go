@@ -136,6 +136,9 @@ type Options struct {
 // larger.
 const MaxRecordSize = 256 << 20
 
+var standardMethods = []string{http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodPatch,
+	http.MethodDelete, http.MethodConnect, http.MethodOptions, http.MethodTrace}
+
 var defaultRecordHeaders = []string{"Content-Type", "Content-Language", "Location", "Cache-Control", "ETag", "Last-Modified"}
 
 type middleware struct {
@@ -146,7 +149,8 @@ type middleware struct {
 }
 
 // Middleware returns the middleware on store. It returns an error matching
-// fence.ErrInvalid, naming the option, for a nil store, a negative size, a
+// fence.ErrInvalid, naming the option, for a nil store, an empty method or a
+// standard one not in capitals ("post"), a negative size, a
 // MaxResponseSize over MaxRecordSize, or Idempotency options that
 // idempotency.Do would refuse.
 func Middleware(store idempotency.Store, opts *Options) (func(http.Handler) http.Handler, error) {
@@ -162,6 +166,13 @@ func Middleware(store idempotency.Store, opts *Options) (func(http.Handler) http
 		return nil, &fence.InvalidError{Op: "idemhttp", Arg: "MaxBodySize", Reason: fmt.Sprintf("%d is negative", m.o.MaxBodySize)}
 	case m.o.MaxResponseSize < 0 || m.o.MaxResponseSize > MaxRecordSize:
 		return nil, &fence.InvalidError{Op: "idemhttp", Arg: "MaxResponseSize", Reason: fmt.Sprintf("%d is outside 0..%d (MaxRecordSize)", m.o.MaxResponseSize, MaxRecordSize)}
+	}
+	for _, method := range m.o.Methods {
+		// Methods are case-sensitive: "post" names no request a client sends
+		// as POST, which would then pass through without its key.
+		if up := strings.ToUpper(method); method == "" || (up != method && slices.Contains(standardMethods, up)) {
+			return nil, &fence.InvalidError{Op: "idemhttp", Arg: "Methods", Reason: fmt.Sprintf("%q is not a method (methods are case-sensitive: %s)", method, up)}
+		}
 	}
 	if err := m.o.Idempotency.Validate(); err != nil {
 		var ie *fence.InvalidError
