@@ -59,11 +59,11 @@ type Options struct {
 	// Owner identifies this caller in the record. Default: a random id.
 	Owner string
 	// Lease is how long a claim lasts without renewal; Do renews it every
-	// Lease/3 while the effect runs. Default: 30s.
+	// Lease/3 while the effect runs. At least MinLease. Default: 30s.
 	Lease time.Duration
 	// InProgressCeiling bounds how long one owner may keep a key in progress by
 	// renewing; past it, Do stops renewing and cancels the effect's context.
-	// Default: 10 * Lease.
+	// At least Lease. Default: 10 * Lease.
 	InProgressCeiling time.Duration
 	// Retention keeps a completed or failed record, and so the promise that its
 	// effect does not run again, this long after it completed. Past it the
@@ -89,7 +89,7 @@ type Options struct {
 	Reconcile Reconcile
 	// CompleteTimeout bounds recording the result after the effect, with a
 	// context detached from the caller's; the write is retried until then.
-	// Default: 10s.
+	// At least MinCompleteTimeout. Default: 10s.
 	CompleteTimeout time.Duration
 }
 
@@ -97,10 +97,26 @@ type Options struct {
 // end: their keys never run again (Purge and the stores' expiry leave them).
 const Forever time.Duration = math.MaxInt64
 
+// MinLease is the shortest Options.Lease: the stores keep leases in
+// milliseconds, and the effect's local deadline is the lease less a drift
+// margin of 1% + 2ms, so a shorter lease would be over at the store, and
+// taken over by the next caller, while its effect runs.
+const MinLease = 10 * time.Millisecond
+
+// defaultLease is Options.Lease's default.
+const defaultLease = 30 * time.Second
+
+// MinCompleteTimeout is the shortest Options.CompleteTimeout: a shorter one
+// (10 meant as seconds is 10ns) would end before the completion's round trip
+// to the store, leave every key armed after its effect ran, then unknown.
+const MinCompleteTimeout = 10 * time.Millisecond
+
 // Validate returns an error matching fence.ErrInvalid, naming the field, for a
-// negative duration or size: the options Do refuses (zero means the default,
-// and a negative value is a mistake, not a wish for the default). Durations
-// up to the largest time.Duration work. A nil *Options is valid.
+// negative duration or size, a Lease under MinLease, an InProgressCeiling under
+// the Lease, or a CompleteTimeout under MinCompleteTimeout: the options Do refuses
+// (zero means the default, and a negative value is a mistake, not a wish for
+// the default). Durations up to the largest time.Duration work. A nil
+// *Options is valid.
 func (o *Options) Validate() error {
 	if o == nil {
 		return nil
@@ -112,6 +128,20 @@ func (o *Options) Validate() error {
 		if f.d < 0 {
 			return &fence.InvalidError{Op: "idempotency", Arg: f.name, Reason: fmt.Sprintf("%v is negative", f.d)}
 		}
+	}
+	if o.Lease > 0 && o.Lease < MinLease {
+		return &fence.InvalidError{Op: "idempotency", Arg: "Lease", Reason: fmt.Sprintf("%v is under %v (MinLease)", o.Lease, MinLease)}
+	}
+	if lease := o.Lease; o.InProgressCeiling > 0 {
+		if lease == 0 {
+			lease = defaultLease
+		}
+		if o.InProgressCeiling < lease {
+			return &fence.InvalidError{Op: "idempotency", Arg: "InProgressCeiling", Reason: fmt.Sprintf("%v is under the lease (%v): the effect would be cancelled at its first renewal", o.InProgressCeiling, lease)}
+		}
+	}
+	if o.CompleteTimeout > 0 && o.CompleteTimeout < MinCompleteTimeout {
+		return &fence.InvalidError{Op: "idempotency", Arg: "CompleteTimeout", Reason: fmt.Sprintf("%v is under %v (MinCompleteTimeout)", o.CompleteTimeout, MinCompleteTimeout)}
 	}
 	if o.MaxResultSize < 0 {
 		return &fence.InvalidError{Op: "idempotency", Arg: "MaxResultSize", Reason: fmt.Sprintf("%d is negative", o.MaxResultSize)}
@@ -141,7 +171,7 @@ func (o *Options) withDefaults() Options {
 		x.Owner = hex.EncodeToString(b[:])
 	}
 	if x.Lease <= 0 {
-		x.Lease = 30 * time.Second
+		x.Lease = defaultLease
 	}
 	if x.InProgressCeiling <= 0 {
 		x.InProgressCeiling = time.Duration(math.MaxInt64)
@@ -333,11 +363,7 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 	takeover := Change{State: Claimed, Fence: rec.Fence + 1, Owner: claimOwner(o), Lease: o.Lease, Restart: true}
 	if rec.State == Claimed {
 		// It crashed before arming: the effect never started. Take over.
-		owned, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, takeover)
-		if err != nil {
-			return Result{}, nil, raced(err, rec)
-		}
-		return Result{}, &owned, nil
+		return takeOver(ctx, s, rec, takeover, o)
 	}
 	// Armed: the effect may have happened.
 	if o.Reconcile == nil {
@@ -362,7 +388,23 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 		}
 		return Result{Value: result, Replayed: true, Fence: rec.Fence}, nil, nil
 	}
-	owned, err := s.Update(ctx, rec.Key, Armed, rec.Fence, takeover)
+	return takeOver(ctx, s, rec, takeover, o)
+}
+
+// takeOver moves rec, whose owner's lease expired, to this caller's claim.
+// When the takeover's reply was lost, or the client library's resend of it
+// was refused, the record tells: claimed under the takeover's fence and owner
+// is this caller's own claim.
+func takeOver(ctx context.Context, s Store, rec Record, takeover Change, o Options) (Result, *Record, error) {
+	owned, err := s.Update(ctx, rec.Key, rec.State, rec.Fence, takeover)
+	if err != nil && !refused(err) {
+		rctx, cancel := context.WithTimeout(ctx, o.CompleteTimeout)
+		got, gerr := read(rctx, s, rec.Key)
+		cancel()
+		if gerr == nil && got.State == Claimed && got.Fence == takeover.Fence && got.Owner == takeover.Owner {
+			return Result{}, &got, nil
+		}
+	}
 	if err != nil {
 		return Result{}, nil, raced(err, rec)
 	}
@@ -600,6 +642,8 @@ func renew(s Store, rec Record, o Options, sent time.Time, cancel context.Cancel
 // Resolve is the operator's way out of unknown: it sets key, in state unknown
 // with fence f, to completed (with result), failed (with a message in result) or
 // released (the effect did not happen; the key may be claimed again).
+// retention is kept as Options.Retention is: zero means 24h, and Forever keeps
+// the record without end.
 func Resolve(ctx context.Context, s Store, key string, f fence.Token, to State, result []byte, retention time.Duration) error {
 	if err := checkCall("resolve", ctx, s, key); err != nil {
 		return err
@@ -612,9 +656,9 @@ func Resolve(ctx context.Context, s Store, key string, f fence.Token, to State, 
 	default:
 		return &fence.InvalidError{Op: "resolve", Arg: "state", Reason: fmt.Sprintf("%q is not completed, failed or released", to)}
 	}
-	if retention <= 0 {
+	if retention == 0 {
 		retention = 24 * time.Hour
 	}
-	_, err := s.Update(ctx, key, Unknown, f, Change{State: to, Fence: f, Result: result, Retention: retention})
+	_, err := s.Update(ctx, key, Unknown, f, Change{State: to, Fence: f, Result: result, Retention: Options{Retention: retention}.keep()})
 	return err
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/idemstores"
@@ -377,6 +378,163 @@ func TestBeginSeesRelease(t *testing.T) {
 			}
 			if err := <-first; err == nil {
 				t.Error("the first call's NotSent error was lost")
+			}
+		})
+	}
+}
+
+// A lease shorter than the stores' millisecond resolution and the local drift
+// margin (1% + 2ms) is no lease: the store records it as already expired, so a
+// second caller whose Reconcile hook says "not done" (the provider has not
+// seen the first charge yet, it is still running) takes the key over and
+// charges again, while the first effect runs. Do refuses such a lease, or
+// keeps the key while the effect runs: one charge per key either way.
+func TestTinyLeaseNeverRunsTwice(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			for _, lease := range []time.Duration{time.Nanosecond, 500 * time.Microsecond, 2 * time.Millisecond} {
+				k := key()
+				var runs atomic.Int32
+				notDone := func(context.Context, string) (bool, []byte, error) { return false, nil, nil }
+				opts := &idempotency.Options{Lease: lease, Reconcile: notDone}
+				var second error
+				_, first := idempotency.Do(ctxT(t), s, k, "fp", func(ctx context.Context, ek string) ([]byte, error) {
+					runs.Add(1)
+					// A retry arrives while the charge is in flight.
+					_, second = idempotency.Do(ctxT(t), s, k, "fp", func(context.Context, string) ([]byte, error) {
+						runs.Add(1)
+						return []byte("second charge"), nil
+					}, &idempotency.Options{Lease: time.Second, Reconcile: notDone})
+					return []byte("first charge"), nil
+				}, opts)
+				if n := runs.Load(); n > 1 {
+					t.Fatalf("lease %v: the effect ran %d times for one key (first: %v; retry during the run: %v)", lease, n, first, second)
+				}
+				if runs.Load() == 0 && !errors.Is(first, fence.ErrInvalid) {
+					t.Fatalf("lease %v: the effect did not run, and Do said %v, not ErrInvalid", lease, first)
+				}
+			}
+		})
+	}
+}
+
+// An operator who finds that an unknown key's charge did happen resolves it
+// as completed for good: Resolve with Retention Forever keeps the record (as
+// Do's Forever does) on every store, and the key never runs again.
+func TestResolveForever(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			k := key()
+			rec, _, err := s.Begin(ctxT(t), k, "fp", "crashed", time.Minute)
+			if err == nil {
+				rec, err = s.Update(ctxT(t), k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "crashed", Lease: time.Minute})
+			}
+			if err == nil {
+				rec, err = s.Update(ctxT(t), k, idempotency.Armed, rec.Fence, idempotency.Change{State: idempotency.Unknown, Fence: rec.Fence, Owner: "crashed"})
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := idempotency.Resolve(ctxT(t), s, k, rec.Fence, idempotency.Completed, []byte("charged"), idempotency.Forever); err != nil {
+				t.Fatalf("Resolve with Retention Forever: %v", err)
+			}
+			var l ledger
+			r, err := idempotency.Do(ctxT(t), s, k, "fp", l.effect(k), nil)
+			if err != nil || !r.Replayed || string(r.Value) != "charged" || l.count(k) != 0 {
+				t.Fatalf("after Resolve: %+v, %v, runs %d; want the resolved result replayed", r, err, l.count(k))
+			}
+		})
+	}
+}
+
+// A takeover whose reply was lost landed: the key is this caller's claim. Do
+// goes on with it (one run, its result) instead of a bare transport error or
+// ErrInProgress against its own claim, which leaves the key held by nobody
+// for a whole lease.
+func TestLostTakeoverReply(t *testing.T) {
+	for name, f := range faultyStores(t) {
+		t.Run(name, func(t *testing.T) {
+			for _, armed := range []bool{true, false} {
+				k := key()
+				lease := 300 * time.Millisecond
+				if armed {
+					// An owner that stops after arming, and a Reconcile hook that
+					// finds its effect did not happen.
+					_, err := idempotency.Do(ctxT(t), f.Store, k, "fp", func(context.Context, string) ([]byte, error) {
+						return nil, errors.New("connection to the provider reset")
+					}, &idempotency.Options{Lease: lease})
+					if err == nil {
+						t.Fatal("the ambiguous effect returned no error")
+					}
+				} else if _, _, err := f.Store.Begin(ctxT(t), k, "fp", "crashed", lease); err != nil { // a claim whose owner crashed before arming
+					t.Fatal(err)
+				}
+				for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+					if rec, err := f.Store.Get(ctxT(t), k); err == nil && rec.LeaseLeft <= 0 {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatal("the lease never ran out")
+					}
+				}
+				lost := f.Proxy.Stats().LostReplies
+				// The takeover is the first update of k from here, to claimed.
+				f.Proxy.LoseReply(func(b []byte) bool { return bytes.Contains(b, []byte(k)) && bytes.Contains(b, []byte("claimed")) })
+				var l ledger
+				notDone := func(context.Context, string) (bool, []byte, error) { return false, nil, nil }
+				r, err := idempotency.Do(ctxT(t), f.Store, k, "fp", l.effect(k), &idempotency.Options{Lease: 2 * time.Second, Reconcile: notDone})
+				if f.Proxy.Pending() != 0 || f.Proxy.Stats().LostReplies == lost {
+					t.Fatalf("armed %v: the takeover's reply was never lost", armed)
+				}
+				rec, gerr := f.Store.Get(ctxT(t), k)
+				if err != nil || string(r.Value) != "charged "+k || l.count(k) != 1 || gerr != nil || rec.State != idempotency.Completed {
+					t.Fatalf("armed %v, the takeover's reply lost: %+v, %v, runs %d; record %+v, %v; want one run and its result", armed, r, err, l.count(k), rec, gerr)
+				}
+			}
+		})
+	}
+}
+
+// A CompleteTimeout too short for any round trip to the store (10, meant as
+// seconds, is 10ns) is accepted and then fails every completion: the charge
+// happens and its result is never recorded, so every key is left armed, then
+// unknown. Do refuses it, naming the option, before the effect runs.
+func TestTinyCompleteTimeout(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			var l ledger
+			k := key()
+			_, err := idempotency.Do(ctxT(t), s, k, "fp", l.effect(k), &idempotency.Options{CompleteTimeout: 10})
+			if l.count(k) != 0 || !errors.Is(err, fence.ErrInvalid) {
+				rec, _ := s.Get(ctxT(t), k)
+				t.Fatalf("CompleteTimeout 10ns: %v, effect ran %d times, record %s; want ErrInvalid before the effect", err, l.count(k), rec.State)
+			}
+		})
+	}
+}
+
+// An InProgressCeiling under the lease (5, meant as minutes, is 5ns) is
+// accepted and then cancels every effect at its first renewal, Lease/3 after
+// it started, and stops the renewals: Do refuses it, naming the option, before
+// the effect runs.
+func TestCeilingUnderLease(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			k := key()
+			var runs atomic.Int32
+			var cause error
+			_, err := idempotency.Do(ctxT(t), s, k, "fp", func(ctx context.Context, _ string) ([]byte, error) {
+				runs.Add(1)
+				select { // a card network call that takes a while
+				case <-ctx.Done():
+					cause = context.Cause(ctx)
+					return nil, idempotency.NotSent(cause)
+				case <-time.After(2 * time.Second):
+					return []byte("charged"), nil
+				}
+			}, &idempotency.Options{Lease: 300 * time.Millisecond, InProgressCeiling: 5})
+			if runs.Load() != 0 || !errors.Is(err, fence.ErrInvalid) {
+				t.Fatalf("InProgressCeiling 5ns: %v (effect ran %d times, its context ended with %v); want ErrInvalid before the effect", err, runs.Load(), cause)
 			}
 		})
 	}

@@ -51,7 +51,12 @@ func requestKey(req *http.Request) string {
 // after a 5xx with 409 while the first attempt's lease lasts, then with what
 // its Reconcile hook found or a final outcome-unknown, and never runs the
 // handler again; a provider that releases its key on a 5xx would. A request without a key is sent
-// once, as it is: retrying it could run it twice. A retry needs the request's
+// once, as it is: retrying it could run it twice. A derived key counts calls,
+// so a retry made around Transport (a handler's own retry loop, a retrying
+// client whose transport this is) is the next call, with a new key, and a
+// provider runs it again: let Transport do the retries, or name the call
+// (WithKey(ctx, CallKey(ctx, name))) so that every send of it has one key.
+// A retry needs the request's
 // GetBody (http.NewRequest sets it for in-memory bodies); without it there is
 // none.
 type Transport struct {
@@ -119,8 +124,11 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		wait := fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}.Delay(attempt - 1)
 		if resp != nil {
-			if s, perr := strconv.Atoi(resp.Header.Get("Retry-After")); perr == nil && s >= 0 {
-				wait = min(time.Duration(s)*time.Second, maxWait)
+			if s, perr := strconv.ParseInt(resp.Header.Get("Retry-After"), 10, 64); perr == nil && s >= 0 {
+				wait = maxWait
+				if s < int64(maxWait/time.Second)+1 {
+					wait = min(time.Duration(s)*time.Second, maxWait)
+				}
 			}
 			resp.Body.Close()
 		}

@@ -339,6 +339,73 @@ func testDownstreamKeys(t *testing.T, s idempotency.Store) {
 	}
 }
 
+// A handler charges a provider through Transport (or with a CallKey it
+// named), then answers 502: the key stays armed. The Reconcile hook asks the
+// provider whether that call happened, by the key the call carried, derived
+// from the effect key the hook is given (CallKeyFor): it finds the charge, and
+// the retry gets the original answer. The provider charged once.
+func testReconcileDownstream(t *testing.T, s idempotency.Store) {
+	for _, named := range []bool{false, true} {
+		var mu sync.Mutex
+		charged := map[string]int{} // by Idempotency-Key
+		provider := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			defer mu.Unlock()
+			if r.Method == http.MethodGet { // GET /charges/{key}: did it happen?
+				if charged[strings.TrimPrefix(r.URL.Path, "/charges/")] == 0 {
+					w.WriteHeader(http.StatusNotFound)
+				}
+				return
+			}
+			charged[r.Header.Get(idemhttp.Header)]++
+			w.WriteHeader(http.StatusCreated)
+		}))
+		host := strings.TrimPrefix(provider.URL, "http://")
+		callName := "POST " + host + "/charges #1" // the Transport's name for the first such call
+		if named {
+			callName = "charge"
+		}
+		reconcile := func(ctx context.Context, ek string) (bool, []byte, error) {
+			resp, err := http.Get(provider.URL + "/charges/" + idemhttp.CallKeyFor(ek, callName))
+			if err != nil {
+				return false, nil, err
+			}
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusNotFound {
+				return false, nil, nil
+			}
+			return true, idemhttp.RecordedResponse(http.StatusCreated, nil, []byte("charged")), nil
+		}
+		srv := serveMW(t, s, leaseOpts(600*time.Millisecond, reconcile), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			ctx := r.Context()
+			if named {
+				ctx = idemhttp.WithKey(ctx, idemhttp.CallKey(ctx, "charge"))
+			}
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, provider.URL+"/charges", strings.NewReader("4200"))
+			resp, err := (&http.Client{Transport: &idemhttp.Transport{}}).Do(req)
+			if err == nil {
+				resp.Body.Close()
+			}
+			w.WriteHeader(http.StatusBadGateway) // our own write after the charge failed
+		}), nil)
+		k := key()
+		if r, b := post(t, srv.URL, k, "4200"); r.StatusCode != http.StatusBadGateway {
+			t.Fatalf("first answer %d %s, want the handler's 502", r.StatusCode, b)
+		}
+		r, b := untilNot409(t, srv.URL, k, "4200")
+		mu.Lock()
+		n := 0
+		for _, c := range charged {
+			n += c
+		}
+		mu.Unlock()
+		if n != 1 || r.StatusCode != http.StatusCreated || b != "charged" {
+			t.Errorf("named %v: the provider charged %d times; the retry got %d %s; want one charge, and the reconciled 201", named, n, r.StatusCode, b)
+		}
+		provider.Close()
+	}
+}
+
 // Issue 24 item 6: a handler that returns without answering after its client
 // left is not a 200 success: the key stays armed (409, then outcome-unknown),
 // or, when it called NotSent, the key is released and the retry runs it.
@@ -403,8 +470,17 @@ func testDefaultScope(t *testing.T, s idempotency.Store) {
 	if c1 == c2 || rc.Header.Get(idemhttp.ReplayedHeader) != "" {
 		t.Errorf("two session cookies, one key: %s and %s; want two runs", c1, c2)
 	}
-	if n := e.h.runs.Load(); n != 4 {
-		t.Errorf("handler ran %d times, want 4 (alice, bob, carol, dave)", n)
+	// API keys in their own headers, as many payment APIs take them.
+	for _, h := range []string{"X-Api-Key", "Api-Key", "X-Auth-Token", "Proxy-Authorization"} {
+		k := key()
+		_, erin := e.post(t, k, "4200", h, "erin-secret")
+		rf, frank := e.post(t, k, "4200", h, "frank-secret")
+		if erin == frank || rf.Header.Get(idemhttp.ReplayedHeader) != "" {
+			t.Errorf("two %s credentials, one key and body: frank got %s (replayed %q) after erin's %s; want a run of his own", h, frank, rf.Header.Get(idemhttp.ReplayedHeader), erin)
+		}
+	}
+	if n := e.h.runs.Load(); n != 12 {
+		t.Errorf("handler ran %d times, want 12 (alice, bob, carol, dave, and two per API-key header)", n)
 	}
 }
 
@@ -422,6 +498,50 @@ func testEarlyHints(t *testing.T, s idempotency.Store) {
 		r, b := post(t, srv.URL, k, "4200")
 		if r.StatusCode != http.StatusCreated || b != "charged" || (r.Header.Get(idemhttp.ReplayedHeader) == "true") != (i == 1) {
 			t.Errorf("%s: %d %s; want 201 charged", what, r.StatusCode, b)
+		}
+	}
+}
+
+// A handler that charges and then writes a status net/http refuses (outside
+// 100-999) panics there without the middleware. Behind it, the status must not
+// be recorded as the key's final answer, which no replay could then send: the
+// key stays armed, as after any panic after the effect, and a retry gets
+// outcome-unknown, never a connection cut on every replay.
+func testInvalidStatus(t *testing.T, s idempotency.Store) {
+	for _, status := range []int{42, 1000} {
+		var runs atomic.Int32
+		srv := serveMW(t, s, leaseOpts(600*time.Millisecond, nil), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			w.WriteHeader(status)
+			_, _ = io.WriteString(w, "charged")
+		}), nil)
+		k := key()
+		send := func() (*http.Response, error) {
+			req, _ := http.NewRequest(http.MethodPost, srv.URL+"/charges", strings.NewReader("4200"))
+			req.Header.Set(idemhttp.Header, k)
+			return http.DefaultClient.Do(req)
+		}
+		if resp, err := send(); err == nil {
+			resp.Body.Close()
+		}
+		for i := 0; i < 2; i++ {
+			var r *http.Response
+			var err error
+			for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+				if r, err = send(); err != nil || r.StatusCode != http.StatusConflict || time.Now().After(deadline) {
+					break
+				}
+				r.Body.Close()
+			}
+			if err != nil {
+				t.Fatalf("retry %d after a status %d: %v; want an answer", i, status, err)
+			}
+			b, _ := io.ReadAll(r.Body)
+			r.Body.Close()
+			wantCode(t, fmt.Sprintf("retry after a status %d", status), r, string(b), http.StatusInternalServerError, "outcome-unknown")
+		}
+		if n := runs.Load(); n != 1 {
+			t.Errorf("status %d: the handler ran %d times, want 1", status, n)
 		}
 	}
 }
@@ -445,6 +565,11 @@ func TestBadOptions(t *testing.T) {
 				{"Idempotency.Lease", idemhttp.Options{Idempotency: &idempotency.Options{Lease: -time.Second}}},
 				{"Idempotency.CompleteTimeout", idemhttp.Options{Idempotency: &idempotency.Options{CompleteTimeout: -time.Second}}},
 				{"Idempotency.Retention", idemhttp.Options{Idempotency: &idempotency.Options{Retention: -time.Second}}},
+				// Methods are case-sensitive: "post" would let every POST
+				// through without its key, and a retry charge again.
+				{"Methods", idemhttp.Options{Methods: []string{"post"}}},
+				{"Methods", idemhttp.Options{Methods: []string{http.MethodPost, "Patch"}}},
+				{"Methods", idemhttp.Options{Methods: []string{""}}},
 			} {
 				_, err := idemhttp.Middleware(s, &c.o)
 				if !errors.Is(err, fence.ErrInvalid) || !strings.Contains(err.Error(), c.option) {

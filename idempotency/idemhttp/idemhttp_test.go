@@ -138,9 +138,11 @@ func TestMiddleware(t *testing.T) {
 				{"ClientLeftLeaseRenewed", func(t *testing.T, s idempotency.Store) { testClientLeft(t, s, false) }},
 				{"ClientLeftReconcileNotDone", func(t *testing.T, s idempotency.Store) { testClientLeft(t, s, true) }},
 				{"DistinctDownstreamKeys", testDownstreamKeys},
+				{"ReconcileFindsDownstreamCall", testReconcileDownstream},
 				{"NoAnswerAfterClientLeft", testNoAnswer},
 				{"DefaultScopeIsCredentials", testDefaultScope},
 				{"EarlyHintsKeepStatus", testEarlyHints},
+				{"InvalidStatusIsAPanic", testInvalidStatus},
 				{"OneEffectPerKeyUnderFaults", testOneEffectPerKey},
 				{"ClientErrorIsFinal", testClientError},
 				{"KeysAndMethods", testKeys},
@@ -556,5 +558,28 @@ func TestTransport(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusUnprocessableEntity || f.seen.Load() != 1 {
 		t.Errorf("reused key: %d after %d attempts; want 422 once", resp.StatusCode, f.seen.Load())
+	}
+}
+
+// A Retry-After too large for a time.Duration is capped at MaxRetryAfter, as
+// every other large one is: it must not overflow into "retry at once".
+func TestTransportHugeRetryAfter(t *testing.T) {
+	var hits atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		w.Header().Set("Retry-After", "9300000000") // seconds: over math.MaxInt64 ns
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	defer srv.Close()
+	// The caller's patience ends long before the cap (the default 10s).
+	ctx, cancel := context.WithTimeout(idemhttp.WithKey(context.Background(), key()), 2*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader("4200"))
+	resp, err := (&http.Client{Transport: &idemhttp.Transport{}}).Do(req)
+	if err == nil {
+		resp.Body.Close()
+	}
+	if n := hits.Load(); n != 1 {
+		t.Fatalf("Retry-After 9300000000: %d attempts before the caller's 2s ended (%v); want 1, then the capped wait", n, err)
 	}
 }

@@ -44,7 +44,9 @@
 // scoped by Options.Principal (by default, the request's credentials), so one
 // client cannot replay another's response by sending its key. The handler
 // finds the attempt's effect key with [EffectKey], and a key for each call it
-// makes downstream with [CallKey] (Transport derives one by itself).
+// makes downstream with [CallKey] (Transport derives one by itself); a
+// Reconcile hook, given an attempt's effect key, finds those calls' keys with
+// [CallKeyFor].
 //
 // # Client
 //
@@ -98,11 +100,13 @@ type Options struct {
 	// Principal returns the authenticated principal of a request; keys are
 	// scoped by it, so the same key from two principals names two requests.
 	// An error answers 401. Default: the request's credentials, a digest of
-	// its Authorization and Cookie headers, so that a response is replayed
+	// its Authorization, Cookie, Proxy-Authorization, X-Api-Key, Api-Key and
+	// X-Auth-Token headers, so that a response is replayed
 	// only to a request with the same credentials. A client whose credentials
 	// change between two tries of one request (a refreshed token, a rotated
 	// cookie) is then a new request and runs again: set Principal to the
-	// authenticated identity whenever that can happen.
+	// authenticated identity whenever that can happen, and whenever
+	// credentials come in another header or a TLS client certificate.
 	Principal func(r *http.Request) (string, error)
 	// FingerprintHeaders are request headers that, beside the method, the path
 	// and query and the body, make two requests the same. Default: none.
@@ -132,6 +136,9 @@ type Options struct {
 // larger.
 const MaxRecordSize = 256 << 20
 
+var standardMethods = []string{http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodPatch,
+	http.MethodDelete, http.MethodConnect, http.MethodOptions, http.MethodTrace}
+
 var defaultRecordHeaders = []string{"Content-Type", "Content-Language", "Location", "Cache-Control", "ETag", "Last-Modified"}
 
 type middleware struct {
@@ -142,7 +149,8 @@ type middleware struct {
 }
 
 // Middleware returns the middleware on store. It returns an error matching
-// fence.ErrInvalid, naming the option, for a nil store, a negative size, a
+// fence.ErrInvalid, naming the option, for a nil store, an empty method or a
+// standard one not in capitals ("post"), a negative size, a
 // MaxResponseSize over MaxRecordSize, or Idempotency options that
 // idempotency.Do would refuse.
 func Middleware(store idempotency.Store, opts *Options) (func(http.Handler) http.Handler, error) {
@@ -158,6 +166,13 @@ func Middleware(store idempotency.Store, opts *Options) (func(http.Handler) http
 		return nil, &fence.InvalidError{Op: "idemhttp", Arg: "MaxBodySize", Reason: fmt.Sprintf("%d is negative", m.o.MaxBodySize)}
 	case m.o.MaxResponseSize < 0 || m.o.MaxResponseSize > MaxRecordSize:
 		return nil, &fence.InvalidError{Op: "idemhttp", Arg: "MaxResponseSize", Reason: fmt.Sprintf("%d is outside 0..%d (MaxRecordSize)", m.o.MaxResponseSize, MaxRecordSize)}
+	}
+	for _, method := range m.o.Methods {
+		// Methods are case-sensitive: "post" names no request a client sends
+		// as POST, which would then pass through without its key.
+		if up := strings.ToUpper(method); method == "" || (up != method && slices.Contains(standardMethods, up)) {
+			return nil, &fence.InvalidError{Op: "idemhttp", Arg: "Methods", Reason: fmt.Sprintf("%q is not a method (methods are case-sensitive: %s)", method, up)}
+		}
 	}
 	if err := m.o.Idempotency.Validate(); err != nil {
 		var ie *fence.InvalidError
@@ -281,7 +296,22 @@ func CallKey(ctx context.Context, name string) string {
 	if ek == "" {
 		return ""
 	}
-	h := sha256.Sum256([]byte(ek + "\x00" + name))
+	return CallKeyFor(ek, name)
+}
+
+// CallKeyFor returns the key that CallKey gives the call named name in the
+// attempt whose effect key is effectKey: for a Reconcile hook
+// (Options.Idempotency.Reconcile), which is given the effect key of the
+// attempt it asks about, and must ask the provider by the keys its calls
+// carried. Transport names the n-th keyed call of an attempt with one method
+// to one host and path (from 1) "METHOD host/path #n", for example
+// "POST api.example.com/v1/charges #1" (the host as in the request's URL,
+// with its port if it has one; no query).
+func CallKeyFor(effectKey, name string) string {
+	if effectKey == "" {
+		return ""
+	}
+	h := sha256.Sum256([]byte(effectKey + "\x00" + name))
 	return hex.EncodeToString(h[:16])
 }
 
@@ -298,7 +328,7 @@ func (a *attempt) nextCallKey(method, host, path string) string {
 	}
 	id := method + " " + host + path
 	a.calls[id]++
-	return CallKey(context.WithValue(context.Background(), attemptCtx{}, a), fmt.Sprintf("%s #%d", id, a.calls[id]))
+	return CallKeyFor(a.effectKey, fmt.Sprintf("%s #%d", id, a.calls[id]))
 }
 
 // NotSent tells the middleware, from a handler, that this request did nothing
@@ -460,6 +490,11 @@ func (m *middleware) serve(next http.Handler, w http.ResponseWriter, r *http.Req
 	}
 }
 
+// moreCredentialHeaders are the request headers, beside Authorization and
+// Cookie, whose digest is part of the default principal: where HTTP clients
+// also carry credentials.
+var moreCredentialHeaders = []string{"Proxy-Authorization", "X-Api-Key", "Api-Key", "X-Auth-Token"}
+
 // principal is the scope of a request's keys: Options.Principal's answer, or
 // by default a digest of the request's credentials.
 func (m *middleware) principal(r *http.Request) (string, error) {
@@ -468,6 +503,13 @@ func (m *middleware) principal(r *http.Request) (string, error) {
 	}
 	h := sha256.New()
 	fmt.Fprintf(h, "%q\n%q\n", r.Header.Values("Authorization"), r.Header.Values("Cookie"))
+	// The other headers count only when present, so that a request with
+	// neither keeps the scope it had before they counted.
+	for _, name := range moreCredentialHeaders {
+		if v := r.Header.Values(name); len(v) > 0 {
+			fmt.Fprintf(h, "%s: %q\n", name, v)
+		}
+	}
 	return "\x00credentials:" + hex.EncodeToString(h.Sum(nil)), nil
 }
 
@@ -503,8 +545,12 @@ func (r *recorder) Header() http.Header { return r.header }
 
 // WriteHeader keeps the first final status; 1xx interim answers (103 Early
 // Hints) are neither kept nor sent, since the answer goes out only after it
-// is recorded.
+// is recorded. A code outside 100-999 panics, as net/http's own WriteHeader
+// does: a panic keeps the key armed, and such a status could not be replayed.
 func (r *recorder) WriteHeader(status int) {
+	if status < 100 || status > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
+	}
 	if status >= 100 && status < 200 {
 		return
 	}
