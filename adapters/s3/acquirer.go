@@ -59,10 +59,23 @@ type AcquirerOptions struct {
 // used, or past its expiry on S3's clock) writes the next token and its own
 // nonce with a conditional PUT: If-None-Match: * for a new name, If-Match on
 // the ETag it read otherwise, so of two contenders at most one succeeds. The
-// token is the object's counter plus one: it survives as long as the object
-// does, and a release keeps it (the object is never deleted). Renew and
-// Release are PUTs conditional on the holder's ETag. Acquire + release take 3
-// requests (GET, PUT, PUT).
+// token is the object's counter plus one, and a release keeps it (the
+// acquirer never deletes the object). Renew and Release are PUTs conditional
+// on the holder's ETag. Acquire + release take 3 requests (GET, PUT, PUT).
+//
+// # Tokens when the lock object is deleted
+//
+// Someone else may delete a lock object (a lifecycle rule, an operator, a
+// bucket cleanup) while its holder still runs. The next grant then creates a
+// new object, and its counter starts from S3's clock instead of 1: at the
+// second after S3's Date, in microseconds (about 1.7e15 today; below 2^53
+// until the year 2255), and the grant waits until S3's time has reached that
+// second before it writes. So a name's first grant, and the first after a
+// deletion, take about a second longer. Its token is above every token the
+// deleted object handed out, provided (a) S3's clock, as its Date headers tell
+// it, does not go back between the two objects, and (b) the old object saw
+// fewer than a million grants per second of its life (S3 accepts far fewer
+// writes to one object). A stalled holder's write is then refused by the fence.
 //
 // # Time
 //
@@ -302,6 +315,13 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrHeld)
 		}
 		next := o.st.Token + 1
+		if !o.exists {
+			// A new lock object: the name's first grant, or its object was
+			// deleted. Start above every token it may have handed out.
+			if next, err = a.creationToken(ctx, o.clock); err != nil {
+				return nil, a.failed("acquire", name, err, ambiguous)
+			}
+		}
 		if !fence.Token(next).Valid() {
 			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrTokensExhausted)
 		}
@@ -331,6 +351,27 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 		}
 	}
 	return nil, a.failed("acquire", name, fmt.Errorf("%d attempts: %w", a.o.MaxAttempts, ErrContention), ambiguous)
+}
+
+// creationToken is the token of a new lock object: the second after S3's Date
+// on the read that found no object, in microseconds. It first waits until S3's
+// time has certainly reached that second (about a second after the read), so
+// the PUT that creates the object lands at or after the time its token stands
+// for. Any later read that finds the object gone (deleted after this PUT) has a
+// Date at or past that second, and its token is at least a second (a million)
+// higher: above this object's tokens, which grow by one per grant.
+func (a *Acquirer) creationToken(ctx context.Context, c s3Clock) (uint64, error) {
+	floor := c.date.Truncate(time.Second).Add(time.Second)
+	if wait := floor.Sub(c.earliest()); wait > 0 {
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+			return 0, context.Cause(ctx)
+		case <-t.C:
+		}
+	}
+	return uint64(floor.UnixMicro()), nil
 }
 
 // failed wraps err; after an ambiguous PUT the grant may exist (under this
@@ -400,7 +441,10 @@ type lease struct {
 }
 
 // Renew extends the lease by its ttl on S3's clock, with a PUT conditional on
-// the holder's ETag. See fence.Lease.
+// the holder's ETag. See fence.Lease. A lease whose context is done (released,
+// lost, or past its local deadline) returns fence.ErrLost without writing, so
+// a late Renew never holds the lock on S3 again; a renewal that S3 confirms
+// only after the local deadline passed is undone with a release.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
@@ -408,6 +452,9 @@ func (l *lease) Renew(ctx context.Context) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for attempt := 0; attempt < l.a.o.MaxAttempts; attempt++ {
+		if l.Context().Err() != nil {
+			return l.lost()
+		}
 		st := l.st
 		sent := time.Now()
 		st.Expires = l.clock.latest().Add(l.TTL()).UnixMilli() + 1
@@ -415,6 +462,9 @@ func (l *lease) Renew(ctx context.Context) error {
 		if err == nil {
 			l.st, l.etag, l.clock = st, etag, clock
 			if !l.Extend(sent) {
+				// Confirmed too late: the holder has stopped; free the lock
+				// at once rather than leave it held for a ttl.
+				_, _, _ = l.a.write(ctx, l.Name(), l.etag, lockState{Token: l.st.Token, Owner: l.st.Owner}, l.clock)
 				return l.lost()
 			}
 			return nil
@@ -456,10 +506,7 @@ func (l *lease) Release(ctx context.Context) error {
 		st := lockState{Token: l.st.Token, Owner: l.st.Owner}
 		_, _, err := l.a.write(ctx, l.Name(), l.etag, st, l.clock)
 		if err == nil {
-			if l.Context().Err() != nil && errors.Is(context.Cause(l.Context()), fence.ErrLost) {
-				return l.lost() // released, but its local deadline had passed
-			}
-			return nil
+			return l.released()
 		}
 		if !isConflict(err) && !mayHaveApplied(err) {
 			return fmt.Errorf("s3fence: release %q: %w", l.Name(), err)
@@ -470,7 +517,7 @@ func (l *lease) Release(ctx context.Context) error {
 		}
 		switch {
 		case o.exists && o.st.Token == l.st.Token && o.st.Holder == "":
-			return nil // our release landed; its answer was lost
+			return l.released() // our release landed; its answer was lost
 		case !o.exists || o.st.Token != l.st.Token || o.st.Holder != l.st.Holder:
 			return l.lost()
 		}
@@ -480,6 +527,15 @@ func (l *lease) Release(ctx context.Context) error {
 		}
 	}
 	return fmt.Errorf("s3fence: release %q: %d attempts: %w", l.Name(), l.a.o.MaxAttempts, ErrContention)
+}
+
+// released is Release's result once the lock is free: ErrLost when the lease
+// had already ended on its own (past its local deadline, or found lost).
+func (l *lease) released() error {
+	if l.Context().Err() != nil && errors.Is(context.Cause(l.Context()), fence.ErrLost) {
+		return l.lost()
+	}
+	return nil
 }
 
 func (l *lease) lost() error {

@@ -48,7 +48,6 @@ func TestAcquirerFaults(t *testing.T) { faultServers(t, testAcquirerFaults) }
 func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 	a := newAcquirer(t, e)
 	ctx := context.Background()
-	var last fence.Token
 	for _, kind := range []string{"drop-response", "409", "412", "500"} {
 		name := fencetest.Name("fault")
 		f.inject(kind)
@@ -63,8 +62,8 @@ func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 		if _, err := a.TryAcquire(ctx, name, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
 			t.Fatalf("after the %s grant: %v, want ErrHeld", kind, err)
 		}
-		if l.Token() != 1 {
-			t.Errorf("%s: token %d for a new name, want 1", kind, l.Token())
+		if l.Token() < 1e15 || l.Token()%1e6 != 0 {
+			t.Errorf("%s: token %d for a new name, want S3's clock in whole seconds, in microseconds", kind, l.Token())
 		}
 		f.inject("drop-response")
 		if err := l.Renew(ctx); err != nil {
@@ -78,11 +77,10 @@ func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 		if err != nil || l2.Token() <= l.Token() {
 			t.Fatalf("after the release: %v, token %v", err, l2)
 		}
-		last = l2.Token()
+		if l2.Token() != l.Token()+1 {
+			t.Errorf("%s: the token after one grant and a release is %d, want %d: the release kept the counter", kind, l2.Token(), l.Token()+1)
+		}
 		_ = l2.Release(ctx)
-	}
-	if last != 2 {
-		t.Errorf("the token after one grant and a release is %d, want 2: the release kept the counter", last)
 	}
 }
 
@@ -212,4 +210,91 @@ func TestAcquirerBadOptions(t *testing.T) {
 	if _, err := a.TryAcquire(context.Background(), "n", 500*time.Millisecond); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("ttl below a second: %v", err)
 	}
+}
+
+// TestLockObjectDeleted (HAZARDS 1): holder A has token 2 and stalls; its lock
+// object is deleted (a lifecycle rule, an operator); B is granted the name and
+// writes a fresh key through the fenced writer. B's token must be above A's, so
+// A's late write is refused as stale instead of overwriting B's.
+func TestLockObjectDeleted(t *testing.T) { servers(t, testLockObjectDeleted) }
+
+func testLockObjectDeleted(t *testing.T, e *s3env) {
+	a := newAcquirer(t, e)
+	w := newWriter(t, e, nil)
+	ctx := context.Background()
+	name := fencetest.Name("deleted")
+	first, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	holderA, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A stalls; the lock object is deleted behind its back.
+	if _, err := e.c.DeleteObject(ctx, &s3.DeleteObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("fencekit-locks/" + name)}); err != nil {
+		t.Fatal(err)
+	}
+	holderB, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatalf("grant after the lock object was deleted: %v", err)
+	}
+	defer holderB.Release(ctx)
+	if holderB.Token() <= holderA.Token() {
+		t.Errorf("after the lock object was deleted the new grant has token %d, not above the stalled holder's %d", holderB.Token(), holderA.Token())
+	}
+	key := fencetest.Name("fresh")
+	if err := w.Write(ctx, key, []byte("B"), holderB.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("A, late"), holderA.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Errorf("the stalled holder's write over the new holder's: %v, want ErrStale", err)
+	}
+	if v, tok, err := w.Read(ctx, key); err != nil || string(v) != "B" || tok != holderB.Token() {
+		t.Errorf("stored %q token %d (%v); want B's write, token %d", v, tok, err, holderB.Token())
+	}
+}
+
+// TestRenewAfterLocalDeadline (HAZARDS 6): a Renew sent once the lease's
+// context has ended returns ErrLost and must not hold the lock on S3 again:
+// another acquirer is granted when the original lease runs out on S3's clock
+// (up to 2s late, S3's Date having whole seconds), not a ttl after the renewal.
+func TestRenewAfterLocalDeadline(t *testing.T) { servers(t, testRenewAfterLocalDeadline) }
+
+func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	name := fencetest.Name("late-renew")
+	const ttl = 5 * time.Second
+	// The name's lock object exists before the timed grant.
+	l0, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = l0.Release(ctx)
+	start := time.Now()
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-l.Context().Done()
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("renew after the local deadline: %v, want ErrLost", err)
+	}
+	// The original lease ends on S3's clock by start+ttl; S3's whole-second
+	// Date grants it up to 2s later. A renewal that landed would hold it
+	// until about start+2*ttl.
+	wctx, cancel := context.WithDeadline(ctx, start.Add(ttl+3500*time.Millisecond))
+	defer cancel()
+	l2, err := a.Acquire(wctx, name, ttl)
+	if err != nil {
+		t.Fatalf("another acquirer, within the original lease's ttl (and S3's 2s): %v", err)
+	}
+	if l2.Token() <= l.Token() {
+		t.Errorf("token %d not above %d", l2.Token(), l.Token())
+	}
+	_ = l2.Release(ctx)
 }
