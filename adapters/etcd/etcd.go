@@ -150,6 +150,13 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 
 func seconds(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Second) }
 
+// WaiterTTL is the etcd lease of a key waiting in line: a waiter that dies (or
+// is cut off from the cluster) leaves the line within about this long, whatever
+// the lock's ttl, and the next waiter moves up. A waiter renews it every third
+// of it; once at the head of the line, its key moves to a lease with the lock's
+// ttl and keeps its create revision, the token.
+const WaiterTTL = 3 * time.Second
+
 func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, wait bool) (fence.Lease, error) {
 	pfx := a.lockPrefix(name)
 	sent := time.Now()
@@ -157,65 +164,167 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 	if err != nil {
 		return nil, a.fail(ctx, "acquire", name, err)
 	}
-	id := lg.ID
-	giveUp := func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		_, _ = a.c.Revoke(rctx, id)
-		cancel()
-	}
-	key := fmt.Sprintf("%s%016x", pfx, int64(id))
+	key := fmt.Sprintf("%s%016x", pfx, int64(lg.ID))
+	// The key is created only if the line is empty, in one transaction: a
+	// TryAcquire that loses never enters the line, so a loser whose cleanup
+	// fails blocks nobody.
 	txn, err := a.c.Txn(ctx).
-		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id)),
-			clientv3.OpGet(pfx, clientv3.WithFirstCreate()...)).
+		If(clientv3.Compare(clientv3.CreateRevision(pfx).WithPrefix(), "=", 0)).
+		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(lg.ID))).
 		Commit()
 	if err != nil {
-		giveUp()
-		return nil, a.fail(ctx, "acquire", name, err)
-	}
-	rev := txn.Header.Revision // the create revision of our key: the token
-	head := txn.Responses[1].GetResponseRange().Kvs
-	if len(head) > 0 && head[0].CreateRevision != rev {
-		if !wait {
-			giveUp()
-			return nil, fence.ErrHeld
+		// The answer was lost: the key may have been created. Look.
+		rev, ok, gerr := a.created(ctx, key, lg.ID)
+		if ok {
+			return a.granted(name, rev, ttl, lg.ID, sent)
 		}
-		if sent, err = a.waitTurn(ctx, pfx, id, rev, ttl, sent); err != nil {
-			giveUp()
-			return nil, a.fail(ctx, "acquire", name, err)
-		}
+		a.revoke(lg.ID, ttl) // a create that lands later fails, or is deleted
+		return nil, a.notGranted(ctx, name, err, gerr)
 	}
+	if txn.Succeeded {
+		return a.granted(name, txn.Header.Revision, ttl, lg.ID, sent)
+	}
+	a.revoke(lg.ID, ttl) // no key uses it
+	if !wait {
+		return nil, fmt.Errorf("etcdfence: acquire %q: %w", name, fence.ErrHeld)
+	}
+	return a.waitInLine(ctx, name, pfx, ttl)
+}
+
+// created reports whether key exists on lease id (a create whose answer was
+// lost), and its create revision; err when it could not look.
+func (a *Acquirer) created(ctx context.Context, key string, id clientv3.LeaseID) (int64, bool, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, false, err
+	}
+	resp, err := a.c.Get(ctx, key)
+	if err != nil {
+		return 0, false, err
+	}
+	if len(resp.Kvs) == 0 || clientv3.LeaseID(resp.Kvs[0].Lease) != id {
+		return 0, false, nil
+	}
+	return resp.Kvs[0].CreateRevision, true, nil
+}
+
+// notGranted is the error of a grant whose answer was lost (err) and whose key
+// was not found (or could not be looked for: lookErr). Its lease is being
+// revoked, so the grant does not hold the name either way: the error says
+// so, instead of a bare transport error.
+func (a *Acquirer) notGranted(ctx context.Context, name string, err, lookErr error) error {
+	if ctx.Err() != nil {
+		return errors.Join(fence.ErrHeld, context.Cause(ctx))
+	}
+	if lookErr != nil {
+		err = fmt.Errorf("%w, and looking for its key: %w", err, lookErr)
+	}
+	return fmt.Errorf("etcdfence: acquire %q: not granted (its answer was lost: %w; its etcd lease is revoked, so a late create cannot hold the name)", name, err)
+}
+
+// granted is the lease whose key was created at revision rev, on etcd lease id
+// granted by a request sent at sent.
+func (a *Acquirer) granted(name string, rev int64, ttl time.Duration, id clientv3.LeaseID, sent time.Time) (fence.Lease, error) {
 	tok := fence.Token(rev)
 	if !tok.Valid() {
-		giveUp()
+		a.revoke(id, ttl)
 		return nil, fmt.Errorf("etcdfence: acquire %q: revision %d: %w", name, rev, fence.ErrTokensExhausted)
 	}
 	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, id: id}, nil
 }
 
+// revoke revokes etcd lease id in the background, trying again until it is
+// gone or could not outlive its ttl anyway: a key on it leaves the line, in
+// whatever order a late request and the revoke reach etcd (a create on a
+// revoked lease fails).
+func (a *Acquirer) revoke(id clientv3.LeaseID, ttl time.Duration) {
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), ttl+time.Second)
+		defer cancel()
+		for attempt := 0; ; attempt++ {
+			_, err := a.c.Revoke(ctx, id)
+			if err == nil || errors.Is(err, rpctypes.ErrLeaseNotFound) || ctx.Err() != nil || errors.Is(err, context.Canceled) {
+				return
+			}
+			if (fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}).Sleep(ctx, attempt) != nil {
+				return
+			}
+		}
+	}()
+}
+
+// waitInLine queues a key for name on a short etcd lease (WaiterTTL), waits
+// until it heads the line, then moves it to a lease with the lock's ttl.
+func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Duration) (fence.Lease, error) {
+	wl, err := a.c.Grant(ctx, seconds(WaiterTTL))
+	if err != nil {
+		return nil, a.fail(ctx, "acquire", name, err)
+	}
+	w := wl.ID
+	key := fmt.Sprintf("%s%016x", pfx, int64(w))
+	pr, err := a.c.Put(ctx, key, a.o.Owner, clientv3.WithLease(w))
+	if err != nil {
+		a.revoke(w, WaiterTTL)
+		return nil, a.fail(ctx, "acquire", name, err)
+	}
+	rev := pr.Header.Revision // the create revision of our key: the token
+	if err := a.waitTurn(ctx, pfx, w, rev); err != nil {
+		a.revoke(w, WaiterTTL)
+		return nil, a.fail(ctx, "acquire", name, err)
+	}
+	// Our turn: move the key to a lease with the lock's ttl, if it is still
+	// on the waiter's lease (it was not expired meanwhile).
+	sent := time.Now()
+	lg, err := a.c.Grant(ctx, seconds(ttl))
+	if err != nil {
+		a.revoke(w, WaiterTTL)
+		return nil, a.fail(ctx, "acquire", name, err)
+	}
+	txn, err := a.c.Txn(ctx).
+		If(clientv3.Compare(clientv3.LeaseValue(key), "=", int64(w))).
+		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(lg.ID))).
+		Commit()
+	if err == nil && !txn.Succeeded {
+		err = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
+	}
+	if err != nil {
+		r, ok, gerr := a.created(ctx, key, lg.ID)
+		a.revoke(w, WaiterTTL) // deletes the key if it was not moved
+		if ok && r == rev {
+			return a.granted(name, rev, ttl, lg.ID, sent) // moved; the answer was lost
+		}
+		a.revoke(lg.ID, ttl) // deletes it if it was
+		if txn == nil {
+			return nil, a.notGranted(ctx, name, err, gerr)
+		}
+		return nil, a.fail(ctx, "acquire", name, err)
+	}
+	a.revoke(w, WaiterTTL) // no key uses it now
+	return a.granted(name, rev, ttl, lg.ID, sent)
+}
+
 // fail wraps err; an ending ctx turns it into ErrHeld joined with the cause.
 func (a *Acquirer) fail(ctx context.Context, op, name string, err error) error {
-	if errors.Is(err, fence.ErrHeld) {
-		return err
-	}
 	if ctx.Err() != nil {
 		return errors.Join(fence.ErrHeld, context.Cause(ctx))
 	}
 	return fmt.Errorf("etcdfence: %s %q: %w", op, name, err)
 }
 
-// waitTurn keeps lease id alive and waits until no key in pfx was created before
-// rev. It returns the send time of the last confirmed keep-alive, from which the
-// granted lease's local deadline counts.
-func (a *Acquirer) waitTurn(ctx context.Context, pfx string, id clientv3.LeaseID, rev int64, ttl time.Duration, sent time.Time) (time.Time, error) {
+// errLookAgain: a watch ended without the event; read the line again.
+var errLookAgain = errors.New("etcdfence: watch closed")
+
+// waitTurn keeps waiter lease id alive and waits until no key in pfx was
+// created before rev. A waiter lease that etcd expired (the waiter was cut off
+// for WaiterTTL) ends the wait with ErrHeld: its place in line is gone.
+func (a *Acquirer) waitTurn(ctx context.Context, pfx string, id clientv3.LeaseID, rev int64) error {
 	var (
-		mu        sync.Mutex
-		confirmed = sent
-		aliveErr  error
+		mu       sync.Mutex
+		aliveErr error
 	)
 	kctx, stop := context.WithCancel(ctx)
 	defer stop()
 	go func() {
-		t := time.NewTicker(ttl / 3)
+		t := time.NewTicker(WaiterTTL / 3)
 		defer t.Stop()
 		for {
 			select {
@@ -223,63 +332,57 @@ func (a *Acquirer) waitTurn(ctx context.Context, pfx string, id clientv3.LeaseID
 				return
 			case <-t.C:
 			}
-			s := time.Now()
-			_, err := a.c.KeepAliveOnce(kctx, id)
-			mu.Lock()
-			if err == nil {
-				confirmed = s
-			} else if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-				aliveErr = fmt.Errorf("its etcd lease expired while it waited: %w", fence.ErrLost)
-			}
-			mu.Unlock()
-			if aliveErr != nil {
+			// A keep-alive that cannot reach etcd retries until the next
+			// tick; the lease then runs out on etcd's clock.
+			tctx, cancel := context.WithTimeout(kctx, WaiterTTL/3)
+			_, err := a.c.KeepAliveOnce(tctx, id)
+			cancel()
+			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+				mu.Lock()
+				aliveErr = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
+				mu.Unlock()
 				stop()
 				return
 			}
 		}
 	}()
-	for {
+	done := func(err error) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if aliveErr != nil {
+			return aliveErr
+		}
+		return err
+	}
+	for attempt := 0; ; attempt++ {
 		// The key just before ours in line.
 		resp, err := a.c.Get(kctx, pfx, append(clientv3.WithLastCreate(), clientv3.WithMaxCreateRev(rev-1))...)
 		if err != nil {
-			mu.Lock()
-			defer mu.Unlock()
-			return time.Time{}, errors.Join(err, aliveErr)
+			return done(err)
 		}
 		if len(resp.Kvs) == 0 {
-			break
+			return done(nil)
 		}
-		if err := a.waitDelete(kctx, string(resp.Kvs[0].Key), resp.Header.Revision); err != nil {
-			mu.Lock()
-			defer mu.Unlock()
-			return time.Time{}, errors.Join(err, aliveErr)
+		err = a.waitDelete(kctx, string(resp.Kvs[0].Key), resp.Header.Revision)
+		if errors.Is(err, errLookAgain) {
+			err = (fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}).Sleep(kctx, attempt)
+		}
+		if err != nil {
+			return done(err)
 		}
 	}
-	stop()
-	mu.Lock()
-	defer mu.Unlock()
-	if aliveErr != nil {
-		return time.Time{}, aliveErr
-	}
-	// Our turn: renew once more, so the lease's local deadline is fresh.
-	s := time.Now()
-	if _, err := a.c.KeepAliveOnce(ctx, id); err != nil {
-		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-			return time.Time{}, fmt.Errorf("its etcd lease expired while it waited: %w", fence.ErrLost)
-		}
-		return confirmed, nil // the last confirmed keep-alive still bounds it
-	}
-	return s, nil
 }
 
-// waitDelete waits until key is deleted (at or after revision rev+1).
+// waitDelete waits until key is deleted (at or after revision rev+1). A watch
+// that ends otherwise (no leader, compaction, a closed stream) returns
+// errLookAgain, and the caller reads the line again.
 func (a *Acquirer) waitDelete(ctx context.Context, key string, rev int64) error {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	wch := a.c.Watch(clientv3.WithRequireLeader(wctx), key, clientv3.WithRev(rev+1))
 	for wr := range wch {
-		if err := wr.Err(); err != nil {
-			return err
+		if wr.Err() != nil {
+			break
 		}
 		for _, ev := range wr.Events {
 			if ev.Type == mvccpb.DELETE {
@@ -290,7 +393,7 @@ func (a *Acquirer) waitDelete(ctx context.Context, key string, rev int64) error 
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return errors.New("watch closed") // the caller looks again
+	return errLookAgain
 }
 
 type lease struct {
@@ -300,10 +403,19 @@ type lease struct {
 }
 
 // Renew sends one keep-alive for the etcd lease. A lease etcd no longer has
-// returns fence.ErrLost.
+// returns fence.ErrLost. A lease whose context is done (released, lost, or
+// past its local deadline) returns fence.ErrLost without a keep-alive, so a
+// late Renew never holds the lock on etcd again; a keep-alive confirmed only
+// after the local deadline passed is undone by revoking the etcd lease. A
+// keep-alive is safe to repeat: the client sends it again after a lost answer
+// until ctx ends, and an error then means the renewal was not confirmed (the
+// lease still ends at its local deadline).
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
+	}
+	if l.Context().Err() != nil {
+		return l.lost()
 	}
 	sent := time.Now()
 	resp, err := l.a.c.KeepAliveOnce(ctx, l.id)
@@ -315,26 +427,38 @@ func (l *lease) Renew(ctx context.Context) error {
 		return fmt.Errorf("etcdfence: renew %q: %w", l.Name(), err)
 	}
 	if !l.Extend(sent) {
+		l.a.revoke(l.id, l.TTL())
 		return l.lost()
 	}
 	return nil
 }
 
 // Release revokes the etcd lease, which deletes the lock key and wakes the next
-// waiter. A lease etcd no longer has returns fence.ErrLost.
+// waiter. It returns fence.ErrLost when the lease had ended before (past its
+// local deadline, found lost, or released). The client sends a revoke again after a lost
+// answer; etcd then no longer has the lease, and a lease that was still within
+// its local deadline cannot have expired on etcd (the deadline comes first),
+// so that is our own revoke and Release returns nil. A revoke that cannot be
+// confirmed before ctx ends goes on in the background until the lease is gone
+// or its ttl has passed; Release then returns an error matching
+// fence.ErrUnknown.
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
 	}
+	ended := l.Context().Err() != nil // expired, found lost, or released before
 	_, err := l.a.c.Revoke(ctx, l.id)
 	l.End(context.Canceled)
-	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-		return l.lost()
+	switch {
+	case err == nil || errors.Is(err, rpctypes.ErrLeaseNotFound):
+		if ended {
+			return l.lost()
+		}
+		return nil
+	default:
+		l.a.revoke(l.id, l.TTL())
+		return fmt.Errorf("etcdfence: release %q: %w: %w", l.Name(), fence.ErrUnknown, err)
 	}
-	if err != nil {
-		return fmt.Errorf("etcdfence: release %q: %w", l.Name(), err)
-	}
-	return nil
 }
 
 func (l *lease) lost() error {
