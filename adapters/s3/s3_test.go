@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -220,7 +221,15 @@ func servers(t *testing.T, fn func(t *testing.T, e *s3env)) {
 func faultServers(t *testing.T, fn func(t *testing.T, e *s3env, f *faults)) {
 	t.Run("gofakes3", func(t *testing.T) { e := fakeS3(t); fn(t, e, e.f) })
 	if testenv.ExternalS3() {
-		t.Log("not run on the external server of FENCEKIT_S3_ENDPOINT: faults need a proxy in front of a local server")
+		// The fault cases would silently not run on the real server: say so,
+		// and fail under CI, which must run them on a local one.
+		t.Run("real", func(t *testing.T) {
+			const msg = "fault cases not run on a real S3 server: FENCEKIT_S3_ENDPOINT names an external one, and a fault proxy in front of it would change the Host its requests are signed for; unset it to run them on versitygw"
+			if os.Getenv("CI") != "" {
+				t.Fatal(msg)
+			}
+			t.Skip(msg)
+		})
 		return
 	}
 	t.Run("real", func(t *testing.T) { e := realS3(t); fn(t, e, e.f) })
