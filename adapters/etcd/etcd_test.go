@@ -15,8 +15,15 @@ import (
 	"github.com/fencekit/fencekit/internal/etcdtest"
 )
 
-func TestAcquirerConformance(t *testing.T) {
-	c := etcdtest.Start(t, 1)
+func TestAcquirerConformance(t *testing.T) { runSuite(t, 1, 0, 0) }
+
+// TestAcquirerConformanceThreeMembers runs the suite on a 3-member cluster,
+// the client talking to every member. Every grant is a raft round on 3
+// members: the contention test is smaller on a loaded machine.
+func TestAcquirerConformanceThreeMembers(t *testing.T) { runSuite(t, 3, 8, 10) }
+
+func runSuite(t *testing.T, members, workers, increments int) {
+	c := etcdtest.Start(t, members)
 	a, err := etcdfence.New(c.Client(t), nil)
 	if err != nil {
 		t.Fatal(err)
@@ -28,6 +35,7 @@ func TestAcquirerConformance(t *testing.T) {
 		ShortTTL: 2 * time.Second,
 		MaxTTL:   etcdfence.MaxTTL,
 		BadNames: []string{strings.Repeat("n", etcdfence.MaxNameBytes+1)},
+		Workers:  workers, Increments: increments,
 	}.Run(t)
 }
 
@@ -127,6 +135,11 @@ func TestThreeNodeLeaderLoss(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	holderEnded := make(chan time.Time, 1)
+	go func() {
+		<-holder.Context().Done()
+		holderEnded <- time.Now()
+	}()
 	if err := w.Write(ctx, "report", []byte("by the first holder"), holder.Token()); err != nil {
 		t.Fatal(err)
 	}
@@ -161,6 +174,8 @@ func TestThreeNodeLeaderLoss(t *testing.T) {
 	defer g.l.Release(ctx)
 	if holder.Context().Err() == nil {
 		t.Error("the next holder was granted while the cut-off holder still believed it held the lease")
+	} else if ended := <-holderEnded; !ended.Before(g.at) {
+		t.Errorf("the cut-off holder's context ended %v after the next grant returned", ended.Sub(g.at))
 	}
 	if !errors.Is(context.Cause(holder.Context()), fence.ErrLost) {
 		t.Errorf("cut-off holder's context cause: %v, want ErrLost", context.Cause(holder.Context()))
