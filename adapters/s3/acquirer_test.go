@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -307,4 +309,113 @@ func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
 		t.Errorf("token %d not above %d", l2.Token(), l.Token())
 	}
 	_ = l2.Release(ctx)
+}
+
+// TestAbandonedGrant (HAZARDS 6, issue 29): a TryAcquire that gives up after a
+// grant's PUT whose answer was lost leaves no lock behind for its ttl: when
+// the PUT landed (its answer lost, then the caller's context ended), the
+// grant is released in the background; when the PUT is still on its way and
+// lands only after the caller gave up, it is refused, since the cleanup wrote
+// over the ETag (here: the absence) it was conditional on.
+func TestAbandonedGrant(t *testing.T) { faultServers(t, testAbandonedGrant) }
+
+func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
+	a, b := newAcquirer(t, e), newAcquirer(t, e)
+	ctx := context.Background()
+	const ttl = 60 * time.Second
+
+	t.Run("landed", func(t *testing.T) {
+		name := fencetest.Name("abandoned")
+		cctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		f.mu.Lock()
+		f.afterDrop = cancel // the PUT landed, its answer is lost, the caller gives up
+		f.mu.Unlock()
+		defer func() { f.mu.Lock(); f.afterDrop = nil; f.mu.Unlock() }()
+		f.inject("drop-response")
+		if l, err := a.TryAcquire(cctx, name, ttl); err == nil {
+			t.Fatalf("granted %d with its context cancelled", l.Token())
+		}
+		wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
+		defer wcancel()
+		l, err := b.Acquire(wctx, name, ttl)
+		if err != nil {
+			t.Fatalf("after an abandoned grant whose PUT landed: %v (the ttl is %v)", err, ttl)
+		}
+		_ = l.Release(ctx)
+	})
+
+	t.Run("lands-late", func(t *testing.T) {
+		name := fencetest.Name("late")
+		f.release, f.landed = make(chan int), make(chan int, 1)
+		f.inject("hold")
+		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		if l, err := a.TryAcquire(cctx, name, ttl); err == nil {
+			t.Fatalf("granted %d while its PUT was held", l.Token())
+		}
+		// The cleanup runs in the background: wait until it has written the
+		// lock object (free), then let the held PUT land.
+		deadline := time.Now().Add(15 * time.Second)
+		for {
+			info, err := b.Inspect(ctx, name)
+			if err == nil && !info.Held {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Errorf("no cleanup of the abandoned grant within 15s: %+v, %v", info, err)
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		f.release <- 1
+		if code := <-f.landed; code != http.StatusPreconditionFailed {
+			t.Errorf("the abandoned grant's late PUT was answered %d, want 412", code)
+		}
+		l, err := b.TryAcquire(ctx, name, ttl)
+		if err != nil {
+			t.Fatalf("after the abandoned grant's PUT landed late: %v (the ttl is %v)", err, ttl)
+		}
+		_ = l.Release(ctx)
+	})
+}
+
+// TestNamesByteForByte (HAZARDS 4): lock names that differ only in a trailing
+// space, case, a 4-byte character or the last byte of the longest key are
+// separate lock objects, each exclusive with itself.
+func TestNamesByteForByte(t *testing.T) { servers(t, testNamesByteForByte) }
+
+func testNamesByteForByte(t *testing.T, e *s3env) {
+	t.Parallel()
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	run := fencetest.Name("names") + "-"
+	// The longest key, in segments of 200 bytes: versitygw's posix backend
+	// refuses a segment over 255 bytes (KeyTooLongError).
+	long := strings.Repeat(strings.Repeat("n", 199)+"/", 4)
+	long += strings.Repeat("n", s3fence.MaxKeyBytes-len("fencekit-locks/")-len(run)-len(long)-1)
+	groups := [][]string{
+		{"job", "job ", "job\t"},
+		{"X\U0001F600", "X????", "X\uFFFD"},
+		{long + "a", long + "b"},
+		{"Case", "case", "ß", "ss"},
+	}
+	for _, names := range groups {
+		var held []fence.Lease
+		for _, n := range names {
+			l, err := a.TryAcquire(ctx, run+n, 10*time.Second)
+			if err != nil {
+				t.Fatalf("%q while %d others of %q are held: %v, want a grant (a separate lock)", n, len(held), names, err)
+			}
+			held = append(held, l)
+			if _, err := a.TryAcquire(ctx, run+n, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
+				t.Fatalf("%q a second time: %v, want ErrHeld", n, err)
+			}
+		}
+		for _, l := range held {
+			if err := l.Release(ctx); err != nil {
+				t.Errorf("release %q: %v", l.Name(), err)
+			}
+		}
+	}
 }

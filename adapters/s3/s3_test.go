@@ -49,6 +49,10 @@ type faults struct {
 	clockOffset atomic.Int64
 	// noDate drops the Date header from the answers to PUTs.
 	noDate atomic.Bool
+	// A "hold" PUT is read whole, then waits for a value on release before
+	// it reaches the server (after its client may have given up); the status
+	// the server answered goes to landed.
+	release, landed chan int
 }
 
 // shiftedDate sets the Date header, shifted by offset, when the header is written.
@@ -126,6 +130,14 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		panic("cannot drop the response")
+	case "hold":
+		body, _ := io.ReadAll(r.Body)
+		r2 := r.Clone(context.Background())
+		r2.Body = io.NopCloser(bytes.NewReader(body))
+		<-f.release
+		rec := httptest.NewRecorder()
+		f.next.ServeHTTP(rec, r2)
+		f.landed <- rec.Code
 	case "409":
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/xml")
