@@ -3,13 +3,22 @@
 // created, which the whole cluster agrees on and which only grows, across
 // leader changes and the loss of a minority of members.
 //
-// Each Acquire creates an etcd lease with the ttl (whole seconds; etcd may round
-// it up to its minimum) and a key under prefix/name/ attached to it. The holder
-// is the key with the lowest create revision; waiters queue in creation order
-// and each watches the key just before its own, as
-// go.etcd.io/etcd/client/v3/concurrency.Mutex does, so a release wakes exactly
-// the next waiter and nobody polls. A waiting Acquire keeps its own etcd lease
-// alive while it waits.
+// Each grant creates an etcd lease with the ttl (whole seconds; etcd may round
+// it up to its minimum) and a key under prefix/name/ attached to it, in one
+// transaction that succeeds only if the name's line is empty: a TryAcquire that
+// loses never enters the line. The holder is the key with the lowest create
+// revision; waiters queue in creation order and each watches the key just
+// before its own, as go.etcd.io/etcd/client/v3/concurrency.Mutex does, so a
+// release wakes exactly the next waiter and nobody polls. A waiter's key is on
+// a short lease (WaiterTTL) that it keeps alive while it waits, so a waiter
+// that dies leaves the line within WaiterTTL, not the lock's ttl; at the head
+// of the line its key moves to a lease with the lock's ttl, keeping its create
+// revision (the token). Names are escaped into keys and compared byte for byte.
+//
+// Cleanup (revoking the lease of a loser, of a waiter that gave up, of a grant
+// whose answer was lost) runs in the background and tries again until the
+// lease is gone or could not outlive its ttl; since a key can only be created
+// on a live lease, a late request that lands after the revoke fails.
 //
 // Once granted, the lease lives as long as it is renewed: Renew sends one
 // keep-alive, and fence.Hold renews every ttl/3. A holder that stops renewing
@@ -124,7 +133,9 @@ func (a *Acquirer) lockPrefix(name string) string {
 
 // TryAcquire grants the lease on name for ttl (at least 1s), or returns
 // fence.ErrHeld at once. Two round trips: the etcd lease, then one transaction
-// that creates the key and reads the queue's head.
+// that creates the key if the line is empty. A transaction whose answer was
+// lost is recognised by reading the key (the lease is returned), or reported
+// as not granted, its etcd lease being revoked.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := check(ctx, name, ttl); err != nil {
 		return nil, err
@@ -134,7 +145,10 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 
 // Acquire waits in line for the lease on name. It gives up at ctx's deadline,
 // or after MaxWait when ctx has none, with an error matching fence.ErrHeld and
-// the context error; its place in line is given up then.
+// the context error; its place in line is given up then. A waiter cut off from
+// etcd for WaiterTTL loses its place (its waiter lease expires) and fails with
+// fence.ErrHeld. A lease it returns was confirmed by etcd after its turn came:
+// never one already lost.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := check(ctx, name, ttl); err != nil {
 		return nil, err

@@ -228,3 +228,38 @@ func TestInspect(t *testing.T) {
 		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
 	}
 }
+
+// TestNamesByteForByte (HAZARDS 4): names that differ only in a trailing
+// space, a '/', a 4-byte character or the last byte of 1024 are separate
+// locks, and each is exclusive with itself.
+func TestNamesByteForByte(t *testing.T) {
+	c := etcdtest.Start(t, 1)
+	a, _ := etcdfence.New(c.Client(t), nil)
+	ctx := context.Background()
+	long := strings.Repeat("n", 1023)
+	groups := [][]string{
+		{"job", "job ", "job\t"},
+		{"a/b", "a%2Fb", "a", "a/"},
+		{"X\U0001F600", "X????", "X\uFFFD"},
+		{long + "a", long + "b"},
+		{"Case", "case", "ß", "ss"},
+	}
+	for _, names := range groups {
+		var held []fence.Lease
+		for _, n := range names {
+			l, err := a.TryAcquire(ctx, n, 10*time.Second)
+			if err != nil {
+				t.Fatalf("%q while %d others of %q are held: %v, want a grant (a separate lock)", n, len(held), names, err)
+			}
+			held = append(held, l)
+			if _, err := a.TryAcquire(ctx, n, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
+				t.Fatalf("%q a second time: %v, want ErrHeld", n, err)
+			}
+		}
+		for _, l := range held {
+			if err := l.Release(ctx); err != nil {
+				t.Errorf("release %q: %v", l.Name(), err)
+			}
+		}
+	}
+}
