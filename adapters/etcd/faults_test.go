@@ -30,6 +30,18 @@ func behindProxy(t *testing.T, c *etcdtest.Cluster, o *etcdfence.Options) (*etcd
 	return a, p
 }
 
+// faultSetup starts a 1-member cluster and returns an acquirer on a direct
+// client (and that client), one behind a fault proxy, the proxy, and a fresh
+// name.
+func faultSetup(t *testing.T, prefix string) (a *etcdfence.Acquirer, cl *clientv3.Client, b *etcdfence.Acquirer, p *faultnet.Proxy, name string) {
+	t.Helper()
+	c := etcdtest.Start(t, 1)
+	cl = c.Client(t)
+	a, _ = etcdfence.New(cl, nil)
+	b, p = behindProxy(t, c, nil)
+	return a, cl, b, p, fencetest.Name(prefix)
+}
+
 func linePrefix(name string) string { return "/fencekit/locks/" + url.PathEscape(name) + "/" }
 
 // waitLine waits until name's line has n keys (a waiter has joined), as the
@@ -74,11 +86,8 @@ func opensStream(b []byte) bool {
 // whose cleanup cannot reach etcd (its connection dropped, new ones refused)
 // must not keep the lock from others once the holder releases.
 func TestTryAcquireLoserBlocksNobody(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	a, _ := etcdfence.New(c.Client(t), nil)
-	loser, p := behindProxy(t, c, nil)
+	a, _, loser, p, name := faultSetup(t, "loser")
 	ctx := context.Background()
-	name := fencetest.Name("loser")
 	h, err := a.TryAcquire(ctx, name, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
@@ -122,12 +131,8 @@ func TestTryAcquireLoserBlocksNobody(t *testing.T) {
 // the waiter behind it is granted, and the cut-off waiter's Acquire fails
 // instead of returning a lease.
 func TestDeadWaiterSkipped(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
-	dead, p := behindProxy(t, c, nil)
+	a, cl, dead, p, name := faultSetup(t, "deadwaiter")
 	ctx := context.Background()
-	name := fencetest.Name("deadwaiter")
 	const ttl = 60 * time.Second
 	h, err := a.TryAcquire(ctx, name, ttl)
 	if err != nil {
@@ -188,12 +193,8 @@ func TestDeadWaiterSkipped(t *testing.T) {
 // joined with the context's error (or, if granted, with a live lease), soon
 // after the deadline, and leaves no key that blocks the name once healed.
 func TestAcquireCutOffWhileWaiting(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
-	waiter, p := behindProxy(t, c, nil)
+	a, cl, waiter, p, name := faultSetup(t, "cutoff")
 	ctx := context.Background()
-	name := fencetest.Name("cutoff")
 	const ttl = 2 * time.Second
 	h, err := a.TryAcquire(ctx, name, 30*time.Second)
 	if err != nil {
@@ -278,15 +279,9 @@ func TestRenewAfterLocalDeadline(t *testing.T) {
 // returns the lease its lost answer granted, and Release returns nil, not
 // ErrLost for the client's own repeated revoke; nothing blocks the name after.
 func TestLostReplies(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
-	b, p := behindProxy(t, c, nil)
+	a, cl, b, p, name := faultSetup(t, "lost")
 	ctx := context.Background()
-	var (
-		name string
-		l    fence.Lease
-	)
+	var l fence.Lease
 	// The proxy closes the connection once it has read the server's first
 	// answer bytes; etcd may cancel the transaction before it applies (the
 	// grant then fails, and must say it was not granted and leave the name
@@ -295,7 +290,9 @@ func TestLostReplies(t *testing.T) {
 		if attempt == 10 {
 			t.Fatal("in 10 tries no grant was applied with its answer lost")
 		}
-		name = fencetest.Name("lost")
+		if attempt > 0 {
+			name = fencetest.Name("lost")
+		}
 		pfx := []byte(linePrefix(name))
 		p.LoseReply(func(req []byte) bool { return bytes.Contains(req, pfx) })
 		var err error
