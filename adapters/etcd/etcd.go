@@ -20,6 +20,12 @@
 // lease is gone or could not outlive its ttl; since a key can only be created
 // on a live lease, a late request that lands after the revoke fails.
 //
+// Tokens are revisions of the whole cluster: deleting the lock keys (or the
+// whole prefix) does not restart them. Restoring a cluster from a snapshot
+// does set the revision back to the snapshot's: restore with etcdutl snapshot
+// restore --bump-revision (by more than the revisions since the snapshot) and
+// --mark-compacted, or tokens granted after the snapshot are handed out again.
+//
 // Once granted, the lease lives as long as it is renewed: Renew sends one
 // keep-alive, and fence.Hold renews every ttl/3. A holder that stops renewing
 // (paused, partitioned from the cluster's majority) loses the lease when etcd's
