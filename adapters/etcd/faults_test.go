@@ -171,6 +171,7 @@ func TestDeadWaiterSkipped(t *testing.T) {
 		t.Fatalf("the live waiter behind a dead one: %v", r.err)
 	}
 	waited := time.Since(released)
+	t.Logf("granted %v after the release, behind a cut-off waiter", waited)
 	// The dead waiter's key lives until its waiter lease runs out on etcd's
 	// clock (WaiterTTL, checked by etcd every 500ms), not for the lock's ttl.
 	if limit := etcdfence.WaiterTTL + 5*time.Second; waited > limit {
@@ -274,7 +275,7 @@ func TestRenewAfterLocalDeadline(t *testing.T) {
 	_ = l2.Release(ctx)
 }
 
-// TestLostReplies (HAZARDS 3): a grant and a release whose answers are lost
+// TestLostReplies (HAZARDS 3): a grant, a renewal and a release whose answers are lost
 // (the request reached etcd, the connection died) are recognised: TryAcquire
 // returns the lease its lost answer granted, and Release returns nil, not
 // ErrLost for the client's own repeated revoke; nothing blocks the name after.
@@ -317,8 +318,16 @@ func TestLostReplies(t *testing.T) {
 	if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
 		t.Fatalf("while the recognised grant holds: %v, want ErrHeld", err)
 	}
-	// The revoke request carries the lease id (protobuf field 1, varint).
+	// The keep-alive and revoke requests carry the lease id (protobuf field
+	// 1, varint).
 	id := binary.AppendUvarint([]byte{0x08}, uint64(leaseID(t, cl, name)))
+	p.LoseReply(func(req []byte) bool { return bytes.Contains(req, id) })
+	if err := l.Renew(ctx); err != nil {
+		t.Errorf("renew whose answer was lost: %v, want nil (a keep-alive is sent again)", err)
+	}
+	if p.Pending() != 0 {
+		t.Fatal("the keep-alive never went through the proxy")
+	}
 	p.LoseReply(func(req []byte) bool { return bytes.Contains(req, id) })
 	if err := l.Release(ctx); err != nil {
 		t.Errorf("release whose answer was lost: %v, want nil", err)
