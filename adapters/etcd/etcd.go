@@ -198,17 +198,17 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 		if ok {
 			return a.granted(name, rev, ttl, lg.ID, sent)
 		}
-		a.revoke(lg.ID, ttl) // a create that lands later fails, or is deleted
-		return nil, a.notGranted(ctx, name, err, gerr)
+		// A create that lands after the revoke fails, or is deleted by it.
+		return nil, a.notGranted(ctx, name, err, gerr, lg.ID)
 	}
 	if txn.Succeeded {
 		return a.granted(name, txn.Header.Revision, ttl, lg.ID, sent)
 	}
-	a.revoke(lg.ID, ttl) // no key uses it
 	if !wait {
+		a.revoke(lg.ID, ttl) // no key uses it
 		return nil, fmt.Errorf("etcdfence: acquire %q: %w", name, fence.ErrHeld)
 	}
-	return a.waitInLine(ctx, name, pfx, ttl)
+	return a.waitInLine(ctx, name, pfx, ttl, lg.ID, sent)
 }
 
 // created reports whether key exists on lease id (a create whose answer was
@@ -231,7 +231,10 @@ func (a *Acquirer) created(ctx context.Context, key string, id clientv3.LeaseID)
 // was not found (or could not be looked for: lookErr). Its lease is being
 // revoked, so the grant does not hold the name either way: the error says
 // so, instead of a bare transport error.
-func (a *Acquirer) notGranted(ctx context.Context, name string, err, lookErr error) error {
+func (a *Acquirer) notGranted(ctx context.Context, name string, err, lookErr error, leases ...clientv3.LeaseID) error {
+	for _, l := range leases {
+		a.revoke(l, time.Minute)
+	}
 	if ctx.Err() != nil {
 		return errors.Join(fence.ErrHeld, context.Cause(ctx))
 	}
@@ -273,53 +276,63 @@ func (a *Acquirer) revoke(id clientv3.LeaseID, ttl time.Duration) {
 }
 
 // waitInLine queues a key for name on a short etcd lease (WaiterTTL), waits
-// until it heads the line, then moves it to a lease with the lock's ttl.
-func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Duration) (fence.Lease, error) {
+// until it heads the line, then moves it to lease id, which has the lock's ttl
+// (granted by a request sent at sent) and is kept alive meanwhile; no key is on
+// it until then, so a waiter that dies leaves nothing that blocks the line.
+func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Duration, id clientv3.LeaseID, sent time.Time) (fence.Lease, error) {
+	giveUp := func(err error, leases ...clientv3.LeaseID) error {
+		for _, l := range leases {
+			a.revoke(l, ttl)
+		}
+		return a.fail(ctx, "acquire", name, err)
+	}
 	wl, err := a.c.Grant(ctx, seconds(WaiterTTL))
 	if err != nil {
-		return nil, a.fail(ctx, "acquire", name, err)
+		return nil, giveUp(err, id)
 	}
 	w := wl.ID
 	key := fmt.Sprintf("%s%016x", pfx, int64(w))
 	pr, err := a.c.Put(ctx, key, a.o.Owner, clientv3.WithLease(w))
 	if err != nil {
-		a.revoke(w, WaiterTTL)
-		return nil, a.fail(ctx, "acquire", name, err)
+		return nil, giveUp(err, id, w)
 	}
 	rev := pr.Header.Revision // the create revision of our key: the token
-	if err := a.waitTurn(ctx, pfx, w, rev); err != nil {
-		a.revoke(w, WaiterTTL)
-		return nil, a.fail(ctx, "acquire", name, err)
+	if sent, err = a.waitTurn(ctx, pfx, w, rev, id, ttl, sent); err != nil {
+		return nil, giveUp(err, id, w)
 	}
-	// Our turn: move the key to a lease with the lock's ttl, if it is still
-	// on the waiter's lease (it was not expired meanwhile).
-	sent := time.Now()
-	lg, err := a.c.Grant(ctx, seconds(ttl))
-	if err != nil {
-		a.revoke(w, WaiterTTL)
-		return nil, a.fail(ctx, "acquire", name, err)
+	if time.Since(sent) > ttl/2 {
+		// The lock's lease was not confirmed lately (keep-alives lost):
+		// take a fresh one rather than a short local deadline.
+		a.revoke(id, ttl)
+		sent = time.Now()
+		lg, err := a.c.Grant(ctx, seconds(ttl))
+		if err != nil {
+			return nil, giveUp(err, w)
+		}
+		id = lg.ID
 	}
+	// Our turn: move the key to the lock's lease, if it is still on the
+	// waiter's lease (it did not expire meanwhile). One round trip.
 	txn, err := a.c.Txn(ctx).
 		If(clientv3.Compare(clientv3.LeaseValue(key), "=", int64(w))).
-		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(lg.ID))).
+		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id))).
 		Commit()
 	if err == nil && !txn.Succeeded {
 		err = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
 	}
 	if err != nil {
-		r, ok, gerr := a.created(ctx, key, lg.ID)
-		a.revoke(w, WaiterTTL) // deletes the key if it was not moved
+		r, ok, gerr := a.created(ctx, key, id)
 		if ok && r == rev {
-			return a.granted(name, rev, ttl, lg.ID, sent) // moved; the answer was lost
+			a.revoke(w, WaiterTTL)
+			return a.granted(name, rev, ttl, id, sent) // moved; the answer was lost
 		}
-		a.revoke(lg.ID, ttl) // deletes it if it was
 		if txn == nil {
-			return nil, a.notGranted(ctx, name, err, gerr)
+			return nil, a.notGranted(ctx, name, err, gerr, id, w)
 		}
-		return nil, a.fail(ctx, "acquire", name, err)
+		return nil, giveUp(err, id, w)
 	}
 	a.revoke(w, WaiterTTL) // no key uses it now
-	return a.granted(name, rev, ttl, lg.ID, sent)
+	return a.granted(name, rev, ttl, id, sent)
 }
 
 // fail wraps err; an ending ctx turns it into ErrHeld joined with the cause.
@@ -333,13 +346,17 @@ func (a *Acquirer) fail(ctx context.Context, op, name string, err error) error {
 // errLookAgain: a watch ended without the event; read the line again.
 var errLookAgain = errors.New("etcdfence: watch closed")
 
-// waitTurn keeps waiter lease id alive and waits until no key in pfx was
-// created before rev. A waiter lease that etcd expired (the waiter was cut off
-// for WaiterTTL) ends the wait with ErrHeld: its place in line is gone.
-func (a *Acquirer) waitTurn(ctx context.Context, pfx string, id clientv3.LeaseID, rev int64) error {
+// waitTurn keeps waiter lease w and the lock's lease id alive and waits until
+// no key in pfx was created before rev. It returns the send time of the last
+// confirmed keep-alive of id (or sent, its grant's), from which the granted
+// lease's local deadline counts. A waiter lease that etcd expired (the waiter
+// was cut off for WaiterTTL) ends the wait with ErrHeld: its place in line is
+// gone.
+func (a *Acquirer) waitTurn(ctx context.Context, pfx string, w clientv3.LeaseID, rev int64, id clientv3.LeaseID, ttl time.Duration, sent time.Time) (time.Time, error) {
 	var (
-		mu       sync.Mutex
-		aliveErr error
+		mu        sync.Mutex
+		aliveErr  error
+		confirmed = sent
 	)
 	kctx, stop := context.WithCancel(ctx)
 	defer stop()
@@ -352,10 +369,21 @@ func (a *Acquirer) waitTurn(ctx context.Context, pfx string, id clientv3.LeaseID
 				return
 			case <-t.C:
 			}
-			// A keep-alive that cannot reach etcd retries until the next
+			// A keep-alive that cannot reach etcd gives up at the next
 			// tick; the lease then runs out on etcd's clock.
 			tctx, cancel := context.WithTimeout(kctx, WaiterTTL/3)
-			_, err := a.c.KeepAliveOnce(tctx, id)
+			_, err := a.c.KeepAliveOnce(tctx, w)
+			mu.Lock()
+			last := confirmed
+			mu.Unlock()
+			if err == nil && time.Since(last) >= ttl/3 {
+				s := time.Now()
+				if resp, kerr := a.c.KeepAliveOnce(tctx, id); kerr == nil && resp.TTL > 0 {
+					mu.Lock()
+					confirmed = s
+					mu.Unlock()
+				}
+			}
 			cancel()
 			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 				mu.Lock()
@@ -366,13 +394,17 @@ func (a *Acquirer) waitTurn(ctx context.Context, pfx string, id clientv3.LeaseID
 			}
 		}
 	}()
-	done := func(err error) error {
+	done := func(err error) (time.Time, error) {
+		stop()
 		mu.Lock()
 		defer mu.Unlock()
 		if aliveErr != nil {
-			return aliveErr
+			return time.Time{}, aliveErr
 		}
-		return err
+		if err != nil {
+			return time.Time{}, err
+		}
+		return confirmed, nil
 	}
 	for attempt := 0; ; attempt++ {
 		// The key just before ours in line.
