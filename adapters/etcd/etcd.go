@@ -256,12 +256,13 @@ func (a *Acquirer) granted(name string, rev int64, ttl time.Duration, id clientv
 }
 
 // revoke revokes etcd lease id in the background, trying again until it is
-// gone or could not outlive its ttl anyway: a key on it leaves the line, in
-// whatever order a late request and the revoke reach etcd (a create on a
-// revoked lease fails).
+// gone, or for the lease's ttl (at most a minute), or until the client is
+// closed: a key on it leaves the line, in whatever order a late request and
+// the revoke reach etcd (a create on a revoked lease fails). A lease whose
+// revoke fails for longer expires at its ttl.
 func (a *Acquirer) revoke(id clientv3.LeaseID, ttl time.Duration) {
 	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), ttl+time.Second)
+		ctx, cancel := context.WithTimeout(a.c.Ctx(), min(ttl, time.Minute)+time.Second)
 		defer cancel()
 		for attempt := 0; ; attempt++ {
 			_, err := a.c.Revoke(ctx, id)
