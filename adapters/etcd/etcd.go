@@ -3,13 +3,28 @@
 // created, which the whole cluster agrees on and which only grows, across
 // leader changes and the loss of a minority of members.
 //
-// Each Acquire creates an etcd lease with the ttl (whole seconds; etcd may round
-// it up to its minimum) and a key under prefix/name/ attached to it. The holder
-// is the key with the lowest create revision; waiters queue in creation order
-// and each watches the key just before its own, as
-// go.etcd.io/etcd/client/v3/concurrency.Mutex does, so a release wakes exactly
-// the next waiter and nobody polls. A waiting Acquire keeps its own etcd lease
-// alive while it waits.
+// Each grant creates an etcd lease with the ttl (whole seconds; etcd may round
+// it up to its minimum) and a key under prefix/name/ attached to it, in one
+// transaction that succeeds only if the name's line is empty: a TryAcquire that
+// loses never enters the line. The holder is the key with the lowest create
+// revision; waiters queue in creation order and each watches the key just
+// before its own, as go.etcd.io/etcd/client/v3/concurrency.Mutex does, so a
+// release wakes exactly the next waiter and nobody polls. A waiter's key is on
+// a short lease (WaiterTTL) that it keeps alive while it waits, so a waiter
+// that dies leaves the line within WaiterTTL, not the lock's ttl; at the head
+// of the line its key moves to a lease with the lock's ttl, keeping its create
+// revision (the token). Names are escaped into keys and compared byte for byte.
+//
+// Cleanup (revoking the lease of a loser, of a waiter that gave up, of a grant
+// whose answer was lost) runs in the background and tries again until the
+// lease is gone or could not outlive its ttl; since a key can only be created
+// on a live lease, a late request that lands after the revoke fails.
+//
+// Tokens are revisions of the whole cluster: deleting the lock keys (or the
+// whole prefix) does not restart them. Restoring a cluster from a snapshot
+// does set the revision back to the snapshot's: restore with etcdutl snapshot
+// restore --bump-revision (by more than the revisions since the snapshot) and
+// --mark-compacted, or tokens granted after the snapshot are handed out again.
 //
 // Once granted, the lease lives as long as it is renewed: Renew sends one
 // keep-alive, and fence.Hold renews every ttl/3. A holder that stops renewing
@@ -124,7 +139,9 @@ func (a *Acquirer) lockPrefix(name string) string {
 
 // TryAcquire grants the lease on name for ttl (at least 1s), or returns
 // fence.ErrHeld at once. Two round trips: the etcd lease, then one transaction
-// that creates the key and reads the queue's head.
+// that creates the key if the line is empty. A transaction whose answer was
+// lost is recognised by reading the key (the lease is returned), or reported
+// as not granted, its etcd lease being revoked.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := check(ctx, name, ttl); err != nil {
 		return nil, err
@@ -134,7 +151,10 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 
 // Acquire waits in line for the lease on name. It gives up at ctx's deadline,
 // or after MaxWait when ctx has none, with an error matching fence.ErrHeld and
-// the context error; its place in line is given up then.
+// the context error; its place in line is given up then. A waiter cut off from
+// etcd for WaiterTTL loses its place (its waiter lease expires) and fails with
+// fence.ErrHeld. A lease it returns was confirmed by etcd after its turn came:
+// never one already lost.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := check(ctx, name, ttl); err != nil {
 		return nil, err
@@ -150,6 +170,13 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 
 func seconds(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Second) }
 
+// WaiterTTL is the etcd lease of a key waiting in line: a waiter that dies (or
+// is cut off from the cluster) leaves the line within about this long, whatever
+// the lock's ttl, and the next waiter moves up. A waiter renews it every third
+// of it; once at the head of the line, its key moves to a lease with the lock's
+// ttl and keeps its create revision, the token.
+const WaiterTTL = 3 * time.Second
+
 func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, wait bool) (fence.Lease, error) {
 	pfx := a.lockPrefix(name)
 	sent := time.Now()
@@ -157,65 +184,185 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 	if err != nil {
 		return nil, a.fail(ctx, "acquire", name, err)
 	}
-	id := lg.ID
-	giveUp := func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		_, _ = a.c.Revoke(rctx, id)
-		cancel()
-	}
-	key := fmt.Sprintf("%s%016x", pfx, int64(id))
+	key := fmt.Sprintf("%s%016x", pfx, int64(lg.ID))
+	// The key is created only if the line is empty, in one transaction: a
+	// TryAcquire that loses never enters the line, so a loser whose cleanup
+	// fails blocks nobody.
 	txn, err := a.c.Txn(ctx).
-		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id)),
-			clientv3.OpGet(pfx, clientv3.WithFirstCreate()...)).
+		If(clientv3.Compare(clientv3.CreateRevision(pfx).WithPrefix(), "=", 0)).
+		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(lg.ID))).
 		Commit()
 	if err != nil {
-		giveUp()
-		return nil, a.fail(ctx, "acquire", name, err)
-	}
-	rev := txn.Header.Revision // the create revision of our key: the token
-	head := txn.Responses[1].GetResponseRange().Kvs
-	if len(head) > 0 && head[0].CreateRevision != rev {
-		if !wait {
-			giveUp()
-			return nil, fence.ErrHeld
+		// The answer was lost: the key may have been created. Look.
+		rev, ok, gerr := a.created(ctx, key, lg.ID)
+		if ok {
+			return a.granted(name, rev, ttl, lg.ID, sent)
 		}
-		if sent, err = a.waitTurn(ctx, pfx, id, rev, ttl, sent); err != nil {
-			giveUp()
-			return nil, a.fail(ctx, "acquire", name, err)
-		}
+		// A create that lands after the revoke fails, or is deleted by it.
+		return nil, a.notGranted(ctx, name, err, gerr, lg.ID)
 	}
+	if txn.Succeeded {
+		return a.granted(name, txn.Header.Revision, ttl, lg.ID, sent)
+	}
+	if !wait {
+		a.revoke(lg.ID, ttl) // no key uses it
+		return nil, fmt.Errorf("etcdfence: acquire %q: %w", name, fence.ErrHeld)
+	}
+	return a.waitInLine(ctx, name, pfx, ttl, lg.ID, sent)
+}
+
+// created reports whether key exists on lease id (a create whose answer was
+// lost), and its create revision; err when it could not look.
+func (a *Acquirer) created(ctx context.Context, key string, id clientv3.LeaseID) (int64, bool, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, false, err
+	}
+	resp, err := a.c.Get(ctx, key)
+	if err != nil {
+		return 0, false, err
+	}
+	if len(resp.Kvs) == 0 || clientv3.LeaseID(resp.Kvs[0].Lease) != id {
+		return 0, false, nil
+	}
+	return resp.Kvs[0].CreateRevision, true, nil
+}
+
+// notGranted is the error of a grant whose answer was lost (err) and whose key
+// was not found (or could not be looked for: lookErr). Its lease is being
+// revoked, so the grant does not hold the name either way: the error says
+// so, instead of a bare transport error.
+func (a *Acquirer) notGranted(ctx context.Context, name string, err, lookErr error, leases ...clientv3.LeaseID) error {
+	for _, l := range leases {
+		a.revoke(l, time.Minute)
+	}
+	if ctx.Err() != nil {
+		return errors.Join(fence.ErrHeld, context.Cause(ctx))
+	}
+	if lookErr != nil {
+		err = fmt.Errorf("%w, and looking for its key: %w", err, lookErr)
+	}
+	return fmt.Errorf("etcdfence: acquire %q: not granted (its answer was lost: %w; its etcd lease is revoked, so a late create cannot hold the name)", name, err)
+}
+
+// granted is the lease whose key was created at revision rev, on etcd lease id
+// granted by a request sent at sent.
+func (a *Acquirer) granted(name string, rev int64, ttl time.Duration, id clientv3.LeaseID, sent time.Time) (fence.Lease, error) {
 	tok := fence.Token(rev)
 	if !tok.Valid() {
-		giveUp()
+		a.revoke(id, ttl)
 		return nil, fmt.Errorf("etcdfence: acquire %q: revision %d: %w", name, rev, fence.ErrTokensExhausted)
 	}
 	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, id: id}, nil
 }
 
+// revoke revokes etcd lease id in the background, trying again until it is
+// gone, or for the lease's ttl (at most a minute), or until the client is
+// closed: a key on it leaves the line, in whatever order a late request and
+// the revoke reach etcd (a create on a revoked lease fails). A lease whose
+// revoke fails for longer expires at its ttl.
+func (a *Acquirer) revoke(id clientv3.LeaseID, ttl time.Duration) {
+	go func() {
+		ctx, cancel := context.WithTimeout(a.c.Ctx(), min(ttl, time.Minute)+time.Second)
+		defer cancel()
+		for attempt := 0; ; attempt++ {
+			_, err := a.c.Revoke(ctx, id)
+			if err == nil || errors.Is(err, rpctypes.ErrLeaseNotFound) || ctx.Err() != nil || errors.Is(err, context.Canceled) {
+				return
+			}
+			if (fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}).Sleep(ctx, attempt) != nil {
+				return
+			}
+		}
+	}()
+}
+
+// waitInLine queues a key for name on a short etcd lease (WaiterTTL), waits
+// until it heads the line, then moves it to lease id, which has the lock's ttl
+// (granted by a request sent at sent) and is kept alive meanwhile; no key is on
+// it until then, so a waiter that dies leaves nothing that blocks the line.
+func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Duration, id clientv3.LeaseID, sent time.Time) (fence.Lease, error) {
+	giveUp := func(err error, leases ...clientv3.LeaseID) error {
+		for _, l := range leases {
+			a.revoke(l, ttl)
+		}
+		return a.fail(ctx, "acquire", name, err)
+	}
+	wl, err := a.c.Grant(ctx, seconds(WaiterTTL))
+	if err != nil {
+		return nil, giveUp(err, id)
+	}
+	w := wl.ID
+	key := fmt.Sprintf("%s%016x", pfx, int64(w))
+	pr, err := a.c.Put(ctx, key, a.o.Owner, clientv3.WithLease(w))
+	if err != nil {
+		return nil, giveUp(err, id, w)
+	}
+	rev := pr.Header.Revision // the create revision of our key: the token
+	if sent, err = a.waitTurn(ctx, pfx, w, rev, id, ttl, sent); err != nil {
+		return nil, giveUp(err, id, w)
+	}
+	if time.Since(sent) > ttl/2 {
+		// The lock's lease was not confirmed lately (keep-alives lost):
+		// take a fresh one rather than a short local deadline.
+		a.revoke(id, ttl)
+		sent = time.Now()
+		lg, err := a.c.Grant(ctx, seconds(ttl))
+		if err != nil {
+			return nil, giveUp(err, w)
+		}
+		id = lg.ID
+	}
+	// Our turn: move the key to the lock's lease, if it is still on the
+	// waiter's lease (it did not expire meanwhile). One round trip.
+	txn, err := a.c.Txn(ctx).
+		If(clientv3.Compare(clientv3.LeaseValue(key), "=", int64(w))).
+		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id))).
+		Commit()
+	if err == nil && !txn.Succeeded {
+		err = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
+	}
+	if err != nil {
+		r, ok, gerr := a.created(ctx, key, id)
+		if ok && r == rev {
+			a.revoke(w, WaiterTTL)
+			return a.granted(name, rev, ttl, id, sent) // moved; the answer was lost
+		}
+		if txn == nil {
+			return nil, a.notGranted(ctx, name, err, gerr, id, w)
+		}
+		return nil, giveUp(err, id, w)
+	}
+	a.revoke(w, WaiterTTL) // no key uses it now
+	return a.granted(name, rev, ttl, id, sent)
+}
+
 // fail wraps err; an ending ctx turns it into ErrHeld joined with the cause.
 func (a *Acquirer) fail(ctx context.Context, op, name string, err error) error {
-	if errors.Is(err, fence.ErrHeld) {
-		return err
-	}
 	if ctx.Err() != nil {
 		return errors.Join(fence.ErrHeld, context.Cause(ctx))
 	}
 	return fmt.Errorf("etcdfence: %s %q: %w", op, name, err)
 }
 
-// waitTurn keeps lease id alive and waits until no key in pfx was created before
-// rev. It returns the send time of the last confirmed keep-alive, from which the
-// granted lease's local deadline counts.
-func (a *Acquirer) waitTurn(ctx context.Context, pfx string, id clientv3.LeaseID, rev int64, ttl time.Duration, sent time.Time) (time.Time, error) {
+// errLookAgain: a watch ended without the event; read the line again.
+var errLookAgain = errors.New("etcdfence: watch closed")
+
+// waitTurn keeps waiter lease w and the lock's lease id alive and waits until
+// no key in pfx was created before rev. It returns the send time of the last
+// confirmed keep-alive of id (or sent, its grant's), from which the granted
+// lease's local deadline counts. A waiter lease that etcd expired (the waiter
+// was cut off for WaiterTTL) ends the wait with ErrHeld: its place in line is
+// gone.
+func (a *Acquirer) waitTurn(ctx context.Context, pfx string, w clientv3.LeaseID, rev int64, id clientv3.LeaseID, ttl time.Duration, sent time.Time) (time.Time, error) {
 	var (
 		mu        sync.Mutex
-		confirmed = sent
 		aliveErr  error
+		confirmed = sent
 	)
 	kctx, stop := context.WithCancel(ctx)
 	defer stop()
 	go func() {
-		t := time.NewTicker(ttl / 3)
+		t := time.NewTicker(WaiterTTL / 3)
 		defer t.Stop()
 		for {
 			select {
@@ -223,63 +370,72 @@ func (a *Acquirer) waitTurn(ctx context.Context, pfx string, id clientv3.LeaseID
 				return
 			case <-t.C:
 			}
-			s := time.Now()
-			_, err := a.c.KeepAliveOnce(kctx, id)
+			// A keep-alive that cannot reach etcd gives up at the next
+			// tick; the lease then runs out on etcd's clock.
+			tctx, cancel := context.WithTimeout(kctx, WaiterTTL/3)
+			_, err := a.c.KeepAliveOnce(tctx, w)
 			mu.Lock()
-			if err == nil {
-				confirmed = s
-			} else if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-				aliveErr = fmt.Errorf("its etcd lease expired while it waited: %w", fence.ErrLost)
-			}
+			last := confirmed
 			mu.Unlock()
-			if aliveErr != nil {
+			if err == nil && time.Since(last) >= ttl/3 {
+				s := time.Now()
+				if resp, kerr := a.c.KeepAliveOnce(tctx, id); kerr == nil && resp.TTL > 0 {
+					mu.Lock()
+					confirmed = s
+					mu.Unlock()
+				}
+			}
+			cancel()
+			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+				mu.Lock()
+				aliveErr = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
+				mu.Unlock()
 				stop()
 				return
 			}
 		}
 	}()
-	for {
+	done := func(err error) (time.Time, error) {
+		stop()
+		mu.Lock()
+		defer mu.Unlock()
+		if aliveErr != nil {
+			return time.Time{}, aliveErr
+		}
+		if err != nil {
+			return time.Time{}, err
+		}
+		return confirmed, nil
+	}
+	for attempt := 0; ; attempt++ {
 		// The key just before ours in line.
 		resp, err := a.c.Get(kctx, pfx, append(clientv3.WithLastCreate(), clientv3.WithMaxCreateRev(rev-1))...)
 		if err != nil {
-			mu.Lock()
-			defer mu.Unlock()
-			return time.Time{}, errors.Join(err, aliveErr)
+			return done(err)
 		}
 		if len(resp.Kvs) == 0 {
-			break
+			return done(nil)
 		}
-		if err := a.waitDelete(kctx, string(resp.Kvs[0].Key), resp.Header.Revision); err != nil {
-			mu.Lock()
-			defer mu.Unlock()
-			return time.Time{}, errors.Join(err, aliveErr)
+		err = a.waitDelete(kctx, string(resp.Kvs[0].Key), resp.Header.Revision)
+		if errors.Is(err, errLookAgain) {
+			err = (fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}).Sleep(kctx, attempt)
+		}
+		if err != nil {
+			return done(err)
 		}
 	}
-	stop()
-	mu.Lock()
-	defer mu.Unlock()
-	if aliveErr != nil {
-		return time.Time{}, aliveErr
-	}
-	// Our turn: renew once more, so the lease's local deadline is fresh.
-	s := time.Now()
-	if _, err := a.c.KeepAliveOnce(ctx, id); err != nil {
-		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-			return time.Time{}, fmt.Errorf("its etcd lease expired while it waited: %w", fence.ErrLost)
-		}
-		return confirmed, nil // the last confirmed keep-alive still bounds it
-	}
-	return s, nil
 }
 
-// waitDelete waits until key is deleted (at or after revision rev+1).
+// waitDelete waits until key is deleted (at or after revision rev+1). A watch
+// that ends otherwise (no leader, compaction, a closed stream) returns
+// errLookAgain, and the caller reads the line again.
 func (a *Acquirer) waitDelete(ctx context.Context, key string, rev int64) error {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	wch := a.c.Watch(clientv3.WithRequireLeader(wctx), key, clientv3.WithRev(rev+1))
 	for wr := range wch {
-		if err := wr.Err(); err != nil {
-			return err
+		if wr.Err() != nil {
+			break
 		}
 		for _, ev := range wr.Events {
 			if ev.Type == mvccpb.DELETE {
@@ -290,7 +446,7 @@ func (a *Acquirer) waitDelete(ctx context.Context, key string, rev int64) error 
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return errors.New("watch closed") // the caller looks again
+	return errLookAgain
 }
 
 type lease struct {
@@ -300,10 +456,19 @@ type lease struct {
 }
 
 // Renew sends one keep-alive for the etcd lease. A lease etcd no longer has
-// returns fence.ErrLost.
+// returns fence.ErrLost. A lease whose context is done (released, lost, or
+// past its local deadline) returns fence.ErrLost without a keep-alive, so a
+// late Renew never holds the lock on etcd again; a keep-alive confirmed only
+// after the local deadline passed is undone by revoking the etcd lease. A
+// keep-alive is safe to repeat: the client sends it again after a lost answer
+// until ctx ends, and an error then means the renewal was not confirmed (the
+// lease still ends at its local deadline).
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
+	}
+	if l.Context().Err() != nil {
+		return l.lost()
 	}
 	sent := time.Now()
 	resp, err := l.a.c.KeepAliveOnce(ctx, l.id)
@@ -315,26 +480,38 @@ func (l *lease) Renew(ctx context.Context) error {
 		return fmt.Errorf("etcdfence: renew %q: %w", l.Name(), err)
 	}
 	if !l.Extend(sent) {
+		l.a.revoke(l.id, l.TTL())
 		return l.lost()
 	}
 	return nil
 }
 
 // Release revokes the etcd lease, which deletes the lock key and wakes the next
-// waiter. A lease etcd no longer has returns fence.ErrLost.
+// waiter. It returns fence.ErrLost when the lease had ended before (past its
+// local deadline, found lost, or released). The client sends a revoke again after a lost
+// answer; etcd then no longer has the lease, and a lease that was still within
+// its local deadline cannot have expired on etcd (the deadline comes first),
+// so that is our own revoke and Release returns nil. A revoke that cannot be
+// confirmed before ctx ends goes on in the background until the lease is gone
+// or its ttl has passed; Release then returns an error matching
+// fence.ErrUnknown.
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
 	}
+	ended := l.Context().Err() != nil // expired, found lost, or released before
 	_, err := l.a.c.Revoke(ctx, l.id)
 	l.End(context.Canceled)
-	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-		return l.lost()
+	switch {
+	case err == nil || errors.Is(err, rpctypes.ErrLeaseNotFound):
+		if ended {
+			return l.lost()
+		}
+		return nil
+	default:
+		l.a.revoke(l.id, l.TTL())
+		return fmt.Errorf("etcdfence: release %q: %w: %w", l.Name(), fence.ErrUnknown, err)
 	}
-	if err != nil {
-		return fmt.Errorf("etcdfence: release %q: %w", l.Name(), err)
-	}
-	return nil
 }
 
 func (l *lease) lost() error {

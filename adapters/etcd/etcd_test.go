@@ -15,8 +15,15 @@ import (
 	"github.com/fencekit/fencekit/internal/etcdtest"
 )
 
-func TestAcquirerConformance(t *testing.T) {
-	c := etcdtest.Start(t, 1)
+func TestAcquirerConformance(t *testing.T) { runSuite(t, 1, 0, 0) }
+
+// TestAcquirerConformanceThreeMembers runs the suite on a 3-member cluster,
+// the client talking to every member. Every grant is a raft round on 3
+// members: the contention test is smaller on a loaded machine.
+func TestAcquirerConformanceThreeMembers(t *testing.T) { runSuite(t, 3, 8, 10) }
+
+func runSuite(t *testing.T, members, workers, increments int) {
+	c := etcdtest.Start(t, members)
 	a, err := etcdfence.New(c.Client(t), nil)
 	if err != nil {
 		t.Fatal(err)
@@ -36,6 +43,7 @@ func TestAcquirerConformance(t *testing.T) {
 		ShortTTL: 2 * time.Second,
 		MaxTTL:   etcdfence.MaxTTL,
 		BadNames: []string{strings.Repeat("n", etcdfence.MaxNameBytes+1)},
+		Workers:  workers, Increments: increments,
 	}.Run(t)
 }
 
@@ -135,6 +143,11 @@ func TestThreeNodeLeaderLoss(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	holderEnded := make(chan time.Time, 1)
+	go func() {
+		<-holder.Context().Done()
+		holderEnded <- time.Now()
+	}()
 	if err := w.Write(ctx, "report", []byte("by the first holder"), holder.Token()); err != nil {
 		t.Fatal(err)
 	}
@@ -169,6 +182,8 @@ func TestThreeNodeLeaderLoss(t *testing.T) {
 	defer g.l.Release(ctx)
 	if holder.Context().Err() == nil {
 		t.Error("the next holder was granted while the cut-off holder still believed it held the lease")
+	} else if ended := <-holderEnded; !ended.Before(g.at) {
+		t.Errorf("the cut-off holder's context ended %v after the next grant returned", ended.Sub(g.at))
 	}
 	if !errors.Is(context.Cause(holder.Context()), fence.ErrLost) {
 		t.Errorf("cut-off holder's context cause: %v, want ErrLost", context.Cause(holder.Context()))
@@ -219,5 +234,40 @@ func TestInspect(t *testing.T) {
 	info, err = a.Inspect(ctx, "held")
 	if err != nil || !info.Held || info.Token != l.Token() || info.Owner != "worker-7" || info.TimeLeft <= 0 || info.Counter < l.Token() {
 		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
+	}
+}
+
+// TestNamesByteForByte (HAZARDS 4): names that differ only in a trailing
+// space, a '/', a 4-byte character or the last byte of 1024 are separate
+// locks, and each is exclusive with itself.
+func TestNamesByteForByte(t *testing.T) {
+	c := etcdtest.Start(t, 1)
+	a, _ := etcdfence.New(c.Client(t), nil)
+	ctx := context.Background()
+	long := strings.Repeat("n", 1023)
+	groups := [][]string{
+		{"job", "job ", "job\t"},
+		{"a/b", "a%2Fb", "a", "a/"},
+		{"X\U0001F600", "X????", "X\uFFFD"},
+		{long + "a", long + "b"},
+		{"Case", "case", "ß", "ss"},
+	}
+	for _, names := range groups {
+		var held []fence.Lease
+		for _, n := range names {
+			l, err := a.TryAcquire(ctx, n, 10*time.Second)
+			if err != nil {
+				t.Fatalf("%q while %d others of %q are held: %v, want a grant (a separate lock)", n, len(held), names, err)
+			}
+			held = append(held, l)
+			if _, err := a.TryAcquire(ctx, n, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
+				t.Fatalf("%q a second time: %v, want ErrHeld", n, err)
+			}
+		}
+		for _, l := range held {
+			if err := l.Release(ctx); err != nil {
+				t.Errorf("release %q: %v", l.Name(), err)
+			}
+		}
 	}
 }

@@ -59,10 +59,23 @@ type AcquirerOptions struct {
 // used, or past its expiry on S3's clock) writes the next token and its own
 // nonce with a conditional PUT: If-None-Match: * for a new name, If-Match on
 // the ETag it read otherwise, so of two contenders at most one succeeds. The
-// token is the object's counter plus one: it survives as long as the object
-// does, and a release keeps it (the object is never deleted). Renew and
-// Release are PUTs conditional on the holder's ETag. Acquire + release take 3
-// requests (GET, PUT, PUT).
+// token is the object's counter plus one, and a release keeps it (the
+// acquirer never deletes the object). Renew and Release are PUTs conditional
+// on the holder's ETag. Acquire + release take 3 requests (GET, PUT, PUT).
+//
+// # Tokens when the lock object is deleted
+//
+// Someone else may delete a lock object (a lifecycle rule, an operator, a
+// bucket cleanup) while its holder still runs. The next grant then creates a
+// new object, and its counter starts from S3's clock instead of 1: at the
+// second after S3's Date, in microseconds (about 1.7e15 today; below 2^53
+// until the year 2255), and the grant waits until S3's time has reached that
+// second before it writes. So a name's first grant, and the first after a
+// deletion, take about a second longer. Its token is above every token the
+// deleted object handed out, provided (a) S3's clock, as its Date headers tell
+// it, does not go back between the two objects, and (b) the old object saw
+// fewer than a million grants per second of its life (S3 accepts far fewer
+// writes to one object). A stalled holder's write is then refused by the fence.
 //
 // # Time
 //
@@ -79,9 +92,21 @@ type AcquirerOptions struct {
 // an error; a PUT whose answer has none (a proxy may drop it) computes the
 // next expiry from the last Date seen, which only makes it later.
 //
+// Every client of a lock must see S3's own Date header. A proxy or gateway
+// that sets Date from its own clock (or a client whose transport rewrites it)
+// puts expiry on that clock: leases could then be granted twice, or held too
+// long, by as much as that clock is off.
+//
+// # Lost answers
+//
 // A PUT whose answer was lost may have landed: the acquirer disables the SDK's
 // retries for its PUTs, reads the object again, and recognises its own write
-// by its nonce. It is safe for concurrent use.
+// by its nonce. A TryAcquire that gives up after such a PUT (its context
+// ended, or a read failed) frees the lock in the background: it writes a free
+// state conditional on the same ETag as the lost PUT, so a PUT still on its
+// way can no longer land, or releases the grant if it had landed. Every write
+// carries a random write id, so no two writes of a lock object share an ETag.
+// It is safe for concurrent use.
 type Acquirer struct {
 	api    API
 	bucket string
@@ -136,6 +161,9 @@ type lockState struct {
 	Holder  string `json:"holder,omitempty"` // the holding grant's nonce; empty when released
 	Owner   string `json:"owner,omitempty"`
 	Expires int64  `json:"expires_ms"` // S3's clock, ms since the epoch
+	// Write is random for every write, so no two writes share an ETag: a PUT
+	// conditional on an ETag fails once anything was written over it.
+	Write string `json:"write,omitempty"`
 }
 
 const lockFormat = "lock-v1"
@@ -240,6 +268,7 @@ func truncate(b []byte) string {
 // grows), so the next expiry computed from it is never too early.
 func (a *Acquirer) write(ctx context.Context, name, etag string, st lockState, prev s3Clock) (string, s3Clock, error) {
 	st.Format = lockFormat
+	st.Write = newLockNonce()
 	body, _ := json.Marshal(st)
 	in := &s3.PutObjectInput{Bucket: &a.bucket, Key: aws.String(a.objectKey(name)),
 		Body: bytes.NewReader(body), ContentLength: aws.Int64(int64(len(body))), ContentType: aws.String("application/json")}
@@ -274,8 +303,13 @@ func newLockNonce() string {
 
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at
 // once. ttl is at least MinAcquirerTTL; name is an S3 key (UTF-8, no NUL, with
-// the prefix at most 1024 bytes). A counter at fence.MaxToken returns
-// fence.ErrTokensExhausted.
+// the prefix at most 1024 bytes), compared byte for byte. A counter at
+// fence.MaxToken returns fence.ErrTokensExhausted. A grant that creates the
+// lock object (a name's first, or the first after its object was deleted)
+// waits about a second for S3's clock: see "Tokens when the lock object is
+// deleted". A grant whose answer was lost is recognised and returned; one
+// that cannot be confirmed before ctx ends returns an error and is released
+// in the background.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
@@ -286,6 +320,12 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	nonce := newLockNonce()
 	var firstSent time.Time // the first PUT that may have landed
 	var ambiguous error
+	var pending *pendingGrant // the latest PUT that may have landed
+	defer func() {
+		if pending != nil && !pending.adopted {
+			go a.abandon(name, nonce, *pending, ttl)
+		}
+	}()
 	for attempt := 0; attempt < a.o.MaxAttempts; attempt++ {
 		o, err := a.read(ctx, name)
 		if err != nil {
@@ -293,6 +333,9 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 		}
 		if o.exists && o.st.Holder == nonce {
 			// An earlier attempt of ours landed; its answer was lost.
+			if pending != nil {
+				pending.adopted = true
+			}
 			return a.lease(name, o.st, o.etag, o.clock, ttl, firstSent), nil
 		}
 		if !o.free() {
@@ -302,6 +345,13 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrHeld)
 		}
 		next := o.st.Token + 1
+		if !o.exists {
+			// A new lock object: the name's first grant, or its object was
+			// deleted. Start above every token it may have handed out.
+			if next, err = a.creationToken(ctx, o.clock); err != nil {
+				return nil, a.failed("acquire", name, err, ambiguous)
+			}
+		}
 		if !fence.Token(next).Valid() {
 			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrTokensExhausted)
 		}
@@ -315,11 +365,13 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 		etag, clock, err := a.write(ctx, name, o.etag, st, o.clock)
 		switch {
 		case err == nil:
+			pending = nil // a later write was conditional on what the earlier one would have changed
 			return a.lease(name, st, etag, clock, ttl, firstSent), nil
 		case isConflict(err):
 			// Someone else wrote in between (or created the object): read again.
 		case mayHaveApplied(err):
 			ambiguous = err
+			pending = &pendingGrant{etag: o.etag, token: st.Token, clock: clock}
 			if ctx.Err() != nil {
 				return nil, a.failed("acquire", name, err, ambiguous)
 			}
@@ -333,11 +385,73 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	return nil, a.failed("acquire", name, fmt.Errorf("%d attempts: %w", a.o.MaxAttempts, ErrContention), ambiguous)
 }
 
-// failed wraps err; after an ambiguous PUT the grant may exist (under this
-// call's nonce) and will expire on its own.
+// creationToken is the token of a new lock object: the second after S3's Date
+// on the read that found no object, in microseconds. It first waits until S3's
+// time has certainly reached that second (about a second after the read), so
+// the PUT that creates the object lands at or after the time its token stands
+// for. Any later read that finds the object gone (deleted after this PUT) has a
+// Date at or past that second, and its token is at least a second (a million)
+// higher: above this object's tokens, which grow by one per grant.
+func (a *Acquirer) creationToken(ctx context.Context, c s3Clock) (uint64, error) {
+	floor := c.date.Truncate(time.Second).Add(time.Second)
+	if wait := floor.Sub(c.earliest()); wait > 0 {
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+			return 0, context.Cause(ctx)
+		case <-t.C:
+		}
+	}
+	return uint64(floor.UnixMicro()), nil
+}
+
+// pendingGrant is a grant's PUT whose answer was lost: it may have landed,
+// or may still land (delayed on the way), on the lock object as it was at
+// etag ("" for no object).
+type pendingGrant struct {
+	etag    string
+	token   uint64
+	clock   s3Clock
+	adopted bool // recognised as granted: the caller holds it
+}
+
+// abandon frees the lock from a grant that TryAcquire gave up on after an
+// ambiguous PUT, in the background, whatever order the requests land in: it
+// writes a free state conditional on the same ETag (or absence) as the
+// pending PUT, so a PUT still on its way can no longer land; if the pending
+// PUT landed first, it releases that grant (recognised by its nonce). It stops
+// when the lock is free of this grant, or after the grant's ttl.
+func (a *Acquirer) abandon(name, nonce string, p pendingGrant, ttl time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), min(ttl, time.Minute)+5*time.Second)
+	defer cancel()
+	etag, clock := p.etag, p.clock
+	for attempt := 0; ctx.Err() == nil; attempt++ {
+		_, _, err := a.write(ctx, name, etag, lockState{Token: p.token, Owner: a.o.Owner}, clock)
+		if err == nil {
+			return
+		}
+		if isConflict(err) || mayHaveApplied(err) {
+			o, rerr := a.read(ctx, name)
+			switch {
+			case rerr != nil:
+			case o.exists && o.st.Holder == nonce:
+				etag, clock = o.etag, o.clock // our grant landed: release it
+			case o.exists != (p.etag != "") || o.etag != p.etag:
+				return // the object changed since: the pending PUT cannot land
+			}
+		}
+		if pause(ctx, attempt) != nil {
+			return
+		}
+	}
+}
+
+// failed wraps err. After an ambiguous PUT the grant may exist (under this
+// call's nonce): TryAcquire then frees it in the background (abandon).
 func (a *Acquirer) failed(op, name string, err, ambiguous error) error {
 	if ambiguous != nil {
-		return fmt.Errorf("s3fence: %s %q: %w (an earlier attempt may have been granted and will expire at its ttl: %v)", op, name, err, ambiguous)
+		return fmt.Errorf("s3fence: %s %q: %w (an earlier attempt may have been granted; it is being released: %v)", op, name, err, ambiguous)
 	}
 	return fmt.Errorf("s3fence: %s %q: %w", op, name, err)
 }
@@ -400,7 +514,10 @@ type lease struct {
 }
 
 // Renew extends the lease by its ttl on S3's clock, with a PUT conditional on
-// the holder's ETag. See fence.Lease.
+// the holder's ETag. See fence.Lease. A lease whose context is done (released,
+// lost, or past its local deadline) returns fence.ErrLost without writing, so
+// a late Renew never holds the lock on S3 again; a renewal that S3 confirms
+// only after the local deadline passed is undone with a release.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
@@ -408,6 +525,9 @@ func (l *lease) Renew(ctx context.Context) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for attempt := 0; attempt < l.a.o.MaxAttempts; attempt++ {
+		if l.Context().Err() != nil {
+			return l.lost()
+		}
 		st := l.st
 		sent := time.Now()
 		st.Expires = l.clock.latest().Add(l.TTL()).UnixMilli() + 1
@@ -415,6 +535,9 @@ func (l *lease) Renew(ctx context.Context) error {
 		if err == nil {
 			l.st, l.etag, l.clock = st, etag, clock
 			if !l.Extend(sent) {
+				// Confirmed too late: the holder has stopped; free the lock
+				// at once rather than leave it held for a ttl.
+				_, _, _ = l.a.write(ctx, l.Name(), l.etag, lockState{Token: l.st.Token, Owner: l.st.Owner}, l.clock)
 				return l.lost()
 			}
 			return nil
@@ -456,10 +579,7 @@ func (l *lease) Release(ctx context.Context) error {
 		st := lockState{Token: l.st.Token, Owner: l.st.Owner}
 		_, _, err := l.a.write(ctx, l.Name(), l.etag, st, l.clock)
 		if err == nil {
-			if l.Context().Err() != nil && errors.Is(context.Cause(l.Context()), fence.ErrLost) {
-				return l.lost() // released, but its local deadline had passed
-			}
-			return nil
+			return l.released()
 		}
 		if !isConflict(err) && !mayHaveApplied(err) {
 			return fmt.Errorf("s3fence: release %q: %w", l.Name(), err)
@@ -470,7 +590,7 @@ func (l *lease) Release(ctx context.Context) error {
 		}
 		switch {
 		case o.exists && o.st.Token == l.st.Token && o.st.Holder == "":
-			return nil // our release landed; its answer was lost
+			return l.released() // our release landed; its answer was lost
 		case !o.exists || o.st.Token != l.st.Token || o.st.Holder != l.st.Holder:
 			return l.lost()
 		}
@@ -480,6 +600,15 @@ func (l *lease) Release(ctx context.Context) error {
 		}
 	}
 	return fmt.Errorf("s3fence: release %q: %d attempts: %w", l.Name(), l.a.o.MaxAttempts, ErrContention)
+}
+
+// released is Release's result once the lock is free: ErrLost when the lease
+// had already ended on its own (past its local deadline, or found lost).
+func (l *lease) released() error {
+	if l.Context().Err() != nil && errors.Is(context.Cause(l.Context()), fence.ErrLost) {
+		return l.lost()
+	}
+	return nil
 }
 
 func (l *lease) lost() error {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -56,7 +57,6 @@ func TestAcquirerFaults(t *testing.T) { faultServers(t, testAcquirerFaults) }
 func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 	a := newAcquirer(t, e)
 	ctx := context.Background()
-	var last fence.Token
 	for _, kind := range []string{"drop-response", "409", "412", "500"} {
 		name := fencetest.Name("fault")
 		f.inject(kind)
@@ -71,8 +71,8 @@ func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 		if _, err := a.TryAcquire(ctx, name, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
 			t.Fatalf("after the %s grant: %v, want ErrHeld", kind, err)
 		}
-		if l.Token() != 1 {
-			t.Errorf("%s: token %d for a new name, want 1", kind, l.Token())
+		if l.Token() < 1e15 || l.Token()%1e6 != 0 {
+			t.Errorf("%s: token %d for a new name, want S3's clock in whole seconds, in microseconds", kind, l.Token())
 		}
 		f.inject("drop-response")
 		if err := l.Renew(ctx); err != nil {
@@ -86,11 +86,10 @@ func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 		if err != nil || l2.Token() <= l.Token() {
 			t.Fatalf("after the release: %v, token %v", err, l2)
 		}
-		last = l2.Token()
+		if l2.Token() != l.Token()+1 {
+			t.Errorf("%s: the token after one grant and a release is %d, want %d: the release kept the counter", kind, l2.Token(), l.Token()+1)
+		}
 		_ = l2.Release(ctx)
-	}
-	if last != 2 {
-		t.Errorf("the token after one grant and a release is %d, want 2: the release kept the counter", last)
 	}
 }
 
@@ -152,22 +151,32 @@ func testClockSkew(t *testing.T, e *s3env, f *faults) {
 		if _, err := a.TryAcquire(ctx, name, 2*time.Second); !errors.Is(err, fence.ErrHeld) {
 			t.Fatalf("server clock %v off: a second grant at once: %v, want ErrHeld", off, err)
 		}
+		renewSent := time.Now()
 		if err := l1.Renew(ctx); err != nil {
 			t.Fatalf("server clock %v off: renew: %v", off, err)
 		}
-		time.Sleep(time.Second)
+		renewed := time.Now()
+		time.Sleep(time.Second) // a time within the renewed lease, not a synchronisation
 		if _, err := a.TryAcquire(ctx, name, 2*time.Second); !errors.Is(err, fence.ErrHeld) {
 			t.Fatalf("server clock %v off: a grant within the renewed lease: %v, want ErrHeld", off, err)
 		}
-		start := time.Now()
 		l2, err := a.Acquire(ctx, name, 2*time.Second)
 		if err != nil {
 			t.Fatalf("server clock %v off: waiting for the expiry: %v", off, err)
 		}
-		waited := time.Since(start)
-		if waited > 6*time.Second || l2.Token() <= l1.Token() || l1.Context().Err() == nil {
-			t.Errorf("server clock %v off: granted after %v with token %d (first %d); the first lease's context done: %v",
-				off, waited, l2.Token(), l1.Token(), l1.Context().Err() != nil)
+		granted := time.Now()
+		// The renewal holds the lock for its ttl from when S3 received it
+		// (after renewSent), and S3's whole-second Date frees it at most 2s
+		// after its expiry; allow 1s more for the polls of a loaded machine.
+		if early := renewSent.Add(2 * time.Second); granted.Before(early) {
+			t.Errorf("server clock %v off: granted %v after the renewal was sent, within its 2s ttl", off, granted.Sub(renewSent))
+		}
+		if late := renewed.Add(2*time.Second + 2*time.Second + time.Second); granted.After(late) {
+			t.Errorf("server clock %v off: granted %v after the renewal's answer, over its 2s ttl plus S3's 2s plus 1s", off, granted.Sub(renewed))
+		}
+		if l2.Token() <= l1.Token() || l1.Context().Err() == nil {
+			t.Errorf("server clock %v off: token %d (first %d); the first lease's context done: %v",
+				off, l2.Token(), l1.Token(), l1.Context().Err() != nil)
 		}
 		_ = l2.Release(ctx)
 	}
@@ -219,5 +228,201 @@ func TestAcquirerBadOptions(t *testing.T) {
 	a := newAcquirer(t, e)
 	if _, err := a.TryAcquire(context.Background(), "n", 500*time.Millisecond); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("ttl below a second: %v", err)
+	}
+}
+
+// TestLockObjectDeleted (HAZARDS 1): holder A has token 2 and stalls; its lock
+// object is deleted (a lifecycle rule, an operator); B is granted the name and
+// writes a fresh key through the fenced writer. B's token must be above A's, so
+// A's late write is refused as stale instead of overwriting B's.
+func TestLockObjectDeleted(t *testing.T) { servers(t, testLockObjectDeleted) }
+
+func testLockObjectDeleted(t *testing.T, e *s3env) {
+	a := newAcquirer(t, e)
+	w := newWriter(t, e, nil)
+	ctx := context.Background()
+	name := fencetest.Name("deleted")
+	first, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	holderA, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A stalls; the lock object is deleted behind its back.
+	if _, err := e.c.DeleteObject(ctx, &s3.DeleteObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("fencekit-locks/" + name)}); err != nil {
+		t.Fatal(err)
+	}
+	holderB, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatalf("grant after the lock object was deleted: %v", err)
+	}
+	defer holderB.Release(ctx)
+	if holderB.Token() <= holderA.Token() {
+		t.Errorf("after the lock object was deleted the new grant has token %d, not above the stalled holder's %d", holderB.Token(), holderA.Token())
+	}
+	key := fencetest.Name("fresh")
+	if err := w.Write(ctx, key, []byte("B"), holderB.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("A, late"), holderA.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Errorf("the stalled holder's write over the new holder's: %v, want ErrStale", err)
+	}
+	if v, tok, err := w.Read(ctx, key); err != nil || string(v) != "B" || tok != holderB.Token() {
+		t.Errorf("stored %q token %d (%v); want B's write, token %d", v, tok, err, holderB.Token())
+	}
+}
+
+// TestRenewAfterLocalDeadline (HAZARDS 6): a Renew sent once the lease's
+// context has ended returns ErrLost and must not hold the lock on S3 again:
+// another acquirer is granted when the original lease runs out on S3's clock
+// (up to 2s late, S3's Date having whole seconds), not a ttl after the renewal.
+func TestRenewAfterLocalDeadline(t *testing.T) { servers(t, testRenewAfterLocalDeadline) }
+
+func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	name := fencetest.Name("late-renew")
+	const ttl = 5 * time.Second
+	// The name's lock object exists before the timed grant.
+	l0, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = l0.Release(ctx)
+	start := time.Now()
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-l.Context().Done()
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("renew after the local deadline: %v, want ErrLost", err)
+	}
+	// The original lease ends on S3's clock by start+ttl; S3's whole-second
+	// Date grants it up to 2s later. A renewal that landed would hold it
+	// until about start+2*ttl.
+	wctx, cancel := context.WithDeadline(ctx, start.Add(ttl+3500*time.Millisecond))
+	defer cancel()
+	l2, err := a.Acquire(wctx, name, ttl)
+	if err != nil {
+		t.Fatalf("another acquirer, within the original lease's ttl (and S3's 2s): %v", err)
+	}
+	if l2.Token() <= l.Token() {
+		t.Errorf("token %d not above %d", l2.Token(), l.Token())
+	}
+	_ = l2.Release(ctx)
+}
+
+// TestAbandonedGrant (HAZARDS 6, issue 29): a TryAcquire that gives up after a
+// grant's PUT whose answer was lost leaves no lock behind for its ttl: when
+// the PUT landed (its answer lost, then the caller's context ended), the
+// grant is released in the background; when the PUT is still on its way and
+// lands only after the caller gave up, it is refused, since the cleanup wrote
+// over the ETag (here: the absence) it was conditional on.
+func TestAbandonedGrant(t *testing.T) { faultServers(t, testAbandonedGrant) }
+
+func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
+	a, b := newAcquirer(t, e), newAcquirer(t, e)
+	ctx := context.Background()
+	const ttl = 60 * time.Second
+
+	t.Run("landed", func(t *testing.T) {
+		name := fencetest.Name("abandoned")
+		cctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		f.mu.Lock()
+		f.afterDrop = cancel // the PUT landed, its answer is lost, the caller gives up
+		f.mu.Unlock()
+		defer func() { f.mu.Lock(); f.afterDrop = nil; f.mu.Unlock() }()
+		f.inject("drop-response")
+		if l, err := a.TryAcquire(cctx, name, ttl); err == nil {
+			t.Fatalf("granted %d with its context cancelled", l.Token())
+		}
+		wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
+		defer wcancel()
+		l, err := b.Acquire(wctx, name, ttl)
+		if err != nil {
+			t.Fatalf("after an abandoned grant whose PUT landed: %v (the ttl is %v)", err, ttl)
+		}
+		_ = l.Release(ctx)
+	})
+
+	t.Run("lands-late", func(t *testing.T) {
+		name := fencetest.Name("late")
+		f.release, f.landed = make(chan int), make(chan int, 1)
+		f.inject("hold")
+		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		if l, err := a.TryAcquire(cctx, name, ttl); err == nil {
+			t.Fatalf("granted %d while its PUT was held", l.Token())
+		}
+		// The cleanup runs in the background: wait until it has written the
+		// lock object (free), then let the held PUT land.
+		deadline := time.Now().Add(15 * time.Second)
+		for {
+			info, err := b.Inspect(ctx, name)
+			if err == nil && !info.Held {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Errorf("no cleanup of the abandoned grant within 15s: %+v, %v", info, err)
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		f.release <- 1
+		if code := <-f.landed; code != http.StatusPreconditionFailed {
+			t.Errorf("the abandoned grant's late PUT was answered %d, want 412", code)
+		}
+		l, err := b.TryAcquire(ctx, name, ttl)
+		if err != nil {
+			t.Fatalf("after the abandoned grant's PUT landed late: %v (the ttl is %v)", err, ttl)
+		}
+		_ = l.Release(ctx)
+	})
+}
+
+// TestNamesByteForByte (HAZARDS 4): lock names that differ only in a trailing
+// space, case, a 4-byte character or the last byte of the longest key are
+// separate lock objects, each exclusive with itself.
+func TestNamesByteForByte(t *testing.T) { servers(t, testNamesByteForByte) }
+
+func testNamesByteForByte(t *testing.T, e *s3env) {
+	t.Parallel()
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	run := fencetest.Name("names") + "-"
+	// The longest key, in segments of 200 bytes: versitygw's posix backend
+	// refuses a segment over 255 bytes (KeyTooLongError).
+	long := strings.Repeat(strings.Repeat("n", 199)+"/", 4)
+	long += strings.Repeat("n", s3fence.MaxKeyBytes-len("fencekit-locks/")-len(run)-len(long)-1)
+	groups := [][]string{
+		{"job", "job ", "job\t"},
+		{"X\U0001F600", "X????", "X\uFFFD"},
+		{long + "a", long + "b"},
+		{"Case", "case", "ß", "ss"},
+	}
+	for _, names := range groups {
+		var held []fence.Lease
+		for _, n := range names {
+			l, err := a.TryAcquire(ctx, run+n, 10*time.Second)
+			if err != nil {
+				t.Fatalf("%q while %d others of %q are held: %v, want a grant (a separate lock)", n, len(held), names, err)
+			}
+			held = append(held, l)
+			if _, err := a.TryAcquire(ctx, run+n, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
+				t.Fatalf("%q a second time: %v, want ErrHeld", n, err)
+			}
+		}
+		for _, l := range held {
+			if err := l.Release(ctx); err != nil {
+				t.Errorf("release %q: %v", l.Name(), err)
+			}
+		}
 	}
 }

@@ -52,6 +52,14 @@ func BenchmarkAcquireRelease(b *testing.B) {
 	ctx := context.Background()
 	run := func(b *testing.B, a fence.Acquirer, count func() int32) {
 		name := fencetest.Name("bench")
+		// The name's first grant creates its lock object and waits about a
+		// second for S3's clock (the token floor): keep it out of the timing.
+		if l, err := a.TryAcquire(ctx, name, time.Minute); err != nil {
+			b.Fatal(err)
+		} else if err := l.Release(ctx); err != nil {
+			b.Fatal(err)
+		}
+		b.ResetTimer()
 		var before int32
 		if count != nil {
 			before = count()

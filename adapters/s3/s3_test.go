@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -48,6 +49,10 @@ type faults struct {
 	clockOffset atomic.Int64
 	// noDate drops the Date header from the answers to PUTs.
 	noDate atomic.Bool
+	// A "hold" PUT is read whole, then waits for a value on release before
+	// it reaches the server (after its client may have given up); the status
+	// the server answered goes to landed.
+	release, landed chan int
 }
 
 // shiftedDate sets the Date header, shifted by offset, when the header is written.
@@ -125,6 +130,14 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		panic("cannot drop the response")
+	case "hold":
+		body, _ := io.ReadAll(r.Body)
+		r2 := r.Clone(context.Background())
+		r2.Body = io.NopCloser(bytes.NewReader(body))
+		<-f.release
+		rec := httptest.NewRecorder()
+		f.next.ServeHTTP(rec, r2)
+		f.landed <- rec.Code
 	case "409":
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/xml")
@@ -220,7 +233,15 @@ func servers(t *testing.T, fn func(t *testing.T, e *s3env)) {
 func faultServers(t *testing.T, fn func(t *testing.T, e *s3env, f *faults)) {
 	t.Run("gofakes3", func(t *testing.T) { e := fakeS3(t); fn(t, e, e.f) })
 	if testenv.ExternalS3() {
-		t.Log("not run on the external server of FENCEKIT_S3_ENDPOINT: faults need a proxy in front of a local server")
+		// The fault cases would silently not run on the real server: say so,
+		// and fail under CI, which must run them on a local one.
+		t.Run("real", func(t *testing.T) {
+			const msg = "fault cases not run on a real S3 server: FENCEKIT_S3_ENDPOINT names an external one, and a fault proxy in front of it would change the Host its requests are signed for; unset it to run them on versitygw"
+			if os.Getenv("CI") != "" {
+				t.Fatal(msg)
+			}
+			t.Skip(msg)
+		})
 		return
 	}
 	t.Run("real", func(t *testing.T) { e := realS3(t); fn(t, e, e.f) })

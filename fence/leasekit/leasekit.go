@@ -10,8 +10,12 @@
 //     and a drift margin is taken off: the holder stops believing it holds the
 //     lease before the backend can grant it to anyone else, whatever the
 //     network delay.
+//   - The send times are time.Now() readings with their monotonic clock (see
+//     New); expiry itself is decided by the backend on its own clock.
 //   - A renewal confirmed after the local deadline has passed never revives the
-//     lease: once Context is done, it stays done.
+//     lease: once Context is done, it stays done. The acquirer should not send
+//     a renewal for a lease whose Context is done (it would hold the lock on
+//     the backend for nobody), and should release one confirmed too late.
 //   - Context is done, with cause fence.ErrLost, when the local deadline
 //     passes, or with the cause given to End (context.Canceled for a release).
 //
@@ -23,6 +27,7 @@ package leasekit
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
@@ -52,15 +57,54 @@ type Base struct {
 
 // New returns the local state of a grant of name with token, whose request was sent
 // at sent. drift <= 0 means DefaultDrift(ttl).
+//
+// sent is a time.Now() taken just before the request that set the lease on the
+// backend (before its first attempt, when an ambiguous grant is recognised on a
+// later attempt: the lease may date from the first one). It should keep its
+// monotonic reading: time.Now().UTC(), Round(0), a time parsed or read from a
+// backend has none, and a deadline on the wall clock would move with every
+// step of it (after a step back the context could stay alive for as long as the
+// step). New re-anchors such a time on the monotonic clock, taking the wall
+// clock's reading of the time since sent; a sent after the wall clock's now
+// (the wall clock stepped back since, or a time from another clock) cannot be
+// anchored, and the lease ends at once with cause fence.ErrLost.
+//
+// The local deadline is only the holder's side. The backend must decide expiry
+// on its own clock (a TTL it runs, its own now(), its Date header), never on a
+// time the client sends: the drift margin covers clock rates, not offsets.
 func New(name string, token fence.Token, ttl, drift time.Duration, sent time.Time) *Base {
 	if drift <= 0 {
 		drift = DefaultDrift(ttl)
 	}
 	b := &Base{name: name, token: token, ttl: ttl, drift: drift}
 	b.ctx, b.cancel = context.WithCancelCause(context.Background())
+	sent, ok := monotonic(sent)
+	if !ok {
+		b.ended = true // no timer: End and Extend see ended first
+		b.cancel(errUnanchored)
+		return b
+	}
 	b.deadline = sent.Add(ttl - drift)
 	b.timer = time.AfterFunc(time.Until(b.deadline), b.expire)
 	return b
+}
+
+// errUnanchored ends a lease whose send time is after now on the wall clock.
+var errUnanchored = fmt.Errorf("leasekit: the grant's send time has no monotonic reading and is after now: %w", fence.ErrLost)
+
+// monotonic returns t with a monotonic reading: t itself when it has one;
+// otherwise now less the wall clock's time since t. It reports false when t is
+// after now on the wall clock.
+func monotonic(t time.Time) (time.Time, bool) {
+	if t != t.Round(0) {
+		return t, true // it has a monotonic reading
+	}
+	now := time.Now()
+	since := now.Round(0).Sub(t)
+	if since < 0 {
+		return time.Time{}, false
+	}
+	return now.Add(-since), true
 }
 
 // Name returns the lock name.
@@ -76,13 +120,19 @@ func (b *Base) TTL() time.Duration { return b.ttl }
 func (b *Base) Context() context.Context { return b.ctx }
 
 // Extend moves the local deadline after a renewal that the backend confirmed, whose
-// request was sent at sent. It returns false when the lease had already ended
-// locally: a late confirmation never revives a lease whose context is done.
+// request was sent at sent (a time.Now() with its monotonic reading, as for
+// New; one without is re-anchored, and one after now leaves the deadline where
+// it was). It returns false when the lease had already ended locally: a late
+// confirmation never revives a lease whose context is done.
 func (b *Base) Extend(sent time.Time) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.ended || b.ctx.Err() != nil {
 		return false
+	}
+	sent, ok := monotonic(sent)
+	if !ok {
+		return true
 	}
 	if d := sent.Add(b.ttl - b.drift); d.After(b.deadline) {
 		b.deadline = d

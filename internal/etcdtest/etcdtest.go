@@ -94,7 +94,20 @@ func (c *Cluster) Endpoints() []string {
 // Client returns a client of every member, closed at the end of the test.
 func (c *Cluster) Client(t testing.TB) *clientv3.Client {
 	t.Helper()
-	cl, err := clientv3.New(clientv3.Config{Endpoints: c.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	return NewClient(t, c.Endpoints()...)
+}
+
+// ClientAddr returns member i's client address, host:port (for a proxy).
+func (c *Cluster) ClientAddr(i int) string {
+	u, _ := url.Parse(c.Nodes[i].ClientURL)
+	return u.Host
+}
+
+// NewClient returns a client of endpoints (host:port or URLs; a fault proxy's
+// address), closed at the end of the test.
+func NewClient(t testing.TB, endpoints ...string) *clientv3.Client {
+	t.Helper()
+	cl, err := clientv3.New(clientv3.Config{Endpoints: endpoints, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
 	if err != nil {
 		t.Fatal(err)
 	}

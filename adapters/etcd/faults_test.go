@@ -1,0 +1,346 @@
+package etcdfence_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/internal/etcdtest"
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// behindProxy returns an acquirer whose client reaches the cluster's first
+// member through a fault proxy, and the proxy.
+func behindProxy(t *testing.T, c *etcdtest.Cluster, o *etcdfence.Options) (*etcdfence.Acquirer, *faultnet.Proxy) {
+	t.Helper()
+	p := faultnet.Start(t, c.ClientAddr(0))
+	a, err := etcdfence.New(etcdtest.NewClient(t, p.Addr()), o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a, p
+}
+
+// faultSetup starts a 1-member cluster and returns an acquirer on a direct
+// client (and that client), one behind a fault proxy, the proxy, and a fresh
+// name.
+func faultSetup(t *testing.T, prefix string) (a *etcdfence.Acquirer, cl *clientv3.Client, b *etcdfence.Acquirer, p *faultnet.Proxy, name string) {
+	t.Helper()
+	c := etcdtest.Start(t, 1)
+	cl = c.Client(t)
+	a, _ = etcdfence.New(cl, nil)
+	b, p = behindProxy(t, c, nil)
+	return a, cl, b, p, fencetest.Name(prefix)
+}
+
+func linePrefix(name string) string { return "/fencekit/locks/" + url.PathEscape(name) + "/" }
+
+// waitLine waits until name's line has n keys (a waiter has joined), as the
+// cluster tells it.
+func waitLine(t *testing.T, cl *clientv3.Client, name string, n int64) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		resp, err := cl.Get(context.Background(), linePrefix(name), clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err == nil && resp.Count == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the line of %q did not reach %d keys: %v, %v", name, n, resp, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// leaseID is the etcd lease of name's only key.
+func leaseID(t *testing.T, cl *clientv3.Client, name string) int64 {
+	t.Helper()
+	resp, err := cl.Get(context.Background(), linePrefix(name), clientv3.WithPrefix())
+	if err != nil || len(resp.Kvs) != 1 {
+		t.Fatalf("the line of %q: %v, %v", name, resp, err)
+	}
+	return resp.Kvs[0].Lease
+}
+
+// opensStream reports whether a chunk the client sent holds an HTTP/2 HEADERS
+// frame (type 1): a new gRPC call, not flow control or a ping.
+func opensStream(b []byte) bool {
+	for off := 0; off+9 <= len(b); off += 9 + (int(b[off])<<16 | int(b[off+1])<<8 | int(b[off+2])) {
+		if b[off+3] == 0x1 {
+			return true
+		}
+	}
+	return false
+}
+
+// TestTryAcquireLoserBlocksNobody (HAZARDS 6): a TryAcquire that loses and
+// whose cleanup cannot reach etcd (its connection dropped, new ones refused)
+// must not keep the lock from others once the holder releases.
+func TestTryAcquireLoserBlocksNobody(t *testing.T) {
+	a, _, loser, p, name := faultSetup(t, "loser")
+	ctx := context.Background()
+	h, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The loser's client is connected; then the first request it sends after
+	// its transaction (its cleanup) is lost: that connection is cut and no new
+	// one accepted.
+	if _, err := loser.Inspect(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	p.Refuse(true)
+	pfx := []byte(linePrefix(name))
+	sawTxn := false
+	p.DropRequest(func(b []byte) bool {
+		if sawTxn && opensStream(b) {
+			return true
+		}
+		sawTxn = sawTxn || bytes.Contains(b, pfx)
+		return false
+	})
+	tctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	if _, err := loser.TryAcquire(tctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("the loser: %v, want ErrHeld", err)
+	}
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatalf("after the holder released, with the loser's cleanup lost: %v, want a grant", err)
+	}
+	if l.Token() <= h.Token() {
+		t.Errorf("token %d not above %d", l.Token(), h.Token())
+	}
+	_ = l.Release(ctx)
+}
+
+// TestDeadWaiterSkipped (HAZARDS 6): a waiter cut off from etcd leaves the
+// line within about WaiterTTL after the holder releases, not the lock's ttl;
+// the waiter behind it is granted, and the cut-off waiter's Acquire fails
+// instead of returning a lease.
+func TestDeadWaiterSkipped(t *testing.T) {
+	a, cl, dead, p, name := faultSetup(t, "deadwaiter")
+	ctx := context.Background()
+	const ttl = 60 * time.Second
+	h, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadErr := make(chan error, 1)
+	go func() {
+		dctx, cancel := context.WithTimeout(ctx, 40*time.Second)
+		defer cancel()
+		l, err := dead.Acquire(dctx, name, ttl)
+		if err == nil {
+			_ = l.Release(ctx)
+		}
+		deadErr <- err
+	}()
+	waitLine(t, cl, name, 2)
+	p.Partition() // the waiter is cut off (dead, as far as etcd can tell)
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	next := make(chan result, 1)
+	go func() {
+		wctx, cancel := context.WithTimeout(ctx, 40*time.Second)
+		defer cancel()
+		l, err := a.Acquire(wctx, name, ttl)
+		next <- result{l, err}
+	}()
+	waitLine(t, cl, name, 3)
+	released := time.Now()
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-next
+	if r.err != nil {
+		t.Fatalf("the live waiter behind a dead one: %v", r.err)
+	}
+	waited := time.Since(released)
+	t.Logf("granted %v after the release, behind a cut-off waiter", waited)
+	// The dead waiter's key lives until its waiter lease runs out on etcd's
+	// clock (WaiterTTL, checked by etcd every 500ms), not for the lock's ttl.
+	if limit := etcdfence.WaiterTTL + 5*time.Second; waited > limit {
+		t.Errorf("the live waiter was granted %v after the release, behind a dead waiter (limit %v; the lock's ttl is %v)", waited, limit, ttl)
+	}
+	if r.l.Token() <= h.Token() {
+		t.Errorf("token %d not above %d", r.l.Token(), h.Token())
+	}
+	p.Heal()
+	if err := r.l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-deadErr; err == nil {
+		t.Error("the waiter that was cut off past its waiter lease was granted after healing; want an error")
+	}
+}
+
+// TestAcquireCutOffWhileWaiting (HAZARDS 6): a waiter partitioned from etcd
+// while the holder releases ends its Acquire at its deadline with ErrHeld
+// joined with the context's error (or, if granted, with a live lease), soon
+// after the deadline, and leaves no key that blocks the name once healed.
+func TestAcquireCutOffWhileWaiting(t *testing.T) {
+	a, cl, waiter, p, name := faultSetup(t, "cutoff")
+	ctx := context.Background()
+	const ttl = 2 * time.Second
+	h, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		l   fence.Lease
+		err error
+		at  time.Time
+	}
+	res := make(chan result, 1)
+	deadline := time.Now().Add(6 * time.Second)
+	go func() {
+		wctx, cancel := context.WithDeadline(ctx, deadline)
+		defer cancel()
+		l, err := waiter.Acquire(wctx, name, ttl)
+		res <- result{l, err, time.Now()}
+	}()
+	waitLine(t, cl, name, 2)
+	p.Partition()
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	if r.err == nil {
+		if r.l.Context().Err() != nil {
+			t.Errorf("Acquire returned a nil error and a lease already lost (%v)", context.Cause(r.l.Context()))
+		}
+	} else if !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.DeadlineExceeded) {
+		t.Errorf("cut-off waiter: %v, want ErrHeld joined with DeadlineExceeded", r.err)
+	}
+	if late := r.at.Sub(deadline); late > 2*time.Second {
+		t.Errorf("Acquire returned %v after its deadline", late)
+	}
+	p.Heal()
+	if r.l != nil {
+		_ = r.l.Release(ctx)
+	}
+	// Whatever the cut-off waiter left reaches etcd now, or expires: the
+	// name is granted within WaiterTTL, not the ttl of a stray lock.
+	wctx, cancel := context.WithTimeout(ctx, etcdfence.WaiterTTL+5*time.Second)
+	defer cancel()
+	l, err := a.Acquire(wctx, name, ttl)
+	if err != nil {
+		t.Fatalf("after healing: %v", err)
+	}
+	_ = l.Release(ctx)
+}
+
+// TestRenewAfterLocalDeadline (HAZARDS 6): a Renew sent once the lease's
+// context has ended returns ErrLost and does not extend the etcd lease: the
+// name is granted to another when the original lease runs out on etcd.
+func TestRenewAfterLocalDeadline(t *testing.T) {
+	c := etcdtest.Start(t, 1)
+	// A wide drift margin ends the local deadline a second before etcd's.
+	a, _ := etcdfence.New(c.Client(t), &etcdfence.Options{Drift: time.Second})
+	ctx := context.Background()
+	name := fencetest.Name("late-renew")
+	const ttl = 3 * time.Second
+	start := time.Now()
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-l.Context().Done()
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("renew after the local deadline: %v, want ErrLost", err)
+	}
+	// etcd expires the original lease at start+ttl (checking every 500ms); a
+	// keep-alive that landed at start+2s would hold it to start+5s.
+	wctx, cancel := context.WithDeadline(ctx, start.Add(ttl+1500*time.Millisecond))
+	defer cancel()
+	l2, err := a.Acquire(wctx, name, ttl)
+	if err != nil {
+		t.Fatalf("another acquirer within the original ttl: %v", err)
+	}
+	_ = l2.Release(ctx)
+}
+
+// TestLostReplies (HAZARDS 3): a grant, a renewal and a release whose answers are lost
+// (the request reached etcd, the connection died) are recognised: TryAcquire
+// returns the lease its lost answer granted, and Release returns nil, not
+// ErrLost for the client's own repeated revoke; nothing blocks the name after.
+func TestLostReplies(t *testing.T) {
+	a, cl, b, p, name := faultSetup(t, "lost")
+	ctx := context.Background()
+	var l fence.Lease
+	// The proxy closes the connection once it has read the server's first
+	// answer bytes; etcd may cancel the transaction before it applies (the
+	// grant then fails, and must say it was not granted and leave the name
+	// free). Repeat until a lost answer follows an applied grant.
+	for attempt := 0; l == nil; attempt++ {
+		if attempt == 10 {
+			t.Fatal("in 10 tries no grant was applied with its answer lost")
+		}
+		if attempt > 0 {
+			name = fencetest.Name("lost")
+		}
+		pfx := []byte(linePrefix(name))
+		p.LoseReply(func(req []byte) bool { return bytes.Contains(req, pfx) })
+		var err error
+		l, err = b.TryAcquire(ctx, name, 30*time.Second)
+		if p.Pending() != 0 {
+			t.Fatal("the grant's transaction never went through the proxy")
+		}
+		if err == nil {
+			break
+		}
+		if !strings.Contains(err.Error(), "not granted") {
+			t.Fatalf("grant whose answer was lost: %v; want the lease it granted, or an error saying it was not granted", err)
+		}
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		other, err := a.Acquire(wctx, name, 30*time.Second)
+		cancel()
+		if err != nil {
+			t.Fatalf("after a grant reported not granted, the name is not free: %v", err)
+		}
+		_ = other.Release(ctx)
+	}
+	if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("while the recognised grant holds: %v, want ErrHeld", err)
+	}
+	// The keep-alive and revoke requests carry the lease id (protobuf field
+	// 1, varint).
+	id := binary.AppendUvarint([]byte{0x08}, uint64(leaseID(t, cl, name)))
+	p.LoseReply(func(req []byte) bool { return bytes.Contains(req, id) })
+	if err := l.Renew(ctx); err != nil {
+		t.Errorf("renew whose answer was lost: %v, want nil (a keep-alive is sent again)", err)
+	}
+	if p.Pending() != 0 {
+		t.Fatal("the keep-alive never went through the proxy")
+	}
+	p.LoseReply(func(req []byte) bool { return bytes.Contains(req, id) })
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("release whose answer was lost: %v, want nil", err)
+	}
+	if p.Pending() != 0 {
+		t.Fatal("the revoke never went through the proxy")
+	}
+	l2, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatalf("after the release: %v", err)
+	}
+	if l2.Token() <= l.Token() {
+		t.Errorf("token %d not above %d", l2.Token(), l.Token())
+	}
+	_ = l2.Release(ctx)
+}

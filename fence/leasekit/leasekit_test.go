@@ -1,0 +1,51 @@
+package leasekit_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
+)
+
+// TestSentWithoutMonotonicReading (HAZARDS 5): a send time stripped of its
+// monotonic reading is re-anchored, so the context still ends at the local
+// deadline; one that the wall clock puts after now (as after the wall clock
+// stepped back an hour since the send) ends the lease at once, instead of an
+// hour late.
+func TestSentWithoutMonotonicReading(t *testing.T) {
+	const ttl = 300 * time.Millisecond
+	start := time.Now()
+	b := leasekit.New("n", 1, ttl, 0, start.Round(0))
+	if b.Context().Err() != nil {
+		t.Fatalf("a stripped send time just now ended the lease at once: %v", context.Cause(b.Context()))
+	}
+	select {
+	case <-b.Context().Done():
+	case <-time.After(ttl + 10*time.Second):
+		t.Fatal("a lease granted with a stripped send time did not end")
+	}
+	if got := time.Since(start); got < ttl-leasekit.DefaultDrift(ttl) {
+		t.Errorf("ended after %v, before its local deadline", got)
+	}
+	if !errors.Is(context.Cause(b.Context()), fence.ErrLost) {
+		t.Errorf("cause %v, want ErrLost", context.Cause(b.Context()))
+	}
+
+	// The wall clock read an hour ahead at the send, then stepped back.
+	stepped := leasekit.New("n", 2, time.Minute, 0, time.Now().Round(0).Add(time.Hour))
+	select {
+	case <-stepped.Context().Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("a send time an hour ahead on the wall clock kept the lease alive")
+	}
+	if !errors.Is(context.Cause(stepped.Context()), fence.ErrLost) {
+		t.Errorf("cause %v, want ErrLost", context.Cause(stepped.Context()))
+	}
+	if stepped.Extend(time.Now()) {
+		t.Error("Extend revived a lease that had ended")
+	}
+	stepped.End(context.Canceled) // no effect, no panic
+}
