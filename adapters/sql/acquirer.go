@@ -167,7 +167,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 // grantRow runs the grant statement (with the guard advance on SQLite, in one
 // transaction) and returns the new token; errNoRows when the lease is held.
 func (a *Acquirer) grantRow(ctx context.Context, name string, ttl time.Duration) (int64, error) {
-	args := []any{name, a.opts.Owner, ttlMs(ttl)}
+	args := []any{a.db.text(name), a.db.text(a.opts.Owner), ttlMs(ttl)}
 	var tok int64
 	if a.db.d == mysqlDialect {
 		return a.grantMySQL(ctx, args)
@@ -244,7 +244,7 @@ func (l *lease) Renew(ctx context.Context) error {
 		return err
 	}
 	sent := time.Now()
-	n, err := l.a.db.change(ctx, l.a.renew, l.Name(), int64(l.Token()), ttlMs(l.TTL()))
+	n, err := l.a.db.change(ctx, l.a.renew, l.a.renewArgs(l.Name(), l.Token(), l.TTL())...)
 	if err != nil {
 		return l.a.wrap("renew", err)
 	}
@@ -266,7 +266,7 @@ func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
 	}
-	n, err := l.a.db.change(ctx, l.a.release, l.Name(), int64(l.Token()))
+	n, err := l.a.db.change(ctx, l.a.release, l.a.db.text(l.Name()), int64(l.Token()))
 	l.End(context.Canceled)
 	if err != nil {
 		return l.a.wrap("release", err)
@@ -275,6 +275,15 @@ func (l *lease) Release(ctx context.Context) error {
 		return l.lost()
 	}
 	return nil
+}
+
+// renewArgs are the renew statement's arguments: name, token, ttl, or on
+// MySQL ttl, name, token (the order of its placeholders).
+func (a *Acquirer) renewArgs(name string, tok fence.Token, ttl time.Duration) []any {
+	if a.db.d == mysqlDialect {
+		return []any{ttlMs(ttl), a.db.text(name), int64(tok)}
+	}
+	return []any{name, int64(tok), ttlMs(ttl)}
 }
 
 func (l *lease) lost() error {
@@ -298,7 +307,7 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 		tok, left int64
 		owner     string
 	)
-	err := a.db.queryRow(ctx, a.inspect, []any{name}, &tok, &owner, &left)
+	err := a.db.queryRow(ctx, a.inspect, []any{a.db.text(name)}, &tok, &owner, &left)
 	if errors.Is(err, errNoRows) {
 		return fence.LockInfo{}, fmt.Errorf("sqlfence: inspect %q: %w", name, fence.ErrNotFound)
 	}
@@ -325,7 +334,7 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	if err := fence.CheckToken("bump", to); err != nil {
 		return err
 	}
-	n, err := a.db.change(ctx, a.bump, name, int64(to))
+	n, err := a.db.change(ctx, a.bump, a.db.text(name), int64(to))
 	if err != nil {
 		return a.wrap("bump", err)
 	}

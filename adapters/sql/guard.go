@@ -73,12 +73,12 @@ func NewGuards(opts *GuardOptions) (*Guards, error) {
 		// LAST_INSERT_ID is the token when the fence was advanced or equal,
 		// 0 when it holds a larger one (see execID). v is the offered token.
 		g.advanceSQL = func(v string) string {
-			return fmt.Sprintf("INSERT INTO %s (name, fence) VALUES (?, LAST_INSERT_ID(%s)) ON DUPLICATE KEY UPDATE "+
-				"fence = IF(fence <= VALUES(fence), LAST_INSERT_ID(VALUES(fence)), LAST_INSERT_ID(0) + fence)", t, v)
+			return fmt.Sprintf("INSERT INTO %s (name, fence) VALUES (%s, LAST_INSERT_ID(%s)) ON DUPLICATE KEY UPDATE "+
+				"fence = IF(fence <= VALUES(fence), LAST_INSERT_ID(VALUES(fence)), LAST_INSERT_ID(0) + fence)", t, mysqlText, v)
 		}
 		g.guard = g.advanceSQL("?")
 		// A locking read: the latest committed fence, whatever the isolation.
-		g.current = fmt.Sprintf("SELECT fence FROM %s WHERE name = ? FOR UPDATE", t)
+		g.current = fmt.Sprintf("SELECT fence FROM %s WHERE name = %s FOR UPDATE", t, mysqlText)
 		return g, nil
 	}
 	// BIGINT and TEXT mean the same to SQLite and PostgreSQL, so one DDL serves both.
@@ -146,7 +146,7 @@ func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Tok
 		return err
 	}
 	if g.mysql {
-		id, err := execID(ctx, c, g.guard, name, int64(token))
+		id, err := execID(ctx, c, g.guard, textArg(true, name), int64(token))
 		if err != nil {
 			return g.wrap(err)
 		}
@@ -163,7 +163,7 @@ func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Tok
 		}
 	}
 	var cur int64
-	if err := c.queryRow(ctx, g.current, []any{name}, &cur); err != nil {
+	if err := c.queryRow(ctx, g.current, []any{textArg(g.mysql, name)}, &cur); err != nil {
 		return g.wrap(err)
 	}
 	if fence.Token(cur) <= token {

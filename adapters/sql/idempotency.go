@@ -155,7 +155,7 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 	var f int64
 	var err error
 	if s.db.d == mysqlDialect {
-		if f, err = s.db.execID(ctx, s.begin, key, fingerprint, owner, ms(lease)); err == nil && f == 0 {
+		if f, err = s.db.execID(ctx, s.begin, s.db.text(key), s.db.text(fingerprint), s.db.text(owner), ms(lease)); err == nil && f == 0 {
 			err = errNoRows // not claimed: the key has a live record
 		}
 	} else {
@@ -199,7 +199,7 @@ func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Rec
 }
 
 func (s *IdempotencyStore) getOn(ctx context.Context, c conn, key string) (idempotency.Record, error) {
-	rec, err := scanRecord(key, func(dest ...any) error { return c.queryRow(ctx, s.get, []any{key}, dest...) })
+	rec, err := scanRecord(key, func(dest ...any) error { return c.queryRow(ctx, s.get, []any{s.db.text(key)}, dest...) })
 	if errors.Is(err, errNoRows) {
 		return rec, fence.ErrNotFound
 	}
@@ -247,6 +247,11 @@ func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, fro
 		dropped = 1
 	}
 	args := []any{key, string(from), int64(fromFence), string(ch.State), int64(ch.Fence), ch.Owner, ms(ch.Lease), restart, ms(ch.Retention), ch.Result, dropped}
+	if s.db.d == mysqlDialect {
+		// The order of the MySQL statement's placeholders (see mysqlStatements).
+		args = []any{int64(ch.Fence), []byte(ch.State), []byte(ch.Owner), ms(ch.Lease), restart, ms(ch.Retention), ms(ch.Retention), ch.Result, dropped,
+			[]byte(key), []byte(from), int64(fromFence)}
+	}
 	var gotKey string
 	var rec idempotency.Record
 	var err error
