@@ -17,7 +17,8 @@ import (
 // mysqlSessions are DSN parameters a user may give the MySQL driver that
 // change how text reaches the server: the connection character set (utf8 is
 // utf8mb3, which has no 4-byte characters), a non-strict sql_mode that turns
-// what it cannot convert into '?', and client-side interpolation.
+// what it cannot convert into '?', client-side interpolation, and MariaDB's
+// EMPTY_STRING_IS_NULL.
 var mysqlSessions = []string{
 	"",
 	"charset=utf8",
@@ -25,6 +26,7 @@ var mysqlSessions = []string{
 	"charset=latin1",
 	"charset=latin1&sql_mode=" + url.QueryEscape("''"),
 	"charset=utf8&sql_mode=" + url.QueryEscape("''") + "&interpolateParams=true",
+	"sql_mode=" + url.QueryEscape("'STRICT_TRANS_TABLES,EMPTY_STRING_IS_NULL'"), // MariaDB only
 }
 
 // dialectDB is one database handle of every dialect and driver style.

@@ -46,6 +46,13 @@ var mysqlDialect = &dialect{
 // sends as a binary literal when it interpolates parameters.
 const mysqlText = "CAST(? AS BINARY)"
 
+// mysqlMaybeEmpty takes a value, owner or fingerprint that may be empty.
+// MariaDB's EMPTY_STRING_IS_NULL session mode turns an empty literal or
+// parameter into NULL; these arguments are never NULL, so NULL means empty.
+// The package's own empty literals are hex (x followed by two quotes), which
+// the mode leaves alone.
+const mysqlMaybeEmpty = "IFNULL(CAST(? AS BINARY), x'')"
+
 // textArg returns s as the argument of a text parameter: on MySQL as []byte
 // (see mysqlText), elsewhere as it is.
 func textArg(mysql bool, s string) any {
@@ -118,15 +125,15 @@ func (db *DB) change(ctx context.Context, q string, args ...any) (int64, error) 
 func (a *Acquirer) mysqlStatements(t string) {
 	now := mysqlDialect.nowMs
 	expired := "expires_at <= " + now
-	a.grant = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[4]s, LAST_INSERT_ID(1), %[4]s, %[2]s + ?) "+
+	a.grant = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[4]s, LAST_INSERT_ID(1), %[5]s, %[2]s + ?) "+
 		"ON DUPLICATE KEY UPDATE token = IF(%[3]s, LAST_INSERT_ID(token + 1), LAST_INSERT_ID(0) + token), "+
-		"owner = IF(%[3]s, VALUES(owner), owner), expires_at = IF(%[3]s, VALUES(expires_at), expires_at)", t, now, expired, mysqlText)
+		"owner = IF(%[3]s, VALUES(owner), owner), expires_at = IF(%[3]s, VALUES(expires_at), expires_at)", t, now, expired, mysqlText, mysqlMaybeEmpty)
 	// Renew's arguments come in the order ttl, name, token (see renewArgs).
 	a.renew = fmt.Sprintf("UPDATE %[1]s SET token = LAST_INSERT_ID(token), expires_at = %[2]s + ? "+
 		"WHERE name = %[3]s AND token = ? AND expires_at > %[2]s", t, now, mysqlText)
 	a.release = fmt.Sprintf("UPDATE %s SET token = LAST_INSERT_ID(token), expires_at = 0 WHERE name = %s AND token = ? AND expires_at > %s", t, mysqlText, now)
 	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s FROM %s WHERE name = %s", now, t, mysqlText)
-	a.bump = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[3]s, LAST_INSERT_ID(?), '', 0) "+
+	a.bump = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[3]s, LAST_INSERT_ID(?), x'', 0) "+
 		"ON DUPLICATE KEY UPDATE token = IF(token < VALUES(token) AND %[2]s, LAST_INSERT_ID(VALUES(token)), LAST_INSERT_ID(0) + token)", t, expired, mysqlText)
 }
 
@@ -167,7 +174,7 @@ func (s *IdempotencyStore) mysqlStatements(t, cols string) {
 	now, nowUs := mysqlDialect.nowMs, mysqlDialect.nowUs
 	claim := "@fencekit_claim"
 	s.begin = fmt.Sprintf(`INSERT INTO %[1]s (`+"`key`"+`, fingerprint, state, fence, owner, lease_until, started_at, expires_at, result, result_dropped)
-VALUES (%[5]s, %[5]s, 'claimed', LAST_INSERT_ID(%[3]s), %[5]s, %[2]s + ?, %[2]s, NULL, NULL, 0)
+VALUES (%[5]s, %[6]s, 'claimed', LAST_INSERT_ID(%[3]s), %[6]s, %[2]s + ?, %[2]s, NULL, NULL, 0)
 ON DUPLICATE KEY UPDATE
   fence = IF(%[4]s := (state = 'released' OR (expires_at IS NOT NULL AND expires_at <= %[2]s)),
     LAST_INSERT_ID(GREATEST(fence + 1, VALUES(fence))), LAST_INSERT_ID(0) + fence),
@@ -178,11 +185,11 @@ ON DUPLICATE KEY UPDATE
   result = IF(%[4]s, NULL, result),
   result_dropped = IF(%[4]s, 0, result_dropped),
   expires_at = IF(%[4]s, NULL, expires_at),
-  state = IF(%[4]s, 'claimed', state)`, t, now, nowUs, claim, mysqlText)
+  state = IF(%[4]s, 'claimed', state)`, t, now, nowUs, claim, mysqlText, mysqlMaybeEmpty)
 	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE `key` = %s", cols, t, mysqlText)
-	s.update = fmt.Sprintf(`UPDATE %[1]s SET fence = LAST_INSERT_ID(?), state = %[3]s, owner = %[3]s, lease_until = %[2]s + ?,
+	s.update = fmt.Sprintf(`UPDATE %[1]s SET fence = LAST_INSERT_ID(?), state = %[3]s, owner = %[4]s, lease_until = %[2]s + ?,
   started_at = IF(? = 1, %[2]s, started_at),
   expires_at = IF(? > 0, %[2]s + ?, NULL),
   result = ?, result_dropped = ?
-WHERE `+"`key`"+` = %[3]s AND state = %[3]s AND fence = ?`, t, now, mysqlText)
+WHERE `+"`key`"+` = %[3]s AND state = %[3]s AND fence = ?`, t, now, mysqlText, mysqlMaybeEmpty)
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"net/url"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -296,4 +298,59 @@ func BenchmarkMySQLHandoff(b *testing.B) {
 		b.Fatal(err)
 	}
 	benchutil.Handoff(b, a, a, fencetest.Name("handoff"))
+}
+
+// TestMySQLEmptyStringIsNull: MariaDB's EMPTY_STRING_IS_NULL session mode
+// (set by a user in the DSN) turns an empty string into NULL. An empty value
+// must still read back as empty (not as deleted), Bump must work, and empty
+// fingerprints, owners and results must be stored as empty.
+func TestMySQLEmptyStringIsNull(t *testing.T) {
+	ctx := context.Background()
+	db, fdb := openMySQL(t, "sql_mode="+url.QueryEscape("'STRICT_TRANS_TABLES,EMPTY_STRING_IS_NULL'"))
+	var mode string
+	if err := db.QueryRowContext(ctx, "SELECT @@SESSION.sql_mode").Scan(&mode); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(mode, "EMPTY_STRING_IS_NULL") {
+		t.Skipf("the server does not have EMPTY_STRING_IS_NULL (MariaDB only): sql_mode %q", mode)
+	}
+	w, err := sqlfence.NewWriter(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := fencetest.Name("empty")
+	for _, tok := range []fence.Token{1, 2} { // a new key (upsert), then an existing one (update)
+		if err := w.Write(ctx, key, []byte{}, tok); err != nil {
+			t.Fatalf("Write of an empty value: %v", err)
+		}
+		if v, got, err := w.Read(ctx, key); err != nil || len(v) != 0 || got != tok {
+			t.Fatalf("Read of an empty value = %q, %d, %v; want empty, %d", v, got, err, tok)
+		}
+	}
+	a, err := sqlfence.NewAcquirer(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("empty-bump")
+	if err := a.Bump(ctx, name, fence.MaxToken-10); err != nil {
+		t.Fatalf("Bump of a new name: %v", err)
+	}
+	l, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil || l.Token() != fence.MaxToken-9 {
+		t.Fatalf("grant after the bump: %v, %v; want token %d", l, err, fence.MaxToken-9)
+	}
+	_ = l.Release(ctx)
+	s, err := sqlfence.NewIdempotencyStore(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ik := fencetest.Name("empty-idem")
+	rec, claimed, err := s.Begin(ctx, ik, "", "", time.Minute)
+	if err != nil || !claimed {
+		t.Fatalf("Begin with an empty fingerprint and owner: %v, %v", claimed, err)
+	}
+	done, err := s.Update(ctx, ik, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Completed, Fence: rec.Fence, Result: []byte{}, Retention: time.Hour})
+	if err != nil || done.State != idempotency.Completed || done.Fingerprint != "" || done.Owner != "" || len(done.Result) != 0 {
+		t.Fatalf("complete with an empty result = %+v, %v", done, err)
+	}
 }

@@ -83,15 +83,15 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 		// condition sees the old fence. LAST_INSERT_ID is the token when the
 		// write was made (also when it changed nothing, an equal token writing
 		// equal bytes), 0 when the key holds a larger token (see execID).
-		w.upsert = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (%[5]s, ?, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
+		w.upsert = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (%[5]s, %[6]s, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
 			"%[3]s = IF(%[4]s <= VALUES(%[4]s), VALUES(%[3]s), %[3]s), "+
-			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f, mysqlText)
+			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f, mysqlText, mysqlMaybeEmpty)
 		w.tombstone = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (%[5]s, NULL, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
 			"%[3]s = IF(%[4]s <= VALUES(%[4]s), NULL, %[3]s), "+
 			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f, mysqlText)
 		// An existing key, the common case, takes a fenced UPDATE alone (its
 		// arguments: value, token, key, token); the upsert covers a new key.
-		w.update = fmt.Sprintf("UPDATE %[1]s SET %[3]s = ?, %[4]s = LAST_INSERT_ID(?) WHERE %[2]s = %[5]s AND %[4]s <= ?", t, k, v, f, mysqlText)
+		w.update = fmt.Sprintf("UPDATE %[1]s SET %[3]s = %[6]s, %[4]s = LAST_INSERT_ID(?) WHERE %[2]s = %[5]s AND %[4]s <= ?", t, k, v, f, mysqlText, mysqlMaybeEmpty)
 		w.read = fmt.Sprintf("SELECT %s, %s, CASE WHEN %s IS NULL THEN 1 ELSE 0 END FROM %s WHERE %s = %s", v, f, v, t, k, mysqlText)
 		w.current = fmt.Sprintf("SELECT %s FROM %s WHERE %s = %s", f, t, k, mysqlText)
 		return w, nil
