@@ -23,13 +23,20 @@ func MySQL(db *sql.DB) *DB {
 	return &DB{c: stdConn{db}, d: mysqlDialect, sqlDB: db}
 }
 
+// mysqlNowUs is the server's clock in microseconds since the Unix epoch, read
+// in UTC: UTC_TIMESTAMP and a DATETIME literal do not depend on the session's
+// time_zone, and TIMESTAMPDIFF between two DATETIMEs is plain arithmetic.
+// (UNIX_TIMESTAMP(NOW()) goes through the session's zone and back: in a zone
+// with daylight saving the hour that repeats in autumn reads an hour off.)
+const mysqlNowUs = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+
 // On MySQL and MariaDB, keys and names are VARBINARY: compared byte for byte
 // (as on PostgreSQL and SQLite, and unlike the case-insensitive default
 // collations), and MaxKeyBytes (1024) fits InnoDB's 3072-byte index limit.
 var mysqlDialect = &dialect{
 	name:     "mysql",
-	nowMs:    "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
-	nowUs:    "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)",
+	nowMs:    "(" + mysqlNowUs + " DIV 1000)",
+	nowUs:    mysqlNowUs,
 	greatest: "GREATEST",
 	textType: "BLOB", blobType: "LONGBLOB", intType: "BIGINT",
 	keyType: "VARBINARY(1024)", quoteChar: "`",

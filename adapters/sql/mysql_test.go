@@ -354,3 +354,51 @@ func TestMySQLEmptyStringIsNull(t *testing.T) {
 		t.Fatalf("complete with an empty result = %+v, %v", done, err)
 	}
 }
+
+// TestMySQLSessionTimeZone: the lease and idempotency clocks are UTC counts,
+// whatever time zone the session has: the lease row's expiry, read on a
+// connection in UTC, is the grant's instant plus its ttl, and Inspect sees the
+// time left the grant asked for.
+func TestMySQLSessionTimeZone(t *testing.T) {
+	ctx := context.Background()
+	utc, _ := openMySQL(t, "time_zone="+url.QueryEscape("'+00:00'"))
+	for _, zone := range []string{"'+05:00'", "'-09:30'", "SYSTEM"} {
+		t.Run(zone, func(t *testing.T) {
+			_, fdb := openMySQL(t, "time_zone="+url.QueryEscape(zone))
+			a, err := sqlfence.NewAcquirer(fdb, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			name := fencetest.Name("tz")
+			before := time.Now()
+			l, err := a.TryAcquire(ctx, name, time.Hour)
+			if err != nil {
+				t.Fatal(err)
+			}
+			after := time.Now()
+			t.Cleanup(func() { _ = l.Release(context.Background()) })
+			var expires int64
+			if err := utc.QueryRowContext(ctx, "SELECT expires_at FROM fence_leases WHERE name = ?", name).Scan(&expires); err != nil {
+				t.Fatal(err)
+			}
+			// The server's clock is this machine's: allow the round trip and a
+			// second of scheduling, far below the zone's hours.
+			lo, hi := before.Add(time.Hour-time.Second).UnixMilli(), after.Add(time.Hour+time.Second).UnixMilli()
+			if expires < lo || expires > hi {
+				t.Errorf("expires_at %d is %v from the grant plus its ttl", expires, time.Duration(expires-before.Add(time.Hour).UnixMilli())*time.Millisecond)
+			}
+			info, err := a.Inspect(ctx, name)
+			if err != nil || info.TimeLeft < time.Hour-5*time.Second || info.TimeLeft > time.Hour {
+				t.Errorf("Inspect = %+v, %v; want about an hour left", info, err)
+			}
+			s, _ := sqlfence.NewIdempotencyStore(fdb, nil)
+			rec, _, err := s.Begin(ctx, fencetest.Name("tz"), "f", "o", time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if f := int64(rec.Fence); f < before.UnixMicro()-1e6 || f > time.Now().UnixMicro()+1e6 {
+				t.Errorf("idempotency fence %d is not the clock in microseconds (%d)", f, before.UnixMicro())
+			}
+		})
+	}
+}
