@@ -44,6 +44,19 @@ type AcquirerOptions struct {
 // advanced by the statement that grants the lease; expiry is compared on the
 // database server's clock. It is safe for concurrent use, and across processes
 // that share the database.
+//
+// # Tokens after a lease row is lost
+//
+// A name's row is created with the database server's clock in microseconds
+// since the Unix epoch as its counter, and each later grant adds one. So when
+// the row is deleted (an operator's DELETE, a table restored from a backup,
+// a cleanup job) the next grant still gets a token above every token the old
+// row handed out, and a paused holder of an old token stays fenced. This
+// assumes that the server's clock does not step back past the old row's
+// creation, and that the old row made fewer grants than microseconds passed
+// since its creation (each grant is a statement round trip, so this holds
+// unless Bump raised the counter above the clock: a bumped counter is lost
+// with its row). Tokens stay below 2^53 (fence.MaxToken) until the year 2255.
 type Acquirer struct {
 	db     *DB
 	opts   AcquirerOptions
@@ -93,12 +106,13 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	a.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  token %s NOT NULL CHECK (token BETWEEN 1 AND %d),\n  owner %s NOT NULL,\n  expires_at %s NOT NULL\n)",
 		t, d.keyType, d.intType, uint64(fence.MaxToken), d.textType, d.intType)
 	now := d.nowMs
-	// Grant: create the row with token 1, or take over an expired row and advance
-	// its counter, in one statement. The CHECK constraint stops the counter at
+	// Grant: create the row with the server's clock in microseconds as its
+	// token (see Acquirer), or take over an expired row and advance its
+	// counter, in one statement. The CHECK constraint stops the counter at
 	// MaxToken. expires_at is milliseconds since the epoch on the server's clock.
-	a.grant = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, 1, $2, %s + $3) "+
+	a.grant = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s, $2, %s + $3) "+
 		"ON CONFLICT (name) DO UPDATE SET token = cur.token + 1, owner = excluded.owner, expires_at = excluded.expires_at "+
-		"WHERE cur.expires_at <= %s RETURNING token", t, now, now)
+		"WHERE cur.expires_at <= %s RETURNING token", t, d.nowUs, now, now)
 	a.renew = fmt.Sprintf("UPDATE %s SET expires_at = %s + $3 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now, now)
 	a.release = fmt.Sprintf("UPDATE %s SET expires_at = 0 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now)
 	if d == postgresDialect && !o.DisableNotify {

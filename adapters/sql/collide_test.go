@@ -29,35 +29,6 @@ var mysqlSessions = []string{
 	"sql_mode=" + url.QueryEscape("'STRICT_TRANS_TABLES,EMPTY_STRING_IS_NULL'"), // MariaDB only
 }
 
-// dialectDB is one database handle of every dialect and driver style.
-type dialectDB struct {
-	name string
-	db   *sqlfence.DB
-}
-
-// everyDialect returns SQLite, PostgreSQL (pgx and database/sql) and MySQL
-// under each of mysqlSessions.
-func everyDialect(t *testing.T) []dialectDB {
-	_, lite := openSQLite(t)
-	for _, f := range []func(*sqlfence.DB){
-		func(db *sqlfence.DB) { newSQLiteWriter(t, db) },
-		func(db *sqlfence.DB) { newSQLiteAcquirer(t, db) },
-		func(db *sqlfence.DB) { idemStore(t, db) },
-	} {
-		f(lite)
-	}
-	out := []dialectDB{{"sqlite", lite}}
-	for style, db := range pgHandles(t) {
-		out = append(out, dialectDB{"postgres-" + style, db})
-	}
-	idemStore(t, out[1].db)
-	for _, p := range mysqlSessions {
-		_, db := openMySQL(t, p)
-		out = append(out, dialectDB{"mysql?" + p, db})
-	}
-	return out
-}
-
 // collisionPairs are names that a conversion on the way (a character set, a
 // collation, normalisation, padding) could make one. Each pair must stay two
 // independent keys, locks and idempotency records.

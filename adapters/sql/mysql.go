@@ -132,9 +132,9 @@ func (db *DB) change(ctx context.Context, q string, args ...any) (int64, error) 
 func (a *Acquirer) mysqlStatements(t string) {
 	now := mysqlDialect.nowMs
 	expired := "expires_at <= " + now
-	a.grant = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[4]s, LAST_INSERT_ID(1), %[5]s, %[2]s + ?) "+
+	a.grant = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[4]s, LAST_INSERT_ID(%[6]s), %[5]s, %[2]s + ?) "+
 		"ON DUPLICATE KEY UPDATE token = IF(%[3]s, LAST_INSERT_ID(token + 1), LAST_INSERT_ID(0) + token), "+
-		"owner = IF(%[3]s, VALUES(owner), owner), expires_at = IF(%[3]s, VALUES(expires_at), expires_at)", t, now, expired, mysqlText, mysqlMaybeEmpty)
+		"owner = IF(%[3]s, VALUES(owner), owner), expires_at = IF(%[3]s, VALUES(expires_at), expires_at)", t, now, expired, mysqlText, mysqlMaybeEmpty, mysqlNowUs)
 	// Renew's arguments come in the order ttl, name, token (see renewArgs).
 	a.renew = fmt.Sprintf("UPDATE %[1]s SET token = LAST_INSERT_ID(token), expires_at = %[2]s + ? "+
 		"WHERE name = %[3]s AND token = ? AND expires_at > %[2]s", t, now, mysqlText)

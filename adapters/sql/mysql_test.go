@@ -233,21 +233,21 @@ func TestMySQLInspectAndBump(t *testing.T) {
 	if err != nil || !info.Held || info.Token != l.Token() || info.TimeLeft <= 50*time.Second {
 		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
 	}
-	if err := a.Bump(ctx, name, 100); !errors.Is(err, fence.ErrHeld) {
+	if err := a.Bump(ctx, name, l.Token()+100); !errors.Is(err, fence.ErrHeld) {
 		t.Errorf("Bump while held: %v, want ErrHeld", err)
 	}
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.Bump(ctx, name, 100); err != nil {
+	if err := a.Bump(ctx, name, l.Token()+100); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.Bump(ctx, name, 50); !errors.Is(err, fence.ErrInvalid) {
+	if err := a.Bump(ctx, name, l.Token()+50); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("Bump downwards: %v, want ErrInvalid", err)
 	}
 	l2, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil || l2.Token() != 101 {
-		t.Fatalf("grant after the bump: %v, %v; want token 101", l2, err)
+	if err != nil || l2.Token() != l.Token()+101 {
+		t.Fatalf("grant after the bump: %v, %v; want token %d", l2, err, l.Token()+101)
 	}
 	_ = l2.Release(ctx)
 	if err := a.Bump(ctx, name, fence.MaxToken); err != nil {
