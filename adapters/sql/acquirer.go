@@ -252,10 +252,18 @@ type lease struct {
 }
 
 // Renew extends the lease by its ttl on the server's clock, if this grant still
-// holds it. See fence.Lease.
+// holds it. A lease whose context is done (released, or past its local
+// deadline) returns fence.ErrLost without extending the row; a renewal
+// confirmed only after the local deadline passed returns fence.ErrLost and
+// releases the row. See fence.Lease.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
+	}
+	if l.Context().Err() != nil {
+		// Released, or past its local deadline: the holder was told it lost
+		// the lease, so the server must not hold it for another ttl.
+		return l.lost()
 	}
 	sent := time.Now()
 	n, err := l.a.db.change(ctx, l.a.renew, l.a.renewArgs(l.Name(), l.Token(), l.TTL())...)
@@ -267,11 +275,21 @@ func (l *lease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	if !l.Extend(sent) {
-		// The server extended it, but the local deadline had already passed and
-		// the holder was told it lost the lease; it stays lost.
+		// The server extended it, but the local deadline passed while the
+		// renewal was on its way and the holder was told it lost the lease: it
+		// stays lost, and the row is given up so others need not wait a ttl.
+		l.giveUp(ctx)
 		return l.lost()
 	}
 	return nil
+}
+
+// giveUp releases the row of a lease that already ended locally, best effort:
+// if it fails the row expires on its own.
+func (l *lease) giveUp(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.TTL())
+	defer cancel()
+	_, _ = l.a.db.change(ctx, l.a.release, l.a.db.text(l.Name()), int64(l.Token()))
 }
 
 // Release gives the lease up if this grant still holds it; otherwise it returns

@@ -122,3 +122,43 @@ func TestTokenAfterLeaseRowDeleted(t *testing.T) {
 		})
 	}
 }
+
+// TestRenewAfterLocalDeadline (HAZARDS 6): a lease past its local deadline
+// (its context done) is renewed: Renew returns ErrLost, and it must not hold
+// the lock on the server for another ttl: another acquirer is granted within
+// about a ttl of the first grant, not a ttl after the late renewal.
+func TestRenewAfterLocalDeadline(t *testing.T) {
+	const ttl = 2 * time.Second
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			a, err := sqlfence.NewAcquirer(d.db, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			name := fencetest.Name("late-renew")
+			sent := time.Now()
+			l, err := a.TryAcquire(ctx, name, ttl)
+			if err != nil {
+				t.Fatal(err)
+			}
+			<-l.Context().Done()
+			if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+				t.Fatalf("Renew after the local deadline: %v, want ErrLost", err)
+			}
+			wctx, cancel := context.WithTimeout(ctx, 3*ttl)
+			defer cancel()
+			l2, err := a.Acquire(wctx, name, time.Minute)
+			if err != nil {
+				t.Fatalf("Acquire after the late renewal: %v", err)
+			}
+			t.Cleanup(func() { _ = l2.Release(context.Background()) })
+			// The late renewal would hold the row until about 2*ttl after the
+			// grant; half a ttl of slack covers a loaded machine.
+			if waited := time.Since(sent); waited > ttl+ttl/2 {
+				t.Errorf("the next grant came %v after the first (ttl %v): the late renewal held the row", waited, ttl)
+			}
+		})
+	}
+}
