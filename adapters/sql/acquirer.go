@@ -120,7 +120,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		// when it commits. Only a real release notifies.
 		a.release = fmt.Sprintf("WITH r AS (%s RETURNING name) SELECT pg_notify('%s', md5(name)) FROM r", a.release, releaseChannel)
 	}
-	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s FROM %s WHERE name = $1", now, t)
+	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = $1", now, t)
 	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, $2, '', 0) "+
 		"ON CONFLICT (name) DO UPDATE SET token = excluded.token WHERE cur.token < excluded.token AND cur.expires_at <= %s", t, now)
 	if d == mysqlDialect {
@@ -161,12 +161,46 @@ func (a *Acquirer) Owner() string { return a.opts.Owner }
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
 // ttl is rounded up to whole milliseconds and must be positive. A name whose
 // counter reached fence.MaxToken returns fence.ErrTokensExhausted.
+//
+// Each call records a nonce of its own with the grant, so a grant whose reply
+// was lost is recognised when the call looks again (or runs the grant again
+// and finds the name held), and is returned as the lease. When it cannot
+// know after a few attempts, it returns an error matching fence.ErrUnknown:
+// a grant may then be held on the server until its ttl runs out.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	return a.tryAcquire(ctx, name, ttl, maxAmbiguousRetries)
+}
+
+// tryAcquire is TryAcquire, running an ambiguous grant at most attempts times
+// in all (0: until ctx ends).
+func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duration, attempts int) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	sent := time.Now()
-	tok, err := a.grantRow(ctx, name, ttl)
+	owner := a.opts.Owner + nonceSep + nonce()
+	sent := time.Now() // the first attempt's: the earliest a grant can have been made
+	uncertain := false // an earlier attempt may hold the lease
+	var (
+		tok int64
+		err error
+	)
+	for i := 0; ; i++ {
+		tok, err = a.grantRow(ctx, name, owner, ttl)
+		if uncertain && (errors.Is(err, errNoRows) || a.db.ambiguous(err)) {
+			if t, rerr := a.held(ctx, name, owner); rerr == nil {
+				tok, err = t, nil
+			} else if !errors.Is(rerr, errNoRows) {
+				err = rerr
+			}
+		}
+		if !a.db.ambiguous(err) {
+			break
+		}
+		uncertain = true
+		if (attempts > 0 && i+1 >= attempts) || !retryPause(ctx, i) {
+			return nil, a.wrap("acquire", a.db.unknown(err))
+		}
+	}
 	switch {
 	case errors.Is(err, errNoRows):
 		return nil, fence.ErrHeld
@@ -178,10 +212,60 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	return &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}, nil
 }
 
+// nonceSep separates the acquirer's owner from a grant's nonce in the lease
+// row's owner column; Inspect shows the owner without it.
+const nonceSep = "#"
+
+func nonce() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// stripNonce returns the owner a grant recorded, without its nonce.
+func stripNonce(owner string) string {
+	i := len(owner) - len(nonceSep) - 16
+	if i < 0 || owner[i:i+len(nonceSep)] != nonceSep {
+		return owner
+	}
+	if _, err := hex.DecodeString(owner[i+len(nonceSep):]); err != nil {
+		return owner
+	}
+	return owner[:i]
+}
+
+// held returns the token of the live grant that owner (with its nonce) holds
+// on name; errNoRows when it holds none.
+func (a *Acquirer) held(ctx context.Context, name, owner string) (int64, error) {
+	r, err := a.row(ctx, name)
+	if err != nil {
+		return 0, err
+	}
+	if r.owner != owner || r.left <= 0 {
+		return 0, errNoRows
+	}
+	return r.token, nil
+}
+
+// leaseRow is a lease row as the inspect statement reads it: left is the
+// time left in milliseconds on the server's clock, expires the raw expiry (0
+// after a release).
+type leaseRow struct {
+	token, left, expires int64
+	owner                string
+}
+
+// row reads name's lease row; errNoRows when there is none.
+func (a *Acquirer) row(ctx context.Context, name string) (leaseRow, error) {
+	var r leaseRow
+	err := a.db.queryRow(ctx, a.inspect, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
+	return r, err
+}
+
 // grantRow runs the grant statement (with the guard advance on SQLite, in one
 // transaction) and returns the new token; errNoRows when the lease is held.
-func (a *Acquirer) grantRow(ctx context.Context, name string, ttl time.Duration) (int64, error) {
-	args := []any{a.db.text(name), a.db.text(a.opts.Owner), ttlMs(ttl)}
+func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Duration) (int64, error) {
+	args := []any{a.db.text(name), a.db.text(owner), ttlMs(ttl)}
 	var tok int64
 	if a.db.d == mysqlDialect {
 		return a.grantMySQL(ctx, args)
@@ -202,14 +286,16 @@ func (a *Acquirer) grantRow(ctx context.Context, name string, ttl time.Duration)
 
 // Acquire waits until the lease on name is granted, pacing its attempts with the
 // acquirer's Backoff. On PostgreSQL a release wakes the waiters of its name at
-// once (LISTEN/NOTIFY), with the backoff as the fallback. See fence.Acquirer.
+// once (LISTEN/NOTIFY), with the backoff as the fallback. A grant whose reply
+// was lost is recognised or run again until ctx ends (see TryAcquire). See
+// fence.Acquirer.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	// The first attempt needs no subscription: an uncontended Acquire is one
 	// statement.
-	l, err := a.TryAcquire(ctx, name, ttl)
+	l, err := a.tryAcquire(ctx, name, ttl, 0)
 	if !errors.Is(err, fence.ErrHeld) {
 		return l, err
 	}
@@ -220,7 +306,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		defer unsubscribe()
 	}
 	return a.opts.Backoff.Retry(ctx, wake, func(ctx context.Context) (fence.Lease, error) {
-		return a.TryAcquire(ctx, name, ttl)
+		return a.tryAcquire(ctx, name, ttl, 0)
 	})
 }
 
@@ -260,28 +346,38 @@ func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
 	}
-	if l.Context().Err() != nil {
-		// Released, or past its local deadline: the holder was told it lost
-		// the lease, so the server must not hold it for another ttl.
-		return l.lost()
+	for i := 0; ; i++ {
+		if l.Context().Err() != nil {
+			// Released, or past its local deadline: the holder was told it
+			// lost the lease, so the server must not hold it for another ttl.
+			return l.lost()
+		}
+		sent := time.Now()
+		n, err := l.a.db.change(ctx, l.a.renew, l.a.renewArgs(l.Name(), l.Token(), l.TTL())...)
+		if l.a.db.ambiguous(err) {
+			// Running a renewal again is safe: it extends from the server's
+			// clock, and only while this grant holds the row.
+			if i+1 < maxAmbiguousRetries && retryPause(ctx, i) {
+				continue
+			}
+			return l.a.wrap("renew", l.a.db.unknown(err))
+		}
+		if err != nil {
+			return l.a.wrap("renew", err)
+		}
+		if n == 0 {
+			l.End(fence.ErrLost)
+			return l.lost()
+		}
+		if !l.Extend(sent) {
+			// The server extended it, but the local deadline passed while the
+			// renewal was on its way and the holder was told it lost the lease: it
+			// stays lost, and the row is given up so others need not wait a ttl.
+			l.giveUp(ctx)
+			return l.lost()
+		}
+		return nil
 	}
-	sent := time.Now()
-	n, err := l.a.db.change(ctx, l.a.renew, l.a.renewArgs(l.Name(), l.Token(), l.TTL())...)
-	if err != nil {
-		return l.a.wrap("renew", err)
-	}
-	if n == 0 {
-		l.End(fence.ErrLost)
-		return l.lost()
-	}
-	if !l.Extend(sent) {
-		// The server extended it, but the local deadline passed while the
-		// renewal was on its way and the holder was told it lost the lease: it
-		// stays lost, and the row is given up so others need not wait a ttl.
-		l.giveUp(ctx)
-		return l.lost()
-	}
-	return nil
 }
 
 // giveUp releases the row of a lease that already ended locally, best effort:
@@ -294,19 +390,40 @@ func (l *lease) giveUp(ctx context.Context) {
 
 // Release gives the lease up if this grant still holds it; otherwise it returns
 // fence.ErrLost and changes nothing. The lease's context is done afterwards.
+// A release whose reply was lost is run again, and one that finds its own
+// release applied returns nil; when it cannot know it returns an error
+// matching fence.ErrUnknown (the lease then ends on the server by its ttl at
+// the latest).
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
 	}
-	n, err := l.a.db.change(ctx, l.a.release, l.a.db.text(l.Name()), int64(l.Token()))
-	l.End(context.Canceled)
-	if err != nil {
-		return l.a.wrap("release", err)
+	defer l.End(context.Canceled)
+	uncertain := false
+	for i := 0; ; i++ {
+		n, err := l.a.db.change(ctx, l.a.release, l.a.db.text(l.Name()), int64(l.Token()))
+		if l.a.db.ambiguous(err) {
+			uncertain = true
+			if i+1 < maxAmbiguousRetries && retryPause(ctx, i) {
+				continue
+			}
+			return l.a.wrap("release", l.a.db.unknown(err))
+		}
+		if err != nil {
+			return l.a.wrap("release", err)
+		}
+		if n == 0 && !(uncertain && l.released(ctx)) {
+			return l.lost()
+		}
+		return nil
 	}
-	if n == 0 {
-		return l.lost()
-	}
-	return nil
+}
+
+// released reports whether the row shows this grant's own release (its token,
+// expiry 0), which an earlier attempt whose reply was lost may have made.
+func (l *lease) released(ctx context.Context) bool {
+	r, err := l.a.row(ctx, l.Name())
+	return err == nil && fence.Token(r.token) == l.Token() && r.expires == 0
 }
 
 // renewArgs are the renew statement's arguments: name, token, ttl, or on
@@ -335,20 +452,16 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 	if err := checkText("inspect", "name", name); err != nil {
 		return fence.LockInfo{}, err
 	}
-	var (
-		tok, left int64
-		owner     string
-	)
-	err := a.db.queryRow(ctx, a.inspect, []any{a.db.text(name)}, &tok, &owner, &left)
+	r, err := a.row(ctx, name)
 	if errors.Is(err, errNoRows) {
 		return fence.LockInfo{}, fmt.Errorf("sqlfence: inspect %q: %w", name, fence.ErrNotFound)
 	}
 	if err != nil {
 		return fence.LockInfo{}, a.wrap("inspect", err)
 	}
-	info := fence.LockInfo{Name: name, Counter: fence.Token(tok)}
-	if left > 0 {
-		info.Held, info.Token, info.Owner, info.TimeLeft = true, fence.Token(tok), owner, time.Duration(left)*time.Millisecond
+	info := fence.LockInfo{Name: name, Counter: fence.Token(r.token)}
+	if r.left > 0 {
+		info.Held, info.Token, info.Owner, info.TimeLeft = true, fence.Token(r.token), stripNonce(r.owner), time.Duration(r.left)*time.Millisecond
 	}
 	return info, nil
 }
@@ -368,7 +481,7 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	}
 	n, err := a.db.change(ctx, a.bump, a.db.text(name), int64(to))
 	if err != nil {
-		return a.wrap("bump", err)
+		return a.wrap("bump", a.db.unknown(err))
 	}
 	if n > 0 {
 		return nil

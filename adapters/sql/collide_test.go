@@ -60,18 +60,7 @@ func TestNamesNeverCollide(t *testing.T) {
 	ctx := context.Background()
 	for _, d := range everyDialect(t) {
 		t.Run(d.name, func(t *testing.T) {
-			w, err := sqlfence.NewWriter(d.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			acq, err := sqlfence.NewAcquirer(d.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			store, err := sqlfence.NewIdempotencyStore(d.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w, acq, store := d.parts(t)
 			for _, c := range collisionPairs {
 				t.Run(c.what, func(t *testing.T) {
 					a, b := unique(c.a, c.b)

@@ -63,6 +63,25 @@ func everyDialect(t *testing.T) []dialectDB {
 	return out
 }
 
+// parts returns a writer, an acquirer and an idempotency store on the
+// default tables of d.
+func (d dialectDB) parts(t *testing.T) (*sqlfence.Writer, *sqlfence.Acquirer, *sqlfence.IdempotencyStore) {
+	t.Helper()
+	w, err := sqlfence.NewWriter(d.db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := sqlfence.NewAcquirer(d.db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := sqlfence.NewIdempotencyStore(d.db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w, a, s
+}
+
 func pgxExec(p *pgxpool.Pool) func(context.Context, string, ...any) error {
 	return func(ctx context.Context, q string, args ...any) error {
 		_, err := p.Exec(ctx, placeholders(q, len(args), dollar), args...)
@@ -78,14 +97,7 @@ func TestTokenAfterLeaseRowDeleted(t *testing.T) {
 	ctx := context.Background()
 	for _, d := range everyDialect(t) {
 		t.Run(d.name, func(t *testing.T) {
-			a, err := sqlfence.NewAcquirer(d.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			w, err := sqlfence.NewWriter(d.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w, a, _ := d.parts(t)
 			name := fencetest.Name("deleted")
 			la, err := a.TryAcquire(ctx, name, time.Minute)
 			if err != nil {
@@ -133,10 +145,7 @@ func TestRenewAfterLocalDeadline(t *testing.T) {
 		t.Run(d.name, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			a, err := sqlfence.NewAcquirer(d.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			_, a, _ := d.parts(t)
 			name := fencetest.Name("late-renew")
 			sent := time.Now()
 			l, err := a.TryAcquire(ctx, name, ttl)

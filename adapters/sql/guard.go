@@ -221,7 +221,10 @@ type TxOptions struct {
 // transaction is rolled back and run again from the start, at most
 // MaxAttempts times in all; f must therefore have no effects outside tx. Any
 // other error rolls back and is returned as it is (a fence.ErrStale from Guard
-// among them).
+// among them). A commit whose reply was lost (it may have committed) returns
+// an error matching fence.ErrUnknown and is not run again. A caller who
+// commits a guarded transaction itself gets the driver's error instead: an
+// error other than one the server sent leaves the commit's outcome unknown.
 func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) error) error {
 	var o TxOptions
 	if opts != nil {
@@ -238,7 +241,7 @@ func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) 
 		if err := f(tx); err != nil {
 			return errors.Join(err, tx.Rollback())
 		}
-		return tx.Commit()
+		return commitErr(tx.Commit())
 	})
 }
 
@@ -249,7 +252,8 @@ type PgxBeginner interface {
 
 // RunPgxTx is RunTx for native pgx: it runs f in a transaction begun with txOpts
 // and commits it, running it again after a serialization failure or deadlock, at
-// most maxAttempts times in all (10 when maxAttempts <= 0).
+// most maxAttempts times in all (10 when maxAttempts <= 0). A commit whose
+// reply was lost returns an error matching fence.ErrUnknown, as in RunTx.
 func RunPgxTx(ctx context.Context, db PgxBeginner, txOpts pgx.TxOptions, maxAttempts int, f func(tx pgx.Tx) error) error {
 	if maxAttempts <= 0 {
 		maxAttempts = 10
@@ -262,8 +266,18 @@ func RunPgxTx(ctx context.Context, db PgxBeginner, txOpts pgx.TxOptions, maxAtte
 		if err := f(tx); err != nil {
 			return errors.Join(err, tx.Rollback(context.WithoutCancel(ctx)))
 		}
-		return tx.Commit(ctx)
+		return commitErr(tx.Commit(ctx))
 	})
+}
+
+// commitErr reports a commit that failed without a reply from the server (a
+// lost reply, a cut connection) as fence.ErrUnknown: it may have committed.
+// Such a transaction is not run again.
+func commitErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	return unknownIfAmbiguous(fmt.Errorf("sqlfence: commit: %w", err), false)
 }
 
 // retryTx runs once until it returns something other than a serialization

@@ -121,7 +121,9 @@ func (w *Writer) DDL() string { return w.ddl }
 func (w *Writer) CreateTable(ctx context.Context) error { return w.db.createTable(ctx, w.ddl) }
 
 // Write stores value under key with token, unless key has accepted a larger token,
-// in one statement. A nil value is stored as an empty value. See fence.FencedWriter.
+// in one statement. A nil value is stored as an empty value. A write whose
+// reply was lost (it may have been applied) returns an error matching
+// fence.ErrUnknown. See fence.FencedWriter.
 func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
 	if err := w.checkWrite("write", ctx, key, token); err != nil {
 		return err
@@ -132,7 +134,7 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 	if w.db.d == mysqlDialect {
 		n, err := w.db.execID(ctx, w.update, value, int64(token), w.db.text(key), int64(token))
 		if err != nil {
-			return w.wrap("write", err)
+			return w.wrap("write", w.db.unknown(err))
 		}
 		if n > 0 {
 			return nil
@@ -140,7 +142,7 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 	} else if w.db.d.updateFirst {
 		n, err := w.db.exec(ctx, w.update, key, value, int64(token))
 		if err != nil {
-			return w.wrap("write", err)
+			return w.wrap("write", w.db.unknown(err))
 		}
 		if n > 0 {
 			return nil
@@ -150,7 +152,8 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 }
 
 // Delete removes the value under key, keeping the fence at token (a tombstone), unless
-// key has accepted a larger token. See fence.Deleter.
+// key has accepted a larger token. A delete whose reply was lost returns an
+// error matching fence.ErrUnknown. See fence.Deleter.
 func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
 	if err := w.checkWrite("delete", ctx, key, token); err != nil {
 		return err
@@ -173,7 +176,7 @@ func (w *Writer) checkWrite(op string, ctx context.Context, key string, token fe
 func (w *Writer) fenced(ctx context.Context, op, key string, token fence.Token, q string, args ...any) error {
 	n, err := w.db.change(ctx, q, args...)
 	if err != nil {
-		return w.wrap(op, err)
+		return w.wrap(op, w.db.unknown(err))
 	}
 	if n > 0 {
 		return nil
