@@ -270,9 +270,8 @@ func BenchmarkMySQLWrite(b *testing.B) {
 		b.Fatal(err)
 	}
 	key := fencetest.Name("bench")
-	pairWrites(b, w, key, func(ctx context.Context, value []byte) error {
-		_, err := db.ExecContext(ctx, "UPDATE fence_values SET value = ? WHERE `key` = ?", value, key)
-		return err
+	pairWrites(b, w, key, func(ctx context.Context, value []byte) (int64, error) {
+		return rowsAffected(db.ExecContext(ctx, "UPDATE fence_values SET value = ? WHERE `key` = ?", value, key))
 	})
 }
 
