@@ -221,11 +221,15 @@ type TxOptions struct {
 // transaction is rolled back and run again from the start, at most
 // MaxAttempts times in all; f must therefore have no effects outside tx. Any
 // other error rolls back and is returned as it is (a fence.ErrStale from Guard
-// among them). A commit whose reply was lost (it may have committed) returns
+// among them). A nil ctx, db or f returns an error matching fence.ErrInvalid.
+// A commit whose reply was lost (it may have committed) returns
 // an error matching fence.ErrUnknown and is not run again. A caller who
 // commits a guarded transaction itself gets the driver's error instead: an
 // error other than one the server sent leaves the commit's outcome unknown.
 func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) error) error {
+	if err := checkRunTx("run tx", ctx, db == nil, f == nil); err != nil {
+		return err
+	}
 	var o TxOptions
 	if opts != nil {
 		o = *opts
@@ -255,6 +259,9 @@ type PgxBeginner interface {
 // most maxAttempts times in all (10 when maxAttempts <= 0). A commit whose
 // reply was lost returns an error matching fence.ErrUnknown, as in RunTx.
 func RunPgxTx(ctx context.Context, db PgxBeginner, txOpts pgx.TxOptions, maxAttempts int, f func(tx pgx.Tx) error) error {
+	if err := checkRunTx("run pgx tx", ctx, db == nil || isNilPgx(pgxBeginnerQuerier(db)), f == nil); err != nil {
+		return err
+	}
 	if maxAttempts <= 0 {
 		maxAttempts = 10
 	}
@@ -268,6 +275,28 @@ func RunPgxTx(ctx context.Context, db PgxBeginner, txOpts pgx.TxOptions, maxAtte
 		}
 		return commitErr(tx.Commit(ctx))
 	})
+}
+
+// checkRunTx refuses a nil context, handle or function with an error
+// matching fence.ErrInvalid, before a transaction begins.
+func checkRunTx(op string, ctx context.Context, nilDB, nilF bool) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	if nilDB {
+		return &fence.InvalidError{Op: op, Arg: "db", Reason: "nil database handle"}
+	}
+	if nilF {
+		return &fence.InvalidError{Op: op, Arg: "f", Reason: "nil function"}
+	}
+	return nil
+}
+
+// pgxBeginnerQuerier returns db as a PgxQuerier when it is one of pgx's
+// handle types, for isNilPgx.
+func pgxBeginnerQuerier(db PgxBeginner) PgxQuerier {
+	q, _ := db.(PgxQuerier)
+	return q
 }
 
 // commitErr reports a commit that failed without a reply from the server (a
