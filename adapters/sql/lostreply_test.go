@@ -52,7 +52,7 @@ func proxiedPool(t *testing.T, proxy *faultnet.Proxy) *pgxpool.Pool {
 	return p
 }
 
-func pgTarget(t *testing.T) string {
+func pgTarget(t testing.TB) string {
 	cfg, err := pgx.ParseConfig(testenv.PostgresURL())
 	if err != nil {
 		t.Fatal(err)
