@@ -15,6 +15,8 @@ type WriterOptions struct {
 	// Table holds one row per key; it may be schema-qualified. Default: "fence_values".
 	Table string
 	// KeyColumn is the table's primary key (or a unique column). Default: "key".
+	// On MySQL it must compare bytes (VARBINARY, or a _bin collation): under
+	// a case-insensitive or PAD SPACE collation two keys share one row.
 	KeyColumn string
 	// ValueColumn holds the value; it must be nullable, since a fenced delete
 	// sets it to NULL. Default: "value".
