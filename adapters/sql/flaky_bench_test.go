@@ -2,7 +2,6 @@ package sqlfence_test
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"strconv"
@@ -15,9 +14,6 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
-	"github.com/fencekit/fencekit/internal/testenv"
-	"github.com/go-sql-driver/mysql"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // BenchmarkFlakyNetwork: 8 workers x 200 locked increments of one counter
@@ -37,13 +33,7 @@ func BenchmarkFlakyNetwork(b *testing.B) {
 		addr func(b *testing.B) string
 	}{
 		{"postgres", flakyPostgres, func(b *testing.B) string { return pgTarget(b) }},
-		{"mysql", flakyMySQL, func(b *testing.B) string {
-			cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-			if err != nil {
-				b.Fatal(err)
-			}
-			return cfg.Addr
-		}},
+		{"mysql", flakyMySQL, func(b *testing.B) string { return mysqlAddr(b) }},
 	} {
 		b.Run(backend.name, func(b *testing.B) {
 			for i := 0; i < b.N; i++ {
@@ -69,31 +59,12 @@ func BenchmarkFlakyNetwork(b *testing.B) {
 
 func flakyPostgres(b *testing.B, p *faultnet.Proxy) *sqlfence.DB {
 	pgPool(b, pgOpts{}) // the default tables
-	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
-	if err != nil {
-		b.Fatal(err)
-	}
-	cfg.ConnConfig.Host, cfg.ConnConfig.Port = "127.0.0.1", uint16(p.Port())
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(pool.Close)
-	return sqlfence.Pgx(pool)
+	return sqlfence.Pgx(proxiedPool(b, p))
 }
 
 func flakyMySQL(b *testing.B, p *faultnet.Proxy) *sqlfence.DB {
 	openMySQL(b, "") // the default tables
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		b.Fatal(err)
-	}
-	cfg.Addr = p.Addr()
-	db, err := sql.Open("mysql", cfg.FormatDSN())
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { db.Close() })
+	db := proxiedMySQL(b, p)
 	// database/sql keeps 2 idle connections by default: 8 workers would
 	// open a connection (a handshake through the jitter) for most requests.
 	db.SetMaxIdleConns(16)

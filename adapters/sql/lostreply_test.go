@@ -38,7 +38,8 @@ type proxied struct {
 	guards *sqlfence.Guards
 }
 
-func proxiedPool(t *testing.T, proxy *faultnet.Proxy) *pgxpool.Pool {
+// proxiedPool is a pgx pool on the test PostgreSQL server through proxy.
+func proxiedPool(t testing.TB, proxy *faultnet.Proxy) *pgxpool.Pool {
 	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
 	if err != nil {
 		t.Fatal(err)
@@ -52,6 +53,31 @@ func proxiedPool(t *testing.T, proxy *faultnet.Proxy) *pgxpool.Pool {
 	return p
 }
 
+// mysqlAddr is the test MySQL server's address.
+func mysqlAddr(t testing.TB) string {
+	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg.Addr
+}
+
+// proxiedMySQL is a database/sql handle on the test MySQL server through proxy.
+func proxiedMySQL(t testing.TB, proxy *faultnet.Proxy) *sql.DB {
+	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Addr = proxy.Addr()
+	db, err := sql.Open("mysql", cfg.FormatDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// pgTarget is the test PostgreSQL server's address.
 func pgTarget(t testing.TB) string {
 	cfg, err := pgx.ParseConfig(testenv.PostgresURL())
 	if err != nil {
@@ -86,17 +112,8 @@ func lostReplyTargets(t *testing.T) []proxied {
 	t.Cleanup(func() { std.Close() })
 
 	myRaw, myDirect := openMySQL(t, "")
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	pxMy := faultnet.Start(t, cfg.Addr)
-	cfg.Addr = pxMy.Addr()
-	my, err := sql.Open("mysql", cfg.FormatDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { my.Close() })
+	pxMy := faultnet.Start(t, mysqlAddr(t))
+	my := proxiedMySQL(t, pxMy)
 	myGuards, _ := sqlfence.NewGuards(&sqlfence.GuardOptions{MySQL: true})
 
 	stdTx := func(db *sql.DB, g *sqlfence.Guards, ph string) func(context.Context, func(func(string, fence.Token) error, func(string, ...any) error) error) error {
