@@ -380,12 +380,13 @@ func (l *lease) Renew(ctx context.Context) error {
 	}
 }
 
-// giveUp releases the row of a lease that already ended locally, best effort:
-// if it fails the row expires on its own.
+// giveUp releases the row of a lease that already ended locally, best effort
+// (a lost reply is run again, as by Release): if it fails the row expires on
+// its own.
 func (l *lease) giveUp(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.TTL())
 	defer cancel()
-	_, _ = l.a.db.change(ctx, l.a.release, l.a.db.text(l.Name()), int64(l.Token()))
+	_ = l.releaseRow(ctx)
 }
 
 // Release gives the lease up if this grant still holds it; otherwise it returns
@@ -399,6 +400,12 @@ func (l *lease) Release(ctx context.Context) error {
 		return err
 	}
 	defer l.End(context.Canceled)
+	return l.releaseRow(ctx)
+}
+
+// releaseRow runs the release statement, again after an ambiguous error, and
+// recognises its own applied release (see Release).
+func (l *lease) releaseRow(ctx context.Context) error {
 	uncertain := false
 	for i := 0; ; i++ {
 		n, err := l.a.db.change(ctx, l.a.release, l.a.db.text(l.Name()), int64(l.Token()))

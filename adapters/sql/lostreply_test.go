@@ -313,3 +313,38 @@ func TestLostReplies(t *testing.T) {
 		})
 	}
 }
+
+// TestRenewConfirmedAfterLocalDeadline (HAZARDS 6): a renewal reaches the
+// server while the lease is live there, and its reply comes back after the
+// lease's local deadline (a slow network). Renew returns ErrLost, and the row
+// the server extended is given up: another acquirer is granted at once.
+func TestRenewConfirmedAfterLocalDeadline(t *testing.T) {
+	const ttl, drift, delay = 4 * time.Second, 3700 * time.Millisecond, 400 * time.Millisecond
+	for _, p := range lostReplyTargets(t) {
+		t.Run(p.name, func(t *testing.T) {
+			ctx := context.Background()
+			// The local deadline is ttl - drift = 300ms after the grant; a
+			// renewal sent at once reaches the server after delay (well inside
+			// its 4s) and is confirmed after 2 x delay, past that deadline.
+			a, _ := sqlfence.NewAcquirer(p.db, &sqlfence.AcquirerOptions{Drift: drift})
+			other, _ := sqlfence.NewAcquirer(p.direct, nil)
+			name := fencetest.Name("slow-renew")
+			l, err := a.TryAcquire(ctx, name, ttl)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p.proxy.Latency(delay, delay)
+			err = l.Renew(ctx)
+			p.proxy.Latency(0, 0)
+			if !errors.Is(err, fence.ErrLost) {
+				t.Fatalf("Renew confirmed after the local deadline: %v, want ErrLost", err)
+			}
+			l2, err := other.TryAcquire(ctx, name, time.Second)
+			if err != nil {
+				info, _ := other.Inspect(ctx, name)
+				t.Fatalf("another acquirer after the late confirmation: %v (%+v); the extended row was not given up", err, info)
+			}
+			_ = l2.Release(ctx)
+		})
+	}
+}
