@@ -27,7 +27,9 @@ type AcquirerOptions struct {
 	// zero fence.Backoff (Min 1ms, Max 100ms).
 	Backoff fence.Backoff
 	// Drift is taken off each lease's local deadline for clock drift between
-	// this process and the database. Default: 1% of the ttl plus 2ms.
+	// this process and the database. Default: 1% of the ttl plus 2ms. A
+	// TryAcquire or Acquire whose ttl is not longer than a Drift set here
+	// returns an error matching fence.ErrInvalid naming the ttl.
 	Drift time.Duration
 	// DisableNotify turns off release notifications on PostgreSQL, so waiters
 	// only poll with Backoff. Default: false (a release runs pg_notify, and
@@ -316,6 +318,10 @@ func (a *Acquirer) checkLease(op string, ctx context.Context, name string, ttl t
 	}
 	if err := checkText(op, "name", name); err != nil {
 		return err
+	}
+	if d := a.opts.Drift; d > 0 && ttl > 0 && ttl <= d {
+		// The local deadline would be past before the grant is made.
+		return &fence.InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
 	}
 	return fence.CheckTTL(op, ttl, 0, MaxTTL)
 }
