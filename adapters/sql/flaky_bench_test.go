@@ -59,7 +59,9 @@ func BenchmarkFlakyNetwork(b *testing.B) {
 
 func flakyPostgres(b *testing.B, p *faultnet.Proxy) *sqlfence.DB {
 	pgPool(b, pgOpts{}) // the default tables
-	return sqlfence.Pgx(proxiedPool(b, p))
+	// pgx's default pool has max(4, CPUs) connections, one of them kept by
+	// the release listener: size it for the 8 workers, as their user would.
+	return sqlfence.Pgx(proxiedPool(b, p, 16))
 }
 
 func flakyMySQL(b *testing.B, p *faultnet.Proxy) *sqlfence.DB {

@@ -38,13 +38,17 @@ type proxied struct {
 	guards *sqlfence.Guards
 }
 
-// proxiedPool is a pgx pool on the test PostgreSQL server through proxy.
-func proxiedPool(t testing.TB, proxy *faultnet.Proxy) *pgxpool.Pool {
+// proxiedPool is a pgx pool on the test PostgreSQL server through proxy, of
+// at most maxConns connections (0: pgx's default).
+func proxiedPool(t testing.TB, proxy *faultnet.Proxy, maxConns int32) *pgxpool.Pool {
 	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
 	if err != nil {
 		t.Fatal(err)
 	}
 	cfg.ConnConfig.Host, cfg.ConnConfig.Port = "127.0.0.1", uint16(proxy.Port())
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
 	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -106,9 +110,9 @@ func lostReplyTargets(t *testing.T) []proxied {
 	pgGuards, _ := sqlfence.NewGuards(nil)
 
 	pxPgx := faultnet.Start(t, pgTarget(t))
-	pool := proxiedPool(t, pxPgx)
+	pool := proxiedPool(t, pxPgx, 0)
 	pxStd := faultnet.Start(t, pgTarget(t))
-	std := stdlib.OpenDBFromPool(proxiedPool(t, pxStd))
+	std := stdlib.OpenDBFromPool(proxiedPool(t, pxStd, 0))
 	t.Cleanup(func() { std.Close() })
 
 	myRaw, myDirect := openMySQL(t, "")
