@@ -27,7 +27,9 @@ type AcquirerOptions struct {
 	// zero fence.Backoff (Min 1ms, Max 100ms).
 	Backoff fence.Backoff
 	// Drift is taken off each lease's local deadline for clock drift between
-	// this process and the database. Default: 1% of the ttl plus 2ms.
+	// this process and the database. Default: 1% of the ttl plus 2ms. A
+	// TryAcquire or Acquire whose ttl is not longer than a Drift set here
+	// returns an error matching fence.ErrInvalid naming the ttl.
 	Drift time.Duration
 	// DisableNotify turns off release notifications on PostgreSQL, so waiters
 	// only poll with Backoff. Default: false (a release runs pg_notify, and
@@ -44,6 +46,19 @@ type AcquirerOptions struct {
 // advanced by the statement that grants the lease; expiry is compared on the
 // database server's clock. It is safe for concurrent use, and across processes
 // that share the database.
+//
+// # Tokens after a lease row is lost
+//
+// A name's row is created with the database server's clock in microseconds
+// since the Unix epoch as its counter, and each later grant adds one. So when
+// the row is deleted (an operator's DELETE, a table restored from a backup,
+// a cleanup job) the next grant still gets a token above every token the old
+// row handed out, and a paused holder of an old token stays fenced. This
+// assumes that the server's clock does not step back past the old row's
+// creation, and that the old row made fewer grants than microseconds passed
+// since its creation (each grant is a statement round trip, so this holds
+// unless Bump raised the counter above the clock: a bumped counter is lost
+// with its row). Tokens stay below 2^53 (fence.MaxToken) until the year 2255.
 type Acquirer struct {
 	db     *DB
 	opts   AcquirerOptions
@@ -93,12 +108,13 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	a.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  token %s NOT NULL CHECK (token BETWEEN 1 AND %d),\n  owner %s NOT NULL,\n  expires_at %s NOT NULL\n)",
 		t, d.keyType, d.intType, uint64(fence.MaxToken), d.textType, d.intType)
 	now := d.nowMs
-	// Grant: create the row with token 1, or take over an expired row and advance
-	// its counter, in one statement. The CHECK constraint stops the counter at
+	// Grant: create the row with the server's clock in microseconds as its
+	// token (see Acquirer), or take over an expired row and advance its
+	// counter, in one statement. The CHECK constraint stops the counter at
 	// MaxToken. expires_at is milliseconds since the epoch on the server's clock.
-	a.grant = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, 1, $2, %s + $3) "+
+	a.grant = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s, $2, %s + $3) "+
 		"ON CONFLICT (name) DO UPDATE SET token = cur.token + 1, owner = excluded.owner, expires_at = excluded.expires_at "+
-		"WHERE cur.expires_at <= %s RETURNING token", t, now, now)
+		"WHERE cur.expires_at <= %s RETURNING token", t, d.nowUs, now, now)
 	a.renew = fmt.Sprintf("UPDATE %s SET expires_at = %s + $3 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now, now)
 	a.release = fmt.Sprintf("UPDATE %s SET expires_at = 0 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now)
 	if d == postgresDialect && !o.DisableNotify {
@@ -106,7 +122,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		// when it commits. Only a real release notifies.
 		a.release = fmt.Sprintf("WITH r AS (%s RETURNING name) SELECT pg_notify('%s', md5(name)) FROM r", a.release, releaseChannel)
 	}
-	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s FROM %s WHERE name = $1", now, t)
+	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = $1", now, t)
 	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, $2, '', 0) "+
 		"ON CONFLICT (name) DO UPDATE SET token = excluded.token WHERE cur.token < excluded.token AND cur.expires_at <= %s", t, now)
 	if d == mysqlDialect {
@@ -147,12 +163,46 @@ func (a *Acquirer) Owner() string { return a.opts.Owner }
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
 // ttl is rounded up to whole milliseconds and must be positive. A name whose
 // counter reached fence.MaxToken returns fence.ErrTokensExhausted.
+//
+// Each call records a nonce of its own with the grant, so a grant whose reply
+// was lost is recognised when the call looks again (or runs the grant again
+// and finds the name held), and is returned as the lease. When it cannot
+// know after a few attempts, it returns an error matching fence.ErrUnknown:
+// a grant may then be held on the server until its ttl runs out.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	return a.tryAcquire(ctx, name, ttl, maxAmbiguousRetries)
+}
+
+// tryAcquire is TryAcquire, running an ambiguous grant at most attempts times
+// in all (0: until ctx ends).
+func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duration, attempts int) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	sent := time.Now()
-	tok, err := a.grantRow(ctx, name, ttl)
+	owner := a.opts.Owner + nonceSep + nonce()
+	sent := time.Now() // the first attempt's: the earliest a grant can have been made
+	uncertain := false // an earlier attempt may hold the lease
+	var (
+		tok int64
+		err error
+	)
+	for i := 0; ; i++ {
+		tok, err = a.grantRow(ctx, name, owner, ttl)
+		if uncertain && (errors.Is(err, errNoRows) || a.db.ambiguous(err)) {
+			if t, rerr := a.held(ctx, name, owner); rerr == nil {
+				tok, err = t, nil
+			} else if !errors.Is(rerr, errNoRows) {
+				err = rerr
+			}
+		}
+		if !a.db.ambiguous(err) {
+			break
+		}
+		uncertain = true
+		if (attempts > 0 && i+1 >= attempts) || !retryPause(ctx, i) {
+			return nil, a.wrap("acquire", a.db.unknown(err))
+		}
+	}
 	switch {
 	case errors.Is(err, errNoRows):
 		return nil, fence.ErrHeld
@@ -164,10 +214,60 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	return &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}, nil
 }
 
+// nonceSep separates the acquirer's owner from a grant's nonce in the lease
+// row's owner column; Inspect shows the owner without it.
+const nonceSep = "#"
+
+func nonce() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// stripNonce returns the owner a grant recorded, without its nonce.
+func stripNonce(owner string) string {
+	i := len(owner) - len(nonceSep) - 16
+	if i < 0 || owner[i:i+len(nonceSep)] != nonceSep {
+		return owner
+	}
+	if _, err := hex.DecodeString(owner[i+len(nonceSep):]); err != nil {
+		return owner
+	}
+	return owner[:i]
+}
+
+// held returns the token of the live grant that owner (with its nonce) holds
+// on name; errNoRows when it holds none.
+func (a *Acquirer) held(ctx context.Context, name, owner string) (int64, error) {
+	r, err := a.row(ctx, name)
+	if err != nil {
+		return 0, err
+	}
+	if r.owner != owner || r.left <= 0 {
+		return 0, errNoRows
+	}
+	return r.token, nil
+}
+
+// leaseRow is a lease row as the inspect statement reads it: left is the
+// time left in milliseconds on the server's clock, expires the raw expiry (0
+// after a release).
+type leaseRow struct {
+	token, left, expires int64
+	owner                string
+}
+
+// row reads name's lease row; errNoRows when there is none.
+func (a *Acquirer) row(ctx context.Context, name string) (leaseRow, error) {
+	var r leaseRow
+	err := a.db.queryRow(ctx, a.inspect, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
+	return r, err
+}
+
 // grantRow runs the grant statement (with the guard advance on SQLite, in one
 // transaction) and returns the new token; errNoRows when the lease is held.
-func (a *Acquirer) grantRow(ctx context.Context, name string, ttl time.Duration) (int64, error) {
-	args := []any{name, a.opts.Owner, ttlMs(ttl)}
+func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Duration) (int64, error) {
+	args := []any{a.db.text(name), a.db.text(owner), ttlMs(ttl)}
 	var tok int64
 	if a.db.d == mysqlDialect {
 		return a.grantMySQL(ctx, args)
@@ -188,14 +288,16 @@ func (a *Acquirer) grantRow(ctx context.Context, name string, ttl time.Duration)
 
 // Acquire waits until the lease on name is granted, pacing its attempts with the
 // acquirer's Backoff. On PostgreSQL a release wakes the waiters of its name at
-// once (LISTEN/NOTIFY), with the backoff as the fallback. See fence.Acquirer.
+// once (LISTEN/NOTIFY), with the backoff as the fallback. A grant whose reply
+// was lost is recognised or run again until ctx ends (see TryAcquire). See
+// fence.Acquirer.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	// The first attempt needs no subscription: an uncontended Acquire is one
 	// statement.
-	l, err := a.TryAcquire(ctx, name, ttl)
+	l, err := a.tryAcquire(ctx, name, ttl, 0)
 	if !errors.Is(err, fence.ErrHeld) {
 		return l, err
 	}
@@ -206,7 +308,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		defer unsubscribe()
 	}
 	return a.opts.Backoff.Retry(ctx, wake, func(ctx context.Context) (fence.Lease, error) {
-		return a.TryAcquire(ctx, name, ttl)
+		return a.tryAcquire(ctx, name, ttl, 0)
 	})
 }
 
@@ -216,6 +318,10 @@ func (a *Acquirer) checkLease(op string, ctx context.Context, name string, ttl t
 	}
 	if err := checkText(op, "name", name); err != nil {
 		return err
+	}
+	if d := a.opts.Drift; d > 0 && ttl > 0 && ttl <= d {
+		// The local deadline would be past before the grant is made.
+		return &fence.InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
 	}
 	return fence.CheckTTL(op, ttl, 0, MaxTTL)
 }
@@ -238,43 +344,108 @@ type lease struct {
 }
 
 // Renew extends the lease by its ttl on the server's clock, if this grant still
-// holds it. See fence.Lease.
+// holds it. A lease whose context is done (released, or past its local
+// deadline) returns fence.ErrLost without extending the row; a renewal
+// confirmed only after the local deadline passed returns fence.ErrLost and
+// releases the row. See fence.Lease.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
 	}
-	sent := time.Now()
-	n, err := l.a.db.change(ctx, l.a.renew, l.Name(), int64(l.Token()), ttlMs(l.TTL()))
-	if err != nil {
-		return l.a.wrap("renew", err)
+	for i := 0; ; i++ {
+		if l.Context().Err() != nil {
+			// Released, or past its local deadline: the holder was told it
+			// lost the lease, so the server must not hold it for another ttl.
+			return l.lost()
+		}
+		sent := time.Now()
+		n, err := l.a.db.change(ctx, l.a.renew, l.a.renewArgs(l.Name(), l.Token(), l.TTL())...)
+		if l.a.db.ambiguous(err) {
+			// Running a renewal again is safe: it extends from the server's
+			// clock, and only while this grant holds the row.
+			if i+1 < maxAmbiguousRetries && retryPause(ctx, i) {
+				continue
+			}
+			return l.a.wrap("renew", l.a.db.unknown(err))
+		}
+		if err != nil {
+			return l.a.wrap("renew", err)
+		}
+		if n == 0 {
+			l.End(fence.ErrLost)
+			return l.lost()
+		}
+		if !l.Extend(sent) {
+			// The server extended it, but the local deadline passed while the
+			// renewal was on its way and the holder was told it lost the lease: it
+			// stays lost, and the row is given up so others need not wait a ttl.
+			l.giveUp(ctx)
+			return l.lost()
+		}
+		return nil
 	}
-	if n == 0 {
-		l.End(fence.ErrLost)
-		return l.lost()
-	}
-	if !l.Extend(sent) {
-		// The server extended it, but the local deadline had already passed and
-		// the holder was told it lost the lease; it stays lost.
-		return l.lost()
-	}
-	return nil
+}
+
+// giveUp releases the row of a lease that already ended locally, best effort
+// (a lost reply is run again, as by Release): if it fails the row expires on
+// its own.
+func (l *lease) giveUp(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.TTL())
+	defer cancel()
+	_ = l.releaseRow(ctx)
 }
 
 // Release gives the lease up if this grant still holds it; otherwise it returns
 // fence.ErrLost and changes nothing. The lease's context is done afterwards.
+// A release whose reply was lost is run again, and one that finds its own
+// release applied returns nil; when it cannot know it returns an error
+// matching fence.ErrUnknown (the lease then ends on the server by its ttl at
+// the latest).
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
 	}
-	n, err := l.a.db.change(ctx, l.a.release, l.Name(), int64(l.Token()))
-	l.End(context.Canceled)
-	if err != nil {
-		return l.a.wrap("release", err)
+	defer l.End(context.Canceled)
+	return l.releaseRow(ctx)
+}
+
+// releaseRow runs the release statement, again after an ambiguous error, and
+// recognises its own applied release (see Release).
+func (l *lease) releaseRow(ctx context.Context) error {
+	uncertain := false
+	for i := 0; ; i++ {
+		n, err := l.a.db.change(ctx, l.a.release, l.a.db.text(l.Name()), int64(l.Token()))
+		if l.a.db.ambiguous(err) {
+			uncertain = true
+			if i+1 < maxAmbiguousRetries && retryPause(ctx, i) {
+				continue
+			}
+			return l.a.wrap("release", l.a.db.unknown(err))
+		}
+		if err != nil {
+			return l.a.wrap("release", err)
+		}
+		if n == 0 && !(uncertain && l.released(ctx)) {
+			return l.lost()
+		}
+		return nil
 	}
-	if n == 0 {
-		return l.lost()
+}
+
+// released reports whether the row shows this grant's own release (its token,
+// expiry 0), which an earlier attempt whose reply was lost may have made.
+func (l *lease) released(ctx context.Context) bool {
+	r, err := l.a.row(ctx, l.Name())
+	return err == nil && fence.Token(r.token) == l.Token() && r.expires == 0
+}
+
+// renewArgs are the renew statement's arguments: name, token, ttl, or on
+// MySQL ttl, name, token (the order of its placeholders).
+func (a *Acquirer) renewArgs(name string, tok fence.Token, ttl time.Duration) []any {
+	if a.db.d == mysqlDialect {
+		return []any{ttlMs(ttl), a.db.text(name), int64(tok)}
 	}
-	return nil
+	return []any{name, int64(tok), ttlMs(ttl)}
 }
 
 func (l *lease) lost() error {
@@ -294,20 +465,16 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 	if err := checkText("inspect", "name", name); err != nil {
 		return fence.LockInfo{}, err
 	}
-	var (
-		tok, left int64
-		owner     string
-	)
-	err := a.db.queryRow(ctx, a.inspect, []any{name}, &tok, &owner, &left)
+	r, err := a.row(ctx, name)
 	if errors.Is(err, errNoRows) {
 		return fence.LockInfo{}, fmt.Errorf("sqlfence: inspect %q: %w", name, fence.ErrNotFound)
 	}
 	if err != nil {
 		return fence.LockInfo{}, a.wrap("inspect", err)
 	}
-	info := fence.LockInfo{Name: name, Counter: fence.Token(tok)}
-	if left > 0 {
-		info.Held, info.Token, info.Owner, info.TimeLeft = true, fence.Token(tok), owner, time.Duration(left)*time.Millisecond
+	info := fence.LockInfo{Name: name, Counter: fence.Token(r.token)}
+	if r.left > 0 {
+		info.Held, info.Token, info.Owner, info.TimeLeft = true, fence.Token(r.token), stripNonce(r.owner), time.Duration(r.left)*time.Millisecond
 	}
 	return info, nil
 }
@@ -325,9 +492,9 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	if err := fence.CheckToken("bump", to); err != nil {
 		return err
 	}
-	n, err := a.db.change(ctx, a.bump, name, int64(to))
+	n, err := a.db.change(ctx, a.bump, a.db.text(name), int64(to))
 	if err != nil {
-		return a.wrap("bump", err)
+		return a.wrap("bump", a.db.unknown(err))
 	}
 	if n > 0 {
 		return nil

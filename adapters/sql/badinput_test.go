@@ -2,6 +2,7 @@ package sqlfence_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"strings"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -119,4 +121,51 @@ func TestLongestKeys(t *testing.T) {
 		}
 		_ = l.Release(ctx)
 	}
+}
+
+// TestRunTxBadInput: RunTx and RunPgxTx refuse a nil context, handle or
+// function with ErrInvalid instead of panicking.
+func TestRunTxBadInput(t *testing.T) {
+	db, _ := openSQLite(t)
+	p := pgPool(t, pgOpts{})
+	ok := func(*sql.Tx) error { return nil }
+	okPgx := func(pgx.Tx) error { return nil }
+	var nilPool *pgxpool.Pool
+	for name, err := range map[string]error{
+		"RunTx nil ctx":    sqlfence.RunTx(nil, db, nil, ok), //nolint:staticcheck // the nil context is the input under test
+		"RunTx nil db":     sqlfence.RunTx(context.Background(), nil, nil, ok),
+		"RunTx nil f":      sqlfence.RunTx(context.Background(), db, nil, nil),
+		"RunPgxTx nil ctx": sqlfence.RunPgxTx(nil, p, pgx.TxOptions{}, 0, okPgx), //nolint:staticcheck // as above
+		"RunPgxTx nil db":  sqlfence.RunPgxTx(context.Background(), nilPool, pgx.TxOptions{}, 0, okPgx),
+		"RunPgxTx nil f":   sqlfence.RunPgxTx(context.Background(), p, pgx.TxOptions{}, 0, nil),
+	} {
+		if !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("%s: %v, want ErrInvalid", name, err)
+		}
+	}
+}
+
+// TestTTLNotAboveDrift: a ttl that a Drift of the acquirer's would use up
+// entirely is refused, instead of granting a lease whose context is already
+// done with a nil error.
+func TestTTLNotAboveDrift(t *testing.T) {
+	_, fdb := openSQLite(t)
+	newSQLiteAcquirer(t, fdb)
+	a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{Drift: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, ttl := range []time.Duration{time.Millisecond, time.Second} {
+		l, err := a.TryAcquire(ctx, fencetest.Name("drift"), ttl)
+		var ie *fence.InvalidError
+		if !errors.As(err, &ie) || ie.Arg != "ttl" {
+			t.Errorf("TryAcquire with ttl %v under a 1s Drift: %v, %v; want ErrInvalid naming ttl", ttl, l, err)
+		}
+	}
+	l, err := a.TryAcquire(ctx, fencetest.Name("drift"), 2*time.Second)
+	if err != nil || l.Context().Err() != nil {
+		t.Fatalf("TryAcquire with ttl 2s under a 1s Drift: %v", err)
+	}
+	_ = l.Release(ctx)
 }

@@ -1,7 +1,10 @@
 package sqlfence_test
 
 import (
+	"bytes"
 	"context"
+	"database/sql"
+	"fmt"
 	"testing"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
@@ -17,16 +20,17 @@ import (
 // fenced/plain <= 1.10.
 func BenchmarkWrite(b *testing.B) {
 	db, fdb := openSQLite(b)
-	pairWrites(b, newSQLiteWriter(b, fdb), "row", func(ctx context.Context, value []byte) error {
-		_, err := db.ExecContext(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, "row")
-		return err
+	pairWrites(b, newSQLiteWriter(b, fdb), "row", func(ctx context.Context, value []byte) (int64, error) {
+		return rowsAffected(db.ExecContext(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, "row"))
 	})
 }
 
 // pairWrites interleaves fenced writes of key through w (subject) with plain
 // updates of the same row (baseline), both storing a changed 64-byte value
-// each time; every fenced write carries a new, larger token.
-func pairWrites(b *testing.B, w *sqlfence.Writer, key string, plain func(ctx context.Context, value []byte) error) {
+// each time; every fenced write carries a new, larger token. plain returns
+// the rows it changed, which must be 1; at the end the row must hold the last
+// value written and the last token, so neither side can have skipped its work.
+func pairWrites(b *testing.B, w *sqlfence.Writer, key string, plain func(ctx context.Context, value []byte) (int64, error)) {
 	ctx := context.Background()
 	value := []byte("a value of a typical small size, 64 bytes long.................")
 	tok := fence.Token(1)
@@ -39,8 +43,24 @@ func pairWrites(b *testing.B, w *sqlfence.Writer, key string, plain func(ctx con
 		return w.Write(ctx, key, value, tok)
 	}, func(i int) error {
 		value[0] = byte(i)
-		return plain(ctx, value)
+		n, err := plain(ctx, value)
+		if err == nil && n != 1 {
+			err = fmt.Errorf("the plain UPDATE changed %d rows, want 1", n)
+		}
+		return err
 	})
+	v, got, err := w.Read(ctx, key)
+	if err != nil || !bytes.Equal(v, value) || got != tok {
+		b.Fatalf("after the run the row holds %q with token %d (%v); want %q with token %d", v, got, err, value, tok)
+	}
+}
+
+// rowsAffected is a database/sql result's rows affected.
+func rowsAffected(r sql.Result, err error) (int64, error) {
+	if err != nil {
+		return 0, err
+	}
+	return r.RowsAffected()
 }
 
 // BenchmarkAcquireRelease measures an uncontended TryAcquire + Release on SQLite.
@@ -72,9 +92,9 @@ func BenchmarkPostgresWrite(b *testing.B) {
 		b.Fatal(err)
 	}
 	key := fencetest.Name("bench")
-	pairWrites(b, w, key, func(ctx context.Context, value []byte) error {
-		_, err := p.Exec(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, key)
-		return err
+	pairWrites(b, w, key, func(ctx context.Context, value []byte) (int64, error) {
+		tag, err := p.Exec(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, key)
+		return tag.RowsAffected(), err
 	})
 
 }

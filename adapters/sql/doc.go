@@ -10,14 +10,45 @@
 //     offered token. A fenced delete leaves a tombstone (value NULL, fence kept).
 //   - [Acquirer] grants leases from a lease table. The token is a per-name
 //     counter advanced by the same statement that grants the lease, and expiry
-//     is decided on the database server's clock.
+//     is decided on the database server's clock. A renewal asked for after the
+//     lease's local deadline returns fence.ErrLost and does not extend it.
 //
 // # Schema
 //
 // The tables are created by [Writer.CreateTable] and [Acquirer.CreateTable], or
-// by hand from [Writer.DDL] and [Acquirer.DDL]. Never delete rows from the lease
-// table: a row holds its name's token counter, and deleting it would restart the
-// counter at 1 and hand out tokens that were already used.
+// by hand from [Writer.DDL] and [Acquirer.DDL]. A lease row holds its name's
+// token counter. A new row starts its counter at the database server's clock
+// in microseconds since the Unix epoch, so a row that is deleted anyway (an
+// operator's DELETE, a restored backup) does not hand out tokens that were
+// already used, as long as the server's clock has not stepped back past the
+// old row's creation and no Bump raised the old counter above the clock (see
+// [Acquirer]). Do not delete writer or guard rows: they are the fences.
+//
+// # Names and keys
+//
+// Keys, lock names and idempotency keys are compared byte for byte on every
+// dialect: case, trailing spaces, Unicode normalisation (NFC and NFD) and
+// 4-byte characters make different names. On MySQL this holds under every
+// connection character set and sql_mode the driver can be given (utf8mb3,
+// latin1, a non-strict mode, interpolateParams, MariaDB's
+// EMPTY_STRING_IS_NULL): every text argument reaches the statements as bytes.
+// A table of your own given to [NewWriter] on MySQL must have a binary key
+// column (VARBINARY, or a _bin collation): a case-insensitive or PAD SPACE
+// collation makes two keys one row.
+//
+// # Lost replies
+//
+// A statement whose reply was lost (a cut connection, a timeout while it ran)
+// may have been applied. Write, Delete, Bump and the idempotency store's Begin
+// and Update then return an error matching fence.ErrUnknown (the driver's
+// error stays in the chain), as do RunTx and RunPgxTx for a commit. The lease
+// steps recognise their own work instead: a grant carries a nonce of its call
+// and is adopted when found, a renewal runs again, a release recognises its own
+// applied release; only when they cannot know after a few attempts do they
+// return fence.ErrUnknown (Acquire keeps trying until its context ends).
+// An error the server sent, an SQLite error, and a driver error for a request
+// that was not sent (database/sql retries driver.ErrBadConn on its own) are
+// reported as they are.
 //
 // # SQLite
 //
@@ -39,7 +70,8 @@
 // INSERT ... ON DUPLICATE KEY UPDATE whose assignments test the old expiry; a
 // write to an existing key is one fenced UPDATE (a new key takes a second
 // statement, the upsert). Keys and names are VARBINARY(1024), compared byte
-// for byte. Expiry is the server's NOW(3). Across a primary failover, leases
+// for byte. Expiry is the server's clock read as a UTC count
+// (UTC_TIMESTAMP(6)), whatever the session's time_zone. Across a primary failover, leases
 // and counters are as durable as the replication: with asynchronous
 // replication, the new primary can lack the last grants and hand out their
 // tokens again, so use semi-synchronous replication (or Group Replication)

@@ -35,16 +35,18 @@ func Example() {
 
 	err = rows.Write(ctx, "invoice-42", []byte("by A"), a.Token())
 	var stale *fence.StaleError
-	fmt.Println("A's write is stale:", errors.As(err, &stale), "offered", stale.Offered, "key holds", stale.Current)
+	fmt.Println("A's write is stale:", errors.As(err, &stale), "- it offered A's token:", stale.Offered == a.Token(), "- the key holds B's:", stale.Current == b.Token())
+	fmt.Println("B's token is A's + 1:", b.Token() == a.Token()+1)
 	fmt.Println("A's release:", errors.Is(a.Release(ctx), fence.ErrLost))
 	v, tok, _ := rows.Read(ctx, "invoice-42")
-	fmt.Printf("stored %q with token %d\n", v, tok)
+	fmt.Printf("stored %q with B's token: %v\n", v, tok == b.Token())
 	_ = b.Release(ctx)
 	// Output:
 	// B writes: <nil>
-	// A's write is stale: true offered 1 key holds 2
+	// A's write is stale: true - it offered A's token: true - the key holds B's: true
+	// B's token is A's + 1: true
 	// A's release: true
-	// stored "by B" with token 2
+	// stored "by B" with B's token: true
 }
 
 // Guard fences every write of a transaction of yours.

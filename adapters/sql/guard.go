@@ -73,12 +73,12 @@ func NewGuards(opts *GuardOptions) (*Guards, error) {
 		// LAST_INSERT_ID is the token when the fence was advanced or equal,
 		// 0 when it holds a larger one (see execID). v is the offered token.
 		g.advanceSQL = func(v string) string {
-			return fmt.Sprintf("INSERT INTO %s (name, fence) VALUES (?, LAST_INSERT_ID(%s)) ON DUPLICATE KEY UPDATE "+
-				"fence = IF(fence <= VALUES(fence), LAST_INSERT_ID(VALUES(fence)), LAST_INSERT_ID(0) + fence)", t, v)
+			return fmt.Sprintf("INSERT INTO %s (name, fence) VALUES (%s, LAST_INSERT_ID(%s)) ON DUPLICATE KEY UPDATE "+
+				"fence = IF(fence <= VALUES(fence), LAST_INSERT_ID(VALUES(fence)), LAST_INSERT_ID(0) + fence)", t, mysqlText, v)
 		}
 		g.guard = g.advanceSQL("?")
 		// A locking read: the latest committed fence, whatever the isolation.
-		g.current = fmt.Sprintf("SELECT fence FROM %s WHERE name = ? FOR UPDATE", t)
+		g.current = fmt.Sprintf("SELECT fence FROM %s WHERE name = %s FOR UPDATE", t, mysqlText)
 		return g, nil
 	}
 	// BIGINT and TEXT mean the same to SQLite and PostgreSQL, so one DDL serves both.
@@ -146,7 +146,7 @@ func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Tok
 		return err
 	}
 	if g.mysql {
-		id, err := execID(ctx, c, g.guard, name, int64(token))
+		id, err := execID(ctx, c, g.guard, textArg(true, name), int64(token))
 		if err != nil {
 			return g.wrap(err)
 		}
@@ -163,7 +163,7 @@ func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Tok
 		}
 	}
 	var cur int64
-	if err := c.queryRow(ctx, g.current, []any{name}, &cur); err != nil {
+	if err := c.queryRow(ctx, g.current, []any{textArg(g.mysql, name)}, &cur); err != nil {
 		return g.wrap(err)
 	}
 	if fence.Token(cur) <= token {
@@ -221,8 +221,15 @@ type TxOptions struct {
 // transaction is rolled back and run again from the start, at most
 // MaxAttempts times in all; f must therefore have no effects outside tx. Any
 // other error rolls back and is returned as it is (a fence.ErrStale from Guard
-// among them).
+// among them). A nil ctx, db or f returns an error matching fence.ErrInvalid.
+// A commit whose reply was lost (it may have committed) returns
+// an error matching fence.ErrUnknown and is not run again. A caller who
+// commits a guarded transaction itself gets the driver's error instead: an
+// error other than one the server sent leaves the commit's outcome unknown.
 func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) error) error {
+	if err := checkRunTx("run tx", ctx, db == nil, f == nil); err != nil {
+		return err
+	}
 	var o TxOptions
 	if opts != nil {
 		o = *opts
@@ -238,7 +245,7 @@ func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) 
 		if err := f(tx); err != nil {
 			return errors.Join(err, tx.Rollback())
 		}
-		return tx.Commit()
+		return commitErr(tx.Commit())
 	})
 }
 
@@ -249,8 +256,12 @@ type PgxBeginner interface {
 
 // RunPgxTx is RunTx for native pgx: it runs f in a transaction begun with txOpts
 // and commits it, running it again after a serialization failure or deadlock, at
-// most maxAttempts times in all (10 when maxAttempts <= 0).
+// most maxAttempts times in all (10 when maxAttempts <= 0). A commit whose
+// reply was lost returns an error matching fence.ErrUnknown, as in RunTx.
 func RunPgxTx(ctx context.Context, db PgxBeginner, txOpts pgx.TxOptions, maxAttempts int, f func(tx pgx.Tx) error) error {
+	if err := checkRunTx("run pgx tx", ctx, db == nil || isNilPgx(pgxBeginnerQuerier(db)), f == nil); err != nil {
+		return err
+	}
 	if maxAttempts <= 0 {
 		maxAttempts = 10
 	}
@@ -262,8 +273,40 @@ func RunPgxTx(ctx context.Context, db PgxBeginner, txOpts pgx.TxOptions, maxAtte
 		if err := f(tx); err != nil {
 			return errors.Join(err, tx.Rollback(context.WithoutCancel(ctx)))
 		}
-		return tx.Commit(ctx)
+		return commitErr(tx.Commit(ctx))
 	})
+}
+
+// checkRunTx refuses a nil context, handle or function with an error
+// matching fence.ErrInvalid, before a transaction begins.
+func checkRunTx(op string, ctx context.Context, nilDB, nilF bool) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	if nilDB {
+		return &fence.InvalidError{Op: op, Arg: "db", Reason: "nil database handle"}
+	}
+	if nilF {
+		return &fence.InvalidError{Op: op, Arg: "f", Reason: "nil function"}
+	}
+	return nil
+}
+
+// pgxBeginnerQuerier returns db as a PgxQuerier when it is one of pgx's
+// handle types, for isNilPgx.
+func pgxBeginnerQuerier(db PgxBeginner) PgxQuerier {
+	q, _ := db.(PgxQuerier)
+	return q
+}
+
+// commitErr reports a commit that failed without a reply from the server (a
+// lost reply, a cut connection) as fence.ErrUnknown: it may have committed.
+// Such a transaction is not run again.
+func commitErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	return unknownIfAmbiguous(fmt.Errorf("sqlfence: commit: %w", err), false)
 }
 
 // retryTx runs once until it returns something other than a serialization

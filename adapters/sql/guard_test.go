@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
@@ -38,7 +39,10 @@ func guardedAccounts(t *testing.T, db *sql.DB, mysql ...bool) string {
 // its own token, in random order. Each transaction guards, then does ordinary
 // reads and writes. The committed transactions must form an increasing token
 // sequence, the final row must be that of the largest committed token, and
-// every rejected one must be stale against a committed token.
+// every rejected one must be stale against a committed token. Under
+// PostgreSQL's REPEATABLE READ and SERIALIZABLE, two first attempts take their
+// snapshots before either guards, so the later guard fails with 40001 and
+// RunTx must run it again: the test counts those runs and fails without one.
 func TestGuardConcurrent(t *testing.T) {
 	pg := pgStd(t)
 	sqliteDB, sqliteF := openSQLite(t)
@@ -52,13 +56,16 @@ func TestGuardConcurrent(t *testing.T) {
 		db    *sql.DB
 		iso   sql.IsolationLevel
 		mysql bool
+		// retried: two first attempts overlap, and the later guard must be
+		// retried after a 40001.
+		retried bool
 	}{
-		{"postgres/read-committed", pg, sql.LevelReadCommitted, false},
-		{"postgres/repeatable-read", pg, sql.LevelRepeatableRead, false},
-		{"postgres/serializable", pg, sql.LevelSerializable, false},
-		{"sqlite", sqliteDB, sql.LevelDefault, false},
-		{"mysql/repeatable-read", mysqlDB, sql.LevelRepeatableRead, true},
-		{"mysql/read-committed", mysqlDB, sql.LevelReadCommitted, true},
+		{"postgres/read-committed", pg, sql.LevelReadCommitted, false, false},
+		{"postgres/repeatable-read", pg, sql.LevelRepeatableRead, false, true},
+		{"postgres/serializable", pg, sql.LevelSerializable, false, true},
+		{"sqlite", sqliteDB, sql.LevelDefault, false, false},
+		{"mysql/repeatable-read", mysqlDB, sql.LevelRepeatableRead, true, false},
+		{"mysql/read-committed", mysqlDB, sql.LevelReadCommitted, true, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := context.Background()
@@ -77,14 +84,31 @@ func TestGuardConcurrent(t *testing.T) {
 				wg    sync.WaitGroup
 				mu    sync.Mutex
 				stale = map[fence.Token]fence.Token{}
+				// runs counts the transactions' runs; overlap holds the first
+				// attempts of two of them until both have a snapshot.
+				runs    atomic.Int32
+				overlap sync.WaitGroup
+				gated   atomic.Int32
 			)
+			overlap.Add(2)
 			for i := 0; i < n; i++ {
 				// tokens 1..n, started in a shuffled order
 				tok := fence.Token((i*7)%n + 1)
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
+					first := true
 					err := sqlfence.RunTx(ctx, c.db, &sqlfence.TxOptions{Isolation: c.iso, MaxAttempts: 50}, func(tx *sql.Tx) error {
+						runs.Add(1)
+						if first && c.retried && gated.Add(1) <= 2 {
+							var one int
+							if err := tx.QueryRowContext(ctx, "SELECT 1").Scan(&one); err != nil { // takes the snapshot
+								return err
+							}
+							overlap.Done()
+							overlap.Wait()
+						}
+						first = false
 						if err := guard(ctx, tx, name, tok); err != nil {
 							return err
 						}
@@ -156,7 +180,11 @@ func TestGuardConcurrent(t *testing.T) {
 			if bal != int64(len(committed)) || by != n {
 				t.Errorf("row = balance %d written by %d, want %d written by %d", bal, by, len(committed), n)
 			}
-			t.Logf("%d committed in token order, %d rejected as stale", len(committed), len(stale))
+			again := int(runs.Load()) - n
+			if c.retried && again == 0 {
+				t.Errorf("no transaction ran again: RunTx's retry after a serialization failure was not exercised")
+			}
+			t.Logf("%d committed in token order, %d rejected as stale, %d runs again after a serialization failure or deadlock", len(committed), len(stale), again)
 		})
 	}
 }

@@ -135,7 +135,9 @@ func (s *IdempotencyStore) checkUpdate(op string, ctx context.Context, key strin
 	return nil
 }
 
-// Begin claims key, or returns its record. See idempotency.Store.
+// Begin claims key, or returns its record. A claim whose reply was lost (it
+// may have been made) returns an error matching fence.ErrUnknown: read the
+// record to know. See idempotency.Store.
 func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
 	if err := s.db.checkCall("idempotency begin", ctx); err != nil {
 		return idempotency.Record{}, false, err
@@ -155,7 +157,7 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 	var f int64
 	var err error
 	if s.db.d == mysqlDialect {
-		if f, err = s.db.execID(ctx, s.begin, key, fingerprint, owner, ms(lease)); err == nil && f == 0 {
+		if f, err = s.db.execID(ctx, s.begin, s.db.text(key), s.db.text(fingerprint), s.db.text(owner), ms(lease)); err == nil && f == 0 {
 			err = errNoRows // not claimed: the key has a live record
 		}
 	} else {
@@ -165,7 +167,7 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 		return idempotency.Record{Key: key, Fingerprint: fingerprint, State: idempotency.Claimed, Fence: fence.Token(f), Owner: owner, LeaseLeft: lease}, true, nil
 	}
 	if !errors.Is(err, errNoRows) {
-		return idempotency.Record{}, false, s.wrap("begin", err)
+		return idempotency.Record{}, false, s.wrap("begin", s.db.unknown(err))
 	}
 	rec, err := s.Get(ctx, key)
 	return rec, false, err
@@ -199,7 +201,7 @@ func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Rec
 }
 
 func (s *IdempotencyStore) getOn(ctx context.Context, c conn, key string) (idempotency.Record, error) {
-	rec, err := scanRecord(key, func(dest ...any) error { return c.queryRow(ctx, s.get, []any{key}, dest...) })
+	rec, err := scanRecord(key, func(dest ...any) error { return c.queryRow(ctx, s.get, []any{s.db.text(key)}, dest...) })
 	if errors.Is(err, errNoRows) {
 		return rec, fence.ErrNotFound
 	}
@@ -209,12 +211,14 @@ func (s *IdempotencyStore) getOn(ctx context.Context, c conn, key string) (idemp
 	return rec, nil
 }
 
-// Update is the compare-and-set on state and fence. See idempotency.Store.
+// Update is the compare-and-set on state and fence. A change whose reply was
+// lost (it may have been applied) returns an error matching fence.ErrUnknown:
+// read the record to know. See idempotency.Store.
 func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
 	if err := s.checkUpdate("idempotency update", ctx, key, ch); err != nil {
 		return idempotency.Record{}, err
 	}
-	return s.updateOn(ctx, s.db.c, key, from, fromFence, ch)
+	return s.updateOn(ctx, s.db.c, key, from, fromFence, ch, s.db.unknown)
 }
 
 // CompleteTx records key's result inside tx, the caller's own transaction (a
@@ -233,11 +237,17 @@ func (s *IdempotencyStore) CompleteTx(ctx context.Context, tx any, key string, f
 	if retention <= 0 {
 		retention = 24 * time.Hour
 	}
-	_, err = s.updateOn(ctx, c, key, idempotency.Armed, f, idempotency.Change{State: idempotency.Completed, Fence: f, Result: result, Retention: retention})
+	// In the caller's transaction a lost reply is the caller's commit to
+	// judge: this statement commits nothing by itself.
+	_, err = s.updateOn(ctx, c, key, idempotency.Armed, f, idempotency.Change{State: idempotency.Completed, Fence: f, Result: result, Retention: retention},
+		func(err error) error { return err })
 	return err
 }
 
-func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+// updateOn runs the compare-and-set on c; unknown marks the errors of a
+// change that may have been applied.
+func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change,
+	unknown func(error) error) (idempotency.Record, error) {
 	restart := 0
 	if ch.Restart {
 		restart = 1
@@ -247,6 +257,11 @@ func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, fro
 		dropped = 1
 	}
 	args := []any{key, string(from), int64(fromFence), string(ch.State), int64(ch.Fence), ch.Owner, ms(ch.Lease), restart, ms(ch.Retention), ch.Result, dropped}
+	if s.db.d == mysqlDialect {
+		// The order of the MySQL statement's placeholders (see mysqlStatements).
+		args = []any{int64(ch.Fence), []byte(ch.State), []byte(ch.Owner), ms(ch.Lease), restart, ms(ch.Retention), ms(ch.Retention), ch.Result, dropped,
+			[]byte(key), []byte(from), int64(fromFence)}
+	}
 	var gotKey string
 	var rec idempotency.Record
 	var err error
@@ -257,7 +272,10 @@ func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, fro
 			err = errNoRows
 		}
 		if err == nil {
-			return s.getOn(ctx, c, key)
+			// The change was made; a failed read of it leaves the caller
+			// not knowing the record.
+			rec, err := s.getOn(ctx, c, key)
+			return rec, unknown(err)
 		}
 	} else {
 		rec, err = scanRecord(key, func(dest ...any) error {
@@ -268,7 +286,7 @@ func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, fro
 		return rec, nil
 	}
 	if !errors.Is(err, errNoRows) {
-		return rec, s.wrap("update", err)
+		return rec, s.wrap("update", unknown(err))
 	}
 	cur, err := s.getOn(ctx, c, key)
 	if err != nil {

@@ -23,13 +23,20 @@ func MySQL(db *sql.DB) *DB {
 	return &DB{c: stdConn{db}, d: mysqlDialect, sqlDB: db}
 }
 
+// mysqlNowUs is the server's clock in microseconds since the Unix epoch, read
+// in UTC: UTC_TIMESTAMP and a DATETIME literal do not depend on the session's
+// time_zone, and TIMESTAMPDIFF between two DATETIMEs is plain arithmetic.
+// (UNIX_TIMESTAMP(NOW()) goes through the session's zone and back: in a zone
+// with daylight saving the hour that repeats in autumn reads an hour off.)
+const mysqlNowUs = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+
 // On MySQL and MariaDB, keys and names are VARBINARY: compared byte for byte
 // (as on PostgreSQL and SQLite, and unlike the case-insensitive default
 // collations), and MaxKeyBytes (1024) fits InnoDB's 3072-byte index limit.
 var mysqlDialect = &dialect{
 	name:     "mysql",
-	nowMs:    "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
-	nowUs:    "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)",
+	nowMs:    "(" + mysqlNowUs + " DIV 1000)",
+	nowUs:    mysqlNowUs,
 	greatest: "GREATEST",
 	textType: "BLOB", blobType: "LONGBLOB", intType: "BIGINT",
 	keyType: "VARBINARY(1024)", quoteChar: "`",
@@ -37,6 +44,33 @@ var mysqlDialect = &dialect{
 	checkViolation:      func(err error) bool { c := mysqlCode(err); return c == 4025 || c == 3819 },
 	serializationFailed: func(err error) bool { c := mysqlCode(err); return c == 1213 || c == 1205 },
 }
+
+// mysqlText is how every name, key and text argument enters a MySQL
+// statement: as bytes, whatever the connection's character set (utf8mb3
+// cannot hold 4-byte characters, latin1 would reinterpret them) and sql_mode
+// (outside strict mode a character the charset lacks becomes '?'). The
+// argument itself is passed as []byte (see textArg), which the driver also
+// sends as a binary literal when it interpolates parameters.
+const mysqlText = "CAST(? AS BINARY)"
+
+// mysqlMaybeEmpty takes a value, owner or fingerprint that may be empty.
+// MariaDB's EMPTY_STRING_IS_NULL session mode turns an empty literal or
+// parameter into NULL; these arguments are never NULL, so NULL means empty.
+// The package's own empty literals are hex (x followed by two quotes), which
+// the mode leaves alone.
+const mysqlMaybeEmpty = "IFNULL(CAST(? AS BINARY), x'')"
+
+// textArg returns s as the argument of a text parameter: on MySQL as []byte
+// (see mysqlText), elsewhere as it is.
+func textArg(mysql bool, s string) any {
+	if mysql {
+		return []byte(s)
+	}
+	return s
+}
+
+// text is textArg for db's dialect.
+func (db *DB) text(s string) any { return textArg(db.d == mysqlDialect, s) }
 
 func mysqlCode(err error) uint16 {
 	var me *mysql.MySQLError
@@ -98,17 +132,16 @@ func (db *DB) change(ctx context.Context, q string, args ...any) (int64, error) 
 func (a *Acquirer) mysqlStatements(t string) {
 	now := mysqlDialect.nowMs
 	expired := "expires_at <= " + now
-	a.grant = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (?, LAST_INSERT_ID(1), ?, %[2]s + ?) "+
+	a.grant = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[4]s, LAST_INSERT_ID(%[6]s), %[5]s, %[2]s + ?) "+
 		"ON DUPLICATE KEY UPDATE token = IF(%[3]s, LAST_INSERT_ID(token + 1), LAST_INSERT_ID(0) + token), "+
-		"owner = IF(%[3]s, VALUES(owner), owner), expires_at = IF(%[3]s, VALUES(expires_at), expires_at)", t, now, expired)
-	// The arguments come in the order name, token, ttl: a joined row of
-	// parameters keeps that order with the ttl in the SET clause.
-	a.renew = fmt.Sprintf("UPDATE %[1]s l JOIN (SELECT ? AS n, ? AS k, ? AS ttl) p ON l.name = p.n AND l.token = p.k "+
-		"SET l.token = LAST_INSERT_ID(l.token), l.expires_at = %[2]s + p.ttl WHERE l.expires_at > %[2]s", t, now)
-	a.release = fmt.Sprintf("UPDATE %s SET token = LAST_INSERT_ID(token), expires_at = 0 WHERE name = ? AND token = ? AND expires_at > %s", t, now)
-	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s FROM %s WHERE name = ?", now, t)
-	a.bump = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (?, LAST_INSERT_ID(?), '', 0) "+
-		"ON DUPLICATE KEY UPDATE token = IF(token < VALUES(token) AND %[2]s, LAST_INSERT_ID(VALUES(token)), LAST_INSERT_ID(0) + token)", t, expired)
+		"owner = IF(%[3]s, VALUES(owner), owner), expires_at = IF(%[3]s, VALUES(expires_at), expires_at)", t, now, expired, mysqlText, mysqlMaybeEmpty, mysqlNowUs)
+	// Renew's arguments come in the order ttl, name, token (see renewArgs).
+	a.renew = fmt.Sprintf("UPDATE %[1]s SET token = LAST_INSERT_ID(token), expires_at = %[2]s + ? "+
+		"WHERE name = %[3]s AND token = ? AND expires_at > %[2]s", t, now, mysqlText)
+	a.release = fmt.Sprintf("UPDATE %s SET token = LAST_INSERT_ID(token), expires_at = 0 WHERE name = %s AND token = ? AND expires_at > %s", t, mysqlText, now)
+	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = %s", now, t, mysqlText)
+	a.bump = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[3]s, LAST_INSERT_ID(?), x'', 0) "+
+		"ON DUPLICATE KEY UPDATE token = IF(token < VALUES(token) AND %[2]s, LAST_INSERT_ID(VALUES(token)), LAST_INSERT_ID(0) + token)", t, expired, mysqlText)
 }
 
 // grantMySQL runs the grant (with the guard advance, in one transaction, when
@@ -141,14 +174,14 @@ func (a *Acquirer) grantMySQL(ctx context.Context, args []any) (int64, error) {
 // decides once, in a session variable, whether the key may be claimed (no
 // record, released, or past its retention), since each assignment of an
 // upsert sees the columns assigned before it; it sets LAST_INSERT_ID to the
-// new fence when it claimed, 0 when not (see execID). The compare-and-set
-// joins a row of its parameters, so they come in the same order as on the
-// other databases, and sets LAST_INSERT_ID to the new fence when it matched.
+// new fence when it claimed, 0 when not (see execID). The compare-and-set sets
+// LAST_INSERT_ID to the new fence when it matched; its arguments come in the
+// order of updateArgs.
 func (s *IdempotencyStore) mysqlStatements(t, cols string) {
 	now, nowUs := mysqlDialect.nowMs, mysqlDialect.nowUs
 	claim := "@fencekit_claim"
 	s.begin = fmt.Sprintf(`INSERT INTO %[1]s (`+"`key`"+`, fingerprint, state, fence, owner, lease_until, started_at, expires_at, result, result_dropped)
-VALUES (?, ?, 'claimed', LAST_INSERT_ID(%[3]s), ?, %[2]s + ?, %[2]s, NULL, NULL, 0)
+VALUES (%[5]s, %[6]s, 'claimed', LAST_INSERT_ID(%[3]s), %[6]s, %[2]s + ?, %[2]s, NULL, NULL, 0)
 ON DUPLICATE KEY UPDATE
   fence = IF(%[4]s := (state = 'released' OR (expires_at IS NOT NULL AND expires_at <= %[2]s)),
     LAST_INSERT_ID(GREATEST(fence + 1, VALUES(fence))), LAST_INSERT_ID(0) + fence),
@@ -159,13 +192,11 @@ ON DUPLICATE KEY UPDATE
   result = IF(%[4]s, NULL, result),
   result_dropped = IF(%[4]s, 0, result_dropped),
   expires_at = IF(%[4]s, NULL, expires_at),
-  state = IF(%[4]s, 'claimed', state)`, t, now, nowUs, claim)
-	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE `key` = ?", cols, t)
-	s.update = fmt.Sprintf(`UPDATE %[1]s r JOIN (SELECT ? AS k, ? AS from_state, ? AS from_fence, ? AS st, ? AS f, ? AS own,
-  ? AS lease, ? AS restart, ? AS ret, ? AS res, ? AS dropped) p
-  ON r.`+"`key`"+` = p.k AND r.state = p.from_state AND r.fence = p.from_fence
-SET r.fence = LAST_INSERT_ID(p.f), r.state = p.st, r.owner = p.own, r.lease_until = %[2]s + p.lease,
-  r.started_at = IF(p.restart = 1, %[2]s, r.started_at),
-  r.expires_at = IF(p.ret > 0, %[2]s + p.ret, NULL),
-  r.result = p.res, r.result_dropped = p.dropped`, t, now)
+  state = IF(%[4]s, 'claimed', state)`, t, now, nowUs, claim, mysqlText, mysqlMaybeEmpty)
+	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE `key` = %s", cols, t, mysqlText)
+	s.update = fmt.Sprintf(`UPDATE %[1]s SET fence = LAST_INSERT_ID(?), state = %[3]s, owner = %[4]s, lease_until = %[2]s + ?,
+  started_at = IF(? = 1, %[2]s, started_at),
+  expires_at = IF(? > 0, %[2]s + ?, NULL),
+  result = ?, result_dropped = ?
+WHERE `+"`key`"+` = %[3]s AND state = %[3]s AND fence = ?`, t, now, mysqlText, mysqlMaybeEmpty)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -74,7 +75,7 @@ func TestMySQLWriterConformance(t *testing.T) {
 				t.Fatal(err)
 			}
 			fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys,
-				Faulty: faultyWriter(mysqlOpener(params), mysqlTarget),
+				Faulty: faultyWriter(mysqlOpener(params), mysqlAddr),
 			}.Run(t)
 		})
 	}
@@ -90,7 +91,7 @@ func TestMySQLAcquirerConformance(t *testing.T) {
 			}
 			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
 				NewOther: otherAcquirer(mysqlOpener(params), nil),
-				Faulty:   faultyAcquirer(mysqlOpener(params), mysqlTarget, nil),
+				Faulty:   faultyAcquirer(mysqlOpener(params), mysqlAddr, nil),
 			}.Run(t)
 		})
 	}
@@ -271,21 +272,21 @@ func TestMySQLInspectAndBump(t *testing.T) {
 	if err != nil || !info.Held || info.Token != l.Token() || info.TimeLeft <= 50*time.Second {
 		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
 	}
-	if err := a.Bump(ctx, name, 100); !errors.Is(err, fence.ErrHeld) {
+	if err := a.Bump(ctx, name, l.Token()+100); !errors.Is(err, fence.ErrHeld) {
 		t.Errorf("Bump while held: %v, want ErrHeld", err)
 	}
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.Bump(ctx, name, 100); err != nil {
+	if err := a.Bump(ctx, name, l.Token()+100); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.Bump(ctx, name, 50); !errors.Is(err, fence.ErrInvalid) {
+	if err := a.Bump(ctx, name, l.Token()+50); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("Bump downwards: %v, want ErrInvalid", err)
 	}
 	l2, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil || l2.Token() != 101 {
-		t.Fatalf("grant after the bump: %v, %v; want token 101", l2, err)
+	if err != nil || l2.Token() != l.Token()+101 {
+		t.Fatalf("grant after the bump: %v, %v; want token %d", l2, err, l.Token()+101)
 	}
 	_ = l2.Release(ctx)
 	if err := a.Bump(ctx, name, fence.MaxToken); err != nil {
@@ -308,9 +309,8 @@ func BenchmarkMySQLWrite(b *testing.B) {
 		b.Fatal(err)
 	}
 	key := fencetest.Name("bench")
-	pairWrites(b, w, key, func(ctx context.Context, value []byte) error {
-		_, err := db.ExecContext(ctx, "UPDATE fence_values SET value = ? WHERE `key` = ?", value, key)
-		return err
+	pairWrites(b, w, key, func(ctx context.Context, value []byte) (int64, error) {
+		return rowsAffected(db.ExecContext(ctx, "UPDATE fence_values SET value = ? WHERE `key` = ?", value, key))
 	})
 }
 
@@ -336,4 +336,107 @@ func BenchmarkMySQLHandoff(b *testing.B) {
 		b.Fatal(err)
 	}
 	benchutil.Handoff(b, a, a, fencetest.Name("handoff"))
+}
+
+// TestMySQLEmptyStringIsNull: MariaDB's EMPTY_STRING_IS_NULL session mode
+// (set by a user in the DSN) turns an empty string into NULL. An empty value
+// must still read back as empty (not as deleted), Bump must work, and empty
+// fingerprints, owners and results must be stored as empty.
+func TestMySQLEmptyStringIsNull(t *testing.T) {
+	ctx := context.Background()
+	db, fdb := openMySQL(t, "sql_mode="+url.QueryEscape("'STRICT_TRANS_TABLES,EMPTY_STRING_IS_NULL'"))
+	var mode string
+	if err := db.QueryRowContext(ctx, "SELECT @@SESSION.sql_mode").Scan(&mode); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(mode, "EMPTY_STRING_IS_NULL") {
+		t.Skipf("the server does not have EMPTY_STRING_IS_NULL (MariaDB only): sql_mode %q", mode)
+	}
+	w, err := sqlfence.NewWriter(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := fencetest.Name("empty")
+	for _, tok := range []fence.Token{1, 2} { // a new key (upsert), then an existing one (update)
+		if err := w.Write(ctx, key, []byte{}, tok); err != nil {
+			t.Fatalf("Write of an empty value: %v", err)
+		}
+		if v, got, err := w.Read(ctx, key); err != nil || len(v) != 0 || got != tok {
+			t.Fatalf("Read of an empty value = %q, %d, %v; want empty, %d", v, got, err, tok)
+		}
+	}
+	a, err := sqlfence.NewAcquirer(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("empty-bump")
+	if err := a.Bump(ctx, name, fence.MaxToken-10); err != nil {
+		t.Fatalf("Bump of a new name: %v", err)
+	}
+	l, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil || l.Token() != fence.MaxToken-9 {
+		t.Fatalf("grant after the bump: %v, %v; want token %d", l, err, fence.MaxToken-9)
+	}
+	_ = l.Release(ctx)
+	s, err := sqlfence.NewIdempotencyStore(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ik := fencetest.Name("empty-idem")
+	rec, claimed, err := s.Begin(ctx, ik, "", "", time.Minute)
+	if err != nil || !claimed {
+		t.Fatalf("Begin with an empty fingerprint and owner: %v, %v", claimed, err)
+	}
+	done, err := s.Update(ctx, ik, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Completed, Fence: rec.Fence, Result: []byte{}, Retention: time.Hour})
+	if err != nil || done.State != idempotency.Completed || done.Fingerprint != "" || done.Owner != "" || len(done.Result) != 0 {
+		t.Fatalf("complete with an empty result = %+v, %v", done, err)
+	}
+}
+
+// TestMySQLSessionTimeZone: the lease and idempotency clocks are UTC counts,
+// whatever time zone the session has: the lease row's expiry, read on a
+// connection in UTC, is the grant's instant plus its ttl, and Inspect sees the
+// time left the grant asked for.
+func TestMySQLSessionTimeZone(t *testing.T) {
+	ctx := context.Background()
+	utc, _ := openMySQL(t, "time_zone="+url.QueryEscape("'+00:00'"))
+	for _, zone := range []string{"'+05:00'", "'-09:30'", "SYSTEM"} {
+		t.Run(zone, func(t *testing.T) {
+			_, fdb := openMySQL(t, "time_zone="+url.QueryEscape(zone))
+			a, err := sqlfence.NewAcquirer(fdb, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			name := fencetest.Name("tz")
+			before := time.Now()
+			l, err := a.TryAcquire(ctx, name, time.Hour)
+			if err != nil {
+				t.Fatal(err)
+			}
+			after := time.Now()
+			t.Cleanup(func() { _ = l.Release(context.Background()) })
+			var expires int64
+			if err := utc.QueryRowContext(ctx, "SELECT expires_at FROM fence_leases WHERE name = ?", name).Scan(&expires); err != nil {
+				t.Fatal(err)
+			}
+			// The server's clock is this machine's: allow the round trip and a
+			// second of scheduling, far below the zone's hours.
+			lo, hi := before.Add(time.Hour-time.Second).UnixMilli(), after.Add(time.Hour+time.Second).UnixMilli()
+			if expires < lo || expires > hi {
+				t.Errorf("expires_at %d is %v from the grant plus its ttl", expires, time.Duration(expires-before.Add(time.Hour).UnixMilli())*time.Millisecond)
+			}
+			info, err := a.Inspect(ctx, name)
+			if err != nil || info.TimeLeft < time.Hour-5*time.Second || info.TimeLeft > time.Hour {
+				t.Errorf("Inspect = %+v, %v; want about an hour left", info, err)
+			}
+			s, _ := sqlfence.NewIdempotencyStore(fdb, nil)
+			rec, _, err := s.Begin(ctx, fencetest.Name("tz"), "f", "o", time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if f := int64(rec.Fence); f < before.UnixMicro()-1e6 || f > time.Now().UnixMicro()+1e6 {
+				t.Errorf("idempotency fence %d is not the clock in microseconds (%d)", f, before.UnixMicro())
+			}
+		})
+	}
 }

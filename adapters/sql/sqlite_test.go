@@ -6,6 +6,7 @@ import (
 	"errors"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/fencekit/fencekit/adapters/sql"
@@ -66,17 +67,28 @@ func TestSQLiteAcquirerConformance(t *testing.T) {
 	}.Run(t)
 }
 
-// TestSQLiteAcrossHandles runs the acquirer suite with every test on its own
-// database handle on one file, as separate processes would share it.
+// TestSQLiteAcrossHandles runs the acquirer suite with every acquirer on its
+// own database handle on one file, as separate processes would share it: the
+// suite's New opens a handle each time it is called, so a case that takes two
+// acquirers gets two handles.
 func TestSQLiteAcrossHandles(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "shared.db")
+	var handles atomic.Int32
 	open := func(t *testing.T) fence.Acquirer {
 		db, err := sqlfence.OpenSQLite(path)
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { db.Close() })
+		handles.Add(1)
 		return newSQLiteAcquirer(t, sqlfence.SQLite(db))
+	}
+	t.Run("suite", func(t *testing.T) {
+		fencetest.AcquirerSuite{New: open, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys}.Run(t)
+	})
+	// Every case of the suite asks New for its acquirers, one a case at least.
+	if n := handles.Load(); n < 15 {
+		t.Errorf("the suite opened %d handles: it did not get one per acquirer", n)
 	}
 	// Leases taken on one handle are seen on another.
 	a1, a2 := open(t), open(t)

@@ -2,8 +2,6 @@ package sqlfence_test
 
 import (
 	"database/sql"
-	"net"
-	"strconv"
 	"strings"
 	"testing"
 
@@ -12,7 +10,6 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/go-sql-driver/mysql"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
@@ -35,15 +32,6 @@ func pgOpener(style string) opener {
 		t.Cleanup(func() { db.Close() })
 		return sqlfence.Postgres(db)
 	}
-}
-
-// pgTarget is the test PostgreSQL server's host:port.
-func pgTarget(t *testing.T) string {
-	cfg, err := pgx.ParseConfig(testenv.PostgresURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port)))
 }
 
 // mysqlOpener opens handles with the extra DSN parameters params.
@@ -80,9 +68,6 @@ func mysqlConfig(t *testing.T) *mysql.Config {
 	return cfg
 }
 
-// mysqlTarget is the test MySQL server's host:port.
-func mysqlTarget(t *testing.T) string { return mysqlConfig(t).Addr }
-
 // otherAcquirer returns NewOther: an acquirer with opts on a handle of its own.
 func otherAcquirer(open opener, opts *sqlfence.AcquirerOptions) func(*testing.T) fence.Acquirer {
 	return func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, open(t, ""), opts) }
@@ -98,7 +83,7 @@ func newAcquirerOn(t *testing.T, fdb *sqlfence.DB, opts *sqlfence.AcquirerOption
 
 // faultyAcquirer returns Faulty: an acquirer with opts on a handle that
 // reaches the server at target only through a new proxy.
-func faultyAcquirer(open opener, target func(*testing.T) string, opts *sqlfence.AcquirerOptions) func(*testing.T) (fence.Acquirer, *faultnet.Proxy) {
+func faultyAcquirer(open opener, target func(testing.TB) string, opts *sqlfence.AcquirerOptions) func(*testing.T) (fence.Acquirer, *faultnet.Proxy) {
 	return func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
 		p := faultnet.Start(t, target(t))
 		return newAcquirerOn(t, open(t, p.Addr()), opts), p
@@ -107,7 +92,7 @@ func faultyAcquirer(open opener, target func(*testing.T) string, opts *sqlfence.
 
 // faultyWriter returns Faulty: a default writer on a handle that reaches the
 // server at target only through a new proxy.
-func faultyWriter(open opener, target func(*testing.T) string) func(*testing.T) (fence.FencedWriter, *faultnet.Proxy) {
+func faultyWriter(open opener, target func(testing.TB) string) func(*testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 	return func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 		p := faultnet.Start(t, target(t))
 		w, err := sqlfence.NewWriter(open(t, p.Addr()), nil)

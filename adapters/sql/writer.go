@@ -15,6 +15,8 @@ type WriterOptions struct {
 	// Table holds one row per key; it may be schema-qualified. Default: "fence_values".
 	Table string
 	// KeyColumn is the table's primary key (or a unique column). Default: "key".
+	// On MySQL it must compare bytes (VARBINARY, or a _bin collation): under
+	// a case-insensitive or PAD SPACE collation two keys share one row.
 	KeyColumn string
 	// ValueColumn holds the value; it must be nullable, since a fenced delete
 	// sets it to NULL. Default: "value".
@@ -83,17 +85,17 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 		// condition sees the old fence. LAST_INSERT_ID is the token when the
 		// write was made (also when it changed nothing, an equal token writing
 		// equal bytes), 0 when the key holds a larger token (see execID).
-		w.upsert = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (?, ?, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
+		w.upsert = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (%[5]s, %[6]s, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
 			"%[3]s = IF(%[4]s <= VALUES(%[4]s), VALUES(%[3]s), %[3]s), "+
-			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f)
-		w.tombstone = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (?, NULL, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
+			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f, mysqlText, mysqlMaybeEmpty)
+		w.tombstone = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (%[5]s, NULL, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
 			"%[3]s = IF(%[4]s <= VALUES(%[4]s), NULL, %[3]s), "+
-			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f)
+			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f, mysqlText)
 		// An existing key, the common case, takes a fenced UPDATE alone (its
 		// arguments: value, token, key, token); the upsert covers a new key.
-		w.update = fmt.Sprintf("UPDATE %[1]s SET %[3]s = ?, %[4]s = LAST_INSERT_ID(?) WHERE %[2]s = ? AND %[4]s <= ?", t, k, v, f)
-		w.read = fmt.Sprintf("SELECT %s, %s, CASE WHEN %s IS NULL THEN 1 ELSE 0 END FROM %s WHERE %s = ?", v, f, v, t, k)
-		w.current = fmt.Sprintf("SELECT %s FROM %s WHERE %s = ?", f, t, k)
+		w.update = fmt.Sprintf("UPDATE %[1]s SET %[3]s = %[6]s, %[4]s = LAST_INSERT_ID(?) WHERE %[2]s = %[5]s AND %[4]s <= ?", t, k, v, f, mysqlText, mysqlMaybeEmpty)
+		w.read = fmt.Sprintf("SELECT %s, %s, CASE WHEN %s IS NULL THEN 1 ELSE 0 END FROM %s WHERE %s = %s", v, f, v, t, k, mysqlText)
+		w.current = fmt.Sprintf("SELECT %s FROM %s WHERE %s = %s", f, t, k, mysqlText)
 		return w, nil
 	}
 	// Each statement decides and writes at once: it changes the row only when
@@ -121,7 +123,9 @@ func (w *Writer) DDL() string { return w.ddl }
 func (w *Writer) CreateTable(ctx context.Context) error { return w.db.createTable(ctx, w.ddl) }
 
 // Write stores value under key with token, unless key has accepted a larger token,
-// in one statement. A nil value is stored as an empty value. See fence.FencedWriter.
+// in one statement. A nil value is stored as an empty value. A write whose
+// reply was lost (it may have been applied) returns an error matching
+// fence.ErrUnknown. See fence.FencedWriter.
 func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
 	if err := w.checkWrite("write", ctx, key, token); err != nil {
 		return err
@@ -130,9 +134,9 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 		value = []byte{} // NULL marks a deleted key
 	}
 	if w.db.d == mysqlDialect {
-		n, err := w.db.execID(ctx, w.update, value, int64(token), key, int64(token))
+		n, err := w.db.execID(ctx, w.update, value, int64(token), w.db.text(key), int64(token))
 		if err != nil {
-			return w.wrap("write", err)
+			return w.wrap("write", w.db.unknown(err))
 		}
 		if n > 0 {
 			return nil
@@ -140,22 +144,23 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 	} else if w.db.d.updateFirst {
 		n, err := w.db.exec(ctx, w.update, key, value, int64(token))
 		if err != nil {
-			return w.wrap("write", err)
+			return w.wrap("write", w.db.unknown(err))
 		}
 		if n > 0 {
 			return nil
 		}
 	}
-	return w.fenced(ctx, "write", key, token, w.upsert, key, value, int64(token))
+	return w.fenced(ctx, "write", key, token, w.upsert, w.db.text(key), value, int64(token))
 }
 
 // Delete removes the value under key, keeping the fence at token (a tombstone), unless
-// key has accepted a larger token. See fence.Deleter.
+// key has accepted a larger token. A delete whose reply was lost returns an
+// error matching fence.ErrUnknown. See fence.Deleter.
 func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
 	if err := w.checkWrite("delete", ctx, key, token); err != nil {
 		return err
 	}
-	return w.fenced(ctx, "delete", key, token, w.tombstone, key, int64(token))
+	return w.fenced(ctx, "delete", key, token, w.tombstone, w.db.text(key), int64(token))
 }
 
 func (w *Writer) checkWrite(op string, ctx context.Context, key string, token fence.Token) error {
@@ -173,13 +178,13 @@ func (w *Writer) checkWrite(op string, ctx context.Context, key string, token fe
 func (w *Writer) fenced(ctx context.Context, op, key string, token fence.Token, q string, args ...any) error {
 	n, err := w.db.change(ctx, q, args...)
 	if err != nil {
-		return w.wrap(op, err)
+		return w.wrap(op, w.db.unknown(err))
 	}
 	if n > 0 {
 		return nil
 	}
 	var cur int64
-	if err := w.db.queryRow(ctx, w.current, []any{key}, &cur); err != nil {
+	if err := w.db.queryRow(ctx, w.current, []any{w.db.text(key)}, &cur); err != nil {
 		return w.wrap(op, fmt.Errorf("reading the fence of a rejected %s: %w", op, err))
 	}
 	if fence.Token(cur) <= token {
@@ -203,7 +208,7 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 		tok     int64
 		deleted int64
 	)
-	err := w.db.queryRow(ctx, w.read, []any{key}, &v, &tok, &deleted)
+	err := w.db.queryRow(ctx, w.read, []any{w.db.text(key)}, &v, &tok, &deleted)
 	if errors.Is(err, errNoRows) {
 		return nil, 0, fence.ErrNotFound
 	}

@@ -1,0 +1,173 @@
+package sqlfence_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// dialectDB is one database handle of one dialect and driver style, with a
+// way to run the operator's own SQL on it.
+type dialectDB struct {
+	name string
+	db   *sqlfence.DB
+	// exec runs q, whose parameters are written %[1]s, %[2]s..., on the raw handle.
+	exec func(ctx context.Context, q string, args ...any) error
+}
+
+func stdExec(db *sql.DB, ph func(int) string) func(context.Context, string, ...any) error {
+	return func(ctx context.Context, q string, args ...any) error {
+		_, err := db.ExecContext(ctx, placeholders(q, len(args), ph), args...)
+		return err
+	}
+}
+
+func placeholders(q string, n int, ph func(int) string) string {
+	p := make([]any, n)
+	for i := range p {
+		p[i] = ph(i + 1)
+	}
+	return fmt.Sprintf(q, p...)
+}
+
+func dollar(i int) string { return fmt.Sprintf("$%d", i) }
+
+// everyDialect returns SQLite, PostgreSQL (pgx and database/sql) and MySQL
+// under each of mysqlSessions, each with the package's default tables.
+func everyDialect(t *testing.T) []dialectDB {
+	rawLite, lite := openSQLite(t)
+	newSQLiteWriter(t, lite)
+	newSQLiteAcquirer(t, lite)
+	idemStore(t, lite)
+	p := pgPool(t, pgOpts{})
+	pgx := sqlfence.Pgx(p)
+	idemStore(t, pgx)
+	std := pgStd(t)
+	out := []dialectDB{
+		{"sqlite", lite, stdExec(rawLite, dollar)},
+		{"postgres-pgx", pgx, pgxExec(p)},
+		{"postgres-database-sql", sqlfence.Postgres(std), stdExec(std, dollar)},
+	}
+	for _, params := range mysqlSessions {
+		raw, db := openMySQL(t, params)
+		out = append(out, dialectDB{"mysql?" + params, db, stdExec(raw, func(int) string { return "?" })})
+	}
+	return out
+}
+
+// parts returns a writer, an acquirer and an idempotency store on the
+// default tables of d.
+func (d dialectDB) parts(t *testing.T) (*sqlfence.Writer, *sqlfence.Acquirer, *sqlfence.IdempotencyStore) {
+	t.Helper()
+	w, err := sqlfence.NewWriter(d.db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := sqlfence.NewAcquirer(d.db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := sqlfence.NewIdempotencyStore(d.db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w, a, s
+}
+
+func pgxExec(p *pgxpool.Pool) func(context.Context, string, ...any) error {
+	return func(ctx context.Context, q string, args ...any) error {
+		_, err := p.Exec(ctx, placeholders(q, len(args), dollar), args...)
+		return err
+	}
+}
+
+// TestTokenAfterLeaseRowDeleted (HAZARDS 1): holder A has token t and
+// pauses; the lease row is deleted behind the acquirer's back; B is granted
+// the name. B's token must be above t, so that the fence rejects A's late
+// write after B's.
+func TestTokenAfterLeaseRowDeleted(t *testing.T) {
+	ctx := context.Background()
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			w, a, _ := d.parts(t)
+			name := fencetest.Name("deleted")
+			la, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// A few grants and releases first, so the counter is not where a
+			// new row starts.
+			for i := 0; i < 3; i++ {
+				if err := la.Release(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if la, err = a.TryAcquire(ctx, name, time.Minute); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
+				t.Fatal(err)
+			}
+			lb, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatalf("grant after the row was deleted: %v", err)
+			}
+			t.Cleanup(func() { _ = lb.Release(context.Background()) })
+			if lb.Token() <= la.Token() {
+				t.Fatalf("B's token %d is not above the paused holder's %d", lb.Token(), la.Token())
+			}
+			key := name + "/data"
+			if err := w.Write(ctx, key, []byte("B"), lb.Token()); err != nil {
+				t.Fatal(err)
+			}
+			if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
+				t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
+			}
+		})
+	}
+}
+
+// TestRenewAfterLocalDeadline (HAZARDS 6): a lease past its local deadline
+// (its context done) is renewed: Renew returns ErrLost, and it must not hold
+// the lock on the server for another ttl: another acquirer is granted within
+// about a ttl of the first grant, not a ttl after the late renewal.
+func TestRenewAfterLocalDeadline(t *testing.T) {
+	const ttl = 2 * time.Second
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			_, a, _ := d.parts(t)
+			name := fencetest.Name("late-renew")
+			sent := time.Now()
+			l, err := a.TryAcquire(ctx, name, ttl)
+			if err != nil {
+				t.Fatal(err)
+			}
+			<-l.Context().Done()
+			if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+				t.Fatalf("Renew after the local deadline: %v, want ErrLost", err)
+			}
+			wctx, cancel := context.WithTimeout(ctx, 3*ttl)
+			defer cancel()
+			l2, err := a.Acquire(wctx, name, time.Minute)
+			if err != nil {
+				t.Fatalf("Acquire after the late renewal: %v", err)
+			}
+			t.Cleanup(func() { _ = l2.Release(context.Background()) })
+			// The late renewal would hold the row until about 2*ttl after the
+			// grant; half a ttl of slack covers a loaded machine.
+			if waited := time.Since(sent); waited > ttl+ttl/2 {
+				t.Errorf("the next grant came %v after the first (ttl %v): the late renewal held the row", waited, ttl)
+			}
+		})
+	}
+}

@@ -1,0 +1,67 @@
+package sqlfence
+
+import (
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"modernc.org/sqlite"
+)
+
+// maxAmbiguousRetries bounds how often a lease step whose reply was lost is
+// run again (after looking for its own applied change) before it reports
+// fence.ErrUnknown. Acquire retries until its context ends.
+const maxAmbiguousRetries = 4
+
+// ambiguous reports whether err, returned for a statement, leaves open whether
+// the server applied it: the request may have been sent and its reply lost
+// (EOF, a reset or closed connection, a timeout or cancellation while it
+// ran). An error the server sent, an SQLite error (the database is in the
+// process), and an error the driver reports for a request it did not send
+// (driver.ErrBadConn, which database/sql retries on its own; pgconn's
+// SafeToRetry) are definite. With notSent false, the drivers' "not sent"
+// signals are not trusted (for a commit, whose outcome the caller needs).
+func ambiguous(err error, notSent bool) bool {
+	if err == nil || errors.Is(err, errNoRows) || errors.Is(err, fence.ErrUnknown) {
+		return false
+	}
+	var (
+		pe *pgconn.PgError
+		me *mysql.MySQLError
+		se *sqlite.Error
+		ie *fence.InvalidError
+	)
+	if errors.As(err, &pe) || errors.As(err, &me) || errors.As(err, &se) || errors.As(err, &ie) ||
+		errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) {
+		return false
+	}
+	return !notSent || !(errors.Is(err, driver.ErrBadConn) || pgconn.SafeToRetry(err))
+}
+
+// unknownIfAmbiguous wraps err in fence.ErrUnknown when the statement that
+// returned it may have been applied (see ambiguous); the driver's error stays
+// in the chain.
+func unknownIfAmbiguous(err error, notSent bool) error {
+	if !ambiguous(err, notSent) {
+		return err
+	}
+	return fmt.Errorf("%w (the statement may have been applied): %w", fence.ErrUnknown, err)
+}
+
+// unknown is unknownIfAmbiguous for a statement of db's own, outside a
+// transaction of the caller's. SQLite runs in the process: its errors are
+// definite.
+func (db *DB) unknown(err error) error {
+	if db.d == sqliteDialect {
+		return err
+	}
+	return unknownIfAmbiguous(err, true)
+}
+
+// ambiguous is ambiguous for a statement of db's own.
+func (db *DB) ambiguous(err error) bool { return db.d != sqliteDialect && ambiguous(err, true) }
