@@ -283,3 +283,52 @@ func TestOperatorS3(t *testing.T) {
 		t.Errorf("inspect of a missing bucket: exit %d\n%s", code, out)
 	}
 }
+
+// TestOperatorLeavesSQLiteFileAlone: inspect and bump on an operator's SQLite
+// file change nothing but the counter bump raises: an empty file stays empty
+// (it is not made a database), a database in rollback-journal mode stays in
+// it (not switched to WAL), and a directory is a usage error.
+func TestOperatorLeavesSQLiteFileAlone(t *testing.T) {
+	dir := t.TempDir()
+	empty := filepath.Join(dir, "empty.db")
+	if err := os.WriteFile(empty, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"inspect", "-db", empty, "job"}, {"bump", "-db", empty, "job", "-to", "5"}} {
+		if code, out := fenceCmd(args...); code != 1 || !strings.Contains(out, "fence_leases") {
+			t.Errorf("fence %q on an empty file: exit %d\n%s", args, code, out)
+		}
+	}
+	if fi, err := os.Stat(empty); err != nil || fi.Size() != 0 {
+		t.Errorf("inspect and bump wrote to an empty file: %v, %d bytes", err, fi.Size())
+	}
+
+	journal := filepath.Join(dir, "journal.db")
+	db, err := sql.Open("sqlite", journal)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(1)
+	a := sqlTables(t, sqlfence.SQLite(db))
+	mode := func() string {
+		var m string
+		if err := db.QueryRow("PRAGMA journal_mode").Scan(&m); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	if m := mode(); m != "delete" {
+		t.Fatalf("journal mode %q before the commands, want delete", m)
+	}
+	checkBump(t, []string{"-db", journal}, "job", inspectCounter(t, a, "job"))
+	if m := mode(); m != "delete" {
+		t.Errorf("inspect and bump switched the operator's database to journal mode %q", m)
+	}
+
+	for _, args := range [][]string{{"inspect", "-db", dir, "job"}, {"bump", "-db", dir, "job", "-to", "5"}} {
+		if code, out := fenceCmd(args...); code != 2 || !strings.Contains(out, "is a directory") {
+			t.Errorf("fence %q on a directory: exit %d, want 2\n%s", args, code, out)
+		}
+	}
+}
