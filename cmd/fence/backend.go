@@ -125,8 +125,15 @@ func (c *backendConfig) checkOperator(key string) error {
 		return fmt.Errorf("%w: -backend %s needs %s naming %s (inspect and bump never act on a default or temporary backend)", errUsage, c.name, flagName, what)
 	}
 	existing := func() error {
-		if _, err := os.Stat(c.dbPath); err != nil {
+		fi, err := os.Stat(c.dbPath)
+		if err != nil {
 			return fmt.Errorf("%w: -db %s: %v (inspect and bump never create a database)", errUsage, c.dbPath, errors.Unwrap(err))
+		}
+		if fi.IsDir() {
+			return fmt.Errorf("%w: -db %s is a directory, not a database file", errUsage, c.dbPath)
+		}
+		if strings.ContainsAny(c.dbPath, "?#") {
+			return fmt.Errorf("%w: -db %s: the path may not contain ? or #", errUsage, c.dbPath)
 		}
 		return nil
 	}
