@@ -118,3 +118,40 @@ func TestRedactConn(t *testing.T) {
 		}
 	}
 }
+
+// TestNoSecretWithURLDelimiters: a password with an unescaped '@', '#', '/'
+// or '?' in a URL makes the URL parse to another host, path or fragment, and
+// libraries then print pieces of the password as a host name or a database.
+// Every URL flag refuses such a URL as a usage error, before any connection,
+// printing no piece of the password, and the rest of the output is not
+// garbled by a piece of the password taken for a secret.
+func TestNoSecretWithURLDelimiters(t *testing.T) {
+	// A URL parser reads "p" as the password: taken for a secret, it would
+	// blank every p of the output.
+	const pw = "p@Kv7#Wm4/Tn6?Rx5"
+	pieces := []string{"Kv7", "Wm4", "Tn6", "Rx5"}
+	t.Setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "other")
+	for _, args := range [][]string{
+		{"inspect", "-backend", "postgres", "-postgres-url", "postgres://u:" + pw + "@127.0.0.1:1/test?connect_timeout=2", "job"},
+		{"demo", "-backend", "postgres", "-postgres-url", "postgresql://u:" + pw + "@127.0.0.1:1/test?connect_timeout=2"},
+		{"inspect", "-backend", "redis", "-redis-url", "redis://u:" + pw + "@127.0.0.1:1/0", "job"},
+		{"bump", "-backend", "redis", "-redis-url", "rediss://:" + pw + "@127.0.0.1:1/0", "job", "-to", "5"},
+		{"inspect", "-backend", "etcd", "-etcd-endpoints", "http://root:" + pw + "@127.0.0.1:1", "job"},
+		{"inspect", "-backend", "s3", "-s3-endpoint", "http://k:" + pw + "@127.0.0.1:1", "-s3-bucket", "b", "job"},
+	} {
+		code, out := fenceCmd(args...)
+		if code != 2 || !strings.Contains(out, "percent-encode") || !strings.Contains(out, "fence "+args[0]+": ") {
+			t.Errorf("fence %q: exit %d, want 2 with a percent-encode hint:\n%s", args, code, out)
+		}
+		var shown []string
+		for _, p := range pieces {
+			if strings.Contains(out, p) {
+				shown = append(shown, p)
+			}
+		}
+		if shown != nil {
+			t.Errorf("fence %q printed %q, pieces of the password", args, shown)
+		}
+	}
+}
