@@ -268,6 +268,9 @@ func openSQLiteBackend(ctx context.Context, path string) (*backend, error) {
 // connectPostgres opens a pool on url and checks that the server answers; a
 // url that does not parse is a usage error.
 func connectPostgres(ctx context.Context, url string) (*pgxpool.Pool, string, error) {
+	if err := checkURLUserinfo("-postgres-url", url); err != nil {
+		return nil, "", err
+	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, "", fmt.Errorf("%w: -postgres-url %s does not parse: %v", errUsage, redactConn(url), err)
@@ -402,6 +405,9 @@ func connectRedis(ctx context.Context, cfg backendConfig) (*redis.Client, string
 	redis.SetLogger(quietRedis{})
 	opts, shown := &redis.Options{Addr: cfg.redisAddr}, cfg.redisAddr
 	if cfg.redisURL != "" {
+		if err := checkURLUserinfo("-redis-url", cfg.redisURL); err != nil {
+			return nil, "", err
+		}
 		var err error
 		if opts, err = redis.ParseURL(cfg.redisURL); err != nil {
 			return nil, "", fmt.Errorf("%w: -redis-url %s does not parse: %v", errUsage, redactConn(cfg.redisURL), err)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"io"
 	"net/url"
 	"os"
@@ -37,20 +38,15 @@ func secretsIn(s string) []string {
 			out = append(out, v)
 		}
 	}
-	if u, err := url.Parse(s); err == nil && u.User != nil {
-		if pw, ok := u.User.Password(); ok {
-			add(pw)
-			add(url.QueryEscape(pw))
-			add(url.PathEscape(pw))
-		}
-	}
-	if i := strings.Index(s, "://"); i >= 0 {
-		// A URL that does not parse still shows its user information.
-		rest := s[i+3:]
-		if at := strings.LastIndex(rest, "@"); at >= 0 {
-			if _, pw, ok := strings.Cut(rest[:at], ":"); ok {
-				add(pw)
-			}
+	if _, pw, ok := urlUserinfo(s); ok {
+		// The password as written up to the last @, which is what the user
+		// meant even where a URL parser stops earlier (at an unescaped / ? or
+		// #, and then takes a piece of it for the password), and unescaped.
+		add(pw)
+		if dec, err := url.PathUnescape(pw); err == nil {
+			add(dec)
+			add(url.QueryEscape(dec))
+			add(url.PathEscape(dec))
 		}
 	}
 	for _, m := range keywordPassword.FindAllStringSubmatch(s, -1) {
@@ -69,6 +65,42 @@ func secretsIn(s string) []string {
 		}
 	}
 	return out
+}
+
+// urlUserinfo splits a URL (scheme://user:password@host...) at its user
+// information as written: the password runs to the last @ of the URL.
+func urlUserinfo(s string) (head, password string, ok bool) {
+	i := strings.Index(s, "://")
+	if i < 0 {
+		return "", "", false
+	}
+	rest := s[i+3:]
+	at := strings.LastIndex(rest, "@")
+	if at < 0 {
+		return "", "", false
+	}
+	user, password, ok := strings.Cut(rest[:at], ":")
+	return s[:i+3] + user, password, ok
+}
+
+// checkURLUserinfo refuses, as a usage error, a URL whose user name or
+// password holds an unescaped @, /, ? or #: a URL parser would end the user
+// information or the host there, connect to a host made of a piece of the
+// password and print it.
+func checkURLUserinfo(flagName, s string) error {
+	i := strings.Index(s, "://")
+	if i < 0 {
+		return nil
+	}
+	rest := s[i+3:]
+	at := strings.LastIndex(rest, "@")
+	if at < 0 {
+		return nil
+	}
+	if end := strings.IndexAny(rest, "/?#"); (end >= 0 && end < at) || strings.Contains(rest[:at], "@") {
+		return fmt.Errorf("%w: %s %s: the user name or password holds an unescaped @, /, ? or #: percent-encode them (%%40, %%2F, %%3F, %%23)", errUsage, flagName, redactConn(s))
+	}
+	return nil
 }
 
 // mysqlUserinfo splits a go-sql-driver/mysql DSN
@@ -94,9 +126,10 @@ func mysqlUserinfo(dsn string) (user, password string, ok bool) {
 // redactConn returns the connection string s with its password replaced by
 // xxxxx, for display: a URL, a keyword DSN or a MySQL DSN.
 func redactConn(s string) string {
-	if u, err := url.Parse(s); err == nil && strings.Contains(s, "://") {
-		if _, ok := u.User.Password(); ok {
-			return u.Redacted()
+	if strings.Contains(s, "://") {
+		if head, _, ok := urlUserinfo(s); ok {
+			rest := s[strings.Index(s, "://")+3:]
+			return head + ":" + redacted + rest[strings.LastIndex(rest, "@"):]
 		}
 		return s
 	}

@@ -69,6 +69,9 @@ func connectS3(ctx context.Context, cfg backendConfig) (*s3Client, error) {
 	}
 	where := "AWS " + region
 	if cfg.s3Endpoint != "" {
+		if err := checkURLUserinfo("-s3-endpoint", cfg.s3Endpoint); err != nil {
+			return nil, err
+		}
 		u, err := url.Parse(cfg.s3Endpoint)
 		if err != nil || u.Scheme == "" || u.Host == "" {
 			return nil, fmt.Errorf("%w: -s3-endpoint %s is not a URL such as http://127.0.0.1:9000", errUsage, redactConn(cfg.s3Endpoint))
