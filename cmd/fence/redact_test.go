@@ -44,6 +44,8 @@ func TestNoSecretInOutput(t *testing.T) {
 			[]string{"demo", "-backend", "postgres", "-postgres-url", "host=127.0.0.1 port=1 user=u password=" + secret + " dbname=test connect_timeout=2"}, 1, "password=xxxxx"},
 		{"postgres keyword DSN, quoted, does not parse", nil,
 			[]string{"demo", "-backend", "postgres", "-postgres-url", "host=127.0.0.1 port=notaport password='" + secret + "'"}, 2, "does not parse"},
+		{"postgres keyword DSN, backslash-escaped space, unreachable", nil,
+			[]string{"inspect", "-backend", "postgres", "-postgres-url", `host=127.0.0.1 port=1 user=u password=Pw\ ` + secret + " connect_timeout=2", "job"}, 1, "password=xxxxx connect_timeout=2"},
 		{"postgres PGPASSWORD, unreachable", map[string]string{"PGPASSWORD": secret},
 			[]string{"inspect", "-backend", "postgres", "-postgres-url", "postgres://u@127.0.0.1:1/test?connect_timeout=2", "job"}, 1, "postgres at"},
 		{"mysql DSN, unreachable", nil,
