@@ -23,8 +23,8 @@ const redacted = "xxxxx"
 var secretEnv = []string{"PGPASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "REDIS_PASSWORD", "ETCDCTL_PASSWORD"}
 
 // keywordPassword finds password=VALUE in a PostgreSQL keyword/value DSN, the
-// value bare or single-quoted (with backslash escapes).
-var keywordPassword = regexp.MustCompile(`(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s]*)`)
+// value bare or single-quoted, both with backslash escapes (a\ b is "a b").
+var keywordPassword = regexp.MustCompile(`(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|(?:[^\s\\]|\\.)*\\?)`)
 
 // secretsIn returns the passwords s carries, as a URL's user information
 // (PostgreSQL, Redis, anything with a scheme), as password= in a keyword DSN,
@@ -53,8 +53,10 @@ func secretsIn(s string) []string {
 		v := m[2]
 		add(v)
 		if len(v) >= 2 && v[0] == '\'' && v[len(v)-1] == '\'' {
-			add(strings.ReplaceAll(v[1:len(v)-1], `\'`, `'`))
+			v = v[1 : len(v)-1]
+			add(v)
 		}
+		add(unescapeKeyword(v)) // as the driver reads it
 	}
 	if _, pw, ok := mysqlUserinfo(s); ok {
 		add(pw)
@@ -65,6 +67,18 @@ func secretsIn(s string) []string {
 		}
 	}
 	return out
+}
+
+// unescapeKeyword removes the backslash escapes of a keyword DSN value.
+func unescapeKeyword(v string) string {
+	var b strings.Builder
+	for i := 0; i < len(v); i++ {
+		if v[i] == '\\' && i+1 < len(v) {
+			i++
+		}
+		b.WriteByte(v[i])
+	}
+	return b.String()
 }
 
 // urlUserinfo splits a URL (scheme://user:password@host...) at its user
