@@ -157,3 +157,20 @@ func TestNoSecretWithURLDelimiters(t *testing.T) {
 		}
 	}
 }
+
+// TestBenchChildCommandLineHoldsNoSecret: fence bench -processes starts child
+// processes of itself; their command line is readable by every user of the
+// machine (ps, /proc/PID/cmdline), so it may carry no connection string's
+// password.
+func TestBenchChildCommandLineHoldsNoSecret(t *testing.T) {
+	bc := backendConfig{
+		name:        "postgres",
+		postgresURL: "postgres://u:" + secret + "@127.0.0.1:5432/test",
+		mysqlDSN:    "u:" + secret + "@tcp(127.0.0.1:3306)/test",
+		redisAddr:   "127.0.0.1:6379",
+		redisURL:    "redis://:" + secret + "@127.0.0.1:6379/0",
+	}
+	if line := strings.Join(bc.args(), " "); strings.Contains(line, secret) {
+		t.Errorf("a bench child's command line holds the password: %s", line)
+	}
+}
