@@ -168,6 +168,9 @@ type redactor struct {
 // and, for -flag=value, its value) and in the credential environment variables.
 func newRedactor(args []string) *redactor {
 	r := &redactor{}
+	if flags, err := childBackendFlags(); err == nil {
+		args = append(flags, args...) // a bench child's connection flags
+	}
 	for _, a := range args {
 		r.secrets = append(r.secrets, secretsIn(a)...)
 		if strings.HasPrefix(a, "-") {

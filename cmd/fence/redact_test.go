@@ -1,6 +1,7 @@
 package main
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -172,5 +173,15 @@ func TestBenchChildCommandLineHoldsNoSecret(t *testing.T) {
 	}
 	if line := strings.Join(bc.args(), " "); strings.Contains(line, secret) {
 		t.Errorf("a bench child's command line holds the password: %s", line)
+	}
+	// The child gets them from its environment, and redacts them too.
+	k, v, _ := strings.Cut(bc.env(), "=")
+	t.Setenv(k, v)
+	flags, err := childBackendFlags()
+	if err != nil || !slices.Contains(flags, bc.postgresURL) || !slices.Contains(flags, bc.mysqlDSN) || !slices.Contains(flags, bc.redisURL) {
+		t.Errorf("a child reads back %q, %v", flags, err)
+	}
+	if got := newRedactor(nil).redact(bc.postgresURL + " " + bc.mysqlDSN + " " + bc.redisURL); strings.Contains(got, secret) {
+		t.Errorf("a child's redactor misses the passwords of its environment: %s", got)
 	}
 }
