@@ -68,6 +68,14 @@ func TestOperatorRefusesUnnamedBackend(t *testing.T) {
 		{[]string{"inspect", "-backend", "s3", "-s3-endpoint", "http://127.0.0.1:1", "job"}, "-backend s3 needs -s3-bucket"},
 		{[]string{"inspect", "-backend", "s3", "-s3-bucket", "b", "job"}, "needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"},
 		{[]string{"inspect", "-backend", "nope", "job"}, `unknown backend "nope"`},
+		// A blank value names nothing either: libpq's defaults would pick the
+		// local server, go-redis and etcd a host of their own.
+		{[]string{"inspect", "-backend", "postgres", "-postgres-url", " ", "job"}, "-backend postgres needs -postgres-url"},
+		{[]string{"bump", "-backend", "mysql", "-mysql-dsn", " ", "job", "-to", "5"}, "-backend mysql needs -mysql-dsn"},
+		{[]string{"inspect", "-backend", "redis", "-redis-addr", " ", "job"}, "-backend redis needs -redis-addr ADDR or -redis-url"},
+		{[]string{"inspect", "-backend", "etcd", "-etcd-endpoints", ",", "job"}, "-etcd-endpoints holds an empty endpoint"},
+		{[]string{"inspect", "-backend", "etcd", "-etcd-endpoints", "http://127.0.0.1:1, ", "job"}, "-etcd-endpoints holds an empty endpoint"},
+		{[]string{"inspect", "-backend", "s3", "-s3-bucket", " ", "job"}, "-backend s3 needs -s3-bucket"},
 	}
 	t.Setenv("AWS_ACCESS_KEY_ID", "")
 	t.Setenv("AWS_SECRET_ACCESS_KEY", "")
