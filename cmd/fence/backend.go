@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -137,27 +138,31 @@ func (c *backendConfig) checkOperator(key string) error {
 		}
 		return nil
 	}
+	blank := func(v string) bool { return strings.TrimSpace(v) == "" }
 	switch c.name {
 	case "sqlite":
-		if c.dbPath == "" {
+		if blank(c.dbPath) {
 			return missing("-db FILE", "an existing database file")
 		}
 		return existing()
 	case "postgres":
-		if c.postgresURL == "" {
+		if blank(c.postgresURL) {
 			return missing("-postgres-url URL", "the database")
 		}
 	case "mysql":
-		if c.mysqlDSN == "" {
+		if blank(c.mysqlDSN) {
 			return missing("-mysql-dsn DSN", "the database")
 		}
 	case "redis":
-		if c.redisAddr == "" && c.redisURL == "" {
+		if blank(c.redisAddr) && blank(c.redisURL) {
 			return missing("-redis-addr ADDR or -redis-url URL", "the server")
 		}
 	case "etcd":
-		if c.etcd == "" {
+		if blank(c.etcd) {
 			return missing("-etcd-endpoints URLS", "the cluster")
+		}
+		if slices.ContainsFunc(strings.Split(c.etcd, ","), blank) {
+			return fmt.Errorf("%w: -etcd-endpoints holds an empty endpoint: %q", errUsage, c.etcd)
 		}
 		if key != "" && c.dbPath == "" {
 			return fmt.Errorf("%w: -key on -backend etcd needs -db FILE, the SQLite file that holds the protected keys", errUsage)
@@ -166,7 +171,7 @@ func (c *backendConfig) checkOperator(key string) error {
 			return existing()
 		}
 	case "s3":
-		if c.s3Bucket == "" {
+		if blank(c.s3Bucket) {
 			return missing("-s3-bucket BUCKET", "an existing bucket")
 		}
 		if os.Getenv("AWS_ACCESS_KEY_ID") == "" || os.Getenv("AWS_SECRET_ACCESS_KEY") == "" {
