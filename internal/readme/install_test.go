@@ -78,6 +78,11 @@ func TestInstallInConsumerModule(t *testing.T) {
 		if len(f) < 2 || f[0] != "go" || (f[1] == "mod" && len(f) > 2 && f[2] == "init") {
 			continue
 		}
+		if f[1] == "mod" && len(f) == 3 && f[2] == "tidy" {
+			// Offline, tidy cannot fetch the modules that only the tests of
+			// dependencies import; -e lets it skip them (the build needs none).
+			f = append(f, "-e")
+		}
 		gorun(f[1:]...)
 		ran++
 	}
