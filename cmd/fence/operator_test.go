@@ -340,3 +340,39 @@ func TestOperatorLeavesSQLiteFileAlone(t *testing.T) {
 		}
 	}
 }
+
+// TestOperatorS3EndpointFromEnvironment: without -s3-endpoint, the endpoint
+// the AWS environment names (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, as
+// the AWS CLI and SDKs read them) is the one inspected, not AWS.
+func TestOperatorS3EndpointFromEnvironment(t *testing.T) {
+	srv := httptest.NewServer(gofakes3.New(s3mem.New()).Server())
+	t.Cleanup(srv.Close)
+	t.Setenv("AWS_ACCESS_KEY_ID", "operator")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "operator-secret")
+	c := s3.New(s3.Options{Region: "us-east-1", BaseEndpoint: aws.String(srv.URL), UsePathStyle: true,
+		Credentials: credentials.NewStaticCredentialsProvider("operator", "operator-secret", "")})
+	ctx := context.Background()
+	if _, err := c.CreateBucket(ctx, &s3.CreateBucketInput{Bucket: aws.String("locks")}); err != nil {
+		t.Fatal(err)
+	}
+	a, err := s3fence.NewAcquirer(c, "locks", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := a.TryAcquire(ctx, "job", 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Release(context.Background()) })
+	for _, env := range []string{"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"} {
+		t.Run(env, func(t *testing.T) {
+			t.Setenv("AWS_ENDPOINT_URL_S3", "")
+			t.Setenv("AWS_ENDPOINT_URL", "")
+			t.Setenv(env, srv.URL)
+			code, out := fenceCmd("inspect", "-backend", "s3", "-s3-bucket", "locks", "job")
+			if want := fmt.Sprintf("held:      yes, token %d", l.Token()); code != 0 || !strings.Contains(out, want) || !strings.Contains(out, srv.URL) {
+				t.Errorf("inspect with %s=%s: exit %d, want %q and the endpoint\n%s", env, srv.URL, code, want, out)
+			}
+		})
+	}
+}
