@@ -107,7 +107,7 @@ func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
 		"comma-separated etcd endpoints, required for -backend etcd (ETCDCTL_USERNAME and ETCDCTL_PASSWORD for auth)"))
 	fs.StringVar(&c.s3Endpoint, "s3-endpoint", "", need(
 		"S3 endpoint URL, for -backend s3 (when empty and -s3-bucket too, an in-process S3 server); credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN",
-		"S3 endpoint URL, for -backend s3 (when empty, AWS); credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN"))
+		"S3 endpoint URL, for -backend s3 (when empty, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS); credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN"))
 	fs.StringVar(&c.s3Bucket, "s3-bucket", "", need(
 		"S3 bucket, for -backend s3 with -s3-endpoint (it must exist)",
 		"S3 bucket, required for -backend s3 (it must exist)"))

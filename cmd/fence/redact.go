@@ -179,6 +179,9 @@ func newRedactor(args []string) *redactor {
 			}
 		}
 	}
+	for _, env := range []string{"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"} { // endpoints fence reads
+		r.secrets = append(r.secrets, secretsIn(os.Getenv(env))...)
+	}
 	for _, env := range secretEnv {
 		if v := os.Getenv(env); v != "" {
 			r.secrets = append(r.secrets, v)
