@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -106,7 +107,7 @@ func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
 		"comma-separated etcd endpoints, required for -backend etcd (ETCDCTL_USERNAME and ETCDCTL_PASSWORD for auth)"))
 	fs.StringVar(&c.s3Endpoint, "s3-endpoint", "", need(
 		"S3 endpoint URL, for -backend s3 (when empty and -s3-bucket too, an in-process S3 server); credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN",
-		"S3 endpoint URL, for -backend s3 (when empty, AWS); credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN"))
+		"S3 endpoint URL, for -backend s3 (when empty, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS); credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN"))
 	fs.StringVar(&c.s3Bucket, "s3-bucket", "", need(
 		"S3 bucket, for -backend s3 with -s3-endpoint (it must exist)",
 		"S3 bucket, required for -backend s3 (it must exist)"))
@@ -125,32 +126,43 @@ func (c *backendConfig) checkOperator(key string) error {
 		return fmt.Errorf("%w: -backend %s needs %s naming %s (inspect and bump never act on a default or temporary backend)", errUsage, c.name, flagName, what)
 	}
 	existing := func() error {
-		if _, err := os.Stat(c.dbPath); err != nil {
+		fi, err := os.Stat(c.dbPath)
+		if err != nil {
 			return fmt.Errorf("%w: -db %s: %v (inspect and bump never create a database)", errUsage, c.dbPath, errors.Unwrap(err))
+		}
+		if fi.IsDir() {
+			return fmt.Errorf("%w: -db %s is a directory, not a database file", errUsage, c.dbPath)
+		}
+		if strings.ContainsAny(c.dbPath, "?#") {
+			return fmt.Errorf("%w: -db %s: the path may not contain ? or #", errUsage, c.dbPath)
 		}
 		return nil
 	}
+	blank := func(v string) bool { return strings.TrimSpace(v) == "" }
 	switch c.name {
 	case "sqlite":
-		if c.dbPath == "" {
+		if blank(c.dbPath) {
 			return missing("-db FILE", "an existing database file")
 		}
 		return existing()
 	case "postgres":
-		if c.postgresURL == "" {
+		if blank(c.postgresURL) {
 			return missing("-postgres-url URL", "the database")
 		}
 	case "mysql":
-		if c.mysqlDSN == "" {
+		if blank(c.mysqlDSN) {
 			return missing("-mysql-dsn DSN", "the database")
 		}
 	case "redis":
-		if c.redisAddr == "" && c.redisURL == "" {
+		if blank(c.redisAddr) && blank(c.redisURL) {
 			return missing("-redis-addr ADDR or -redis-url URL", "the server")
 		}
 	case "etcd":
-		if c.etcd == "" {
+		if blank(c.etcd) {
 			return missing("-etcd-endpoints URLS", "the cluster")
+		}
+		if slices.ContainsFunc(strings.Split(c.etcd, ","), blank) {
+			return fmt.Errorf("%w: -etcd-endpoints holds an empty endpoint: %q", errUsage, c.etcd)
 		}
 		if key != "" && c.dbPath == "" {
 			return fmt.Errorf("%w: -key on -backend etcd needs -db FILE, the SQLite file that holds the protected keys", errUsage)
@@ -159,7 +171,7 @@ func (c *backendConfig) checkOperator(key string) error {
 			return existing()
 		}
 	case "s3":
-		if c.s3Bucket == "" {
+		if blank(c.s3Bucket) {
 			return missing("-s3-bucket BUCKET", "an existing bucket")
 		}
 		if os.Getenv("AWS_ACCESS_KEY_ID") == "" || os.Getenv("AWS_SECRET_ACCESS_KEY") == "" {
@@ -261,6 +273,9 @@ func openSQLiteBackend(ctx context.Context, path string) (*backend, error) {
 // connectPostgres opens a pool on url and checks that the server answers; a
 // url that does not parse is a usage error.
 func connectPostgres(ctx context.Context, url string) (*pgxpool.Pool, string, error) {
+	if err := checkURLUserinfo("-postgres-url", url); err != nil {
+		return nil, "", err
+	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, "", fmt.Errorf("%w: -postgres-url %s does not parse: %v", errUsage, redactConn(url), err)
@@ -395,6 +410,9 @@ func connectRedis(ctx context.Context, cfg backendConfig) (*redis.Client, string
 	redis.SetLogger(quietRedis{})
 	opts, shown := &redis.Options{Addr: cfg.redisAddr}, cfg.redisAddr
 	if cfg.redisURL != "" {
+		if err := checkURLUserinfo("-redis-url", cfg.redisURL); err != nil {
+			return nil, "", err
+		}
 		var err error
 		if opts, err = redis.ParseURL(cfg.redisURL); err != nil {
 			return nil, "", fmt.Errorf("%w: -redis-url %s does not parse: %v", errUsage, redactConn(cfg.redisURL), err)

@@ -83,6 +83,11 @@ const etcdStatusTimeout = 5 * time.Second
 // plain TCP connection to it found, not only the client's deadline.
 func connectEtcd(ctx context.Context, endpoints string) (*clientv3.Client, error) {
 	eps := strings.Split(endpoints, ",")
+	for _, ep := range eps {
+		if err := checkURLUserinfo("-etcd-endpoints", ep); err != nil {
+			return nil, err
+		}
+	}
 	cl, err := clientv3.New(clientv3.Config{
 		Endpoints: eps, DialTimeout: etcdStatusTimeout, Logger: zap.NewNop(),
 		Username: os.Getenv("ETCDCTL_USERNAME"), Password: os.Getenv("ETCDCTL_PASSWORD"),

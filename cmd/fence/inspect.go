@@ -2,9 +2,11 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -129,6 +131,27 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 	return nil
 }
 
+// openOperatorSQLite opens an operator's existing SQLite file as it is: never
+// created (mode=rw), its journal mode left as the application set it
+// (sqlfence.OpenSQLite would switch it to WAL, and make an empty file a
+// database).
+func openOperatorSQLite(path string) (*sql.DB, error) {
+	q := url.Values{}
+	q.Add("_pragma", "busy_timeout(10000)")
+	q.Set("_txlock", "immediate")
+	q.Set("mode", "rw")
+	db, err := sql.Open("sqlite", "file:"+path+"?"+q.Encode())
+	if err == nil {
+		if err = db.Ping(); err != nil {
+			db.Close()
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open sqlite %s: %w", path, err)
+	}
+	return db, nil
+}
+
 // openOperator opens the backend an operator's flags name (checkOperator has
 // passed): its acquirer and, with keys, the fenced writer that reads a
 // protected key's token. Nothing is created: a missing table is an error that
@@ -149,7 +172,7 @@ func openOperator(ctx context.Context, c backendConfig, keys bool) (*backend, er
 	}
 	switch c.name {
 	case "sqlite":
-		db, err := sqlfence.OpenSQLite(c.dbPath)
+		db, err := openOperatorSQLite(c.dbPath)
 		if err != nil {
 			return nil, err
 		}
@@ -191,7 +214,7 @@ func openOperator(ctx context.Context, c backendConfig, keys bool) (*backend, er
 		}
 		b := &backend{name: "etcd (" + c.etcd + ")", acq: a, close: cl.Close}
 		if keys {
-			db, err := sqlfence.OpenSQLite(c.dbPath)
+			db, err := openOperatorSQLite(c.dbPath)
 			if err != nil {
 				return nil, errors.Join(err, cl.Close())
 			}

@@ -75,6 +75,10 @@ func runCommand(args []string, stdout, stderr io.Writer) int {
 	case "bump":
 		err = runBump(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
+		if len(args) > 2 && args[0] == "help" {
+			fmt.Fprintf(stderr, "fence help: unexpected arguments %q\n\n%s", args[2:], usage)
+			return 2
+		}
 		if len(args) > 1 && args[0] == "help" {
 			return runCommand([]string{args[1], "-h"}, stdout, stderr)
 		}

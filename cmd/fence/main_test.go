@@ -145,6 +145,7 @@ func TestUsage(t *testing.T) {
 		{[]string{"-h"}, 0, "fence demo"},
 		{[]string{"help", "demo"}, 0, "Usage: fence demo"},
 		{[]string{"help", "nope"}, 2, `unknown command "nope"`},
+		{[]string{"help", "inspect", "extra"}, 2, `unexpected arguments ["extra"]`},
 		{[]string{"nope"}, 2, `unknown command "nope"`},
 		{[]string{"demo", "-h"}, 0, "Usage: fence demo"},
 		{[]string{"demo", "-backend", "nope"}, 2, `unknown backend "nope"`},

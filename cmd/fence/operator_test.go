@@ -68,6 +68,14 @@ func TestOperatorRefusesUnnamedBackend(t *testing.T) {
 		{[]string{"inspect", "-backend", "s3", "-s3-endpoint", "http://127.0.0.1:1", "job"}, "-backend s3 needs -s3-bucket"},
 		{[]string{"inspect", "-backend", "s3", "-s3-bucket", "b", "job"}, "needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"},
 		{[]string{"inspect", "-backend", "nope", "job"}, `unknown backend "nope"`},
+		// A blank value names nothing either: libpq's defaults would pick the
+		// local server, go-redis and etcd a host of their own.
+		{[]string{"inspect", "-backend", "postgres", "-postgres-url", " ", "job"}, "-backend postgres needs -postgres-url"},
+		{[]string{"bump", "-backend", "mysql", "-mysql-dsn", " ", "job", "-to", "5"}, "-backend mysql needs -mysql-dsn"},
+		{[]string{"inspect", "-backend", "redis", "-redis-addr", " ", "job"}, "-backend redis needs -redis-addr ADDR or -redis-url"},
+		{[]string{"inspect", "-backend", "etcd", "-etcd-endpoints", ",", "job"}, "-etcd-endpoints holds an empty endpoint"},
+		{[]string{"inspect", "-backend", "etcd", "-etcd-endpoints", "http://127.0.0.1:1, ", "job"}, "-etcd-endpoints holds an empty endpoint"},
+		{[]string{"inspect", "-backend", "s3", "-s3-bucket", " ", "job"}, "-backend s3 needs -s3-bucket"},
 	}
 	t.Setenv("AWS_ACCESS_KEY_ID", "")
 	t.Setenv("AWS_SECRET_ACCESS_KEY", "")
@@ -281,5 +289,90 @@ func TestOperatorS3(t *testing.T) {
 	}
 	if code, out := fenceCmd("inspect", "-backend", "s3", "-s3-endpoint", srv.URL, "-s3-bucket", "no-such-bucket", "job"); code != 1 || !strings.Contains(out, `s3 bucket "no-such-bucket"`) {
 		t.Errorf("inspect of a missing bucket: exit %d\n%s", code, out)
+	}
+}
+
+// TestOperatorLeavesSQLiteFileAlone: inspect and bump on an operator's SQLite
+// file change nothing but the counter bump raises: an empty file stays empty
+// (it is not made a database), a database in rollback-journal mode stays in
+// it (not switched to WAL), and a directory is a usage error.
+func TestOperatorLeavesSQLiteFileAlone(t *testing.T) {
+	dir := t.TempDir()
+	empty := filepath.Join(dir, "empty.db")
+	if err := os.WriteFile(empty, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"inspect", "-db", empty, "job"}, {"bump", "-db", empty, "job", "-to", "5"}} {
+		if code, out := fenceCmd(args...); code != 1 || !strings.Contains(out, "fence_leases") {
+			t.Errorf("fence %q on an empty file: exit %d\n%s", args, code, out)
+		}
+	}
+	if fi, err := os.Stat(empty); err != nil || fi.Size() != 0 {
+		t.Errorf("inspect and bump wrote to an empty file: %v, %d bytes", err, fi.Size())
+	}
+
+	journal := filepath.Join(dir, "journal.db")
+	db, err := sql.Open("sqlite", journal)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(1)
+	a := sqlTables(t, sqlfence.SQLite(db))
+	mode := func() string {
+		var m string
+		if err := db.QueryRow("PRAGMA journal_mode").Scan(&m); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	if m := mode(); m != "delete" {
+		t.Fatalf("journal mode %q before the commands, want delete", m)
+	}
+	checkBump(t, []string{"-db", journal}, "job", inspectCounter(t, a, "job"))
+	if m := mode(); m != "delete" {
+		t.Errorf("inspect and bump switched the operator's database to journal mode %q", m)
+	}
+
+	for _, args := range [][]string{{"inspect", "-db", dir, "job"}, {"bump", "-db", dir, "job", "-to", "5"}} {
+		if code, out := fenceCmd(args...); code != 2 || !strings.Contains(out, "is a directory") {
+			t.Errorf("fence %q on a directory: exit %d, want 2\n%s", args, code, out)
+		}
+	}
+}
+
+// TestOperatorS3EndpointFromEnvironment: without -s3-endpoint, the endpoint
+// the AWS environment names (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, as
+// the AWS CLI and SDKs read them) is the one inspected, not AWS.
+func TestOperatorS3EndpointFromEnvironment(t *testing.T) {
+	srv := httptest.NewServer(gofakes3.New(s3mem.New()).Server())
+	t.Cleanup(srv.Close)
+	t.Setenv("AWS_ACCESS_KEY_ID", "operator")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "operator-secret")
+	c := s3.New(s3.Options{Region: "us-east-1", BaseEndpoint: aws.String(srv.URL), UsePathStyle: true,
+		Credentials: credentials.NewStaticCredentialsProvider("operator", "operator-secret", "")})
+	ctx := context.Background()
+	if _, err := c.CreateBucket(ctx, &s3.CreateBucketInput{Bucket: aws.String("locks")}); err != nil {
+		t.Fatal(err)
+	}
+	a, err := s3fence.NewAcquirer(c, "locks", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := a.TryAcquire(ctx, "job", 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Release(context.Background()) })
+	for _, env := range []string{"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"} {
+		t.Run(env, func(t *testing.T) {
+			t.Setenv("AWS_ENDPOINT_URL_S3", "")
+			t.Setenv("AWS_ENDPOINT_URL", "")
+			t.Setenv(env, srv.URL)
+			code, out := fenceCmd("inspect", "-backend", "s3", "-s3-bucket", "locks", "job")
+			if want := fmt.Sprintf("held:      yes, token %d", l.Token()); code != 0 || !strings.Contains(out, want) || !strings.Contains(out, srv.URL) {
+				t.Errorf("inspect with %s=%s: exit %d, want %q and the endpoint\n%s", env, srv.URL, code, want, out)
+			}
+		})
 	}
 }

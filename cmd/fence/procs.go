@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -22,9 +23,36 @@ import (
 // sharedBackends are the backends several processes can reach: a server.
 var sharedBackends = []string{"postgres", "mysql", "redis"}
 
-// args returns the flags that reach the same backend from a child process.
+// childBackendEnv is the environment variable that hands a child process the
+// flags that reach its backend, as a JSON list: connection strings carry
+// passwords, and a command line is readable by every user of the machine (ps,
+// /proc/PID/cmdline), an environment only by the process's own user.
+const childBackendEnv = "FENCE_BENCH_CHILD_BACKEND"
+
+// args returns the command-line flags of a child process: the backend's name
+// only, its connection flags go in env.
 func (c backendConfig) args() []string {
-	return []string{"-backend", c.name, "-postgres-url", c.postgresURL, "-mysql-dsn", c.mysqlDSN, "-redis-addr", c.redisAddr, "-redis-url", c.redisURL}
+	return []string{"-backend", c.name}
+}
+
+// env returns the environment entry with the flags that reach the same
+// backend from a child process.
+func (c backendConfig) env() string {
+	b, _ := json.Marshal([]string{"-postgres-url", c.postgresURL, "-mysql-dsn", c.mysqlDSN, "-redis-addr", c.redisAddr, "-redis-url", c.redisURL})
+	return childBackendEnv + "=" + string(b)
+}
+
+// childBackendFlags returns the flags a parent passed in childBackendEnv.
+func childBackendFlags() ([]string, error) {
+	v := os.Getenv(childBackendEnv)
+	if v == "" {
+		return nil, nil
+	}
+	var flags []string
+	if err := json.Unmarshal([]byte(v), &flags); err != nil {
+		return nil, fmt.Errorf("%s: %w", childBackendEnv, err)
+	}
+	return flags, nil
 }
 
 // processIncrements runs workers x each locked increments of a fresh counter
@@ -45,7 +73,9 @@ func processIncrements(ctx context.Context, b *backend, bc backendConfig, name s
 		w := childproc.Share(workers, procs, p)
 		args := append([]string{"bench-child"}, bc.args()...)
 		args = append(args, "-key", key, "-workers", strconv.Itoa(w), "-each", strconv.Itoa(each))
-		cmds = append(cmds, exec.CommandContext(ctx, exe, args...))
+		cmd := exec.CommandContext(ctx, exe, args...)
+		cmd.Env = append(os.Environ(), bc.env())
+		cmds = append(cmds, cmd)
 	}
 	took, out, err := childproc.Run(cmds, 30*time.Second)
 	if err != nil {
@@ -68,6 +98,13 @@ func runBenchChild(args []string, stdout, stderr io.Writer) error {
 	key := fs.String("key", "", "the counter key")
 	workers := fs.Int("workers", 1, "workers in this process")
 	each := fs.Int("each", 1, "locked increments per worker")
+	flags, err := childBackendFlags()
+	if err != nil {
+		return err
+	}
+	if err := fs.parse(flags); err != nil {
+		return err
+	}
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"io"
 	"net/url"
 	"os"
@@ -22,8 +23,8 @@ const redacted = "xxxxx"
 var secretEnv = []string{"PGPASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "REDIS_PASSWORD", "ETCDCTL_PASSWORD"}
 
 // keywordPassword finds password=VALUE in a PostgreSQL keyword/value DSN, the
-// value bare or single-quoted (with backslash escapes).
-var keywordPassword = regexp.MustCompile(`(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s]*)`)
+// value bare or single-quoted, both with backslash escapes (a\ b is "a b").
+var keywordPassword = regexp.MustCompile(`(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|(?:[^\s\\]|\\.)*\\?)`)
 
 // secretsIn returns the passwords s carries, as a URL's user information
 // (PostgreSQL, Redis, anything with a scheme), as password= in a keyword DSN,
@@ -37,28 +38,25 @@ func secretsIn(s string) []string {
 			out = append(out, v)
 		}
 	}
-	if u, err := url.Parse(s); err == nil && u.User != nil {
-		if pw, ok := u.User.Password(); ok {
-			add(pw)
-			add(url.QueryEscape(pw))
-			add(url.PathEscape(pw))
-		}
-	}
-	if i := strings.Index(s, "://"); i >= 0 {
-		// A URL that does not parse still shows its user information.
-		rest := s[i+3:]
-		if at := strings.LastIndex(rest, "@"); at >= 0 {
-			if _, pw, ok := strings.Cut(rest[:at], ":"); ok {
-				add(pw)
-			}
+	if _, pw, ok := urlUserinfo(s); ok {
+		// The password as written up to the last @, which is what the user
+		// meant even where a URL parser stops earlier (at an unescaped / ? or
+		// #, and then takes a piece of it for the password), and unescaped.
+		add(pw)
+		if dec, err := url.PathUnescape(pw); err == nil {
+			add(dec)
+			add(url.QueryEscape(dec))
+			add(url.PathEscape(dec))
 		}
 	}
 	for _, m := range keywordPassword.FindAllStringSubmatch(s, -1) {
 		v := m[2]
 		add(v)
 		if len(v) >= 2 && v[0] == '\'' && v[len(v)-1] == '\'' {
-			add(strings.ReplaceAll(v[1:len(v)-1], `\'`, `'`))
+			v = v[1 : len(v)-1]
+			add(v)
 		}
+		add(unescapeKeyword(v)) // as the driver reads it
 	}
 	if _, pw, ok := mysqlUserinfo(s); ok {
 		add(pw)
@@ -69,6 +67,54 @@ func secretsIn(s string) []string {
 		}
 	}
 	return out
+}
+
+// unescapeKeyword removes the backslash escapes of a keyword DSN value.
+func unescapeKeyword(v string) string {
+	var b strings.Builder
+	for i := 0; i < len(v); i++ {
+		if v[i] == '\\' && i+1 < len(v) {
+			i++
+		}
+		b.WriteByte(v[i])
+	}
+	return b.String()
+}
+
+// urlUserinfo splits a URL (scheme://user:password@host...) at its user
+// information as written: the password runs to the last @ of the URL.
+func urlUserinfo(s string) (head, password string, ok bool) {
+	i := strings.Index(s, "://")
+	if i < 0 {
+		return "", "", false
+	}
+	rest := s[i+3:]
+	at := strings.LastIndex(rest, "@")
+	if at < 0 {
+		return "", "", false
+	}
+	user, password, ok := strings.Cut(rest[:at], ":")
+	return s[:i+3] + user, password, ok
+}
+
+// checkURLUserinfo refuses, as a usage error, a URL whose user name or
+// password holds an unescaped @, /, ? or #: a URL parser would end the user
+// information or the host there, connect to a host made of a piece of the
+// password and print it.
+func checkURLUserinfo(flagName, s string) error {
+	i := strings.Index(s, "://")
+	if i < 0 {
+		return nil
+	}
+	rest := s[i+3:]
+	at := strings.LastIndex(rest, "@")
+	if at < 0 {
+		return nil
+	}
+	if end := strings.IndexAny(rest, "/?#"); (end >= 0 && end < at) || strings.Contains(rest[:at], "@") {
+		return fmt.Errorf("%w: %s %s: the user name or password holds an unescaped @, /, ? or #: percent-encode them (%%40, %%2F, %%3F, %%23)", errUsage, flagName, redactConn(s))
+	}
+	return nil
 }
 
 // mysqlUserinfo splits a go-sql-driver/mysql DSN
@@ -94,9 +140,10 @@ func mysqlUserinfo(dsn string) (user, password string, ok bool) {
 // redactConn returns the connection string s with its password replaced by
 // xxxxx, for display: a URL, a keyword DSN or a MySQL DSN.
 func redactConn(s string) string {
-	if u, err := url.Parse(s); err == nil && strings.Contains(s, "://") {
-		if _, ok := u.User.Password(); ok {
-			return u.Redacted()
+	if strings.Contains(s, "://") {
+		if head, _, ok := urlUserinfo(s); ok {
+			rest := s[strings.Index(s, "://")+3:]
+			return head + ":" + redacted + rest[strings.LastIndex(rest, "@"):]
 		}
 		return s
 	}
@@ -121,6 +168,9 @@ type redactor struct {
 // and, for -flag=value, its value) and in the credential environment variables.
 func newRedactor(args []string) *redactor {
 	r := &redactor{}
+	if flags, err := childBackendFlags(); err == nil {
+		args = append(flags, args...) // a bench child's connection flags
+	}
 	for _, a := range args {
 		r.secrets = append(r.secrets, secretsIn(a)...)
 		if strings.HasPrefix(a, "-") {
@@ -128,6 +178,9 @@ func newRedactor(args []string) *redactor {
 				r.secrets = append(r.secrets, secretsIn(v)...)
 			}
 		}
+	}
+	for _, env := range []string{"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"} { // endpoints fence reads
+		r.secrets = append(r.secrets, secretsIn(os.Getenv(env))...)
 	}
 	for _, env := range secretEnv {
 		if v := os.Getenv(env); v != "" {

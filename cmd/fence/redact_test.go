@@ -1,6 +1,7 @@
 package main
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -44,6 +45,8 @@ func TestNoSecretInOutput(t *testing.T) {
 			[]string{"demo", "-backend", "postgres", "-postgres-url", "host=127.0.0.1 port=1 user=u password=" + secret + " dbname=test connect_timeout=2"}, 1, "password=xxxxx"},
 		{"postgres keyword DSN, quoted, does not parse", nil,
 			[]string{"demo", "-backend", "postgres", "-postgres-url", "host=127.0.0.1 port=notaport password='" + secret + "'"}, 2, "does not parse"},
+		{"postgres keyword DSN, backslash-escaped space, unreachable", nil,
+			[]string{"inspect", "-backend", "postgres", "-postgres-url", `host=127.0.0.1 port=1 user=u password=Pw\ ` + secret + " connect_timeout=2", "job"}, 1, "password=xxxxx connect_timeout=2"},
 		{"postgres PGPASSWORD, unreachable", map[string]string{"PGPASSWORD": secret},
 			[]string{"inspect", "-backend", "postgres", "-postgres-url", "postgres://u@127.0.0.1:1/test?connect_timeout=2", "job"}, 1, "postgres at"},
 		{"mysql DSN, unreachable", nil,
@@ -116,5 +119,69 @@ func TestRedactConn(t *testing.T) {
 		if got := redactConn(in); got != want || strings.Contains(got, "pw") {
 			t.Errorf("redactConn(%q) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+// TestNoSecretWithURLDelimiters: a password with an unescaped '@', '#', '/'
+// or '?' in a URL makes the URL parse to another host, path or fragment, and
+// libraries then print pieces of the password as a host name or a database.
+// Every URL flag refuses such a URL as a usage error, before any connection,
+// printing no piece of the password, and the rest of the output is not
+// garbled by a piece of the password taken for a secret.
+func TestNoSecretWithURLDelimiters(t *testing.T) {
+	// A URL parser reads "p" as the password: taken for a secret, it would
+	// blank every p of the output.
+	const pw = "p@Kv7#Wm4/Tn6?Rx5"
+	pieces := []string{"Kv7", "Wm4", "Tn6", "Rx5"}
+	t.Setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "other")
+	for _, args := range [][]string{
+		{"inspect", "-backend", "postgres", "-postgres-url", "postgres://u:" + pw + "@127.0.0.1:1/test?connect_timeout=2", "job"},
+		{"demo", "-backend", "postgres", "-postgres-url", "postgresql://u:" + pw + "@127.0.0.1:1/test?connect_timeout=2"},
+		{"inspect", "-backend", "redis", "-redis-url", "redis://u:" + pw + "@127.0.0.1:1/0", "job"},
+		{"bump", "-backend", "redis", "-redis-url", "rediss://:" + pw + "@127.0.0.1:1/0", "job", "-to", "5"},
+		{"inspect", "-backend", "etcd", "-etcd-endpoints", "http://root:" + pw + "@127.0.0.1:1", "job"},
+		{"inspect", "-backend", "s3", "-s3-endpoint", "http://k:" + pw + "@127.0.0.1:1", "-s3-bucket", "b", "job"},
+	} {
+		code, out := fenceCmd(args...)
+		if code != 2 || !strings.Contains(out, "percent-encode") || !strings.Contains(out, "fence "+args[0]+": ") {
+			t.Errorf("fence %q: exit %d, want 2 with a percent-encode hint:\n%s", args, code, out)
+		}
+		var shown []string
+		for _, p := range pieces {
+			if strings.Contains(out, p) {
+				shown = append(shown, p)
+			}
+		}
+		if shown != nil {
+			t.Errorf("fence %q printed %q, pieces of the password", args, shown)
+		}
+	}
+}
+
+// TestBenchChildCommandLineHoldsNoSecret: fence bench -processes starts child
+// processes of itself; their command line is readable by every user of the
+// machine (ps, /proc/PID/cmdline), so it may carry no connection string's
+// password.
+func TestBenchChildCommandLineHoldsNoSecret(t *testing.T) {
+	bc := backendConfig{
+		name:        "postgres",
+		postgresURL: "postgres://u:" + secret + "@127.0.0.1:5432/test",
+		mysqlDSN:    "u:" + secret + "@tcp(127.0.0.1:3306)/test",
+		redisAddr:   "127.0.0.1:6379",
+		redisURL:    "redis://:" + secret + "@127.0.0.1:6379/0",
+	}
+	if line := strings.Join(bc.args(), " "); strings.Contains(line, secret) {
+		t.Errorf("a bench child's command line holds the password: %s", line)
+	}
+	// The child gets them from its environment, and redacts them too.
+	k, v, _ := strings.Cut(bc.env(), "=")
+	t.Setenv(k, v)
+	flags, err := childBackendFlags()
+	if err != nil || !slices.Contains(flags, bc.postgresURL) || !slices.Contains(flags, bc.mysqlDSN) || !slices.Contains(flags, bc.redisURL) {
+		t.Errorf("a child reads back %q, %v", flags, err)
+	}
+	if got := newRedactor(nil).redact(bc.postgresURL + " " + bc.mysqlDSN + " " + bc.redisURL); strings.Contains(got, secret) {
+		t.Errorf("a child's redactor misses the passwords of its environment: %s", got)
 	}
 }

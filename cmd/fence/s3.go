@@ -61,6 +61,8 @@ func connectS3(ctx context.Context, cfg backendConfig) (*s3Client, error) {
 	if cfg.s3Bucket == "" {
 		return nil, fmt.Errorf("%w: -s3-endpoint needs -s3-bucket", errUsage)
 	}
+	// The endpoint the AWS environment names, as the AWS CLI and SDKs read it.
+	endpoint := cmp.Or(cfg.s3Endpoint, os.Getenv("AWS_ENDPOINT_URL_S3"), os.Getenv("AWS_ENDPOINT_URL"))
 	region := cmp.Or(cfg.s3Region, os.Getenv("AWS_REGION"), "us-east-1")
 	opts := s3.Options{
 		Region: region,
@@ -68,13 +70,16 @@ func connectS3(ctx context.Context, cfg backendConfig) (*s3Client, error) {
 			os.Getenv("AWS_ACCESS_KEY_ID"), os.Getenv("AWS_SECRET_ACCESS_KEY"), os.Getenv("AWS_SESSION_TOKEN")),
 	}
 	where := "AWS " + region
-	if cfg.s3Endpoint != "" {
-		u, err := url.Parse(cfg.s3Endpoint)
-		if err != nil || u.Scheme == "" || u.Host == "" {
-			return nil, fmt.Errorf("%w: -s3-endpoint %s is not a URL such as http://127.0.0.1:9000", errUsage, redactConn(cfg.s3Endpoint))
+	if endpoint != "" {
+		if err := checkURLUserinfo("-s3-endpoint", endpoint); err != nil {
+			return nil, err
 		}
-		opts.BaseEndpoint, opts.UsePathStyle = aws.String(cfg.s3Endpoint), true
-		where = redactConn(cfg.s3Endpoint)
+		u, err := url.Parse(endpoint)
+		if err != nil || u.Scheme == "" || u.Host == "" {
+			return nil, fmt.Errorf("%w: S3 endpoint %s is not a URL such as http://127.0.0.1:9000", errUsage, redactConn(endpoint))
+		}
+		opts.BaseEndpoint, opts.UsePathStyle = aws.String(endpoint), true
+		where = redactConn(endpoint)
 	}
 	c := s3.New(opts)
 	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
