@@ -129,7 +129,11 @@ func acquirers() []acquirerCase {
 		{"redis", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
 			return must(redislua.NewAcquirer(testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: drift}))
 		}},
-		{"redlock", 300 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+		// Redlock gives each node a quarter of the ttl (at most 200ms) to
+		// answer: 75ms at 300ms, which a node on a loaded machine can miss
+		// on two of three nodes, failing a grant with ErrNoQuorum. 1s gives
+		// each node 200ms.
+		{"redlock", time.Second, func(t *testing.T) fence.Acquirer {
 			var nodes []redislua.Client
 			for i := 0; i < 3; i++ {
 				nodes = append(nodes, testenv.StartRedis(t).Client(t))
