@@ -261,12 +261,13 @@ func writers() []writerCase {
 // must report the lost lease.
 //
 // It also checks the order the README promises: A's lease context ends before
-// B is granted. The backend cannot expire A's lease, so cannot grant B, before
-// ttl has passed since A's grant request was sent (sentA + ttl, on this
-// process's clock): A's context must already be done at that instant (a timer
-// set for it looks, and a late timer only gives A more time), B's grant must
-// not come back before it, and A's context must be done when B's Acquire
-// returns.
+// B is granted. B's grant has happened when B's Acquire returns: A's context
+// must be done at that moment (and the log says how long before it ended). The
+// backend cannot expire A's lease, so cannot grant B, before ttl has passed
+// since A's grant request was sent: B's grant must not come back before then.
+// (An acquirer may send its grant request later than sentA, after taking a
+// pooled connection, and count its local deadline from then, as it should:
+// so sentA+ttl is no bound on when A's context must end.)
 func TestPausedHolder(t *testing.T) {
 	for _, ac := range acquirers() {
 		for _, wc := range writers() {
@@ -281,11 +282,12 @@ func TestPausedHolder(t *testing.T) {
 				if err != nil {
 					t.Fatalf("A acquires: %v", err)
 				}
-				// The earliest instant the backend could grant B: A's
-				// context must be done by then.
+				// When A's context ended, for the report.
+				aEnded := make(chan time.Time, 1)
+				context.AfterFunc(la.Context(), func() { aEnded <- time.Now() })
+				// The backend cannot expire A's lease, so cannot grant B,
+				// before ttl has passed since A's grant request was sent.
 				earliestB := sentA.Add(ac.ttl)
-				aDoneAtEarliestB := make(chan bool, 1)
-				time.AfterFunc(time.Until(earliestB), func() { aDoneAtEarliestB <- la.Context().Err() != nil })
 				// A stalls. B waits for the lock and is granted once A's
 				// lease expired on the backend.
 				lb, err := a.Acquire(ctx, name, 30*time.Second)
@@ -303,8 +305,8 @@ func TestPausedHolder(t *testing.T) {
 				if bReturned.Before(earliestB) {
 					t.Errorf("B was granted %v after A's grant request, before A's %v lease could expire", bReturned.Sub(sentA), ac.ttl)
 				}
-				if !<-aDoneAtEarliestB {
-					t.Errorf("A's lease context was still live %v after its grant request was sent, when the backend may already grant B", ac.ttl)
+				if aDoneAtB {
+					t.Logf("A's context ended %v before B's grant came back", bReturned.Sub(<-aEnded))
 				}
 				if err := w.Write(ctx, name, []byte("written by B"), lb.Token()); err != nil {
 					t.Fatalf("B writes: %v", err)
