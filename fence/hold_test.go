@@ -97,6 +97,17 @@ const ttl = 150 * time.Millisecond
 // speed).
 const hangGuard = 30 * time.Second
 
+// awaitCancel waits until Hold cancels the work's ctx; an error after
+// hangGuard.
+func awaitCancel(ctx context.Context) error {
+	select {
+	case <-ctx.Done():
+		return nil
+	case <-time.After(hangGuard):
+		return errors.New("work never cancelled")
+	}
+}
+
 // TestHoldKeepsLeaseAndReleases runs work until Hold has renewed the lease
 // four times, past its first ttl: the lease is kept all along (the work's
 // context stays live), and released once at the end. The lease is long
@@ -151,10 +162,8 @@ func TestHoldCancelsWorkWhenLeaseLost(t *testing.T) {
 	err := fence.Hold(context.Background(), f, "job", ttl, func(ctx context.Context, l fence.Lease) error {
 		token = l.Token()
 		f.failing.Store(true)
-		select {
-		case <-ctx.Done():
-		case <-time.After(hangGuard):
-			return errors.New("work never cancelled")
+		if err := awaitCancel(ctx); err != nil {
+			return err
 		}
 		took = time.Since(start)
 		cause = context.Cause(ctx)
@@ -230,10 +239,8 @@ func TestHoldCancelsWorkOnTakeover(t *testing.T) {
 		if taker, err = other.TryAcquire(context.Background(), "job", time.Minute); err != nil {
 			return err
 		}
-		select {
-		case <-ctx.Done():
-		case <-time.After(hangGuard):
-			return errors.New("work never cancelled")
+		if err := awaitCancel(ctx); err != nil {
+			return err
 		}
 		cause = context.Cause(ctx)
 		took = time.Since(start)
