@@ -93,42 +93,56 @@ func must[T any](v T, err error) T {
 	return v
 }
 
+// drift is the margin every acquirer of the paused-holder scenario takes off
+// its leases' local deadline (each adapter's Drift option). A's context ends
+// on a timer, and on a loaded 2-CPU machine running this package's parallel
+// subtests under -race a timer fires up to tens of milliseconds late (a
+// single idle test measured 8ms at worst, p98 6ms): the default margin, 1% of
+// the ttl plus 2ms (3.5ms for 150ms), is smaller than that, and A's context
+// was seen still live when B was granted. The scenario proves the order the
+// margin buys, so it gives every acquirer one that covers the lateness.
+const drift = 50 * time.Millisecond
+
 func acquirers() []acquirerCase {
 	return []acquirerCase{
 		{"sqlite", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
-			a := must(sqlfence.NewAcquirer(sqliteDB(t), nil))
+			a := must(sqlfence.NewAcquirer(sqliteDB(t), &sqlfence.AcquirerOptions{Drift: drift}))
 			if err := a.CreateTable(context.Background()); err != nil {
 				t.Fatal(err)
 			}
 			return a
 		}},
 		{"postgres", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
-			a := must(sqlfence.NewAcquirer(sqlfence.Pgx(pgPool(t)), nil))
+			a := must(sqlfence.NewAcquirer(sqlfence.Pgx(pgPool(t)), &sqlfence.AcquirerOptions{Drift: drift}))
 			if err := a.CreateTable(context.Background()); err != nil {
 				t.Fatal(err)
 			}
 			return a
 		}},
 		{"mysql", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
-			a := must(sqlfence.NewAcquirer(mysqlDB(t), nil))
+			a := must(sqlfence.NewAcquirer(mysqlDB(t), &sqlfence.AcquirerOptions{Drift: drift}))
 			if err := a.CreateTable(context.Background()); err != nil {
 				t.Fatal(err)
 			}
 			return a
 		}},
 		{"redis", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
-			return must(redislua.NewAcquirer(testenv.RedisClient(t), nil))
+			return must(redislua.NewAcquirer(testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: drift}))
 		}},
-		{"redlock", 300 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+		// Redlock gives each node a quarter of the ttl (at most 200ms) to
+		// answer: 75ms at 300ms, which a node on a loaded machine can miss
+		// on two of three nodes, failing a grant with ErrNoQuorum. 1s gives
+		// each node 200ms.
+		{"redlock", time.Second, func(t *testing.T) fence.Acquirer {
 			var nodes []redislua.Client
 			for i := 0; i < 3; i++ {
 				nodes = append(nodes, testenv.StartRedis(t).Client(t))
 			}
-			return must(redislua.NewRedlock(nodes, nil))
+			return must(redislua.NewRedlock(nodes, &redislua.RedlockOptions{Drift: drift}))
 		}},
 		{"s3", time.Second, func(t *testing.T) fence.Acquirer {
 			c, bucket := s3Client(t)
-			return must(s3fence.NewAcquirer(c, bucket, &s3fence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
+			return must(s3fence.NewAcquirer(c, bucket, &s3fence.AcquirerOptions{Drift: drift, Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
 		}},
 		{"s3-real", time.Second, func(t *testing.T) fence.Acquirer {
 			srv := testenv.RealS3(t)
@@ -141,11 +155,11 @@ func acquirers() []acquirerCase {
 					t.Fatal(err)
 				}
 			}
-			return must(s3fence.NewAcquirer(c, bucket, &s3fence.AcquirerOptions{Prefix: fencetest.Name("locks") + "/",
+			return must(s3fence.NewAcquirer(c, bucket, &s3fence.AcquirerOptions{Drift: drift, Prefix: fencetest.Name("locks") + "/",
 				Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
 		}},
 		{"etcd", time.Second, func(t *testing.T) fence.Acquirer {
-			return must(etcdfence.New(etcdtest.Start(t, 1).Client(t), nil))
+			return must(etcdfence.New(etcdtest.Start(t, 1).Client(t), &etcdfence.Options{Drift: drift}))
 		}},
 	}
 }
@@ -245,6 +259,15 @@ func writers() []writerCase {
 // is granted once A's lease expires on the backend, and writes; A wakes and
 // writes. A's write must be rejected, the value must be B's, and A's release
 // must report the lost lease.
+//
+// It also checks the order the README promises: A's lease context ends before
+// B is granted. B's grant has happened when B's Acquire returns: A's context
+// must be done at that moment (and the log says how long before it ended). The
+// backend cannot expire A's lease, so cannot grant B, before ttl has passed
+// since A's grant request was sent: B's grant must not come back before then.
+// (An acquirer may send its grant request later than sentA, after taking a
+// pooled connection, and count its local deadline from then, as it should:
+// so sentA+ttl is no bound on when A's context must end.)
 func TestPausedHolder(t *testing.T) {
 	for _, ac := range acquirers() {
 		for _, wc := range writers() {
@@ -254,20 +277,36 @@ func TestPausedHolder(t *testing.T) {
 				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 				defer cancel()
 				name := fencetest.Name("invoice")
+				sentA := time.Now()
 				la, err := a.TryAcquire(ctx, name, ac.ttl)
 				if err != nil {
 					t.Fatalf("A acquires: %v", err)
 				}
-				// A stalls. B arrives after A's lease expired and waits for it.
+				// When A's context ended, for the report.
+				aEnded := make(chan time.Time, 1)
+				context.AfterFunc(la.Context(), func() { aEnded <- time.Now() })
+				// The backend cannot expire A's lease, so cannot grant B,
+				// before ttl has passed since A's grant request was sent.
+				earliestB := sentA.Add(ac.ttl)
+				// A stalls. B waits for the lock and is granted once A's
+				// lease expired on the backend.
 				lb, err := a.Acquire(ctx, name, 30*time.Second)
+				bReturned := time.Now()
 				if err != nil {
 					t.Fatalf("B acquires: %v", err)
 				}
+				aDoneAtB := la.Context().Err() != nil
 				if lb.Token() <= la.Token() {
 					t.Fatalf("B's token %d not above A's %d", lb.Token(), la.Token())
 				}
-				if la.Context().Err() == nil {
+				if !aDoneAtB {
 					t.Error("B was granted while A's lease context was still live")
+				}
+				if bReturned.Before(earliestB) {
+					t.Errorf("B was granted %v after A's grant request, before A's %v lease could expire", bReturned.Sub(sentA), ac.ttl)
+				}
+				if aDoneAtB {
+					t.Logf("A's context ended %v before B's grant came back", bReturned.Sub(<-aEnded))
 				}
 				if err := w.Write(ctx, name, []byte("written by B"), lb.Token()); err != nil {
 					t.Fatalf("B writes: %v", err)

@@ -166,24 +166,60 @@ func TestProcessPaused(t *testing.T) {
 // TestProcessKilled kills a real process with SIGKILL while it holds a lease:
 // the lock stays held until the lease expires on the database's clock, then
 // frees itself.
+//
+// The child's grant request was sent after the child was started, so its
+// lease cannot expire before started+ttl; the database reports (Inspect) the
+// time the lease has left, so it cannot expire before that much after the
+// inspection was sent. Polled with TryAcquire, the lock must stay held, with
+// the dead child's token, until both; the first grant must come back after
+// them, with a larger token.
 func TestProcessKilled(t *testing.T) {
 	ctx := context.Background()
 	path, a, _ := sharedFile(t)
-	c, childTok := startChild(t, path, 500*time.Millisecond)
-	killed := time.Now()
+	const ttl = 500 * time.Millisecond
+	started := time.Now()
+	c, childTok := startChild(t, path, ttl)
 	if err := c.cmd.Process.Kill(); err != nil {
 		t.Fatal(err)
 	}
 	_ = c.cmd.Wait()
+	inspected := time.Now()
+	info, err := a.Inspect(ctx, "job")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !info.Held || info.Token != childTok || info.TimeLeft <= 0 || info.TimeLeft > ttl {
+		t.Fatalf("right after the kill: %+v, want held by the child's token %d with up to %v left", info, childTok, ttl)
+	}
+	expiresAfter := started.Add(ttl)
+	if e := inspected.Add(info.TimeLeft); e.After(expiresAfter) {
+		expiresAfter = e
+	}
 	if _, err := a.TryAcquire(ctx, "job", time.Second); !errors.Is(err, fence.ErrHeld) {
 		t.Fatalf("right after the kill: %v, want ErrHeld (the lease outlives its holder)", err)
 	}
-	l, err := a.Acquire(ctx, "job", time.Second)
-	if err != nil {
-		t.Fatalf("after the lease expired: %v", err)
+	// Poll until the lock frees itself; the acquirer's default wait limit
+	// (fence.DefaultMaxWait) bounds how long.
+	deadline := time.Now().Add(fence.DefaultMaxWait)
+	var l fence.Lease
+	for attempts := 0; ; attempts++ {
+		l, err = a.TryAcquire(ctx, "job", time.Second)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("polling the dead child's lock: %v", err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the lock did not free itself within %v of the kill", fence.DefaultMaxWait)
+		}
+		if err := (fence.Backoff{Min: time.Millisecond, Max: 10 * time.Millisecond}).Sleep(ctx, attempts); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if time.Since(killed) > 5*time.Second {
-		t.Errorf("the lock freed itself only %v after the kill", time.Since(killed))
+	if granted := time.Now(); granted.Before(expiresAfter) {
+		t.Errorf("granted %v before the dead child's lease could expire on the database (%v after its start, %v left at the inspection)",
+			expiresAfter.Sub(granted), ttl, info.TimeLeft)
 	}
 	if l.Token() <= childTok {
 		t.Errorf("token %d after the killed child's %d", l.Token(), childTok)

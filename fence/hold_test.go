@@ -2,22 +2,31 @@ package fence_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
 // The Hold tests run on a real SQLite lease table, with faults injected by
 // wrapping the acquirer's leases.
 
 func sqliteAcquirer(t *testing.T) *sqlfence.Acquirer {
+	t.Helper()
+	a, _ := sqliteAcquirerDB(t)
+	return a
+}
+
+// sqliteAcquirerDB is sqliteAcquirer with the database under it, for a test
+// that changes the lease table as another process or an operator would.
+func sqliteAcquirerDB(t *testing.T) (*sqlfence.Acquirer, *sql.DB) {
 	t.Helper()
 	db, err := sqlfence.OpenSQLite(filepath.Join(t.TempDir(), "hold.db"))
 	if err != nil {
@@ -31,16 +40,20 @@ func sqliteAcquirer(t *testing.T) *sqlfence.Acquirer {
 	if err := a.CreateTable(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	return a
+	return a, db
 }
 
-// faulty wraps an acquirer; its leases fail Renew with renewErr while failing is set.
+// faulty wraps an acquirer; its leases fail Renew with renewErr while failing is
+// set. renews counts Renew calls, renewed the ones the backend confirmed,
+// renewLost the ones it answered ErrLost.
 type faulty struct {
 	fence.Acquirer
-	failing  atomic.Bool
-	renewErr error
-	renews   atomic.Int32
-	releases atomic.Int32
+	failing   atomic.Bool
+	renewErr  error
+	renews    atomic.Int32
+	renewed   atomic.Int32
+	renewLost atomic.Int32
+	releases  atomic.Int32
 }
 
 type faultyLease struct {
@@ -61,7 +74,14 @@ func (l *faultyLease) Renew(ctx context.Context) error {
 	if l.f.failing.Load() {
 		return l.f.renewErr
 	}
-	return l.Lease.Renew(ctx)
+	err := l.Lease.Renew(ctx)
+	switch {
+	case err == nil:
+		l.f.renewed.Add(1)
+	case errors.Is(err, fence.ErrLost):
+		l.f.renewLost.Add(1)
+	}
+	return err
 }
 
 func (l *faultyLease) Release(ctx context.Context) error {
@@ -69,41 +89,88 @@ func (l *faultyLease) Release(ctx context.Context) error {
 	return l.Lease.Release(ctx)
 }
 
+// ttl is the lease of the Hold tests that wait for it to run out: renewals
+// every 50ms, retries every 12.5ms.
 const ttl = 150 * time.Millisecond
 
+// hangGuard bounds a wait that only a bug makes endless (it is no claim about
+// speed).
+const hangGuard = 30 * time.Second
+
+// awaitCancel waits until Hold cancels the work's ctx; an error after
+// hangGuard.
+func awaitCancel(ctx context.Context) error {
+	select {
+	case <-ctx.Done():
+		return nil
+	case <-time.After(hangGuard):
+		return errors.New("work never cancelled")
+	}
+}
+
+// TestHoldKeepsLeaseAndReleases runs work until Hold has renewed the lease
+// four times, past its first ttl: the lease is kept all along (the work's
+// context stays live), and released once at the end. The lease is long
+// (renewals every 200ms, a stalled renewal has 400ms before the local
+// deadline) so that a loaded machine does not lose it.
 func TestHoldKeepsLeaseAndReleases(t *testing.T) {
+	const ttl = 600 * time.Millisecond
 	f := &faulty{Acquirer: sqliteAcquirer(t)}
+	start := time.Now()
 	err := fence.Hold(context.Background(), f, "job", ttl, func(ctx context.Context, l fence.Lease) error {
-		select {
-		case <-time.After(4 * ttl):
-			return nil
-		case <-ctx.Done():
-			return context.Cause(ctx)
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		for f.renewed.Load() < 4 {
+			select {
+			case <-tick.C:
+			case <-ctx.Done():
+				return context.Cause(ctx)
+			case <-time.After(hangGuard):
+				return errors.New("no four renewals")
+			}
 		}
+		return nil
 	})
 	if err != nil {
 		t.Fatalf("Hold: %v", err)
 	}
-	if n := f.renews.Load(); n < 3 {
-		t.Errorf("%d renewals over 4 ttl, want at least 3 (every ttl/3)", n)
+	if d := time.Since(start); d <= ttl {
+		t.Errorf("four renewals within %v, under the %v ttl: not every ttl/3", d, ttl)
 	}
 	if n := f.releases.Load(); n != 1 {
 		t.Errorf("%d releases, want 1", n)
 	}
 }
 
+// TestHoldCancelsWorkWhenLeaseLost: every renewal fails with a transient error
+// (the backend is out of reach), so Hold retries until the lease's local
+// deadline passes, then cancels the work with ErrLost: not at the first
+// failure, and not later than the lease itself (the next holder takes the
+// lock over with a larger token once it expired on the backend).
 func TestHoldCancelsWorkWhenLeaseLost(t *testing.T) {
 	a := sqliteAcquirer(t)
-	f := &faulty{Acquirer: a}
-	var cause error
+	f := &faulty{Acquirer: a, renewErr: errors.New("injected: connection reset")}
+	var (
+		cause     error
+		took      time.Duration
+		token     fence.Token
+		next      fence.Lease
+		nextErr   error
+		heldAfter bool
+	)
 	start := time.Now()
 	err := fence.Hold(context.Background(), f, "job", ttl, func(ctx context.Context, l fence.Lease) error {
-		// Someone takes the lease over: expire it by waiting with renewals
-		// failing transiently, then let the next renewal reach the server.
-		f.renewErr = errors.New("injected: connection reset")
+		token = l.Token()
 		f.failing.Store(true)
-		<-ctx.Done()
+		if err := awaitCancel(ctx); err != nil {
+			return err
+		}
+		took = time.Since(start)
 		cause = context.Cause(ctx)
+		// The backend expires the lease a moment later (the local deadline
+		// is earlier by the drift margin); then the lock is another's.
+		next, nextErr = a.Acquire(context.Background(), "job", time.Minute)
+		heldAfter = l.Context().Err() == nil
 		return errors.New("work stopped")
 	})
 	if !errors.Is(cause, fence.ErrLost) {
@@ -119,15 +186,88 @@ func TestHoldCancelsWorkWhenLeaseLost(t *testing.T) {
 	if n := f.renews.Load(); n < 2 {
 		t.Errorf("%d renewal attempts before giving up, want retries", n)
 	}
-	if d := time.Since(start); d > 5*time.Second {
-		t.Errorf("work was cancelled only after %v", d)
+	if min := ttl - leasekit.DefaultDrift(ttl); took < min {
+		t.Errorf("work cancelled %v after the start, before the lease's local deadline (%v)", took, min)
 	}
-	// The lease is free for the next holder, with a larger token.
-	l, err := a.TryAcquire(context.Background(), "job", ttl)
+	if heldAfter {
+		t.Error("the lease's context was live after the work was cancelled")
+	}
+	// The next holder took the lock over, with a larger token.
+	if nextErr != nil {
+		t.Fatalf("the next holder: %v", nextErr)
+	}
+	if next.Token() <= token {
+		t.Errorf("the next holder's token %d, not above the lost lease's %d", next.Token(), token)
+	}
+	// Hold's release after the loss left the next holder's lease alone.
+	if next.Context().Err() != nil {
+		t.Errorf("the next holder's lease ended when Hold released the lost one: %v", context.Cause(next.Context()))
+	}
+	if err := next.Renew(context.Background()); err != nil {
+		t.Errorf("the next holder's renewal after Hold's release: %v", err)
+	}
+	_ = next.Release(context.Background())
+}
+
+// TestHoldCancelsWorkOnTakeover: while work runs, another process takes the
+// lock over (an operator ends the lease in the table, as an expiry the holder
+// did not see would, and a second acquirer is granted it). Hold's next renewal
+// reaches the database and is refused: the work is cancelled with ErrLost
+// right after that renewal, long before the lease's local deadline (a 3s
+// lease renewed every second), and the new holder's lease is untouched.
+func TestHoldCancelsWorkOnTakeover(t *testing.T) {
+	a, db := sqliteAcquirerDB(t)
+	other, err := sqlfence.NewAcquirer(sqlfence.SQLite(db), nil)
 	if err != nil {
-		t.Fatalf("after the loss: %v", err)
+		t.Fatal(err)
 	}
-	_ = l.Release(context.Background())
+	f := &faulty{Acquirer: a}
+	var (
+		cause error
+		took  time.Duration
+		token fence.Token
+		taker fence.Lease
+	)
+	const holdTTL = 3 * time.Second
+	start := time.Now()
+	err = fence.Hold(context.Background(), f, "job", holdTTL, func(ctx context.Context, l fence.Lease) error {
+		token = l.Token()
+		if _, err := db.Exec(`UPDATE fence_leases SET expires_at = 0 WHERE name = 'job'`); err != nil {
+			return err
+		}
+		var err error
+		if taker, err = other.TryAcquire(context.Background(), "job", time.Minute); err != nil {
+			return err
+		}
+		if err := awaitCancel(ctx); err != nil {
+			return err
+		}
+		cause = context.Cause(ctx)
+		took = time.Since(start)
+		return nil
+	})
+	// Hold returns after its renewal loop, so the renewal that found the
+	// loss (it ends the lease's context before it returns) is counted.
+	lost, renewed := f.renewLost.Load(), f.renewed.Load()
+	if taker == nil {
+		t.Fatalf("Hold: %v (the takeover did not happen)", err)
+	}
+	defer taker.Release(context.Background())
+	if !errors.Is(cause, fence.ErrLost) || !errors.Is(err, fence.ErrLost) {
+		t.Errorf("work context cause %v, Hold returned %v: want ErrLost in both", cause, err)
+	}
+	if lost != 1 || renewed != 0 {
+		t.Errorf("%d renewals refused and %d confirmed, want the first renewal refused and Hold stopping there", lost, renewed)
+	}
+	if min := holdTTL - leasekit.DefaultDrift(holdTTL); took >= min {
+		t.Errorf("work cancelled %v after the start, not before the lease's local deadline (%v)", took, min)
+	}
+	if taker.Token() <= token {
+		t.Errorf("the taker's token %d, not above the holder's %d", taker.Token(), token)
+	}
+	if err := taker.Renew(context.Background()); err != nil {
+		t.Errorf("the taker's lease after Hold's release: %v", err)
+	}
 }
 
 func TestHoldStopsOnErrLost(t *testing.T) {
@@ -249,16 +389,18 @@ func TestBackoffGivesUpAtMaxWait(t *testing.T) {
 	}
 }
 
+// TestBackoffWakesOnNotification: the lease frees itself after the first
+// attempt was refused, and a notification says so. The backoff's delay is
+// uniform in [0, 24h]: it ends within ctx's 5s once in 17280, so only the
+// wake-up can make the second attempt in time.
 func TestBackoffWakesOnNotification(t *testing.T) {
-	b := fence.Backoff{Min: 10 * time.Second, Max: 10 * time.Second}
+	b := fence.Backoff{Min: 24 * time.Hour, Max: 24 * time.Hour}
 	wake := make(chan struct{}, 1)
-	var mu sync.Mutex
-	free := false
+	refused := make(chan struct{})
+	var free atomic.Bool
 	go func() {
-		time.Sleep(20 * time.Millisecond)
-		mu.Lock()
-		free = true
-		mu.Unlock()
+		<-refused
+		free.Store(true)
 		wake <- struct{}{}
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -266,16 +408,16 @@ func TestBackoffWakesOnNotification(t *testing.T) {
 	attempts := 0
 	_, err := b.Acquire(ctx, wake, func(context.Context) (fence.Lease, error) {
 		attempts++
-		mu.Lock()
-		defer mu.Unlock()
-		if free {
+		if free.Load() {
 			return nil, nil
+		}
+		if attempts == 1 {
+			close(refused)
 		}
 		return nil, fence.ErrHeld
 	})
-	// A 10s backoff would outlast ctx: only the wake-up can make this succeed.
-	if err != nil {
-		t.Fatalf("Acquire with a wake-up: %v after %d attempts", err, attempts)
+	if err != nil || attempts != 2 {
+		t.Fatalf("Acquire with a wake-up: %v after %d attempts, want granted at the second", err, attempts)
 	}
 }
 
