@@ -117,7 +117,31 @@ func (b *Base) Token() fence.Token { return b.token }
 func (b *Base) TTL() time.Duration { return b.ttl }
 
 // Context is done once End was called or the local deadline passed.
-func (b *Base) Context() context.Context { return b.ctx }
+//
+// Its Done channel is closed by a timer, which a loaded machine can run late by
+// its scheduling delay; the lease's drift margin must cover that delay. Err
+// does not wait for the timer: called after the local deadline, it ends the
+// lease itself and returns the error, so a holder that checks Err before each
+// write never writes past the deadline believing it holds the lease. A context
+// derived from this one (context.WithCancel, Hold's work context) learns of the
+// end through Done, so the timer's delay applies to it.
+func (b *Base) Context() context.Context { return leaseContext{b.ctx, b} }
+
+// leaseContext is a lease's context whose Err reads the clock.
+type leaseContext struct {
+	context.Context
+	b *Base
+}
+
+// Err returns the context's error, ending the lease first when its local
+// deadline has passed and the timer has not run yet.
+func (c leaseContext) Err() error {
+	if err := c.Context.Err(); err != nil {
+		return err
+	}
+	c.b.expire()
+	return c.Context.Err()
+}
 
 // Extend moves the local deadline after a renewal that the backend confirmed, whose
 // request was sent at sent (a time.Now() with its monotonic reading, as for
@@ -146,7 +170,7 @@ func (b *Base) Extend(sent time.Time) bool {
 func (b *Base) expire() {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.ended || time.Now().Before(b.deadline) {
+	if b.ended || b.deadline.IsZero() || time.Now().Before(b.deadline) {
 		return
 	}
 	b.ended = true

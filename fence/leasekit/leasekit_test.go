@@ -3,6 +3,7 @@ package leasekit_test
 import (
 	"context"
 	"errors"
+	"runtime"
 	"testing"
 	"time"
 
@@ -48,4 +49,29 @@ func TestSentWithoutMonotonicReading(t *testing.T) {
 		t.Error("Extend revived a lease that had ended")
 	}
 	stepped.End(context.Canceled) // no effect, no panic
+}
+
+// TestErrDoesNotWaitForTheTimer: a holder that checks its lease context's Err
+// after the local deadline is told the lease is lost even when the timer that
+// closes Done has not run yet (a loaded machine runs timers late). The lease
+// below was sent a second ago for 100ms, so its deadline has passed when New
+// returns; with one P and no scheduling point between New and Err, the timer's
+// goroutine cannot have run.
+func TestErrDoesNotWaitForTheTimer(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	for i := 0; i < 100; i++ {
+		b := leasekit.New("n", 1, 100*time.Millisecond, 0, time.Now().Add(-time.Second))
+		ctx := b.Context()
+		if err := ctx.Err(); err == nil {
+			t.Fatalf("round %d: Err() = nil a second after the grant of a 100ms lease", i)
+		}
+		if cause := context.Cause(ctx); !errors.Is(cause, fence.ErrLost) {
+			t.Fatalf("round %d: cause %v, want fence.ErrLost", i, cause)
+		}
+		select {
+		case <-ctx.Done():
+		default:
+			t.Fatalf("round %d: Err reported the loss but Done is open", i)
+		}
+	}
 }
