@@ -40,20 +40,23 @@ func ExampleHold() {
 		log.Fatal(err)
 	}
 
+	// Tokens start at the database's clock in microseconds (so a deleted
+	// lease row never hands out a smaller one) and grow by one per grant.
+	var tokens []fence.Token
 	for _, report := range []string{"first run", "second run"} {
 		err := fence.Hold(ctx, locks, "nightly-report", 10*time.Second, func(ctx context.Context, l fence.Lease) error {
-			fmt.Printf("%s holds token %d\n", report, l.Token())
+			tokens = append(tokens, l.Token())
 			return rows.Write(ctx, "report", []byte(report), l.Token())
 		})
 		if err != nil {
 			log.Fatal(err)
 		}
 	}
+	fmt.Println("the second run's token is larger:", tokens[1] > tokens[0])
 	// A late write with the first run's token is stale.
-	err = rows.Write(ctx, "report", []byte("late"), 1)
-	fmt.Println("late write with token 1 is stale:", errors.Is(err, fence.ErrStale))
+	err = rows.Write(ctx, "report", []byte("late"), tokens[0])
+	fmt.Println("late write with the first run's token is stale:", errors.Is(err, fence.ErrStale))
 	// Output:
-	// first run holds token 1
-	// second run holds token 2
-	// late write with token 1 is stale: true
+	// the second run's token is larger: true
+	// late write with the first run's token is stale: true
 }
