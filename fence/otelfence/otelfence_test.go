@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"path/filepath"
 	"strings"
@@ -140,7 +141,7 @@ func TestPausedHolderMetrics(t *testing.T) {
 	if strings.Count(strings.Join(names, " "), "fence.acquire") != 2 || strings.Count(strings.Join(names, " "), "fence.write") != 2 {
 		t.Errorf("spans %v, want 2 acquires and 2 writes", names)
 	}
-	for _, want := range []string{"stale write refused", "offered=1", "current=2", "lease already lost at release", "backend=sqlite"} {
+	for _, want := range []string{"stale write refused", fmt.Sprintf("offered=%d", la.Token()), fmt.Sprintf("current=%d", lb.Token()), "lease already lost at release", "backend=sqlite"} {
 		if !strings.Contains(logs.String(), want) {
 			t.Errorf("logs lack %q:\n%s", want, logs.String())
 		}
