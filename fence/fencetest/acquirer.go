@@ -61,9 +61,9 @@ type AcquirerSuite struct {
 	// Faulty, when set, returns an acquirer with a client of its own that
 	// reaches the backend only through the returned proxy, and nothing else
 	// uses that proxy. The lost-reply cases arm the proxy to lose the reply
-	// of the next request after a warm-up grant. They run only when the
-	// environment variable named by LostReplyEnv is "1"; otherwise, and when
-	// Faulty is nil, they are skipped with a logged reason.
+	// of the next request after a warm-up grant. When Faulty is nil, or the
+	// environment variable named by LostReplyEnv is "0", they are skipped
+	// with a logged reason.
 	Faulty func(t *testing.T) (fence.Acquirer, *faultnet.Proxy)
 }
 

@@ -34,9 +34,8 @@ type WriterSuite struct {
 	// the backend only through the returned proxy, and nothing else uses that
 	// proxy. The lost-reply cases arm the proxy to lose the reply of the next
 	// request after a warm-up write, and check the outcome through a writer
-	// from New. They run only when the environment variable named by
-	// LostReplyEnv is "1"; otherwise, and when Faulty is nil, they are
-	// skipped with a logged reason.
+	// from New. When Faulty is nil, or the environment variable named by
+	// LostReplyEnv is "0", they are skipped with a logged reason.
 	Faulty func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy)
 }
 

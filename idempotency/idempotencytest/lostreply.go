@@ -16,19 +16,20 @@ import (
 )
 
 // LostReplyEnv names the environment variable that turns the lost-reply cases
-// on (any non-empty value) for a Suite with a Faulty harness.
+// off when it is "0". They run whenever the Suite has a Faulty harness; every
+// built-in store passes them.
 const LostReplyEnv = "FENCEKIT_LOST_REPLY"
 
 // faulty returns the harness's store behind a fault proxy, and the store of
 // New for re-reads that no fault touches; it skips without a Faulty harness
-// or without LostReplyEnv.
+// or with LostReplyEnv=0.
 func (s Suite) faulty(t *testing.T) (faulty idempotency.Store, px *faultnet.Proxy, direct idempotency.Store) {
 	t.Helper()
 	if s.Faulty == nil {
 		t.Skip("no Faulty harness (the store behind a fault proxy) for this backend")
 	}
-	if os.Getenv(LostReplyEnv) == "" {
-		t.Skipf("the lost-reply cases are off: set %s=1 to run them", LostReplyEnv)
+	if os.Getenv(LostReplyEnv) == "0" {
+		t.Skipf("the lost-reply cases are off (%s=0)", LostReplyEnv)
 	}
 	faulty, px = s.Faulty(t)
 	return faulty, px, s.New(t)

@@ -40,8 +40,8 @@ type Suite struct {
 	// Faulty returns a store on the same backend as New, reached through a
 	// faultnet.Proxy that the lost-reply cases use to lose the reply to one
 	// step. Nil (a store with no network between it and its data): those
-	// cases skip. They also skip unless the environment variable named by
-	// LostReplyEnv is set, while the stores are being fixed (issue 23).
+	// cases skip. They also skip when the environment variable named by
+	// LostReplyEnv is "0".
 	Faulty func(t *testing.T) (idempotency.Store, *faultnet.Proxy)
 }
 
