@@ -1,0 +1,160 @@
+package redislua_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
+)
+
+// TestWriterIdempotencyKeysApart (HAZARDS 4, two names one row): with the
+// default prefix, the Writer's key "idem:k" and the idempotency store's key
+// "k" must not share a Redis key, or a Begin on "k" wipes the Writer's fence
+// and a stale write is accepted.
+func TestWriterIdempotencyKeysApart(t *testing.T) {
+	ctx := context.Background()
+	c := testenv.RedisClient(t)
+	w, _ := redislua.NewWriter(c, nil)
+	s, _ := redislua.NewIdempotencyStore(c, nil)
+	k := fencetest.Name("apart")
+	wkey := "idem:" + k
+	err := w.Write(ctx, wkey, []byte("new"), 10)
+	if errors.Is(err, fence.ErrInvalid) {
+		return // refused: the two key spaces cannot meet
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := s.Begin(ctx, k, "fp", "o", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, wkey, []byte("stale"), 5); !errors.Is(err, fence.ErrStale) {
+		v, tok, _ := w.Read(ctx, wkey)
+		t.Fatalf("token 5 after token 10 and an idempotency Begin on %q: %v (key holds %q at %d), want ErrStale", k, err, v, tok)
+	}
+}
+
+// redlockViaProxies returns a Redlock on three fresh Redis servers, each
+// reached through its own fault proxy.
+func redlockViaProxies(t *testing.T, retries int) (*redislua.Redlock, []*faultnet.Proxy, []*redis.Client) {
+	redis.SetLogger(quietLogger{})
+	var (
+		nodes   []redislua.Client
+		proxies []*faultnet.Proxy
+		direct  []*redis.Client
+	)
+	for i := 0; i < 3; i++ {
+		srv := testenv.StartRedis(t)
+		p := faultnet.Start(t, srv.Addr)
+		proxies = append(proxies, p)
+		nodes = append(nodes, viaProxy(t, p, retries))
+		direct = append(direct, srv.Client(t))
+	}
+	r, err := redislua.NewRedlock(nodes, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, proxies, direct
+}
+
+// TestRedlockLostReply (HAZARDS 3): a Redlock Release or Renew whose
+// replies were lost after every node ran it is nil or fence.ErrUnknown,
+// never ErrLost (it was held) nor a bare transport error.
+func TestRedlockLostReply(t *testing.T) {
+	for _, m := range []struct {
+		name    string
+		retries int
+	}{{"default-retries", 0}, {"no-retries", -1}} {
+		t.Run(m.name, func(t *testing.T) {
+			r, proxies, direct := redlockViaProxies(t, m.retries)
+			ctx := context.Background()
+			// One lease loads the lock, renew and release scripts on every
+			// node, so the lost replies are the scripts' own, not NOSCRIPT.
+			warm, err := r.TryAcquire(ctx, fencetest.Name("rlwarm"), time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := warm.Renew(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := warm.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			name := fencetest.Name("rllost")
+			l, err := r.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range proxies {
+				loseNextScript(t, p)
+			}
+			if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
+				t.Errorf("Renew whose replies were lost on every node: %v, want nil or ErrUnknown", err)
+			}
+			for _, p := range proxies {
+				loseNextScript(t, p)
+			}
+			if err := l.Release(ctx); err != nil {
+				checkUnknown(t, "Redlock Release", err)
+			}
+			for i, p := range proxies {
+				if p.Pending() != 0 {
+					t.Fatalf("node %d: a lost reply was never taken", i)
+				}
+				if n, err := direct[i].Exists(ctx, "fence:{"+name+"}:lock").Result(); err != nil || n != 0 {
+					t.Fatalf("node %d after the release: lock exists %d, %v", i, n, err)
+				}
+			}
+		})
+	}
+}
+
+// TestAcquirerDriftOverTTL (HAZARDS 6 and 8): a Drift that leaves no local
+// validity must not hand out a lease that is already lost with a nil error
+// while Redis holds the name for the ttl.
+func TestAcquirerDriftOverTTL(t *testing.T) {
+	ctx := context.Background()
+	a, err := redislua.NewAcquirer(testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: time.Second})
+	if err != nil {
+		return
+	}
+	name := fencetest.Name("drift")
+	l, err := a.TryAcquire(ctx, name, 500*time.Millisecond)
+	if err != nil {
+		if !errors.Is(err, fence.ErrInvalid) {
+			t.Fatalf("TryAcquire with ttl below Drift: %v, want nil or ErrInvalid", err)
+		}
+		return
+	}
+	if l.Context().Err() != nil {
+		t.Fatalf("TryAcquire with ttl below Drift returned nil error and a lease already lost (%v)", context.Cause(l.Context()))
+	}
+}
+
+// TestFencedScriptPipeline: Run through a pipeline (the doc allows one)
+// must not report a failure for a body that then runs when the pipeline is
+// executed.
+func TestFencedScriptPipeline(t *testing.T) {
+	ctx := context.Background()
+	c := testenv.RedisClient(t)
+	incr := redislua.NewFencedScript(`return redis.call('INCR', KEYS[1])`)
+	tag := fencetest.Name("pipe")
+	fenceKey, counter := "{"+tag+"}:fence", "{"+tag+"}:n"
+	if _, err := incr.Run(ctx, c, fenceKey, 3, []string{counter}); err != nil { // loads the script
+		t.Fatal(err)
+	}
+	pipe := c.Pipeline()
+	_, runErr := incr.Run(ctx, pipe, fenceKey, 3, []string{counter})
+	_, execErr := pipe.Exec(ctx)
+	n, _ := c.Get(ctx, counter).Int()
+	if runErr != nil && n != 1 {
+		t.Fatalf("Run through a pipeline: %v, but Exec (%v) ran the body: counter %d, want 1", runErr, execErr, n)
+	}
+}
