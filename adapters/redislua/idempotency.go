@@ -83,7 +83,7 @@ func NewIdempotencyStore(c Client, opts *IdempotencyOptions) (*IdempotencyStore,
 	return s, nil
 }
 
-func (s *IdempotencyStore) key(k string) string { return s.o.Prefix + "{idem:" + k + "}" }
+func (s *IdempotencyStore) key(k string) string { return s.o.Prefix + "{" + idemKeyPrefix + k + "}" }
 
 // parseRecord reads the eight record fields of the scripts.
 func parseRecord(key string, f []any) (idempotency.Record, error) {
