@@ -311,7 +311,9 @@ func releasedKey(lock, nonce string) string {
 func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, nonce string, ttl time.Duration) (int, []error) {
 	keys := []string{lock, releasedKey(lock, nonce)}
 	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, c Client) (any, error) {
-		return redlockReleaseScript.Run(ctx, c, keys, nonce, ttlMs(ttl)).Int64()
+		// Sent once: a release sent again after it ran finds the lock gone
+		// and would report the grant lost; a lost reply is an error.
+		return runOnce(ctx, c, redlockReleaseScript, keys, nonce, ttlMs(ttl))
 	}, nil)
 	n := 0
 	for i := range res {
@@ -332,7 +334,9 @@ type redlockLease struct {
 
 // Renew extends the lock on every node that still has it; it succeeds when a
 // majority does, and the local deadline moves by ttl less drift from before the
-// request. Fewer than a majority still holding it is fence.ErrLost. A lease
+// request. Fewer than a majority still holding it is fence.ErrLost; when the
+// nodes that did not answer could make up the majority, the error matches
+// fence.ErrUnknown and the local deadline does not move. A lease
 // whose context has ended (released, or past its local deadline) is not
 // renewed (fence.ErrLost), and a renewal the nodes applied after the local
 // deadline passed is released at once, so no node holds the lock for another
@@ -371,11 +375,16 @@ func (l *redlockLease) Renew(ctx context.Context) error {
 		l.End(fence.ErrLost)
 		return l.lost()
 	}
-	return fmt.Errorf("redislua: redlock renew %q: %d of %d nodes extended: %w", l.Name(), ok, len(l.r.nodes), errors.Join(append([]error{ErrNoQuorum}, errs...)...))
+	// Here the nodes that did not answer could make up the majority, and
+	// they may have extended: the local deadline does not move.
+	return fmt.Errorf("redislua: redlock renew %q: %d of %d nodes extended: %w (extended or not): %w",
+		l.Name(), ok, len(l.r.nodes), fence.ErrUnknown, errors.Join(append([]error{ErrNoQuorum}, errs...)...))
 }
 
 // Release deletes the lock on every node. It returns fence.ErrLost when fewer
-// than a majority still had it.
+// than a majority still had it. The release is sent once to each node; when
+// nodes that did not answer (a lost reply, no reply within NodeTimeout) could
+// make up the majority, the error matches fence.ErrUnknown.
 func (l *redlockLease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
@@ -392,7 +401,7 @@ func (l *redlockLease) Release(ctx context.Context) error {
 		}
 	}
 	if n+failed >= l.r.quorum && failed > 0 {
-		return fmt.Errorf("redislua: redlock release %q: %d nodes released, %d did not answer: %w", l.Name(), n, failed, errors.Join(errs...))
+		return fmt.Errorf("redislua: redlock release %q: %d nodes released, %d did not answer: %w: %w", l.Name(), n, failed, fence.ErrUnknown, errors.Join(errs...))
 	}
 	return l.lost()
 }
