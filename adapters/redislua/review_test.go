@@ -116,25 +116,37 @@ func TestRedlockLostReply(t *testing.T) {
 	}
 }
 
-// TestAcquirerDriftOverTTL (HAZARDS 6 and 8): a Drift that leaves no local
-// validity must not hand out a lease that is already lost with a nil error
-// while Redis holds the name for the ttl.
-func TestAcquirerDriftOverTTL(t *testing.T) {
+// TestDriftOverTTL (HAZARDS 6 and 8): a ttl that Drift leaves no local
+// validity for is refused (ErrInvalid), not granted as a lease that is
+// already lost with a nil error while Redis holds the name for the ttl.
+func TestDriftOverTTL(t *testing.T) {
 	ctx := context.Background()
 	a, err := redislua.NewAcquirer(testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: time.Second})
 	if err != nil {
-		return
+		t.Fatal(err)
 	}
-	name := fencetest.Name("drift")
-	l, err := a.TryAcquire(ctx, name, 500*time.Millisecond)
+	r, err := redislua.NewRedlock([]redislua.Client{testenv.RedisClient(t)}, &redislua.RedlockOptions{Drift: time.Second})
 	if err != nil {
-		if !errors.Is(err, fence.ErrInvalid) {
-			t.Fatalf("TryAcquire with ttl below Drift: %v, want nil or ErrInvalid", err)
-		}
-		return
+		t.Fatal(err)
 	}
-	if l.Context().Err() != nil {
-		t.Fatalf("TryAcquire with ttl below Drift returned nil error and a lease already lost (%v)", context.Cause(l.Context()))
+	for _, acq := range []struct {
+		name string
+		a    fence.Acquirer
+	}{{"Acquirer", a}, {"Redlock", r}} {
+		name := fencetest.Name("drift")
+		l, err := acq.a.TryAcquire(ctx, name, 500*time.Millisecond)
+		if err != nil {
+			if !errors.Is(err, fence.ErrInvalid) {
+				t.Fatalf("%s: TryAcquire with a ttl below Drift: %v, want a lease or ErrInvalid", acq.name, err)
+			}
+			continue
+		}
+		select {
+		case <-l.Context().Done():
+			t.Fatalf("%s: TryAcquire with a ttl below Drift returned a nil error and a lease that is already lost (%v)", acq.name, context.Cause(l.Context()))
+		case <-time.After(100 * time.Millisecond):
+		}
+		l.Release(ctx)
 	}
 }
 
@@ -156,5 +168,52 @@ func TestFencedScriptPipeline(t *testing.T) {
 	n, _ := c.Get(ctx, counter).Int()
 	if runErr != nil && n != 1 {
 		t.Fatalf("Run through a pipeline: %v, but Exec (%v) ran the body: counter %d, want 1", runErr, execErr, n)
+	}
+}
+
+// TestRedlockGrantLostReply (HAZARDS 3): a grant whose lock replies were lost
+// on a majority of nodes, with the name free, is never ErrHeld (nobody holds
+// it), and leaves the name free once it is given up or released.
+func TestRedlockGrantLostReply(t *testing.T) {
+	for _, m := range []struct {
+		name    string
+		retries int
+	}{{"default-retries", 0}, {"no-retries", -1}} {
+		t.Run(m.name, func(t *testing.T) {
+			r, proxies, direct := redlockViaProxies(t, m.retries)
+			ctx := context.Background()
+			warm, err := r.TryAcquire(ctx, fencetest.Name("rlwarm"), time.Minute) // loads the lock script
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := warm.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			name := fencetest.Name("rlgrant")
+			loseNextScript(t, proxies[0])
+			loseNextScript(t, proxies[1])
+			l, err := r.TryAcquire(ctx, name, time.Minute)
+			if errors.Is(err, fence.ErrHeld) {
+				t.Fatalf("TryAcquire of a free name whose lock replies were lost on 2 of 3 nodes: %v, want a lease, ErrUnknown or ErrNoQuorum", err)
+			}
+			if err == nil {
+				if err := l.Release(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if proxies[0].Pending()+proxies[1].Pending() != 0 {
+				t.Fatal("a lost reply was never taken")
+			}
+			var nodes []redislua.Client
+			for _, c := range direct {
+				nodes = append(nodes, c)
+			}
+			other, _ := redislua.NewRedlock(nodes, nil)
+			ol, err := other.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatalf("the name after the grant: %v, want free", err)
+			}
+			ol.Release(ctx)
+		})
 	}
 }
