@@ -155,24 +155,37 @@ func newNonce() string {
 // minTTL is the shortest lease: PX takes whole milliseconds.
 const minTTL = time.Millisecond
 
-func checkLease(ctx context.Context, name string, ttl time.Duration) error {
+func checkLease(ctx context.Context, name string, ttl, drift time.Duration) error {
 	if err := checkTagged(ctx, "acquire", "name", name); err != nil {
 		return err
 	}
-	return fence.CheckTTL("acquire", ttl, minTTL, MaxTTL)
+	if err := fence.CheckTTL("acquire", ttl, minTTL, MaxTTL); err != nil {
+		return err
+	}
+	// A ttl that the drift eats whole would make a lease that is lost
+	// before it is handed out, while Redis holds the name for the ttl.
+	if drift <= 0 {
+		drift = leasekit.DefaultDrift(ttl)
+	}
+	if ttl <= drift {
+		return &fence.InvalidError{Op: "acquire", Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the drift %v taken off the local deadline", ttl, drift)}
+	}
+	return nil
 }
 
 // ttlMs rounds ttl up to whole milliseconds, without overflowing.
 func ttlMs(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Millisecond) }
 
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
-// ttl must be at least 1ms; name may not contain braces. A try whose reply was
+// ttl must be at least 1ms and longer than Drift (by default 1% of the ttl
+// plus 2ms, so at least about 2.03ms), else fence.ErrInvalid; name may not
+// contain braces. A try whose reply was
 // lost is sent again with the same nonce (up to 3 times), which adopts a
 // grant it made; if every reply is lost, the grant is undone by a script that
 // releases it if it was made, and the error says "not granted"; only when
 // that cannot reach Redis either does the error match fence.ErrUnknown.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(ctx, name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl, a.o.Drift); err != nil {
 		return nil, err
 	}
 	l, err := a.grant(ctx, name, ttl)
@@ -370,7 +383,7 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 // in a script that also releases such a grant; if Redis cannot be reached for
 // that either, the grant lasts until its ttl.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(ctx, name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl, a.o.Drift); err != nil {
 		return nil, err
 	}
 	try := func(ctx context.Context) (fence.Lease, error) {

@@ -188,13 +188,15 @@ func isGrant(res any) bool {
 	return ok && len(arr) == 2 && arr[0] == int64(1)
 }
 
-// TryAcquire grants the lease on name on a majority of nodes. It returns
+// TryAcquire grants the lease on name on a majority of nodes. A ttl not
+// longer than Drift (by default 1% of the ttl plus 2ms) is fence.ErrInvalid.
+// It returns
 // fence.ErrHeld when no majority could be locked although enough nodes answered
 // (another holder has the lock, or contenders split the votes), and ErrNoQuorum
 // (joined with the nodes' errors) when so many nodes failed to answer that no
 // majority was possible.
 func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(ctx, name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl, r.o.Drift); err != nil {
 		return nil, err
 	}
 	lock, counter := lockKeys(r.o.Prefix, name)
@@ -287,7 +289,7 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 // Acquire waits until the lease on name is granted, retrying with jittered
 // backoff while it is held. ErrNoQuorum ends the wait at once.
 func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(ctx, name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl, r.o.Drift); err != nil {
 		return nil, err
 	}
 	return r.o.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
