@@ -132,7 +132,7 @@ var errNodeTimeout = errors.New("no answer within the node timeout")
 // ContextTimeoutEnabled). Calls still running when it returns early go on in
 // the background until the timeout cancels them: a late release still frees its
 // node.
-func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []int, f func(ctx context.Context, c Client) (any, error), enough func(ok, refused, failed int) bool) ([]any, []error) {
+func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []int, f func(ctx context.Context, i int, c Client) (any, error), enough func(ok, refused, failed int) bool) ([]any, []error) {
 	if nodes == nil {
 		nodes = make([]int, len(r.nodes))
 		for i := range nodes {
@@ -150,7 +150,7 @@ func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []in
 	defer stop()
 	for _, i := range nodes {
 		go func() {
-			res, err := f(nctx, r.nodes[i])
+			res, err := f(nctx, i, r.nodes[i])
 			replies <- reply{i, res, err}
 		}()
 	}
@@ -211,8 +211,8 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	// Phase 1 ends as soon as a majority granted, or so many refused (or so
 	// many failed) that none can. The granted majority's counters are enough to choose the
 	// token: the previous grant raised a majority, which overlaps this one.
-	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, c Client) (any, error) {
-		return redlockLockScript.Run(ctx, c, keys, nonce, ttlMs(ttl)).Result()
+	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, i int, c Client) (any, error) {
+		return redlockLockScript.Run(ctx, c, keys, nodeValue(nonce, i), ttlMs(ttl)).Result()
 	}, func(ok, refused, failed int) bool {
 		return ok >= r.quorum || refused > len(r.nodes)-r.quorum || failed > len(r.nodes)-r.quorum
 	})
@@ -267,8 +267,8 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	}
 	tokStr := strconv.FormatUint(tok, 10)
 	raised := 0
-	rres, rerrs := r.onNodes(ctx, timeout, granted, func(ctx context.Context, c Client) (any, error) {
-		return redlockRaiseScript.Run(ctx, c, keys[:2], nonce, tokStr).Int64()
+	rres, rerrs := r.onNodes(ctx, timeout, granted, func(ctx context.Context, i int, c Client) (any, error) {
+		return redlockRaiseScript.Run(ctx, c, keys[:2], nodeValue(nonce, i), tokStr).Int64()
 	}, nil)
 	live := granted[:0:0]
 	for _, i := range granted {
@@ -297,6 +297,11 @@ func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (
 	})
 }
 
+// nodeValue is the lock value of grant nonce on node i: a lock call sent
+// again by the client finds its own value and adopts it, and one to another
+// node that is the same server (listed twice) does not.
+func nodeValue(nonce string, i int) string { return nonce + "." + strconv.Itoa(i) }
+
 // releasedKey is the key that marks the grant nonce of lock released on a
 // node; it shares the lock's hash tag.
 func releasedKey(lock, nonce string) string {
@@ -312,10 +317,10 @@ func releasedKey(lock, nonce string) string {
 // reached its node.
 func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, nonce string, ttl time.Duration) (int, []error) {
 	keys := []string{lock, releasedKey(lock, nonce)}
-	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, c Client) (any, error) {
+	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, i int, c Client) (any, error) {
 		// Sent once: a release sent again after it ran finds the lock gone
 		// and would report the grant lost; a lost reply is an error.
-		return runOnce(ctx, c, redlockReleaseScript, keys, nonce, ttlMs(ttl))
+		return runOnce(ctx, c, redlockReleaseScript, keys, nodeValue(nonce, i), ttlMs(ttl))
 	}, nil)
 	n := 0
 	for i := range res {
@@ -351,8 +356,8 @@ func (l *redlockLease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	sent := time.Now()
-	res, errs := l.r.onNodes(ctx, l.timeout, nil, func(ctx context.Context, c Client) (any, error) {
-		return renewScript.Run(ctx, c, []string{l.lock}, l.nonce, ttlMs(l.TTL())).Int64()
+	res, errs := l.r.onNodes(ctx, l.timeout, nil, func(ctx context.Context, i int, c Client) (any, error) {
+		return renewScript.Run(ctx, c, []string{l.lock}, nodeValue(l.nonce, i), ttlMs(l.TTL())).Int64()
 	}, nil)
 	ok, gone := 0, 0
 	for i := range res {
