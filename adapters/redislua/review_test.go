@@ -238,3 +238,26 @@ func TestRedlockOneServerTwice(t *testing.T) {
 		t.Fatal("a Redlock of three nodes granted with one Redis server up (nodes 0 and 1 are that one server)")
 	}
 }
+
+// TestBumpLostReply (HAZARDS 3): a Bump whose reply was lost after Redis
+// raised the counter is fence.ErrUnknown, never ErrInvalid ("already at or
+// above") from a resend that found its own change, nor a bare EOF.
+func TestBumpLostReply(t *testing.T) {
+	ctx := context.Background()
+	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
+		a, _ := redislua.NewAcquirer(c, nil)
+		name := fencetest.Name("lostbump")
+		if err := a.Bump(ctx, name, 10); err != nil { // loads the script
+			t.Fatal(err)
+		}
+		loseNextScript(t, p)
+		checkUnknown(t, "Bump", a.Bump(ctx, name, 20))
+		if p.Pending() != 0 {
+			t.Fatal("the lost reply was never taken")
+		}
+		info, err := a.Inspect(ctx, name)
+		if err != nil || info.Counter != 20 {
+			t.Fatalf("counter after the lost Bump: %+v, %v; want 20", info, err)
+		}
+	})
+}
