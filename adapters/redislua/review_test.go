@@ -261,3 +261,49 @@ func TestBumpLostReply(t *testing.T) {
 		}
 	})
 }
+
+// TestAcquireGrantUnheardThenCut (HAZARDS 3): a waiter that is granted the
+// lease while the network to Redis is partitioned, and whose leave cannot
+// reach Redis when its ctx ends, may hold the lease: its error must match
+// fence.ErrUnknown, not report the name as held by another holder alone.
+func TestAcquireGrantUnheardThenCut(t *testing.T) {
+	ctx := context.Background()
+	direct := testenv.RedisClient(t)
+	holderAcq, _ := redislua.NewAcquirer(direct, nil)
+	p := faultnet.Start(t, testenv.RedisAddr())
+	a, _ := redislua.NewAcquirer(viaProxy(t, p, 0), nil)
+	name := fencetest.Name("unheard")
+	h, err := holderAcq.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		l, err := a.Acquire(actx, name, time.Minute)
+		if l != nil {
+			l.Release(ctx)
+		}
+		done <- err
+	}()
+	line := "fence:{" + name + "}:line"
+	for direct.LLen(ctx, line).Val() == 0 {
+		time.Sleep(time.Millisecond) // polls Redis for the waiter's place
+	}
+	p.Partition()
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var aerr error
+	select {
+	case aerr = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Acquire did not return")
+	}
+	held := direct.Exists(ctx, "fence:{"+name+"}:lock").Val() == 1
+	p.Heal()
+	if held && !errors.Is(aerr, fence.ErrUnknown) {
+		t.Fatalf("Acquire that may hold the lease (granted while partitioned, leave unanswered): %v, want an error matching fence.ErrUnknown", aerr)
+	}
+}
