@@ -381,8 +381,9 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 // the wait: the next poll, with the same nonce, adopts a grant a lost request
 // made. When the wait ends without a lease (ctx), the waiter leaves the line
 // in a script that also releases such a grant; if Redis cannot be reached for
-// that either, the grant lasts until its ttl.
-func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+// that either, the grant lasts until its ttl, and the error also matches
+// fence.ErrUnknown.
+func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (_ fence.Lease, err error) {
 	if err := checkLease(ctx, name, ttl, a.o.Drift); err != nil {
 		return nil, err
 	}
@@ -419,8 +420,8 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}
 	inLine := false
 	defer func() {
-		if inLine {
-			a.leaveLine(ctx, name, nonce)
+		if inLine && !a.leaveLine(ctx, name, nonce) && err != nil && !errors.Is(err, fence.ErrUnknown) {
+			err = fmt.Errorf("%w: leaving the line got no answer, and a grant to this waiter, if one was made, lasts until its ttl: %w", fence.ErrUnknown, err)
 		}
 	}()
 	timer := time.NewTimer(time.Hour)
