@@ -271,7 +271,10 @@ func TestAcquireGrantUnheardThenCut(t *testing.T) {
 	direct := testenv.RedisClient(t)
 	holderAcq, _ := redislua.NewAcquirer(direct, nil)
 	p := faultnet.Start(t, testenv.RedisAddr())
-	a, _ := redislua.NewAcquirer(viaProxy(t, p, 0), nil)
+	// go-redis bounds a request by ReadTimeout, not by ctx: keep it short.
+	c := redis.NewClient(&redis.Options{Addr: p.Addr(), ReadTimeout: 500 * time.Millisecond})
+	t.Cleanup(func() { c.Close() })
+	a, _ := redislua.NewAcquirer(c, nil)
 	name := fencetest.Name("unheard")
 	h, err := holderAcq.TryAcquire(ctx, name, time.Minute)
 	if err != nil {
