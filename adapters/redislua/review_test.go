@@ -310,3 +310,21 @@ func TestAcquireGrantUnheardThenCut(t *testing.T) {
 		t.Fatalf("Acquire that may hold the lease (granted while partitioned, leave unanswered): %v, want an error matching fence.ErrUnknown", aerr)
 	}
 }
+
+// TestIdempotencyBeginBadLease (HAZARDS 8): a Begin with a lease that is not
+// positive is refused with fence.ErrInvalid and claims nothing, as Update refuses a
+// negative lease.
+func TestIdempotencyBeginBadLease(t *testing.T) {
+	ctx := context.Background()
+	s, _ := redislua.NewIdempotencyStore(testenv.RedisClient(t), nil)
+	for _, lease := range []time.Duration{-time.Second, 0} {
+		k := fencetest.Name("badlease")
+		_, created, err := s.Begin(ctx, k, "fp", "o", lease)
+		if !errors.Is(err, fence.ErrInvalid) {
+			t.Fatalf("Begin with lease %v: created %v, %v; want ErrInvalid", lease, created, err)
+		}
+		if _, err := s.Get(ctx, k); !errors.Is(err, fence.ErrNotFound) {
+			t.Fatalf("Begin with lease %v left a record: %v", lease, err)
+		}
+	}
+}
