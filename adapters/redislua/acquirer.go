@@ -155,24 +155,37 @@ func newNonce() string {
 // minTTL is the shortest lease: PX takes whole milliseconds.
 const minTTL = time.Millisecond
 
-func checkLease(ctx context.Context, name string, ttl time.Duration) error {
+func checkLease(ctx context.Context, name string, ttl, drift time.Duration) error {
 	if err := checkTagged(ctx, "acquire", "name", name); err != nil {
 		return err
 	}
-	return fence.CheckTTL("acquire", ttl, minTTL, MaxTTL)
+	if err := fence.CheckTTL("acquire", ttl, minTTL, MaxTTL); err != nil {
+		return err
+	}
+	// A ttl that the drift eats whole would make a lease that is lost
+	// before it is handed out, while Redis holds the name for the ttl.
+	if drift <= 0 {
+		drift = leasekit.DefaultDrift(ttl)
+	}
+	if ttl <= drift {
+		return &fence.InvalidError{Op: "acquire", Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the drift %v taken off the local deadline", ttl, drift)}
+	}
+	return nil
 }
 
 // ttlMs rounds ttl up to whole milliseconds, without overflowing.
 func ttlMs(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Millisecond) }
 
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
-// ttl must be at least 1ms; name may not contain braces. A try whose reply was
+// ttl must be at least 1ms and longer than Drift (by default 1% of the ttl
+// plus 2ms, so at least about 2.03ms), else fence.ErrInvalid; name may not
+// contain braces. A try whose reply was
 // lost is sent again with the same nonce (up to 3 times), which adopts a
 // grant it made; if every reply is lost, the grant is undone by a script that
 // releases it if it was made, and the error says "not granted"; only when
 // that cannot reach Redis either does the error match fence.ErrUnknown.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(ctx, name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl, a.o.Drift); err != nil {
 		return nil, err
 	}
 	l, err := a.grant(ctx, name, ttl)
@@ -283,7 +296,7 @@ func (a *Acquirer) grant(ctx context.Context, name string, ttl time.Duration) (*
 		r, err = a.lockOp(ctx, name, "try", nonce, ttl, "0")
 	}
 	if err != nil {
-		return nil, a.giveUp(ctx, name, nonce, err)
+		return nil, a.giveUp(ctx, name, nonce, ttl, err)
 	}
 	a.handOver(r, sent)
 	if r.code != 1 {
@@ -368,9 +381,10 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 // the wait: the next poll, with the same nonce, adopts a grant a lost request
 // made. When the wait ends without a lease (ctx), the waiter leaves the line
 // in a script that also releases such a grant; if Redis cannot be reached for
-// that either, the grant lasts until its ttl.
-func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(ctx, name, ttl); err != nil {
+// that either, the grant lasts until its ttl, and the error also matches
+// fence.ErrUnknown.
+func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (_ fence.Lease, err error) {
+	if err := checkLease(ctx, name, ttl, a.o.Drift); err != nil {
 		return nil, err
 	}
 	try := func(ctx context.Context) (fence.Lease, error) {
@@ -406,8 +420,8 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}
 	inLine := false
 	defer func() {
-		if inLine {
-			a.leaveLine(ctx, name, nonce)
+		if inLine && !a.leaveLine(ctx, name, nonce, ttl) && err != nil && !errors.Is(err, fence.ErrUnknown) {
+			err = fmt.Errorf("%w: leaving the line got no answer, and a grant to this waiter, if one was made, lasts until its ttl: %w", fence.ErrUnknown, err)
 		}
 	}()
 	timer := time.NewTimer(time.Hour)
@@ -425,7 +439,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 			r = lockReply{}
 		case err != nil:
 			inLine = inLine && !errors.Is(err, fence.ErrUnknown) // giveUp leaves
-			return nil, a.giveUp(ctx, name, nonce, err)
+			return nil, a.giveUp(ctx, name, nonce, ttl, err)
 		}
 		a.handOver(r, sent)
 		if r.code == 1 {
@@ -486,24 +500,26 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 // grant: once Redis answered that, the outcome is known and the error no
 // longer matches fence.ErrUnknown; otherwise it does, and a grant made lasts
 // until its ttl.
-func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, err error) error {
-	if errors.Is(err, fence.ErrUnknown) && a.leaveLine(ctx, name, nonce) {
+func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, ttl time.Duration, err error) error {
+	if errors.Is(err, fence.ErrUnknown) && a.leaveLine(ctx, name, nonce, ttl) {
 		return fmt.Errorf("redislua: acquire %q: not granted (a grant whose reply was lost, if any, is released): %v", name, err)
 	}
 	return fmt.Errorf("redislua: acquire %q: %w", name, err)
 }
 
-// leaveLine takes a waiter that gives up out of the line; if a grant to it
+// leaveLine takes a waiter that gives up out of the line, and marks its
+// nonce gone for ttl, so that a request of it still on its way cannot grant
+// it the lock when it lands; if a grant to it
 // raced with that (or was made by a request whose reply was lost), the same
 // script releases the grant (to the next waiter). It reports whether Redis
 // answered. A waiter that cannot reach Redis here is dropped from the line
 // once its entry expires (AcquirerOptions.Backoff: five polls, at least 1s);
 // a grant to it lasts until its ttl.
-func (a *Acquirer) leaveLine(ctx context.Context, name, nonce string) bool {
+func (a *Acquirer) leaveLine(ctx context.Context, name, nonce string, ttl time.Duration) bool {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
 	sent := time.Now()
-	r, err := a.lockOp(ctx, name, "leave", nonce, 0, "0")
+	r, err := a.lockOp(ctx, name, "leave", nonce, ttl, "0")
 	if err == nil {
 		a.handOver(r, sent)
 	}
@@ -623,6 +639,13 @@ func (l *lease) Renew(ctx context.Context) error {
 // fence.ErrUnknown (released by the first, or expired before it); when no
 // reply comes at all the error matches fence.ErrUnknown and the lock, if
 // still held, expires after its ttl.
+//
+// The release also marks the grant's nonce gone on Redis for the ttl (one
+// small key), so that a request of this grant still on its way (one that
+// timed out and was sent again, by go-redis or by TryAcquire) is refused
+// when it lands, instead of locking the name for a ttl on behalf of a lease
+// that is gone; a waiter that gives up is marked the same way. A request
+// that lands more than a ttl late is not covered.
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
@@ -633,10 +656,10 @@ func (l *lease) Release(ctx context.Context) error {
 func (l *lease) release(ctx context.Context) error {
 	defer l.End(context.Canceled)
 	sent := time.Now()
-	r, err := l.a.lockOp(ctx, l.Name(), "release", l.value, 0, "0")
+	r, err := l.a.lockOp(ctx, l.Name(), "release", l.value, l.TTL(), "0")
 	if errors.Is(err, fence.ErrUnknown) && ctx.Err() == nil {
 		// The lost send may have released: send it again to find out.
-		if r, err = l.a.lockOp(ctx, l.Name(), "release", l.value, 0, "0"); err == nil && r.code == 0 {
+		if r, err = l.a.lockOp(ctx, l.Name(), "release", l.value, l.TTL(), "0"); err == nil && r.code == 0 {
 			return fmt.Errorf("redislua: release %q: the lock is free, released by a request whose reply was lost or expired before it: %w", l.Name(), fence.ErrUnknown)
 		}
 	}

@@ -83,7 +83,7 @@ func NewIdempotencyStore(c Client, opts *IdempotencyOptions) (*IdempotencyStore,
 	return s, nil
 }
 
-func (s *IdempotencyStore) key(k string) string { return s.o.Prefix + "{idem:" + k + "}" }
+func (s *IdempotencyStore) key(k string) string { return s.o.Prefix + "{" + idemKeyPrefix + k + "}" }
 
 // parseRecord reads the eight record fields of the scripts.
 func parseRecord(key string, f []any) (idempotency.Record, error) {
@@ -111,12 +111,16 @@ func parseRecord(key string, f []any) (idempotency.Record, error) {
 	return r, nil
 }
 
-// Begin claims key, or returns its record. One script, one round trip, sent
+// Begin claims key, or returns its record; a lease that is not positive is
+// fence.ErrInvalid. One script, one round trip, sent
 // once: a Begin whose reply was lost returns an error matching
 // fence.ErrUnknown (the key may be claimed for owner: Get tells).
 func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
 	if err := checkTagged(ctx, "idempotency begin", "key", key); err != nil {
 		return idempotency.Record{}, false, err
+	}
+	if lease <= 0 {
+		return idempotency.Record{}, false, &fence.InvalidError{Op: "idempotency begin", Arg: "lease", Reason: "not positive"}
 	}
 	res, err := runOnceSlice(ctx, s.c, idemBeginScript, []string{s.key(key)}, fingerprint, owner, lease.Milliseconds())
 	if err != nil {

@@ -60,7 +60,9 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 }
 
 // Bump raises name's counter to to (the holder, if any, keeps its lease). A
-// counter already at or above to is refused with fence.ErrInvalid.
+// counter already at or above to is refused with fence.ErrInvalid. A Bump
+// whose reply was lost returns an error matching fence.ErrUnknown (raised or
+// not: Inspect tells).
 func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error {
 	if err := checkTagged(ctx, "bump", "name", name); err != nil {
 		return err
@@ -69,7 +71,9 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 		return err
 	}
 	_, counter := lockKeys(a.o.Prefix, name)
-	res, err := bumpScript.Run(ctx, a.c, []string{counter}, strconv.FormatUint(uint64(to), 10)).Result()
+	// Sent once: sent again after it ran, it would find the counter at to
+	// and refuse.
+	res, err := runOnce(ctx, a.c, bumpScript, []string{counter}, strconv.FormatUint(uint64(to), 10))
 	if err != nil {
 		return fmt.Errorf("redislua: bump %q: %w", name, scriptError(err))
 	}

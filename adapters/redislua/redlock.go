@@ -132,7 +132,7 @@ var errNodeTimeout = errors.New("no answer within the node timeout")
 // ContextTimeoutEnabled). Calls still running when it returns early go on in
 // the background until the timeout cancels them: a late release still frees its
 // node.
-func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []int, f func(ctx context.Context, c Client) (any, error), enough func(ok, refused, failed int) bool) ([]any, []error) {
+func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []int, f func(ctx context.Context, i int, c Client) (any, error), enough func(ok, refused, failed int) bool) ([]any, []error) {
 	if nodes == nil {
 		nodes = make([]int, len(r.nodes))
 		for i := range nodes {
@@ -150,7 +150,7 @@ func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []in
 	defer stop()
 	for _, i := range nodes {
 		go func() {
-			res, err := f(nctx, r.nodes[i])
+			res, err := f(nctx, i, r.nodes[i])
 			replies <- reply{i, res, err}
 		}()
 	}
@@ -188,13 +188,15 @@ func isGrant(res any) bool {
 	return ok && len(arr) == 2 && arr[0] == int64(1)
 }
 
-// TryAcquire grants the lease on name on a majority of nodes. It returns
+// TryAcquire grants the lease on name on a majority of nodes. A ttl not
+// longer than Drift (by default 1% of the ttl plus 2ms) is fence.ErrInvalid.
+// It returns
 // fence.ErrHeld when no majority could be locked although enough nodes answered
 // (another holder has the lock, or contenders split the votes), and ErrNoQuorum
 // (joined with the nodes' errors) when so many nodes failed to answer that no
 // majority was possible.
 func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(ctx, name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl, r.o.Drift); err != nil {
 		return nil, err
 	}
 	lock, counter := lockKeys(r.o.Prefix, name)
@@ -209,8 +211,8 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	// Phase 1 ends as soon as a majority granted, or so many refused (or so
 	// many failed) that none can. The granted majority's counters are enough to choose the
 	// token: the previous grant raised a majority, which overlaps this one.
-	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, c Client) (any, error) {
-		return redlockLockScript.Run(ctx, c, keys, nonce, ttlMs(ttl)).Result()
+	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, i int, c Client) (any, error) {
+		return redlockLockScript.Run(ctx, c, keys, nodeValue(nonce, i), ttlMs(ttl)).Result()
 	}, func(ok, refused, failed int) bool {
 		return ok >= r.quorum || refused > len(r.nodes)-r.quorum || failed > len(r.nodes)-r.quorum
 	})
@@ -265,8 +267,8 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	}
 	tokStr := strconv.FormatUint(tok, 10)
 	raised := 0
-	rres, rerrs := r.onNodes(ctx, timeout, granted, func(ctx context.Context, c Client) (any, error) {
-		return redlockRaiseScript.Run(ctx, c, keys[:2], nonce, tokStr).Int64()
+	rres, rerrs := r.onNodes(ctx, timeout, granted, func(ctx context.Context, i int, c Client) (any, error) {
+		return redlockRaiseScript.Run(ctx, c, keys[:2], nodeValue(nonce, i), tokStr).Int64()
 	}, nil)
 	live := granted[:0:0]
 	for _, i := range granted {
@@ -287,13 +289,18 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 // Acquire waits until the lease on name is granted, retrying with jittered
 // backoff while it is held. ErrNoQuorum ends the wait at once.
 func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := checkLease(ctx, name, ttl); err != nil {
+	if err := checkLease(ctx, name, ttl, r.o.Drift); err != nil {
 		return nil, err
 	}
 	return r.o.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
 		return r.TryAcquire(ctx, name, ttl)
 	})
 }
+
+// nodeValue is the lock value of grant nonce on node i: a lock call sent
+// again by the client finds its own value and adopts it, and one to another
+// node that is the same server (listed twice) does not.
+func nodeValue(nonce string, i int) string { return nonce + "." + strconv.Itoa(i) }
 
 // releasedKey is the key that marks the grant nonce of lock released on a
 // node; it shares the lock's hash tag.
@@ -310,8 +317,10 @@ func releasedKey(lock, nonce string) string {
 // reached its node.
 func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, nonce string, ttl time.Duration) (int, []error) {
 	keys := []string{lock, releasedKey(lock, nonce)}
-	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, c Client) (any, error) {
-		return redlockReleaseScript.Run(ctx, c, keys, nonce, ttlMs(ttl)).Int64()
+	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, i int, c Client) (any, error) {
+		// Sent once: a release sent again after it ran finds the lock gone
+		// and would report the grant lost; a lost reply is an error.
+		return runOnce(ctx, c, redlockReleaseScript, keys, nodeValue(nonce, i), ttlMs(ttl))
 	}, nil)
 	n := 0
 	for i := range res {
@@ -332,7 +341,9 @@ type redlockLease struct {
 
 // Renew extends the lock on every node that still has it; it succeeds when a
 // majority does, and the local deadline moves by ttl less drift from before the
-// request. Fewer than a majority still holding it is fence.ErrLost. A lease
+// request. Fewer than a majority still holding it is fence.ErrLost; when the
+// nodes that did not answer could make up the majority, the error matches
+// fence.ErrUnknown and the local deadline does not move. A lease
 // whose context has ended (released, or past its local deadline) is not
 // renewed (fence.ErrLost), and a renewal the nodes applied after the local
 // deadline passed is released at once, so no node holds the lock for another
@@ -345,8 +356,8 @@ func (l *redlockLease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	sent := time.Now()
-	res, errs := l.r.onNodes(ctx, l.timeout, nil, func(ctx context.Context, c Client) (any, error) {
-		return renewScript.Run(ctx, c, []string{l.lock}, l.nonce, ttlMs(l.TTL())).Int64()
+	res, errs := l.r.onNodes(ctx, l.timeout, nil, func(ctx context.Context, i int, c Client) (any, error) {
+		return renewScript.Run(ctx, c, []string{l.lock}, nodeValue(l.nonce, i), ttlMs(l.TTL())).Int64()
 	}, nil)
 	ok, gone := 0, 0
 	for i := range res {
@@ -371,11 +382,16 @@ func (l *redlockLease) Renew(ctx context.Context) error {
 		l.End(fence.ErrLost)
 		return l.lost()
 	}
-	return fmt.Errorf("redislua: redlock renew %q: %d of %d nodes extended: %w", l.Name(), ok, len(l.r.nodes), errors.Join(append([]error{ErrNoQuorum}, errs...)...))
+	// Here the nodes that did not answer could make up the majority, and
+	// they may have extended: the local deadline does not move.
+	return fmt.Errorf("redislua: redlock renew %q: %d of %d nodes extended: %w (extended or not): %w",
+		l.Name(), ok, len(l.r.nodes), fence.ErrUnknown, errors.Join(append([]error{ErrNoQuorum}, errs...)...))
 }
 
 // Release deletes the lock on every node. It returns fence.ErrLost when fewer
-// than a majority still had it.
+// than a majority still had it. The release is sent once to each node; when
+// nodes that did not answer (a lost reply, no reply within NodeTimeout) could
+// make up the majority, the error matches fence.ErrUnknown.
 func (l *redlockLease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
@@ -392,7 +408,7 @@ func (l *redlockLease) Release(ctx context.Context) error {
 		}
 	}
 	if n+failed >= l.r.quorum && failed > 0 {
-		return fmt.Errorf("redislua: redlock release %q: %d nodes released, %d did not answer: %w", l.Name(), n, failed, errors.Join(errs...))
+		return fmt.Errorf("redislua: redlock release %q: %d nodes released, %d did not answer: %w: %w", l.Name(), n, failed, fence.ErrUnknown, errors.Join(errs...))
 	}
 	return l.lost()
 }

@@ -40,14 +40,19 @@ func NewFencedScript(body string) *FencedScript {
 // by go-redis after a network error (equal tokens pass the fence, so a resent
 // INCR would count twice). A call whose reply was lost returns an error
 // matching fence.ErrUnknown: the body may have run. c must be a go-redis
-// client or pipeline (it needs Process or Pipelined to send the script
-// once); another redis.Scripter gets fence.ErrInvalid.
+// client (it needs Process or Pipelined to send the script once); a
+// pipeline or transaction (redis.Pipeliner), which would only queue the
+// script and run it at Exec, after Run has returned, and another
+// redis.Scripter get fence.ErrInvalid.
 func (f *FencedScript) Run(ctx context.Context, c redis.Scripter, fenceKey string, token fence.Token, keys []string, args ...any) (any, error) {
 	if err := fence.CheckContext("fenced script", ctx); err != nil {
 		return nil, err
 	}
 	if err := checkClient("fenced script", c); err != nil {
 		return nil, err
+	}
+	if _, ok := c.(redis.Pipeliner); ok {
+		return nil, &fence.InvalidError{Op: "fenced script", Arg: "client", Reason: "a pipeline only queues the script, which would run at Exec after Run returned"}
 	}
 	if sender(c) == nil {
 		return nil, &fence.InvalidError{Op: "fenced script", Arg: "client", Reason: errNoProcess.Error()}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/fencekit/fencekit/fence"
 )
@@ -18,6 +19,11 @@ type WriterOptions struct {
 // value and fence live in one hash, prefix + "{key}" (fields v and f), and each
 // write or delete is one script that compares and writes atomically. It is safe
 // for concurrent use.
+//
+// A key may not begin with "idem:" (fence.ErrInvalid): the IdempotencyStore
+// keeps key k's record at prefix + "{idem:k}", which is where the Writer would
+// keep "idem:k", and with one prefix the two would share a hash (a Begin
+// would wipe the Writer's fence, and a stale write would be accepted).
 type Writer struct {
 	c      Client
 	prefix string
@@ -64,8 +70,23 @@ func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) erro
 	return w.run(ctx, "delete", key, nil, token, "1")
 }
 
-func (w *Writer) run(ctx context.Context, op, key string, value []byte, token fence.Token, del string) error {
+// idemKeyPrefix starts the hash tag of an IdempotencyStore record.
+const idemKeyPrefix = "idem:"
+
+// checkWriterKey is checkTagged, and refuses a key that would name an
+// IdempotencyStore record.
+func checkWriterKey(ctx context.Context, op, key string) error {
 	if err := checkTagged(ctx, op, "key", key); err != nil {
+		return err
+	}
+	if strings.HasPrefix(key, idemKeyPrefix) {
+		return &fence.InvalidError{Op: op, Arg: "key", Reason: `begins with "idem:", which names an IdempotencyStore record`}
+	}
+	return nil
+}
+
+func (w *Writer) run(ctx context.Context, op, key string, value []byte, token fence.Token, del string) error {
+	if err := checkWriterKey(ctx, op, key); err != nil {
 		return err
 	}
 	if err := fence.CheckToken(op, token); err != nil {
@@ -91,7 +112,7 @@ func (w *Writer) run(ctx context.Context, op, key string, value []byte, token fe
 // Read returns the value stored under key and the token that wrote it;
 // fence.ErrNotFound for a key never written or deleted.
 func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
-	if err := checkTagged(ctx, "read", "key", key); err != nil {
+	if err := checkWriterKey(ctx, "read", key); err != nil {
 		return nil, 0, err
 	}
 	res, err := readScript.Run(ctx, w.c, []string{w.Key(key)}).Slice()

@@ -6,7 +6,8 @@
 -- All share the hash tag {name}, so one Cluster slot.
 -- ARGV[1] the operation: "try", "wait", "release" or "leave".
 -- ARGV[2] the caller's nonce ("release": the holder's lock value).
--- ARGV[3] the ttl in ms, ARGV[4] "1" to raise tokens to the server clock in µs,
+-- ARGV[3] the ttl in ms ("release" and "leave": how long the caller's nonce
+-- stays marked gone), ARGV[4] "1" to raise tokens to the server clock in µs,
 -- ARGV[5] the caller's acquirer id, ARGV[6] the caller's stamp (opaque),
 -- ARGV[7] how long a waiter's entry lives without a refresh, in ms,
 -- ARGV[8] the lock name, ARGV[9] the grant channel prefix (+ acquirer id),
@@ -29,6 +30,10 @@
 local lock, counter, line = KEYS[1], KEYS[2], KEYS[3]
 local op, me, acq = ARGV[1], ARGV[2], ARGV[5]
 local entry_base = string.sub(lock, 1, #lock - 5) .. ':w:'
+-- A nonce whose lease was released, or whose waiter left, is marked gone for
+-- the ttl: a "try" or "wait" of it that lands late (sent before, delayed on
+-- the way, or sent again by the client) must not lock the name for a ttl.
+local gone_base = string.sub(lock, 1, #lock - 5) .. ':gone:'
 
 local function next_token(floor)
   local n = 0
@@ -116,6 +121,9 @@ local function leave_line()
 end
 
 if op == 'try' or op == 'wait' then
+  if redis.call('EXISTS', gone_base .. me) == 1 then
+    return reply(0, 0)
+  end
   local cur = redis.call('GET', lock)
   if cur and string.sub(cur, 1, #me + 1) == me .. ':' then
     -- Granted to this waiter already (its message may be on the way, or
@@ -146,6 +154,8 @@ if op == 'try' or op == 'wait' then
   set_lock(me, tok, ARGV[3])
   return reply(1, tok)
 elseif op == 'release' then
+  local nonce = string.match(me, '^(.+):%d+$')
+  if nonce then redis.call('SET', gone_base .. nonce, '1', 'PX', ARGV[3]) end
   if redis.call('GET', lock) ~= me then
     return reply(0, 0)
   end
@@ -155,6 +165,7 @@ elseif op == 'release' then
   if g then return reply(2, 0, g) end
   return reply(1, 0)
 elseif op == 'leave' then
+  redis.call('SET', gone_base .. me, '1', 'PX', ARGV[3])
   leave_line()
   local cur = redis.call('GET', lock)
   if cur and string.sub(cur, 1, #me + 1) == me .. ':' then

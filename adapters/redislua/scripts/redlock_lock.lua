@@ -1,7 +1,8 @@
 -- Redlock phase 1 on one node: take the lock if free, and report the counter.
 -- KEYS[1] the lock key, KEYS[2] the token counter, KEYS[3] this grant's
 -- release mark (set by redlock_release.lua); ARGV[1] the holder's nonce,
--- ARGV[2] the ttl in ms. Returns {1, counter} when taken, {0, counter} when
+-- ARGV[2] the ttl in ms. Returns {1, counter} when taken (or already taken by
+-- this grant: a call sent again after a lost reply), {0, counter} when
 -- held, or when this grant was already released here: a lock call that lands
 -- after its grant's release must not lock the node for a ttl.
 local n = 0
@@ -13,7 +14,16 @@ if cur then
   end
 end
 local s = string.format('%d', n)
-if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[3]) == 1 then
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {0, s}
+end
+-- Taken by this grant already: this is the call sent again by the client
+-- after its first reply was lost.
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  return {1, s}
+end
+if holder then
   return {0, s}
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
