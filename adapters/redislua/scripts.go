@@ -12,8 +12,6 @@ var (
 	lockLua string
 	//go:embed scripts/renew.lua
 	renewLua string
-	//go:embed scripts/release.lua
-	releaseLua string
 	//go:embed scripts/write.lua
 	writeLua string
 	//go:embed scripts/read.lua
@@ -21,11 +19,10 @@ var (
 	//go:embed scripts/fenced.lua
 	fencedLua string
 
-	lockScript    = redis.NewScript(lockLua)
-	renewScript   = redis.NewScript(renewLua)
-	releaseScript = redis.NewScript(releaseLua)
-	writeScript   = redis.NewScript(writeLua)
-	readScript    = redis.NewScript(readLua)
+	lockScript  = redis.NewScript(lockLua)
+	renewScript = redis.NewScript(renewLua)
+	writeScript = redis.NewScript(writeLua)
+	readScript  = redis.NewScript(readLua)
 )
 
 // fencedBody returns the fenced wrapper around a user's script body.

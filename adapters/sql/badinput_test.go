@@ -131,11 +131,12 @@ func TestRunTxBadInput(t *testing.T) {
 	ok := func(*sql.Tx) error { return nil }
 	okPgx := func(pgx.Tx) error { return nil }
 	var nilPool *pgxpool.Pool
+	var nilCtx context.Context // the nil context is the input under test
 	for name, err := range map[string]error{
-		"RunTx nil ctx":    sqlfence.RunTx(nil, db, nil, ok), //nolint:staticcheck // the nil context is the input under test
+		"RunTx nil ctx":    sqlfence.RunTx(nilCtx, db, nil, ok),
 		"RunTx nil db":     sqlfence.RunTx(context.Background(), nil, nil, ok),
 		"RunTx nil f":      sqlfence.RunTx(context.Background(), db, nil, nil),
-		"RunPgxTx nil ctx": sqlfence.RunPgxTx(nil, p, pgx.TxOptions{}, 0, okPgx), //nolint:staticcheck // as above
+		"RunPgxTx nil ctx": sqlfence.RunPgxTx(nilCtx, p, pgx.TxOptions{}, 0, okPgx),
 		"RunPgxTx nil db":  sqlfence.RunPgxTx(context.Background(), nilPool, pgx.TxOptions{}, 0, okPgx),
 		"RunPgxTx nil f":   sqlfence.RunPgxTx(context.Background(), p, pgx.TxOptions{}, 0, nil),
 	} {
