@@ -113,6 +113,7 @@ func (s AcquirerSuite) Run(t *testing.T) {
 		{"ExtremeTTLs", s.testExtremeTTLs},
 		{"NilContext", s.testNilContext},
 		{"StaleRenewKeepsNewHolder", s.testStaleRenew},
+		{"LateRenewHoldsNothing", s.testLateRenew},
 		{"NoGrantWhileHolderContextLive", s.testNoGrantWhileLive},
 		{"TokensExhausted", s.testTokensExhausted},
 		{"LostReplyTryAcquire", s.lostReply(s.testLostReplyGrant(false))},
@@ -713,6 +714,46 @@ func (s AcquirerSuite) testStaleRenew(t *testing.T) {
 	}
 	if err := lb.Renew(ctxT(t)); err != nil {
 		t.Errorf("the new holder's Renew after the stale Renew: %v", err)
+	}
+}
+
+// testLateRenew (HAZARDS 6): a Renew asked for after the lease's context is
+// done returns ErrLost and must not hold the name on the backend again, for
+// nobody: another acquirer is granted well before a new ttl could run out. (A
+// Renew that is sent whatever the lease's local state reaches the backend
+// while the lease is still live there, inside the drift margin, and extends
+// it: the holder believes it holds nothing and nobody can take the name.)
+func (s AcquirerSuite) testLateRenew(t *testing.T) {
+	a, b := s.New(t), s.NewOther(t)
+	name := Name("laterenew")
+	// Long enough that "granted within half a ttl of the Renew" tells a free
+	// name (expired by the backend about when the local deadline passed, plus
+	// its clock's granularity) from one the Renew held for a new ttl.
+	ttl := max(4*s.ShortTTL, 2*time.Second)
+	la := mustTry(t, a, name, ttl)
+	select {
+	case <-la.Context().Done():
+	case <-time.After(ttl + 30*time.Second):
+		t.Fatalf("the context of a %v lease is not done after %v", ttl, ttl+30*time.Second)
+	}
+	renewed := time.Now()
+	if err := la.Renew(ctxT(t)); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("Renew after the lease's context was done: err = %v, want ErrLost", err)
+	}
+	bound := renewed.Add(ttl / 2)
+	for {
+		lb, err := b.TryAcquire(ctxT(t), name, s.ShortTTL)
+		if err == nil {
+			release(t, lb)
+			return
+		}
+		if !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("TryAcquire after the late Renew: %v", err)
+		}
+		if time.Now().After(bound) {
+			t.Fatalf("%v after a Renew of an ended %v lease, the name is still held: the late Renew held it on the backend again", time.Since(renewed), ttl)
+		}
+		time.Sleep(10 * time.Millisecond) // a poll, not a synchronisation
 	}
 }
 

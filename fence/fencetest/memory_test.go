@@ -31,6 +31,7 @@ var mutants = []struct {
 	name, suite, kill, what string
 }{
 	{"renew-no-token", "Acquirer", "StaleRenewKeepsNewHolder", "Renew checks the expiry but not the holder's token"},
+	{"late-renew", "Acquirer", "LateRenewHoldsNothing", "Renew is sent after the lease's local deadline and extends it on the server"},
 	{"ttl-round-down", "Acquirer", "NoGrantWhileHolderContextLive", "the server keeps a lease for 2/3 of its ttl (150ms becomes 100ms)"},
 	{"late-after-deadline", "Acquirer", "AcquireGivesUpAtDeadline", "Acquire sleeps between tries until 500ms past its deadline"},
 	{"ignore-ctx", "Acquirer", "AcquireCancelled", "Acquire ignores ctx until its own maximum wait"},
@@ -190,7 +191,10 @@ func (a memAcquirer) try(name string, ttl time.Duration) (fence.Lease, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &memLease{Base: leasekit.New(name, tok, ttl, 0, sent), s: a.s}, nil
+	// A wide drift margin (a quarter of the ttl) keeps the lease live on the
+	// server for a while after its local deadline, so a Renew sent late
+	// (the late-renew mutant) always lands inside that window.
+	return &memLease{Base: leasekit.New(name, tok, ttl, ttl/4, sent), s: a.s}, nil
 }
 
 // Acquire waits for name until ctx is done or the maximum wait passed.
@@ -239,6 +243,13 @@ func (l *memLease) Release(ctx context.Context) error { return l.extend("release
 func (l *memLease) extend(op string, ctx context.Context, ttl time.Duration) error {
 	if err := fence.CheckContext(op, ctx); err != nil {
 		return err
+	}
+	// A lease that ended locally sends no renewal: it would hold the name for
+	// nobody. The late-renew mutant sends it anyway; so does renew-no-token,
+	// whose stale Renew stands for one sent in time and delayed on the network
+	// past the expiry (the suite cannot delay a request, so it sends late).
+	if ttl > 0 && l.Context().Err() != nil && l.s.bug != "late-renew" && l.s.bug != "renew-no-token" {
+		return fence.ErrLost
 	}
 	sent := time.Now()
 	ok := l.s.extend(l.Name(), l.Token(), ttl)
