@@ -1,0 +1,160 @@
+package sqlfence_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+)
+
+// TestIdempotencyLongRetention (HAZARDS 8): a completed record kept for 30
+// days (more than 2^31 milliseconds) is stored, on every dialect, through
+// Update and CompleteTx.
+func TestIdempotencyLongRetention(t *testing.T) {
+	const retention = 30 * 24 * time.Hour
+	ctx := context.Background()
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			_, _, s := d.parts(t)
+			key := fencetest.Name("long-retention")
+			rec, claimed, err := s.Begin(ctx, key, "fp", "me", time.Minute)
+			if err != nil || !claimed {
+				t.Fatalf("Begin: %+v, %v, %v", rec, claimed, err)
+			}
+			rec, err = s.Update(ctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute})
+			if err != nil {
+				t.Fatalf("arm: %v", err)
+			}
+			rec, err = s.Update(ctx, key, idempotency.Armed, rec.Fence, idempotency.Change{State: idempotency.Completed, Fence: rec.Fence, Owner: "me", Result: []byte("ok"), Retention: retention})
+			if err != nil {
+				t.Fatalf("complete with a %v retention: %v", retention, err)
+			}
+			if rec.State != idempotency.Completed || string(rec.Result) != "ok" {
+				t.Errorf("the completed record: %+v", rec)
+			}
+		})
+	}
+}
+
+// TestRenewReplyLostPastLocalDeadline (HAZARDS 6, 3): a renewal is sent
+// before the lease's local deadline, reaches the server after it (the server
+// still holds the lease: its ttl is longer than the local deadline by the
+// drift), is applied, and its reply is lost. Renew must not leave the row
+// extended for another ttl while telling the holder it lost the lease:
+// another acquirer is granted at once afterwards.
+func TestRenewReplyLostPastLocalDeadline(t *testing.T) {
+	const ttl, drift = 10 * time.Second, 9700 * time.Millisecond
+	for _, p := range lostReplyTargets(t) {
+		t.Run(p.name, func(t *testing.T) {
+			ctx := context.Background()
+			a, _ := sqlfence.NewAcquirer(p.db, &sqlfence.AcquirerOptions{Drift: drift})
+			other, _ := sqlfence.NewAcquirer(p.direct, nil)
+			name := fencetest.Name("lost-late-renew")
+			l, err := a.TryAcquire(ctx, name, ttl)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The renewal's request waits in the proxy until the local
+			// deadline (300ms after the grant) has passed, then reaches the
+			// server (which holds the lease for 10s) and its reply is lost.
+			err = lose(t, p.proxy, func(b []byte) bool {
+				if !bytes.Contains(b, []byte(name)) {
+					return false
+				}
+				<-l.Context().Done()
+				return true
+			}, func() error { return l.Renew(ctx) })
+			if err == nil {
+				t.Fatalf("Renew past the local deadline returned nil")
+			}
+			if !errors.Is(err, fence.ErrLost) && !errors.Is(err, fence.ErrUnknown) {
+				t.Errorf("Renew past the local deadline: %v, want ErrLost or ErrUnknown", err)
+			}
+			l2, err := other.TryAcquire(ctx, name, time.Second)
+			if err != nil {
+				info, _ := other.Inspect(ctx, name)
+				t.Fatalf("another acquirer after the renewal whose reply was lost: %v (%+v); the extended row was not given up", err, info)
+			}
+			_ = l2.Release(ctx)
+		})
+	}
+}
+
+// TestBumpOfMissingRowKeepsClockFloor (HAZARDS 1): the lease row of a name
+// is deleted (an operator's DELETE) while a paused holder has its token; an
+// operator's Bump to a small value recreates the row. The next grant must
+// still be above the paused holder's token: Bump must not start a counter
+// below the server's clock, where a new row would start.
+func TestBumpOfMissingRowKeepsClockFloor(t *testing.T) {
+	ctx := context.Background()
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			w, a, _ := d.parts(t)
+			name := fencetest.Name("bump-deleted")
+			la, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
+				t.Fatal(err)
+			}
+			if err := a.Bump(ctx, name, 1000); err != nil && !errors.Is(err, fence.ErrInvalid) {
+				t.Fatalf("Bump of the deleted row: %v", err)
+			}
+			lb, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = lb.Release(context.Background()) })
+			if lb.Token() <= la.Token() {
+				t.Fatalf("B's token %d is not above the paused holder's %d", lb.Token(), la.Token())
+			}
+			key := name + "/data"
+			if err := w.Write(ctx, key, []byte("B"), lb.Token()); err != nil {
+				t.Fatal(err)
+			}
+			if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
+				t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
+			}
+		})
+	}
+}
+
+// TestBadOwner (HAZARDS 8): an Owner the lease table cannot store (a NUL
+// byte, invalid UTF-8) is refused by NewAcquirer with fence.ErrInvalid naming
+// it, on every dialect, rather than failing every grant.
+func TestBadOwner(t *testing.T) {
+	ctx := context.Background()
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			for _, owner := range []string{"a\x00b", "a\xffb"} {
+				a, err := sqlfence.NewAcquirer(d.db, &sqlfence.AcquirerOptions{Owner: owner})
+				if err != nil {
+					var ie *fence.InvalidError
+					if !errors.As(err, &ie) || ie.Arg != "owner" {
+						t.Errorf("NewAcquirer with owner %q: %v, want an InvalidError naming owner", owner, err)
+					}
+					continue
+				}
+				// Accepted: then it must work, and be recognised.
+				name := fencetest.Name("bad-owner")
+				l, err := a.TryAcquire(ctx, name, time.Minute)
+				if err != nil {
+					t.Errorf("owner %q accepted by NewAcquirer, then TryAcquire: %v", owner, err)
+					continue
+				}
+				info, err := a.Inspect(ctx, name)
+				if err != nil || info.Owner != owner {
+					t.Errorf("owner %q accepted, Inspect shows %q, %v", owner, info.Owner, err)
+				}
+				_ = l.Release(ctx)
+			}
+		})
+	}
+}
