@@ -77,7 +77,7 @@ RETURNING fence`, t, now, d.nowUs, d.greatest)
 	// The compare-and-set: state and fence must be what the caller saw.
 	s.update = fmt.Sprintf(`UPDATE %[1]s SET state = $4, fence = $5, owner = $6, lease_until = %[2]s + $7,
   started_at = CASE WHEN $8 = 1 THEN %[2]s ELSE started_at END,
-  expires_at = CASE WHEN $9 > 0 THEN %[2]s + $9 ELSE NULL END,
+  expires_at = CASE WHEN CAST($9 AS BIGINT) > 0 THEN %[2]s + CAST($9 AS BIGINT) ELSE NULL END,
   result = $10, result_dropped = $11
 WHERE key = $1 AND state = $2 AND fence = $3
 RETURNING key, %[3]s`, t, now, cols)
