@@ -352,15 +352,22 @@ func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
 	}
+	uncertain := false // an earlier attempt may have extended the row
 	for i := 0; ; i++ {
 		if l.Context().Err() != nil {
 			// Released, or past its local deadline: the holder was told it
 			// lost the lease, so the server must not hold it for another ttl.
+			if uncertain {
+				// An earlier attempt whose reply was lost may have extended
+				// the row: give it up.
+				l.giveUp(ctx)
+			}
 			return l.lost()
 		}
 		sent := time.Now()
 		n, err := l.a.db.change(ctx, l.a.renew, l.a.renewArgs(l.Name(), l.Token(), l.TTL())...)
 		if l.a.db.ambiguous(err) {
+			uncertain = true
 			// Running a renewal again is safe: it extends from the server's
 			// clock, and only while this grant holds the row.
 			if i+1 < maxAmbiguousRetries && retryPause(ctx, i) {
