@@ -123,8 +123,11 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		a.release = fmt.Sprintf("WITH r AS (%s RETURNING name) SELECT pg_notify('%s', md5(name)) FROM r", a.release, releaseChannel)
 	}
 	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = $1", now, t)
-	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, $2, '', 0) "+
-		"ON CONFLICT (name) DO UPDATE SET token = excluded.token WHERE cur.token < excluded.token AND cur.expires_at <= %s", t, now)
+	// Bump: a name without a row gets the larger of to and the clock floor a
+	// new row would start at (see Acquirer), so that Bump never lowers the
+	// counter of a row that was deleted; an existing row is raised to to.
+	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s($2, %s), '', 0) "+
+		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, d.nowUs, now)
 	if d == mysqlDialect {
 		a.mysqlStatements(t)
 	}
@@ -488,7 +491,11 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 
 // Bump raises name's counter to to. The row's counter is also the holder's
 // token, so a held lease is refused (fence.ErrHeld) rather than invalidated;
-// a counter already at or above to is refused with fence.ErrInvalid.
+// a counter already at or above to is refused with fence.ErrInvalid. A name
+// without a lease row (never granted, or its row deleted) gets a new row
+// whose counter is the larger of to and the server's clock in microseconds,
+// where a grant would start it (see Acquirer): a row deleted after it handed
+// out tokens is never recreated below them.
 func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error {
 	if err := a.db.checkCall("bump", ctx); err != nil {
 		return err
@@ -499,7 +506,11 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	if err := fence.CheckToken("bump", to); err != nil {
 		return err
 	}
-	n, err := a.db.change(ctx, a.bump, a.db.text(name), int64(to))
+	args := []any{a.db.text(name), int64(to)}
+	if a.db.d == mysqlDialect {
+		args = append(args, int64(to), int64(to))
+	}
+	n, err := a.db.change(ctx, a.bump, args...)
 	if err != nil {
 		return a.wrap("bump", a.db.unknown(err))
 	}
