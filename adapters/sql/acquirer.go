@@ -19,7 +19,9 @@ type AcquirerOptions struct {
 	// schema-qualified. Default: "fence_leases".
 	Table string
 	// Owner is recorded with each grant, for operators. Default: host name,
-	// process id and a random suffix.
+	// process id and a random suffix. It must be valid UTF-8 without NUL
+	// bytes (as names are, on every dialect); NewAcquirer refuses anything
+	// else with an error matching fence.ErrInvalid naming owner.
 	Owner string
 	// Backoff paces Acquire's attempts while the lease is held. Default on
 	// PostgreSQL with notifications: Min 20ms, Max 200ms (a release wakes a
@@ -89,6 +91,9 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	}
 	if o.Owner == "" {
 		o.Owner = defaultOwner()
+	}
+	if err := checkStored("new acquirer", "owner", o.Owner); err != nil {
+		return nil, err // PostgreSQL cannot store it: every grant would fail
 	}
 	if o.Drift < 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "drift", Reason: "negative"}
