@@ -158,3 +158,48 @@ func TestBadOwner(t *testing.T) {
 		})
 	}
 }
+
+// TestReleaseReplyLostThenRegranted (HAZARDS 3): a release is applied and
+// its reply lost; before the release runs again another acquirer is granted
+// the name. The retry finds the row under a newer token: Release cannot know
+// whether its own release landed first, and must not report a definite
+// fence.ErrLost (the lease expired before the release) for a release that
+// landed.
+func TestReleaseReplyLostThenRegranted(t *testing.T) {
+	for _, p := range lostReplyTargets(t) {
+		t.Run(p.name, func(t *testing.T) {
+			ctx := context.Background()
+			a, _ := sqlfence.NewAcquirer(p.db, nil)
+			other, _ := sqlfence.NewAcquirer(p.direct, nil)
+			name := fencetest.Name("lost-release-regrant")
+			l, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var l2 fence.Lease
+			var otherErr error
+			seen := 0
+			// The first request carrying the name is the release: it is
+			// applied and its reply lost (LoseReply). The second is its
+			// retry: before it is forwarded, the other acquirer takes the
+			// name.
+			p.proxy.DropRequest(func(b []byte) bool {
+				if bytes.Contains(b, []byte(name)) {
+					if seen++; seen == 2 {
+						l2, otherErr = other.TryAcquire(ctx, name, time.Minute)
+					}
+				}
+				return false
+			})
+			p.proxy.LoseReply(carrying(name))
+			err = l.Release(ctx)
+			if otherErr != nil || l2 == nil {
+				t.Fatalf("the other acquirer after the applied release: %v", otherErr)
+			}
+			t.Cleanup(func() { _ = l2.Release(context.Background()) })
+			if errors.Is(err, fence.ErrLost) {
+				t.Errorf("Release whose applied release's reply was lost, name granted again since: %v; want nil or ErrUnknown, not a definite ErrLost", err)
+			}
+		})
+	}
+}
