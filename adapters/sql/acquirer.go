@@ -440,18 +440,31 @@ func (l *lease) releaseRow(ctx context.Context) error {
 		if err != nil {
 			return l.a.wrap("release", err)
 		}
-		if n == 0 && !(uncertain && l.released(ctx)) {
+		if n == 0 && uncertain {
+			return l.released(ctx)
+		}
+		if n == 0 {
 			return l.lost()
 		}
 		return nil
 	}
 }
 
-// released reports whether the row shows this grant's own release (its token,
-// expiry 0), which an earlier attempt whose reply was lost may have made.
-func (l *lease) released(ctx context.Context) bool {
+// released judges a release that found nothing to release after an earlier
+// attempt whose reply was lost: nil when the row shows this grant's own
+// release (its token, expiry 0); ErrLost when the row still has this grant's
+// token with an expiry (the release never applied: the lease had expired);
+// otherwise (granted again since, the row gone, unreadable) an error matching
+// fence.ErrUnknown, since the earlier attempt may have released it first.
+func (l *lease) released(ctx context.Context) error {
 	r, err := l.a.row(ctx, l.Name())
-	return err == nil && fence.Token(r.token) == l.Token() && r.expires == 0
+	switch {
+	case err == nil && fence.Token(r.token) == l.Token() && r.expires == 0:
+		return nil
+	case err == nil && fence.Token(r.token) == l.Token():
+		return l.lost()
+	}
+	return fmt.Errorf("sqlfence: release %q token %d: %w: an attempt whose reply was lost may have released it before the row changed", l.Name(), l.Token(), fence.ErrUnknown)
 }
 
 // renewArgs are the renew statement's arguments: name, token, ttl, or on
