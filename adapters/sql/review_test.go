@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -133,12 +134,12 @@ func TestBadOwner(t *testing.T) {
 	ctx := context.Background()
 	for _, d := range everyDialect(t) {
 		t.Run(d.name, func(t *testing.T) {
-			for _, owner := range []string{"a\x00b", "a\xffb"} {
+			for _, owner := range []string{"a\x00b", "a\xffb", strings.Repeat("o", 70000)} {
 				a, err := sqlfence.NewAcquirer(d.db, &sqlfence.AcquirerOptions{Owner: owner})
 				if err != nil {
 					var ie *fence.InvalidError
 					if !errors.As(err, &ie) || ie.Arg != "owner" {
-						t.Errorf("NewAcquirer with owner %q: %v, want an InvalidError naming owner", owner, err)
+						t.Errorf("NewAcquirer with owner %.20q: %v, want an InvalidError naming owner", owner, err)
 					}
 					continue
 				}
@@ -146,12 +147,12 @@ func TestBadOwner(t *testing.T) {
 				name := fencetest.Name("bad-owner")
 				l, err := a.TryAcquire(ctx, name, time.Minute)
 				if err != nil {
-					t.Errorf("owner %q accepted by NewAcquirer, then TryAcquire: %v", owner, err)
+					t.Errorf("owner %.20q (%d bytes) accepted by NewAcquirer, then TryAcquire: %.300v", owner, len(owner), err)
 					continue
 				}
 				info, err := a.Inspect(ctx, name)
 				if err != nil || info.Owner != owner {
-					t.Errorf("owner %q accepted, Inspect shows %q, %v", owner, info.Owner, err)
+					t.Errorf("owner %.20q (%d bytes) accepted, Inspect shows %.20q (%d bytes), %v", owner, len(owner), info.Owner, len(info.Owner), err)
 				}
 				_ = l.Release(ctx)
 			}
@@ -201,5 +202,48 @@ func TestReleaseReplyLostThenRegranted(t *testing.T) {
 				t.Errorf("Release whose applied release's reply was lost, name granted again since: %v; want nil or ErrUnknown, not a definite ErrLost", err)
 			}
 		})
+	}
+}
+
+// TestLostGrantReplyWithAdvanceGuards (HAZARDS 3): with AdvanceGuards, a
+// grant whose reply (or whose commit's reply) was lost is recognised or run
+// again, as without it: TryAcquire returns the lease, never a bare
+// transport error, and the guard row holds the lease's token.
+func TestLostGrantReplyWithAdvanceGuards(t *testing.T) {
+	for _, p := range lostReplyTargets(t) {
+		for _, step := range []string{"grant", "commit"} {
+			if step == "commit" && p.name != "mysql" {
+				continue // one statement on PostgreSQL
+			}
+			t.Run(p.name+"/"+step, func(t *testing.T) {
+				ctx := context.Background()
+				if err := p.guards.CreateTable(ctx, p.direct); err != nil {
+					t.Fatal(err)
+				}
+				a, err := sqlfence.NewAcquirer(p.db, &sqlfence.AcquirerOptions{AdvanceGuards: p.guards})
+				if err != nil {
+					t.Fatal(err)
+				}
+				other, _ := sqlfence.NewAcquirer(p.direct, nil)
+				name := fencetest.Name("lost-grant-adv")
+				match := carrying(name)
+				if step == "commit" {
+					match = committing
+				}
+				var l fence.Lease
+				err = lose(t, p.proxy, match, func() (err error) {
+					l, err = a.TryAcquire(ctx, name, time.Minute)
+					return err
+				})
+				if err != nil {
+					t.Fatalf("TryAcquire whose %s reply was lost: %v, want the grant recognised or run again", step, err)
+				}
+				t.Cleanup(func() { _ = l.Release(context.Background()) })
+				info, err := other.Inspect(ctx, name)
+				if err != nil || !info.Held || info.Token != l.Token() {
+					t.Fatalf("the lease row: %+v, %v; want held by token %d", info, err, l.Token())
+				}
+			})
+		}
 	}
 }
