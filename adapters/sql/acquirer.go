@@ -19,9 +19,10 @@ type AcquirerOptions struct {
 	// schema-qualified. Default: "fence_leases".
 	Table string
 	// Owner is recorded with each grant, for operators. Default: host name,
-	// process id and a random suffix. It must be valid UTF-8 without NUL
-	// bytes (as names are, on every dialect); NewAcquirer refuses anything
-	// else with an error matching fence.ErrInvalid naming owner.
+	// process id and a random suffix. Like a name, it must be valid UTF-8
+	// without NUL bytes and at most MaxKeyBytes long, on every dialect;
+	// NewAcquirer refuses anything else with an error matching
+	// fence.ErrInvalid naming owner.
 	Owner string
 	// Backoff paces Acquire's attempts while the lease is held. Default on
 	// PostgreSQL with notifications: Min 20ms, Max 200ms (a release wakes a
@@ -92,8 +93,10 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	if o.Owner == "" {
 		o.Owner = defaultOwner()
 	}
-	if err := checkStored("new acquirer", "owner", o.Owner); err != nil {
-		return nil, err // PostgreSQL cannot store it: every grant would fail
+	if err := checkText("new acquirer", "owner", o.Owner); err != nil {
+		// PostgreSQL cannot store NUL or invalid UTF-8, MySQL's column holds
+		// 64 KiB: every grant would fail, or lose its nonce.
+		return nil, err
 	}
 	if o.Drift < 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "drift", Reason: "negative"}
