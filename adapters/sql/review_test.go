@@ -3,7 +3,10 @@ package sqlfence_test
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
+	"net"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +15,10 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // TestIdempotencyLongRetention (HAZARDS 8): a completed record kept for 30
@@ -245,5 +252,73 @@ func TestLostGrantReplyWithAdvanceGuards(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// closedAddr returns a loopback address nothing listens on: a connection to
+// it is refused, so no request can reach a server.
+func closedAddr(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+// TestUnreachableServerIsDefinite (HAZARDS 3): when the connection to the
+// server is refused, no statement was sent: the steps report the error as
+// it is, never fence.ErrUnknown ("may have been applied").
+func TestUnreachableServerIsDefinite(t *testing.T) {
+	addr := closedAddr(t)
+	pcfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	host, port, _ := net.SplitHostPort(addr)
+	n, _ := strconv.Atoi(port)
+	pcfg.ConnConfig.Host, pcfg.ConnConfig.Port, pcfg.ConnConfig.Fallbacks = host, uint16(n), nil
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	std := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { std.Close() })
+	mcfg, err := mysql.ParseDSN(testenv.MySQLDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	mcfg.Addr = addr
+	my, err := sql.Open("mysql", mcfg.FormatDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { my.Close() })
+	for name, db := range map[string]*sqlfence.DB{"postgres-pgx": sqlfence.Pgx(pool), "postgres-database-sql": sqlfence.Postgres(std), "mysql": sqlfence.MySQL(my)} {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			w, _ := sqlfence.NewWriter(db, nil)
+			a, _ := sqlfence.NewAcquirer(db, nil)
+			s, _ := sqlfence.NewIdempotencyStore(db, nil)
+			_, tryErr := a.TryAcquire(ctx, "unreachable", time.Minute)
+			_, _, beginErr := s.Begin(ctx, "unreachable", "fp", "me", time.Minute)
+			_, updErr := s.Update(ctx, "unreachable", idempotency.Claimed, 1, idempotency.Change{State: idempotency.Armed, Fence: 1, Owner: "me", Lease: time.Minute})
+			for step, err := range map[string]error{
+				"Write":      w.Write(ctx, "unreachable", []byte("v"), 1),
+				"Delete":     w.Delete(ctx, "unreachable", 1),
+				"TryAcquire": tryErr,
+				"Bump":       a.Bump(ctx, "unreachable", 5),
+				"Begin":      beginErr,
+				"Update":     updErr,
+			} {
+				if err == nil {
+					t.Errorf("%s with the server unreachable: nil", step)
+				} else if errors.Is(err, fence.ErrUnknown) {
+					t.Errorf("%s with the connection refused: %v; nothing was sent, want the error as it is, not ErrUnknown", step, err)
+				}
+			}
+		})
 	}
 }
