@@ -5,6 +5,7 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"net"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/go-sql-driver/mysql"
@@ -37,7 +38,7 @@ func ambiguous(err error, notSent bool) bool {
 		ie *fence.InvalidError
 	)
 	if errors.As(err, &pe) || errors.As(err, &me) || errors.As(err, &se) || errors.As(err, &ie) ||
-		errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) {
+		errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) || notConnected(err) {
 		return false
 	}
 	return !notSent || !(errors.Is(err, driver.ErrBadConn) || pgconn.SafeToRetry(err))
@@ -65,3 +66,14 @@ func (db *DB) unknown(err error) error {
 
 // ambiguous is ambiguous for a statement of db's own.
 func (db *DB) ambiguous(err error) bool { return db.d != sqliteDialect && ambiguous(err, true) }
+
+// notConnected reports an error of opening a connection (pgconn's
+// ConnectError, or a refused or failed dial under the MySQL driver): no
+// statement was sent on it.
+func notConnected(err error) bool {
+	var (
+		ce *pgconn.ConnectError
+		oe *net.OpError
+	)
+	return errors.As(err, &ce) || (errors.As(err, &oe) && oe.Op == "dial")
+}
