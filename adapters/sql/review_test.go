@@ -322,3 +322,32 @@ func TestUnreachableServerIsDefinite(t *testing.T) {
 		})
 	}
 }
+
+// TestLongFingerprint (HAZARDS 4, 8): a fingerprint over 64 KiB (a request
+// body used as the fingerprint) either works on every dialect (a retry of
+// the same request replays the first result) or is refused by the store with
+// fence.ErrInvalid before anything runs; never cut on the way so that the
+// same request no longer matches itself.
+func TestLongFingerprint(t *testing.T) {
+	ctx := context.Background()
+	fp := strings.Repeat("f", 70000)
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			_, _, s := d.parts(t)
+			key := fencetest.Name("long-fp")
+			runs := 0
+			effect := func(context.Context, string) ([]byte, error) { runs++; return []byte("done"), nil }
+			_, err := idempotency.Do(ctx, s, key, fp, effect, nil)
+			if err != nil {
+				if !errors.Is(err, fence.ErrInvalid) || runs != 0 {
+					t.Fatalf("Do with a %d-byte fingerprint: %.300v (%d runs); want it to work or ErrInvalid before the effect", len(fp), err, runs)
+				}
+				return
+			}
+			res, err := idempotency.Do(ctx, s, key, fp, effect, nil)
+			if err != nil || !res.Replayed || string(res.Value) != "done" || runs != 1 {
+				t.Errorf("the same request again: %+v, %v (%d runs); want the first result replayed", res, err, runs)
+			}
+		})
+	}
+}
