@@ -17,6 +17,7 @@ import (
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 )
@@ -349,5 +350,29 @@ func TestLongFingerprint(t *testing.T) {
 				t.Errorf("the same request again: %+v, %v (%d runs); want the first result replayed", res, err, runs)
 			}
 		})
+	}
+}
+
+// TestCommitOfFailedTxIsDefinite (HAZARDS 3): a transaction in which a
+// statement failed (the caller ignored the error) is rolled back by the
+// server at COMMIT, which says so: RunTx and RunPgxTx report an error that
+// is not fence.ErrUnknown ("may have committed"), and nothing committed.
+func TestCommitOfFailedTxIsDefinite(t *testing.T) {
+	ctx := context.Background()
+	p := pgPool(t, pgOpts{})
+	std := pgStd(t)
+	err := sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error {
+		_, _ = tx.Exec(ctx, "SELECT 1/0")
+		return nil
+	})
+	if err == nil || errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("RunPgxTx whose commit the server answered with ROLLBACK: %v, want a definite error", err)
+	}
+	err = sqlfence.RunTx(ctx, std, nil, func(tx *sql.Tx) error {
+		_, _ = tx.ExecContext(ctx, "SELECT 1/0")
+		return nil
+	})
+	if err == nil || errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("RunTx whose commit the server answered with ROLLBACK: %v, want a definite error", err)
 	}
 }
