@@ -22,7 +22,8 @@ const maxAmbiguousRetries = 4
 // ambiguous reports whether err, returned for a statement, leaves open whether
 // the server applied it: the request may have been sent and its reply lost
 // (EOF, a reset or closed connection, a timeout or cancellation while it
-// ran). An error the server sent, an SQLite error (the database is in the
+// ran). An error the server sent (also a COMMIT answered with ROLLBACK,
+// pgx.ErrTxCommitRollback), an SQLite error (the database is in the
 // process), and an error the driver reports for a request it did not send
 // (driver.ErrBadConn, which database/sql retries on its own; pgconn's
 // SafeToRetry) are definite. With notSent false, the drivers' "not sent"
@@ -38,7 +39,7 @@ func ambiguous(err error, notSent bool) bool {
 		ie *fence.InvalidError
 	)
 	if errors.As(err, &pe) || errors.As(err, &me) || errors.As(err, &se) || errors.As(err, &ie) ||
-		errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) || notConnected(err) {
+		errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, pgx.ErrTxCommitRollback) || notConnected(err) {
 		return false
 	}
 	return !notSent || !(errors.Is(err, driver.ErrBadConn) || pgconn.SafeToRetry(err))
