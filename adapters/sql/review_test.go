@@ -376,3 +376,31 @@ func TestCommitOfFailedTxIsDefinite(t *testing.T) {
 		t.Errorf("RunTx whose commit the server answered with ROLLBACK: %v, want a definite error", err)
 	}
 }
+
+// TestDoneContextIsDefinite (HAZARDS 3): a step called with a context that
+// has already ended sends nothing: it reports the context's error, never
+// fence.ErrUnknown ("may have been applied").
+func TestDoneContextIsDefinite(t *testing.T) {
+	done, cancel := context.WithCancel(context.Background())
+	cancel()
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			w, a, s := d.parts(t)
+			_, tryErr := a.TryAcquire(done, "done-ctx", time.Minute)
+			_, _, beginErr := s.Begin(done, "done-ctx", "fp", "me", time.Minute)
+			_, updErr := s.Update(done, "done-ctx", idempotency.Claimed, 1, idempotency.Change{State: idempotency.Armed, Fence: 1, Owner: "me", Lease: time.Minute})
+			for step, err := range map[string]error{
+				"Write":      w.Write(done, "done-ctx", []byte("v"), 1),
+				"Delete":     w.Delete(done, "done-ctx", 1),
+				"TryAcquire": tryErr,
+				"Bump":       a.Bump(done, "done-ctx", 5),
+				"Begin":      beginErr,
+				"Update":     updErr,
+			} {
+				if !errors.Is(err, context.Canceled) || errors.Is(err, fence.ErrUnknown) {
+					t.Errorf("%s with a context already cancelled: %v; want context.Canceled, not ErrUnknown", step, err)
+				}
+			}
+		})
+	}
+}
