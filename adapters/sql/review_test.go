@@ -389,7 +389,17 @@ func TestDoneContextIsDefinite(t *testing.T) {
 			_, tryErr := a.TryAcquire(done, "done-ctx", time.Minute)
 			_, _, beginErr := s.Begin(done, "done-ctx", "fp", "me", time.Minute)
 			_, updErr := s.Update(done, "done-ctx", idempotency.Claimed, 1, idempotency.Change{State: idempotency.Armed, Fence: 1, Owner: "me", Lease: time.Minute})
+			l, err := a.TryAcquire(context.Background(), fencetest.Name("done-ctx"), time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			renewErr, releaseErr := l.Renew(done), l.Release(done)
+			if err := l.Release(context.Background()); err != nil {
+				t.Errorf("Release after a Release with a cancelled context: %v; want the lease still held and released now", err)
+			}
 			for step, err := range map[string]error{
+				"Renew":      renewErr,
+				"Release":    releaseErr,
 				"Write":      w.Write(done, "done-ctx", []byte("v"), 1),
 				"Delete":     w.Delete(done, "done-ctx", 1),
 				"TryAcquire": tryErr,
