@@ -360,7 +360,7 @@ type lease struct {
 // confirmed only after the local deadline passed returns fence.ErrLost and
 // releases the row. See fence.Lease.
 func (l *lease) Renew(ctx context.Context) error {
-	if err := fence.CheckContext("renew", ctx); err != nil {
+	if err := checkLive("renew", ctx); err != nil {
 		return err
 	}
 	uncertain := false // an earlier attempt may have extended the row
@@ -420,8 +420,8 @@ func (l *lease) giveUp(ctx context.Context) {
 // matching fence.ErrUnknown (the lease then ends on the server by its ttl at
 // the latest).
 func (l *lease) Release(ctx context.Context) error {
-	if err := fence.CheckContext("release", ctx); err != nil {
-		return err
+	if err := checkLive("release", ctx); err != nil {
+		return err // nothing sent: the lease is still held
 	}
 	defer l.End(context.Canceled)
 	return l.releaseRow(ctx)
