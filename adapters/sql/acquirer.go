@@ -19,7 +19,10 @@ type AcquirerOptions struct {
 	// schema-qualified. Default: "fence_leases".
 	Table string
 	// Owner is recorded with each grant, for operators. Default: host name,
-	// process id and a random suffix.
+	// process id and a random suffix. Like a name, it must be valid UTF-8
+	// without NUL bytes and at most MaxKeyBytes long, on every dialect;
+	// NewAcquirer refuses anything else with an error matching
+	// fence.ErrInvalid naming owner.
 	Owner string
 	// Backoff paces Acquire's attempts while the lease is held. Default on
 	// PostgreSQL with notifications: Min 20ms, Max 200ms (a release wakes a
@@ -90,6 +93,11 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	if o.Owner == "" {
 		o.Owner = defaultOwner()
 	}
+	if err := checkText("new acquirer", "owner", o.Owner); err != nil {
+		// PostgreSQL cannot store NUL or invalid UTF-8, MySQL's column holds
+		// 64 KiB: every grant would fail, or lose its nonce.
+		return nil, err
+	}
 	if o.Drift < 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "drift", Reason: "negative"}
 	}
@@ -123,8 +131,11 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		a.release = fmt.Sprintf("WITH r AS (%s RETURNING name) SELECT pg_notify('%s', md5(name)) FROM r", a.release, releaseChannel)
 	}
 	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = $1", now, t)
-	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, $2, '', 0) "+
-		"ON CONFLICT (name) DO UPDATE SET token = excluded.token WHERE cur.token < excluded.token AND cur.expires_at <= %s", t, now)
+	// Bump: a name without a row gets the larger of to and the clock floor a
+	// new row would start at (see Acquirer), so that Bump never lowers the
+	// counter of a row that was deleted; an existing row is raised to to.
+	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s($2, %s), '', 0) "+
+		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, d.nowUs, now)
 	if d == mysqlDialect {
 		a.mysqlStatements(t)
 	}
@@ -349,18 +360,25 @@ type lease struct {
 // confirmed only after the local deadline passed returns fence.ErrLost and
 // releases the row. See fence.Lease.
 func (l *lease) Renew(ctx context.Context) error {
-	if err := fence.CheckContext("renew", ctx); err != nil {
+	if err := checkLive("renew", ctx); err != nil {
 		return err
 	}
+	uncertain := false // an earlier attempt may have extended the row
 	for i := 0; ; i++ {
 		if l.Context().Err() != nil {
 			// Released, or past its local deadline: the holder was told it
 			// lost the lease, so the server must not hold it for another ttl.
+			if uncertain {
+				// An earlier attempt whose reply was lost may have extended
+				// the row: give it up.
+				l.giveUp(ctx)
+			}
 			return l.lost()
 		}
 		sent := time.Now()
 		n, err := l.a.db.change(ctx, l.a.renew, l.a.renewArgs(l.Name(), l.Token(), l.TTL())...)
 		if l.a.db.ambiguous(err) {
+			uncertain = true
 			// Running a renewal again is safe: it extends from the server's
 			// clock, and only while this grant holds the row.
 			if i+1 < maxAmbiguousRetries && retryPause(ctx, i) {
@@ -402,8 +420,8 @@ func (l *lease) giveUp(ctx context.Context) {
 // matching fence.ErrUnknown (the lease then ends on the server by its ttl at
 // the latest).
 func (l *lease) Release(ctx context.Context) error {
-	if err := fence.CheckContext("release", ctx); err != nil {
-		return err
+	if err := checkLive("release", ctx); err != nil {
+		return err // nothing sent: the lease is still held
 	}
 	defer l.End(context.Canceled)
 	return l.releaseRow(ctx)
@@ -425,18 +443,31 @@ func (l *lease) releaseRow(ctx context.Context) error {
 		if err != nil {
 			return l.a.wrap("release", err)
 		}
-		if n == 0 && !(uncertain && l.released(ctx)) {
+		if n == 0 && uncertain {
+			return l.released(ctx)
+		}
+		if n == 0 {
 			return l.lost()
 		}
 		return nil
 	}
 }
 
-// released reports whether the row shows this grant's own release (its token,
-// expiry 0), which an earlier attempt whose reply was lost may have made.
-func (l *lease) released(ctx context.Context) bool {
+// released judges a release that found nothing to release after an earlier
+// attempt whose reply was lost: nil when the row shows this grant's own
+// release (its token, expiry 0); ErrLost when the row still has this grant's
+// token with an expiry (the release never applied: the lease had expired);
+// otherwise (granted again since, the row gone, unreadable) an error matching
+// fence.ErrUnknown, since the earlier attempt may have released it first.
+func (l *lease) released(ctx context.Context) error {
 	r, err := l.a.row(ctx, l.Name())
-	return err == nil && fence.Token(r.token) == l.Token() && r.expires == 0
+	switch {
+	case err == nil && fence.Token(r.token) == l.Token() && r.expires == 0:
+		return nil
+	case err == nil && fence.Token(r.token) == l.Token():
+		return l.lost()
+	}
+	return fmt.Errorf("sqlfence: release %q token %d: %w: an attempt whose reply was lost may have released it before the row changed", l.Name(), l.Token(), fence.ErrUnknown)
 }
 
 // renewArgs are the renew statement's arguments: name, token, ttl, or on
@@ -481,7 +512,11 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 
 // Bump raises name's counter to to. The row's counter is also the holder's
 // token, so a held lease is refused (fence.ErrHeld) rather than invalidated;
-// a counter already at or above to is refused with fence.ErrInvalid.
+// a counter already at or above to is refused with fence.ErrInvalid. A name
+// without a lease row (never granted, or its row deleted) gets a new row
+// whose counter is the larger of to and the server's clock in microseconds,
+// where a grant would start it (see Acquirer): a row deleted after it handed
+// out tokens is never recreated below them.
 func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error {
 	if err := a.db.checkCall("bump", ctx); err != nil {
 		return err
@@ -492,7 +527,11 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	if err := fence.CheckToken("bump", to); err != nil {
 		return err
 	}
-	n, err := a.db.change(ctx, a.bump, a.db.text(name), int64(to))
+	args := []any{a.db.text(name), int64(to)}
+	if a.db.d == mysqlDialect {
+		args = append(args, int64(to), int64(to))
+	}
+	n, err := a.db.change(ctx, a.bump, args...)
 	if err != nil {
 		return a.wrap("bump", a.db.unknown(err))
 	}

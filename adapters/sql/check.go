@@ -2,6 +2,7 @@ package sqlfence
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"time"
 
@@ -32,10 +33,23 @@ func (db *DB) check(op string) error {
 }
 
 // checkCall is the first step of every method that takes a context: ctx must not
-// be nil, and the handle must be usable.
+// be nil, and the handle must be usable. A context that already ended is
+// reported as it is, before any statement: nothing was sent (the drivers'
+// own context errors would read as a statement that may have been applied).
 func (db *DB) checkCall(op string, ctx context.Context) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := checkLive(op, ctx); err != nil {
 		return err
 	}
 	return db.check(op)
+}
+
+// checkLive refuses a nil context, and returns the error of one that ended.
+func checkLive(op string, ctx context.Context) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("sqlfence: %s: %w", op, err)
+	}
+	return nil
 }

@@ -46,9 +46,10 @@
 // and is adopted when found, a renewal runs again, a release recognises its own
 // applied release; only when they cannot know after a few attempts do they
 // return fence.ErrUnknown (Acquire keeps trying until its context ends).
-// An error the server sent, an SQLite error, and a driver error for a request
-// that was not sent (database/sql retries driver.ErrBadConn on its own) are
-// reported as they are.
+// An error the server sent, an SQLite error, a connection that could not be
+// opened (a refused dial, pgconn's ConnectError), and a driver error for a
+// request that was not sent (database/sql retries driver.ErrBadConn on its
+// own) are reported as they are.
 //
 // # SQLite
 //

@@ -21,7 +21,9 @@ type IdempotencyOptions struct {
 // statement, decided on the database server's clock (milliseconds). On
 // PostgreSQL it is also an idempotency.Notifier: a change that ends an owner's
 // hold (completed, failed, released, unknown) runs pg_notify in the same
-// statement, and Do with Wait wakes on it through LISTEN.
+// statement, and Do with Wait wakes on it through LISTEN. On MySQL a
+// fingerprint or owner over 65535 bytes (its BLOB column) is refused with an
+// error matching fence.ErrInvalid: hash a long request into its fingerprint.
 type IdempotencyStore struct {
 	db    *DB
 	table string
@@ -77,7 +79,7 @@ RETURNING fence`, t, now, d.nowUs, d.greatest)
 	// The compare-and-set: state and fence must be what the caller saw.
 	s.update = fmt.Sprintf(`UPDATE %[1]s SET state = $4, fence = $5, owner = $6, lease_until = %[2]s + $7,
   started_at = CASE WHEN $8 = 1 THEN %[2]s ELSE started_at END,
-  expires_at = CASE WHEN $9 > 0 THEN %[2]s + $9 ELSE NULL END,
+  expires_at = CASE WHEN CAST($9 AS BIGINT) > 0 THEN %[2]s + CAST($9 AS BIGINT) ELSE NULL END,
   result = $10, result_dropped = $11
 WHERE key = $1 AND state = $2 AND fence = $3
 RETURNING key, %[3]s`, t, now, cols)
@@ -110,13 +112,23 @@ func (s *IdempotencyStore) wrap(op string, err error) error {
 
 func ms(d time.Duration) int64 { return d.Milliseconds() }
 
+// mysqlBlobBytes is what a MySQL BLOB column (the store's fingerprint and
+// owner) holds; a longer value is refused (strict mode) or cut.
+const mysqlBlobBytes = 1<<16 - 1
+
 // checkStored refuses text PostgreSQL cannot store (NUL, invalid UTF-8); it
-// may be empty and has no length limit (it is not indexed).
-func checkStored(op, arg, s string) error {
+// may be empty and is not indexed, so it has no length limit but MySQL's
+// BLOB column (64 KiB), which would refuse a longer one or cut it (and a
+// cut fingerprint no longer matches its own request).
+func (st *IdempotencyStore) checkStored(op, arg, s string) error {
 	if s == "" {
 		return nil
 	}
-	return fence.CheckText(op, arg, s, 0)
+	max := 0
+	if st.db.d == mysqlDialect {
+		max = mysqlBlobBytes
+	}
+	return fence.CheckText(op, arg, s, max)
 }
 
 func (s *IdempotencyStore) checkUpdate(op string, ctx context.Context, key string, ch idempotency.Change) error {
@@ -126,7 +138,7 @@ func (s *IdempotencyStore) checkUpdate(op string, ctx context.Context, key strin
 	if err := checkText(op, "key", key); err != nil {
 		return err
 	}
-	if err := checkStored(op, "owner", ch.Owner); err != nil {
+	if err := s.checkStored(op, "owner", ch.Owner); err != nil {
 		return err
 	}
 	if ch.Lease < 0 || ch.Retention < 0 {
@@ -145,10 +157,10 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 	if err := checkText("idempotency begin", "key", key); err != nil {
 		return idempotency.Record{}, false, err
 	}
-	if err := checkStored("idempotency begin", "fingerprint", fingerprint); err != nil {
+	if err := s.checkStored("idempotency begin", "fingerprint", fingerprint); err != nil {
 		return idempotency.Record{}, false, err
 	}
-	if err := checkStored("idempotency begin", "owner", owner); err != nil {
+	if err := s.checkStored("idempotency begin", "owner", owner); err != nil {
 		return idempotency.Record{}, false, err
 	}
 	if lease <= 0 {

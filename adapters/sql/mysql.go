@@ -140,8 +140,10 @@ func (a *Acquirer) mysqlStatements(t string) {
 		"WHERE name = %[3]s AND token = ? AND expires_at > %[2]s", t, now, mysqlText)
 	a.release = fmt.Sprintf("UPDATE %s SET token = LAST_INSERT_ID(token), expires_at = 0 WHERE name = %s AND token = ? AND expires_at > %s", t, mysqlText, now)
 	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = %s", now, t, mysqlText)
-	a.bump = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[3]s, LAST_INSERT_ID(?), x'', 0) "+
-		"ON DUPLICATE KEY UPDATE token = IF(token < VALUES(token) AND %[2]s, LAST_INSERT_ID(VALUES(token)), LAST_INSERT_ID(0) + token)", t, expired, mysqlText)
+	// Bump's arguments: name, to, to, to (a new row starts at the larger of
+	// to and the clock, see Acquirer.Bump).
+	a.bump = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[3]s, LAST_INSERT_ID(GREATEST(?, %[4]s)), x'', 0) "+
+		"ON DUPLICATE KEY UPDATE token = IF(token < ? AND %[2]s, LAST_INSERT_ID(?), LAST_INSERT_ID(0) + token)", t, expired, mysqlText, mysqlNowUs)
 }
 
 // grantMySQL runs the grant (with the guard advance, in one transaction, when

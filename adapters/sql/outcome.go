@@ -5,6 +5,7 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"net"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/go-sql-driver/mysql"
@@ -21,7 +22,8 @@ const maxAmbiguousRetries = 4
 // ambiguous reports whether err, returned for a statement, leaves open whether
 // the server applied it: the request may have been sent and its reply lost
 // (EOF, a reset or closed connection, a timeout or cancellation while it
-// ran). An error the server sent, an SQLite error (the database is in the
+// ran). An error the server sent (also a COMMIT answered with ROLLBACK,
+// pgx.ErrTxCommitRollback), an SQLite error (the database is in the
 // process), and an error the driver reports for a request it did not send
 // (driver.ErrBadConn, which database/sql retries on its own; pgconn's
 // SafeToRetry) are definite. With notSent false, the drivers' "not sent"
@@ -37,7 +39,7 @@ func ambiguous(err error, notSent bool) bool {
 		ie *fence.InvalidError
 	)
 	if errors.As(err, &pe) || errors.As(err, &me) || errors.As(err, &se) || errors.As(err, &ie) ||
-		errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) {
+		errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, pgx.ErrTxCommitRollback) || notConnected(err) {
 		return false
 	}
 	return !notSent || !(errors.Is(err, driver.ErrBadConn) || pgconn.SafeToRetry(err))
@@ -65,3 +67,14 @@ func (db *DB) unknown(err error) error {
 
 // ambiguous is ambiguous for a statement of db's own.
 func (db *DB) ambiguous(err error) bool { return db.d != sqliteDialect && ambiguous(err, true) }
+
+// notConnected reports an error of opening a connection (pgconn's
+// ConnectError, or a refused or failed dial under the MySQL driver): no
+// statement was sent on it.
+func notConnected(err error) bool {
+	var (
+		ce *pgconn.ConnectError
+		oe *net.OpError
+	)
+	return errors.As(err, &ce) || (errors.As(err, &oe) && oe.Op == "dial")
+}

@@ -16,7 +16,9 @@ type WriterOptions struct {
 	Table string
 	// KeyColumn is the table's primary key (or a unique column). Default: "key".
 	// On MySQL it must compare bytes (VARBINARY, or a _bin collation): under
-	// a case-insensitive or PAD SPACE collation two keys share one row.
+	// a case-insensitive or PAD SPACE collation two keys share one row. The
+	// same holds elsewhere: no citext or nondeterministic collation on
+	// PostgreSQL, no COLLATE NOCASE or RTRIM on SQLite.
 	KeyColumn string
 	// ValueColumn holds the value; it must be nullable, since a fenced delete
 	// sets it to NULL. Default: "value".

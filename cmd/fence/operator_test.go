@@ -93,24 +93,31 @@ func TestOperatorRefusesUnnamedBackend(t *testing.T) {
 	}
 }
 
-// checkBump bumps name to 40 through the CLI, refuses 39, and inspects it;
-// counter reads the counter from the backend itself.
+// bumpTo is what checkBump raises a counter to: above every backend's clock
+// floor in microseconds (a new SQL lease row starts at the server's clock,
+// and Bump never recreates a row below it) until about the year 2096, and
+// below fence.MaxToken.
+const bumpTo = 4_000_000_000_000_000
+
+// checkBump bumps name to bumpTo through the CLI, refuses bumpTo-1, and
+// inspects it; counter reads the counter from the backend itself.
 func checkBump(t *testing.T, flags []string, name string, counter func() fence.Token) {
 	t.Helper()
 	with := func(args ...string) []string { return append(append([]string{args[0]}, flags...), args[1:]...) }
+	to, below := fmt.Sprint(bumpTo), fmt.Sprint(bumpTo-1)
 	if code, out := fenceCmd(with("inspect", name)...); code != 1 || !strings.Contains(out, "no lock named") {
 		t.Errorf("inspect of a name never granted: exit %d\n%s", code, out)
 	}
-	if code, out := fenceCmd(with("bump", name, "-to", "40")...); code != 0 || !strings.Contains(out, "counter raised to 40") {
+	if code, out := fenceCmd(with("bump", name, "-to", to)...); code != 0 || !strings.Contains(out, "counter raised to "+to) {
 		t.Fatalf("bump: exit %d\n%s", code, out)
 	}
-	if got := counter(); got != 40 {
-		t.Errorf("after fence bump -to 40 the backend's counter is %d", got)
+	if got := counter(); got != bumpTo {
+		t.Errorf("after fence bump -to %s the backend's counter is %d", to, got)
 	}
-	if code, out := fenceCmd(with("bump", name, "-to", "39")...); code != 1 || !strings.Contains(out, "already at 40") {
+	if code, out := fenceCmd(with("bump", name, "-to", below)...); code != 1 || !strings.Contains(out, "already at "+to) {
 		t.Errorf("bump downwards: exit %d\n%s", code, out)
 	}
-	if code, out := fenceCmd(with("inspect", "-key", "never-written", name)...); code != 0 || !strings.Contains(out, "counter:   40") ||
+	if code, out := fenceCmd(with("inspect", "-key", "never-written", name)...); code != 0 || !strings.Contains(out, "counter:   "+to) ||
 		!strings.Contains(out, "held:      no") || !strings.Contains(out, `key "never-written": no value`) {
 		t.Errorf("inspect after the bump: exit %d\n%s", code, out)
 	}
@@ -218,7 +225,7 @@ func TestOperatorRedis(t *testing.T) {
 	name := uniqueName(t)
 	checkBump(t, []string{"-backend", "redis", "-redis-addr", addr}, name, inspectCounter(t, a, name))
 	// The same lock through -redis-url.
-	if code, out := fenceCmd("inspect", "-backend", "redis", "-redis-url", "redis://"+addr+"/0", name); code != 0 || !strings.Contains(out, "counter:   40") {
+	if code, out := fenceCmd("inspect", "-backend", "redis", "-redis-url", "redis://"+addr+"/0", name); code != 0 || !strings.Contains(out, fmt.Sprintf("counter:   %d", bumpTo)) {
 		t.Errorf("inspect -redis-url: exit %d\n%s", code, out)
 	}
 }
