@@ -426,3 +426,72 @@ func testNamesByteForByte(t *testing.T, e *s3env) {
 		}
 	}
 }
+
+// TestCreationRace (HAZARDS 1): a grant that found no lock object writes a
+// new one with If-None-Match: *, its token taken from the Date of that read.
+// When its PUT is slow on the way (or the creation waits its second) while
+// another acquirer creates the object, grants from it twice and the object is
+// then deleted, the slow PUT lands on the absent object. Its token must still
+// be above every token the deleted object handed out: here the second grant
+// (paused) would otherwise win over the new holder's writes.
+func TestCreationRace(t *testing.T) { faultServers(t, testCreationRace) }
+
+func testCreationRace(t *testing.T, e *s3env, f *faults) {
+	slow, other := newAcquirer(t, e), newAcquirer(t, e)
+	w := newWriter(t, e, nil)
+	ctx := context.Background()
+	name := fencetest.Name("creation")
+	const ttl = 30 * time.Second
+
+	f.release, f.landed, f.held = make(chan int), make(chan int, 1), make(chan struct{}, 1)
+	defer func() { f.held = nil }()
+	f.inject("hold")
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		l, err := slow.TryAcquire(ctx, name, ttl)
+		res <- result{l, err}
+	}()
+	<-f.held // the slow grant's creating PUT is on its way
+
+	first, err := other.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	paused, err := other.TryAcquire(ctx, name, ttl) // stalls from here on
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.c.DeleteObject(ctx, &s3.DeleteObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("fencekit-locks/" + name)}); err != nil {
+		t.Fatal(err)
+	}
+	f.release <- 1
+	<-f.landed
+	r := <-res
+	if r.err != nil {
+		// Refusing the late creation is safe; a new grant must then be
+		// above the paused holder's token.
+		l, err := slow.TryAcquire(ctx, name, ttl)
+		if err != nil {
+			t.Fatalf("after the slow creation (%v): %v", r.err, err)
+		}
+		r.l = l
+	}
+	defer r.l.Release(ctx)
+	if r.l.Token() <= paused.Token() {
+		t.Errorf("the grant after the lock object was deleted has token %d, not above the paused holder's %d (and the first grant's %d)", r.l.Token(), paused.Token(), first.Token())
+	}
+	key := fencetest.Name("fresh")
+	if err := w.Write(ctx, key, []byte("new"), r.l.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("paused, late"), paused.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Errorf("the paused holder's write over the new holder's: %v, want ErrStale", err)
+	}
+}

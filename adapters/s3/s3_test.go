@@ -53,6 +53,8 @@ type faults struct {
 	// it reaches the server (after its client may have given up); the status
 	// the server answered goes to landed.
 	release, landed chan int
+	// held, when set, is told once a "hold" PUT has arrived and waits.
+	held chan struct{}
 }
 
 // shiftedDate sets the Date header, shifted by offset, when the header is written.
@@ -134,6 +136,9 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		r2 := r.Clone(context.Background())
 		r2.Body = io.NopCloser(bytes.NewReader(body))
+		if f.held != nil {
+			f.held <- struct{}{}
+		}
 		<-f.release
 		rec := httptest.NewRecorder()
 		f.next.ServeHTTP(rec, r2)
