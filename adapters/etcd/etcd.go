@@ -53,7 +53,9 @@ import (
 type Options struct {
 	// Prefix is the key prefix of every lock. Default: "/fencekit/locks/".
 	Prefix string
-	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
+	// Drift is taken off each lease's local deadline. Default: 1% of the ttl
+	// plus 2ms. A TryAcquire or Acquire whose ttl is not longer than a Drift
+	// set here returns an error matching fence.ErrInvalid naming the ttl.
 	Drift time.Duration
 	// MaxWait bounds Acquire's wait when ctx has no deadline. Default: 30s.
 	MaxWait time.Duration
@@ -109,12 +111,16 @@ const MaxTTL = 9_000_000_000 * time.Second
 // key (up to three bytes for one), and etcd bounds the size of a request.
 const MaxNameBytes = 4096
 
-func check(ctx context.Context, name string, ttl time.Duration) error {
+func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) error {
 	if err := fence.CheckContext("acquire", ctx); err != nil {
 		return err
 	}
 	if err := checkName("acquire", name); err != nil {
 		return err
+	}
+	if d := a.o.Drift; d > 0 && ttl > 0 && ttl <= d {
+		// The local deadline would be past before the grant is made.
+		return &fence.InvalidError{Op: "acquire", Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
 	}
 	return fence.CheckTTL("acquire", ttl, MinTTL, MaxTTL)
 }
@@ -143,7 +149,7 @@ func (a *Acquirer) lockPrefix(name string) string {
 // lost is recognised by reading the key (the lease is returned), or reported
 // as not granted, its etcd lease being revoked.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := check(ctx, name, ttl); err != nil {
+	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	return a.acquire(ctx, name, ttl, false)
@@ -156,7 +162,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 // fence.ErrHeld. A lease it returns was confirmed by etcd after its turn came:
 // never one already lost.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := check(ctx, name, ttl); err != nil {
+	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	if _, ok := ctx.Deadline(); !ok {
