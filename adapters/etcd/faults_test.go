@@ -344,3 +344,37 @@ func TestLostReplies(t *testing.T) {
 	}
 	_ = l2.Release(ctx)
 }
+
+// TestReleaseLandsAfterExpiry (HAZARDS 3): Release is sent within the
+// lease's local deadline, but its revoke reaches etcd only after the lease
+// expired there and another holder was granted the name. etcd then answers
+// that it has no such lease: that is the expiry, not our revoke, and Release
+// must not report a lease held to the end (nil); it had expired (ErrLost).
+func TestReleaseLandsAfterExpiry(t *testing.T) {
+	a, _, b, p, name := faultSetup(t, "late-release")
+	ctx := context.Background()
+	const ttl = 2 * time.Second
+	l, err := b.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Partition() // the revoke is held on its way
+	defer p.Heal()
+	released := make(chan error, 1)
+	go func() {
+		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		released <- l.Release(rctx)
+	}()
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	other, err := a.Acquire(wctx, name, 10*time.Second) // granted once the lease expired on etcd
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Release(ctx)
+	p.Heal()
+	if err := <-released; !errors.Is(err, fence.ErrLost) {
+		t.Errorf("a release that reached etcd after the lease expired (and token %d was granted): %v, want ErrLost", other.Token(), err)
+	}
+}
