@@ -495,9 +495,11 @@ func (l *lease) Renew(ctx context.Context) error {
 // Release revokes the etcd lease, which deletes the lock key and wakes the next
 // waiter. It returns fence.ErrLost when the lease had ended before (past its
 // local deadline, found lost, or released). The client sends a revoke again after a lost
-// answer; etcd then no longer has the lease, and a lease that was still within
-// its local deadline cannot have expired on etcd (the deadline comes first),
-// so that is our own revoke and Release returns nil. A revoke that cannot be
+// answer; etcd then no longer has the lease, and a lease still within its
+// local deadline when that answer came cannot have expired on etcd (the
+// deadline comes first), so that is our own revoke and Release returns nil;
+// past the local deadline by then, the lease may have expired before the
+// revoke landed, and Release returns fence.ErrLost. A revoke that cannot be
 // confirmed before ctx ends goes on in the background until the lease is gone
 // or its ttl has passed; Release then returns an error matching
 // fence.ErrUnknown.
@@ -507,11 +509,17 @@ func (l *lease) Release(ctx context.Context) error {
 	}
 	ended := l.Context().Err() != nil // expired, found lost, or released before
 	_, err := l.a.c.Revoke(ctx, l.id)
+	lapsed := l.Context().Err() != nil // the local deadline passed on the way
 	l.End(context.Canceled)
 	switch {
-	case err == nil || errors.Is(err, rpctypes.ErrLeaseNotFound):
+	case err == nil:
 		if ended {
 			return l.lost()
+		}
+		return nil
+	case errors.Is(err, rpctypes.ErrLeaseNotFound):
+		if ended || lapsed {
+			return l.lost() // etcd may have expired it before the revoke landed
 		}
 		return nil
 	default:
