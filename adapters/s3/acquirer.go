@@ -67,12 +67,15 @@ type AcquirerOptions struct {
 //
 // Someone else may delete a lock object (a lifecycle rule, an operator, a
 // bucket cleanup) while its holder still runs. The next grant then creates a
-// new object, and its counter starts from S3's clock instead of 1: at the
-// second after S3's Date, in microseconds (about 1.7e15 today; below 2^53
-// until the year 2255), and the grant waits until S3's time has reached that
-// second before it writes. So a name's first grant, and the first after a
-// deletion, take about a second longer. Its token is above every token the
-// deleted object handed out, provided (a) S3's clock, as its Date headers tell
+// new object, free and marked new (If-None-Match: *), reads it again, and
+// takes its counter from S3's clock instead of 1: at the second after the Date
+// of that read, in microseconds (about 1.7e15 today; below 2^53 until the year
+// 2255), and waits until S3's time has reached that second before it writes
+// the grant, conditional on the new object's ETag. The token never comes from
+// a read that found no object: a creating PUT may land long after that read,
+// after another object's whole life. So a name's first grant, and the first
+// after a deletion, take about a second and two requests longer. Its token is
+// above every token the deleted object handed out, provided (a) S3's clock, as its Date headers tell
 // it, does not go back between the two objects, and (b) the old object saw
 // fewer than a million grants per second of its life (S3 accepts far fewer
 // writes to one object). A stalled holder's write is then refused by the fence.
@@ -164,6 +167,9 @@ type lockState struct {
 	// Write is random for every write, so no two writes share an ETag: a PUT
 	// conditional on an ETag fails once anything was written over it.
 	Write string `json:"write,omitempty"`
+	// New marks an object created free by a grant that found none: the next
+	// grant takes its token from S3's clock on the read that sees it.
+	New bool `json:"new,omitempty"`
 }
 
 const lockFormat = "lock-v1"
@@ -344,13 +350,26 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			}
 			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrHeld)
 		}
-		next := o.st.Token + 1
 		if !o.exists {
-			// A new lock object: the name's first grant, or its object was
-			// deleted. Start above every token it may have handed out.
-			if next, err = a.creationToken(ctx, o.clock); err != nil {
+			// The name's first grant, or its object was deleted: create it,
+			// free and new, then read it again. A token from this read could
+			// be below those of an object created and deleted while this PUT
+			// was on its way.
+			st := lockState{Token: uint64(o.clock.date.UnixMicro()), Owner: a.o.Owner, New: true}
+			if _, _, err := a.write(ctx, name, "", st, o.clock); err != nil && !isConflict(err) && !mayHaveApplied(err) {
 				return nil, a.failed("acquire", name, err, ambiguous)
 			}
+			continue
+		}
+		next := o.st.Token + 1
+		if o.st.New {
+			// A new lock object, seen by this read: start above every token
+			// a deleted one may have handed out.
+			t, err := a.creationToken(ctx, o.clock)
+			if err != nil {
+				return nil, a.failed("acquire", name, err, ambiguous)
+			}
+			next = max(next, t)
 		}
 		if !fence.Token(next).Valid() {
 			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrTokensExhausted)
@@ -386,12 +405,14 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 }
 
 // creationToken is the token of a new lock object: the second after S3's Date
-// on the read that found no object, in microseconds. It first waits until S3's
-// time has certainly reached that second (about a second after the read), so
-// the PUT that creates the object lands at or after the time its token stands
-// for. Any later read that finds the object gone (deleted after this PUT) has a
-// Date at or past that second, and its token is at least a second (a million)
-// higher: above this object's tokens, which grow by one per grant.
+// on a read that found it new, in microseconds. It first waits until S3's time
+// has certainly reached that second (about a second after the read), so the
+// PUT of the grant lands at or after the time its token stands for. Any later
+// read that finds a newer new object (created after this one was deleted) has
+// a Date at or past that second, and its token is at least a second (a
+// million) higher: above this object's tokens, which grow by one per grant.
+// An object deleted before this one was created made all its grants before
+// the read, so below the read's second plus one.
 func (a *Acquirer) creationToken(ctx context.Context, c s3Clock) (uint64, error) {
 	floor := c.date.Truncate(time.Second).Add(time.Second)
 	if wait := floor.Sub(c.earliest()); wait > 0 {

@@ -58,15 +58,24 @@ func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 	a := newAcquirer(t, e)
 	ctx := context.Background()
 	for _, kind := range []string{"drop-response", "409", "412", "500"} {
-		name := fencetest.Name("fault")
+		// The fault on the PUT that creates the new lock object (free):
+		// the grant still follows.
 		f.inject(kind)
+		if l, err := a.TryAcquire(ctx, fencetest.Name("fault"), 10*time.Second); err != nil {
+			t.Fatalf("grant after an injected %s on the creating PUT: %v", kind, err)
+		} else {
+			_ = l.Release(ctx)
+		}
+		// The fault on the grant's PUT, after the one that creates the object.
+		name := fencetest.Name("fault")
+		f.inject("", kind)
 		before := f.puts.Load()
 		l, err := a.TryAcquire(ctx, name, 10*time.Second)
 		if err != nil {
 			t.Fatalf("grant after an injected %s: %v", kind, err)
 		}
-		if n := f.puts.Load() - before; (kind == "drop-response" && n != 1) || (kind != "drop-response" && n != 2) {
-			t.Errorf("%s: %d PUTs (want 1 for a landed grant recognised by its nonce, 2 otherwise)", kind, n)
+		if n := f.puts.Load() - before - 1; (kind == "drop-response" && n != 1) || (kind != "drop-response" && n != 2) {
+			t.Errorf("%s: %d grant PUTs (want 1 for a landed grant recognised by its nonce, 2 otherwise)", kind, n)
 		}
 		if _, err := a.TryAcquire(ctx, name, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
 			t.Fatalf("after the %s grant: %v, want ErrHeld", kind, err)
@@ -354,19 +363,32 @@ func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
 
 	t.Run("lands-late", func(t *testing.T) {
 		name := fencetest.Name("late")
-		f.release, f.landed = make(chan int), make(chan int, 1)
-		f.inject("hold")
+		f.release, f.landed, f.held = make(chan int), make(chan int, 1), make(chan struct{}, 1)
+		defer func() { f.held = nil }()
+		f.inject("", "hold") // the grant's PUT, after the one creating the object
 		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
-		if l, err := a.TryAcquire(cctx, name, ttl); err == nil {
+		granted := make(chan fence.Lease, 1)
+		go func() {
+			l, _ := a.TryAcquire(cctx, name, ttl)
+			granted <- l
+		}()
+		<-f.held
+		// The new lock object, free, as the held grant's PUT found it.
+		created, err := b.Inspect(ctx, name)
+		if err != nil || created.Held {
+			t.Fatalf("the created lock object: %+v, %v", created, err)
+		}
+		if l := <-granted; l != nil {
 			t.Fatalf("granted %d while its PUT was held", l.Token())
 		}
 		// The cleanup runs in the background: wait until it has written the
-		// lock object (free), then let the held PUT land.
+		// lock object (free, with the abandoned grant's counter), then let the
+		// held PUT land.
 		deadline := time.Now().Add(15 * time.Second)
 		for {
 			info, err := b.Inspect(ctx, name)
-			if err == nil && !info.Held {
+			if err == nil && !info.Held && info.Counter > created.Counter {
 				break
 			}
 			if time.Now().After(deadline) {
