@@ -44,7 +44,8 @@ type AcquirerOptions struct {
 	// GET. Default: Min 50ms, Max 1s.
 	Backoff fence.Backoff
 	// Drift is taken off each lease's local deadline. Default: 1% of the ttl
-	// plus 2ms.
+	// plus 2ms. A TryAcquire or Acquire whose ttl is not longer than a Drift
+	// set here returns an error matching fence.ErrInvalid naming the ttl.
 	Drift time.Duration
 	// MaxAttempts bounds how often one TryAcquire, Renew or Release reads and
 	// writes again after a conflict or an ambiguous answer. Default: 8.
@@ -209,6 +210,15 @@ func (a *Acquirer) check(op string, ctx context.Context, name string) error {
 	return fence.CheckText(op, "name", name, MaxKeyBytes-len(a.o.Prefix))
 }
 
+// checkTTL refuses a ttl outside the acquirer's bounds, or one not longer
+// than its Drift: the lease would be past its local deadline at once.
+func (a *Acquirer) checkTTL(ttl time.Duration) error {
+	if d := a.o.Drift; d > 0 && ttl > 0 && ttl <= d {
+		return &fence.InvalidError{Op: "acquire", Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
+	}
+	return fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL)
+}
+
 // dateOf reads S3's Date header from a response's metadata or error.
 func dateOf(md *middleware.Metadata, err error) (time.Time, bool) {
 	var h http.Header
@@ -320,7 +330,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
 	}
-	if err := fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL); err != nil {
+	if err := a.checkTTL(ttl); err != nil {
 		return nil, err
 	}
 	nonce := newLockNonce()
@@ -492,7 +502,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
 	}
-	if err := fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL); err != nil {
+	if err := a.checkTTL(ttl); err != nil {
 		return nil, err
 	}
 	return a.o.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
