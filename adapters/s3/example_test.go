@@ -40,25 +40,28 @@ func Example() {
 		log.Fatal(err)
 	}
 
+	// A new lock object's counter starts at S3's clock in microseconds, so
+	// tokens stay above those of a lock object that was deleted.
+	var tokens []fence.Token
 	for _, run := range []string{"first run", "second run"} {
 		err := fence.Hold(ctx, locks, "nightly", 10*time.Second, func(ctx context.Context, l fence.Lease) error {
-			fmt.Printf("%s holds token %d\n", run, l.Token())
+			tokens = append(tokens, l.Token())
 			return objects.Write(ctx, "nightly.csv", []byte(run), l.Token())
 		})
 		if err != nil {
 			log.Fatal(err)
 		}
 	}
-	err = objects.Write(ctx, "nightly.csv", []byte("late"), 1)
-	fmt.Println("late write with token 1 is stale:", errors.Is(err, fence.ErrStale))
+	fmt.Println("the second run's token is the first's plus one:", tokens[1] == tokens[0]+1)
+	err = objects.Write(ctx, "nightly.csv", []byte("late"), tokens[0])
+	fmt.Println("a late write with the first run's token is stale:", errors.Is(err, fence.ErrStale))
 	v, tok, err := objects.Read(ctx, "nightly.csv")
 	if err != nil {
 		log.Fatal(err)
 	}
-	fmt.Printf("stored %q with token %d\n", v, tok)
+	fmt.Printf("stored %q with the second run's token: %v\n", v, tok == tokens[1])
 	// Output:
-	// first run holds token 1
-	// second run holds token 2
-	// late write with token 1 is stale: true
-	// stored "second run" with token 2
+	// the second run's token is the first's plus one: true
+	// a late write with the first run's token is stale: true
+	// stored "second run" with the second run's token: true
 }
