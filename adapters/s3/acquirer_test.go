@@ -26,7 +26,10 @@ func newAcquirer(t testing.TB, e *s3env) *s3fence.Acquirer {
 
 // TestAcquirerConformance runs the acquirer suite on gofakes3 and on the real
 // S3 server. S3 tells time in whole seconds, so an expired lease is granted
-// again up to 2s after its ttl: the short ttl is 4s.
+// again up to 2s after its ttl, and a name's first grant waits about a second
+// for S3's clock: an expired lease on a new name is granted again up to 3s
+// after its ttl, counted from the start of its TryAcquire, which the suite's
+// StaleRenewKeepsNewHolder waits ShortTTL/2 for: the short ttl is 8s.
 func TestAcquirerConformance(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		t.Parallel()
@@ -40,7 +43,7 @@ func TestAcquirerConformance(t *testing.T) {
 				})
 				return newAcquirer(t, &s3env{c: c, bucket: e.bucket})
 			},
-			ShortTTL: 4 * time.Second,
+			ShortTTL: 8 * time.Second,
 			MaxTTL:   s3fence.MaxAcquirerTTL,
 			BadNames: []string{"nul\x00", "bad \xff"},
 			// Waiters poll: keep the contention test small.
@@ -543,4 +546,36 @@ func TestTTLNotAboveDrift(t *testing.T) {
 		t.Fatalf("ttl 6s under a 5s Drift: %v", err)
 	}
 	_ = l.Release(ctx)
+}
+
+// TestReleaseUnconfirmed (HAZARDS 3, 6): a Release whose PUT got a 500 (it
+// may or may not have landed; here it did not) and whose read to find out
+// fails too cannot know whether the lock is free. It must say so
+// (ErrUnknown), and the lock must not stay held by nobody for its ttl: another
+// acquirer is granted well before it.
+func TestReleaseUnconfirmed(t *testing.T) { faultServers(t, testReleaseUnconfirmed) }
+
+func testReleaseUnconfirmed(t *testing.T, e *s3env, f *faults) {
+	a, b := newAcquirer(t, e), newAcquirer(t, e)
+	ctx := context.Background()
+	const ttl = 60 * time.Second
+	name := fencetest.Name("unconfirmed")
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.inject("500")
+	f.failGets.Store(true)
+	err = l.Release(ctx)
+	f.failGets.Store(false)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("release after a 500 and a failed read: %v, want ErrUnknown", err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	l2, err := b.Acquire(wctx, name, ttl)
+	if err != nil {
+		t.Fatalf("after a release that could not be confirmed: %v (the ttl is %v)", err, ttl)
+	}
+	_ = l2.Release(ctx)
 }

@@ -55,6 +55,8 @@ type faults struct {
 	release, landed chan int
 	// held, when set, is told once a "hold" PUT has arrived and waits.
 	held chan struct{}
+	// failGets, while set, answers every GET of an object with 503.
+	failGets atomic.Bool
 }
 
 // shiftedDate sets the Date header, shifted by offset, when the header is written.
@@ -100,6 +102,12 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			}
 		}()
 		w = sd
+	}
+	if r.Method == http.MethodGet && f.failGets.Load() && strings.Count(strings.Trim(r.URL.Path, "/"), "/") >= 1 {
+		w.Header().Set("Content-Type", "application/xml")
+		w.WriteHeader(http.StatusServiceUnavailable)
+		_, _ = io.WriteString(w, `<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>`)
+		return
 	}
 	if r.Method != http.MethodPut || strings.Count(strings.Trim(r.URL.Path, "/"), "/") < 1 {
 		f.next.ServeHTTP(w, r)
