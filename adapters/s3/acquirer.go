@@ -598,7 +598,10 @@ func (l *lease) Renew(ctx context.Context) error {
 
 // Release frees the lock, keeping its counter, with a PUT conditional on the
 // holder's ETag; fence.ErrLost if another grant holds it. The lease's context is
-// done afterwards.
+// done afterwards. A release that cannot be confirmed (an ambiguous PUT and a
+// failed read, or ctx ending) goes on in the background until the lock is free
+// of this grant or its ttl has passed, and Release returns an error matching
+// fence.ErrUnknown.
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
@@ -617,7 +620,7 @@ func (l *lease) Release(ctx context.Context) error {
 		}
 		o, rerr := l.a.read(ctx, l.Name())
 		if rerr != nil {
-			return fmt.Errorf("s3fence: release %q: %w (after %v)", l.Name(), rerr, err)
+			return l.releaseLater(fmt.Errorf("%w (after %v)", rerr, err))
 		}
 		switch {
 		case o.exists && o.st.Token == l.st.Token && o.st.Holder == "":
@@ -627,10 +630,19 @@ func (l *lease) Release(ctx context.Context) error {
 		}
 		l.etag = o.etag // still ours: release against the current ETag
 		if err := pause(ctx, attempt); err != nil {
-			return fmt.Errorf("s3fence: release %q: %w", l.Name(), err)
+			return l.releaseLater(err)
 		}
 	}
-	return fmt.Errorf("s3fence: release %q: %d attempts: %w", l.Name(), l.a.o.MaxAttempts, ErrContention)
+	return l.releaseLater(fmt.Errorf("%d attempts: %w", l.a.o.MaxAttempts, ErrContention))
+}
+
+// releaseLater is Release's result when it could not confirm that the lock is
+// free (err): the release goes on in the background, as for an abandoned
+// grant (conditional on the holder's ETag, so it never frees another grant),
+// and Release returns an error matching fence.ErrUnknown.
+func (l *lease) releaseLater(err error) error {
+	go l.a.abandon(l.Name(), l.st.Holder, pendingGrant{etag: l.etag, token: l.st.Token, clock: l.clock}, l.TTL())
+	return fmt.Errorf("s3fence: release %q: %w: %w (it goes on in the background)", l.Name(), fence.ErrUnknown, err)
 }
 
 // released is Release's result once the lock is free: ErrLost when the lease
