@@ -579,3 +579,27 @@ func testReleaseUnconfirmed(t *testing.T, e *s3env, f *faults) {
 	}
 	_ = l2.Release(ctx)
 }
+
+// TestRenewUnconfirmed (HAZARDS 3): a Renew whose PUT got a 500 (it may have
+// landed) and whose read to find out fails returns ErrUnknown, not a bare
+// transport error; the lease still ends at its local deadline.
+func TestRenewUnconfirmed(t *testing.T) { faultServers(t, testRenewUnconfirmed) }
+
+func testRenewUnconfirmed(t *testing.T, e *s3env, f *faults) {
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	l, err := a.TryAcquire(ctx, fencetest.Name("renew-unconfirmed"), 60*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.inject("500")
+	f.failGets.Store(true)
+	err = l.Renew(ctx)
+	f.failGets.Store(false)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("renew after a 500 and a failed read: %v, want ErrUnknown", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+}
