@@ -548,7 +548,9 @@ type lease struct {
 // the holder's ETag. See fence.Lease. A lease whose context is done (released,
 // lost, or past its local deadline) returns fence.ErrLost without writing, so
 // a late Renew never holds the lock on S3 again; a renewal that S3 confirms
-// only after the local deadline passed is undone with a release.
+// only after the local deadline passed is undone with a release. A renewal
+// that may have landed but could not be confirmed returns an error matching
+// fence.ErrUnknown, and the lease still ends at its local deadline.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
@@ -579,7 +581,9 @@ func (l *lease) Renew(ctx context.Context) error {
 		// Someone else wrote, or our write may have landed: read and decide.
 		o, rerr := l.a.read(ctx, l.Name())
 		if rerr != nil {
-			return fmt.Errorf("s3fence: renew %q: %w (after %v)", l.Name(), rerr, err)
+			// The renewal may have landed: not confirmed, the lease still
+			// ends at its local deadline.
+			return fmt.Errorf("s3fence: renew %q: %w: %w (after %v)", l.Name(), fence.ErrUnknown, rerr, err)
 		}
 		if !o.exists || o.st.Holder != st.Holder || o.st.Token != st.Token {
 			l.End(fence.ErrLost)
