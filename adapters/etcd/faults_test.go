@@ -378,3 +378,27 @@ func TestReleaseLandsAfterExpiry(t *testing.T) {
 		t.Errorf("a release that reached etcd after the lease expired (and token %d was granted): %v, want ErrLost", other.Token(), err)
 	}
 }
+
+// TestRenewUnconfirmed (HAZARDS 3): a Renew whose keep-alive cannot be
+// confirmed before its context ends (here held by a partition: it may land
+// later) returns ErrUnknown, not a bare transport or context error; the lease
+// still ends at its local deadline.
+func TestRenewUnconfirmed(t *testing.T) {
+	_, _, b, p, name := faultSetup(t, "renew-unconfirmed")
+	ctx := context.Background()
+	l, err := b.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Partition()
+	rctx, cancel := context.WithTimeout(ctx, time.Second)
+	err = l.Renew(rctx)
+	cancel()
+	p.Heal()
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("renew not confirmed before its context ended: %v, want ErrUnknown", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+}
