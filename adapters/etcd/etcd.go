@@ -467,8 +467,8 @@ type lease struct {
 // late Renew never holds the lock on etcd again; a keep-alive confirmed only
 // after the local deadline passed is undone by revoking the etcd lease. A
 // keep-alive is safe to repeat: the client sends it again after a lost answer
-// until ctx ends, and an error then means the renewal was not confirmed (the
-// lease still ends at its local deadline).
+// until ctx ends, and an error then (matching fence.ErrUnknown) means the
+// renewal was not confirmed (the lease still ends at its local deadline).
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
@@ -483,7 +483,9 @@ func (l *lease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	if err != nil {
-		return fmt.Errorf("etcdfence: renew %q: %w", l.Name(), err)
+		// The keep-alive may have reached etcd: not confirmed, the lease
+		// still ends at its local deadline.
+		return fmt.Errorf("etcdfence: renew %q: %w: %w", l.Name(), fence.ErrUnknown, err)
 	}
 	if !l.Extend(sent) {
 		l.a.revoke(l.id, l.TTL())
