@@ -21,7 +21,13 @@
 // on a live lease, a late request that lands after the revoke fails.
 //
 // Tokens are revisions of the whole cluster: deleting the lock keys (or the
-// whole prefix) does not restart them. Restoring a cluster from a snapshot
+// whole prefix) does not restart them. It does free the names, though: the
+// next TryAcquire or waiter is granted while the holder is not told (its
+// context stays live and its Renew succeeds until its etcd lease ends), and
+// only the fence, the new token being larger, refuses the old holder's
+// writes. To take a lock away, revoke the holder's etcd lease (the key's
+// lease): its next Renew returns fence.ErrLost, but its context stays live
+// until then, and the next grant does not wait for it. Restoring a cluster from a snapshot
 // does set the revision back to the snapshot's: restore with etcdutl snapshot
 // restore --bump-revision (by more than the revisions since the snapshot) and
 // --mark-compacted, or tokens granted after the snapshot are handed out again.
