@@ -603,3 +603,47 @@ func testRenewUnconfirmed(t *testing.T, e *s3env, f *faults) {
 		t.Errorf("release: %v", err)
 	}
 }
+
+// TestLateRenewalReleaseFails (HAZARDS 6): a renewal that S3 confirms only
+// after the lease's local deadline passed is undone with a release; when that
+// release's PUT fails (a 500 that did not land), the lock must still not stay
+// held by nobody for the renewal's ttl.
+func TestLateRenewalReleaseFails(t *testing.T) { faultServers(t, testLateRenewalReleaseFails) }
+
+func testLateRenewalReleaseFails(t *testing.T, e *s3env, f *faults) {
+	b := newAcquirer(t, e)
+	ctx := context.Background()
+	const ttl = 60 * time.Second
+	// A 60s lease whose local deadline is 2s away (Drift 58s): it passes
+	// while the renewal is held.
+	a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{Drift: ttl - 2*time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("late-renewal")
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.release, f.landed, f.held = make(chan int), make(chan int, 1), make(chan struct{}, 1)
+	defer func() { f.held = nil }()
+	f.inject("hold", "500")
+	renewed := make(chan error, 1)
+	go func() { renewed <- l.Renew(ctx) }()
+	<-f.held
+	<-l.Context().Done() // the local deadline passes with the renewal on its way
+	f.release <- 1
+	<-f.landed
+	if err := <-renewed; !errors.Is(err, fence.ErrLost) {
+		t.Errorf("renewal confirmed after the local deadline: %v, want ErrLost", err)
+	}
+	// The renewal holds the lock for a ttl on S3; its undoing failed once.
+	// The name must be free long before that ttl passes.
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	l2, err := b.Acquire(wctx, name, ttl)
+	if err != nil {
+		t.Fatalf("after a late renewal whose release failed once: %v", err)
+	}
+	_ = l2.Release(ctx)
+}
