@@ -569,8 +569,11 @@ func (l *lease) Renew(ctx context.Context) error {
 			l.st, l.etag, l.clock = st, etag, clock
 			if !l.Extend(sent) {
 				// Confirmed too late: the holder has stopped; free the lock
-				// at once rather than leave it held for a ttl.
-				_, _, _ = l.a.write(ctx, l.Name(), l.etag, lockState{Token: l.st.Token, Owner: l.st.Owner}, l.clock)
+				// at once rather than leave it held for a ttl (in the
+				// background when this write fails).
+				if _, _, err := l.a.write(ctx, l.Name(), l.etag, lockState{Token: l.st.Token, Owner: l.st.Owner}, l.clock); err != nil {
+					go l.a.abandon(l.Name(), l.st.Holder, pendingGrant{etag: l.etag, token: l.st.Token, clock: l.clock}, l.TTL())
+				}
 				return l.lost()
 			}
 			return nil
