@@ -58,11 +58,12 @@ type AcquirerOptions struct {
 //
 // A grant reads the lock object (GET), and if it is free (released, never
 // used, or past its expiry on S3's clock) writes the next token and its own
-// nonce with a conditional PUT: If-None-Match: * for a new name, If-Match on
-// the ETag it read otherwise, so of two contenders at most one succeeds. The
-// token is the object's counter plus one, and a release keeps it (the
-// acquirer never deletes the object). Renew and Release are PUTs conditional
-// on the holder's ETag. Acquire + release take 3 requests (GET, PUT, PUT).
+// nonce with a PUT conditional on the ETag it read (If-Match), so of two
+// contenders at most one succeeds; a name without an object first gets one,
+// free (If-None-Match: *, see below). The token is the object's counter plus
+// one, and a release keeps it (the acquirer never deletes the object). Renew
+// and Release are PUTs conditional on the holder's ETag. Acquire + release
+// take 3 requests (GET, PUT, PUT).
 //
 // # Tokens when the lock object is deleted
 //
