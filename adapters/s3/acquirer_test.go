@@ -647,3 +647,18 @@ func testLateRenewalReleaseFails(t *testing.T, e *s3env, f *faults) {
 	}
 	_ = l2.Release(ctx)
 }
+
+// TestMaxAttemptsOneNewName: with MaxAttempts 1 (no retries), a new name is
+// granted by one TryAcquire: creating its lock object is no retry.
+func TestMaxAttemptsOneNewName(t *testing.T) {
+	e := fakeS3(t)
+	a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{MaxAttempts: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := a.TryAcquire(context.Background(), fencetest.Name("once"), 5*time.Second)
+	if err != nil {
+		t.Fatalf("MaxAttempts 1, a new name: %v", err)
+	}
+	_ = l.Release(context.Background())
+}
