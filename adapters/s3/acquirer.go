@@ -338,6 +338,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	var firstSent time.Time // the first PUT that may have landed
 	var ambiguous error
 	var pending *pendingGrant // the latest PUT that may have landed
+	created := false          // this call wrote a new lock object
 	defer func() {
 		if pending != nil && !pending.adopted {
 			go a.abandon(name, nonce, *pending, ttl)
@@ -369,6 +370,10 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			st := lockState{Token: uint64(o.clock.date.UnixMicro()), Owner: a.o.Owner, New: true}
 			if _, _, err := a.write(ctx, name, "", st, o.clock); err != nil && !isConflict(err) && !mayHaveApplied(err) {
 				return nil, a.failed("acquire", name, err, ambiguous)
+			}
+			if !created {
+				created = true
+				attempt-- // the first creation is no retry: MaxAttempts 1 still grants a new name
 			}
 			continue
 		}
