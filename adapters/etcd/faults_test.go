@@ -402,3 +402,59 @@ func TestRenewUnconfirmed(t *testing.T) {
 		t.Errorf("release: %v", err)
 	}
 }
+
+// TestLostMoveReply (HAZARDS 3): the answer to the transaction that moves a
+// waiter's key onto the lock's lease at its turn is lost; the move is
+// recognised (the key is on that lease with its create revision), the waiter
+// gets a live lease that excludes others, and after its release the name is
+// free.
+func TestLostMoveReply(t *testing.T) {
+	a, cl, b, p, name := faultSetup(t, "lostmove")
+	ctx := context.Background()
+	h, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		l, err := b.Acquire(wctx, name, 30*time.Second)
+		res <- result{l, err}
+	}()
+	waitLine(t, cl, name, 2)
+	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithLastCreate(), clientv3.WithLimit(1))...)
+	if err != nil || len(line.Kvs) != 1 {
+		t.Fatalf("the waiter's key: %v, %v", line, err)
+	}
+	key := line.Kvs[0].Key
+	p.LoseReply(func(req []byte) bool { return bytes.Contains(req, key) })
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	if p.Pending() != 0 {
+		t.Fatal("the move never went through the proxy")
+	}
+	if r.err != nil {
+		t.Fatalf("the waiter whose move's answer was lost: %v", r.err)
+	}
+	if r.l.Context().Err() != nil || r.l.Token() != fence.Token(line.Kvs[0].CreateRevision) {
+		t.Fatalf("lease token %d (key created at %d), context %v", r.l.Token(), line.Kvs[0].CreateRevision, r.l.Context().Err())
+	}
+	if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("while the recognised waiter holds: %v, want ErrHeld", err)
+	}
+	if err := r.l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+	l2, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatalf("after the release: %v", err)
+	}
+	_ = l2.Release(ctx)
+}
