@@ -325,27 +325,55 @@ func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Du
 		id = lg.ID
 	}
 	// Our turn: move the key to the lock's lease, if it is still on the
-	// waiter's lease (it did not expire meanwhile). One round trip.
-	txn, err := a.c.Txn(ctx).
-		If(clientv3.Compare(clientv3.LeaseValue(key), "=", int64(w))).
-		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id))).
-		Commit()
-	if err == nil && !txn.Succeeded {
-		err = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
-	}
-	if err != nil {
-		r, ok, gerr := a.created(ctx, key, id)
-		if ok && r == rev {
+	// waiter's lease (it did not expire meanwhile). One round trip. The move
+	// is conditional, so it is safe to send again when its answer was lost
+	// and the key is found still on the waiter's lease, still heading the
+	// line: it was not applied (etcd cancels a request whose connection
+	// closed), and the waiter keeps its turn.
+	for attempt := 0; ; attempt++ {
+		txn, err := a.c.Txn(ctx).
+			If(clientv3.Compare(clientv3.LeaseValue(key), "=", int64(w))).
+			Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id))).
+			Commit()
+		if err == nil && txn.Succeeded {
+			a.revoke(w, WaiterTTL) // no key uses it now
+			return a.granted(name, rev, ttl, id, sent)
+		}
+		if err == nil {
+			err = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
+		}
+		// Where is the key? One read: on the lock's lease (moved: an
+		// earlier move, or this one with its answer lost, landed), still on
+		// the waiter's (not moved), or gone.
+		lease, gerr := a.keyLease(ctx, key, rev)
+		switch {
+		case lease == id:
 			a.revoke(w, WaiterTTL)
 			return a.granted(name, rev, ttl, id, sent) // moved; the answer was lost
+		case txn != nil:
+			return nil, giveUp(err, id, w)
+		case gerr == nil && lease == w && attempt < 3 &&
+			(fence.Backoff{Min: 10 * time.Millisecond, Max: 100 * time.Millisecond}).Sleep(ctx, attempt) == nil:
+			continue
 		}
-		if txn == nil {
-			return nil, a.notGranted(ctx, name, err, gerr, id, w)
-		}
-		return nil, giveUp(err, id, w)
+		return nil, a.notGranted(ctx, name, err, gerr, id, w)
 	}
-	a.revoke(w, WaiterTTL) // no key uses it now
-	return a.granted(name, rev, ttl, id, sent)
+}
+
+// keyLease is the lease of key if it exists with create revision rev (0 when
+// it does not), or err when it could not look.
+func (a *Acquirer) keyLease(ctx context.Context, key string, rev int64) (clientv3.LeaseID, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	resp, err := a.c.Get(ctx, key)
+	if err != nil {
+		return 0, err
+	}
+	if len(resp.Kvs) == 0 || resp.Kvs[0].CreateRevision != rev {
+		return 0, nil
+	}
+	return clientv3.LeaseID(resp.Kvs[0].Lease), nil
 }
 
 // fail wraps err; an ending ctx turns it into ErrHeld joined with the cause.
