@@ -21,7 +21,13 @@
 // on a live lease, a late request that lands after the revoke fails.
 //
 // Tokens are revisions of the whole cluster: deleting the lock keys (or the
-// whole prefix) does not restart them. Restoring a cluster from a snapshot
+// whole prefix) does not restart them. It does free the names, though: the
+// next TryAcquire or waiter is granted while the holder is not told (its
+// context stays live and its Renew succeeds until its etcd lease ends), and
+// only the fence, the new token being larger, refuses the old holder's
+// writes. To take a lock away, revoke the holder's etcd lease (the key's
+// lease): its next Renew returns fence.ErrLost, but its context stays live
+// until then, and the next grant does not wait for it. Restoring a cluster from a snapshot
 // does set the revision back to the snapshot's: restore with etcdutl snapshot
 // restore --bump-revision (by more than the revisions since the snapshot) and
 // --mark-compacted, or tokens granted after the snapshot are handed out again.
@@ -53,7 +59,9 @@ import (
 type Options struct {
 	// Prefix is the key prefix of every lock. Default: "/fencekit/locks/".
 	Prefix string
-	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
+	// Drift is taken off each lease's local deadline. Default: 1% of the ttl
+	// plus 2ms. A TryAcquire or Acquire whose ttl is not longer than a Drift
+	// set here returns an error matching fence.ErrInvalid naming the ttl.
 	Drift time.Duration
 	// MaxWait bounds Acquire's wait when ctx has no deadline. Default: 30s.
 	MaxWait time.Duration
@@ -109,12 +117,16 @@ const MaxTTL = 9_000_000_000 * time.Second
 // key (up to three bytes for one), and etcd bounds the size of a request.
 const MaxNameBytes = 4096
 
-func check(ctx context.Context, name string, ttl time.Duration) error {
+func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) error {
 	if err := fence.CheckContext("acquire", ctx); err != nil {
 		return err
 	}
 	if err := checkName("acquire", name); err != nil {
 		return err
+	}
+	if d := a.o.Drift; d > 0 && ttl > 0 && ttl <= d {
+		// The local deadline would be past before the grant is made.
+		return &fence.InvalidError{Op: "acquire", Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
 	}
 	return fence.CheckTTL("acquire", ttl, MinTTL, MaxTTL)
 }
@@ -143,7 +155,7 @@ func (a *Acquirer) lockPrefix(name string) string {
 // lost is recognised by reading the key (the lease is returned), or reported
 // as not granted, its etcd lease being revoked.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := check(ctx, name, ttl); err != nil {
+	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	return a.acquire(ctx, name, ttl, false)
@@ -156,7 +168,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 // fence.ErrHeld. A lease it returns was confirmed by etcd after its turn came:
 // never one already lost.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := check(ctx, name, ttl); err != nil {
+	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	if _, ok := ctx.Deadline(); !ok {
@@ -313,27 +325,55 @@ func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Du
 		id = lg.ID
 	}
 	// Our turn: move the key to the lock's lease, if it is still on the
-	// waiter's lease (it did not expire meanwhile). One round trip.
-	txn, err := a.c.Txn(ctx).
-		If(clientv3.Compare(clientv3.LeaseValue(key), "=", int64(w))).
-		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id))).
-		Commit()
-	if err == nil && !txn.Succeeded {
-		err = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
-	}
-	if err != nil {
-		r, ok, gerr := a.created(ctx, key, id)
-		if ok && r == rev {
+	// waiter's lease (it did not expire meanwhile). One round trip. The move
+	// is conditional, so it is safe to send again when its answer was lost
+	// and the key is found still on the waiter's lease, still heading the
+	// line: it was not applied (etcd cancels a request whose connection
+	// closed), and the waiter keeps its turn.
+	for attempt := 0; ; attempt++ {
+		txn, err := a.c.Txn(ctx).
+			If(clientv3.Compare(clientv3.LeaseValue(key), "=", int64(w))).
+			Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id))).
+			Commit()
+		if err == nil && txn.Succeeded {
+			a.revoke(w, WaiterTTL) // no key uses it now
+			return a.granted(name, rev, ttl, id, sent)
+		}
+		if err == nil {
+			err = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
+		}
+		// Where is the key? One read: on the lock's lease (moved: an
+		// earlier move, or this one with its answer lost, landed), still on
+		// the waiter's (not moved), or gone.
+		lease, gerr := a.keyLease(ctx, key, rev)
+		switch {
+		case lease == id:
 			a.revoke(w, WaiterTTL)
 			return a.granted(name, rev, ttl, id, sent) // moved; the answer was lost
+		case txn != nil:
+			return nil, giveUp(err, id, w)
+		case gerr == nil && lease == w && attempt < 3 &&
+			(fence.Backoff{Min: 10 * time.Millisecond, Max: 100 * time.Millisecond}).Sleep(ctx, attempt) == nil:
+			continue
 		}
-		if txn == nil {
-			return nil, a.notGranted(ctx, name, err, gerr, id, w)
-		}
-		return nil, giveUp(err, id, w)
+		return nil, a.notGranted(ctx, name, err, gerr, id, w)
 	}
-	a.revoke(w, WaiterTTL) // no key uses it now
-	return a.granted(name, rev, ttl, id, sent)
+}
+
+// keyLease is the lease of key if it exists with create revision rev (0 when
+// it does not), or err when it could not look.
+func (a *Acquirer) keyLease(ctx context.Context, key string, rev int64) (clientv3.LeaseID, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	resp, err := a.c.Get(ctx, key)
+	if err != nil {
+		return 0, err
+	}
+	if len(resp.Kvs) == 0 || resp.Kvs[0].CreateRevision != rev {
+		return 0, nil
+	}
+	return clientv3.LeaseID(resp.Kvs[0].Lease), nil
 }
 
 // fail wraps err; an ending ctx turns it into ErrHeld joined with the cause.
@@ -461,8 +501,8 @@ type lease struct {
 // late Renew never holds the lock on etcd again; a keep-alive confirmed only
 // after the local deadline passed is undone by revoking the etcd lease. A
 // keep-alive is safe to repeat: the client sends it again after a lost answer
-// until ctx ends, and an error then means the renewal was not confirmed (the
-// lease still ends at its local deadline).
+// until ctx ends, and an error then (matching fence.ErrUnknown) means the
+// renewal was not confirmed (the lease still ends at its local deadline).
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
@@ -477,7 +517,9 @@ func (l *lease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	if err != nil {
-		return fmt.Errorf("etcdfence: renew %q: %w", l.Name(), err)
+		// The keep-alive may have reached etcd: not confirmed, the lease
+		// still ends at its local deadline.
+		return fmt.Errorf("etcdfence: renew %q: %w: %w", l.Name(), fence.ErrUnknown, err)
 	}
 	if !l.Extend(sent) {
 		l.a.revoke(l.id, l.TTL())
@@ -489,9 +531,11 @@ func (l *lease) Renew(ctx context.Context) error {
 // Release revokes the etcd lease, which deletes the lock key and wakes the next
 // waiter. It returns fence.ErrLost when the lease had ended before (past its
 // local deadline, found lost, or released). The client sends a revoke again after a lost
-// answer; etcd then no longer has the lease, and a lease that was still within
-// its local deadline cannot have expired on etcd (the deadline comes first),
-// so that is our own revoke and Release returns nil. A revoke that cannot be
+// answer; etcd then no longer has the lease, and a lease still within its
+// local deadline when that answer came cannot have expired on etcd (the
+// deadline comes first), so that is our own revoke and Release returns nil;
+// past the local deadline by then, the lease may have expired before the
+// revoke landed, and Release returns fence.ErrLost. A revoke that cannot be
 // confirmed before ctx ends goes on in the background until the lease is gone
 // or its ttl has passed; Release then returns an error matching
 // fence.ErrUnknown.
@@ -501,11 +545,17 @@ func (l *lease) Release(ctx context.Context) error {
 	}
 	ended := l.Context().Err() != nil // expired, found lost, or released before
 	_, err := l.a.c.Revoke(ctx, l.id)
+	lapsed := l.Context().Err() != nil // the local deadline passed on the way
 	l.End(context.Canceled)
 	switch {
-	case err == nil || errors.Is(err, rpctypes.ErrLeaseNotFound):
+	case err == nil:
 		if ended {
 			return l.lost()
+		}
+		return nil
+	case errors.Is(err, rpctypes.ErrLeaseNotFound):
+		if ended || lapsed {
+			return l.lost() // etcd may have expired it before the revoke landed
 		}
 		return nil
 	default:

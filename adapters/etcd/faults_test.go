@@ -344,3 +344,117 @@ func TestLostReplies(t *testing.T) {
 	}
 	_ = l2.Release(ctx)
 }
+
+// TestReleaseLandsAfterExpiry (HAZARDS 3): Release is sent within the
+// lease's local deadline, but its revoke reaches etcd only after the lease
+// expired there and another holder was granted the name. etcd then answers
+// that it has no such lease: that is the expiry, not our revoke, and Release
+// must not report a lease held to the end (nil); it had expired (ErrLost).
+func TestReleaseLandsAfterExpiry(t *testing.T) {
+	a, _, b, p, name := faultSetup(t, "late-release")
+	ctx := context.Background()
+	const ttl = 2 * time.Second
+	l, err := b.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Partition() // the revoke is held on its way
+	defer p.Heal()
+	released := make(chan error, 1)
+	go func() {
+		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		released <- l.Release(rctx)
+	}()
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	other, err := a.Acquire(wctx, name, 10*time.Second) // granted once the lease expired on etcd
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Release(ctx)
+	p.Heal()
+	if err := <-released; !errors.Is(err, fence.ErrLost) {
+		t.Errorf("a release that reached etcd after the lease expired (and token %d was granted): %v, want ErrLost", other.Token(), err)
+	}
+}
+
+// TestRenewUnconfirmed (HAZARDS 3): a Renew whose keep-alive cannot be
+// confirmed before its context ends (here held by a partition: it may land
+// later) returns ErrUnknown, not a bare transport or context error; the lease
+// still ends at its local deadline.
+func TestRenewUnconfirmed(t *testing.T) {
+	_, _, b, p, name := faultSetup(t, "renew-unconfirmed")
+	ctx := context.Background()
+	l, err := b.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Partition()
+	rctx, cancel := context.WithTimeout(ctx, time.Second)
+	err = l.Renew(rctx)
+	cancel()
+	p.Heal()
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("renew not confirmed before its context ended: %v, want ErrUnknown", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+}
+
+// TestLostMoveReply (HAZARDS 3): the answer to the transaction that moves a
+// waiter's key onto the lock's lease at its turn is lost; the move is
+// recognised (the key is on that lease with its create revision), the waiter
+// gets a live lease that excludes others, and after its release the name is
+// free.
+func TestLostMoveReply(t *testing.T) {
+	a, cl, b, p, name := faultSetup(t, "lostmove")
+	ctx := context.Background()
+	h, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		l, err := b.Acquire(wctx, name, 30*time.Second)
+		res <- result{l, err}
+	}()
+	waitLine(t, cl, name, 2)
+	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithLastCreate(), clientv3.WithLimit(1))...)
+	if err != nil || len(line.Kvs) != 1 {
+		t.Fatalf("the waiter's key: %v, %v", line, err)
+	}
+	key := line.Kvs[0].Key
+	p.LoseReply(func(req []byte) bool { return bytes.Contains(req, key) })
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	if p.Pending() != 0 {
+		t.Fatal("the move never went through the proxy")
+	}
+	if r.err != nil {
+		t.Fatalf("the waiter whose move's answer was lost: %v", r.err)
+	}
+	if r.l.Context().Err() != nil || r.l.Token() != fence.Token(line.Kvs[0].CreateRevision) {
+		t.Fatalf("lease token %d (key created at %d), context %v", r.l.Token(), line.Kvs[0].CreateRevision, r.l.Context().Err())
+	}
+	if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("while the recognised waiter holds: %v, want ErrHeld", err)
+	}
+	if err := r.l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+	l2, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatalf("after the release: %v", err)
+	}
+	_ = l2.Release(ctx)
+}

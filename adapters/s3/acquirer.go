@@ -44,7 +44,8 @@ type AcquirerOptions struct {
 	// GET. Default: Min 50ms, Max 1s.
 	Backoff fence.Backoff
 	// Drift is taken off each lease's local deadline. Default: 1% of the ttl
-	// plus 2ms.
+	// plus 2ms. A TryAcquire or Acquire whose ttl is not longer than a Drift
+	// set here returns an error matching fence.ErrInvalid naming the ttl.
 	Drift time.Duration
 	// MaxAttempts bounds how often one TryAcquire, Renew or Release reads and
 	// writes again after a conflict or an ambiguous answer. Default: 8.
@@ -57,22 +58,26 @@ type AcquirerOptions struct {
 //
 // A grant reads the lock object (GET), and if it is free (released, never
 // used, or past its expiry on S3's clock) writes the next token and its own
-// nonce with a conditional PUT: If-None-Match: * for a new name, If-Match on
-// the ETag it read otherwise, so of two contenders at most one succeeds. The
-// token is the object's counter plus one, and a release keeps it (the
-// acquirer never deletes the object). Renew and Release are PUTs conditional
-// on the holder's ETag. Acquire + release take 3 requests (GET, PUT, PUT).
+// nonce with a PUT conditional on the ETag it read (If-Match), so of two
+// contenders at most one succeeds; a name without an object first gets one,
+// free (If-None-Match: *, see below). The token is the object's counter plus
+// one, and a release keeps it (the acquirer never deletes the object). Renew
+// and Release are PUTs conditional on the holder's ETag. Acquire + release
+// take 3 requests (GET, PUT, PUT).
 //
 // # Tokens when the lock object is deleted
 //
 // Someone else may delete a lock object (a lifecycle rule, an operator, a
 // bucket cleanup) while its holder still runs. The next grant then creates a
-// new object, and its counter starts from S3's clock instead of 1: at the
-// second after S3's Date, in microseconds (about 1.7e15 today; below 2^53
-// until the year 2255), and the grant waits until S3's time has reached that
-// second before it writes. So a name's first grant, and the first after a
-// deletion, take about a second longer. Its token is above every token the
-// deleted object handed out, provided (a) S3's clock, as its Date headers tell
+// new object, free and marked new (If-None-Match: *), reads it again, and
+// takes its counter from S3's clock instead of 1: at the second after the Date
+// of that read, in microseconds (about 1.7e15 today; below 2^53 until the year
+// 2255), and waits until S3's time has reached that second before it writes
+// the grant, conditional on the new object's ETag. The token never comes from
+// a read that found no object: a creating PUT may land long after that read,
+// after another object's whole life. So a name's first grant, and the first
+// after a deletion, take about a second and two requests longer. Its token is
+// above every token the deleted object handed out, provided (a) S3's clock, as its Date headers tell
 // it, does not go back between the two objects, and (b) the old object saw
 // fewer than a million grants per second of its life (S3 accepts far fewer
 // writes to one object). A stalled holder's write is then refused by the fence.
@@ -164,6 +169,9 @@ type lockState struct {
 	// Write is random for every write, so no two writes share an ETag: a PUT
 	// conditional on an ETag fails once anything was written over it.
 	Write string `json:"write,omitempty"`
+	// New marks an object created free by a grant that found none: the next
+	// grant takes its token from S3's clock on the read that sees it.
+	New bool `json:"new,omitempty"`
 }
 
 const lockFormat = "lock-v1"
@@ -201,6 +209,15 @@ func (a *Acquirer) check(op string, ctx context.Context, name string) error {
 		return err
 	}
 	return fence.CheckText(op, "name", name, MaxKeyBytes-len(a.o.Prefix))
+}
+
+// checkTTL refuses a ttl outside the acquirer's bounds, or one not longer
+// than its Drift: the lease would be past its local deadline at once.
+func (a *Acquirer) checkTTL(ttl time.Duration) error {
+	if d := a.o.Drift; d > 0 && ttl > 0 && ttl <= d {
+		return &fence.InvalidError{Op: "acquire", Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
+	}
+	return fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL)
 }
 
 // dateOf reads S3's Date header from a response's metadata or error.
@@ -314,13 +331,14 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
 	}
-	if err := fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL); err != nil {
+	if err := a.checkTTL(ttl); err != nil {
 		return nil, err
 	}
 	nonce := newLockNonce()
 	var firstSent time.Time // the first PUT that may have landed
 	var ambiguous error
 	var pending *pendingGrant // the latest PUT that may have landed
+	created := false          // this call wrote a new lock object
 	defer func() {
 		if pending != nil && !pending.adopted {
 			go a.abandon(name, nonce, *pending, ttl)
@@ -344,13 +362,30 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			}
 			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrHeld)
 		}
-		next := o.st.Token + 1
 		if !o.exists {
-			// A new lock object: the name's first grant, or its object was
-			// deleted. Start above every token it may have handed out.
-			if next, err = a.creationToken(ctx, o.clock); err != nil {
+			// The name's first grant, or its object was deleted: create it,
+			// free and new, then read it again. A token from this read could
+			// be below those of an object created and deleted while this PUT
+			// was on its way.
+			st := lockState{Token: uint64(o.clock.date.UnixMicro()), Owner: a.o.Owner, New: true}
+			if _, _, err := a.write(ctx, name, "", st, o.clock); err != nil && !isConflict(err) && !mayHaveApplied(err) {
 				return nil, a.failed("acquire", name, err, ambiguous)
 			}
+			if !created {
+				created = true
+				attempt-- // the first creation is no retry: MaxAttempts 1 still grants a new name
+			}
+			continue
+		}
+		next := o.st.Token + 1
+		if o.st.New {
+			// A new lock object, seen by this read: start above every token
+			// a deleted one may have handed out.
+			t, err := a.creationToken(ctx, o.clock)
+			if err != nil {
+				return nil, a.failed("acquire", name, err, ambiguous)
+			}
+			next = max(next, t)
 		}
 		if !fence.Token(next).Valid() {
 			return nil, fmt.Errorf("s3fence: acquire %q: %w", name, fence.ErrTokensExhausted)
@@ -386,12 +421,14 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 }
 
 // creationToken is the token of a new lock object: the second after S3's Date
-// on the read that found no object, in microseconds. It first waits until S3's
-// time has certainly reached that second (about a second after the read), so
-// the PUT that creates the object lands at or after the time its token stands
-// for. Any later read that finds the object gone (deleted after this PUT) has a
-// Date at or past that second, and its token is at least a second (a million)
-// higher: above this object's tokens, which grow by one per grant.
+// on a read that found it new, in microseconds. It first waits until S3's time
+// has certainly reached that second (about a second after the read), so the
+// PUT of the grant lands at or after the time its token stands for. Any later
+// read that finds a newer new object (created after this one was deleted) has
+// a Date at or past that second, and its token is at least a second (a
+// million) higher: above this object's tokens, which grow by one per grant.
+// An object deleted before this one was created made all its grants before
+// the read, so below the read's second plus one.
 func (a *Acquirer) creationToken(ctx context.Context, c s3Clock) (uint64, error) {
 	floor := c.date.Truncate(time.Second).Add(time.Second)
 	if wait := floor.Sub(c.earliest()); wait > 0 {
@@ -471,7 +508,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
 	}
-	if err := fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL); err != nil {
+	if err := a.checkTTL(ttl); err != nil {
 		return nil, err
 	}
 	return a.o.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
@@ -517,7 +554,9 @@ type lease struct {
 // the holder's ETag. See fence.Lease. A lease whose context is done (released,
 // lost, or past its local deadline) returns fence.ErrLost without writing, so
 // a late Renew never holds the lock on S3 again; a renewal that S3 confirms
-// only after the local deadline passed is undone with a release.
+// only after the local deadline passed is undone with a release. A renewal
+// that may have landed but could not be confirmed returns an error matching
+// fence.ErrUnknown, and the lease still ends at its local deadline.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
@@ -536,8 +575,11 @@ func (l *lease) Renew(ctx context.Context) error {
 			l.st, l.etag, l.clock = st, etag, clock
 			if !l.Extend(sent) {
 				// Confirmed too late: the holder has stopped; free the lock
-				// at once rather than leave it held for a ttl.
-				_, _, _ = l.a.write(ctx, l.Name(), l.etag, lockState{Token: l.st.Token, Owner: l.st.Owner}, l.clock)
+				// at once rather than leave it held for a ttl (in the
+				// background when this write fails).
+				if _, _, err := l.a.write(ctx, l.Name(), l.etag, lockState{Token: l.st.Token, Owner: l.st.Owner}, l.clock); err != nil {
+					go l.a.abandon(l.Name(), l.st.Holder, pendingGrant{etag: l.etag, token: l.st.Token, clock: l.clock}, l.TTL())
+				}
 				return l.lost()
 			}
 			return nil
@@ -548,7 +590,9 @@ func (l *lease) Renew(ctx context.Context) error {
 		// Someone else wrote, or our write may have landed: read and decide.
 		o, rerr := l.a.read(ctx, l.Name())
 		if rerr != nil {
-			return fmt.Errorf("s3fence: renew %q: %w (after %v)", l.Name(), rerr, err)
+			// The renewal may have landed: not confirmed, the lease still
+			// ends at its local deadline.
+			return fmt.Errorf("s3fence: renew %q: %w: %w (after %v)", l.Name(), fence.ErrUnknown, rerr, err)
 		}
 		if !o.exists || o.st.Holder != st.Holder || o.st.Token != st.Token {
 			l.End(fence.ErrLost)
@@ -567,7 +611,10 @@ func (l *lease) Renew(ctx context.Context) error {
 
 // Release frees the lock, keeping its counter, with a PUT conditional on the
 // holder's ETag; fence.ErrLost if another grant holds it. The lease's context is
-// done afterwards.
+// done afterwards. A release that cannot be confirmed (an ambiguous PUT and a
+// failed read, or ctx ending) goes on in the background until the lock is free
+// of this grant or its ttl has passed, and Release returns an error matching
+// fence.ErrUnknown.
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
@@ -586,7 +633,7 @@ func (l *lease) Release(ctx context.Context) error {
 		}
 		o, rerr := l.a.read(ctx, l.Name())
 		if rerr != nil {
-			return fmt.Errorf("s3fence: release %q: %w (after %v)", l.Name(), rerr, err)
+			return l.releaseLater(fmt.Errorf("%w (after %v)", rerr, err))
 		}
 		switch {
 		case o.exists && o.st.Token == l.st.Token && o.st.Holder == "":
@@ -596,10 +643,19 @@ func (l *lease) Release(ctx context.Context) error {
 		}
 		l.etag = o.etag // still ours: release against the current ETag
 		if err := pause(ctx, attempt); err != nil {
-			return fmt.Errorf("s3fence: release %q: %w", l.Name(), err)
+			return l.releaseLater(err)
 		}
 	}
-	return fmt.Errorf("s3fence: release %q: %d attempts: %w", l.Name(), l.a.o.MaxAttempts, ErrContention)
+	return l.releaseLater(fmt.Errorf("%d attempts: %w", l.a.o.MaxAttempts, ErrContention))
+}
+
+// releaseLater is Release's result when it could not confirm that the lock is
+// free (err): the release goes on in the background, as for an abandoned
+// grant (conditional on the holder's ETag, so it never frees another grant),
+// and Release returns an error matching fence.ErrUnknown.
+func (l *lease) releaseLater(err error) error {
+	go l.a.abandon(l.Name(), l.st.Holder, pendingGrant{etag: l.etag, token: l.st.Token, clock: l.clock}, l.TTL())
+	return fmt.Errorf("s3fence: release %q: %w: %w (it goes on in the background)", l.Name(), fence.ErrUnknown, err)
 }
 
 // released is Release's result once the lock is free: ErrLost when the lease

@@ -26,7 +26,10 @@ func newAcquirer(t testing.TB, e *s3env) *s3fence.Acquirer {
 
 // TestAcquirerConformance runs the acquirer suite on gofakes3 and on the real
 // S3 server. S3 tells time in whole seconds, so an expired lease is granted
-// again up to 2s after its ttl: the short ttl is 4s.
+// again up to 2s after its ttl, and a name's first grant waits about a second
+// for S3's clock: an expired lease on a new name is granted again up to 3s
+// after its ttl, counted from the start of its TryAcquire, which the suite's
+// StaleRenewKeepsNewHolder waits ShortTTL/2 for: the short ttl is 8s.
 func TestAcquirerConformance(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		t.Parallel()
@@ -40,7 +43,7 @@ func TestAcquirerConformance(t *testing.T) {
 				})
 				return newAcquirer(t, &s3env{c: c, bucket: e.bucket})
 			},
-			ShortTTL: 4 * time.Second,
+			ShortTTL: 8 * time.Second,
 			MaxTTL:   s3fence.MaxAcquirerTTL,
 			BadNames: []string{"nul\x00", "bad \xff"},
 			// Waiters poll: keep the contention test small.
@@ -58,15 +61,24 @@ func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 	a := newAcquirer(t, e)
 	ctx := context.Background()
 	for _, kind := range []string{"drop-response", "409", "412", "500"} {
-		name := fencetest.Name("fault")
+		// The fault on the PUT that creates the new lock object (free):
+		// the grant still follows.
 		f.inject(kind)
+		if l, err := a.TryAcquire(ctx, fencetest.Name("fault"), 10*time.Second); err != nil {
+			t.Fatalf("grant after an injected %s on the creating PUT: %v", kind, err)
+		} else {
+			_ = l.Release(ctx)
+		}
+		// The fault on the grant's PUT, after the one that creates the object.
+		name := fencetest.Name("fault")
+		f.inject("", kind)
 		before := f.puts.Load()
 		l, err := a.TryAcquire(ctx, name, 10*time.Second)
 		if err != nil {
 			t.Fatalf("grant after an injected %s: %v", kind, err)
 		}
-		if n := f.puts.Load() - before; (kind == "drop-response" && n != 1) || (kind != "drop-response" && n != 2) {
-			t.Errorf("%s: %d PUTs (want 1 for a landed grant recognised by its nonce, 2 otherwise)", kind, n)
+		if n := f.puts.Load() - before - 1; (kind == "drop-response" && n != 1) || (kind != "drop-response" && n != 2) {
+			t.Errorf("%s: %d grant PUTs (want 1 for a landed grant recognised by its nonce, 2 otherwise)", kind, n)
 		}
 		if _, err := a.TryAcquire(ctx, name, 10*time.Second); !errors.Is(err, fence.ErrHeld) {
 			t.Fatalf("after the %s grant: %v, want ErrHeld", kind, err)
@@ -354,19 +366,32 @@ func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
 
 	t.Run("lands-late", func(t *testing.T) {
 		name := fencetest.Name("late")
-		f.release, f.landed = make(chan int), make(chan int, 1)
-		f.inject("hold")
+		f.release, f.landed, f.held = make(chan int), make(chan int, 1), make(chan struct{}, 1)
+		defer func() { f.held = nil }()
+		f.inject("", "hold") // the grant's PUT, after the one creating the object
 		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
-		if l, err := a.TryAcquire(cctx, name, ttl); err == nil {
+		granted := make(chan fence.Lease, 1)
+		go func() {
+			l, _ := a.TryAcquire(cctx, name, ttl)
+			granted <- l
+		}()
+		<-f.held
+		// The new lock object, free, as the held grant's PUT found it.
+		created, err := b.Inspect(ctx, name)
+		if err != nil || created.Held {
+			t.Fatalf("the created lock object: %+v, %v", created, err)
+		}
+		if l := <-granted; l != nil {
 			t.Fatalf("granted %d while its PUT was held", l.Token())
 		}
 		// The cleanup runs in the background: wait until it has written the
-		// lock object (free), then let the held PUT land.
+		// lock object (free, with the abandoned grant's counter), then let the
+		// held PUT land.
 		deadline := time.Now().Add(15 * time.Second)
 		for {
 			info, err := b.Inspect(ctx, name)
-			if err == nil && !info.Held {
+			if err == nil && !info.Held && info.Counter > created.Counter {
 				break
 			}
 			if time.Now().After(deadline) {
@@ -425,4 +450,215 @@ func testNamesByteForByte(t *testing.T, e *s3env) {
 			}
 		}
 	}
+}
+
+// TestCreationRace (HAZARDS 1): a grant that found no lock object writes a
+// new one with If-None-Match: *, its token taken from the Date of that read.
+// When its PUT is slow on the way (or the creation waits its second) while
+// another acquirer creates the object, grants from it twice and the object is
+// then deleted, the slow PUT lands on the absent object. Its token must still
+// be above every token the deleted object handed out: here the second grant
+// (paused) would otherwise win over the new holder's writes.
+func TestCreationRace(t *testing.T) { faultServers(t, testCreationRace) }
+
+func testCreationRace(t *testing.T, e *s3env, f *faults) {
+	slow, other := newAcquirer(t, e), newAcquirer(t, e)
+	w := newWriter(t, e, nil)
+	ctx := context.Background()
+	name := fencetest.Name("creation")
+	const ttl = 30 * time.Second
+
+	f.release, f.landed, f.held = make(chan int), make(chan int, 1), make(chan struct{}, 1)
+	defer func() { f.held = nil }()
+	f.inject("hold")
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		l, err := slow.TryAcquire(ctx, name, ttl)
+		res <- result{l, err}
+	}()
+	<-f.held // the slow grant's creating PUT is on its way
+
+	first, err := other.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	paused, err := other.TryAcquire(ctx, name, ttl) // stalls from here on
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.c.DeleteObject(ctx, &s3.DeleteObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("fencekit-locks/" + name)}); err != nil {
+		t.Fatal(err)
+	}
+	f.release <- 1
+	<-f.landed
+	r := <-res
+	if r.err != nil {
+		// Refusing the late creation is safe; a new grant must then be
+		// above the paused holder's token.
+		l, err := slow.TryAcquire(ctx, name, ttl)
+		if err != nil {
+			t.Fatalf("after the slow creation (%v): %v", r.err, err)
+		}
+		r.l = l
+	}
+	defer r.l.Release(ctx)
+	if r.l.Token() <= paused.Token() {
+		t.Errorf("the grant after the lock object was deleted has token %d, not above the paused holder's %d (and the first grant's %d)", r.l.Token(), paused.Token(), first.Token())
+	}
+	key := fencetest.Name("fresh")
+	if err := w.Write(ctx, key, []byte("new"), r.l.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("paused, late"), paused.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Errorf("the paused holder's write over the new holder's: %v, want ErrStale", err)
+	}
+}
+
+// TestTTLNotAboveDrift (HAZARDS 6/8): a ttl that the acquirer's Drift uses up
+// entirely is refused with ErrInvalid naming the ttl, instead of a lease whose
+// context is already done returned with a nil error while the lock object
+// stays held for nobody.
+func TestTTLNotAboveDrift(t *testing.T) {
+	e := fakeS3(t)
+	a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{Drift: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, acquire := range []func(context.Context, string, time.Duration) (fence.Lease, error){a.TryAcquire, a.Acquire} {
+		for _, ttl := range []time.Duration{time.Second, 5 * time.Second} {
+			l, err := acquire(ctx, fencetest.Name("drift"), ttl)
+			var ie *fence.InvalidError
+			if !errors.As(err, &ie) || ie.Arg != "ttl" {
+				t.Errorf("ttl %v under a 5s Drift: %v, %v; want ErrInvalid naming ttl", ttl, l, err)
+			}
+		}
+	}
+	l, err := a.TryAcquire(ctx, fencetest.Name("drift"), 6*time.Second)
+	if err != nil || l.Context().Err() != nil {
+		t.Fatalf("ttl 6s under a 5s Drift: %v", err)
+	}
+	_ = l.Release(ctx)
+}
+
+// TestReleaseUnconfirmed (HAZARDS 3, 6): a Release whose PUT got a 500 (it
+// may or may not have landed; here it did not) and whose read to find out
+// fails too cannot know whether the lock is free. It must say so
+// (ErrUnknown), and the lock must not stay held by nobody for its ttl: another
+// acquirer is granted well before it.
+func TestReleaseUnconfirmed(t *testing.T) { faultServers(t, testReleaseUnconfirmed) }
+
+func testReleaseUnconfirmed(t *testing.T, e *s3env, f *faults) {
+	a, b := newAcquirer(t, e), newAcquirer(t, e)
+	ctx := context.Background()
+	const ttl = 60 * time.Second
+	name := fencetest.Name("unconfirmed")
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.inject("500")
+	f.failGets.Store(true)
+	err = l.Release(ctx)
+	f.failGets.Store(false)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("release after a 500 and a failed read: %v, want ErrUnknown", err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	l2, err := b.Acquire(wctx, name, ttl)
+	if err != nil {
+		t.Fatalf("after a release that could not be confirmed: %v (the ttl is %v)", err, ttl)
+	}
+	_ = l2.Release(ctx)
+}
+
+// TestRenewUnconfirmed (HAZARDS 3): a Renew whose PUT got a 500 (it may have
+// landed) and whose read to find out fails returns ErrUnknown, not a bare
+// transport error; the lease still ends at its local deadline.
+func TestRenewUnconfirmed(t *testing.T) { faultServers(t, testRenewUnconfirmed) }
+
+func testRenewUnconfirmed(t *testing.T, e *s3env, f *faults) {
+	a := newAcquirer(t, e)
+	ctx := context.Background()
+	l, err := a.TryAcquire(ctx, fencetest.Name("renew-unconfirmed"), 60*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.inject("500")
+	f.failGets.Store(true)
+	err = l.Renew(ctx)
+	f.failGets.Store(false)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("renew after a 500 and a failed read: %v, want ErrUnknown", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+}
+
+// TestLateRenewalReleaseFails (HAZARDS 6): a renewal that S3 confirms only
+// after the lease's local deadline passed is undone with a release; when that
+// release's PUT fails (a 500 that did not land), the lock must still not stay
+// held by nobody for the renewal's ttl.
+func TestLateRenewalReleaseFails(t *testing.T) { faultServers(t, testLateRenewalReleaseFails) }
+
+func testLateRenewalReleaseFails(t *testing.T, e *s3env, f *faults) {
+	b := newAcquirer(t, e)
+	ctx := context.Background()
+	const ttl = 60 * time.Second
+	// A 60s lease whose local deadline is 2s away (Drift 58s): it passes
+	// while the renewal is held.
+	a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{Drift: ttl - 2*time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("late-renewal")
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.release, f.landed, f.held = make(chan int), make(chan int, 1), make(chan struct{}, 1)
+	defer func() { f.held = nil }()
+	f.inject("hold", "500")
+	renewed := make(chan error, 1)
+	go func() { renewed <- l.Renew(ctx) }()
+	<-f.held
+	<-l.Context().Done() // the local deadline passes with the renewal on its way
+	f.release <- 1
+	<-f.landed
+	if err := <-renewed; !errors.Is(err, fence.ErrLost) {
+		t.Errorf("renewal confirmed after the local deadline: %v, want ErrLost", err)
+	}
+	// The renewal holds the lock for a ttl on S3; its undoing failed once.
+	// The name must be free long before that ttl passes.
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	l2, err := b.Acquire(wctx, name, ttl)
+	if err != nil {
+		t.Fatalf("after a late renewal whose release failed once: %v", err)
+	}
+	_ = l2.Release(ctx)
+}
+
+// TestMaxAttemptsOneNewName: with MaxAttempts 1 (no retries), a new name is
+// granted by one TryAcquire: creating its lock object is no retry.
+func TestMaxAttemptsOneNewName(t *testing.T) {
+	e := fakeS3(t)
+	a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{MaxAttempts: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := a.TryAcquire(context.Background(), fencetest.Name("once"), 5*time.Second)
+	if err != nil {
+		t.Fatalf("MaxAttempts 1, a new name: %v", err)
+	}
+	_ = l.Release(context.Background())
 }

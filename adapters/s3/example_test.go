@@ -40,8 +40,8 @@ func Example() {
 		log.Fatal(err)
 	}
 
-	// Tokens start at S3's clock in microseconds (so a deleted lock object
-	// never hands out a smaller one) and grow by one per grant.
+	// A new lock object's counter starts at S3's clock in microseconds, so
+	// tokens stay above those of a lock object that was deleted.
 	var tokens []fence.Token
 	for _, run := range []string{"first run", "second run"} {
 		err := fence.Hold(ctx, locks, "nightly", 10*time.Second, func(ctx context.Context, l fence.Lease) error {
@@ -52,16 +52,16 @@ func Example() {
 			log.Fatal(err)
 		}
 	}
-	fmt.Println("the second run's token is larger:", tokens[1] > tokens[0])
+	fmt.Println("the second run's token is the first's plus one:", tokens[1] == tokens[0]+1)
 	err = objects.Write(ctx, "nightly.csv", []byte("late"), tokens[0])
-	fmt.Println("late write with the first run's token is stale:", errors.Is(err, fence.ErrStale))
+	fmt.Println("a late write with the first run's token is stale:", errors.Is(err, fence.ErrStale))
 	v, tok, err := objects.Read(ctx, "nightly.csv")
 	if err != nil {
 		log.Fatal(err)
 	}
 	fmt.Printf("stored %q with the second run's token: %v\n", v, tok == tokens[1])
 	// Output:
-	// the second run's token is larger: true
-	// late write with the first run's token is stale: true
+	// the second run's token is the first's plus one: true
+	// a late write with the first run's token is stale: true
 	// stored "second run" with the second run's token: true
 }

@@ -53,6 +53,13 @@ type faults struct {
 	// it reaches the server (after its client may have given up); the status
 	// the server answered goes to landed.
 	release, landed chan int
+	// held, when set, is told once a "hold" PUT has arrived and waits.
+	held chan struct{}
+	// failGets, while set, answers every GET of an object with 503.
+	failGets atomic.Bool
+	// badHeads, while set, answers every HEAD of an object with 400 and no
+	// body, as S3 answers a HEAD signed with an expired session token.
+	badHeads atomic.Bool
 }
 
 // shiftedDate sets the Date header, shifted by offset, when the header is written.
@@ -99,6 +106,16 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}()
 		w = sd
 	}
+	if r.Method == http.MethodGet && f.failGets.Load() && strings.Count(strings.Trim(r.URL.Path, "/"), "/") >= 1 {
+		w.Header().Set("Content-Type", "application/xml")
+		w.WriteHeader(http.StatusServiceUnavailable)
+		_, _ = io.WriteString(w, `<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>`)
+		return
+	}
+	if r.Method == http.MethodHead && f.badHeads.Load() && strings.Count(strings.Trim(r.URL.Path, "/"), "/") >= 1 {
+		w.WriteHeader(http.StatusBadRequest)
+		return
+	}
 	if r.Method != http.MethodPut || strings.Count(strings.Trim(r.URL.Path, "/"), "/") < 1 {
 		f.next.ServeHTTP(w, r)
 		return
@@ -134,6 +151,9 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		r2 := r.Clone(context.Background())
 		r2.Body = io.NopCloser(bytes.NewReader(body))
+		if f.held != nil {
+			f.held <- struct{}{}
+		}
 		<-f.release
 		rec := httptest.NewRecorder()
 		f.next.ServeHTTP(rec, r2)
@@ -563,5 +583,22 @@ func testConditionalPutSemantics(t *testing.T, e *s3env) {
 	}
 	if err := put("exists", "v2", head.ETag, nil); err != nil {
 		t.Errorf("If-Match with the current ETag: %v", err)
+	}
+}
+
+// TestHeadBadRequestNotTheKey (HAZARDS 3, 8): a 400 on HEAD says the key is
+// refused only when the server takes a HEAD of a short key: S3 answers 400
+// with no body to any HEAD signed with an expired session token, and a short
+// key refused so is no invalid input (ErrInvalid tells the caller never to
+// try again).
+func TestHeadBadRequestNotTheKey(t *testing.T) { faultServers(t, testHeadBadRequestNotTheKey) }
+
+func testHeadBadRequestNotTheKey(t *testing.T, e *s3env, f *faults) {
+	w := newWriter(t, e, nil)
+	f.badHeads.Store(true)
+	defer f.badHeads.Store(false)
+	err := w.Write(context.Background(), fencetest.Name("k"), []byte("v"), 1)
+	if err == nil || errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("a short key whose HEAD got 400, as every HEAD did: %v, want an error that is not ErrInvalid", err)
 	}
 }

@@ -173,10 +173,13 @@ func (w *Writer) head(ctx context.Context, key string) (state, error) {
 		if isNotFound(err) {
 			return state{}, nil
 		}
-		if httpStatus(err) == 400 {
+		if httpStatus(err) == 400 && w.headsShortKey(ctx) {
 			// HEAD carries nothing but the key: a server that refuses it
-			// refuses the key (versitygw's posix backend, for one, allows
-			// 255 bytes per path segment, below S3's 1024 for a key).
+			// and takes a HEAD of a short key refuses the key (versitygw's
+			// posix backend, for one, allows 255 bytes per path segment,
+			// below S3's 1024 for a key). One that refuses every HEAD (an
+			// expired session token gets 400 with no body) says nothing
+			// about the key.
 			return state{}, fmt.Errorf("%w: the server refused key %q (%d bytes) with 400 Bad Request; it may allow shorter keys than S3's %d bytes: %w",
 				fence.ErrInvalid, key, len(key), MaxKeyBytes, err)
 		}
@@ -193,6 +196,14 @@ func (w *Writer) head(ctx context.Context, key string) (state, error) {
 		st.unfenced = true
 	}
 	return st, nil
+}
+
+// headsShortKey reports whether the server answers a HEAD of a short key
+// (found or not found): after a 400 for a key, that tells the key apart from
+// the request (credentials, a proxy).
+func (w *Writer) headsShortKey(ctx context.Context) bool {
+	_, err := w.api.HeadObject(ctx, &s3.HeadObjectInput{Bucket: &w.bucket, Key: aws.String("fencekit-key-probe")})
+	return err == nil || isNotFound(err)
 }
 
 // Write stores value under key unless the object holds a larger token.

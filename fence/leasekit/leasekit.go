@@ -67,7 +67,9 @@ type Base struct {
 // step). New re-anchors such a time on the monotonic clock, taking the wall
 // clock's reading of the time since sent; a sent after the wall clock's now
 // (the wall clock stepped back since, or a time from another clock) cannot be
-// anchored, and the lease ends at once with cause fence.ErrLost.
+// anchored, and the lease ends at once with cause fence.ErrLost. So does a
+// sent after now on the monotonic clock (a time.Now() plus a duration): no
+// request was sent then.
 //
 // The local deadline is only the holder's side. The backend must decide expiry
 // on its own clock (a TTL it runs, its own now(), its Date header), never on a
@@ -89,17 +91,18 @@ func New(name string, token fence.Token, ttl, drift time.Duration, sent time.Tim
 	return b
 }
 
-// errUnanchored ends a lease whose send time is after now on the wall clock.
-var errUnanchored = fmt.Errorf("leasekit: the grant's send time has no monotonic reading and is after now: %w", fence.ErrLost)
+// errUnanchored ends a lease whose send time is after now.
+var errUnanchored = fmt.Errorf("leasekit: the grant's send time is after now: %w", fence.ErrLost)
 
 // monotonic returns t with a monotonic reading: t itself when it has one;
 // otherwise now less the wall clock's time since t. It reports false when t is
-// after now on the wall clock.
+// after now (on the monotonic clock when t has a reading, else on the wall
+// clock): no request was sent then.
 func monotonic(t time.Time) (time.Time, bool) {
-	if t != t.Round(0) {
-		return t, true // it has a monotonic reading
-	}
 	now := time.Now()
+	if t != t.Round(0) {
+		return t, !t.After(now) // it has a monotonic reading
+	}
 	since := now.Round(0).Sub(t)
 	if since < 0 {
 		return time.Time{}, false

@@ -75,3 +75,33 @@ func TestErrDoesNotWaitForTheTimer(t *testing.T) {
 		}
 	}
 }
+
+// TestSentInTheFuture (HAZARDS 2): a send time after now cannot be the time a
+// request was sent, with or without its monotonic reading (a time.Now() plus
+// a duration, a time computed from another clock). Taking it as given puts
+// the local deadline after the backend's expiry, by as much as it is ahead:
+// the holder's context would outlive its lease. New ends such a lease at once
+// and Extend leaves the deadline where it was, as for a stripped send time.
+func TestSentInTheFuture(t *testing.T) {
+	const ttl = 300 * time.Millisecond
+	b := leasekit.New("n", 1, ttl, 0, time.Now().Add(time.Hour))
+	select {
+	case <-b.Context().Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("a send time an hour ahead (with its monotonic reading) kept a 300ms lease alive for 10s")
+	}
+	if !errors.Is(context.Cause(b.Context()), fence.ErrLost) {
+		t.Errorf("cause %v, want ErrLost", context.Cause(b.Context()))
+	}
+
+	start := time.Now()
+	e := leasekit.New("n", 2, ttl, 0, start)
+	if !e.Extend(time.Now().Add(time.Hour)) {
+		t.Fatal("Extend of a live lease returned false")
+	}
+	select {
+	case <-e.Context().Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("an Extend with a send time an hour ahead kept a 300ms lease alive for 10s")
+	}
+}
