@@ -100,12 +100,16 @@ func (l *memLease) Renew(ctx context.Context) error {
 	if err := fence.CheckContext("renew", ctx); err != nil {
 		return err
 	}
+	if l.Context().Err() != nil {
+		return fence.ErrLost // ended locally: a renewal would hold the name for nobody
+	}
 	sent := time.Now()
 	if !l.b.extend(l.Name(), l.Token(), l.TTL()) {
 		l.End(fence.ErrLost)
 		return fence.ErrLost
 	}
-	if !l.Extend(sent) { // confirmed too late: the lease stays lost locally
+	if !l.Extend(sent) { // confirmed too late: give the name back
+		l.b.extend(l.Name(), l.Token(), 0)
 		return fence.ErrLost
 	}
 	return nil
