@@ -95,9 +95,23 @@ mysql_up() { # the test user can log in (mariadb-admin ping succeeds even when a
 mysql_server_up() {
   command -v mariadb-admin >/dev/null && mariadb-admin --protocol=tcp -h 127.0.0.1 -P 3306 ping 2>&1 | grep -qE "alive|Access denied"
 }
+# The server's time zone tables (mysql.time_zone*), which the daylight-saving
+# test of sqlfence needs (a named zone in the session): filled from the
+# system's zoneinfo when empty. This adds rows and changes no setting; a
+# failure only makes that test skip (or fail under CI).
+mysql_tz_tables() {
+  local n
+  n=$(as_root mariadb -N -B -e 'SELECT COUNT(*) FROM mysql.time_zone_name' 2>/dev/null) || return 0
+  [ "$n" = 0 ] || return 0
+  command -v mariadb-tzinfo-to-sql >/dev/null && [ -d /usr/share/zoneinfo ] || {
+    say "no mariadb-tzinfo-to-sql or /usr/share/zoneinfo: the MySQL time zone test will skip (or fail under CI)"; return 0; }
+  say "loading MariaDB's time zone tables from /usr/share/zoneinfo"
+  { mariadb-tzinfo-to-sql /usr/share/zoneinfo 2>/dev/null | as_root mariadb mysql >/dev/null 2>&1; } ||
+    say "could not load MariaDB's time zone tables: the MySQL time zone test will skip (or fail under CI)"
+}
 start_mysql() {
   [ -n "${FENCEKIT_MYSQL_DSN:-}" ] && return 0
-  mysql_up && return 0
+  mysql_up && { mysql_tz_tables; return 0; }
   if ! command -v mariadbd >/dev/null && ! [ -x /usr/sbin/mariadbd ]; then
     say "MariaDB is not installed: installing it with apt-get"
     apt_install mariadb-server mariadb-client || { say "could not install MariaDB: the MySQL tests will skip (or fail under CI)"; return 0; }
@@ -114,6 +128,7 @@ start_mysql() {
     CREATE USER IF NOT EXISTS 'fencekit'@'localhost' IDENTIFIED BY 'fencekit';
     GRANT ALL ON test.* TO 'fencekit'@'127.0.0.1';
     GRANT ALL ON test.* TO 'fencekit'@'localhost';" || say "could not create the MariaDB test user"
+  mysql_tz_tables
 }
 
 # versitygw, the real S3-compatible server of the S3 tests (they start it

@@ -4,7 +4,9 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"net/url"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -436,6 +438,93 @@ func TestMySQLSessionTimeZone(t *testing.T) {
 			}
 			if f := int64(rec.Fence); f < before.UnixMicro()-1e6 || f > time.Now().UnixMicro()+1e6 {
 				t.Errorf("idempotency fence %d is not the clock in microseconds (%d)", f, before.UnixMicro())
+			}
+		})
+	}
+}
+
+// TestMySQLSessionTimeZoneDST: the clock is right in the hour that a zone
+// with daylight saving repeats. Each handle freezes its session's clock with
+// MariaDB's timestamp variable (NOW and UTC_TIMESTAMP both read it) at an
+// instant of America/New_York's fall back on 2025-11-02, when 01:00-02:00
+// local happens twice: first in EDT (05:00-06:00 UTC), then in EST
+// (06:00-07:00 UTC). UNIX_TIMESTAMP(NOW()) maps 01:30 local to the EDT
+// instant, so at 06:30 UTC it read an hour early: a new lease row's token and
+// an idempotency fence an hour below the clock in microseconds, and a lease
+// granted in the zone an hour short, free to a second acquirer in UTC at the
+// same instant. It needs the server's time zone tables (scripts/test.sh loads
+// them); without them it skips, and fails under CI.
+func TestMySQLSessionTimeZoneDST(t *testing.T) {
+	ctx := context.Background()
+	plain, _ := openMySQL(t, "")
+	// CONVERT_TZ is NULL for a zone the server does not know: it needs no
+	// privilege on the mysql schema, unlike counting mysql.time_zone_name.
+	var probe sql.NullString
+	if err := plain.QueryRowContext(ctx, "SELECT CONVERT_TZ('2025-11-02 06:30:00', '+00:00', 'America/New_York')").Scan(&probe); err != nil {
+		t.Fatal(err)
+	}
+	if !probe.Valid {
+		const msg = "the server has no time zone tables (America/New_York is unknown): load them as root with mariadb-tzinfo-to-sql /usr/share/zoneinfo | mariadb mysql (scripts/test.sh does when they are empty)"
+		if os.Getenv("CI") != "" {
+			t.Fatal(msg)
+		}
+		t.Skip(msg)
+	}
+	if probe.String != "2025-11-02 01:30:00" {
+		t.Fatalf("06:30 UTC on 2025-11-02 is %s in America/New_York, want 01:30 (EST, the second pass of the repeated hour)", probe.String)
+	}
+	for _, c := range []struct {
+		name string
+		at   time.Time
+	}{
+		{"first pass EDT", time.Date(2025, 11, 2, 5, 30, 0, 123456000, time.UTC)},
+		{"second pass EST", time.Date(2025, 11, 2, 6, 30, 0, 123456000, time.UTC)},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			frozen := fmt.Sprintf("timestamp=%d.%06d", c.at.Unix(), c.at.Nanosecond()/1000)
+			_, ny := openMySQL(t, "time_zone="+url.QueryEscape("'America/New_York'")+"&"+frozen)
+			_, utc := openMySQL(t, "time_zone="+url.QueryEscape("'+00:00'")+"&"+frozen)
+			want := c.at.UnixMicro()
+			a, err := sqlfence.NewAcquirer(ny, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			name := fencetest.Name("dst")
+			l, err := a.TryAcquire(ctx, name, time.Hour)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = l.Release(context.Background()) })
+			// A new row's token starts at the clock in microseconds.
+			if got := int64(l.Token()); got != want {
+				t.Errorf("new lease row's token %d is %v from the clock in microseconds %d", got, time.Duration(got-want)*time.Microsecond, want)
+			}
+			// In UTC at the same instant the lease has its whole hour left,
+			// and a second acquirer is refused.
+			au, err := sqlfence.NewAcquirer(utc, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info, err := au.Inspect(ctx, name); err != nil || !info.Held || info.TimeLeft != time.Hour {
+				t.Errorf("Inspect in UTC = %+v, %v; want held with exactly an hour left", info, err)
+			}
+			if l2, err := au.TryAcquire(ctx, name, time.Hour); !errors.Is(err, fence.ErrHeld) {
+				if err == nil {
+					_ = l2.Release(context.Background())
+				}
+				t.Errorf("second TryAcquire in UTC = %v, want ErrHeld: two holders", err)
+			}
+			// A new idempotency record's fence is the clock in microseconds.
+			s, err := sqlfence.NewIdempotencyStore(ny, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rec, _, err := s.Begin(ctx, fencetest.Name("dst"), "f", "o", time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := int64(rec.Fence); got != want {
+				t.Errorf("idempotency fence %d is %v from the clock in microseconds %d", got, time.Duration(got-want)*time.Microsecond, want)
 			}
 		})
 	}
