@@ -26,10 +26,10 @@ func newAcquirer(t testing.TB, e *s3env) *s3fence.Acquirer {
 
 // TestAcquirerConformance runs the acquirer suite on gofakes3 and on the real
 // S3 server. S3 tells time in whole seconds, so an expired lease is granted
-// again up to 2s after its ttl, and a name's first grant waits about a second
-// for S3's clock: an expired lease on a new name is granted again up to 3s
-// after its ttl, counted from the start of its TryAcquire, which the suite's
-// StaleRenewKeepsNewHolder waits ShortTTL/2 for: the short ttl is 8s.
+// again up to 2s after its ttl (counted from the grant's answer; a name's
+// first grant also waits about a second for S3's clock before it answers),
+// which the suite's StaleRenewKeepsNewHolder waits ShortTTL/2 for: the short
+// ttl is 4s.
 func TestAcquirerConformance(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		t.Parallel()
@@ -43,7 +43,7 @@ func TestAcquirerConformance(t *testing.T) {
 				})
 				return newAcquirer(t, &s3env{c: c, bucket: e.bucket})
 			},
-			ShortTTL: 8 * time.Second,
+			ShortTTL: 4 * time.Second,
 			MaxTTL:   s3fence.MaxAcquirerTTL,
 			BadNames: []string{"nul\x00", "bad \xff"},
 			// Waiters poll: keep the contention test small.

@@ -729,7 +729,7 @@ func (s AcquirerSuite) testLateRenew(t *testing.T) {
 	// Long enough that "granted within half a ttl of the Renew" tells a free
 	// name (expired by the backend about when the local deadline passed, plus
 	// its clock's granularity) from one the Renew held for a new ttl.
-	ttl := max(4*s.ShortTTL, 2*time.Second)
+	ttl := max(2*s.ShortTTL, 2*time.Second)
 	la := mustTry(t, a, name, ttl)
 	select {
 	case <-la.Context().Done():
