@@ -1,0 +1,33 @@
+// Package natsfence fences data kept in a NATS JetStream key-value bucket and
+// grants fenced leases from one (github.com/nats-io/nats.go and its jetstream
+// package; NATS Server 2.11 or later for per-key TTLs).
+//
+//   - [Writer]: a fence.FencedWriter, fence.Reader and fence.Deleter keeping a
+//     key's value and fence in one KV entry, written by compare-and-set on the
+//     entry's revision.
+//
+// # Keys
+//
+// NATS KV keys hold only A-Z a-z 0-9 - _ / = and dots; [EncodeKey] maps any
+// name or key (any bytes, up to [MaxKeyBytes]) to a KV key injectively, so two
+// names never share an entry and nothing is folded (case, Unicode forms,
+// spaces).
+//
+// # Ambiguous replies
+//
+// A publish whose JetStream ack never came (a timeout, a dropped connection, a
+// leader election) may have been stored. Every entry carries a random write
+// id: the Writer looks again, returns nil when its entry landed, and otherwise
+// publishes the same entry expecting the same revision, which can land at most
+// once. When that does not settle within WriterOptions.RetryFor, or a larger
+// token replaced the entry meanwhile, the error matches fence.ErrUnknown.
+//
+// # What loses a fence
+//
+// A fence lives in its entry. Deleting or re-creating the bucket, a stream
+// purge, or a bucket TTL removes fences and would let a stale writer in:
+// NewWriter refuses a bucket with a TTL, and a key whose entry was deleted or
+// purged with kv del or kv purge is refused with [ErrFenceGone] until an
+// operator clears it. Never delete or purge a fence bucket while holders of
+// older tokens may be alive.
+package natsfence
