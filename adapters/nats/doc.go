@@ -2,6 +2,12 @@
 // grants fenced leases from one (github.com/nats-io/nats.go and its jetstream
 // package; NATS Server 2.11 or later for per-key TTLs).
 //
+//   - [Acquirer]: leases on a KV bucket made with [LockBucket]: a grant
+//     creates the lock key if absent with a per-key TTL, so expiry runs on the
+//     server's clock; the token is the bucket's creation time in microseconds
+//     plus the grant's revision; renew and release compare the revision;
+//     waiters watch the key and wake on its release or expiry marker (not
+//     FIFO).
 //   - [Writer]: a fence.FencedWriter, fence.Reader and fence.Deleter keeping a
 //     key's value and fence in one KV entry, written by compare-and-set on the
 //     entry's revision.
@@ -15,11 +21,12 @@
 //
 // # Ambiguous replies
 //
-// A publish whose JetStream ack never came (a timeout, a dropped connection, a
+// A request whose reply never came (a timeout, a dropped connection, a
 // leader election) may have been stored. Every entry carries a random write
 // id: the Writer looks again, returns nil when its entry landed, and otherwise
 // publishes the same entry expecting the same revision, which can land at most
-// once. When that does not settle within WriterOptions.RetryFor, or a larger
+// once. A grant, renewal or release does the same, recognising its lease's
+// entry by a random nonce. When that does not settle within WriterOptions.RetryFor, or a larger
 // token replaced the entry meanwhile, the error matches fence.ErrUnknown.
 //
 // # What loses a fence

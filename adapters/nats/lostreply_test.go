@@ -157,3 +157,41 @@ func TestWriterLostAckThenNewerToken(t *testing.T) {
 		t.Fatalf("Read = %q %d %v, want v7 7", v, tok, err)
 	}
 }
+
+// TestGrantLostAck: the ack of the create that grants a lease is lost (the key
+// landed): TryAcquire recognises its own entry by its nonce and returns the
+// lease, which excludes others, instead of ErrHeld against itself (which would
+// leave the name blocked for the ttl).
+func TestGrantLostAck(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, nil)
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = warm.Release(ctx)
+	name := fencetest.Name("lostgrant")
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	l, err := a.TryAcquire(ctx, name, 20*time.Second)
+	waitLost(t, p, before)
+	if err != nil {
+		t.Fatalf("a grant whose ack was lost after the key landed: %v, want the lease", err)
+	}
+	if _, err := other.TryAcquire(ctx, name, 5*time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("another acquirer while the recognised lease is held: %v", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := other.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("after the release: %v", err)
+	}
+	if l2.Token() <= l.Token() {
+		t.Errorf("token %d not above %d", l2.Token(), l.Token())
+	}
+	_ = l2.Release(ctx)
+}
