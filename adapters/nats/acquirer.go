@@ -80,12 +80,13 @@ type Options struct {
 // arrives (and every Recheck without one); they are not served in order
 // (not FIFO): every waiter tries at once, and one wins.
 type Acquirer struct {
-	js     jetstream.JetStream
-	kv     jetstream.KeyValue
-	stream jetstream.Stream
-	subj   string
-	marker time.Duration
-	o      Options
+	js         jetstream.JetStream
+	kv         jetstream.KeyValue
+	stream     jetstream.Stream
+	streamName string
+	subj       string
+	marker     time.Duration
+	o          Options
 }
 
 var _ fence.Acquirer = (*Acquirer)(nil)
@@ -135,7 +136,7 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 	if cfg.MaxAge != 0 {
 		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q expires entries after %v, which would end a renewed lease early", bucket, cfg.MaxAge)}
 	}
-	return &Acquirer{js: js, kv: kv, stream: stream, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}, nil
+	return &Acquirer{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}, nil
 }
 
 func check(ctx context.Context, name string, ttl time.Duration) error {
@@ -154,7 +155,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	if err := check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	return a.acquire(ctx, name, ttl, nil)
+	return a.acquire(ctx, name, ttl, false, nil, nil)
 }
 
 // Acquire waits for the lease on name. It gives up at ctx's deadline, or
@@ -171,15 +172,28 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		defer cancel()
 	}
 	// Watch before the first try, so a release between the try and the
-	// watch is not missed.
+	// watch is not missed. Creating the watch (a consumer) can stall during
+	// a leader election: wait for it at most Timeout, then go on with
+	// Recheck alone until it arrives.
 	wctx, stop := context.WithCancel(ctx)
 	defer stop()
-	w, err := a.kv.Watch(wctx, EncodeKey(name))
-	if err != nil {
-		return nil, a.fail(ctx, name, err)
+	ready := make(chan jetstream.KeyWatcher, 1)
+	go func() {
+		if w, err := a.kv.Watch(wctx, EncodeKey(name)); err == nil {
+			ready <- w // stopped by wctx's end when nobody takes it
+		}
+	}()
+	t := time.NewTimer(a.o.Timeout)
+	defer t.Stop()
+	var w jetstream.KeyWatcher
+	select {
+	case w = <-ready:
+		defer func() { _ = w.Stop() }()
+	case <-t.C:
+	case <-ctx.Done():
+		return nil, a.fail(ctx, name, ctx.Err())
 	}
-	defer func() { _ = w.Stop() }()
-	return a.acquire(ctx, name, ttl, w)
+	return a.acquire(ctx, name, ttl, true, w, ready)
 }
 
 // ttlSeconds is ttl rounded up to whole seconds, as the server counts it.
@@ -187,7 +201,10 @@ func ttlSeconds(ttl time.Duration) string {
 	return strconv.FormatInt(fence.CeilDiv(ttl, time.Second), 10)
 }
 
-func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, w jetstream.KeyWatcher) (fence.Lease, error) {
+// acquire tries, and when wait is set waits for the key's release or expiry
+// marker on w, or for the watch to arrive on ready when w is nil, or for the
+// recheck.
+func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, wait bool, w jetstream.KeyWatcher, ready <-chan jetstream.KeyWatcher) (fence.Lease, error) {
 	var nb [16]byte
 	if _, err := rand.Read(nb[:]); err != nil {
 		return nil, err
@@ -202,8 +219,12 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 		if err == nil {
 			return a.lease(ctx, name, key, value, ttl, sent, rev)
 		}
-		if !errors.Is(err, fence.ErrHeld) || w == nil {
+		if !errors.Is(err, fence.ErrHeld) || !wait {
 			return nil, a.fail(ctx, name, err)
+		}
+		var updates <-chan jetstream.KeyValueEntry
+		if w != nil {
+			updates = w.Updates()
 		}
 		// Wait for a release or expiry marker, or the recheck.
 	wait:
@@ -214,7 +235,12 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			case <-recheck.C:
 				recheck.Reset(a.o.Recheck)
 				break wait
-			case e, ok := <-w.Updates():
+			case nw := <-ready:
+				w = nw
+				defer func() { _ = nw.Stop() }()
+				ready = nil
+				break wait // a release before the watch began is not missed
+			case e, ok := <-updates:
 				if !ok {
 					return nil, a.fail(ctx, name, errors.New("watch ended"))
 				}
@@ -233,7 +259,7 @@ func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time
 	giveUp := time.Now().Add(a.o.RetryFor)
 	var lastErr error
 	for {
-		m, err := lastMsg(ctx, a.stream, a.subj+key, a.o.Timeout)
+		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
 		if err == nil {
 			var expect uint64
 			if m != nil {
@@ -374,7 +400,7 @@ func (l *lease) Renew(ctx context.Context) error {
 		}
 		if revisionMismatch(err) {
 			// Expired, taken, or an earlier attempt of ours landed.
-			m, gerr := lastMsg(ctx, l.a.stream, l.a.subj+l.key, l.a.o.Timeout)
+			m, gerr := lastMsg(ctx, l.a.js, l.a.streamName, l.a.subj+l.key, l.a.o.Timeout)
 			if gerr == nil {
 				if m != nil && !isMarker(m) && string(m.Data) == string(l.value) {
 					l.rev = m.Sequence
@@ -420,7 +446,7 @@ func (l *lease) Release(ctx context.Context) error {
 			return nil
 		}
 		if revisionMismatch(err) {
-			m, gerr := lastMsg(ctx, l.a.stream, l.a.subj+l.key, l.a.o.Timeout)
+			m, gerr := lastMsg(ctx, l.a.js, l.a.streamName, l.a.subj+l.key, l.a.o.Timeout)
 			if gerr == nil {
 				switch {
 				case m != nil && !isMarker(m) && string(m.Data) == string(l.value):

@@ -2,6 +2,7 @@ package natsfence
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -129,19 +130,58 @@ func openBucket(ctx context.Context, op string, js jetstream.JetStream, bucket s
 	return kv, stream, nil
 }
 
-// lastMsg returns the last message on subj, nil when there is none.
-func lastMsg(ctx context.Context, s jetstream.Stream, subj string, timeout time.Duration) (*jetstream.RawStreamMsg, error) {
+// storedMsg is the last message on a subject, as the stream leader holds it.
+type storedMsg struct {
+	Subject  string    `json:"subject"`
+	Sequence uint64    `json:"seq"`
+	Header   []byte    `json:"hdrs"`
+	Data     []byte    `json:"data"`
+	Time     time.Time `json:"time"`
+}
+
+// lastMsg returns the last message on subj, nil when there is none. It asks
+// the stream leader (STREAM.MSG.GET), not a direct get, which any replica may
+// answer from behind: a lagging replica would show a released lock as held or
+// an old fence as current.
+func lastMsg(ctx context.Context, js jetstream.JetStream, stream, subj string, timeout time.Duration) (*storedMsg, error) {
 	actx, cancel := attemptCtx(ctx, timeout)
 	defer cancel()
-	m, err := s.GetLastMsgForSubject(actx, subj)
-	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		return nil, nil
+	req, _ := json.Marshal(map[string]string{"last_by_subj": subj})
+	resp, err := js.Conn().RequestWithContext(actx, "$JS.API.STREAM.MSG.GET."+stream, req)
+	if err != nil {
+		return nil, err
 	}
-	return m, err
+	var r struct {
+		Message *storedMsg `json:"message"`
+		Error   *struct {
+			Code        int    `json:"code"`
+			ErrCode     uint16 `json:"err_code"`
+			Description string `json:"description"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(resp.Data, &r); err != nil {
+		return nil, fmt.Errorf("message get reply: %w", err)
+	}
+	if r.Error != nil {
+		if r.Error.ErrCode == uint16(jetstream.JSErrCodeMessageNotFound) {
+			return nil, nil
+		}
+		return nil, &jetstream.APIError{Code: r.Error.Code, ErrorCode: jetstream.ErrorCode(r.Error.ErrCode), Description: r.Error.Description}
+	}
+	if r.Message == nil {
+		return nil, errors.New("message get reply without a message")
+	}
+	return r.Message, nil
 }
 
 // isMarker reports a KV delete or purge marker, or a server limit marker (a
 // key whose TTL ran out).
-func isMarker(m *jetstream.RawStreamMsg) bool {
-	return m.Header.Get("KV-Operation") != "" || m.Header.Get(jetstream.MarkerReasonHeader) != ""
+func isMarker(m *storedMsg) bool {
+	for _, line := range strings.Split(string(m.Header), "\r\n") {
+		name, _, ok := strings.Cut(line, ":")
+		if ok && (strings.EqualFold(name, "KV-Operation") || strings.EqualFold(name, jetstream.MarkerReasonHeader)) {
+			return true
+		}
+	}
+	return false
 }

@@ -62,10 +62,12 @@ func (o *WriterOptions) withDefaults(op string) (WriterOptions, error) {
 // within RetryFor, Write returns an error matching fence.ErrUnknown. It is safe
 // for concurrent use.
 type Writer struct {
-	kv     jetstream.KeyValue
-	stream jetstream.Stream
-	subj   string // the subject prefix of the bucket's keys
-	o      WriterOptions
+	kv         jetstream.KeyValue
+	stream     jetstream.Stream
+	js         jetstream.JetStream
+	streamName string
+	subj       string // the subject prefix of the bucket's keys
+	o          WriterOptions
 }
 
 var (
@@ -93,7 +95,7 @@ func NewWriter(ctx context.Context, js jetstream.JetStream, bucket string, opts 
 	if ttl := stream.CachedInfo().Config.MaxAge; ttl != 0 {
 		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q expires its entries after %v, and a fence must outlive every holder of an older token: use a bucket without TTL", bucket, ttl)}
 	}
-	return &Writer{kv: kv, stream: stream, subj: "$KV." + bucket + ".", o: o}, nil
+	return &Writer{kv: kv, stream: stream, js: js, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", o: o}, nil
 }
 
 // The entry layout: version, flags, token (big-endian), write id, value.
@@ -216,7 +218,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 func (w *Writer) get(ctx context.Context, op, key, kvKey string) (*entry, uint64, error) {
 	giveUp := time.Now().Add(w.o.RetryFor)
 	for {
-		m, err := lastMsg(ctx, w.stream, w.subj+kvKey, w.o.Timeout)
+		m, err := lastMsg(ctx, w.js, w.streamName, w.subj+kvKey, w.o.Timeout)
 		switch {
 		case err == nil && m == nil:
 			return nil, 0, nil

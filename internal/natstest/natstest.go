@@ -150,9 +150,16 @@ func StartCluster(t testing.TB, n int) *Cluster {
 	return c
 }
 
+// ready reports a meta leader that knows every running node as a peer.
 func (c *Cluster) ready() bool {
+	running := 0
 	for _, s := range c.Nodes {
-		if s != nil && s.JetStreamIsLeader() {
+		if s != nil {
+			running++
+		}
+	}
+	for _, s := range c.Nodes {
+		if s != nil && s.JetStreamIsLeader() && len(s.JetStreamClusterPeers()) >= running {
 			return true
 		}
 	}
@@ -197,6 +204,13 @@ func (c *Cluster) Restart(i int) {
 		c.t.Fatal(err)
 	}
 	c.Nodes[i] = s
+	deadline := time.Now().Add(30 * time.Second)
+	for !c.ready() {
+		if time.Now().After(deadline) {
+			c.t.Fatalf("natstest: node %d did not rejoin within 30s", i)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // ClientAddr is the host:port of node i's client listener.
