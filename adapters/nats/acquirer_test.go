@@ -140,3 +140,35 @@ func TestWaiterWokenByExpiry(t *testing.T) {
 		t.Errorf("token %d not above %d", l.Token(), h.Token())
 	}
 }
+
+// TestFractionalTTLRoundedUp: the server counts a key's TTL in whole seconds
+// and truncates a fraction; a 1.5s lease must not expire on the server at 1s
+// while its holder's context is live. Another acquirer tries all along.
+func TestFractionalTTLRoundedUp(t *testing.T) {
+	a := newAcquirer(t, js(t), lockBucket, nil)
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	name := fencetest.Name("fraction")
+	h, err := a.TryAcquire(ctx, name, 1500*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	giveUp := time.Now().Add(10 * time.Second)
+	for {
+		l, err := other.TryAcquire(ctx, name, 5*time.Second)
+		if err == nil {
+			if h.Context().Err() == nil {
+				t.Fatal("granted to another acquirer while the 1.5s holder's context was live")
+			}
+			_ = l.Release(ctx)
+			return
+		}
+		if !errors.Is(err, fence.ErrHeld) {
+			t.Fatal(err)
+		}
+		if time.Now().After(giveUp) {
+			t.Fatal("the 1.5s lease never expired")
+		}
+		time.Sleep(20 * time.Millisecond) // pacing of the tries
+	}
+}

@@ -37,4 +37,23 @@
 // purged with kv del or kv purge is refused with [ErrFenceGone] until an
 // operator clears it. Never delete or purge a fence bucket while holders of
 // older tokens may be alive.
+//
+// # Durability and leader changes
+//
+// Grants, renewals and fenced writes are publishes that the stream leader
+// acknowledges once its replicas agree (Raft), so on an R3 bucket the loss of
+// one node loses no acknowledged grant or fence. Decisions read the stream
+// leader (STREAM.MSG.GET), never a direct get that a lagging replica may
+// answer. During a leader election requests time out or find no responder;
+// each is retried within RetryFor and then returns a clear error (ErrUnknown
+// when a write may have landed), never a hang. A lease whose holder is cut
+// off during the election is not renewed and expires on the server; its
+// holder's context ends at its local deadline, which passes before the
+// server's TTL (rounded up to whole seconds), so no one is granted while it
+// is live.
+//
+// An R1 bucket on the server's default sync_interval (2 minutes) can lose the
+// last acknowledged messages when the machine (not only the process) dies:
+// a grant or a fence could then be handed out or accepted again. Use R3, or
+// sync_interval: always, for locks that guard correctness.
 package natsfence
