@@ -150,7 +150,8 @@ func check(ctx context.Context, name string, ttl time.Duration) error {
 // fence.ErrHeld at once. Two round trips: the create, and the bucket's
 // creation time for the token. When the create's reply is lost and retries
 // within RetryFor cannot tell whether it landed, the error matches
-// fence.ErrUnknown (the name may then stay held for the ttl).
+// fence.ErrUnknown; the acquirer then removes its entry in the background
+// once it can tell it landed (within the ttl), so the name is not blocked.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := check(ctx, name, ttl); err != nil {
 		return nil, err
@@ -219,6 +220,11 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 		if err == nil {
 			return a.lease(ctx, name, key, value, ttl, sent, rev)
 		}
+		if errors.Is(err, fence.ErrUnknown) {
+			// The create may have landed: remove it once we can tell, so
+			// the name is not blocked for the ttl by an entry nobody holds.
+			go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
+		}
 		if !errors.Is(err, fence.ErrHeld) || !wait {
 			return nil, a.fail(ctx, name, err)
 		}
@@ -286,6 +292,29 @@ func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time
 		lastErr = err
 		if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
 			return 0, fmt.Errorf("%w: %w", fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
+		}
+	}
+}
+
+// cleanup removes key when it still holds value (a grant of ours that
+// returned ErrUnknown), retrying ambiguous failures until it can tell, for at
+// most ttl: by then the server has expired the entry anyway.
+func (a *Acquirer) cleanup(ctx context.Context, key string, value []byte, ttl time.Duration) {
+	ctx, cancel := context.WithTimeout(ctx, ttl)
+	defer cancel()
+	for {
+		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
+		if err == nil {
+			if m == nil || isMarker(m) || string(m.Data) != string(value) {
+				return // not ours: nothing to clean up
+			}
+			err = a.purge(ctx, key, m.Sequence)
+			if err == nil || revisionMismatch(err) {
+				continue // look again
+			}
+		}
+		if !ambiguous(err) || pause(ctx, retryPause) != nil {
+			return
 		}
 	}
 }
