@@ -42,3 +42,52 @@ func TestGrantUnknownDoesNotBlockName(t *testing.T) {
 	}
 	_ = l.Release(ctx)
 }
+
+// TestReleaseLostAckThenRegranted: the ack of a release is lost (the purge
+// landed), and a waiter is granted the name before the releaser can look
+// again. The release did land: reporting ErrLost ("it had already expired")
+// is a definite wrong outcome (HAZARDS 3); nil or ErrUnknown are honest.
+func TestReleaseLostAckThenRegranted(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, nil)
+	other := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Recheck: time.Minute})
+	ctx := context.Background()
+	name := fencetest.Name("lostrelease")
+	l, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan fence.Lease, 1)
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	go func() {
+		l2, err := other.Acquire(wctx, name, 5*time.Second)
+		if err != nil {
+			t.Errorf("the waiter: %v", err)
+		}
+		got <- l2
+	}()
+	// The waiter watches the key before its first try, so it is woken by
+	// the release whenever that lands.
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.Refuse(true) // the releaser stays cut off until the waiter is granted
+	done := make(chan error, 1)
+	go func() { done <- l.Release(ctx) }()
+	waitLost(t, p, before)
+	l2 := <-got
+	p.Refuse(false)
+	err = <-done
+	if errors.Is(err, fence.ErrLost) {
+		t.Fatalf("a release that landed, its ack lost, then the name granted to another: %v, want nil or ErrUnknown, not ErrLost", err)
+	}
+	if err != nil && !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("release: %v", err)
+	}
+	if l2 != nil {
+		if l2.Token() <= l.Token() {
+			t.Errorf("token %d not above %d", l2.Token(), l.Token())
+		}
+		_ = l2.Release(ctx)
+	}
+}
