@@ -459,7 +459,8 @@ func (l *lease) Renew(ctx context.Context) error {
 // Release ends the lease's context, then purges the lock key expecting the
 // revision the lease last wrote, which wakes the waiters. fence.ErrLost when
 // the key had expired or another grant owns it. After a lost reply it is sent
-// again, and a key found gone then counts as released (nil).
+// again, and a key found gone or granted to another then counts as released
+// (nil): the purge may have landed and woken the grant.
 func (l *lease) Release(ctx context.Context) error {
 	if err := fence.CheckContext("release", ctx); err != nil {
 		return err
@@ -481,8 +482,10 @@ func (l *lease) Release(ctx context.Context) error {
 				case m != nil && !isMarker(m) && string(m.Data) == string(l.value):
 					l.rev = m.Sequence // a renewal we could not confirm landed
 					continue
-				case lastErr != nil && (m == nil || isMarker(m)):
-					return nil // gone: ours landed, or it expired
+				case lastErr != nil:
+					// Gone or granted again: ours landed (and a waiter
+					// was woken by it), or it expired.
+					return nil
 				}
 				return l.lost()
 			}
