@@ -91,3 +91,31 @@ func TestReleaseLostAckThenRegranted(t *testing.T) {
 		_ = l2.Release(ctx)
 	}
 }
+
+// TestDriftNotBelowTTL: a Drift at least the lease's ttl makes a lease whose
+// context is done at birth while the server holds the name for the ttl: a
+// lease already lost must not come with a nil error (HAZARDS 6, 8), and the
+// name must not be blocked by it.
+func TestDriftNotBelowTTL(t *testing.T) {
+	a := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Drift: 10 * time.Second})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	name := fencetest.Name("drift")
+	l, err := a.TryAcquire(ctx, name, 5*time.Second)
+	if err == nil {
+		defer func() { _ = l.Release(ctx) }()
+		if l.Context().Err() != nil {
+			t.Fatalf("TryAcquire with Drift 10s and ttl 5s: a lease whose context is already done (%v), with a nil error", context.Cause(l.Context()))
+		}
+		t.Fatalf("TryAcquire with Drift 10s and ttl 5s: nil error, want ErrInvalid naming Drift")
+	}
+	var ie *fence.InvalidError
+	if !errors.As(err, &ie) || ie.Arg != "Drift" {
+		t.Fatalf("TryAcquire with Drift 10s and ttl 5s: %v, want ErrInvalid naming Drift", err)
+	}
+	l2, err := other.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("the name after the refused acquire: %v", err)
+	}
+	_ = l2.Release(ctx)
+}
