@@ -37,6 +37,7 @@ func LockBucket(name string) jetstream.KeyValueConfig {
 // Options configures an Acquirer. A nil *Options means the defaults.
 type Options struct {
 	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
+	// An acquire with a ttl not above Drift is refused (fence.ErrInvalid).
 	Drift time.Duration
 	// MaxWait bounds Acquire's wait when ctx has no deadline. Default: 30s.
 	MaxWait time.Duration
@@ -139,11 +140,19 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 	return &Acquirer{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}, nil
 }
 
-func check(ctx context.Context, name string, ttl time.Duration) error {
+func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) error {
 	if err := checkKey(ctx, "acquire", "name", name); err != nil {
 		return err
 	}
-	return fence.CheckTTL("acquire", ttl, MinTTL, MaxTTL)
+	if err := fence.CheckTTL("acquire", ttl, MinTTL, MaxTTL); err != nil {
+		return err
+	}
+	if a.o.Drift >= ttl {
+		// The lease would be past its local deadline at birth while the
+		// server holds the name for the ttl.
+		return &fence.InvalidError{Op: "acquire", Arg: "Drift", Reason: fmt.Sprintf("%v is not below the ttl %v", a.o.Drift, ttl)}
+	}
+	return nil
 }
 
 // TryAcquire grants the lease on name for ttl (at least MinTTL), or returns
@@ -153,7 +162,7 @@ func check(ctx context.Context, name string, ttl time.Duration) error {
 // fence.ErrUnknown; the acquirer then removes its entry in the background
 // once it can tell it landed (within the ttl), so the name is not blocked.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := check(ctx, name, ttl); err != nil {
+	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	return a.acquire(ctx, name, ttl, false, nil, nil)
@@ -163,7 +172,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 // after MaxWait when ctx has none, with an error matching fence.ErrHeld and
 // the context error.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := check(ctx, name, ttl); err != nil {
+	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	if _, ok := ctx.Deadline(); !ok {
