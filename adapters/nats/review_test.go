@@ -119,3 +119,42 @@ func TestDriftNotBelowTTL(t *testing.T) {
 	}
 	_ = l2.Release(ctx)
 }
+
+// TestWriterLostAckNotReplayed: the ack of a write with token 6 is lost (it
+// landed), and a later write with the same token lands before the writer
+// looks again. The writer must not publish its entry a second time over the
+// later one (a step applied twice, undoing a later write): the key keeps the
+// later value, and the first write reports nil or ErrUnknown.
+func TestWriterLostAckNotReplayed(t *testing.T) {
+	j, p := proxied(t)
+	bucket(t, j, writerBucket)
+	// The retry after the lost ack waits for the 5s attempt timeout, long
+	// after the later write below.
+	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := newWriter(t, js(t), writerBucket)
+	ctx := context.Background()
+	key := fencetest.Name("replay")
+	if err := w.Write(ctx, key, []byte("v5"), 5); err != nil {
+		t.Fatal(err)
+	}
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(writerBucket.Bucket))
+	done := make(chan error, 1)
+	go func() { done <- w.Write(ctx, key, []byte("first"), 6) }()
+	waitLost(t, p, before)
+	if v, tok, err := check.Read(ctx, key); err != nil || string(v) != "first" || tok != 6 {
+		t.Fatalf("the write whose ack was lost did not land: %q %d %v", v, tok, err)
+	}
+	if err := check.Write(ctx, key, []byte("later"), 6); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil && !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("the first write: %v, want nil or ErrUnknown", err)
+	}
+	if v, tok, err := check.Read(ctx, key); err != nil || string(v) != "later" || tok != 6 {
+		t.Fatalf("Read = %q %d %v, want the later write (later 6): the first was applied twice", v, tok, err)
+	}
+}
