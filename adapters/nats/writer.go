@@ -162,7 +162,8 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 	kvKey := EncodeKey(key)
 	data := e.encode()
 	giveUp := time.Now().Add(w.o.RetryFor)
-	var lastErr error // the last ambiguous failure, if any
+	var lastErr error  // the last ambiguous failure, if any
+	var sentRev uint64 // the revision that attempt expected
 	unknown := func(err error) error {
 		return fmt.Errorf("natsfence: %s %q token %d: %w: %w", op, key, e.token, fence.ErrUnknown, err)
 	}
@@ -186,6 +187,11 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 			}
 			return stale
 		}
+		if lastErr != nil && rev != sentRev {
+			// The entry changed since an attempt that may have landed:
+			// publishing again could apply it twice, over a later write.
+			return unknown(lastErr)
+		}
 		// Publish, expecting rev; an ambiguous failure sends the same entry
 		// with the same expectation again, which lands at most once.
 		for {
@@ -198,7 +204,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 			if !ambiguous(err) {
 				break
 			}
-			lastErr = err
+			lastErr, sentRev = err, rev
 			if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
 				return unknown(errors.Join(err, context.Cause(ctx)))
 			}
