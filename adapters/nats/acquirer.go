@@ -432,7 +432,7 @@ func (l *lease) Renew(ctx context.Context) error {
 		if err == nil {
 			l.rev = rev
 			if !l.Extend(sent) {
-				return l.lost()
+				return l.undo(ctx)
 			}
 			return nil
 		}
@@ -443,7 +443,7 @@ func (l *lease) Renew(ctx context.Context) error {
 				if m != nil && !isMarker(m) && string(m.Data) == string(l.value) {
 					l.rev = m.Sequence
 					if !l.Extend(sent) {
-						return l.lost()
+						return l.undo(ctx)
 					}
 					return nil
 				}
@@ -508,6 +508,14 @@ func (l *lease) Release(ctx context.Context) error {
 			return fmt.Errorf("natsfence: release %q: %w: %w", l.Name(), fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
 		}
 	}
+}
+
+// undo removes a renewal that landed after the local deadline had passed
+// (nobody holds the name it keeps for a fresh ttl), and reports the lease
+// lost.
+func (l *lease) undo(ctx context.Context) error {
+	_ = l.a.purge(context.WithoutCancel(ctx), l.key, l.rev)
+	return l.lost()
 }
 
 func (l *lease) lost() error {
