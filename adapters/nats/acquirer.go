@@ -95,7 +95,8 @@ var _ fence.Acquirer = (*Acquirer)(nil)
 // New returns an Acquirer on the existing KV bucket named bucket of js. It
 // refuses, with an error matching fence.ErrInvalid naming the bucket, one
 // without limit markers (LimitMarkerTTL: no per-key TTLs, and an expiry would
-// wake no waiter) or with a bucket TTL (it would expire a renewed lease early).
+// wake no waiter), with a bucket TTL (it would expire a renewed lease early),
+// or a mirror or a bucket with sources.
 func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Options) (*Acquirer, error) {
 	const op = "new acquirer"
 	var o Options

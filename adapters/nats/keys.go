@@ -127,6 +127,12 @@ func openBucket(ctx context.Context, op string, js jetstream.JetStream, bucket s
 	if err != nil {
 		return nil, nil, fmt.Errorf("natsfence: %s: stream of bucket %q: %w", op, bucket, err)
 	}
+	if cfg := stream.CachedInfo().Config; cfg.Mirror != nil || len(cfg.Sources) > 0 {
+		// A mirror keeps its entries under the origin's subjects, where
+		// the bucket's own reads never see them; sources write over the
+		// bucket's keys from elsewhere. Either would lose fences and leases.
+		return nil, nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q mirrors or sources other buckets: use a bucket of its own", bucket)}
+	}
 	return kv, stream, nil
 }
 
