@@ -197,3 +197,56 @@ func TestLateRenewalDoesNotBlockName(t *testing.T) {
 	}
 	_ = l2.Release(ctx)
 }
+
+// TestGrantConfirmedAfterLocalDeadline: the ack of a grant is lost and the
+// client cannot reconnect until the lease's local deadline has passed; the
+// key is still there (the server's ttl is rounded up), so the retry
+// recognises it. A lease already past its local deadline must not be
+// returned with a nil error (HAZARDS 6): either a live lease or an error.
+func TestGrantConfirmedAfterLocalDeadline(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond, RetryFor: 10 * time.Second})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = warm.Release(ctx)
+	name := fencetest.Name("lateconfirm")
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.Refuse(true)
+	type res struct {
+		l   fence.Lease
+		err error
+	}
+	got := make(chan res, 1)
+	start := time.Now()
+	go func() {
+		l, err := a.TryAcquire(ctx, name, 1500*time.Millisecond)
+		got <- res{l, err}
+	}()
+	waitLost(t, p, before)
+	// A lease granted after a's was sent, with the same ttl: once its
+	// context is done, a's local deadline has passed too.
+	clock, err := other.TryAcquire(ctx, fencetest.Name("clock"), 1500*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-clock.Context().Done()
+	p.Refuse(false)
+	r := <-got
+	t.Logf("TryAcquire after %v: %v", time.Since(start), r.err)
+	if r.err == nil {
+		defer func() { _ = r.l.Release(ctx) }()
+		// Its local deadline was due before the return: the lease's timer
+		// ends its context at once. A live 1.5s lease is not done within
+		// 100ms.
+		select {
+		case <-r.l.Context().Done():
+			t.Fatalf("TryAcquire returned token %d with a nil error, past its local deadline: %v", r.l.Token(), context.Cause(r.l.Context()))
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
