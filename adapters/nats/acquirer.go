@@ -224,11 +224,27 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 	key := EncodeKey(name)
 	recheck := time.NewTimer(a.o.Recheck)
 	defer recheck.Stop()
+	drift := a.o.Drift
+	if drift <= 0 {
+		drift = leasekit.DefaultDrift(ttl)
+	}
+	late := 0
 	for {
 		sent := time.Now()
 		rev, err := a.grant(ctx, key, value, ttl)
 		if err == nil {
-			return a.lease(ctx, name, key, value, ttl, sent, rev)
+			l, err := a.lease(ctx, name, key, value, ttl, sent, rev)
+			if err != nil || time.Since(sent) < ttl-drift {
+				return l, err
+			}
+			// Confirmed only after its local deadline (lost acks, a slow
+			// link): a lease already lost. Remove it and try again.
+			l.(*lease).End(fence.ErrLost)
+			_ = a.purge(context.WithoutCancel(ctx), key, rev)
+			if late++; late < 3 && ctx.Err() == nil {
+				continue
+			}
+			return nil, fmt.Errorf("natsfence: acquire %q: every grant was confirmed only after its local deadline (a slow or cut connection): %w", name, fence.ErrLost)
 		}
 		if errors.Is(err, fence.ErrUnknown) {
 			// The create may have landed: remove it once we can tell, so

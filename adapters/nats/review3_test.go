@@ -3,6 +3,7 @@ package natsfence_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -118,4 +119,67 @@ func TestWriterConcurrentCutRate(t *testing.T) {
 		t.Fatalf("the key ends at token %d; largest accepted %d, largest unknown %d", tok, maxOK, maxUnknown)
 	}
 	t.Logf("ends at %d; largest accepted %d, largest unknown %d", tok, maxOK, maxUnknown)
+}
+
+// TestAcquirersConcurrentCutRate: acquirers on clients of their own, two of
+// them behind proxies that cut connections at random, contend for one name;
+// each lease is released, renewed then released, or left to expire. Whenever
+// a lease is granted, every earlier lease's context is done and its token is
+// below the new one.
+func TestAcquirersConcurrentCutRate(t *testing.T) {
+	ctx := context.Background()
+	name := fencetest.Name("contend")
+	var mu sync.Mutex
+	var granted []fence.Lease
+	const acquirers, rounds = 3, 6
+	done := make(chan struct{}, acquirers)
+	for i := 0; i < acquirers; i++ {
+		j := js(t)
+		var p interface{ CutRate(float64) }
+		if i < 2 {
+			j, p = proxied(t)
+		}
+		a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 500 * time.Millisecond, RetryFor: 2 * time.Second, Recheck: 500 * time.Millisecond})
+		if p != nil {
+			p.CutRate(0.05)
+		}
+		go func(i int) {
+			defer func() { done <- struct{}{} }()
+			for n := 0; n < rounds; n++ {
+				wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+				l, err := a.Acquire(wctx, name, time.Second)
+				cancel()
+				if err != nil {
+					continue // ErrUnknown or a cut: nothing was granted to us
+				}
+				mu.Lock()
+				for _, e := range granted {
+					if e.Context().Err() == nil {
+						t.Errorf("acquirer %d granted token %d while token %d's context is live", i, l.Token(), e.Token())
+					}
+					if e.Token() >= l.Token() {
+						t.Errorf("acquirer %d granted token %d after token %d", i, l.Token(), e.Token())
+					}
+				}
+				granted = append(granted, l)
+				mu.Unlock()
+				switch (i + n) % 3 {
+				case 0:
+					_ = l.Release(ctx)
+				case 1:
+					_ = l.Renew(ctx)
+					_ = l.Release(ctx)
+				case 2:
+					<-l.Context().Done()
+				}
+			}
+		}(i)
+	}
+	for i := 0; i < acquirers; i++ {
+		<-done
+	}
+	if len(granted) < acquirers {
+		t.Fatalf("only %d grants", len(granted))
+	}
+	t.Logf("%d grants", len(granted))
 }
