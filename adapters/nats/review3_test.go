@@ -147,12 +147,15 @@ func TestAcquirersConcurrentCutRate(t *testing.T) {
 			defer func() { done <- struct{}{} }()
 			for n := 0; n < rounds; n++ {
 				wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+				start := time.Now()
 				l, err := a.Acquire(wctx, name, time.Second)
 				cancel()
 				if err != nil {
 					continue // ErrUnknown or a cut: nothing was granted to us
 				}
+				took := time.Since(start)
 				mu.Lock()
+				t.Logf("acquirer %d: token %d after %v (context err %v)", i, l.Token(), took, l.Context().Err())
 				for _, e := range granted {
 					if e.Context().Err() == nil {
 						t.Errorf("acquirer %d granted token %d while token %d's context is live", i, l.Token(), e.Token())
