@@ -199,12 +199,19 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	var w jetstream.KeyWatcher
 	select {
 	case w = <-ready:
-		defer func() { _ = w.Stop() }()
+		defer stopWatch(w)
 	case <-t.C:
 	case <-ctx.Done():
 		return nil, a.fail(ctx, name, ctx.Err())
 	}
 	return a.acquire(ctx, name, ttl, true, w, ready)
+}
+
+// stopWatch stops w without waiting: Stop may wait for the server (the
+// consumer's removal) for seconds on a bad connection, and a granted lease's
+// ttl runs meanwhile.
+func stopWatch(w jetstream.KeyWatcher) {
+	go func() { _ = w.Stop() }()
 }
 
 // ttlSeconds is ttl rounded up to whole seconds, as the server counts it.
@@ -242,6 +249,12 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			l.(*lease).End(fence.ErrLost)
 			_ = a.purge(context.WithoutCancel(ctx), key, rev)
 			if late++; late < 3 && ctx.Err() == nil {
+				// A new nonce: an entry the purge missed must not be
+				// taken for the next attempt's grant.
+				if _, err := rand.Read(nb[:]); err != nil {
+					return nil, err
+				}
+				value = []byte(hex.EncodeToString(nb[:]) + " " + a.o.Owner)
 				continue
 			}
 			return nil, fmt.Errorf("natsfence: acquire %q: every grant was confirmed only after its local deadline (a slow or cut connection): %w", name, fence.ErrLost)
@@ -269,7 +282,7 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 				break wait
 			case nw := <-ready:
 				w = nw
-				defer func() { _ = nw.Stop() }()
+				defer stopWatch(nw)
 				ready = nil
 				break wait // a release before the watch began is not missed
 			case e, ok := <-updates:
