@@ -250,3 +250,44 @@ func TestGrantConfirmedAfterLocalDeadline(t *testing.T) {
 		}
 	}
 }
+
+// TestCancelledAcquireDoesNotBlockName: an Acquire cancelled while its
+// create's ack is lost (the create landed, the reconnect refused) returns,
+// and once the connection is back the name is free well before the ttl.
+func TestCancelledAcquireDoesNotBlockName(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = warm.Release(ctx)
+	name := fencetest.Name("cancelled")
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.Refuse(true)
+	actx, cancel := context.WithCancel(ctx)
+	got := make(chan error, 1)
+	go func() {
+		l, err := a.Acquire(actx, name, time.Minute)
+		if err == nil {
+			_ = l.Release(ctx)
+		}
+		got <- err
+	}()
+	waitLost(t, p, before)
+	cancel()
+	if err := <-got; err == nil {
+		t.Fatal("a cancelled Acquire returned a lease")
+	}
+	p.Refuse(false)
+	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
+	defer wcancel()
+	l, err := other.Acquire(wctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("the name after a cancelled Acquire of a 1 minute ttl: %v", err)
+	}
+	_ = l.Release(ctx)
+}
