@@ -36,7 +36,9 @@
 // NewWriter refuses a bucket with a TTL, and a key whose entry was deleted or
 // purged with kv del or kv purge is refused with [ErrFenceGone] until an
 // operator clears it. Never delete or purge a fence bucket while holders of
-// older tokens may be alive.
+// older tokens may be alive, and never run PurgeDeletes (kv compact) on it:
+// it removes those markers, the key then looks never written, and any token
+// is accepted.
 //
 // # Durability and leader changes
 //
