@@ -1,0 +1,553 @@
+package natsfence
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+
+	"sync"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// MinTTL is the shortest lease: the server counts a key's TTL in whole seconds
+// (and refuses one under a second). A ttl is rounded up to whole seconds on
+// the server; the local deadline keeps the ttl asked for.
+const MinTTL = time.Second
+
+// MaxTTL is the longest lease: 100 years.
+const MaxTTL = 100 * 365 * 24 * time.Hour
+
+// LockBucket returns the configuration of a lock bucket named name: one entry
+// per key, and markers when a key's TTL runs out (kept for a second), which
+// wake the waiters. Create it with jetstream.JetStream.CreateOrUpdateKeyValue;
+// set Replicas to 3 (or 5) on a cluster.
+func LockBucket(name string) jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{Bucket: name, History: 1, LimitMarkerTTL: time.Second}
+}
+
+// Options configures an Acquirer. A nil *Options means the defaults.
+type Options struct {
+	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
+	// An acquire with a ttl not above Drift is refused (fence.ErrInvalid).
+	Drift time.Duration
+	// MaxWait bounds Acquire's wait when ctx has no deadline. Default: 30s.
+	MaxWait time.Duration
+	// Owner is stored in the lock key's entry, for operators. Default: host name and process id.
+	Owner string
+	// Timeout bounds each request to the server. Default: 2s.
+	Timeout time.Duration
+	// RetryFor bounds how long a request whose reply was lost (a timeout, a
+	// dropped connection, a leader election) is retried. Default: 10s.
+	RetryFor time.Duration
+	// Recheck is how often a waiting Acquire tries again when no watch event
+	// woke it (a watch that lost events across a reconnect). Default: 5s.
+	Recheck time.Duration
+}
+
+// Acquirer grants leases from a JetStream KV bucket made with LockBucket. It is
+// safe for concurrent use.
+//
+// A grant creates the lock key EncodeKey(name) if it is absent, with a per-key
+// TTL of the lease's ttl rounded up to whole seconds, so the lease expires on
+// the server's clock. Renew republishes the entry with a fresh TTL, expecting
+// the revision the lease last wrote; Release purges it expecting the same
+// revision; neither touches a key another grant owns.
+//
+// # Tokens
+//
+// The token is the bucket stream's creation time in microseconds (on the
+// server's clock, read after each grant) plus the grant's revision (the
+// stream sequence of the create). Within one bucket the revision only grows,
+// across leader changes and purges, so tokens grow. Deleting and re-creating
+// the bucket restarts the revisions at 1 but moves the creation time on; a
+// token from the new bucket is larger than every token of the old one as long
+// as the old bucket stored fewer messages than the microseconds between the
+// two creations (below a million messages per second over its life) and the
+// clock of the server creating the new bucket is not behind the old one's by
+// more than that margin. Tokens stay below 2^53 until the year 2255.
+//
+// # Waiting
+//
+// Waiters watch the lock key and try again when its release or expiry marker
+// arrives (and every Recheck without one); they are not served in order
+// (not FIFO): every waiter tries at once, and one wins.
+type Acquirer struct {
+	js         jetstream.JetStream
+	kv         jetstream.KeyValue
+	stream     jetstream.Stream
+	streamName string
+	subj       string
+	marker     time.Duration
+	o          Options
+}
+
+var _ fence.Acquirer = (*Acquirer)(nil)
+
+// New returns an Acquirer on the existing KV bucket named bucket of js. It
+// refuses, with an error matching fence.ErrInvalid naming the bucket, one
+// without limit markers (LimitMarkerTTL: no per-key TTLs, and an expiry would
+// wake no waiter), with a bucket TTL (it would expire a renewed lease early),
+// or a mirror or a bucket with sources.
+func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Options) (*Acquirer, error) {
+	const op = "new acquirer"
+	var o Options
+	if opts != nil {
+		o = *opts
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"Drift", o.Drift}, {"MaxWait", o.MaxWait}, {"Timeout", o.Timeout}, {"RetryFor", o.RetryFor}, {"Recheck", o.Recheck}} {
+		if d.v < 0 {
+			return nil, &fence.InvalidError{Op: op, Arg: d.name, Reason: "negative"}
+		}
+	}
+	if o.MaxWait == 0 {
+		o.MaxWait = fence.DefaultMaxWait
+	}
+	if o.Timeout == 0 {
+		o.Timeout = 2 * time.Second
+	}
+	if o.RetryFor == 0 {
+		o.RetryFor = 10 * time.Second
+	}
+	if o.Recheck == 0 {
+		o.Recheck = 5 * time.Second
+	}
+	if o.Owner == "" {
+		host, _ := os.Hostname()
+		o.Owner = fmt.Sprintf("%s/%d", host, os.Getpid())
+	}
+	kv, stream, err := openBucket(ctx, op, js, bucket)
+	if err != nil {
+		return nil, err
+	}
+	cfg := stream.CachedInfo().Config
+	if !cfg.AllowMsgTTL || cfg.SubjectDeleteMarkerTTL <= 0 {
+		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q has no LimitMarkerTTL: per-key TTLs are off and an expiry would wake no waiter (make it with LockBucket)", bucket)}
+	}
+	if cfg.MaxAge != 0 {
+		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q expires entries after %v, which would end a renewed lease early", bucket, cfg.MaxAge)}
+	}
+	return &Acquirer{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}, nil
+}
+
+func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) error {
+	if err := checkKey(ctx, "acquire", "name", name); err != nil {
+		return err
+	}
+	if err := fence.CheckTTL("acquire", ttl, MinTTL, MaxTTL); err != nil {
+		return err
+	}
+	if a.o.Drift >= ttl {
+		// The lease would be past its local deadline at birth while the
+		// server holds the name for the ttl.
+		return &fence.InvalidError{Op: "acquire", Arg: "Drift", Reason: fmt.Sprintf("%v is not below the ttl %v", a.o.Drift, ttl)}
+	}
+	return nil
+}
+
+// TryAcquire grants the lease on name for ttl (at least MinTTL), or returns
+// fence.ErrHeld at once. Two round trips: the create, and the bucket's
+// creation time for the token. When the create's reply is lost and retries
+// within RetryFor cannot tell whether it landed, the error matches
+// fence.ErrUnknown; the acquirer then removes its entry in the background
+// once it can tell it landed (within the ttl), so the name is not blocked.
+func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := a.check(ctx, name, ttl); err != nil {
+		return nil, err
+	}
+	return a.acquire(ctx, name, ttl, false, nil, nil)
+}
+
+// Acquire waits for the lease on name. It gives up at ctx's deadline, or
+// after MaxWait when ctx has none, with an error matching fence.ErrHeld and
+// the context error.
+func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := a.check(ctx, name, ttl); err != nil {
+		return nil, err
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, a.o.MaxWait,
+			fmt.Errorf("natsfence: gave up after the maximum wait %v: %w", a.o.MaxWait, context.DeadlineExceeded))
+		defer cancel()
+	}
+	// Watch before the first try, so a release between the try and the
+	// watch is not missed. Creating the watch (a consumer) can stall during
+	// a leader election: wait for it at most Timeout, then go on with
+	// Recheck alone until it arrives.
+	wctx, stop := context.WithCancel(ctx)
+	defer stop()
+	ready := make(chan jetstream.KeyWatcher, 1)
+	go func() {
+		if w, err := a.kv.Watch(wctx, EncodeKey(name)); err == nil {
+			ready <- w // stopped by wctx's end when nobody takes it
+		}
+	}()
+	t := time.NewTimer(a.o.Timeout)
+	defer t.Stop()
+	var w jetstream.KeyWatcher
+	select {
+	case w = <-ready:
+		defer stopWatch(w)
+	case <-t.C:
+	case <-ctx.Done():
+		return nil, a.fail(ctx, name, ctx.Err())
+	}
+	return a.acquire(ctx, name, ttl, true, w, ready)
+}
+
+// stopWatch stops w without waiting: Stop may wait for the server (the
+// consumer's removal) for seconds on a bad connection, and a granted lease's
+// ttl runs meanwhile.
+func stopWatch(w jetstream.KeyWatcher) {
+	go func() { _ = w.Stop() }()
+}
+
+// ttlSeconds is ttl rounded up to whole seconds, as the server counts it.
+func ttlSeconds(ttl time.Duration) string {
+	return strconv.FormatInt(fence.CeilDiv(ttl, time.Second), 10)
+}
+
+// acquire tries, and when wait is set waits for the key's release or expiry
+// marker on w, or for the watch to arrive on ready when w is nil, or for the
+// recheck.
+func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, wait bool, w jetstream.KeyWatcher, ready <-chan jetstream.KeyWatcher) (fence.Lease, error) {
+	var nb [16]byte
+	if _, err := rand.Read(nb[:]); err != nil {
+		return nil, err
+	}
+	value := []byte(hex.EncodeToString(nb[:]) + " " + a.o.Owner)
+	key := EncodeKey(name)
+	recheck := time.NewTimer(a.o.Recheck)
+	defer recheck.Stop()
+	drift := a.o.Drift
+	if drift <= 0 {
+		drift = leasekit.DefaultDrift(ttl)
+	}
+	late := 0
+	for {
+		sent := time.Now()
+		rev, err := a.grant(ctx, key, value, ttl)
+		if err == nil {
+			l, err := a.lease(ctx, name, key, value, ttl, sent, rev)
+			if err != nil || time.Since(sent) < ttl-drift {
+				return l, err
+			}
+			// Confirmed only after its local deadline (lost acks, a slow
+			// link): a lease already lost. Remove it and try again.
+			l.(*lease).End(fence.ErrLost)
+			_ = a.purge(context.WithoutCancel(ctx), key, rev)
+			if late++; late < 3 && ctx.Err() == nil {
+				// A new nonce: an entry the purge missed must not be
+				// taken for the next attempt's grant.
+				if _, err := rand.Read(nb[:]); err != nil {
+					return nil, err
+				}
+				value = []byte(hex.EncodeToString(nb[:]) + " " + a.o.Owner)
+				continue
+			}
+			return nil, fmt.Errorf("natsfence: acquire %q: every grant was confirmed only after its local deadline (a slow or cut connection): %w", name, fence.ErrLost)
+		}
+		if errors.Is(err, fence.ErrUnknown) {
+			// The create may have landed: remove it once we can tell, so
+			// the name is not blocked for the ttl by an entry nobody holds.
+			go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
+		}
+		if !errors.Is(err, fence.ErrHeld) || !wait {
+			return nil, a.fail(ctx, name, err)
+		}
+		var updates <-chan jetstream.KeyValueEntry
+		if w != nil {
+			updates = w.Updates()
+		}
+		// Wait for a release or expiry marker, or the recheck.
+	wait:
+		for {
+			select {
+			case <-ctx.Done():
+				return nil, a.fail(ctx, name, ctx.Err())
+			case <-recheck.C:
+				recheck.Reset(a.o.Recheck)
+				break wait
+			case nw := <-ready:
+				w = nw
+				defer stopWatch(nw)
+				ready = nil
+				break wait // a release before the watch began is not missed
+			case e, ok := <-updates:
+				if !ok {
+					return nil, a.fail(ctx, name, errors.New("watch ended"))
+				}
+				if e != nil && e.Operation() != jetstream.KeyValuePut {
+					break wait
+				}
+			}
+		}
+	}
+}
+
+// grant creates key with value and a TTL; it returns the create's revision,
+// or fence.ErrHeld. A create whose reply was lost is sent again; one that
+// landed is recognised by value (its nonce).
+func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time.Duration) (uint64, error) {
+	giveUp := time.Now().Add(a.o.RetryFor)
+	var lastErr error
+	for {
+		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
+		if err == nil {
+			var expect uint64
+			if m != nil {
+				if !isMarker(m) {
+					if string(m.Data) == string(value) {
+						return m.Sequence, nil // an earlier attempt landed
+					}
+					return 0, fence.ErrHeld
+				}
+				expect = m.Sequence
+			}
+			var rev uint64
+			rev, err = a.publish(ctx, key, value, expect, ttl)
+			if err == nil {
+				return rev, nil
+			}
+			if revisionMismatch(err) {
+				continue // changed meanwhile: look again
+			}
+		}
+		if !ambiguous(err) {
+			return 0, err
+		}
+		lastErr = err
+		if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			return 0, fmt.Errorf("%w: %w", fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
+		}
+	}
+}
+
+// cleanup removes key when it still holds value (a grant of ours that
+// returned ErrUnknown), retrying ambiguous failures until it can tell, for at
+// most ttl: by then the server has expired the entry anyway.
+func (a *Acquirer) cleanup(ctx context.Context, key string, value []byte, ttl time.Duration) {
+	ctx, cancel := context.WithTimeout(ctx, ttl)
+	defer cancel()
+	for {
+		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
+		if err == nil {
+			if m == nil || isMarker(m) || string(m.Data) != string(value) {
+				return // not ours: nothing to clean up
+			}
+			err = a.purge(ctx, key, m.Sequence)
+			if err == nil || revisionMismatch(err) {
+				continue // look again
+			}
+		}
+		if !ambiguous(err) || pause(ctx, retryPause) != nil {
+			return
+		}
+	}
+}
+
+// publish writes value to key with a TTL, expecting revision expect (0: no
+// entry), in one request.
+func (a *Acquirer) publish(ctx context.Context, key string, value []byte, expect uint64, ttl time.Duration) (uint64, error) {
+	m := nats.NewMsg(a.subj + key)
+	m.Data = value
+	m.Header.Set(jetstream.MsgTTLHeader, ttlSeconds(ttl))
+	actx, cancel := attemptCtx(ctx, a.o.Timeout)
+	defer cancel()
+	pa, err := a.js.PublishMsg(actx, m, jetstream.WithExpectLastSequencePerSubject(expect))
+	if err != nil {
+		if isWrongLastSeq(err) {
+			return 0, fmt.Errorf("%w: %w", err, jetstream.ErrKeyRevisionMismatch)
+		}
+		return 0, err
+	}
+	return pa.Sequence, nil
+}
+
+func isWrongLastSeq(err error) bool {
+	var api *jetstream.APIError
+	return errors.As(err, &api) && (api.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence || api.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant)
+}
+
+// lease computes the token of a grant at revision rev and returns the lease.
+// The bucket's creation time is read after the grant, so a bucket re-created
+// meanwhile only makes the token larger.
+func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, ttl time.Duration, sent time.Time, rev uint64) (fence.Lease, error) {
+	var created time.Time
+	giveUp := time.Now().Add(a.o.RetryFor)
+	for {
+		actx, cancel := attemptCtx(ctx, a.o.Timeout)
+		info, err := a.stream.Info(actx)
+		cancel()
+		if err == nil {
+			created = info.Created
+			break
+		}
+		if !ambiguous(err) || time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			a.purge(context.WithoutCancel(ctx), key, rev)
+			return nil, fmt.Errorf("natsfence: acquire %q: the bucket's creation time for the token: %w", name, err)
+		}
+	}
+	tok := fence.Token(uint64(created.UnixMicro()) + rev)
+	if created.UnixMicro() <= 0 || !tok.Valid() {
+		a.purge(context.WithoutCancel(ctx), key, rev)
+		return nil, fmt.Errorf("natsfence: acquire %q: creation time %v, revision %d: %w", name, created, rev, fence.ErrTokensExhausted)
+	}
+	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, key: key, value: value, rev: rev}, nil
+}
+
+// purge removes key if it is still at rev, leaving a marker that wakes the
+// waiters and ages out.
+func (a *Acquirer) purge(ctx context.Context, key string, rev uint64) error {
+	actx, cancel := attemptCtx(ctx, a.o.Timeout)
+	defer cancel()
+	return a.kv.Purge(actx, key, jetstream.LastRevision(rev), jetstream.PurgeTTL(a.marker))
+}
+
+// fail wraps err; an ending ctx turns it into ErrHeld joined with the cause.
+func (a *Acquirer) fail(ctx context.Context, name string, err error) error {
+	if errors.Is(err, fence.ErrHeld) && ctx.Err() == nil {
+		return err
+	}
+	if errors.Is(err, fence.ErrUnknown) {
+		return fmt.Errorf("natsfence: acquire %q: %w", name, err)
+	}
+	if ctx.Err() != nil {
+		return errors.Join(fence.ErrHeld, context.Cause(ctx))
+	}
+	return fmt.Errorf("natsfence: acquire %q: %w", name, err)
+}
+
+type lease struct {
+	*leasekit.Base
+	a     *Acquirer
+	key   string
+	value []byte
+
+	mu  sync.Mutex // serialises Renew and Release
+	rev uint64     // the revision the lease last wrote
+}
+
+// Renew republishes the lock key with a fresh TTL, expecting the revision the
+// lease last wrote. fence.ErrLost when the key expired or another grant owns
+// it, or when the local deadline has passed (nothing is sent then); an error
+// matching fence.ErrUnknown when retries within RetryFor could not tell
+// whether the renewal landed.
+func (l *lease) Renew(ctx context.Context) error {
+	if err := fence.CheckContext("renew", ctx); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.Context().Err() != nil {
+		return l.lost()
+	}
+	sent := time.Now()
+	giveUp := sent.Add(l.a.o.RetryFor)
+	var lastErr error
+	for {
+		rev, err := l.a.publish(ctx, l.key, l.value, l.rev, l.TTL())
+		if err == nil {
+			l.rev = rev
+			if !l.Extend(sent) {
+				return l.undo(ctx)
+			}
+			return nil
+		}
+		if revisionMismatch(err) {
+			// Expired, taken, or an earlier attempt of ours landed.
+			m, gerr := lastMsg(ctx, l.a.js, l.a.streamName, l.a.subj+l.key, l.a.o.Timeout)
+			if gerr == nil {
+				if m != nil && !isMarker(m) && string(m.Data) == string(l.value) {
+					l.rev = m.Sequence
+					if !l.Extend(sent) {
+						return l.undo(ctx)
+					}
+					return nil
+				}
+				l.End(fence.ErrLost)
+				return l.lost()
+			}
+			err = gerr
+		}
+		if !ambiguous(err) {
+			return fmt.Errorf("natsfence: renew %q: %w", l.Name(), err)
+		}
+		lastErr = err
+		if l.Context().Err() != nil {
+			return l.lost()
+		}
+		if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			return fmt.Errorf("natsfence: renew %q: %w: %w", l.Name(), fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
+		}
+	}
+}
+
+// Release ends the lease's context, then purges the lock key expecting the
+// revision the lease last wrote, which wakes the waiters. fence.ErrLost when
+// the key had expired or another grant owns it. After a lost reply it is sent
+// again, and a key found gone or granted to another then counts as released
+// (nil): the purge may have landed and woken the grant.
+func (l *lease) Release(ctx context.Context) error {
+	if err := fence.CheckContext("release", ctx); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.End(context.Canceled)
+	giveUp := time.Now().Add(l.a.o.RetryFor)
+	var lastErr error
+	for {
+		err := l.a.purge(ctx, l.key, l.rev)
+		if err == nil {
+			return nil
+		}
+		if revisionMismatch(err) {
+			m, gerr := lastMsg(ctx, l.a.js, l.a.streamName, l.a.subj+l.key, l.a.o.Timeout)
+			if gerr == nil {
+				switch {
+				case m != nil && !isMarker(m) && string(m.Data) == string(l.value):
+					l.rev = m.Sequence // a renewal we could not confirm landed
+					continue
+				case lastErr != nil:
+					// Gone or granted again: ours landed (and a waiter
+					// was woken by it), or it expired.
+					return nil
+				}
+				return l.lost()
+			}
+			err = gerr
+		}
+		if !ambiguous(err) {
+			return fmt.Errorf("natsfence: release %q: %w", l.Name(), err)
+		}
+		lastErr = err
+		if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			return fmt.Errorf("natsfence: release %q: %w: %w", l.Name(), fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
+		}
+	}
+}
+
+// undo removes a renewal that landed after the local deadline had passed
+// (nobody holds the name it keeps for a fresh ttl), and reports the lease
+// lost.
+func (l *lease) undo(ctx context.Context) error {
+	_ = l.a.purge(context.WithoutCancel(ctx), l.key, l.rev)
+	return l.lost()
+}
+
+func (l *lease) lost() error {
+	return fmt.Errorf("natsfence: lease %q token %d: %w", l.Name(), l.Token(), fence.ErrLost)
+}

@@ -1,0 +1,174 @@
+package natsfence_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	natsfence "github.com/fencekit/fencekit/adapters/nats"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+var lockBucket = natsfence.LockBucket("locks")
+
+func newAcquirer(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConfig, opts *natsfence.Options) *natsfence.Acquirer {
+	t.Helper()
+	bucket(t, j, cfg)
+	a, err := natsfence.New(context.Background(), j, cfg.Bucket, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+func TestAcquirerConformance(t *testing.T) {
+	shared := newAcquirer(t, js(t), lockBucket, nil)
+	fencetest.AcquirerSuite{
+		New: func(t *testing.T) fence.Acquirer { return shared },
+		// Another process: an acquirer on a client of its own.
+		NewOther: func(t *testing.T) fence.Acquirer { return newAcquirer(t, js(t), lockBucket, nil) },
+		Faulty: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
+			j, p := proxied(t)
+			return newAcquirer(t, j, lockBucket, nil), p
+		},
+		// The server counts key TTLs in whole seconds, at least one.
+		ShortTTL: natsfence.MinTTL,
+		MaxTTL:   natsfence.MaxTTL,
+		BadNames: []string{strings.Repeat("n", natsfence.MaxKeyBytes+1)},
+	}.Run(t)
+}
+
+// TestAcquirerRefusesBucket: a bucket without limit markers, or with a TTL,
+// is refused at construction, naming the bucket; so is a negative option.
+func TestAcquirerRefusesBucket(t *testing.T) {
+	j := js(t)
+	for _, cfg := range []jetstream.KeyValueConfig{
+		{Bucket: "locks-nomarkers"},
+		{Bucket: "locks-ttl", LimitMarkerTTL: time.Second, TTL: time.Hour},
+	} {
+		bucket(t, j, cfg)
+		_, err := natsfence.New(context.Background(), j, cfg.Bucket, nil)
+		var ie *fence.InvalidError
+		if !errors.As(err, &ie) || ie.Arg != "bucket" {
+			t.Errorf("bucket %s: %v, want ErrInvalid naming the bucket", cfg.Bucket, err)
+		}
+	}
+	bucket(t, j, lockBucket)
+	for _, o := range []natsfence.Options{{Drift: -1}, {MaxWait: -1}, {Timeout: -1}, {RetryFor: -1}, {Recheck: -1}} {
+		if _, err := natsfence.New(context.Background(), j, lockBucket.Bucket, &o); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("options %+v: %v", o, err)
+		}
+	}
+	a := newAcquirer(t, j, lockBucket, nil)
+	if _, err := a.TryAcquire(context.Background(), "n", 999*time.Millisecond); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("ttl under a second: %v", err)
+	}
+}
+
+// TestTokensAfterBucketRecreated (HAZARDS 1): deleting the lock bucket and
+// making it again restarts the stream's sequence at 1; the next grant's token
+// is still larger than every token of the old bucket.
+func TestTokensAfterBucketRecreated(t *testing.T) {
+	j := js(t)
+	cfg := natsfence.LockBucket("locks-recreated")
+	a := newAcquirer(t, j, cfg, nil)
+	ctx := context.Background()
+	var last fence.Token
+	for i := 0; i < 50; i++ { // move the old stream's sequence on
+		l, err := a.TryAcquire(ctx, "job", 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = l.Token()
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := j.DeleteKeyValue(ctx, cfg.Bucket); err != nil {
+		t.Fatal(err)
+	}
+	b := newAcquirer(t, j, cfg, nil)
+	l, err := b.TryAcquire(ctx, "job", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(ctx)
+	if l.Token() <= last {
+		t.Fatalf("after the bucket was re-created: token %d, not above the old bucket's %d", l.Token(), last)
+	}
+	// The acquirer made before the re-creation reads the new creation time too.
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := a.TryAcquire(ctx, "job", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Release(ctx)
+	if l2.Token() <= l.Token() {
+		t.Fatalf("the old acquirer after the re-creation: token %d, not above %d", l2.Token(), l.Token())
+	}
+}
+
+// TestWaiterWokenByExpiry: a waiter is granted soon after the holder's key
+// expires on the server (the expiry marker wakes it), well before Recheck.
+func TestWaiterWokenByExpiry(t *testing.T) {
+	j := js(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Recheck: time.Minute})
+	ctx := context.Background()
+	name := fencetest.Name("expiry")
+	h, err := a.TryAcquire(ctx, name, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	l, err := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Recheck: time.Minute}).Acquire(wctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("a waiter after the holder's key expired (Recheck 1m): %v", err)
+	}
+	defer l.Release(ctx)
+	if h.Context().Err() == nil {
+		t.Error("granted while the expired holder's context was live")
+	}
+	if l.Token() <= h.Token() {
+		t.Errorf("token %d not above %d", l.Token(), h.Token())
+	}
+}
+
+// TestFractionalTTLRoundedUp: the server counts a key's TTL in whole seconds
+// and truncates a fraction; a 1.5s lease must not expire on the server at 1s
+// while its holder's context is live. Another acquirer tries all along.
+func TestFractionalTTLRoundedUp(t *testing.T) {
+	a := newAcquirer(t, js(t), lockBucket, nil)
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	name := fencetest.Name("fraction")
+	h, err := a.TryAcquire(ctx, name, 1500*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	giveUp := time.Now().Add(10 * time.Second)
+	for {
+		l, err := other.TryAcquire(ctx, name, 5*time.Second)
+		if err == nil {
+			if h.Context().Err() == nil {
+				t.Fatal("granted to another acquirer while the 1.5s holder's context was live")
+			}
+			_ = l.Release(ctx)
+			return
+		}
+		if !errors.Is(err, fence.ErrHeld) {
+			t.Fatal(err)
+		}
+		if time.Now().After(giveUp) {
+			t.Fatal("the 1.5s lease never expired")
+		}
+		time.Sleep(20 * time.Millisecond) // pacing of the tries
+	}
+}

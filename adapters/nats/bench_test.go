@@ -1,0 +1,64 @@
+package natsfence_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/benchutil"
+	"github.com/fencekit/fencekit/internal/etcdtest"
+)
+
+// benchAcquirers returns two acquirers each (two processes' views, each on a
+// client of its own) on the package's NATS server (single node, file store)
+// and on an embedded single-node etcd, to be measured side by side in one run.
+func benchAcquirers(b *testing.B) map[string][2]fence.Acquirer {
+	c := etcdtest.Start(b, 1)
+	out := map[string][2]fence.Acquirer{}
+	var n, e [2]fence.Acquirer
+	for i := range 2 {
+		n[i] = newAcquirer(b, js(b), lockBucket, nil)
+		a, err := etcdfence.New(c.Client(b), nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		e[i] = a
+	}
+	out["nats"], out["etcd"] = n, e
+	return out
+}
+
+func acquireRelease(a fence.Acquirer, name string) error {
+	ctx := context.Background()
+	l, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		return err
+	}
+	return l.Release(ctx)
+}
+
+// BenchmarkAcquireReleaseVsEtcd: an uncontended TryAcquire + Release on NATS
+// (subject) and on etcd (baseline), interleaved in one run so that machine
+// drift hits both alike.
+func BenchmarkAcquireReleaseVsEtcd(b *testing.B) {
+	all := benchAcquirers(b)
+	nn, en := fencetest.Name("bench"), fencetest.Name("bench")
+	benchutil.Pair(b,
+		func(int) error { return acquireRelease(all["nats"][0], nn) },
+		func(int) error { return acquireRelease(all["etcd"][0], en) })
+}
+
+// BenchmarkHandoffVsEtcd: from the start of a holder's Release to the grant of
+// an Acquire waiting in another acquirer: NATS (KV watch on the lock key) and
+// etcd (watch on the predecessor key), p50 and p90.
+func BenchmarkHandoffVsEtcd(b *testing.B) {
+	all := benchAcquirers(b)
+	for _, kind := range []string{"nats", "etcd"} {
+		b.Run(kind, func(b *testing.B) {
+			benchutil.Handoff(b, all[kind][0], all[kind][1], fencetest.Name("handoff"))
+		})
+	}
+}

@@ -1,0 +1,61 @@
+// Package natsfence fences data kept in a NATS JetStream key-value bucket and
+// grants fenced leases from one (github.com/nats-io/nats.go and its jetstream
+// package; NATS Server 2.11 or later for per-key TTLs).
+//
+//   - [Acquirer]: leases on a KV bucket made with [LockBucket]: a grant
+//     creates the lock key if absent with a per-key TTL, so expiry runs on the
+//     server's clock; the token is the bucket's creation time in microseconds
+//     plus the grant's revision; renew and release compare the revision;
+//     waiters watch the key and wake on its release or expiry marker (not
+//     FIFO).
+//   - [Writer]: a fence.FencedWriter, fence.Reader and fence.Deleter keeping a
+//     key's value and fence in one KV entry, written by compare-and-set on the
+//     entry's revision.
+//
+// # Keys
+//
+// NATS KV keys hold only A-Z a-z 0-9 - _ / = and dots; [EncodeKey] maps any
+// name or key (any bytes, up to [MaxKeyBytes]) to a KV key injectively, so two
+// names never share an entry and nothing is folded (case, Unicode forms,
+// spaces).
+//
+// # Ambiguous replies
+//
+// A request whose reply never came (a timeout, a dropped connection, a
+// leader election) may have been stored. Every entry carries a random write
+// id: the Writer looks again, returns nil when its entry landed, and otherwise
+// publishes the same entry expecting the same revision, which can land at most
+// once. A grant, renewal or release does the same, recognising its lease's
+// entry by a random nonce. When that does not settle within WriterOptions.RetryFor, or a larger
+// token replaced the entry meanwhile, the error matches fence.ErrUnknown.
+//
+// # What loses a fence
+//
+// A fence lives in its entry. Deleting or re-creating the bucket, a stream
+// purge, or a bucket TTL removes fences and would let a stale writer in:
+// NewWriter refuses a bucket with a TTL, and a key whose entry was deleted or
+// purged with kv del or kv purge is refused with [ErrFenceGone] until an
+// operator clears it. Never delete or purge a fence bucket while holders of
+// older tokens may be alive, and never run PurgeDeletes (kv compact) on it:
+// it removes those markers, the key then looks never written, and any token
+// is accepted.
+//
+// # Durability and leader changes
+//
+// Grants, renewals and fenced writes are publishes that the stream leader
+// acknowledges once its replicas agree (Raft), so on an R3 bucket the loss of
+// one node loses no acknowledged grant or fence. Decisions read the stream
+// leader (STREAM.MSG.GET), never a direct get that a lagging replica may
+// answer. During a leader election requests time out or find no responder;
+// each is retried within RetryFor and then returns a clear error (ErrUnknown
+// when a write may have landed), never a hang. A lease whose holder is cut
+// off during the election is not renewed and expires on the server; its
+// holder's context ends at its local deadline, which passes before the
+// server's TTL (rounded up to whole seconds), so no one is granted while it
+// is live.
+//
+// An R1 bucket on the server's default sync_interval (2 minutes) can lose the
+// last acknowledged messages when the machine (not only the process) dies:
+// a grant or a fence could then be handed out or accepted again. Use R3, or
+// sync_interval: always, for locks that guard correctness.
+package natsfence

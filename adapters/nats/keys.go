@@ -1,0 +1,193 @@
+package natsfence
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// MaxKeyBytes is the longest lock name or protected key, in bytes. A name is
+// escaped into a NATS KV key (up to three bytes for one), and the key is part
+// of the subject in the client's PUB control line, which the server bounds
+// (max_control_line, 4096 bytes by default).
+const MaxKeyBytes = 1024
+
+// EncodeKey returns the NATS KV key that holds name. KV keys may only hold
+// A-Z a-z 0-9 - _ / = and dots between tokens; EncodeKey keeps the letters,
+// digits, '-', '_' and '/' of name as they are and writes every other byte,
+// '=' included, as '=' and two upper-case hex digits. The encoding is
+// injective (two names never share a key, HAZARDS 4: "a.b", "a=2Eb", "A.b"
+// and "a.b " are four keys) and byte-exact: no case folding, no Unicode
+// normalisation, invalid UTF-8 kept as bytes.
+func EncodeKey(name string) string {
+	var b strings.Builder
+	b.Grow(len(name))
+	const hex = "0123456789ABCDEF"
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		switch {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9', c == '-', c == '_', c == '/':
+			b.WriteByte(c)
+		default:
+			b.WriteByte('=')
+			b.WriteByte(hex[c>>4])
+			b.WriteByte(hex[c&15])
+		}
+	}
+	return b.String()
+}
+
+// checkKey refuses a nil context, an empty key or one over MaxKeyBytes, naming arg.
+func checkKey(ctx context.Context, op, arg, key string) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	if key == "" {
+		return &fence.InvalidError{Op: op, Arg: arg, Reason: "empty"}
+	}
+	if len(key) > MaxKeyBytes {
+		return &fence.InvalidError{Op: op, Arg: arg, Reason: fmt.Sprintf("%d bytes, over this backend's limit of %d (a NATS subject is bounded by the server's max_control_line)", len(key), MaxKeyBytes)}
+	}
+	return nil
+}
+
+// ambiguous reports whether err from a publish may hide a request the server
+// applied: anything but a JetStream API error (a definite answer) or an
+// invalid request the client refused to send. A timeout, a closed or
+// reconnecting connection, no responders during a leader election all are.
+func ambiguous(err error) bool {
+	if err == nil {
+		return false
+	}
+	var api *jetstream.APIError
+	if errors.As(err, &api) {
+		return false
+	}
+	switch {
+	case errors.Is(err, jetstream.ErrInvalidKey), errors.Is(err, nats.ErrMaxPayload),
+		errors.Is(err, nats.ErrBadSubject), errors.Is(err, nats.ErrInvalidContext):
+		return false
+	}
+	return true
+}
+
+// revisionMismatch reports a compare-and-set that found another revision.
+func revisionMismatch(err error) bool {
+	return errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch)
+}
+
+// attemptCtx bounds one request by timeout within ctx.
+func attemptCtx(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, timeout)
+}
+
+// retryPause is the wait between two attempts of a request whose outcome was
+// ambiguous: long enough not to spin on a closed connection, short next to a
+// reconnect or a leader election.
+const retryPause = 50 * time.Millisecond
+
+// pause waits d, or returns ctx's error when it ends first.
+func pause(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// openBucket opens the KV bucket named bucket and its stream.
+func openBucket(ctx context.Context, op string, js jetstream.JetStream, bucket string) (jetstream.KeyValue, jetstream.Stream, error) {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return nil, nil, err
+	}
+	if js == nil {
+		return nil, nil, &fence.InvalidError{Op: op, Arg: "js", Reason: "nil"}
+	}
+	if bucket == "" {
+		return nil, nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: "empty"}
+	}
+	kv, err := js.KeyValue(ctx, bucket)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrInvalidBucketName) {
+			return nil, nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q: %v", bucket, err)}
+		}
+		return nil, nil, fmt.Errorf("natsfence: %s: bucket %q: %w", op, bucket, err)
+	}
+	stream, err := js.Stream(ctx, "KV_"+bucket)
+	if err != nil {
+		return nil, nil, fmt.Errorf("natsfence: %s: stream of bucket %q: %w", op, bucket, err)
+	}
+	if cfg := stream.CachedInfo().Config; cfg.Mirror != nil || len(cfg.Sources) > 0 {
+		// A mirror keeps its entries under the origin's subjects, where
+		// the bucket's own reads never see them; sources write over the
+		// bucket's keys from elsewhere. Either would lose fences and leases.
+		return nil, nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q mirrors or sources other buckets: use a bucket of its own", bucket)}
+	}
+	return kv, stream, nil
+}
+
+// storedMsg is the last message on a subject, as the stream leader holds it.
+type storedMsg struct {
+	Subject  string    `json:"subject"`
+	Sequence uint64    `json:"seq"`
+	Header   []byte    `json:"hdrs"`
+	Data     []byte    `json:"data"`
+	Time     time.Time `json:"time"`
+}
+
+// lastMsg returns the last message on subj, nil when there is none. It asks
+// the stream leader (STREAM.MSG.GET), not a direct get, which any replica may
+// answer from behind: a lagging replica would show a released lock as held or
+// an old fence as current.
+func lastMsg(ctx context.Context, js jetstream.JetStream, stream, subj string, timeout time.Duration) (*storedMsg, error) {
+	actx, cancel := attemptCtx(ctx, timeout)
+	defer cancel()
+	req, _ := json.Marshal(map[string]string{"last_by_subj": subj})
+	resp, err := js.Conn().RequestWithContext(actx, "$JS.API.STREAM.MSG.GET."+stream, req)
+	if err != nil {
+		return nil, err
+	}
+	var r struct {
+		Message *storedMsg `json:"message"`
+		Error   *struct {
+			Code        int    `json:"code"`
+			ErrCode     uint16 `json:"err_code"`
+			Description string `json:"description"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(resp.Data, &r); err != nil {
+		return nil, fmt.Errorf("message get reply: %w", err)
+	}
+	if r.Error != nil {
+		if r.Error.ErrCode == uint16(jetstream.JSErrCodeMessageNotFound) {
+			return nil, nil
+		}
+		return nil, &jetstream.APIError{Code: r.Error.Code, ErrorCode: jetstream.ErrorCode(r.Error.ErrCode), Description: r.Error.Description}
+	}
+	if r.Message == nil {
+		return nil, errors.New("message get reply without a message")
+	}
+	return r.Message, nil
+}
+
+// isMarker reports a KV delete or purge marker, or a server limit marker (a
+// key whose TTL ran out).
+func isMarker(m *storedMsg) bool {
+	for _, line := range strings.Split(string(m.Header), "\r\n") {
+		name, _, ok := strings.Cut(line, ":")
+		if ok && (strings.EqualFold(name, "KV-Operation") || strings.EqualFold(name, jetstream.MarkerReasonHeader)) {
+			return true
+		}
+	}
+	return false
+}

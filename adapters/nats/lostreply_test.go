@@ -1,0 +1,197 @@
+package natsfence_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+)
+
+// publishTo matches a client chunk that publishes to a key of bucket (PUB or
+// HPUB), and not the reads before it.
+func publishTo(bucket string) func([]byte) bool {
+	return func(b []byte) bool { return bytes.Contains(b, []byte("PUB $KV."+bucket+".")) }
+}
+
+// waitLost waits until p has thrown away a reply, after a call that armed it.
+func waitLost(t *testing.T, p *faultnet.Proxy, before int64) {
+	t.Helper()
+	for giveUp := time.Now().Add(10 * time.Second); p.Pending() != 0 || p.Stats().LostReplies == before; {
+		if time.Now().After(giveUp) {
+			t.Fatalf("the armed fault never fired (pending %d)", p.Pending())
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestWriterLostPublishAck: the suite's lost-reply cases lose the reply of the
+// writer's first request, its read. Here the JetStream ack of the publish
+// itself is lost (the entry landed): the writer recognises its write id and
+// returns nil, the entry holds the value, and a lower token is refused.
+func TestWriterLostPublishAck(t *testing.T) {
+	j, p := proxied(t)
+	w := newWriter(t, j, writerBucket)
+	check := newWriter(t, js(t), writerBucket)
+	ctx := context.Background()
+	for _, del := range []bool{false, true} {
+		key := fencetest.Name("lostack")
+		if err := w.Write(ctx, key, []byte("v1"), 5); err != nil {
+			t.Fatal(err)
+		}
+		before := p.Stats().LostReplies
+		p.LoseReply(publishTo(writerBucket.Bucket))
+		var err error
+		if del {
+			err = w.Delete(ctx, key, 6)
+		} else {
+			err = w.Write(ctx, key, []byte("v2"), 6)
+		}
+		waitLost(t, p, before)
+		if err != nil {
+			t.Fatalf("delete %v: a write whose ack was lost after it landed: %v, want nil (recognised by its write id)", del, err)
+		}
+		v, tok, err := check.Read(ctx, key)
+		if del {
+			if !errors.Is(err, fence.ErrNotFound) {
+				t.Fatalf("Read after the delete: %q %d %v", v, tok, err)
+			}
+		} else if err != nil || string(v) != "v2" || tok != 6 {
+			t.Fatalf("Read = %q %d %v, want v2 6", v, tok, err)
+		}
+		if err := check.Write(ctx, key, []byte("old"), 5); !errors.Is(err, fence.ErrStale) {
+			t.Fatalf("a lower token after the recognised write: %v", err)
+		}
+	}
+}
+
+// TestWriterDroppedPublish: a publish that never reached the server (the
+// connection broke before it) is sent again and lands once.
+func TestWriterDroppedPublish(t *testing.T) {
+	j, p := proxied(t)
+	w := newWriter(t, j, writerBucket)
+	ctx := context.Background()
+	key := fencetest.Name("dropped")
+	if err := w.Write(ctx, key, []byte("v1"), 1); err != nil {
+		t.Fatal(err)
+	}
+	p.DropRequest(publishTo(writerBucket.Bucket))
+	if err := w.Write(ctx, key, []byte("v2"), 2); err != nil {
+		t.Fatalf("a write whose first publish was dropped: %v", err)
+	}
+	if v, tok, err := w.Read(ctx, key); err != nil || string(v) != "v2" || tok != 2 {
+		t.Fatalf("Read = %q %d %v", v, tok, err)
+	}
+}
+
+// TestWriterUnknownWhenCutOff: a writer cut off from the server (a partition
+// that lasts) returns an error matching fence.ErrUnknown within RetryFor, not a
+// hang and not a bare timeout; once healed, the same write settles.
+func TestWriterUnknownWhenCutOff(t *testing.T) {
+	j, p := proxied(t)
+	bucket(t, j, writerBucket)
+	w, err := natsfenceWriter(j, 300*time.Millisecond, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	key := fencetest.Name("cutoff")
+	if err := w.Write(ctx, key, []byte("v1"), 1); err != nil {
+		t.Fatal(err)
+	}
+	p.LoseReply(publishTo(writerBucket.Bucket))
+	p.Refuse(true) // the reconnect after the lost reply is refused
+	start := time.Now()
+	err = w.Write(ctx, key, []byte("v2"), 2)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("a write cut off after its publish: %v, want ErrUnknown", err)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Errorf("ErrUnknown after %v, RetryFor is 1s", d)
+	}
+	p.Refuse(false)
+	if err := w.Write(ctx, key, []byte("v2"), 2); err != nil {
+		t.Fatalf("the same write after the heal: %v", err)
+	}
+}
+
+// TestWriterLostAckThenNewerToken: the ack of a write with token 6 is lost,
+// and a write with token 7 lands before the writer looks again. The first
+// write did land, so the writer must not call it stale (which says nothing
+// changed): it returns ErrUnknown, and the key holds 7.
+func TestWriterLostAckThenNewerToken(t *testing.T) {
+	j, p := proxied(t)
+	bucket(t, j, writerBucket)
+	// The retry after the lost ack waits for the 5s attempt timeout, long
+	// after the newer write below.
+	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := newWriter(t, js(t), writerBucket)
+	ctx := context.Background()
+	key := fencetest.Name("lostnewer")
+	if err := w.Write(ctx, key, []byte("v5"), 5); err != nil {
+		t.Fatal(err)
+	}
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(writerBucket.Bucket))
+	done := make(chan error, 1)
+	go func() { done <- w.Write(ctx, key, []byte("v6"), 6) }()
+	waitLost(t, p, before)
+	if v, tok, err := check.Read(ctx, key); err != nil || tok != 6 {
+		t.Fatalf("the write whose ack was lost did not land: %q %d %v", v, tok, err)
+	}
+	if err := check.Write(ctx, key, []byte("v7"), 7); err != nil {
+		t.Fatal(err)
+	}
+	err = <-done
+	if !errors.Is(err, fence.ErrUnknown) || errors.Is(err, fence.ErrStale) && !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("a landed write with a lost ack, then overwritten by a newer token: %v, want ErrUnknown", err)
+	}
+	if v, tok, err := check.Read(ctx, key); err != nil || string(v) != "v7" || tok != 7 {
+		t.Fatalf("Read = %q %d %v, want v7 7", v, tok, err)
+	}
+}
+
+// TestGrantLostAck: the ack of the create that grants a lease is lost (the key
+// landed): TryAcquire recognises its own entry by its nonce and returns the
+// lease, which excludes others, instead of ErrHeld against itself (which would
+// leave the name blocked for the ttl).
+func TestGrantLostAck(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, nil)
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = warm.Release(ctx)
+	name := fencetest.Name("lostgrant")
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	l, err := a.TryAcquire(ctx, name, 20*time.Second)
+	waitLost(t, p, before)
+	if err != nil {
+		t.Fatalf("a grant whose ack was lost after the key landed: %v, want the lease", err)
+	}
+	if _, err := other.TryAcquire(ctx, name, 5*time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("another acquirer while the recognised lease is held: %v", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := other.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("after the release: %v", err)
+	}
+	if l2.Token() <= l.Token() {
+		t.Errorf("token %d not above %d", l2.Token(), l.Token())
+	}
+	_ = l2.Release(ctx)
+}
