@@ -168,6 +168,8 @@ func increment(ctx context.Context, a fence.Acquirer, s Store, name string, ttl 
 	for i := 0; i < 20; i++ {
 		v, tok, err := s.Read(ctx, name)
 		switch {
+		case errors.Is(err, fence.ErrNotFound):
+			return false, nil // the counter's first write did not land
 		case err != nil:
 			continue
 		case tok > l.Token():
