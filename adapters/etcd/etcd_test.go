@@ -12,6 +12,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/etcdtest"
 )
 
@@ -38,6 +39,8 @@ func runSuite(t *testing.T, members, workers, increments int) {
 			}
 			return a
 		},
+		// A client of its own that reaches member 0 only through a proxy.
+		Faulty: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) { return behindProxy(t, c, nil) },
 		// etcd counts leases in whole seconds and raises short ones to its
 		// minimum (about 2s with the default election timeout).
 		ShortTTL: 2 * time.Second,

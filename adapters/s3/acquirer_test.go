@@ -43,6 +43,7 @@ func TestAcquirerConformance(t *testing.T) {
 				})
 				return newAcquirer(t, &s3env{c: c, bucket: e.bucket})
 			},
+			Faulty:   faultyAcquirer(e),
 			ShortTTL: 4 * time.Second,
 			MaxTTL:   s3fence.MaxAcquirerTTL,
 			BadNames: []string{"nul\x00", "bad \xff"},
