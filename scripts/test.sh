@@ -156,9 +156,9 @@ go vet ./...
 (cd bench && go vet ./...)
 say "module hygiene: go mod tidy, staticcheck, govulncheck"
 scripts/hygiene.sh
-say "go test -race ./... (4 packages at a time: most of their time is spent waiting on leases and servers)"
+say "go test -race ./... (8 packages at a time: most of their time is spent waiting on leases and servers)"
 # shellcheck disable=SC2086
-go test -race -count=1 -p 4 -timeout 30m ${GO_TEST_FLAGS:-} ./...
+go test -race -count=1 -p 8 -timeout 30m ${GO_TEST_FLAGS:-} ./...
 
 # The bench/ module's peer benchmarks fail when a contender's counter does not
 # end exact (lost updates). One round of 20 workers x 5 increments per
