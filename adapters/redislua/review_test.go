@@ -120,7 +120,6 @@ func TestRedlockLostReply(t *testing.T) {
 // validity for is refused (ErrInvalid), not granted as a lease that is
 // already lost with a nil error while Redis holds the name for the ttl.
 func TestDriftOverTTL(t *testing.T) {
-	ctx := context.Background()
 	a, err := redislua.NewAcquirer(testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -129,25 +128,8 @@ func TestDriftOverTTL(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, acq := range []struct {
-		name string
-		a    fence.Acquirer
-	}{{"Acquirer", a}, {"Redlock", r}} {
-		name := fencetest.Name("drift")
-		l, err := acq.a.TryAcquire(ctx, name, 500*time.Millisecond)
-		if err != nil {
-			if !errors.Is(err, fence.ErrInvalid) {
-				t.Fatalf("%s: TryAcquire with a ttl below Drift: %v, want a lease or ErrInvalid", acq.name, err)
-			}
-			continue
-		}
-		select {
-		case <-l.Context().Done():
-			t.Fatalf("%s: TryAcquire with a ttl below Drift returned a nil error and a lease that is already lost (%v)", acq.name, context.Cause(l.Context()))
-		case <-time.After(100 * time.Millisecond):
-		}
-		l.Release(ctx)
-	}
+	t.Run("Acquirer", func(t *testing.T) { fencetest.DriftRefusesShortTTL(t, a, time.Second, "ttl") })
+	t.Run("Redlock", func(t *testing.T) { fencetest.DriftRefusesShortTTL(t, r, time.Second, "ttl") })
 }
 
 // TestFencedScriptPipeline: Run through a pipeline (the doc allows one)

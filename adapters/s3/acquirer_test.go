@@ -532,21 +532,7 @@ func TestTTLNotAboveDrift(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := context.Background()
-	for _, acquire := range []func(context.Context, string, time.Duration) (fence.Lease, error){a.TryAcquire, a.Acquire} {
-		for _, ttl := range []time.Duration{time.Second, 5 * time.Second} {
-			l, err := acquire(ctx, fencetest.Name("drift"), ttl)
-			var ie *fence.InvalidError
-			if !errors.As(err, &ie) || ie.Arg != "ttl" {
-				t.Errorf("ttl %v under a 5s Drift: %v, %v; want ErrInvalid naming ttl", ttl, l, err)
-			}
-		}
-	}
-	l, err := a.TryAcquire(ctx, fencetest.Name("drift"), 6*time.Second)
-	if err != nil || l.Context().Err() != nil {
-		t.Fatalf("ttl 6s under a 5s Drift: %v", err)
-	}
-	_ = l.Release(ctx)
+	fencetest.DriftRefusesShortTTL(t, a, 5*time.Second, "ttl")
 }
 
 // TestReleaseUnconfirmed (HAZARDS 3, 6): a Release whose PUT got a 500 (it

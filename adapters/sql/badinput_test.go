@@ -156,17 +156,5 @@ func TestTTLNotAboveDrift(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := context.Background()
-	for _, ttl := range []time.Duration{time.Millisecond, time.Second} {
-		l, err := a.TryAcquire(ctx, fencetest.Name("drift"), ttl)
-		var ie *fence.InvalidError
-		if !errors.As(err, &ie) || ie.Arg != "ttl" {
-			t.Errorf("TryAcquire with ttl %v under a 1s Drift: %v, %v; want ErrInvalid naming ttl", ttl, l, err)
-		}
-	}
-	l, err := a.TryAcquire(ctx, fencetest.Name("drift"), 2*time.Second)
-	if err != nil || l.Context().Err() != nil {
-		t.Fatalf("TryAcquire with ttl 2s under a 1s Drift: %v", err)
-	}
-	_ = l.Release(ctx)
+	fencetest.DriftRefusesShortTTL(t, a, time.Second, "ttl")
 }
