@@ -164,16 +164,18 @@ func acquirers() []acquirerCase {
 	}
 }
 
-// guardWriter fences rows of a table of the user's through sqlfence.Guard inside
-// the writer's own transaction: the Guard is the fence, the row is ordinary.
+// guardWriter fences rows of a table of the user's through sqlfence's Guards
+// inside the writer's own transaction: the guard is the fence, the row is
+// ordinary.
 type guardWriter struct {
 	db    *sql.DB
+	g     *sqlfence.Guards
 	table string
 }
 
 func (g guardWriter) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
 	return sqlfence.RunTx(ctx, g.db, nil, func(tx *sql.Tx) error {
-		if err := sqlfence.Guard(ctx, tx, "row:"+key, token); err != nil {
+		if err := g.g.Guard(ctx, tx, "row:"+key, token); err != nil {
 			return err
 		}
 		_, err := tx.ExecContext(ctx, fmt.Sprintf(`INSERT INTO %s (k, v, by_token) VALUES ($1, $2, $3)
@@ -231,8 +233,8 @@ func writers() []writerCase {
 			p := pgPool(t)
 			db := stdlib.OpenDBFromPool(p)
 			t.Cleanup(func() { db.Close() })
-			g := must(sqlfence.NewGuards(nil))
-			if err := g.CreateTable(context.Background(), sqlfence.Postgres(db)); err != nil {
+			g := must(sqlfence.NewGuards(sqlfence.Postgres(db), nil))
+			if err := g.CreateTable(context.Background()); err != nil {
 				t.Fatal(err)
 			}
 			table := "guarded_" + strings.ReplaceAll(fencetest.Name("t")[2:], "-", "")
@@ -240,7 +242,7 @@ func writers() []writerCase {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _, _ = db.Exec("DROP TABLE " + table) })
-			return guardWriter{db: db, table: table}
+			return guardWriter{db: db, g: g, table: table}
 		}},
 		{"mysql-row", func(t *testing.T) store {
 			w := must(sqlfence.NewWriter(mysqlDB(t), nil))

@@ -41,7 +41,10 @@ type AcquirerOptions struct {
 	// AdvanceGuards, when set, advances the guard row of the lock name (see
 	// Guards) to the new token in the same atomic step as every grant, so a
 	// stale holder's Guard is rejected from the moment a newer grant exists, not
-	// only after the new holder's first guarded transaction. Default: nil.
+	// only after the new holder's first guarded transaction. The guard table
+	// must be in the acquirer's database: NewAcquirer refuses Guards made on a
+	// database of another dialect with an error matching fence.ErrInvalid.
+	// Default: nil.
 	AdvanceGuards *Guards
 }
 
@@ -140,8 +143,8 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		a.mysqlStatements(t)
 	}
 	if g := o.AdvanceGuards; g != nil {
-		if (d == mysqlDialect) != g.mysql {
-			return nil, g.dialectMismatch("new acquirer", db)
+		if g.db.d != d {
+			return nil, &fence.InvalidError{Op: "new acquirer", Arg: "AdvanceGuards", Reason: fmt.Sprintf("the Guards are on %s, the acquirer on %s: both tables must be in one database", g.db.d.name, d.name)}
 		}
 		if d == postgresDialect {
 			// One statement: the guard advances only when the grant happened,

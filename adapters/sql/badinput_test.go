@@ -32,9 +32,8 @@ func TestNilHandlesAndBadOptions(t *testing.T) {
 		if _, err := sqlfence.NewIdempotencyStore(db, nil); !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("NewIdempotencyStore(%s): %v", what, err)
 		}
-		g, _ := sqlfence.NewGuards(nil)
-		if err := g.CreateTable(context.Background(), db); !errors.Is(err, fence.ErrInvalid) {
-			t.Errorf("Guards.CreateTable(%s): %v", what, err)
+		if _, err := sqlfence.NewGuards(db, nil); !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("NewGuards(%s): %v", what, err)
 		}
 	}
 	_, fdb := openSQLite(t)
@@ -59,7 +58,11 @@ func TestNilContextLeavesHandleUsable(t *testing.T) {
 	if _, err := a.TryAcquire(nilCtx, "n", time.Second); !errors.Is(err, fence.ErrInvalid) {
 		t.Fatalf("TryAcquire with a nil context: %v", err)
 	}
-	if err := sqlfence.Guard(nilCtx, nil, "n", 1); !errors.Is(err, fence.ErrInvalid) {
+	g, err := sqlfence.NewGuards(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Guard(nilCtx, nil, "n", 1); !errors.Is(err, fence.ErrInvalid) {
 		t.Fatalf("Guard with a nil context: %v", err)
 	}
 	if err := w.Write(context.Background(), "k", []byte("v"), 1); err != nil {

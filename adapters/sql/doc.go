@@ -15,8 +15,11 @@
 //
 // # Schema
 //
-// The tables are created by [Writer.CreateTable] and [Acquirer.CreateTable], or
-// by hand from [Writer.DDL] and [Acquirer.DDL]. A lease row holds its name's
+// Every type with a table is made on a [DB] (NewWriter, NewAcquirer,
+// NewGuards, NewIdempotencyStore) and creates its table there with its
+// CreateTable(ctx) method ([Writer.CreateTable], [Acquirer.CreateTable],
+// [Guards.CreateTable], [IdempotencyStore.CreateTable]), or an operator runs
+// its DDL by hand. A lease row holds its name's
 // token counter. A new row starts its counter at the database server's clock
 // in microseconds since the Unix epoch, so a row that is deleted anyway (an
 // operator's DELETE, a restored backup) does not hand out tokens that were
@@ -76,8 +79,8 @@
 // and counters are as durable as the replication: with asynchronous
 // replication, the new primary can lack the last grants and hand out their
 // tokens again, so use semi-synchronous replication (or Group Replication)
-// where tokens must survive a failover. Guards for MySQL are made with
-// GuardOptions.MySQL (or use [MySQLGuard]); under REPEATABLE READ, MySQL's
+// where tokens must survive a failover. Guards made on a MySQL [DB] use MySQL's
+// statements; under REPEATABLE READ, MySQL's
 // default, and READ COMMITTED alike, a guard takes the row lock and reads the
 // latest committed fence, and [RunTx] runs a transaction again after a
 // deadlock (1213) or lock wait timeout (1205).

@@ -31,11 +31,11 @@ func ExampleMySQL() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	guards, err := sqlfence.NewGuards(&sqlfence.GuardOptions{MySQL: true})
+	guards, err := sqlfence.NewGuards(fdb, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
-	if err := errors.Join(locks.CreateTable(ctx), rows.CreateTable(ctx), guards.CreateTable(ctx, fdb)); err != nil {
+	if err := errors.Join(locks.CreateTable(ctx), rows.CreateTable(ctx), guards.CreateTable(ctx)); err != nil {
 		log.Fatal(err)
 	}
 	// Your own table; here one invoice.

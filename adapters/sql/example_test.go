@@ -50,7 +50,7 @@ func Example() {
 }
 
 // Guard fences every write of a transaction of yours.
-func ExampleGuard() {
+func ExampleGuards_Guard() {
 	dir, _ := os.MkdirTemp("", "example")
 	defer os.RemoveAll(dir)
 	db, err := sqlfence.OpenSQLite(filepath.Join(dir, "app.db"))
@@ -59,8 +59,13 @@ func ExampleGuard() {
 	}
 	defer db.Close()
 	ctx := context.Background()
-	guards, _ := sqlfence.NewGuards(nil)
-	_ = guards.CreateTable(ctx, sqlfence.SQLite(db))
+	guards, err := sqlfence.NewGuards(sqlfence.SQLite(db), nil)
+	if err != nil {
+		panic(err)
+	}
+	if err := guards.CreateTable(ctx); err != nil {
+		panic(err)
+	}
 	_, _ = db.Exec(`CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER)`)
 	_, _ = db.Exec(`INSERT INTO accounts VALUES (7, 100)`)
 

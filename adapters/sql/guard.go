@@ -8,13 +8,11 @@ import (
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // GuardOptions configures Guards. A nil *GuardOptions means the defaults.
 type GuardOptions struct {
-	// MySQL makes the Guards use MySQL and MariaDB statements; Guards serve
-	// either SQLite and PostgreSQL (the default), or MySQL.
-	MySQL bool
 	// Table holds one fence row per lock name; it may be schema-qualified.
 	// Default: "fence_guards".
 	Table string
@@ -40,6 +38,7 @@ type GuardOptions struct {
 //   - SQLite transactions are serializable; with [OpenSQLite] they take the
 //     write lock when they begin.
 type Guards struct {
+	db    *DB
 	table string
 	ddl   string
 	// insertPrefix and onConflictUp build the guard upsert; the acquirer's
@@ -52,22 +51,24 @@ type Guards struct {
 	advanceSQL func(v string) string
 }
 
-// NewGuards returns Guards on the given table. It returns an error matching
-// fence.ErrInvalid for a table name that is not a plain SQL identifier.
-func NewGuards(opts *GuardOptions) (*Guards, error) {
+// NewGuards returns Guards whose table is on db, in db's dialect. It does not
+// touch the database; see CreateTable. It returns an error matching
+// fence.ErrInvalid for a nil db and for a table name that is not a plain SQL
+// identifier.
+func NewGuards(db *DB, opts *GuardOptions) (*Guards, error) {
+	if err := db.check("new guards"); err != nil {
+		return nil, err
+	}
 	table := "fence_guards"
-	d := sqliteDialect // the statements are the same on SQLite and PostgreSQL
 	if opts != nil && opts.Table != "" {
 		table = opts.Table
 	}
-	if opts != nil && opts.MySQL {
-		d = mysqlDialect
-	}
+	d := db.d
 	t, err := d.quoteIdent("new guards", "table", table, true)
 	if err != nil {
 		return nil, err
 	}
-	g := &Guards{table: table, mysql: d == mysqlDialect}
+	g := &Guards{db: db, table: table, mysql: d == mysqlDialect}
 	if g.mysql {
 		g.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  fence BIGINT NOT NULL CHECK (fence BETWEEN 1 AND %d)\n)", t, d.keyType, uint64(fence.MaxToken))
 		// LAST_INSERT_ID is the token when the fence was advanced or equal,
@@ -90,61 +91,66 @@ func NewGuards(opts *GuardOptions) (*Guards, error) {
 	return g, nil
 }
 
-var (
-	defaultGuards, _      = NewGuards(nil)
-	defaultMySQLGuards, _ = NewGuards(&GuardOptions{MySQL: true})
-)
-
-// MySQLGuard advances the default guard table ("fence_guards") in tx, a
-// *sql.Tx on MySQL or MariaDB. See Guards.Guard.
-func MySQLGuard(ctx context.Context, tx *sql.Tx, name string, token fence.Token) error {
-	return defaultMySQLGuards.Guard(ctx, tx, name, token)
-}
-
-// Guard advances the default guard table ("fence_guards") in tx. See Guards.Guard.
-func Guard(ctx context.Context, tx any, name string, token fence.Token) error {
-	return defaultGuards.Guard(ctx, tx, name, token)
-}
-
-// DDL returns the CREATE TABLE statement of the guard table (the same on SQLite
-// and PostgreSQL).
+// DDL returns the CREATE TABLE statement of the guard table in the dialect of
+// the Guards' database, for an operator to run instead of CreateTable.
 func (g *Guards) DDL() string { return g.ddl }
 
-// CreateTable creates the guard table on db if it does not exist.
-func (g *Guards) CreateTable(ctx context.Context, db *DB) error {
-	if err := db.check("create guard table"); err != nil {
-		return err
-	}
-	if (db.d == mysqlDialect) != g.mysql {
-		return g.dialectMismatch("create guard table", db)
-	}
-	return db.createTable(ctx, g.ddl)
+// CreateTable creates the guard table on the Guards' database if it does not
+// exist. Running it again, also concurrently, is harmless.
+func (g *Guards) CreateTable(ctx context.Context) error {
+	return g.db.createTable(ctx, g.ddl)
 }
 
 // Guard advances the fence of name to token inside tx, the caller's own
-// transaction: a pgx.Tx, or a *sql.Tx on PostgreSQL or SQLite. A token lower
-// than one already committed for name returns a *fence.StaleError (matching
-// fence.ErrStale); then nothing was changed and the caller must roll back. Until
-// tx ends, concurrent guards on name wait for it, so the writes made in tx after
-// Guard returns nil commit only if no larger token has been committed first.
+// database/sql transaction, on a database of the Guards' dialect (SQLite,
+// PostgreSQL or MySQL). A token lower than one already committed for name
+// returns a *fence.StaleError (matching fence.ErrStale); then nothing was
+// changed and the caller must roll back. Until tx ends, concurrent guards on
+// name wait for it, so the writes made in tx after Guard returns nil commit
+// only if no larger token has been committed first.
 //
-// Anything that is not a transaction (a *sql.DB, a *pgxpool.Pool, a
-// connection), an empty name or an invalid token returns an error matching
-// fence.ErrInvalid, before any statement runs.
-func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Token) error {
-	if err := fence.CheckContext("guard", ctx); err != nil {
+// A nil ctx or tx, an empty name or an invalid token returns an error matching
+// fence.ErrInvalid, before any statement runs. A missing guard table returns a
+// *TableError. Any other error is the driver's, and tx should be rolled back.
+func (g *Guards) Guard(ctx context.Context, tx *sql.Tx, name string, token fence.Token) error {
+	if err := g.checkGuard("guard", ctx, name, token); err != nil {
 		return err
 	}
-	if err := checkText("guard", "name", name); err != nil {
-		return err
-	}
-	if err := fence.CheckToken("guard", token); err != nil {
-		return err
-	}
-	c, err := txConn("guard", tx)
+	c, err := stdTxConn("guard", tx)
 	if err != nil {
 		return err
 	}
+	return g.guardOn(ctx, c, name, token)
+}
+
+// GuardPgx is Guard for a native pgx transaction (a pgx.Tx, such as the one
+// RunPgxTx passes, or a *pgxpool.Tx) on PostgreSQL, with the same guarantees
+// and errors. On Guards whose database is not PostgreSQL it returns an error
+// matching fence.ErrInvalid, before any statement runs.
+func (g *Guards) GuardPgx(ctx context.Context, tx pgx.Tx, name string, token fence.Token) error {
+	if err := g.checkGuard("guard", ctx, name, token); err != nil {
+		return err
+	}
+	c, err := pgxTxConn("guard", g.db.d, tx)
+	if err != nil {
+		return err
+	}
+	return g.guardOn(ctx, c, name, token)
+}
+
+// checkGuard refuses bad arguments with an error matching fence.ErrInvalid.
+func (g *Guards) checkGuard(op string, ctx context.Context, name string, token fence.Token) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	if err := checkText(op, "name", name); err != nil {
+		return err
+	}
+	return fence.CheckToken(op, token)
+}
+
+// guardOn runs the guard statement on c, the caller's transaction.
+func (g *Guards) guardOn(ctx context.Context, c conn, name string, token fence.Token) error {
 	if g.mysql {
 		id, err := execID(ctx, c, g.guard, textArg(true, name), int64(token))
 		if err != nil {
@@ -172,31 +178,26 @@ func (g *Guards) Guard(ctx context.Context, tx any, name string, token fence.Tok
 	return &fence.StaleError{Key: name, Offered: token, Current: fence.Token(cur)}
 }
 
-// txConn wraps the caller's transaction: a *sql.Tx or a pgx.Tx. Anything else
-// (a *sql.DB, a *sql.Conn, a *pgxpool.Pool, a *pgx.Conn) would run the
-// statement in autocommit, so the writes that follow it would not be fenced:
-// it is refused with an error matching fence.ErrInvalid.
-func txConn(op string, tx any) (conn, error) {
-	switch t := tx.(type) {
-	case *sql.Tx:
-		if t != nil {
-			return stdConn{t}, nil
-		}
-	case pgx.Tx:
-		if t != nil {
-			return pgxConn{t}, nil
-		}
+// stdTxConn wraps the caller's database/sql transaction; a nil tx returns an
+// error matching fence.ErrInvalid.
+func stdTxConn(op string, tx *sql.Tx) (conn, error) {
+	if tx == nil {
+		return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: "nil *sql.Tx"}
 	}
-	return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: fmt.Sprintf("%T is not a transaction (want a *sql.Tx or a pgx.Tx): outside a transaction the writes after it would not be fenced", tx)}
+	return stdConn{tx}, nil
 }
 
-// dialectMismatch reports Guards used on a database of the other kind.
-func (g *Guards) dialectMismatch(op string, db *DB) error {
-	want := "SQLite or PostgreSQL"
-	if g.mysql {
-		want = "MySQL"
+// pgxTxConn wraps the caller's pgx transaction on a database of dialect d;
+// a nil tx, or a dialect other than PostgreSQL, returns an error matching
+// fence.ErrInvalid.
+func pgxTxConn(op string, d *dialect, tx pgx.Tx) (conn, error) {
+	if d != postgresDialect {
+		return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: fmt.Sprintf("a pgx transaction is on PostgreSQL, this database is %s", d.name)}
 	}
-	return &fence.InvalidError{Op: op, Arg: "db", Reason: fmt.Sprintf("these Guards are for %s, the database is %s (see GuardOptions.MySQL)", want, db.d.name)}
+	if p, ok := tx.(*pgxpool.Tx); tx == nil || ok && p == nil {
+		return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: "nil pgx.Tx"}
+	}
+	return pgxConn{tx}, nil
 }
 
 func (g *Guards) wrap(err error) error {

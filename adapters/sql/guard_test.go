@@ -13,6 +13,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // guardedAccounts is a user's own table, written in guarded transactions.
@@ -46,36 +47,34 @@ func guardedAccounts(t *testing.T, db *sql.DB, mysql ...bool) string {
 func TestGuardConcurrent(t *testing.T) {
 	pg := pgStd(t)
 	sqliteDB, sqliteF := openSQLite(t)
-	mysqlDB, _ := openMySQL(t, "")
-	g, _ := sqlfence.NewGuards(nil)
-	if err := g.CreateTable(context.Background(), sqliteF); err != nil {
-		t.Fatal(err)
-	}
+	mysqlDB, mysqlF := openMySQL(t, "")
 	for _, c := range []struct {
 		name  string
 		db    *sql.DB
+		fdb   *sqlfence.DB
 		iso   sql.IsolationLevel
 		mysql bool
 		// retried: two first attempts overlap, and the later guard must be
 		// retried after a 40001.
 		retried bool
 	}{
-		{"postgres/read-committed", pg, sql.LevelReadCommitted, false, false},
-		{"postgres/repeatable-read", pg, sql.LevelRepeatableRead, false, true},
-		{"postgres/serializable", pg, sql.LevelSerializable, false, true},
-		{"sqlite", sqliteDB, sql.LevelDefault, false, false},
-		{"mysql/repeatable-read", mysqlDB, sql.LevelRepeatableRead, true, false},
-		{"mysql/read-committed", mysqlDB, sql.LevelReadCommitted, true, false},
+		{"postgres/read-committed", pg, sqlfence.Postgres(pg), sql.LevelReadCommitted, false, false},
+		{"postgres/repeatable-read", pg, sqlfence.Postgres(pg), sql.LevelRepeatableRead, false, true},
+		{"postgres/serializable", pg, sqlfence.Postgres(pg), sql.LevelSerializable, false, true},
+		{"sqlite", sqliteDB, sqliteF, sql.LevelDefault, false, false},
+		{"mysql/repeatable-read", mysqlDB, mysqlF, sql.LevelRepeatableRead, true, false},
+		{"mysql/read-committed", mysqlDB, mysqlF, sql.LevelReadCommitted, true, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := context.Background()
 			table := guardedAccounts(t, c.db, c.mysql)
-			guard, update, log := sqlfence.Guard, `UPDATE %s SET balance = $1, written_by = $2 WHERE id = 1`,
+			g := mustGuards(t, c.fdb)
+			if err := g.CreateTable(ctx); err != nil {
+				t.Fatal(err)
+			}
+			guard, update, log := g.Guard, `UPDATE %s SET balance = $1, written_by = $2 WHERE id = 1`,
 				`INSERT INTO %s_log (seq, token) VALUES ((SELECT COALESCE(MAX(seq), 0) + 1 FROM %s_log), $1)`
 			if c.mysql {
-				guard = func(ctx context.Context, tx any, name string, tok fence.Token) error {
-					return sqlfence.MySQLGuard(ctx, tx.(*sql.Tx), name, tok)
-				}
 				update, log = `UPDATE %s SET balance = ?, written_by = ? WHERE id = 1`, `INSERT INTO %s_log (token) VALUES (?)`
 			}
 			name := fencetest.Name("guard")
@@ -196,9 +195,10 @@ func TestGuardStaleRollsBack(t *testing.T) {
 	pg := pgStd(t)
 	table := guardedAccounts(t, pg)
 	name := fencetest.Name("rollback")
+	g := mustGuards(t, sqlfence.Postgres(pg))
 	write := func(tok fence.Token) error {
 		return sqlfence.RunTx(ctx, pg, nil, func(tx *sql.Tx) error {
-			if err := sqlfence.Guard(ctx, tx, name, tok); err != nil {
+			if err := g.Guard(ctx, tx, name, tok); err != nil {
 				return err
 			}
 			_, err := tx.ExecContext(ctx, fmt.Sprintf(`UPDATE %s SET written_by = $1 WHERE id = 1`, table), int64(tok))
@@ -224,48 +224,64 @@ func TestGuardStaleRollsBack(t *testing.T) {
 }
 
 // TestGuardRefusesNonTransactions: a pool, a database handle or a connection
-// would run the guard in autocommit and leave the writes after it unfenced:
-// Guard and CompleteTx refuse them before any statement runs, and the guard row
-// is not advanced.
+// would run the guard in autocommit and leave the writes after it unfenced; it
+// does not compile as the tx of Guard, GuardPgx, CompleteTx or CompletePgxTx.
+// What still compiles is refused with ErrInvalid before any statement runs: a
+// nil transaction, and a pgx transaction given to Guards or a store whose
+// database is not PostgreSQL. The refused guard does not advance the guard row
+// even in a transaction that then commits.
 func TestGuardRefusesNonTransactions(t *testing.T) {
 	ctx := context.Background()
-	pg, pool := pgStd(t), pgPool(t, pgOpts{})
-	sqliteDB, _ := openSQLite(t)
-	pconn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pconn.Release()
-	sconn, err := pg.Conn(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sconn.Close()
-	var nilTx *sql.Tx
-	store, err := sqlfence.NewIdempotencyStore(sqlfence.Postgres(pg), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool := pgPool(t, pgOpts{})
+	_, sqliteF := openSQLite(t)
+	pgG, pgStore := pgGuards(t, pool), mustStore(t, sqlfence.Pgx(pool))
+	liteG, liteStore := mustGuards(t, sqliteF), mustStore(t, sqliteF)
 	name := fencetest.Name("notx")
-	for _, c := range []struct {
-		what string
-		tx   any
-	}{
-		{"*sql.DB (PostgreSQL)", pg}, {"*sql.DB (SQLite)", sqliteDB}, {"*sql.Conn", sconn},
-		{"*pgxpool.Pool", pool}, {"*pgx.Conn", pconn.Conn()}, {"nil *sql.Tx", nilTx}, {"nil", nil},
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	for what, err := range map[string]error{
+		"Guard(nil *sql.Tx)":             pgG.Guard(ctx, nil, name, 7),
+		"GuardPgx(nil)":                  pgG.GuardPgx(ctx, nil, name, 7),
+		"GuardPgx(nil *pgxpool.Tx)":      pgG.GuardPgx(ctx, (*pgxpool.Tx)(nil), name, 7),
+		"CompleteTx(nil *sql.Tx)":        pgStore.CompleteTx(ctx, nil, "k", 1, []byte("r"), 0),
+		"CompletePgxTx(nil)":             pgStore.CompletePgxTx(ctx, nil, "k", 1, []byte("r"), 0),
+		"CompletePgxTx(nil *pgxpool.Tx)": pgStore.CompletePgxTx(ctx, (*pgxpool.Tx)(nil), "k", 1, []byte("r"), 0),
+		"SQLite Guards' GuardPgx":        liteG.GuardPgx(ctx, tx, name, 7),
+		"SQLite store's CompletePgxTx":   liteStore.CompletePgxTx(ctx, tx, "k", 1, []byte("r"), 0),
 	} {
-		if err := sqlfence.Guard(ctx, c.tx, name, 7); !errors.Is(err, fence.ErrInvalid) {
-			t.Errorf("Guard on a %s: %v, want ErrInvalid", c.what, err)
+		if !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("%s: %v, want ErrInvalid", what, err)
 		}
-		if err := store.CompleteTx(ctx, c.tx, "k", 1, []byte("r"), 0); !errors.Is(err, fence.ErrInvalid) {
-			t.Errorf("CompleteTx on a %s: %v, want ErrInvalid", c.what, err)
-		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
 	}
 	var n int
-	if err := pg.QueryRowContext(ctx, `SELECT count(*) FROM fence_guards WHERE name = $1`, name).Scan(&n); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM fence_guards WHERE name = $1`, name).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	if n != 0 {
 		t.Errorf("a refused guard advanced the guard row (%d rows)", n)
 	}
+}
+
+func mustGuards(t testing.TB, db *sqlfence.DB) *sqlfence.Guards {
+	t.Helper()
+	g, err := sqlfence.NewGuards(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g
+}
+
+func mustStore(t testing.TB, db *sqlfence.DB) *sqlfence.IdempotencyStore {
+	t.Helper()
+	s, err := sqlfence.NewIdempotencyStore(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }

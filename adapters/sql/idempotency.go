@@ -2,12 +2,14 @@ package sqlfence
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/jackc/pgx/v5"
 )
 
 // IdempotencyOptions configures an IdempotencyStore. A nil pointer means the defaults.
@@ -233,25 +235,47 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 	return s.updateOn(ctx, s.db.c, key, from, fromFence, ch, s.db.unknown)
 }
 
-// CompleteTx records key's result inside tx, the caller's own transaction (a
-// pgx.Tx or a *sql.Tx), so that the caller's local writes and the key's
-// completion commit together or not at all. The record must be armed with
-// fence f (the attempt's Result.Fence); retention defaults to 24h. Anything that
-// is not a transaction returns an error matching fence.ErrInvalid.
-func (s *IdempotencyStore) CompleteTx(ctx context.Context, tx any, key string, f fence.Token, result []byte, retention time.Duration) error {
+// CompleteTx records key's result inside tx, the caller's own database/sql
+// transaction on the store's database, so that the caller's local writes and
+// the key's completion commit together or not at all. The record must be armed
+// with fence f (the attempt's Result.Fence); retention defaults to 24h. A nil
+// ctx or tx, or an empty key, returns an error matching fence.ErrInvalid before
+// any statement runs. A record armed with a larger fence returns a
+// *fence.StaleError, one in another state idempotency.ErrStateChanged, no
+// record fence.ErrNotFound (as Update); then tx should be rolled back.
+func (s *IdempotencyStore) CompleteTx(ctx context.Context, tx *sql.Tx, key string, f fence.Token, result []byte, retention time.Duration) error {
 	if err := s.checkUpdate("complete", ctx, key, idempotency.Change{}); err != nil {
 		return err
 	}
-	c, err := txConn("complete", tx)
+	c, err := stdTxConn("complete", tx)
 	if err != nil {
 		return err
 	}
+	return s.completeOn(ctx, c, key, f, result, retention)
+}
+
+// CompletePgxTx is CompleteTx for a native pgx transaction on PostgreSQL, with
+// the same guarantees and errors. On a store whose database is not PostgreSQL
+// it returns an error matching fence.ErrInvalid, before any statement runs.
+func (s *IdempotencyStore) CompletePgxTx(ctx context.Context, tx pgx.Tx, key string, f fence.Token, result []byte, retention time.Duration) error {
+	if err := s.checkUpdate("complete", ctx, key, idempotency.Change{}); err != nil {
+		return err
+	}
+	c, err := pgxTxConn("complete", s.db.d, tx)
+	if err != nil {
+		return err
+	}
+	return s.completeOn(ctx, c, key, f, result, retention)
+}
+
+// completeOn runs CompleteTx's compare-and-set on c, the caller's transaction.
+func (s *IdempotencyStore) completeOn(ctx context.Context, c conn, key string, f fence.Token, result []byte, retention time.Duration) error {
 	if retention <= 0 {
 		retention = 24 * time.Hour
 	}
 	// In the caller's transaction a lost reply is the caller's commit to
 	// judge: this statement commits nothing by itself.
-	_, err = s.updateOn(ctx, c, key, idempotency.Armed, f, idempotency.Change{State: idempotency.Completed, Fence: f, Result: result, Retention: retention},
+	_, err := s.updateOn(ctx, c, key, idempotency.Armed, f, idempotency.Change{State: idempotency.Completed, Fence: f, Result: result, Retention: retention},
 		func(err error) error { return err })
 	return err
 }

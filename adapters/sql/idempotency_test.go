@@ -97,7 +97,7 @@ func TestIdempotencyCompleteTx(t *testing.T) {
 		if _, err := tx.Exec(ctx, "INSERT INTO "+table+" VALUES ($1, 'ch_1')", k); err != nil {
 			t.Fatal(err)
 		}
-		if err := s.CompleteTx(ctx, tx, k, rec.Fence, []byte("ch_1"), time.Hour); err != nil {
+		if err := s.CompletePgxTx(ctx, tx, k, rec.Fence, []byte("ch_1"), time.Hour); err != nil {
 			t.Fatal(err)
 		}
 		if commit {

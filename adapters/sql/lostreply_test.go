@@ -107,7 +107,7 @@ func lostReplyTargets(t *testing.T) []proxied {
 			t.Fatal(err)
 		}
 	}
-	pgGuards, _ := sqlfence.NewGuards(nil)
+	pgGuards := mustGuards(t, sqlfence.Pgx(direct))
 
 	pxPgx := faultnet.Start(t, pgTarget(t))
 	pool := proxiedPool(t, pxPgx, 0)
@@ -118,7 +118,7 @@ func lostReplyTargets(t *testing.T) []proxied {
 	myRaw, myDirect := openMySQL(t, "")
 	pxMy := faultnet.Start(t, mysqlAddr(t))
 	my := proxiedMySQL(t, pxMy)
-	myGuards, _ := sqlfence.NewGuards(&sqlfence.GuardOptions{MySQL: true})
+	myGuards := mustGuards(t, myDirect)
 
 	stdTx := func(db *sql.DB, g *sqlfence.Guards, ph string) func(context.Context, func(func(string, fence.Token) error, func(string, ...any) error) error) error {
 		return func(ctx context.Context, f func(func(string, fence.Token) error, func(string, ...any) error) error) error {
@@ -136,7 +136,7 @@ func lostReplyTargets(t *testing.T) []proxied {
 			name: "postgres-pgx", proxy: pxPgx, db: sqlfence.Pgx(pool), direct: sqlfence.Pgx(direct),
 			runTx: func(ctx context.Context, f func(func(string, fence.Token) error, func(string, ...any) error) error) error {
 				return sqlfence.RunPgxTx(ctx, pool, pgx.TxOptions{}, 0, func(tx pgx.Tx) error {
-					return f(func(name string, tok fence.Token) error { return pgGuards.Guard(ctx, tx, name, tok) },
+					return f(func(name string, tok fence.Token) error { return pgGuards.GuardPgx(ctx, tx, name, tok) },
 						func(q string, args ...any) error { _, err := tx.Exec(ctx, fmt.Sprintf(q, "$1"), args...); return err })
 				})
 			},

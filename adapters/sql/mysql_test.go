@@ -60,8 +60,8 @@ func mysqlSetup(t testing.TB, fdb *sqlfence.DB) {
 	w, _ := sqlfence.NewWriter(fdb, nil)
 	a, _ := sqlfence.NewAcquirer(fdb, nil)
 	s, _ := sqlfence.NewIdempotencyStore(fdb, nil)
-	g, _ := sqlfence.NewGuards(&sqlfence.GuardOptions{MySQL: true})
-	for _, f := range []func() error{func() error { return w.CreateTable(ctx) }, func() error { return a.CreateTable(ctx) }, func() error { return s.CreateTable(ctx) }, func() error { return g.CreateTable(ctx, fdb) }} {
+	g, _ := sqlfence.NewGuards(fdb, nil)
+	for _, f := range []func() error{func() error { return w.CreateTable(ctx) }, func() error { return a.CreateTable(ctx) }, func() error { return s.CreateTable(ctx) }, func() error { return g.CreateTable(ctx) }} {
 		if err := f(); err != nil {
 			t.Fatal(err)
 		}
@@ -203,11 +203,12 @@ func TestMySQLRoundTrips(t *testing.T) {
 // opposite orders, so InnoDB kills one of them (1213); RunTx runs it again and
 // both commit.
 func TestMySQLDeadlockRetried(t *testing.T) {
-	db, _ := openMySQL(t, "")
+	db, fdb := openMySQL(t, "")
+	g := mustGuards(t, fdb)
 	ctx := context.Background()
 	a, b := fencetest.Name("dl"), fencetest.Name("dl")
 	for _, n := range []string{a, b} { // the rows exist, so each guard locks one
-		if err := sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error { return sqlfence.MySQLGuard(ctx, tx, n, 1) }); err != nil {
+		if err := sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, n, 1) }); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -223,14 +224,14 @@ func TestMySQLDeadlockRetried(t *testing.T) {
 			<-start
 			err := sqlfence.RunTx(ctx, db, nil, func(tx *sql.Tx) error {
 				n := attempts[i].Add(1)
-				if err := sqlfence.MySQLGuard(ctx, tx, order[0], 2); err != nil {
+				if err := g.Guard(ctx, tx, order[0], 2); err != nil {
 					return err
 				}
 				if n == 1 {
 					firstRows.Done()
 					firstRows.Wait() // both hold their first row: the next guard deadlocks
 				}
-				return sqlfence.MySQLGuard(ctx, tx, order[1], 2)
+				return g.Guard(ctx, tx, order[1], 2)
 			})
 			if err != nil {
 				t.Errorf("transaction %d: %v", i, err)
@@ -245,17 +246,27 @@ func TestMySQLDeadlockRetried(t *testing.T) {
 	t.Logf("attempts: %d and %d", attempts[0].Load(), attempts[1].Load())
 }
 
-// TestMySQLGuardsDialect: Guards of the other dialect are refused, on the
-// acquirer (AdvanceGuards) and on CreateTable. TestAdvanceOnGrant runs
+// TestMySQLGuardsDialect: an acquirer refuses AdvanceGuards made on a database
+// of another dialect (their statements would not run on its database), both
+// ways, and GuardPgx on MySQL Guards is refused. TestAdvanceOnGrant runs
 // AdvanceGuards on MySQL.
 func TestMySQLGuardsDialect(t *testing.T) {
 	_, fdb := openMySQL(t, "")
-	g, _ := sqlfence.NewGuards(nil)
-	if _, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g}); !errors.Is(err, fence.ErrInvalid) {
-		t.Errorf("SQLite/PostgreSQL Guards on a MySQL acquirer: %v, want ErrInvalid", err)
+	_, lite := openSQLite(t)
+	if _, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: mustGuards(t, lite)}); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("SQLite Guards on a MySQL acquirer: %v, want ErrInvalid", err)
 	}
-	if err := g.CreateTable(context.Background(), fdb); !errors.Is(err, fence.ErrInvalid) {
-		t.Errorf("SQLite/PostgreSQL Guards' table on MySQL: %v, want ErrInvalid", err)
+	if _, err := sqlfence.NewAcquirer(lite, &sqlfence.AcquirerOptions{AdvanceGuards: mustGuards(t, fdb)}); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("MySQL Guards on a SQLite acquirer: %v, want ErrInvalid", err)
+	}
+	ctx := context.Background()
+	tx, err := pgPool(t, pgOpts{}).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if err := mustGuards(t, fdb).GuardPgx(ctx, tx, fencetest.Name("g"), 1); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("GuardPgx on MySQL Guards: %v, want ErrInvalid", err)
 	}
 }
 

@@ -57,6 +57,7 @@ func TestWriterOwnTable(t *testing.T) {
 // The guard row of the key is the fence.
 type guardWriter struct {
 	p     *pgxpool.Pool
+	g     *sqlfence.Guards
 	table string
 }
 
@@ -65,7 +66,7 @@ func (g guardWriter) Write(ctx context.Context, key string, value []byte, token 
 		value = []byte{}
 	}
 	return sqlfence.RunPgxTx(ctx, g.p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error {
-		if err := sqlfence.Guard(ctx, tx, key, token); err != nil {
+		if err := g.g.GuardPgx(ctx, tx, key, token); err != nil {
 			return err
 		}
 		_, err := tx.Exec(ctx, fmt.Sprintf(`INSERT INTO %s (k, v, by_token) VALUES ($1, $2, $3)
@@ -103,6 +104,6 @@ func TestPostgresGuardWriterConformance(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = p.Exec(context.Background(), "DROP TABLE "+table) })
-	w := guardWriter{p: p, table: table}
+	w := guardWriter{p: p, g: pgGuards(t, p), table: table}
 	fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys}.Run(t)
 }

@@ -92,16 +92,27 @@ func pgSetup(t testing.TB, p *pgxpool.Pool) {
 		fdb := sqlfence.Pgx(p)
 		w, _ := sqlfence.NewWriter(fdb, nil)
 		a, _ := sqlfence.NewAcquirer(fdb, nil)
-		g, _ := sqlfence.NewGuards(nil)
+		g, _ := sqlfence.NewGuards(fdb, nil)
 		if err = w.CreateTable(ctx); err != nil {
 			return
 		}
 		if err = a.CreateTable(ctx); err != nil {
 			return
 		}
-		err = g.CreateTable(ctx, fdb)
+		err = g.CreateTable(ctx)
 	})
 	if err != nil {
 		t.Fatalf("creating the default tables: %v", err)
 	}
+}
+
+// pgGuards returns Guards on the default guard table of p's database (pgSetup
+// creates it).
+func pgGuards(t testing.TB, p *pgxpool.Pool) *sqlfence.Guards {
+	t.Helper()
+	g, err := sqlfence.NewGuards(sqlfence.Pgx(p), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g
 }

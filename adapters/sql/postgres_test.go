@@ -101,7 +101,7 @@ func TestInvalidNames(t *testing.T) {
 		if _, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{Table: name}); !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("NewAcquirer(table %q): err = %v, want ErrInvalid", name, err)
 		}
-		if _, err := sqlfence.NewGuards(&sqlfence.GuardOptions{Table: name}); !errors.Is(err, fence.ErrInvalid) {
+		if _, err := sqlfence.NewGuards(fdb, &sqlfence.GuardOptions{Table: name}); !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("NewGuards(table %q): err = %v, want ErrInvalid", name, err)
 		}
 	}
@@ -209,26 +209,23 @@ func TestRoundTrips(t *testing.T) {
 // guarded transactions at once, before the new holder has written anything.
 func TestAdvanceOnGrant(t *testing.T) {
 	ctx := context.Background()
-	g, err := sqlfence.NewGuards(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
 	sqliteDB, sqliteF := openSQLite(t)
-	if err := g.CreateTable(ctx, sqliteF); err != nil {
-		t.Fatal(err)
-	}
 	newSQLiteAcquirer(t, sqliteF) // creates the lease table
 	pg := pgStd(t)
 	mysqlDB, mysqlF := openMySQL(t, "")
-	mg, _ := sqlfence.NewGuards(&sqlfence.GuardOptions{MySQL: true})
 	for _, c := range []struct {
 		name string
 		db   *sql.DB
 		fdb  *sqlfence.DB
-		g    *sqlfence.Guards
-	}{{"postgres", pg, sqlfence.Postgres(pg), g}, {"sqlite", sqliteDB, sqliteF, g}, {"mysql", mysqlDB, mysqlF, mg}} {
+	}{{"postgres", pg, sqlfence.Postgres(pg)}, {"sqlite", sqliteDB, sqliteF}, {"mysql", mysqlDB, mysqlF}} {
 		t.Run(c.name, func(t *testing.T) {
-			g := c.g
+			g, err := sqlfence.NewGuards(c.fdb, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := g.CreateTable(ctx); err != nil {
+				t.Fatal(err)
+			}
 			a, err := sqlfence.NewAcquirer(c.fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 			if err != nil {
 				t.Fatal(err)
@@ -269,20 +266,26 @@ func TestPgxTxGuard(t *testing.T) {
 	p := pgPool(t, pgOpts{})
 	ctx := context.Background()
 	name := fencetest.Name("pgxtx")
-	err := sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error { return sqlfence.Guard(ctx, tx, name, 7) })
+	g, err := sqlfence.NewGuards(sqlfence.Pgx(p), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error { return sqlfence.Guard(ctx, tx, name, 6) })
+	err = sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error { return g.GuardPgx(ctx, tx, name, 7) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error { return g.GuardPgx(ctx, tx, name, 6) })
 	var se *fence.StaleError
 	if !errors.As(err, &se) || se.Offered != 6 || se.Current != 7 || se.Key != name {
 		t.Fatalf("Guard with a lower token: %v", err)
 	}
-	if err := sqlfence.Guard(ctx, 42, name, 8); !errors.Is(err, fence.ErrInvalid) {
-		t.Errorf("Guard on an int: %v, want ErrInvalid", err)
+	tx, err := p.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if err := sqlfence.Guard(ctx, p, name, 0); !errors.Is(err, fence.ErrInvalid) {
-		t.Errorf("Guard with token 0: %v, want ErrInvalid", err)
+	defer tx.Rollback(ctx)
+	if err := g.GuardPgx(ctx, tx, name, 0); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("GuardPgx with token 0: %v, want ErrInvalid", err)
 	}
 }
 

@@ -225,7 +225,7 @@ func TestLostGrantReplyWithAdvanceGuards(t *testing.T) {
 			}
 			t.Run(p.name+"/"+step, func(t *testing.T) {
 				ctx := context.Background()
-				if err := p.guards.CreateTable(ctx, p.direct); err != nil {
+				if err := p.guards.CreateTable(ctx); err != nil {
 					t.Fatal(err)
 				}
 				a, err := sqlfence.NewAcquirer(p.db, &sqlfence.AcquirerOptions{AdvanceGuards: p.guards})
