@@ -139,9 +139,9 @@ func TestRunTxBadInput(t *testing.T) {
 		"RunTx nil ctx":    sqlfence.RunTx(nilCtx, db, nil, ok),
 		"RunTx nil db":     sqlfence.RunTx(context.Background(), nil, nil, ok),
 		"RunTx nil f":      sqlfence.RunTx(context.Background(), db, nil, nil),
-		"RunPgxTx nil ctx": sqlfence.RunPgxTx(nilCtx, p, pgx.TxOptions{}, 0, okPgx),
-		"RunPgxTx nil db":  sqlfence.RunPgxTx(context.Background(), nilPool, pgx.TxOptions{}, 0, okPgx),
-		"RunPgxTx nil f":   sqlfence.RunPgxTx(context.Background(), p, pgx.TxOptions{}, 0, nil),
+		"RunPgxTx nil ctx": sqlfence.RunPgxTx(nilCtx, p, nil, okPgx),
+		"RunPgxTx nil db":  sqlfence.RunPgxTx(context.Background(), nilPool, nil, okPgx),
+		"RunPgxTx nil f":   sqlfence.RunPgxTx(context.Background(), p, nil, nil),
 	} {
 		if !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("%s: %v, want ErrInvalid", name, err)

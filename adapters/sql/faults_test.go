@@ -82,7 +82,7 @@ func TestKilledConnectionMidTransaction(t *testing.T) {
 		t.Errorf("%d rows of the killed transaction are visible", n)
 	}
 	// The guard did not advance either: a lower token still passes.
-	if err := sqlfence.RunPgxTx(ctx, admin, pgx.TxOptions{}, 0, func(tx pgx.Tx) error { return g.GuardPgx(ctx, tx, name, 1) }); err != nil {
+	if err := sqlfence.RunPgxTx(ctx, admin, nil, func(tx pgx.Tx) error { return g.GuardPgx(ctx, tx, name, 1) }); err != nil {
 		t.Errorf("guard advanced by a transaction that never committed: %v", err)
 	}
 }

@@ -216,7 +216,8 @@ type TxOptions struct {
 	MaxAttempts int
 }
 
-// RunTx runs f in a transaction on db (a *sql.DB) and commits it. When f or the
+// RunTx runs f in a transaction on db (a *sql.DB) and commits it. RunPgxTx
+// is the same for native pgx. When f or the
 // commit fails with a PostgreSQL serialization failure or deadlock (40001,
 // 40P01), or a MySQL deadlock or lock wait timeout (1213, 1205), the
 // transaction is rolled back and run again from the start, at most
@@ -255,19 +256,37 @@ type PgxBeginner interface {
 	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
 }
 
-// RunPgxTx is RunTx for native pgx: it runs f in a transaction begun with txOpts
-// and commits it, running it again after a serialization failure or deadlock, at
-// most maxAttempts times in all (10 when maxAttempts <= 0). A commit whose
-// reply was lost returns an error matching fence.ErrUnknown, as in RunTx.
-func RunPgxTx(ctx context.Context, db PgxBeginner, txOpts pgx.TxOptions, maxAttempts int, f func(tx pgx.Tx) error) error {
+// PgxTxOptions configures RunPgxTx. A nil *PgxTxOptions means the defaults.
+type PgxTxOptions struct {
+	// TxOptions begins each attempt's transaction (isolation level, access
+	// mode). Default: the zero pgx.TxOptions, the server's defaults.
+	TxOptions pgx.TxOptions
+	// MaxAttempts bounds how often the transaction runs when it fails with a
+	// serialization failure or deadlock. Default: 10.
+	MaxAttempts int
+}
+
+// RunPgxTx is RunTx for native pgx: it runs f in a transaction begun on db
+// (a *pgxpool.Pool or a *pgx.Conn) and commits it, with the same guarantees
+// and errors. When f or the commit fails with a serialization failure or
+// deadlock (40001, 40P01), the transaction is rolled back and run again from
+// the start, at most MaxAttempts times in all; f must therefore have no
+// effects outside tx. A commit whose reply was lost returns an error matching
+// fence.ErrUnknown and is not run again. A nil ctx, db or f returns an error
+// matching fence.ErrInvalid.
+func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx pgx.Tx) error) error {
 	if err := checkRunTx("run pgx tx", ctx, db == nil || isNilPgx(pgxBeginnerQuerier(db)), f == nil); err != nil {
 		return err
 	}
-	if maxAttempts <= 0 {
-		maxAttempts = 10
+	var o PgxTxOptions
+	if opts != nil {
+		o = *opts
 	}
-	return retryTx(ctx, maxAttempts, func() error {
-		tx, err := db.BeginTx(ctx, txOpts)
+	if o.MaxAttempts <= 0 {
+		o.MaxAttempts = 10
+	}
+	return retryTx(ctx, o.MaxAttempts, func() error {
+		tx, err := db.BeginTx(ctx, o.TxOptions)
 		if err != nil {
 			return err
 		}

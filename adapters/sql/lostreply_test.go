@@ -135,7 +135,7 @@ func lostReplyTargets(t *testing.T) []proxied {
 		{
 			name: "postgres-pgx", proxy: pxPgx, db: sqlfence.Pgx(pool), direct: sqlfence.Pgx(direct),
 			runTx: func(ctx context.Context, f func(func(string, fence.Token) error, func(string, ...any) error) error) error {
-				return sqlfence.RunPgxTx(ctx, pool, pgx.TxOptions{}, 0, func(tx pgx.Tx) error {
+				return sqlfence.RunPgxTx(ctx, pool, nil, func(tx pgx.Tx) error {
 					return f(func(name string, tok fence.Token) error { return pgGuards.GuardPgx(ctx, tx, name, tok) },
 						func(q string, args ...any) error { _, err := tx.Exec(ctx, fmt.Sprintf(q, "$1"), args...); return err })
 				})

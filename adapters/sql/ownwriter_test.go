@@ -65,7 +65,7 @@ func (g guardWriter) Write(ctx context.Context, key string, value []byte, token 
 	if value == nil {
 		value = []byte{}
 	}
-	return sqlfence.RunPgxTx(ctx, g.p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error {
+	return sqlfence.RunPgxTx(ctx, g.p, nil, func(tx pgx.Tx) error {
 		if err := g.g.GuardPgx(ctx, tx, key, token); err != nil {
 			return err
 		}

@@ -270,11 +270,11 @@ func TestPgxTxGuard(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error { return g.GuardPgx(ctx, tx, name, 7) })
+	err = sqlfence.RunPgxTx(ctx, p, nil, func(tx pgx.Tx) error { return g.GuardPgx(ctx, tx, name, 7) })
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error { return g.GuardPgx(ctx, tx, name, 6) })
+	err = sqlfence.RunPgxTx(ctx, p, nil, func(tx pgx.Tx) error { return g.GuardPgx(ctx, tx, name, 6) })
 	var se *fence.StaleError
 	if !errors.As(err, &se) || se.Offered != 6 || se.Current != 7 || se.Key != name {
 		t.Fatalf("Guard with a lower token: %v", err)
@@ -286,6 +286,38 @@ func TestPgxTxGuard(t *testing.T) {
 	defer tx.Rollback(ctx)
 	if err := g.GuardPgx(ctx, tx, name, 0); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("GuardPgx with token 0: %v, want ErrInvalid", err)
+	}
+}
+
+// TestRunPgxTxOptions: PgxTxOptions.TxOptions begins every attempt, and
+// MaxAttempts bounds the runs after a serialization failure (a real 40001 from
+// the server), 10 by default.
+func TestRunPgxTxOptions(t *testing.T) {
+	p := pgPool(t, pgOpts{})
+	ctx := context.Background()
+	opts := &sqlfence.PgxTxOptions{TxOptions: pgx.TxOptions{IsoLevel: pgx.Serializable, AccessMode: pgx.ReadOnly}, MaxAttempts: 3}
+	for _, c := range []struct {
+		opts *sqlfence.PgxTxOptions
+		runs int
+		iso  string
+		ro   string
+	}{{opts, 3, "serializable", "on"}, {nil, 10, "read committed", "off"}} {
+		runs := 0
+		err := sqlfence.RunPgxTx(ctx, p, c.opts, func(tx pgx.Tx) error {
+			runs++
+			var iso, ro string
+			if err := tx.QueryRow(ctx, `SELECT current_setting('transaction_isolation'), current_setting('transaction_read_only')`).Scan(&iso, &ro); err != nil {
+				return err
+			}
+			if iso != c.iso || ro != c.ro {
+				t.Errorf("attempt %d with %+v: isolation %q, read only %q, want %q, %q", runs, c.opts, iso, ro, c.iso, c.ro)
+			}
+			_, err := tx.Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION 'provoked' USING ERRCODE = 'serialization_failure'; END $$`)
+			return err
+		})
+		if !sqlfence.IsSerializationFailure(err) || runs != c.runs {
+			t.Errorf("RunPgxTx with %+v: %d runs, %v; want %d runs and the serialization failure", c.opts, runs, err, c.runs)
+		}
 	}
 }
 

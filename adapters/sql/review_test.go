@@ -361,7 +361,7 @@ func TestCommitOfFailedTxIsDefinite(t *testing.T) {
 	ctx := context.Background()
 	p := pgPool(t, pgOpts{})
 	std := pgStd(t)
-	err := sqlfence.RunPgxTx(ctx, p, pgx.TxOptions{}, 0, func(tx pgx.Tx) error {
+	err := sqlfence.RunPgxTx(ctx, p, nil, func(tx pgx.Tx) error {
 		_, _ = tx.Exec(ctx, "SELECT 1/0")
 		return nil
 	})
