@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
-	"unicode/utf8"
 )
 
 var (
@@ -77,76 +75,19 @@ func (e *InvalidError) Error() string {
 // Unwrap returns ErrInvalid, so errors.Is(err, ErrInvalid) holds.
 func (e *InvalidError) Unwrap() error { return ErrInvalid }
 
-// CheckName returns an *InvalidError when name is empty, for op.
-func CheckName(op, name string) error {
-	if name == "" {
-		return &InvalidError{Op: op, Arg: "name", Reason: "empty"}
-	}
-	return nil
-}
-
-// CheckKey returns an *InvalidError when key is empty, for op.
-func CheckKey(op, key string) error {
-	if key == "" {
-		return &InvalidError{Op: op, Arg: "key", Reason: "empty"}
-	}
-	return nil
-}
-
-// CheckText returns an *InvalidError, naming arg and the limit, when s is empty,
-// longer than maxBytes bytes (maxBytes > 0), not valid UTF-8, or holds a NUL
-// byte: the rules of a backend that stores s as indexed text.
-func CheckText(op, arg, s string, maxBytes int) error {
-	switch {
-	case s == "":
-		return &InvalidError{Op: op, Arg: arg, Reason: "empty"}
-	case maxBytes > 0 && len(s) > maxBytes:
-		return &InvalidError{Op: op, Arg: arg, Reason: fmt.Sprintf("%d bytes, over this backend's limit of %d", len(s), maxBytes)}
-	case !utf8.ValidString(s):
-		return &InvalidError{Op: op, Arg: arg, Reason: "not valid UTF-8, which this backend needs"}
-	case strings.IndexByte(s, 0) >= 0:
-		return &InvalidError{Op: op, Arg: arg, Reason: "holds a NUL byte, which this backend cannot store"}
-	}
-	return nil
-}
-
-// CheckContext returns an *InvalidError when ctx is nil, for op.
-func CheckContext(op string, ctx context.Context) error {
+// checkContext returns an *InvalidError when ctx is nil, for op
+// (leasekit.CheckContext for adapters).
+func checkContext(op string, ctx context.Context) error {
 	if ctx == nil {
 		return &InvalidError{Op: op, Arg: "ctx", Reason: "nil context (use context.Background())"}
 	}
 	return nil
 }
 
-// CheckTTL returns an *InvalidError when ttl is below min (and always when ttl
-// <= 0) or above max (when max > 0), for op.
-func CheckTTL(op string, ttl, min, max time.Duration) error {
+// checkTTL returns an *InvalidError when ttl <= 0, for op.
+func checkTTL(op string, ttl time.Duration) error {
 	if ttl <= 0 {
 		return &InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not positive", ttl)}
 	}
-	if ttl < min {
-		return &InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is below this backend's minimum %v", ttl, min)}
-	}
-	if max > 0 && ttl > max {
-		return &InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is above this backend's maximum %v", ttl, max)}
-	}
 	return nil
-}
-
-// CheckToken returns an *InvalidError when t is outside 1..MaxToken, for op.
-func CheckToken(op string, t Token) error {
-	if !t.Valid() {
-		return &InvalidError{Op: op, Arg: "token", Reason: fmt.Sprintf("%d is outside 1..%d", uint64(t), uint64(MaxToken))}
-	}
-	return nil
-}
-
-// CeilDiv returns d divided by unit, rounded up, without overflowing for any
-// positive d (the lease lengths a backend counts in milliseconds or seconds).
-func CeilDiv(d, unit time.Duration) int64 {
-	n := d / unit
-	if d%unit > 0 {
-		n++
-	}
-	return int64(n)
 }

@@ -24,7 +24,7 @@ const releaseTimeout = 5 * time.Second
 // Release error. Work should pass l.Token() to every fenced write: Hold cannot
 // stop a process that pauses between checking ctx and writing, the fence can.
 func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work func(ctx context.Context, l Lease) error) error {
-	if err := CheckContext("hold", ctx); err != nil {
+	if err := checkContext("hold", ctx); err != nil {
 		return err
 	}
 	if a == nil {
@@ -33,7 +33,7 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 	if work == nil {
 		return &InvalidError{Op: "hold", Arg: "work", Reason: "nil function"}
 	}
-	if err := CheckTTL("hold", ttl, 0, 0); err != nil {
+	if err := checkTTL("hold", ttl); err != nil {
 		return err
 	}
 	l, err := a.Acquire(ctx, name, ttl)

@@ -76,7 +76,7 @@ func (x *observedAcquirer) TryAcquire(ctx context.Context, name string, ttl time
 }
 
 func (x *observedAcquirer) acquire(ctx context.Context, name string, ttl time.Duration, try bool) (Lease, error) {
-	if err := CheckContext("acquire", ctx); err != nil {
+	if err := checkContext("acquire", ctx); err != nil {
 		return nil, err // observers are not called with a nil context
 	}
 	start := time.Now()
@@ -104,7 +104,7 @@ type observedLease struct {
 }
 
 func (l *observedLease) Renew(ctx context.Context) error {
-	if err := CheckContext("renew", ctx); err != nil {
+	if err := checkContext("renew", ctx); err != nil {
 		return err
 	}
 	err := l.Lease.Renew(ctx)
@@ -113,7 +113,7 @@ func (l *observedLease) Renew(ctx context.Context) error {
 }
 
 func (l *observedLease) Release(ctx context.Context) error {
-	if err := CheckContext("release", ctx); err != nil {
+	if err := checkContext("release", ctx); err != nil {
 		return err
 	}
 	err := l.Lease.Release(ctx)
@@ -155,7 +155,7 @@ type observedWriter struct {
 }
 
 func (x *observedWriter) Write(ctx context.Context, key string, value []byte, token Token) error {
-	if err := CheckContext("write", ctx); err != nil {
+	if err := checkContext("write", ctx); err != nil {
 		return err
 	}
 	start := time.Now()
@@ -179,7 +179,7 @@ type observedDeleter struct {
 }
 
 func (od observedDeleter) Delete(ctx context.Context, key string, token Token) error {
-	if err := CheckContext("delete", ctx); err != nil {
+	if err := checkContext("delete", ctx); err != nil {
 		return err
 	}
 	start := time.Now()

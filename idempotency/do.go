@@ -151,13 +151,13 @@ func (o *Options) Validate() error {
 
 // checkCall refuses a nil ctx, a nil store and an empty key.
 func checkCall(op string, ctx context.Context, s Store, key string) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
 	if s == nil {
 		return &fence.InvalidError{Op: op, Arg: "store", Reason: "nil"}
 	}
-	return fence.CheckKey(op, key)
+	return leasekit.CheckKey(op, key)
 }
 
 func (o *Options) withDefaults() Options {

@@ -118,7 +118,7 @@ const MaxTTL = 9_000_000_000 * time.Second
 const MaxNameBytes = 4096
 
 func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) error {
-	if err := fence.CheckContext("acquire", ctx); err != nil {
+	if err := leasekit.CheckContext("acquire", ctx); err != nil {
 		return err
 	}
 	if err := checkName("acquire", name); err != nil {
@@ -128,13 +128,13 @@ func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) er
 		// The local deadline would be past before the grant is made.
 		return &fence.InvalidError{Op: "acquire", Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
 	}
-	return fence.CheckTTL("acquire", ttl, MinTTL, MaxTTL)
+	return leasekit.CheckTTL("acquire", ttl, MinTTL, MaxTTL)
 }
 
 // checkName refuses an empty name or one over MaxNameBytes; any bytes are
 // allowed, since the name is escaped into the key.
 func checkName(op, name string) error {
-	if err := fence.CheckName(op, name); err != nil {
+	if err := leasekit.CheckName(op, name); err != nil {
 		return err
 	}
 	if len(name) > MaxNameBytes {
@@ -180,7 +180,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	return a.acquire(ctx, name, ttl, true)
 }
 
-func seconds(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Second) }
+func seconds(ttl time.Duration) int64 { return leasekit.CeilDiv(ttl, time.Second) }
 
 // WaiterTTL is the etcd lease of a key waiting in line: a waiter that dies (or
 // is cut off from the cluster) leaves the line within about this long, whatever
@@ -504,7 +504,7 @@ type lease struct {
 // until ctx ends, and an error then (matching fence.ErrUnknown) means the
 // renewal was not confirmed (the lease still ends at its local deadline).
 func (l *lease) Renew(ctx context.Context) error {
-	if err := fence.CheckContext("renew", ctx); err != nil {
+	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
 	}
 	if l.Context().Err() != nil {
@@ -540,7 +540,7 @@ func (l *lease) Renew(ctx context.Context) error {
 // or its ttl has passed; Release then returns an error matching
 // fence.ErrUnknown.
 func (l *lease) Release(ctx context.Context) error {
-	if err := fence.CheckContext("release", ctx); err != nil {
+	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
 	}
 	ended := l.Context().Err() != nil // expired, found lost, or released before
@@ -574,7 +574,7 @@ var _ fence.Inspector = (*Acquirer)(nil)
 // etcd lease, and as Counter the cluster's current revision: every later
 // grant's token (a create revision) is larger. etcd has no counter to bump.
 func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, error) {
-	if err := fence.CheckContext("inspect", ctx); err != nil {
+	if err := leasekit.CheckContext("inspect", ctx); err != nil {
 		return fence.LockInfo{}, err
 	}
 	if err := checkName("inspect", name); err != nil {

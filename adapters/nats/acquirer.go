@@ -145,7 +145,7 @@ func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) er
 	if err := checkKey(ctx, "acquire", "name", name); err != nil {
 		return err
 	}
-	if err := fence.CheckTTL("acquire", ttl, MinTTL, MaxTTL); err != nil {
+	if err := leasekit.CheckTTL("acquire", ttl, MinTTL, MaxTTL); err != nil {
 		return err
 	}
 	if a.o.Drift >= ttl {
@@ -216,7 +216,7 @@ func stopWatch(w jetstream.KeyWatcher) {
 
 // ttlSeconds is ttl rounded up to whole seconds, as the server counts it.
 func ttlSeconds(ttl time.Duration) string {
-	return strconv.FormatInt(fence.CeilDiv(ttl, time.Second), 10)
+	return strconv.FormatInt(leasekit.CeilDiv(ttl, time.Second), 10)
 }
 
 // acquire tries, and when wait is set waits for the key's release or expiry
@@ -446,7 +446,7 @@ type lease struct {
 // matching fence.ErrUnknown when retries within RetryFor could not tell
 // whether the renewal landed.
 func (l *lease) Renew(ctx context.Context) error {
-	if err := fence.CheckContext("renew", ctx); err != nil {
+	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
 	}
 	l.mu.Lock()
@@ -501,7 +501,7 @@ func (l *lease) Renew(ctx context.Context) error {
 // again, and a key found gone or granted to another then counts as released
 // (nil): the purge may have landed and woken the grant.
 func (l *lease) Release(ctx context.Context) error {
-	if err := fence.CheckContext("release", ctx); err != nil {
+	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
 	}
 	l.mu.Lock()

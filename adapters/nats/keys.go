@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -46,7 +47,7 @@ func EncodeKey(name string) string {
 
 // checkKey refuses a nil context, an empty key or one over MaxKeyBytes, naming arg.
 func checkKey(ctx context.Context, op, arg, key string) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
 	if key == "" {
@@ -107,7 +108,7 @@ func pause(ctx context.Context, d time.Duration) error {
 
 // openBucket opens the KV bucket named bucket and its stream.
 func openBucket(ctx context.Context, op string, js jetstream.JetStream, bucket string) (jetstream.KeyValue, jetstream.Stream, error) {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return nil, nil, err
 	}
 	if js == nil {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -154,7 +155,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 	if err := checkKey(ctx, op, "key", key); err != nil {
 		return err
 	}
-	if err := fence.CheckToken(op, e.token); err != nil {
+	if err := leasekit.CheckToken(op, e.token); err != nil {
 		return err
 	}
 	if _, err := rand.Read(e.wid[:]); err != nil {

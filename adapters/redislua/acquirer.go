@@ -109,7 +109,7 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	if o.Drift < 0 || o.WaitReplicas < 0 || o.WaitTimeout < 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "options", Reason: "Drift, WaitReplicas and WaitTimeout may not be negative"}
 	}
-	if err := o.Backoff.Check("new acquirer"); err != nil {
+	if err := leasekit.CheckBackoff("new acquirer", o.Backoff); err != nil {
 		return nil, err
 	}
 	if o.TokenFloor && o.CounterTokens {
@@ -159,7 +159,7 @@ func checkLease(ctx context.Context, name string, ttl, drift time.Duration) erro
 	if err := checkTagged(ctx, "acquire", "name", name); err != nil {
 		return err
 	}
-	if err := fence.CheckTTL("acquire", ttl, minTTL, MaxTTL); err != nil {
+	if err := leasekit.CheckTTL("acquire", ttl, minTTL, MaxTTL); err != nil {
 		return err
 	}
 	// A ttl that the drift eats whole would make a lease that is lost
@@ -174,7 +174,7 @@ func checkLease(ctx context.Context, name string, ttl, drift time.Duration) erro
 }
 
 // ttlMs rounds ttl up to whole milliseconds, without overflowing.
-func ttlMs(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Millisecond) }
+func ttlMs(ttl time.Duration) int64 { return leasekit.CeilDiv(ttl, time.Millisecond) }
 
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
 // ttl must be at least 1ms and longer than Drift (by default 1% of the ttl
@@ -392,7 +392,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		return lOrNil(l), err
 	}
 	if a.grants == nil {
-		return a.o.Backoff.Acquire(ctx, nil, try)
+		return leasekit.Acquire(ctx, a.o.Backoff, nil, try)
 	}
 	nonce := newNonce()
 	ch, ready := a.grants.join(nonce)
@@ -605,7 +605,7 @@ type lease struct {
 // reply was lost returns an error matching fence.ErrUnknown, and the local
 // deadline does not move.
 func (l *lease) Renew(ctx context.Context) error {
-	if err := fence.CheckContext("renew", ctx); err != nil {
+	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
 	}
 	if l.Context().Err() != nil {
@@ -647,7 +647,7 @@ func (l *lease) Renew(ctx context.Context) error {
 // that is gone; a waiter that gives up is marked the same way. A request
 // that lands more than a ttl late is not covered.
 func (l *lease) Release(ctx context.Context) error {
-	if err := fence.CheckContext("release", ctx); err != nil {
+	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
 	}
 	return l.release(ctx)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/redis/go-redis/v9"
 )
@@ -188,7 +189,7 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 
 // Purge returns 0: Redis removes records past their retention itself.
 func (s *IdempotencyStore) Purge(ctx context.Context) (int, error) {
-	return 0, fence.CheckContext("idempotency purge", ctx)
+	return 0, leasekit.CheckContext("idempotency purge", ctx)
 }
 
 // Subscribe wakes a waiting Do when key's record leaves its owner's hands.

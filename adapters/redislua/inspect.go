@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -67,7 +68,7 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	if err := checkTagged(ctx, "bump", "name", name); err != nil {
 		return err
 	}
-	if err := fence.CheckToken("bump", to); err != nil {
+	if err := leasekit.CheckToken("bump", to); err != nil {
 		return err
 	}
 	_, counter := lockKeys(a.o.Prefix, name)

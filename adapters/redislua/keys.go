@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -33,7 +34,7 @@ const MaxTTL = time.Duration(math.MaxInt64)
 // hash tag. Names and keys are stored as bytes: any other byte, NUL and
 // invalid UTF-8 included, is kept as it is.
 func checkTagged(ctx context.Context, op, arg, s string) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
 	if s == "" {

@@ -292,7 +292,7 @@ func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (
 	if err := checkLease(ctx, name, ttl, r.o.Drift); err != nil {
 		return nil, err
 	}
-	return r.o.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
+	return leasekit.Acquire(ctx, r.o.Backoff, nil, func(ctx context.Context) (fence.Lease, error) {
 		return r.TryAcquire(ctx, name, ttl)
 	})
 }
@@ -349,7 +349,7 @@ type redlockLease struct {
 // deadline passed is released at once, so no node holds the lock for another
 // ttl for a holder that stopped.
 func (l *redlockLease) Renew(ctx context.Context) error {
-	if err := fence.CheckContext("renew", ctx); err != nil {
+	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
 	}
 	if l.Context().Err() != nil {
@@ -393,7 +393,7 @@ func (l *redlockLease) Renew(ctx context.Context) error {
 // nodes that did not answer (a lost reply, no reply within NodeTimeout) could
 // make up the majority, the error matches fence.ErrUnknown.
 func (l *redlockLease) Release(ctx context.Context) error {
-	if err := fence.CheckContext("release", ctx); err != nil {
+	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
 	}
 	n, errs := l.r.releaseOn(ctx, l.timeout, l.lock, l.nonce, l.TTL())

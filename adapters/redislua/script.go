@@ -6,6 +6,7 @@ import (
 	"strconv"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -45,7 +46,7 @@ func NewFencedScript(body string) *FencedScript {
 // script and run it at Exec, after Run has returned, and another
 // redis.Scripter get fence.ErrInvalid.
 func (f *FencedScript) Run(ctx context.Context, c redis.Scripter, fenceKey string, token fence.Token, keys []string, args ...any) (any, error) {
-	if err := fence.CheckContext("fenced script", ctx); err != nil {
+	if err := leasekit.CheckContext("fenced script", ctx); err != nil {
 		return nil, err
 	}
 	if err := checkClient("fenced script", c); err != nil {
@@ -60,7 +61,7 @@ func (f *FencedScript) Run(ctx context.Context, c redis.Scripter, fenceKey strin
 	if fenceKey == "" {
 		return nil, &fence.InvalidError{Op: "fenced script", Arg: "fence key", Reason: "empty"}
 	}
-	if err := fence.CheckToken("fenced script", token); err != nil {
+	if err := leasekit.CheckToken("fenced script", token); err != nil {
 		return nil, err
 	}
 	allKeys := append([]string{fenceKey}, keys...)

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
 // WriterOptions configures a Writer. A nil *WriterOptions means the defaults.
@@ -89,7 +90,7 @@ func (w *Writer) run(ctx context.Context, op, key string, value []byte, token fe
 	if err := checkWriterKey(ctx, op, key); err != nil {
 		return err
 	}
-	if err := fence.CheckToken(op, token); err != nil {
+	if err := leasekit.CheckToken(op, token); err != nil {
 		return err
 	}
 	if value == nil {

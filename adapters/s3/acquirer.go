@@ -137,13 +137,13 @@ func NewAcquirer(api API, bucket string, opts *AcquirerOptions) (*Acquirer, erro
 	if o.Drift < 0 || o.MaxAttempts < 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "options", Reason: "Drift and MaxAttempts may not be negative"}
 	}
-	if err := o.Backoff.Check("new acquirer"); err != nil {
+	if err := leasekit.CheckBackoff("new acquirer", o.Backoff); err != nil {
 		return nil, err
 	}
 	if o.Prefix == "" {
 		o.Prefix = "fencekit-locks/"
 	}
-	if err := fence.CheckText("new acquirer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
+	if err := leasekit.CheckText("new acquirer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 		return nil, err
 	}
 	if o.Owner == "" {
@@ -205,10 +205,10 @@ func (o observed) free() bool {
 func (a *Acquirer) objectKey(name string) string { return a.o.Prefix + name }
 
 func (a *Acquirer) check(op string, ctx context.Context, name string) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
-	return fence.CheckText(op, "name", name, MaxKeyBytes-len(a.o.Prefix))
+	return leasekit.CheckText(op, "name", name, MaxKeyBytes-len(a.o.Prefix))
 }
 
 // checkTTL refuses a ttl outside the acquirer's bounds, or one not longer
@@ -217,7 +217,7 @@ func (a *Acquirer) checkTTL(ttl time.Duration) error {
 	if d := a.o.Drift; d > 0 && ttl > 0 && ttl <= d {
 		return &fence.InvalidError{Op: "acquire", Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
 	}
-	return fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL)
+	return leasekit.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL)
 }
 
 // dateOf reads S3's Date header from a response's metadata or error.
@@ -511,7 +511,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	if err := a.checkTTL(ttl); err != nil {
 		return nil, err
 	}
-	return a.o.Backoff.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
+	return leasekit.Acquire(ctx, a.o.Backoff, nil, func(ctx context.Context) (fence.Lease, error) {
 		return a.TryAcquire(ctx, name, ttl)
 	})
 }
@@ -558,7 +558,7 @@ type lease struct {
 // that may have landed but could not be confirmed returns an error matching
 // fence.ErrUnknown, and the lease still ends at its local deadline.
 func (l *lease) Renew(ctx context.Context) error {
-	if err := fence.CheckContext("renew", ctx); err != nil {
+	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
 	}
 	l.mu.Lock()
@@ -616,7 +616,7 @@ func (l *lease) Renew(ctx context.Context) error {
 // of this grant or its ttl has passed, and Release returns an error matching
 // fence.ErrUnknown.
 func (l *lease) Release(ctx context.Context) error {
-	if err := fence.CheckContext("release", ctx); err != nil {
+	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
 	}
 	l.mu.Lock()

@@ -42,6 +42,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/s3/types"
 	"github.com/aws/smithy-go"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
 // Metadata keys (x-amz-meta-*) stored with every object this package writes.
@@ -116,7 +117,7 @@ func New(api API, bucket string, opts *Options) (*Writer, error) {
 		o.MaxAttempts = 8
 	}
 	if o.Prefix != "" {
-		if err := fence.CheckText("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
+		if err := leasekit.CheckText("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 			return nil, err
 		}
 	}
@@ -157,10 +158,10 @@ const MaxKeyBytes = 1024
 // (Prefix + key) must be UTF-8 of at most MaxKeyBytes bytes, and without NUL
 // (which the XML of S3's listings cannot carry).
 func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
-	if err := fence.CheckText(op, "key", key, MaxKeyBytes-len(w.o.Prefix)); err != nil {
+	if err := leasekit.CheckText(op, "key", key, MaxKeyBytes-len(w.o.Prefix)); err != nil {
 		return err
 	}
 	return nil
@@ -227,7 +228,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 	if err := w.checkKey(op, ctx, key); err != nil {
 		return err
 	}
-	if err := fence.CheckToken(op, e.token); err != nil {
+	if err := leasekit.CheckToken(op, e.token); err != nil {
 		return err
 	}
 	e.writeID = newWriteID()

@@ -104,7 +104,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	if o.Drift < 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "drift", Reason: "negative"}
 	}
-	if err := o.Backoff.Check("new acquirer"); err != nil {
+	if err := leasekit.CheckBackoff("new acquirer", o.Backoff); err != nil {
 		return nil, err
 	}
 	t, err := db.d.quoteIdent("new acquirer", "table", o.Table, true)
@@ -321,7 +321,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		wake, unsubscribe = a.db.listen.subscribe(name)
 		defer unsubscribe()
 	}
-	return a.opts.Backoff.Retry(ctx, wake, func(ctx context.Context) (fence.Lease, error) {
+	return leasekit.Retry(ctx, a.opts.Backoff, wake, func(ctx context.Context) (fence.Lease, error) {
 		return a.tryAcquire(ctx, name, ttl, 0)
 	})
 }
@@ -337,12 +337,12 @@ func (a *Acquirer) checkLease(op string, ctx context.Context, name string, ttl t
 		// The local deadline would be past before the grant is made.
 		return &fence.InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
 	}
-	return fence.CheckTTL(op, ttl, 0, MaxTTL)
+	return leasekit.CheckTTL(op, ttl, 0, MaxTTL)
 }
 
 // ttlMs rounds ttl up to whole milliseconds, so a lease is never shorter on the
 // server than asked.
-func ttlMs(ttl time.Duration) int64 { return fence.CeilDiv(ttl, time.Millisecond) }
+func ttlMs(ttl time.Duration) int64 { return leasekit.CeilDiv(ttl, time.Millisecond) }
 
 func (a *Acquirer) wrap(op string, err error) error {
 	if a.db.d.missingTable(err) {
@@ -527,7 +527,7 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	if err := checkText("bump", "name", name); err != nil {
 		return err
 	}
-	if err := fence.CheckToken("bump", to); err != nil {
+	if err := leasekit.CheckToken("bump", to); err != nil {
 		return err
 	}
 	args := []any{a.db.text(name), int64(to)}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
 // MaxKeyBytes is the longest key, lock name or idempotency key sqlfence
@@ -22,7 +23,7 @@ const MaxKeyBytes = 1024
 const MaxTTL = time.Duration(math.MaxInt64)
 
 // checkText applies the text rules above to arg.
-func checkText(op, arg, s string) error { return fence.CheckText(op, arg, s, MaxKeyBytes) }
+func checkText(op, arg, s string) error { return leasekit.CheckText(op, arg, s, MaxKeyBytes) }
 
 // check refuses a nil *DB, or one built on a nil handle.
 func (db *DB) check(op string) error {
@@ -45,7 +46,7 @@ func (db *DB) checkCall(op string, ctx context.Context) error {
 
 // checkLive refuses a nil context, and returns the error of one that ended.
 func checkLive(op string, ctx context.Context) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
 	if err := ctx.Err(); err != nil {

@@ -9,6 +9,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
 // FuzzSQLiteEntryPoints drives the public entry points with arbitrary keys,
@@ -26,7 +27,7 @@ func FuzzSQLiteEntryPoints(f *testing.F) {
 	_, fdb := openSQLite(f)
 	w, a := newSQLiteWriter(f, fdb), newSQLiteAcquirer(f, fdb)
 	e := &fencetest.EntryPoints{Writer: w, Acquirer: a, MaxTTL: sqlfence.MaxTTL,
-		Refuses: func(s string) bool { return fence.CheckText("", "", s, sqlfence.MaxKeyBytes) != nil }}
+		Refuses: func(s string) bool { return leasekit.CheckText("", "", s, sqlfence.MaxKeyBytes) != nil }}
 	f.Fuzz(func(t *testing.T, key, name string, ttlNs int64, token uint64, value []byte) {
 		e.Check(t, key, name, ttlNs, token, value)
 	})

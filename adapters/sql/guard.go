@@ -7,6 +7,7 @@ import (
 	"fmt"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -140,13 +141,13 @@ func (g *Guards) GuardPgx(ctx context.Context, tx pgx.Tx, name string, token fen
 
 // checkGuard refuses bad arguments with an error matching fence.ErrInvalid.
 func (g *Guards) checkGuard(op string, ctx context.Context, name string, token fence.Token) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
 	if err := checkText(op, "name", name); err != nil {
 		return err
 	}
-	return fence.CheckToken(op, token)
+	return leasekit.CheckToken(op, token)
 }
 
 // guardOn runs the guard statement on c, the caller's transaction.
@@ -300,7 +301,7 @@ func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx
 // checkRunTx refuses a nil context, handle or function with an error
 // matching fence.ErrInvalid, before a transaction begins.
 func checkRunTx(op string, ctx context.Context, nilDB, nilF bool) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
 	if nilDB {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/jackc/pgx/v5"
 )
@@ -130,7 +131,7 @@ func (st *IdempotencyStore) checkStored(op, arg, s string) error {
 	if st.db.d == mysqlDialect {
 		max = mysqlBlobBytes
 	}
-	return fence.CheckText(op, arg, s, max)
+	return leasekit.CheckText(op, arg, s, max)
 }
 
 func (s *IdempotencyStore) checkUpdate(op string, ctx context.Context, key string, ch idempotency.Change) error {

@@ -9,6 +9,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -76,10 +77,10 @@ func (g guardWriter) Write(ctx context.Context, key string, value []byte, token 
 }
 
 func (g guardWriter) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
-	if err := fence.CheckContext("read", ctx); err != nil {
+	if err := leasekit.CheckContext("read", ctx); err != nil {
 		return nil, 0, err
 	}
-	if err := fence.CheckText("read", "key", key, sqlfence.MaxKeyBytes); err != nil {
+	if err := leasekit.CheckText("read", "key", key, sqlfence.MaxKeyBytes); err != nil {
 		return nil, 0, err
 	}
 	var (

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
 // WriterOptions configures a Writer. A nil *WriterOptions means the defaults.
@@ -172,7 +173,7 @@ func (w *Writer) checkWrite(op string, ctx context.Context, key string, token fe
 	if err := checkText(op, "key", key); err != nil {
 		return err
 	}
-	return fence.CheckToken(op, token)
+	return leasekit.CheckToken(op, token)
 }
 
 // fenced runs a fenced upsert. When it changes no row, the key holds a larger

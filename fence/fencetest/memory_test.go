@@ -164,13 +164,13 @@ type memLease struct {
 }
 
 func (a memAcquirer) check(ctx context.Context, name string, ttl time.Duration) error {
-	if err := fence.CheckContext("acquire", ctx); err != nil {
+	if err := leasekit.CheckContext("acquire", ctx); err != nil {
 		return err
 	}
-	if err := fence.CheckName("acquire", name); err != nil {
+	if err := leasekit.CheckName("acquire", name); err != nil {
 		return err
 	}
-	return fence.CheckTTL("acquire", ttl, 0, 0)
+	return leasekit.CheckTTL("acquire", ttl, 0, 0)
 }
 
 // TryAcquire grants name or returns ErrHeld at once.
@@ -224,13 +224,13 @@ func (a memAcquirer) Acquire(ctx context.Context, name string, ttl time.Duration
 		// Waits its own maximum wait, whatever ctx says.
 		own, cancel := context.WithTimeout(context.Background(), a.maxWait)
 		defer cancel()
-		l, err := fence.Backoff{MaxWait: a.maxWait}.Acquire(own, nil, try)
+		l, err := leasekit.Acquire(own, fence.Backoff{MaxWait: a.maxWait}, nil, try)
 		if err != nil && ctx.Err() != nil {
 			return nil, errors.Join(fence.ErrHeld, ctx.Err())
 		}
 		return l, err
 	}
-	return fence.Backoff{MaxWait: a.maxWait}.Acquire(ctx, nil, try)
+	return leasekit.Acquire(ctx, fence.Backoff{MaxWait: a.maxWait}, nil, try)
 }
 
 // Renew extends the lease on the server by its ttl.
@@ -241,7 +241,7 @@ func (l *memLease) Release(ctx context.Context) error { return l.extend("release
 
 // extend renews the lease (ttl > 0) or releases it (ttl 0) on the server.
 func (l *memLease) extend(op string, ctx context.Context, ttl time.Duration) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
 	// A lease that ended locally sends no renewal: it would hold the name for
@@ -271,10 +271,10 @@ func (l *memLease) extend(op string, ctx context.Context, ttl time.Duration) err
 type memWriter struct{ s *memServer }
 
 func (w memWriter) check(op string, ctx context.Context, key string) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
-	return fence.CheckText(op, "key", key, 0)
+	return leasekit.CheckText(op, "key", key, 0)
 }
 
 // Write stores value under key unless key holds a larger token.
@@ -291,7 +291,7 @@ func (w memWriter) put(op string, ctx context.Context, key string, value []byte,
 	if err := w.check(op, ctx, key); err != nil {
 		return err
 	}
-	if err := fence.CheckToken(op, token); err != nil {
+	if err := leasekit.CheckToken(op, token); err != nil {
 		return err
 	}
 	if w.s.bug == "refuse-valid" && len(key) >= 64 {
@@ -405,7 +405,7 @@ func TestMutantsKilled(t *testing.T) {
 func TestMemoryEntryPoints(t *testing.T) {
 	srv := newMemServer(memoryBug(t))
 	e := &fencetest.EntryPoints{Writer: memWriter{s: srv}, Acquirer: memAcquirer{s: srv, maxWait: time.Second},
-		Refuses: func(s string) bool { return fence.CheckText("", "", s, 0) != nil }}
+		Refuses: func(s string) bool { return leasekit.CheckText("", "", s, 0) != nil }}
 	for _, c := range []struct {
 		name, key, lock string
 		ttl             time.Duration

@@ -70,13 +70,13 @@ type memLease struct {
 }
 
 func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := fence.CheckContext("acquire", ctx); err != nil {
+	if err := leasekit.CheckContext("acquire", ctx); err != nil {
 		return nil, err
 	}
-	if err := fence.CheckName("acquire", name); err != nil {
+	if err := leasekit.CheckName("acquire", name); err != nil {
 		return nil, err
 	}
-	if err := fence.CheckTTL("acquire", ttl, 0, 0); err != nil {
+	if err := leasekit.CheckTTL("acquire", ttl, 0, 0); err != nil {
 		return nil, err
 	}
 	sent := time.Now() // before the request: the local deadline counts from here
@@ -88,16 +88,16 @@ func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Durat
 }
 
 func (a memAcquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := fence.CheckContext("acquire", ctx); err != nil {
+	if err := leasekit.CheckContext("acquire", ctx); err != nil {
 		return nil, err
 	}
-	return fence.Backoff{}.Acquire(ctx, nil, func(ctx context.Context) (fence.Lease, error) {
+	return leasekit.Acquire(ctx, fence.Backoff{}, nil, func(ctx context.Context) (fence.Lease, error) {
 		return a.TryAcquire(ctx, name, ttl)
 	})
 }
 
 func (l *memLease) Renew(ctx context.Context) error {
-	if err := fence.CheckContext("renew", ctx); err != nil {
+	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
 	}
 	if l.Context().Err() != nil {
@@ -116,7 +116,7 @@ func (l *memLease) Renew(ctx context.Context) error {
 }
 
 func (l *memLease) Release(ctx context.Context) error {
-	if err := fence.CheckContext("release", ctx); err != nil {
+	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
 	}
 	ok := l.b.extend(l.Name(), l.Token(), 0)

@@ -23,6 +23,18 @@
 // Context; the acquirer calls New after a grant, Extend after each confirmed
 // renewal, and End when the lease is released or found lost. Run
 // fence/fencetest's AcquirerSuite against the acquirer.
+//
+// # Helpers for adapters
+//
+// The other helpers here serve anyone writing an acquirer, a fenced writer or
+// an idempotency store; users of fencekit do not need them:
+//
+//   - Acquire and Retry are the waiting loop of an acquirer's Acquire, paced
+//     by the fence.Backoff of its options; CheckBackoff validates that Backoff.
+//   - CheckContext, CheckName, CheckKey, CheckText, CheckTTL and CheckToken
+//     return the *fence.InvalidError (matching fence.ErrInvalid) for bad
+//     input, before any request.
+//   - CeilDiv rounds a ttl up to the unit a backend counts in.
 package leasekit
 
 import (

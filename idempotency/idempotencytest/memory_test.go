@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/idempotency"
 )
 
@@ -85,10 +86,10 @@ func (s *memStore) id(key string) string {
 }
 
 func check(op string, ctx context.Context, key string) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
-	return fence.CheckKey(op, key)
+	return leasekit.CheckKey(op, key)
 }
 
 // read returns key's record as a caller sees it, at now.
@@ -199,7 +200,7 @@ func (s *memStore) Get(ctx context.Context, key string) (idempotency.Record, err
 }
 
 func (s *memStore) Purge(ctx context.Context) (int, error) {
-	if err := fence.CheckContext("memstore purge", ctx); err != nil {
+	if err := leasekit.CheckContext("memstore purge", ctx); err != nil {
 		return 0, err
 	}
 	s.mu.Lock()

@@ -1,0 +1,77 @@
+package leasekit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+// CheckBackoff returns a *fence.InvalidError, for op, when a field of b is
+// negative.
+func CheckBackoff(op string, b fence.Backoff) error {
+	for _, f := range []struct {
+		name string
+		d    time.Duration
+	}{{"Backoff.Min", b.Min}, {"Backoff.Max", b.Max}, {"Backoff.MaxWait", b.MaxWait}} {
+		if f.d < 0 {
+			return &fence.InvalidError{Op: op, Arg: f.name, Reason: fmt.Sprintf("%v is negative", f.d)}
+		}
+	}
+	return nil
+}
+
+// Acquire is the waiting loop that acquirers share, paced by b. It calls try
+// until try returns a lease or an error that does not match fence.ErrHeld.
+// Between calls it sleeps for b.Delay(attempt), or less when wake receives (a
+// release notification; wake may be nil). It gives up at ctx's deadline, or
+// after b.MaxWait when ctx has none, with an error matching fence.ErrHeld and
+// the context error.
+func Acquire(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(context.Context) (fence.Lease, error)) (fence.Lease, error) {
+	return loop(ctx, b, wake, try, true)
+}
+
+// Retry is Acquire for a caller that has just tried and found the lease held:
+// it waits (for b.Delay(0) or a wake-up) before its first call to try.
+func Retry(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(context.Context) (fence.Lease, error)) (fence.Lease, error) {
+	return loop(ctx, b, wake, try, false)
+}
+
+func loop(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(context.Context) (fence.Lease, error), tryFirst bool) (fence.Lease, error) {
+	b = b.WithDefaults()
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, b.MaxWait,
+			fmt.Errorf("fence: gave up after the maximum wait %v: %w", b.MaxWait, context.DeadlineExceeded))
+		defer cancel()
+	}
+	// Since Go 1.23 a timer channel holds no stale value after Stop or Reset,
+	// so one timer serves every attempt without draining.
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
+	for attempt := 0; ; attempt++ {
+		if tryFirst || attempt > 0 {
+			l, err := try(ctx)
+			if err == nil {
+				return l, nil
+			}
+			if !errors.Is(err, fence.ErrHeld) {
+				if ctx.Err() != nil {
+					return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
+				}
+				return nil, err
+			}
+		}
+		timer.Reset(b.Delay(attempt))
+		select {
+		case <-ctx.Done():
+			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
+		case <-wake:
+			timer.Stop()
+		case <-timer.C:
+		}
+	}
+}
