@@ -11,6 +11,8 @@ import (
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/redis/go-redis/v9"
 )
@@ -235,5 +237,68 @@ func waitPrimaryReplicated(t *testing.T, primary *testenv.RedisServer) {
 		if time.Now().After(deadline) {
 			t.Fatalf("the new primary's replica did not catch up: %d, %v", n, err)
 		}
+	}
+}
+
+// TestSentinelSuites runs the acquirer, writer and idempotency suites through
+// Redis Sentinel: a primary, its replica and three sentinels, every client a
+// redis.NewFailoverClient that finds the primary by asking the sentinels.
+// The acquirer runs with WaitReplicas, the option meant for a replicated
+// deployment (its path is the default's plus a WAIT; the defaults run on the
+// plain server in TestAcquirerConformance); its second acquirer (NewOther)
+// has a failover client of its own. Each suite must leave keys on the primary
+// the sentinels name, so it ran through Sentinel and not on another server.
+func TestSentinelSuites(t *testing.T) {
+	redis.SetLogger(quietLogger{})
+	primary := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0")
+	replica := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0", "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
+	waitPrimaryReplicated(t, primary)
+	sent := testenv.StartSentinels(t, primary, 3, 1)
+	if got := sent.Primary(t); got != primary.Addr {
+		t.Fatalf("the sentinels name %s the primary, want %s", got, primary.Addr)
+	}
+	fc := sent.FailoverClient(t)
+	ctx := context.Background()
+	pc := primary.Client(t)
+	// onPrimary runs a suite and fails when it left no key on the primary.
+	onPrimary := func(name string, suite func(t *testing.T)) {
+		t.Run(name, func(t *testing.T) {
+			before, err := pc.DBSize(ctx).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			suite(t)
+			if after, err := pc.DBSize(ctx).Result(); err != nil || after <= before {
+				t.Errorf("the %s suite left no key on the Sentinel primary %s (%d keys before, %d after, %v)", name, primary.Addr, before, after, err)
+			}
+		})
+	}
+	opts := redislua.AcquirerOptions{WaitReplicas: 1, WaitTimeout: 800 * time.Millisecond} // below the client's 1s ReadTimeout
+	onPrimary("acquirer", func(t *testing.T) {
+		a := newAcquirerOn(t, fc, &opts)
+		fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, ShortTTL: shortTTL, BadNames: []string{"a{b}", "x}"},
+			NewOther: func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, sent.FailoverClient(t), &opts) },
+		}.Run(t)
+	})
+	onPrimary("writer", func(t *testing.T) {
+		w, err := redislua.NewWriter(fc, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: []string{"a{b}", "x}"}}.Run(t)
+	})
+	onPrimary("idempotency", func(t *testing.T) {
+		s, err := redislua.NewIdempotencyStore(fc, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true, BadKeys: []string{"a{b}"}}.Run(t)
+	})
+	if got := sent.Primary(t); got != primary.Addr {
+		t.Fatalf("the primary changed during the suites: %s, want %s", got, primary.Addr)
+	}
+	waitPrimaryReplicated(t, primary)
+	if n, err := replica.Client(t).DBSize(ctx).Result(); err != nil || n == 0 {
+		t.Errorf("the replica holds %d keys (%v) after the suites", n, err)
 	}
 }
