@@ -330,7 +330,13 @@ func (s Suite) testAmbiguous(t *testing.T) {
 	st := s.New(t)
 	k, c := key(), &counter{}
 	timeout := errors.New("read timeout after sending the charge")
-	_, err := idempotency.Do(ctxT(t), st, k, "fp", func(context.Context, string) ([]byte, error) { return nil, timeout }, s.opts())
+	// The ambiguous owner's lease must outlast its Do's return, one Get and
+	// one more Do (three round trips, and the scheduler of a loaded machine):
+	// at least 1s. The lease runs on the store from after sent.
+	lease := max(s.Lease, time.Second)
+	long := func(o *idempotency.Options) { o.Lease = lease }
+	sent := time.Now()
+	_, err := idempotency.Do(ctxT(t), st, k, "fp", func(context.Context, string) ([]byte, error) { return nil, timeout }, s.opts(long))
 	if !errors.Is(err, timeout) {
 		t.Fatalf("ambiguous effect: %v", err)
 	}
@@ -338,7 +344,11 @@ func (s Suite) testAmbiguous(t *testing.T) {
 	if rec.State != idempotency.Armed {
 		t.Fatalf("state after an ambiguous error: %s, want armed (never deleted)", rec.State)
 	}
-	if _, err := idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts()); !errors.Is(err, idempotency.ErrInProgress) {
+	_, err = idempotency.Do(ctxT(t), st, k, "fp", c.effect("x"), s.opts(long))
+	if !errors.Is(err, idempotency.ErrInProgress) {
+		if time.Since(sent) >= lease {
+			t.Fatalf("the ambiguous owner's %v lease may have run out before the second Do returned (%v after the first was sent): nothing shown; %v", lease, time.Since(sent), err)
+		}
 		t.Errorf("while the ambiguous owner's lease runs: %v, want ErrInProgress", err)
 	}
 	s.leaseOver(t, st, k)
