@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -122,38 +123,57 @@ func TestSentinelFailover(t *testing.T) {
 			}
 
 			// Load: grants one after another until stopped; errors while the
-			// primary changes are expected.
-			load := func() (stop func() int) {
+			// primary changes are expected. wait returns once the load has
+			// made k more grants (the event the scenes wait for, not a
+			// duration), and fails the test when none comes within 30s.
+			load := func() (wait func(k int), stop func() int) {
 				done := make(chan struct{})
 				finished := make(chan int)
+				var n atomic.Int64
+				granted := make(chan struct{}, 1)
 				go func() {
-					n := 0
 					for {
 						select {
 						case <-done:
-							finished <- n
+							finished <- int(n.Load())
 							return
 						default:
 						}
 						cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 						if grant(cctx) == nil {
-							n++
+							n.Add(1)
+							select {
+							case granted <- struct{}{}:
+							default:
+							}
 						}
 						cancel()
 					}
 				}()
-				return func() int { close(done); return <-finished }
+				wait = func(k int) {
+					t.Helper()
+					want := n.Load() + int64(k)
+					timeout := time.After(30 * time.Second)
+					for n.Load() < want {
+						select {
+						case <-granted:
+						case <-timeout:
+							t.Fatalf("%d of %d grants within 30s", n.Load()-want+int64(k), k)
+						}
+					}
+				}
+				return wait, func() int { close(done); return <-finished }
 			}
 
 			// 1. A forced failover under load.
-			stop := load()
-			time.Sleep(300 * time.Millisecond)
+			wait, stop := load()
+			wait(3)
 			old := sent.Primary(t)
 			if err := sent.Nodes[0].Client(t).Do(ctx, "SENTINEL", "FAILOVER", testenv.SentinelMaster).Err(); err != nil {
 				t.Fatalf("SENTINEL FAILOVER: %v", err)
 			}
 			now := sent.WaitPrimary(t, old)
-			time.Sleep(time.Second) // grants continue on the new primary
+			wait(3) // grants continue on the new primary
 			n := stop()
 			r1, first1 := g.reused(0)
 			t.Logf("%s: forced failover %s -> %s: %d grants, %d of them with a token handed out before (%s)", mode, old, now, n, r1, first1)
@@ -197,8 +217,8 @@ func TestSentinelFailover(t *testing.T) {
 			if a, err = redislua.NewAcquirer(fc, &opts); err != nil {
 				t.Fatal(err)
 			}
-			stop = load()
-			time.Sleep(time.Second)
+			wait, stop = load()
+			wait(3)
 			n = stop()
 			if n == 0 {
 				t.Fatal("no grant succeeded after the primary was killed")
