@@ -176,7 +176,9 @@ func TestProcessPaused(t *testing.T) {
 func TestProcessKilled(t *testing.T) {
 	ctx := context.Background()
 	path, a, _ := sharedFile(t)
-	const ttl = 500 * time.Millisecond
+	// The window is from the child's grant to the inspection after the kill
+	// (a kill, a wait, one query): 2s leaves room for a loaded machine.
+	const ttl = 2 * time.Second
 	started := time.Now()
 	c, childTok := startChild(t, path, ttl)
 	if err := c.cmd.Process.Kill(); err != nil {

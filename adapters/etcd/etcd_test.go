@@ -88,37 +88,49 @@ func TestNamesAreNotNested(t *testing.T) {
 }
 
 // TestWaitersQueueInOrder: waiters are granted in the order they arrived, each
-// with a larger token, without polling.
+// with a larger token, without polling. A waiter has arrived when its key is
+// in the line, as the cluster tells it; the next one starts only then.
 func TestWaitersQueueInOrder(t *testing.T) {
 	c := etcdtest.Start(t, 1)
-	a, _ := etcdfence.New(c.Client(t), nil)
+	cl := c.Client(t)
+	a, _ := etcdfence.New(cl, nil)
 	ctx := context.Background()
-	h, err := a.TryAcquire(ctx, "queue", 10*time.Second)
+	name := fencetest.Name("queue")
+	h, err := a.TryAcquire(ctx, name, 10*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
-	order := make(chan int, 3)
+	type grant struct {
+		waiter int
+		token  fence.Token
+	}
+	order := make(chan grant, 3)
 	for i := 0; i < 3; i++ {
 		go func() {
-			l, err := a.Acquire(ctx, "queue", 10*time.Second)
+			l, err := a.Acquire(ctx, name, 10*time.Second)
 			if err != nil {
 				t.Error(err)
-				order <- -1
+				order <- grant{-1, 0}
 				return
 			}
-			order <- i
-			time.Sleep(20 * time.Millisecond)
+			order <- grant{i, l.Token()}
 			_ = l.Release(ctx)
 		}()
-		time.Sleep(100 * time.Millisecond) // arrive one after another
+		waitLine(t, cl, name, int64(i+2)) // the holder and i+1 waiters
 	}
 	if err := h.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
+	last := h.Token()
 	for want := 0; want < 3; want++ {
-		if got := <-order; got != want {
-			t.Fatalf("waiter %d was granted in place %d", got, want)
+		g := <-order
+		if g.waiter != want {
+			t.Fatalf("waiter %d was granted in place %d", g.waiter, want)
 		}
+		if g.token <= last {
+			t.Fatalf("waiter %d granted token %d after token %d", g.waiter, g.token, last)
+		}
+		last = g.token
 	}
 }
 

@@ -81,7 +81,9 @@ func TestClusterSlotMigration(t *testing.T) {
 	from := rc.Owner(t, slot)
 	to := (from + 1) % len(rc.Nodes)
 
-	l1, err := a.TryAcquire(ctx, name, 3*time.Second)
+	// The lease must outlast the migration's steps up to its Renew (moving
+	// keys, one refused grant bounded at 2s): 5s, for a loaded machine.
+	l1, err := a.TryAcquire(ctx, name, 5*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,10 +123,18 @@ func TestClusterSlotMigration(t *testing.T) {
 		t.Fatalf("Read after the move: %q, %d, %v", v, tok, err)
 	}
 
-	// The first holder pauses past its lease; the next grant's token is
-	// larger, its write lands, and the paused holder's write is refused.
-	time.Sleep(3100 * time.Millisecond)
-	l2, err := other.TryAcquire(ctx, name, 10*time.Second)
+	// The first holder pauses past its lease (its context ends at the local
+	// deadline; the next Acquire is granted once the lease expired on the
+	// node, events both); the next grant's token is larger, its write lands,
+	// and the paused holder's write is refused.
+	select {
+	case <-l1.Context().Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("the first holder's context is live 30s after its 5s lease was renewed")
+	}
+	actx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	l2, err := other.Acquire(actx, name, 10*time.Second)
+	cancel()
 	if err != nil {
 		t.Fatal(err)
 	}

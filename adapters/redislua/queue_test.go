@@ -170,7 +170,9 @@ func TestQueueExpiredHolder(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("xexpired")
 	holder, _ := redislua.NewAcquirer(c, nil)
-	h, err := holder.TryAcquire(ctx, name, 300*time.Millisecond)
+	// The lease covers the two waiters joining the line (each an event, seen
+	// in Redis), with room for a loaded machine; it is checked below.
+	h, err := holder.TryAcquire(ctx, name, 2*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -191,6 +193,9 @@ func TestQueueExpiredHolder(t *testing.T) {
 			}
 		}()
 		waitInLine(t, c, name, int64(i+1))
+	}
+	if h.Context().Err() != nil {
+		t.Fatal("the holder's lease ended before both waiters were in line: nothing was shown")
 	}
 	first := <-res
 	if first.err != nil || first.i != 0 {

@@ -5,12 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/redis/go-redis/v9"
 )
@@ -120,38 +123,57 @@ func TestSentinelFailover(t *testing.T) {
 			}
 
 			// Load: grants one after another until stopped; errors while the
-			// primary changes are expected.
-			load := func() (stop func() int) {
+			// primary changes are expected. wait returns once the load has
+			// made k more grants (the event the scenes wait for, not a
+			// duration), and fails the test when none comes within 30s.
+			load := func() (wait func(k int), stop func() int) {
 				done := make(chan struct{})
 				finished := make(chan int)
+				var n atomic.Int64
+				granted := make(chan struct{}, 1)
 				go func() {
-					n := 0
 					for {
 						select {
 						case <-done:
-							finished <- n
+							finished <- int(n.Load())
 							return
 						default:
 						}
 						cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 						if grant(cctx) == nil {
-							n++
+							n.Add(1)
+							select {
+							case granted <- struct{}{}:
+							default:
+							}
 						}
 						cancel()
 					}
 				}()
-				return func() int { close(done); return <-finished }
+				wait = func(k int) {
+					t.Helper()
+					want := n.Load() + int64(k)
+					timeout := time.After(30 * time.Second)
+					for n.Load() < want {
+						select {
+						case <-granted:
+						case <-timeout:
+							t.Fatalf("%d of %d grants within 30s", n.Load()-want+int64(k), k)
+						}
+					}
+				}
+				return wait, func() int { close(done); return <-finished }
 			}
 
 			// 1. A forced failover under load.
-			stop := load()
-			time.Sleep(300 * time.Millisecond)
+			wait, stop := load()
+			wait(3)
 			old := sent.Primary(t)
 			if err := sent.Nodes[0].Client(t).Do(ctx, "SENTINEL", "FAILOVER", testenv.SentinelMaster).Err(); err != nil {
 				t.Fatalf("SENTINEL FAILOVER: %v", err)
 			}
 			now := sent.WaitPrimary(t, old)
-			time.Sleep(time.Second) // grants continue on the new primary
+			wait(3) // grants continue on the new primary
 			n := stop()
 			r1, first1 := g.reused(0)
 			t.Logf("%s: forced failover %s -> %s: %d grants, %d of them with a token handed out before (%s)", mode, old, now, n, r1, first1)
@@ -195,8 +217,8 @@ func TestSentinelFailover(t *testing.T) {
 			if a, err = redislua.NewAcquirer(fc, &opts); err != nil {
 				t.Fatal(err)
 			}
-			stop = load()
-			time.Sleep(time.Second)
+			wait, stop = load()
+			wait(3)
 			n = stop()
 			if n == 0 {
 				t.Fatal("no grant succeeded after the primary was killed")
@@ -235,5 +257,68 @@ func waitPrimaryReplicated(t *testing.T, primary *testenv.RedisServer) {
 		if time.Now().After(deadline) {
 			t.Fatalf("the new primary's replica did not catch up: %d, %v", n, err)
 		}
+	}
+}
+
+// TestSentinelSuites runs the acquirer, writer and idempotency suites through
+// Redis Sentinel: a primary, its replica and three sentinels, every client a
+// redis.NewFailoverClient that finds the primary by asking the sentinels.
+// The acquirer runs with WaitReplicas, the option meant for a replicated
+// deployment (its path is the default's plus a WAIT; the defaults run on the
+// plain server in TestAcquirerConformance); its second acquirer (NewOther)
+// has a failover client of its own. Each suite must leave keys on the primary
+// the sentinels name, so it ran through Sentinel and not on another server.
+func TestSentinelSuites(t *testing.T) {
+	redis.SetLogger(quietLogger{})
+	primary := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0")
+	replica := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0", "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
+	waitPrimaryReplicated(t, primary)
+	sent := testenv.StartSentinels(t, primary, 3, 1)
+	if got := sent.Primary(t); got != primary.Addr {
+		t.Fatalf("the sentinels name %s the primary, want %s", got, primary.Addr)
+	}
+	fc := sent.FailoverClient(t)
+	ctx := context.Background()
+	pc := primary.Client(t)
+	// onPrimary runs a suite and fails when it left no key on the primary.
+	onPrimary := func(name string, suite func(t *testing.T)) {
+		t.Run(name, func(t *testing.T) {
+			before, err := pc.DBSize(ctx).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			suite(t)
+			if after, err := pc.DBSize(ctx).Result(); err != nil || after <= before {
+				t.Errorf("the %s suite left no key on the Sentinel primary %s (%d keys before, %d after, %v)", name, primary.Addr, before, after, err)
+			}
+		})
+	}
+	opts := redislua.AcquirerOptions{WaitReplicas: 1, WaitTimeout: 800 * time.Millisecond} // below the client's 1s ReadTimeout
+	onPrimary("acquirer", func(t *testing.T) {
+		a := newAcquirerOn(t, fc, &opts)
+		fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, ShortTTL: shortTTL, BadNames: []string{"a{b}", "x}"},
+			NewOther: func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, sent.FailoverClient(t), &opts) },
+		}.Run(t)
+	})
+	onPrimary("writer", func(t *testing.T) {
+		w, err := redislua.NewWriter(fc, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: []string{"a{b}", "x}"}}.Run(t)
+	})
+	onPrimary("idempotency", func(t *testing.T) {
+		s, err := redislua.NewIdempotencyStore(fc, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true, BadKeys: []string{"a{b}"}}.Run(t)
+	})
+	if got := sent.Primary(t); got != primary.Addr {
+		t.Fatalf("the primary changed during the suites: %s, want %s", got, primary.Addr)
+	}
+	waitPrimaryReplicated(t, primary)
+	if n, err := replica.Client(t).DBSize(ctx).Result(); err != nil || n == 0 {
+		t.Errorf("the replica holds %d keys (%v) after the suites", n, err)
 	}
 }

@@ -24,11 +24,12 @@ type demo struct {
 // timing holds a scenario's durations. The lesson's are the default; a backend
 // whose leases are longer (etcd counts whole seconds) scales them.
 type timing struct {
-	// The paused holder: A's lease, A's stall, when B arrives (after A's lease
-	// expired on the backend). The lesson: 500ms, 1s, 600ms.
-	lease, stall, arrive time.Duration
-	// The release bug: A's lease, A's stall. The lesson: 300ms, 400ms.
-	bugLease, bugStall time.Duration
+	// The paused holder and the watchdog: the leases, and the slow step of
+	// the watchdog's first scene. The lesson: 500ms, 1s. A's pauses
+	// otherwise last until B has written, an event, not a duration.
+	lease, stall time.Duration
+	// The release bug: A's lease. The lesson: 300ms.
+	bugLease time.Duration
 }
 
 func (d *demo) printf(format string, args ...any) { fmt.Fprintf(d.out, format, args...) }
@@ -44,8 +45,8 @@ func (d *demo) check(ok bool, what string) {
 }
 
 var lessonTiming = timing{
-	lease: 500 * time.Millisecond, stall: time.Second, arrive: 600 * time.Millisecond,
-	bugLease: 300 * time.Millisecond, bugStall: 400 * time.Millisecond,
+	lease: 500 * time.Millisecond, stall: time.Second,
+	bugLease: 300 * time.Millisecond,
 }
 
 func runDemo(args []string, stdout, stderr io.Writer) error {
@@ -91,15 +92,16 @@ func runDemo(args []string, stdout, stderr io.Writer) error {
 // release frees B's lock and lets C in; a token-checked release does not.
 func (d *demo) releaseBug(ctx context.Context) error {
 	d.printf("1. Releasing a lock that expired\n")
-	d.printf("   A takes a %v lease and stalls %v; B takes the lock after A's lease expired; then A releases.\n", d.bugLease, d.bugStall)
+	d.printf("   A takes a %v lease and stalls; B waits and is granted the lock once A's lease expired; then A releases.\n", d.bugLease)
 	for _, checked := range []bool{false, true} {
 		name := fmt.Sprintf("report-%v", checked)
 		a, err := d.b.acq.TryAcquire(ctx, name, d.bugLease)
 		if err != nil {
 			return fmt.Errorf("worker A acquires: %w", err)
 		}
-		time.Sleep(d.bugStall)
-		bl, err := d.b.acq.TryAcquire(ctx, name, 5*time.Second)
+		// A stalls while B waits: B's grant is the moment A's lease expired
+		// on the backend.
+		bl, err := d.b.acq.Acquire(ctx, name, 5*time.Second)
 		if err != nil {
 			return fmt.Errorf("worker B acquires after A's lease expired: %w", err)
 		}
@@ -279,11 +281,13 @@ func (s *storageLog) add(format string, args ...any) {
 	s.entries = append(s.entries, fmt.Sprintf(format, args...))
 }
 
-// pausedHolder: A takes a 500ms lease and stalls 1s; B arrives at 0.6s. Both
-// write, without and with fencing tokens.
+// pausedHolder: A takes a 500ms lease and stalls; B, arriving once A holds
+// the lock, waits for A's lease to expire on the backend and writes; then A
+// wakes and writes. Without and with fencing tokens. The order comes from
+// events (A's grant, B's write), not from durations.
 func (d *demo) pausedHolder(ctx context.Context) error {
 	d.printf("3. The paused holder\n")
-	d.printf("   A takes a %v lease and stalls %v (a GC pause, a slow call); B arrives at %v, after A's lease expired.\n", d.lease, d.stall, d.arrive)
+	d.printf("   A takes a %v lease and stalls (a GC pause, a slow call) until B, granted after A's lease expired, has written.\n", d.lease)
 	for _, fenced := range []bool{false, true} {
 		name := fmt.Sprintf("invoice-%v-%d", fenced, time.Now().UnixNano())
 		log := &storageLog{}
@@ -307,16 +311,30 @@ func (d *demo) pausedHolder(ctx context.Context) error {
 			start     = time.Now()
 			tl        = map[string]*clientTimes{}
 		)
-		client := func(who string, pause time.Duration) {
+		// granted: A holds the lock (B arrives then); written: B's write is
+		// done (A wakes then). Each is closed whatever happened, so a failed
+		// step ends the scene instead of hanging it.
+		granted, written := make(chan struct{}), make(chan struct{})
+		// work is how long a client works before its write (B's 100ms is the
+		// picture's, nothing waits on it).
+		client := func(who string, after, pause <-chan struct{}, work time.Duration, done chan<- struct{}) {
 			defer wg.Done()
+			<-after
 			ct := &clientTimes{}
 			l, err := d.b.acq.Acquire(ctx, name, d.lease)
 			ct.granted = time.Since(start)
+			if who == "A" {
+				close(granted)
+			}
 			if err == nil {
 				ct.token = l.Token()
-				time.Sleep(pause)
+				time.Sleep(work)
+				<-pause
 				ct.wrote = time.Since(start)
 				err = write(who, l)
+			}
+			if done != nil {
+				close(done)
 			}
 			var rel error
 			if l != nil {
@@ -332,10 +350,11 @@ func (d *demo) pausedHolder(ctx context.Context) error {
 			relOrder = append(relOrder, who)
 			tl[who] = ct
 		}
+		now := make(chan struct{})
+		close(now)
 		wg.Add(2)
-		go client("A", d.stall)
-		time.Sleep(d.arrive)
-		go client("B", 100*time.Millisecond)
+		go client("A", now, written, 0, nil)
+		go client("B", granted, now, 100*time.Millisecond, written)
 		wg.Wait()
 		if clientErr != nil {
 			return clientErr

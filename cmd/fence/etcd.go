@@ -21,8 +21,8 @@ import (
 // at least about two: every lease 2s, every stall past it with room for the
 // leader's expiry check.
 var etcdTiming = timing{
-	lease: 2 * time.Second, stall: 5 * time.Second, arrive: 3 * time.Second,
-	bugLease: 2 * time.Second, bugStall: 3 * time.Second,
+	lease: 2 * time.Second, stall: 5 * time.Second,
+	bugLease: 2 * time.Second,
 }
 
 // openEtcdBackend takes locks from etcd (the given endpoints, or an embedded

@@ -86,13 +86,17 @@ func (d *demo) payment(ctx context.Context) error {
 	if inProgress {
 		d.printf("   worker 2, right away: in progress (worker 1's claim has %v left): it does not charge\n", ip.LeaseLeft.Round(10*time.Millisecond))
 	}
-	time.Sleep(lease + 100*time.Millisecond)
-
-	// Worker 2, after the claim expired: reconcile with the provider.
+	// Worker 2 again, waiting until the claim expired (Wait: the store tells
+	// when, no sleep): reconcile with the provider. The bound only keeps a
+	// broken store from hanging the demo.
 	opts.Owner = "worker-2"
-	r, err := idempotency.Do(ctx, d.b.idem, key, "amount=4200", func(_ context.Context, ek string) ([]byte, error) {
+	wctx, cancel := context.WithTimeout(ctx, lease+30*time.Second)
+	wopts := *opts
+	wopts.Wait = true
+	r, err := idempotency.Do(wctx, d.b.idem, key, "amount=4200", func(_ context.Context, ek string) ([]byte, error) {
 		return []byte(p.charge(ek, 4200)), nil
-	}, opts)
+	}, &wopts)
+	cancel()
 	if err != nil {
 		return fmt.Errorf("worker 2: %w", err)
 	}

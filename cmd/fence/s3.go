@@ -26,8 +26,8 @@ import (
 // s3Timing stretches the lesson for S3 leases: S3 tells time in whole
 // seconds, so an expired lease is granted again up to 2s after its ttl.
 var s3Timing = timing{
-	lease: time.Second, stall: 6 * time.Second, arrive: 3500 * time.Millisecond,
-	bugLease: time.Second, bugStall: 3500 * time.Millisecond,
+	lease: time.Second, stall: 6 * time.Second,
+	bugLease: time.Second,
 }
 
 // s3Client is an S3 client with its bucket and a name for messages.

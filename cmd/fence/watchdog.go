@@ -80,19 +80,27 @@ func (d *demo) watchdog(ctx context.Context) error {
 type watchdogRun struct {
 	f        *faultyAcquirer
 	log      *storageLog
-	bGranted time.Time // when B was granted the lock
-	holdErr  error     // what A's fence.Hold returned
-	final    []byte    // the stored value at the end
+	bWrote   chan struct{} // closed once B's write is done (or B failed)
+	bArrived time.Time     // when B asked for the lock (A holding it)
+	bGranted time.Time     // when B was granted the lock
+	holdErr  error         // what A's fence.Hold returned
+	final    []byte        // the stored value at the end
 }
 
 // raceB runs A's work under fence.Hold (through a faultyAcquirer) while B arrives
-// after d.arrive, waits for the lock, writes and releases. It prints the storage
-// log and the final value.
+// once A's work has started (A holds the lock), waits for the lock, writes and
+// releases. It prints the storage log and the final value.
 func (d *demo) raceB(ctx context.Context, name string, work func(ctx context.Context, l fence.Lease, r *watchdogRun) error) (*watchdogRun, error) {
-	r := &watchdogRun{f: &faultyAcquirer{Acquirer: d.b.acq}, log: &storageLog{}}
+	r := &watchdogRun{f: &faultyAcquirer{Acquirer: d.b.acq}, log: &storageLog{}, bWrote: make(chan struct{})}
 	bDone := make(chan error, 1)
+	aHolds, holdReturned := make(chan struct{}), make(chan struct{})
 	go func() {
-		time.Sleep(d.arrive)
+		defer close(r.bWrote)
+		select {
+		case <-aHolds:
+		case <-holdReturned: // A never got the lock: B still runs, alone
+		}
+		r.bArrived = time.Now()
 		l, err := d.b.acq.Acquire(ctx, name, d.lease)
 		if err != nil {
 			bDone <- fmt.Errorf("client B: %w", err)
@@ -101,7 +109,11 @@ func (d *demo) raceB(ctx context.Context, name string, work func(ctx context.Con
 		r.bGranted = time.Now()
 		bDone <- errors.Join(d.fencedWrite(ctx, r.log, name, "B", l.Token()), l.Release(ctx))
 	}()
-	r.holdErr = fence.Hold(ctx, r.f, name, d.lease, func(ctx context.Context, l fence.Lease) error { return work(ctx, l, r) })
+	r.holdErr = fence.Hold(ctx, r.f, name, d.lease, func(ctx context.Context, l fence.Lease) error {
+		close(aHolds)
+		return work(ctx, l, r)
+	})
+	close(holdReturned)
 	if err := <-bDone; err != nil {
 		return nil, err
 	}
@@ -142,7 +154,6 @@ func (d *demo) fencedWrite(ctx context.Context, log *storageLog, key, who string
 // renewing, so B waits until A is done. No overlap, no stale write.
 func (d *demo) slowStep(ctx context.Context, name string) error {
 	var aDone time.Time
-	start := time.Now()
 	r, err := d.raceB(ctx, name, func(ctx context.Context, l fence.Lease, r *watchdogRun) error {
 		select { // the slow step: a call that honours ctx
 		case <-time.After(d.stall):
@@ -160,7 +171,7 @@ func (d *demo) slowStep(ctx context.Context, name string) error {
 		return err
 	}
 	d.printf("     A's watchdog renewed the lease %d times during the %v step; B was granted %v after it arrived, once A had finished.\n",
-		r.f.renews.Load(), d.stall, r.bGranted.Sub(start.Add(d.arrive)).Round(10*time.Millisecond))
+		r.f.renews.Load(), d.stall, r.bGranted.Sub(r.bArrived).Round(10*time.Millisecond))
 	if err := d.report(ctx, name, r); err != nil {
 		return err
 	}
@@ -170,13 +181,18 @@ func (d *demo) slowStep(ctx context.Context, name string) error {
 }
 
 // cutOff: A's renewals fail while its slow step runs; when the lease's local
-// deadline passes, Hold cancels A's work before it writes.
+// deadline passes, Hold cancels A's work before it writes. The step lasts until
+// B has written: a watchdog that did not cancel A would let it write after B.
 func (d *demo) cutOff(ctx context.Context, name string) error {
 	var cause error
 	r, err := d.raceB(ctx, name, func(ctx context.Context, l fence.Lease, r *watchdogRun) error {
 		r.f.failing.Store(true)
 		select {
-		case <-time.After(d.stall):
+		case <-r.bWrote:
+			if ctx.Err() != nil { // both ready: the cancellation came first
+				cause = context.Cause(ctx)
+				return nil
+			}
 			return d.fencedWrite(ctx, r.log, name, "A", l.Token())
 		case <-ctx.Done():
 			cause = context.Cause(ctx)
@@ -208,7 +224,7 @@ func (d *demo) wholePause(ctx context.Context, name string) error {
 		// cancelling ctx, so it is not tied to the lease's context.
 		inFlight := context.WithoutCancel(ctx)
 		resume := r.f.freeze() // the process stops here: work and watchdog alike
-		time.Sleep(d.stall)
+		<-r.bWrote             // until B, granted after A's lease expired, has written
 		resume()
 		aWrote = time.Now()
 		return d.fencedWrite(inFlight, r.log, name, "A", l.Token())
