@@ -150,9 +150,20 @@ type storedMsg struct {
 // answer from behind: a lagging replica would show a released lock as held or
 // an old fence as current.
 func lastMsg(ctx context.Context, js jetstream.JetStream, stream, subj string, timeout time.Duration) (*storedMsg, error) {
+	return getMsg(ctx, js, stream, map[string]any{"last_by_subj": subj}, timeout)
+}
+
+// seqMsg returns the message at sequence seq from the stream leader, nil when
+// there is none (never stored, or replaced since).
+func seqMsg(ctx context.Context, js jetstream.JetStream, stream string, seq uint64, timeout time.Duration) (*storedMsg, error) {
+	return getMsg(ctx, js, stream, map[string]any{"seq": seq}, timeout)
+}
+
+// getMsg sends one STREAM.MSG.GET request to the stream leader.
+func getMsg(ctx context.Context, js jetstream.JetStream, stream string, request map[string]any, timeout time.Duration) (*storedMsg, error) {
 	actx, cancel := attemptCtx(ctx, timeout)
 	defer cancel()
-	req, _ := json.Marshal(map[string]string{"last_by_subj": subj})
+	req, _ := json.Marshal(request)
 	resp, err := js.Conn().RequestWithContext(actx, "$JS.API.STREAM.MSG.GET."+stream, req)
 	if err != nil {
 		return nil, err
