@@ -191,6 +191,17 @@ func getMsg(ctx context.Context, js jetstream.JetStream, stream string, request 
 	return r.Message, nil
 }
 
+// header returns the value of header name of m, "" when it has none.
+func header(m *storedMsg, name string) string {
+	for _, line := range strings.Split(string(m.Header), "\r\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if ok && strings.EqualFold(strings.TrimSpace(k), name) {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
+}
+
 // isMarker reports a KV delete or purge marker, or a server limit marker (a
 // key whose TTL ran out).
 func isMarker(m *storedMsg) bool {
