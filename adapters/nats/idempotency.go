@@ -77,22 +77,16 @@ var _ idempotency.Store = (*Store)(nil)
 // jetstream.ErrBucketNotFound.
 func NewStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *StoreOptions) (*Store, error) {
 	const op = "new idempotency store"
-	var o StoreOptions
+	// The same two options, the same defaults, as a Writer's.
+	var wo *WriterOptions
 	if opts != nil {
-		o = *opts
+		wo = &WriterOptions{Timeout: opts.Timeout, RetryFor: opts.RetryFor}
 	}
-	if o.Timeout < 0 {
-		return nil, &fence.InvalidError{Op: op, Arg: "Timeout", Reason: "negative"}
+	w, err := wo.withDefaults(op)
+	if err != nil {
+		return nil, err
 	}
-	if o.RetryFor < 0 {
-		return nil, &fence.InvalidError{Op: op, Arg: "RetryFor", Reason: "negative"}
-	}
-	if o.Timeout == 0 {
-		o.Timeout = 2 * time.Second
-	}
-	if o.RetryFor == 0 {
-		o.RetryFor = 10 * time.Second
-	}
+	o := StoreOptions{Timeout: w.Timeout, RetryFor: w.RetryFor}
 	kv, stream, err := openBucket(ctx, op, js, bucket)
 	if err != nil {
 		return nil, err

@@ -24,23 +24,8 @@ func TestClusterNodeRestart(t *testing.T) {
 	if testing.Short() {
 		t.Skip("a 3-node cluster")
 	}
-	c := natstest.StartCluster(t, 3)
-	j := jsOn(t, natstest.Connect(t, c.URLs()))
+	c, lockCfg, fenceCfg, a, b, w := r3(t, "restart")
 	ctx := context.Background()
-	lockCfg := natsfence.LockBucket("locks-restart")
-	lockCfg.Replicas = 3
-	fenceCfg := jetstream.KeyValueConfig{Bucket: "fences-restart", History: 1, Replicas: 3}
-	opts := &natsfence.Options{Timeout: 2 * time.Second, RetryFor: 10 * time.Second}
-	a := newAcquirer(t, j, lockCfg, opts)
-	bucket(t, j, fenceCfg)
-	w, err := natsfence.NewWriter(ctx, j, fenceCfg.Bucket, &natsfence.WriterOptions{Timeout: 2 * time.Second, RetryFor: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := natsfence.New(ctx, jsOn(t, natstest.Connect(t, c.URLs())), lockCfg.Bucket, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
 	const ttl = 15 * time.Second
 	holder, err := a.TryAcquire(ctx, "ledger", ttl)
 	if err != nil {
@@ -175,4 +160,28 @@ func TestClusterNodeRestart(t *testing.T) {
 	if v, tok, err := w.Read(ctx, "ledger"); err != nil || string(v) != "by the next holder" || tok != next.Token() {
 		t.Fatalf("stored %q token %d, %v", v, tok, err)
 	}
+}
+
+// r3 starts a 3-node cluster with an R3 lock bucket and an R3 fence bucket
+// (names ending in suffix), and returns them with an acquirer and a writer on
+// one client and a second acquirer on a client of its own (another process).
+func r3(t *testing.T, suffix string) (*natstest.Cluster, jetstream.KeyValueConfig, jetstream.KeyValueConfig, *natsfence.Acquirer, *natsfence.Acquirer, *natsfence.Writer) {
+	t.Helper()
+	c := natstest.StartCluster(t, 3)
+	j := jsOn(t, natstest.Connect(t, c.URLs()))
+	lockCfg := natsfence.LockBucket("locks-" + suffix)
+	lockCfg.Replicas = 3
+	fenceCfg := jetstream.KeyValueConfig{Bucket: "fences-" + suffix, History: 1, Replicas: 3}
+	opts := &natsfence.Options{Timeout: 2 * time.Second, RetryFor: 10 * time.Second}
+	a := newAcquirer(t, j, lockCfg, opts)
+	bucket(t, j, fenceCfg)
+	w, err := natsfence.NewWriter(context.Background(), j, fenceCfg.Bucket, &natsfence.WriterOptions{Timeout: 2 * time.Second, RetryFor: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := natsfence.New(context.Background(), jsOn(t, natstest.Connect(t, c.URLs())), lockCfg.Bucket, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, lockCfg, fenceCfg, a, b, w
 }
