@@ -18,18 +18,21 @@ import (
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/adapters/redislua"
 	s3fence "github.com/fencekit/fencekit/adapters/s3"
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/etcdtest"
+	"github.com/fencekit/fencekit/internal/natstest"
 	"github.com/fencekit/fencekit/internal/testenv"
 	_ "github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/johannesboyne/gofakes3"
 	"github.com/johannesboyne/gofakes3/backend/s3mem"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // store is a fenced writer that reads.
@@ -161,7 +164,27 @@ func acquirers() []acquirerCase {
 		{"etcd", time.Second, func(t *testing.T) fence.Acquirer {
 			return must(etcdfence.New(etcdtest.Start(t, 1).Client(t), &etcdfence.Options{Drift: drift}))
 		}},
+		// NATS counts key TTLs in whole seconds, at least one.
+		{"nats", time.Second, func(t *testing.T) fence.Acquirer {
+			j := natsJS(t, natsfence.LockBucket("locks"))
+			return must(natsfence.New(context.Background(), j, "locks", &natsfence.Options{Drift: drift}))
+		}},
 	}
+}
+
+// natsJS starts an in-process NATS server with JetStream for t and returns a
+// client's JetStream context, with the bucket cfg made.
+func natsJS(t *testing.T, cfg jetstream.KeyValueConfig) jetstream.JetStream {
+	srv, err := natstest.Start(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	j := must(jetstream.New(natstest.Connect(t, srv.ClientURL())))
+	if _, err := j.CreateKeyValue(context.Background(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	return j
 }
 
 // guardWriter fences rows of a table of the user's through sqlfence's Guards
@@ -253,6 +276,10 @@ func writers() []writerCase {
 		}},
 		{"redis-lua", func(t *testing.T) store { return must(redislua.NewWriter(testenv.RedisClient(t), nil)) }},
 		{"s3", func(t *testing.T) store { return s3Writer(t) }},
+		{"nats-kv", func(t *testing.T) store {
+			j := natsJS(t, jetstream.KeyValueConfig{Bucket: "fences", History: 1})
+			return must(natsfence.NewWriter(context.Background(), j, "fences", nil))
+		}},
 	}
 }
 

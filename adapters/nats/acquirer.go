@@ -8,7 +8,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
-
+	"strings"
 	"sync"
 	"time"
 
@@ -90,7 +90,10 @@ type Acquirer struct {
 	o          Options
 }
 
-var _ fence.Acquirer = (*Acquirer)(nil)
+var (
+	_ fence.Acquirer  = (*Acquirer)(nil)
+	_ fence.Inspector = (*Acquirer)(nil)
+)
 
 // New returns an Acquirer on the existing KV bucket named bucket of js. It
 // refuses, with an error matching fence.ErrInvalid naming the bucket, one
@@ -317,7 +320,7 @@ func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time
 				expect = m.Sequence
 			}
 			var rev uint64
-			rev, err = a.publish(ctx, key, value, expect, ttl)
+			rev, err = a.publish(ctx, key, value, expect, ttl, 0)
 			if err == nil {
 				return rev, nil
 			}
@@ -358,12 +361,20 @@ func (a *Acquirer) cleanup(ctx context.Context, key string, value []byte, ttl ti
 	}
 }
 
+// grantHeader names the header of a renewal that holds the revision of the
+// grant it renews (the token's part that Inspect needs).
+const grantHeader = "Fencekit-Grant-Revision"
+
 // publish writes value to key with a TTL, expecting revision expect (0: no
-// entry), in one request.
-func (a *Acquirer) publish(ctx context.Context, key string, value []byte, expect uint64, ttl time.Duration) (uint64, error) {
+// entry), in one request; grant is the revision of the grant a renewal
+// renews, 0 for a grant.
+func (a *Acquirer) publish(ctx context.Context, key string, value []byte, expect uint64, ttl time.Duration, grant uint64) (uint64, error) {
 	m := nats.NewMsg(a.subj + key)
 	m.Data = value
 	m.Header.Set(jetstream.MsgTTLHeader, ttlSeconds(ttl))
+	if grant != 0 {
+		m.Header.Set(grantHeader, strconv.FormatUint(grant, 10))
+	}
 	actx, cancel := attemptCtx(ctx, a.o.Timeout)
 	defer cancel()
 	pa, err := a.js.PublishMsg(actx, m, jetstream.WithExpectLastSequencePerSubject(expect))
@@ -405,7 +416,7 @@ func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, tt
 		a.purge(context.WithoutCancel(ctx), key, rev)
 		return nil, fmt.Errorf("natsfence: acquire %q: creation time %v, revision %d: %w", name, created, rev, fence.ErrTokensExhausted)
 	}
-	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, key: key, value: value, rev: rev}, nil
+	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, key: key, value: value, rev: rev, grant: rev}, nil
 }
 
 // purge removes key if it is still at rev, leaving a marker that wakes the
@@ -435,6 +446,7 @@ type lease struct {
 	a     *Acquirer
 	key   string
 	value []byte
+	grant uint64 // the grant's revision
 
 	mu  sync.Mutex // serialises Renew and Release
 	rev uint64     // the revision the lease last wrote
@@ -458,7 +470,7 @@ func (l *lease) Renew(ctx context.Context) error {
 	giveUp := sent.Add(l.a.o.RetryFor)
 	var lastErr error
 	for {
-		rev, err := l.a.publish(ctx, l.key, l.value, l.rev, l.TTL())
+		rev, err := l.a.publish(ctx, l.key, l.value, l.rev, l.TTL(), l.grant)
 		if err == nil {
 			l.rev = rev
 			if !l.Extend(sent) {
@@ -550,4 +562,47 @@ func (l *lease) undo(ctx context.Context) error {
 
 func (l *lease) lost() error {
 	return fmt.Errorf("natsfence: lease %q token %d: %w", l.Name(), l.Token(), fence.ErrLost)
+}
+
+// Inspect returns the lock on name as the stream leader holds it: whether a
+// lease is live on the server's clock, its token, owner and time left, and
+// the bucket's counter (its creation time in microseconds plus its last
+// revision: every later grant's token is larger). A name never granted and
+// a free one look alike: Held false, no error. Expired leases whose marker
+// has not yet been written count as free.
+func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, error) {
+	if err := checkKey(ctx, "inspect", "name", name); err != nil {
+		return fence.LockInfo{}, err
+	}
+	key := EncodeKey(name)
+	m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
+	if err != nil {
+		return fence.LockInfo{}, fmt.Errorf("natsfence: inspect %q: %w", name, err)
+	}
+	actx, cancel := attemptCtx(ctx, a.o.Timeout)
+	info, err := a.stream.Info(actx) // after the read: its last revision covers the entry
+	cancel()
+	if err != nil {
+		return fence.LockInfo{}, fmt.Errorf("natsfence: inspect %q: %w", name, err)
+	}
+	created := uint64(info.Created.UnixMicro())
+	li := fence.LockInfo{Name: name, Counter: fence.Token(created + info.State.LastSeq)}
+	if m == nil || isMarker(m) {
+		return li, nil
+	}
+	grant := m.Sequence
+	if g, err := strconv.ParseUint(header(m, grantHeader), 10, 64); err == nil && g != 0 {
+		grant = g
+	}
+	secs, err := strconv.ParseInt(header(m, jetstream.MsgTTLHeader), 10, 64)
+	if err != nil {
+		return li, fmt.Errorf("natsfence: inspect %q: revision %d has no TTL: not a lease written by natsfence", name, m.Sequence)
+	}
+	left := time.Duration(secs)*time.Second - info.TimeStamp.Sub(m.Time)
+	if left <= 0 {
+		return li, nil
+	}
+	_, owner, _ := strings.Cut(string(m.Data), " ")
+	li.Held, li.Token, li.Owner, li.TimeLeft = true, fence.Token(created+grant), owner, left
+	return li, nil
 }

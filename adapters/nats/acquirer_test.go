@@ -28,10 +28,25 @@ func newAcquirer(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConf
 
 func TestAcquirerConformance(t *testing.T) {
 	shared := newAcquirer(t, js(t), lockBucket, nil)
+	// The token counter is the bucket's (its stream sequence): the
+	// TokensExhausted case, which brings it near fence.MaxToken, gets a
+	// bucket of its own.
+	exhausting := func(t *testing.T) bool { return strings.HasSuffix(t.Name(), "/TokensExhausted") }
 	fencetest.AcquirerSuite{
-		New: func(t *testing.T) fence.Acquirer { return shared },
+		New: func(t *testing.T) fence.Acquirer {
+			if exhausting(t) {
+				return newAcquirer(t, js(t), exhaustBucket, nil)
+			}
+			return shared
+		},
 		// Another process: an acquirer on a client of its own.
-		NewOther: func(t *testing.T) fence.Acquirer { return newAcquirer(t, js(t), lockBucket, nil) },
+		NewOther: func(t *testing.T) fence.Acquirer {
+			if exhausting(t) {
+				return newAcquirer(t, js(t), exhaustBucket, nil)
+			}
+			return newAcquirer(t, js(t), lockBucket, nil)
+		},
+		SetCounter: func(t *testing.T, _ string, tok fence.Token) { setCounter(t, js(t), tok) },
 		Faulty: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
 			j, p := proxied(t)
 			return newAcquirer(t, j, lockBucket, nil), p
@@ -170,5 +185,25 @@ func TestFractionalTTLRoundedUp(t *testing.T) {
 			t.Fatal("the 1.5s lease never expired")
 		}
 		time.Sleep(20 * time.Millisecond) // pacing of the tries
+	}
+}
+
+// exhaustBucket is the bucket of TestAcquirerTokensExhausted: setCounter
+// purges it whole.
+var exhaustBucket = natsfence.LockBucket("locks_exhausted")
+
+// setCounter makes the next grant of any name in exhaustBucket carry tok+1:
+// a stream purge up to a sequence beyond the last moves the stream's next
+// sequence there (it removes every entry: only for this test's own bucket).
+func setCounter(t *testing.T, j jetstream.JetStream, tok fence.Token) {
+	t.Helper()
+	ctx := context.Background()
+	st, err := j.Stream(ctx, "KV_"+exhaustBucket.Bucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	created := uint64(st.CachedInfo().Created.UnixMicro())
+	if err := st.Purge(ctx, jetstream.WithPurgeSequence(uint64(tok)+1-created)); err != nil {
+		t.Fatalf("purge to sequence %d: %v", uint64(tok)+1-created, err)
 	}
 }

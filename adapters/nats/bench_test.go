@@ -2,12 +2,14 @@ package natsfence_test
 
 import (
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/benchutil"
 	"github.com/fencekit/fencekit/internal/etcdtest"
 )
@@ -61,4 +63,43 @@ func BenchmarkHandoffVsEtcd(b *testing.B) {
 			benchutil.Handoff(b, all[kind][0], all[kind][1], fencetest.Name("handoff"))
 		})
 	}
+}
+
+// BenchmarkStoreDoVsPut: idempotency.Do on the NATS store, against a plain
+// KV put of the same size on the same server (baseline, one round trip),
+// interleaved in one run: "fresh" a new key each time (claim, arm, complete),
+// "replay" a key already completed.
+func BenchmarkStoreDoVsPut(b *testing.B) {
+	j := js(b)
+	cfg := idemBucket(b)
+	s := newStore(b, j, cfg)
+	kv, err := j.KeyValue(context.Background(), cfg.Bucket)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	effect := func(context.Context, string) ([]byte, error) { return []byte("charged"), nil }
+	put := func(i int) error {
+		_, err := kv.Put(ctx, "plain"+strconv.Itoa(i), []byte("charged"))
+		return err
+	}
+	b.Run("fresh", func(b *testing.B) {
+		benchutil.Pair(b, func(int) error {
+			_, err := idempotency.Do(ctx, s, fencetest.Name("do"), "fp", effect, nil)
+			return err
+		}, put)
+	})
+	b.Run("replay", func(b *testing.B) {
+		k := fencetest.Name("replay")
+		if _, err := idempotency.Do(ctx, s, k, "fp", effect, nil); err != nil {
+			b.Fatal(err)
+		}
+		benchutil.Pair(b, func(int) error {
+			r, err := idempotency.Do(ctx, s, k, "fp", effect, nil)
+			if err == nil && !r.Replayed {
+				b.Fatal("not replayed")
+			}
+			return err
+		}, put)
+	})
 }

@@ -7,10 +7,8 @@ import (
 	"testing"
 	"time"
 
-	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/internal/natstest"
-	"github.com/nats-io/nats.go/jetstream"
 )
 
 // TestClusterLeaderLoss runs on a 3-node JetStream cluster with R3 buckets.
@@ -24,26 +22,11 @@ func TestClusterLeaderLoss(t *testing.T) {
 	if testing.Short() {
 		t.Skip("a 3-node cluster")
 	}
-	c := natstest.StartCluster(t, 3)
+	c, lockCfg, fenceCfg, a, b, w := r3(t, "r3")
+	// A client of its own for the diagnostics when no grant comes.
 	nc := natstest.Connect(t, c.URLs())
 	j := jsOn(t, nc)
 	ctx := context.Background()
-	lockCfg := natsfence.LockBucket("locks-r3")
-	lockCfg.Replicas = 3
-	fenceCfg := jetstream.KeyValueConfig{Bucket: "fences-r3", History: 1, Replicas: 3}
-	opts := &natsfence.Options{Timeout: 2 * time.Second, RetryFor: 10 * time.Second}
-	a := newAcquirer(t, j, lockCfg, opts)
-	bucket(t, j, fenceCfg)
-	w, err := natsfence.NewWriter(ctx, j, fenceCfg.Bucket, &natsfence.WriterOptions{Timeout: 2 * time.Second, RetryFor: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	// A second process on a client of its own.
-	nc2 := natstest.Connect(t, c.URLs())
-	b, err := natsfence.New(ctx, jsOn(t, nc2), lockCfg.Bucket, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
 
 	holder, err := a.TryAcquire(ctx, "report", 3*time.Second)
 	if err != nil {

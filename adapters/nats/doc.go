@@ -7,10 +7,15 @@
 //     server's clock; the token is the bucket's creation time in microseconds
 //     plus the grant's revision; renew and release compare the revision;
 //     waiters watch the key and wake on its release or expiry marker (not
-//     FIFO).
+//     FIFO). It is a fence.Inspector; it has no Bump (tokens are revisions).
 //   - [Writer]: a fence.FencedWriter, fence.Reader and fence.Deleter keeping a
 //     key's value and fence in one KV entry, written by compare-and-set on the
 //     entry's revision.
+//   - [Store]: an idempotency.Store keeping one record per key in a KV
+//     entry, each step a compare-and-set on the entry's revision, leases and
+//     retention counted on the server's clock; a fresh claim's fence is at
+//     least the server's clock in microseconds, so fences never go down,
+//     also after Purge, kv del, kv purge or the bucket re-created.
 //
 // # Keys
 //

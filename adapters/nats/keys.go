@@ -151,9 +151,20 @@ type storedMsg struct {
 // answer from behind: a lagging replica would show a released lock as held or
 // an old fence as current.
 func lastMsg(ctx context.Context, js jetstream.JetStream, stream, subj string, timeout time.Duration) (*storedMsg, error) {
+	return getMsg(ctx, js, stream, map[string]any{"last_by_subj": subj}, timeout)
+}
+
+// seqMsg returns the message at sequence seq from the stream leader, nil when
+// there is none (never stored, or replaced since).
+func seqMsg(ctx context.Context, js jetstream.JetStream, stream string, seq uint64, timeout time.Duration) (*storedMsg, error) {
+	return getMsg(ctx, js, stream, map[string]any{"seq": seq}, timeout)
+}
+
+// getMsg sends one STREAM.MSG.GET request to the stream leader.
+func getMsg(ctx context.Context, js jetstream.JetStream, stream string, request map[string]any, timeout time.Duration) (*storedMsg, error) {
 	actx, cancel := attemptCtx(ctx, timeout)
 	defer cancel()
-	req, _ := json.Marshal(map[string]string{"last_by_subj": subj})
+	req, _ := json.Marshal(request)
 	resp, err := js.Conn().RequestWithContext(actx, "$JS.API.STREAM.MSG.GET."+stream, req)
 	if err != nil {
 		return nil, err
@@ -179,6 +190,17 @@ func lastMsg(ctx context.Context, js jetstream.JetStream, stream, subj string, t
 		return nil, errors.New("message get reply without a message")
 	}
 	return r.Message, nil
+}
+
+// header returns the value of header name of m, "" when it has none.
+func header(m *storedMsg, name string) string {
+	for _, line := range strings.Split(string(m.Header), "\r\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if ok && strings.EqualFold(strings.TrimSpace(k), name) {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
 }
 
 // isMarker reports a KV delete or purge marker, or a server limit marker (a

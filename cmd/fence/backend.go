@@ -45,7 +45,7 @@ type backend struct {
 	idem         idempotency.Store
 }
 
-var backendNames = []string{"sqlite", "postgres", "mysql", "redis", "etcd", "s3"}
+var backendNames = []string{"sqlite", "postgres", "mysql", "redis", "etcd", "s3", "nats"}
 
 // backendConfig holds the flags that choose and reach a backend.
 type backendConfig struct {
@@ -59,6 +59,8 @@ type backendConfig struct {
 	s3Endpoint  string
 	s3Bucket    string
 	s3Region    string
+	// NATS: the server, and the buckets of the locks and of the protected keys.
+	natsURL, natsBucket, natsDataBucket string
 	// operator is set for inspect and bump, which act on the backend the flags
 	// name and nothing else: no defaults, no temporary or embedded backend, no
 	// tables created.
@@ -112,6 +114,11 @@ func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
 		"S3 bucket, for -backend s3 with -s3-endpoint (it must exist)",
 		"S3 bucket, required for -backend s3 (it must exist)"))
 	fs.StringVar(&c.s3Region, "s3-region", "", "S3 region, for -backend s3 (default: AWS_REGION, else us-east-1)")
+	fs.StringVar(&c.natsURL, "nats-url", "", need(
+		"NATS server URL, for -backend nats (when empty, an in-process server in a temporary directory; NATS_USER and NATS_PASSWORD for auth)",
+		"NATS server URL, required for -backend nats (NATS_USER and NATS_PASSWORD for auth)"))
+	fs.StringVar(&c.natsBucket, "nats-bucket", natsLockBucket, "NATS KV bucket of the locks, for -backend nats with inspect and bump (it must exist)")
+	fs.StringVar(&c.natsDataBucket, "nats-data-bucket", natsDataBucket, "NATS KV bucket of the protected keys, for -backend nats with inspect -key (it must exist)")
 	if !operator {
 		// The default DSN's password is the test user's; help shows it redacted.
 		fs.Lookup("mysql-dsn").DefValue = redactConn(defaultMySQLDSN)
@@ -169,6 +176,10 @@ func (c *backendConfig) checkOperator(key string) error {
 		}
 		if c.dbPath != "" {
 			return existing()
+		}
+	case "nats":
+		if blank(c.natsURL) {
+			return missing("-nats-url URL", "the server")
 		}
 	case "s3":
 		if blank(c.s3Bucket) {
@@ -393,6 +404,8 @@ func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
 		return openEtcdBackend(ctx, c.etcd, c.dbPath)
 	case "s3":
 		return openS3Backend(ctx, c)
+	case "nats":
+		return openNATSBackend(ctx, c.natsURL)
 	default:
 		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
 	}

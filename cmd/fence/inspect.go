@@ -98,7 +98,7 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 		"Raises the token counter of lock NAME to N, so every later grant's token is\n"+
 			"larger: for example after a Redis failover lost the counter. It refuses to\n"+
 			"lower a counter (exit status 1). On SQL backends it refuses while the lock is\n"+
-			"held. etcd tokens are revisions and S3 lock objects have no bump: both refuse.\n"+
+			"held. etcd and NATS tokens are revisions and S3 lock objects have no bump: they refuse.\n"+
 			"Exit status 2 for bad usage or when the flags do not name a backend: bump\n"+
 			"never acts on a default, temporary or embedded one.", true, stdout, stderr)
 	to := fs.String("to", "", "the value to raise the counter to (required)")
@@ -122,7 +122,7 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 	defer b.close()
 	bu, ok := b.acq.(fence.Bumper)
 	if !ok {
-		return fmt.Errorf("backend %s has no counter to bump (etcd tokens are revisions; S3 lock objects cannot be bumped)", bc.name)
+		return fmt.Errorf("backend %s has no counter to bump (etcd and NATS tokens are revisions; S3 lock objects cannot be bumped)", bc.name)
 	}
 	if err := bu.Bump(ctx, name, fence.Token(n)); err != nil {
 		return err
@@ -240,6 +240,8 @@ func openOperator(ctx context.Context, c backendConfig, keys bool) (*backend, er
 			return nil, err
 		}
 		return &backend{name: sc.name, acq: a, fenced: w, close: func() error { sc.close(); return nil }}, nil
+	case "nats":
+		return openNATSOperator(ctx, c, keys)
 	default:
 		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
 	}

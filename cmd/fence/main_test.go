@@ -119,6 +119,21 @@ func TestDemoEtcd(t *testing.T) {
 	}
 }
 
+func TestDemoNATS(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the NATS demo stretches the lesson's timings to whole-second leases (about 30s); skipped with -short")
+	}
+	var out, errOut bytes.Buffer
+	if code := run([]string{"demo", "-backend", "nats"}, &out, &errOut); code != 0 {
+		t.Fatalf("fence demo -backend nats exited %d\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"fence demo on in-process nats", `storage: REJECTED  "written by A"`, "Every outcome was the expected one."} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo output lacks %q\n%s", want, out.String())
+		}
+	}
+}
+
 func TestDemoS3(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")

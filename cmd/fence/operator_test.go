@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"net/http/httptest"
 	"os"
@@ -16,15 +17,18 @@ import (
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/adapters/redislua"
 	s3fence "github.com/fencekit/fencekit/adapters/s3"
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/internal/etcdtest"
+	"github.com/fencekit/fencekit/internal/natstest"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/johannesboyne/gofakes3"
 	"github.com/johannesboyne/gofakes3/backend/s3mem"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -67,6 +71,9 @@ func TestOperatorRefusesUnnamedBackend(t *testing.T) {
 		{[]string{"bump", "-backend", "s3", "job", "-to", "5"}, "-backend s3 needs -s3-bucket"},
 		{[]string{"inspect", "-backend", "s3", "-s3-endpoint", "http://127.0.0.1:1", "job"}, "-backend s3 needs -s3-bucket"},
 		{[]string{"inspect", "-backend", "s3", "-s3-bucket", "b", "job"}, "needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"},
+		{[]string{"inspect", "-backend", "nats", "job"}, "-backend nats needs -nats-url"},
+		{[]string{"bump", "-backend", "nats", "job", "-to", "5"}, "-backend nats needs -nats-url"},
+		{[]string{"inspect", "-backend", "nats", "-nats-url", " ", "job"}, "-backend nats needs -nats-url"},
 		{[]string{"inspect", "-backend", "nope", "job"}, `unknown backend "nope"`},
 		// A blank value names nothing either: libpq's defaults would pick the
 		// local server, go-redis and etcd a host of their own.
@@ -381,5 +388,57 @@ func TestOperatorS3EndpointFromEnvironment(t *testing.T) {
 				t.Errorf("inspect with %s=%s: exit %d, want %q and the endpoint\n%s", env, srv.URL, code, want, out)
 			}
 		})
+	}
+}
+
+// TestOperatorNATS: inspect on a named NATS server shows a held lock's token
+// and a protected key's; bump refuses (tokens are revisions); a lock bucket
+// that does not exist is an error, never created.
+func TestOperatorNATS(t *testing.T) {
+	srv, err := natstest.Start(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	j, err := jetstream.New(natstest.Connect(t, srv.ClientURL()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, cfg := range []jetstream.KeyValueConfig{natsfence.LockBucket("ops_locks"), {Bucket: "ops_data"}} {
+		if _, err := j.CreateKeyValue(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a, err := natsfence.New(ctx, j, "ops_locks", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := natsfence.NewWriter(ctx, j, "ops_data", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := uniqueName(t)
+	l, err := a.TryAcquire(ctx, name, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Release(context.Background()) })
+	if err := w.Write(ctx, "k", []byte("v"), l.Token()); err != nil {
+		t.Fatal(err)
+	}
+	flags := []string{"-backend", "nats", "-nats-url", srv.ClientURL(), "-nats-bucket", "ops_locks"}
+	code, out := fenceCmd(append(append([]string{"inspect"}, flags...), "-nats-data-bucket", "ops_data", "-key", "k", name)...)
+	if want := fmt.Sprintf("held:      yes, token %d", l.Token()); code != 0 || !strings.Contains(out, want) || !strings.Contains(out, fmt.Sprintf(`key "k": token %d`, l.Token())) {
+		t.Errorf("inspect of a held NATS lock: exit %d, want %q and the key's token\n%s", code, want, out)
+	}
+	if code, out := fenceCmd(append(append([]string{"bump"}, flags...), name, "-to", "5")...); code != 1 || !strings.Contains(out, "no counter to bump") {
+		t.Errorf("bump on NATS: exit %d\n%s", code, out)
+	}
+	if code, out := fenceCmd("inspect", "-backend", "nats", "-nats-url", srv.ClientURL(), "-nats-bucket", "ops_missing", name); code != 1 || !strings.Contains(out, "ops_missing") {
+		t.Errorf("inspect on a missing bucket: exit %d\n%s", code, out)
+	}
+	if _, err := j.KeyValue(ctx, "ops_missing"); !errors.Is(err, jetstream.ErrBucketNotFound) {
+		t.Errorf("inspect created the bucket it was refused: %v", err)
 	}
 }

@@ -20,7 +20,7 @@ const redacted = "xxxxx"
 
 // secretEnv are the environment variables whose values are credentials the
 // CLI or its client libraries read.
-var secretEnv = []string{"PGPASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "REDIS_PASSWORD", "ETCDCTL_PASSWORD"}
+var secretEnv = []string{"PGPASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "REDIS_PASSWORD", "ETCDCTL_PASSWORD", "NATS_PASSWORD"}
 
 // keywordPassword finds password=VALUE in a PostgreSQL keyword/value DSN, the
 // value bare or single-quoted, both with backslash escapes (a\ b is "a b").

@@ -1,21 +1,27 @@
 // Package idemstores gives tests the idempotency stores on the real servers:
 // SQLite in a temporary file, PostgreSQL and Redis (found through testenv),
-// directly or each through its own fault proxy.
+// and NATS JetStream (an in-process server per test), directly or each
+// through its own fault proxy.
 package idemstores
 
 import (
 	"context"
 	"database/sql"
+	"net"
 	"net/url"
 	"path/filepath"
 	"testing"
+	"time"
 
+	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/adapters/redislua"
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/internal/natstest"
 	"github.com/fencekit/fencekit/internal/testenv"
 	_ "github.com/jackc/pgx/v5/stdlib" // the pgx driver for database/sql
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -25,7 +31,7 @@ type Faulty struct {
 	Proxy *faultnet.Proxy
 }
 
-// All returns the SQLite, PostgreSQL and Redis stores, by name. A missing
+// All returns the SQLite, PostgreSQL, Redis and NATS stores, by name. A missing
 // server skips the test (fails it under CI), as testenv.Missing does.
 func All(t testing.TB) map[string]idempotency.Store {
 	t.Helper()
@@ -42,11 +48,13 @@ func All(t testing.TB) map[string]idempotency.Store {
 		t.Fatal(err)
 	}
 	out["redis"] = rs
+	srv := natsServer(t)
+	out["nats"] = natsStore(t, srv.ClientURL(), nil)
 	return out
 }
 
-// Faults returns the PostgreSQL and Redis stores, each through a fault proxy
-// of its own.
+// Faults returns the PostgreSQL, Redis and NATS stores, each through a fault
+// proxy of its own.
 func Faults(t testing.TB) map[string]Faulty {
 	t.Helper()
 	u, err := url.Parse(testenv.PostgresURL())
@@ -68,7 +76,44 @@ func Faults(t testing.TB) map[string]Faulty {
 		t.Fatal(err)
 	}
 	out["redis"] = Faulty{rs, rp}
+	np := faultnet.Start(t, natsServer(t).Addr().String())
+	// A request on a connection the proxy cut waits for its Timeout.
+	out["nats"] = Faulty{natsStore(t, "nats://"+np.Addr(), &natsfence.StoreOptions{Timeout: 500 * time.Millisecond}), np}
 	return out
+}
+
+// natsServer starts an in-process NATS server with JetStream, stopped when t
+// ends.
+func natsServer(t testing.TB) interface {
+	ClientURL() string
+	Addr() net.Addr
+} {
+	t.Helper()
+	srv, err := natstest.Start(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	return srv
+}
+
+// natsStore is the NATS store on a bucket made with natsfence.LockBucket on
+// the server at url.
+func natsStore(t testing.TB, url string, o *natsfence.StoreOptions) idempotency.Store {
+	t.Helper()
+	j, err := jetstream.New(natstest.Connect(t, url))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := j.CreateOrUpdateKeyValue(ctx, natsfence.LockBucket("idempotency")); err != nil {
+		t.Fatal(err)
+	}
+	s, err := natsfence.NewStore(ctx, j, "idempotency", o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }
 
 // postgres opens dsn, closed when t ends; no server skips the test.

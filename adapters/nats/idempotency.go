@@ -1,0 +1,514 @@
+package natsfence
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// StoreOptions configures a Store. A nil *StoreOptions means the defaults.
+type StoreOptions struct {
+	// Timeout bounds each request to the server. Default: 2s.
+	Timeout time.Duration
+	// RetryFor bounds how long a request whose reply was lost (a timeout, a
+	// dropped connection, a leader election) is retried before the step
+	// returns an error matching fence.ErrUnknown. Default: 10s.
+	RetryFor time.Duration
+}
+
+// Store is an idempotency.Store on a NATS JetStream key-value bucket: one
+// entry per key (the KV key is EncodeKey(key)), each step one
+// compare-and-set on the entry's revision, decided on the server's clock.
+//
+// # Clock
+//
+// Leases, retentions and in-progress times count from the server's timestamp
+// of the message that set them (the stream leader's clock when it stored
+// it), and are compared with the server's time read from a stream info
+// request (the leader's clock again). A claim of a key without a record, or
+// over a released or expired one, gets the fence max(the previous fence + 1,
+// the server's timestamp of the claim in microseconds). So a key whose record
+// was removed (Purge, a kv del or kv purge, or the bucket deleted and made
+// again) starts above every fence it had, as long as the server's clock (on
+// a cluster: the clocks of the nodes that lead the stream) does not step back
+// by more than the time since that fence was granted (HAZARDS 1).
+//
+// # Lost replies
+//
+// Every entry carries a random write id. A step whose reply was lost is
+// recognised when it landed, and otherwise sent again expecting the same
+// revision, which can land at most once; when that does not settle within
+// RetryFor, or the record changed meanwhile, the step returns an error
+// matching fence.ErrUnknown (read the record to know).
+//
+// # What it cannot keep
+//
+// A record removed by hand while armed (kv del, kv purge, the bucket
+// deleted) takes with it the fact that its effect may have run: a later Do
+// runs the effect again. NewStore refuses a bucket whose entries expire
+// (a bucket TTL) for that reason.
+type Store struct {
+	js         jetstream.JetStream
+	kv         jetstream.KeyValue
+	stream     jetstream.Stream
+	streamName string
+	subj       string
+	marker     time.Duration // the bucket's marker TTL, 0 without markers
+	o          StoreOptions
+}
+
+var _ idempotency.Store = (*Store)(nil)
+
+// NewStore returns a Store on the existing KV bucket named bucket of js
+// (History 1 is enough; a bucket made with LockBucket also lets Purge's
+// markers age out). It returns an error matching fence.ErrInvalid for a nil
+// js, an empty or invalid bucket name, a negative option, a bucket whose
+// entries expire (a bucket TTL would remove armed records), or a mirror or a
+// bucket with sources. A missing bucket returns an error matching
+// jetstream.ErrBucketNotFound.
+func NewStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *StoreOptions) (*Store, error) {
+	const op = "new idempotency store"
+	// The same two options, the same defaults, as a Writer's.
+	var wo *WriterOptions
+	if opts != nil {
+		wo = &WriterOptions{Timeout: opts.Timeout, RetryFor: opts.RetryFor}
+	}
+	w, err := wo.withDefaults(op)
+	if err != nil {
+		return nil, err
+	}
+	o := StoreOptions{Timeout: w.Timeout, RetryFor: w.RetryFor}
+	kv, stream, err := openBucket(ctx, op, js, bucket)
+	if err != nil {
+		return nil, err
+	}
+	cfg := stream.CachedInfo().Config
+	if cfg.MaxAge != 0 {
+		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q expires its entries after %v, which would remove armed records (and their effect would run again): use a bucket without TTL", bucket, cfg.MaxAge)}
+	}
+	s := &Store{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", o: o}
+	if cfg.AllowMsgTTL && cfg.SubjectDeleteMarkerTTL > 0 {
+		s.marker = cfg.SubjectDeleteMarkerTTL
+	}
+	return s, nil
+}
+
+// idemEntry is a record as stored. Times count from the message's own server
+// timestamp; a zero Fence or Start means "from this message's timestamp".
+type idemEntry struct {
+	Version     int           `json:"v"`
+	Fingerprint string        `json:"fp"`
+	State       string        `json:"st"`
+	From        string        `json:"from,omitempty"` // the state an Update changed, for operators
+	Fence       uint64        `json:"f,omitempty"`    // 0: max(Floor, timestamp in µs)
+	Floor       uint64        `json:"fl,omitempty"`   // the fence a fresh claim must exceed, + 1
+	Owner       string        `json:"o"`
+	Lease       time.Duration `json:"l"`             // from the timestamp
+	Start       int64         `json:"s,omitempty"`   // unix ns; 0: the timestamp
+	Retention   time.Duration `json:"r,omitempty"`   // from the timestamp; 0: kept
+	Result      []byte        `json:"res,omitempty"` // nil stays nil
+	HasResult   bool          `json:"hr,omitempty"`
+	Dropped     bool          `json:"d,omitempty"`
+	WriteID     string        `json:"w"`
+	resolved    resolvedEntry
+}
+
+// resolvedEntry is an entry's absolute values, from its message's timestamp.
+type resolvedEntry struct {
+	fence fence.Token
+	start time.Time
+	at    time.Time // the message's timestamp
+}
+
+const idemVersion = 1
+
+// decodeIdem reads the entry of message m; nil for none or a marker.
+func decodeIdem(key string, m *storedMsg) (*idemEntry, error) {
+	if m == nil || isMarker(m) {
+		return nil, nil
+	}
+	var e idemEntry
+	if err := json.Unmarshal(m.Data, &e); err != nil || e.Version != idemVersion {
+		return nil, fmt.Errorf("natsfence: idempotency record %q at revision %d: not a record written by natsfence", key, m.Sequence)
+	}
+	if !e.HasResult {
+		e.Result = nil
+	} else if e.Result == nil {
+		e.Result = []byte{}
+	}
+	e.resolved.at = m.Time
+	e.resolved.fence = fence.Token(e.Fence)
+	if e.Fence == 0 {
+		e.resolved.fence = fence.Token(max(e.Floor, uint64(m.Time.UnixMicro())))
+	}
+	e.resolved.start = m.Time
+	if e.Start != 0 {
+		e.resolved.start = time.Unix(0, e.Start)
+	}
+	return &e, nil
+}
+
+// since is how long after t the server's now is, never negative (two nodes'
+// clocks may differ by a little).
+func since(now, t time.Time) time.Duration {
+	return max(now.Sub(t), 0)
+}
+
+// record is e as a Record, as of the server's time now.
+func (e *idemEntry) record(key string, now time.Time) idempotency.Record {
+	el := since(now, e.resolved.at)
+	r := idempotency.Record{
+		Key: key, Fingerprint: e.Fingerprint, State: idempotency.State(e.State), Fence: e.resolved.fence, Owner: e.Owner,
+		LeaseLeft: e.Lease - el, InProgressFor: since(now, e.resolved.start), ResultDropped: e.Dropped,
+	}
+	if e.Result != nil {
+		r.Result = append([]byte{}, e.Result...)
+	}
+	return r
+}
+
+// claimable reports a record that Begin may claim anew at now: released, or
+// completed or failed past its retention.
+func (e *idemEntry) claimable(now time.Time) bool {
+	switch idempotency.State(e.State) {
+	case idempotency.Released:
+		return true
+	case idempotency.Completed, idempotency.Failed:
+		return e.Retention > 0 && since(now, e.resolved.at) >= e.Retention
+	}
+	return false
+}
+
+func newWriteID() (string, error) {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(b[:]), nil
+}
+
+// last returns key's entry and its message (nil for none or a marker),
+// retrying ambiguous failures within RetryFor.
+func (s *Store) last(ctx context.Context, key, kvKey string) (*idemEntry, *storedMsg, error) {
+	giveUp := time.Now().Add(s.o.RetryFor)
+	for {
+		m, err := lastMsg(ctx, s.js, s.streamName, s.subj+kvKey, s.o.Timeout)
+		if err == nil {
+			e, err := decodeIdem(key, m)
+			return e, m, err
+		}
+		if !ambiguous(err) || time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			return nil, nil, errors.Join(err, context.Cause(ctx))
+		}
+	}
+}
+
+// now reads the server's clock (the stream leader's) from a stream info
+// reply, retrying ambiguous failures within RetryFor.
+func (s *Store) now(ctx context.Context) (time.Time, error) {
+	giveUp := time.Now().Add(s.o.RetryFor)
+	for {
+		actx, cancel := attemptCtx(ctx, s.o.Timeout)
+		info, err := s.stream.Info(actx)
+		cancel()
+		if err == nil {
+			if info.TimeStamp.IsZero() {
+				return time.Time{}, errors.New("the server's stream info carries no time stamp (NATS Server 2.10 or later is needed)")
+			}
+			return info.TimeStamp, nil
+		}
+		if !ambiguous(err) || time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			return time.Time{}, errors.Join(err, context.Cause(ctx))
+		}
+	}
+}
+
+// publish writes e under kvKey expecting revision expect (0: no entry), in
+// one request; it returns the new revision.
+func (s *Store) publish(ctx context.Context, kvKey string, e *idemEntry, expect uint64) (uint64, error) {
+	data, err := json.Marshal(e)
+	if err != nil {
+		return 0, err
+	}
+	m := nats.NewMsg(s.subj + kvKey)
+	m.Data = data
+	actx, cancel := attemptCtx(ctx, s.o.Timeout)
+	defer cancel()
+	pa, err := s.js.PublishMsg(actx, m, jetstream.WithExpectLastSequencePerSubject(expect))
+	if err != nil {
+		if isWrongLastSeq(err) {
+			return 0, fmt.Errorf("%w: %w", err, jetstream.ErrKeyRevisionMismatch)
+		}
+		return 0, err
+	}
+	return pa.Sequence, nil
+}
+
+// put publishes e expecting expect, sending it again after an ambiguous
+// failure (it lands at most once) until RetryFor. It returns the revision, or
+// whether an attempt may have landed, and the last error.
+func (s *Store) put(ctx context.Context, kvKey string, e *idemEntry, expect uint64, giveUp time.Time) (uint64, bool, error) {
+	var maybe bool
+	for {
+		rev, err := s.publish(ctx, kvKey, e, expect)
+		if err == nil || !ambiguous(err) {
+			return rev, maybe, err
+		}
+		maybe = true
+		if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			return 0, true, errors.Join(err, context.Cause(ctx))
+		}
+	}
+}
+
+func (s *Store) checkKey(ctx context.Context, op, key string) error {
+	return checkKey(ctx, op, "key", key)
+}
+
+// Begin claims key, or returns its record. See idempotency.Store. A claim
+// whose reply was lost is recognised when it landed (created, with its
+// record); an error matching fence.ErrUnknown when that could not be told
+// within RetryFor. A lease that is not positive is fence.ErrInvalid.
+func (s *Store) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	const op = "idempotency begin"
+	if err := s.checkKey(ctx, op, key); err != nil {
+		return idempotency.Record{}, false, err
+	}
+	if lease <= 0 {
+		return idempotency.Record{}, false, &fence.InvalidError{Op: op, Arg: "lease", Reason: fmt.Sprintf("%v is not positive", lease)}
+	}
+	wid, err := newWriteID()
+	if err != nil {
+		return idempotency.Record{}, false, err
+	}
+	kvKey := EncodeKey(key)
+	giveUp := time.Now().Add(s.o.RetryFor)
+	var lastErr error
+	var sentRev uint64
+	fail := func(err error) (idempotency.Record, bool, error) {
+		if lastErr != nil {
+			return idempotency.Record{}, false, fmt.Errorf("natsfence: %s %q: %w: %w", op, key, fence.ErrUnknown, errors.Join(lastErr, err))
+		}
+		return idempotency.Record{}, false, fmt.Errorf("natsfence: %s %q: %w", op, key, err)
+	}
+	for {
+		cur, m, err := s.last(ctx, key, kvKey)
+		if err != nil {
+			return fail(err)
+		}
+		if cur != nil && cur.WriteID == wid {
+			return cur.record(key, cur.resolved.at), true, nil // an earlier attempt landed
+		}
+		var expect uint64
+		if m != nil {
+			expect = m.Sequence
+		}
+		if lastErr != nil && expect != sentRev {
+			return fail(errors.New("the record changed after a claim that may have landed"))
+		}
+		next := &idemEntry{Version: idemVersion, Fingerprint: fingerprint, State: string(idempotency.Claimed), Owner: owner, Lease: lease, WriteID: wid}
+		if cur != nil {
+			now, err := s.now(ctx)
+			if err != nil {
+				return fail(err)
+			}
+			if !cur.claimable(now) {
+				return cur.record(key, now), false, nil
+			}
+			next.Floor = uint64(cur.resolved.fence) + 1
+		}
+		rev, maybe, err := s.put(ctx, kvKey, next, expect, giveUp)
+		if maybe {
+			lastErr, sentRev = err, expect
+		}
+		if err == nil {
+			return s.claimed(ctx, op, key, rev)
+		}
+		if !revisionMismatch(err) {
+			return fail(err)
+		}
+		// Changed meanwhile, or an earlier attempt landed: look again.
+	}
+}
+
+// claimed reads the claim stored at rev, for its fence (the server's
+// timestamp of the claim).
+func (s *Store) claimed(ctx context.Context, op, key string, rev uint64) (idempotency.Record, bool, error) {
+	giveUp := time.Now().Add(s.o.RetryFor)
+	for {
+		m, err := seqMsg(ctx, s.js, s.streamName, rev, s.o.Timeout)
+		if err == nil && m == nil {
+			err = errors.New("replaced before it could be read")
+		}
+		if err == nil {
+			e, err := decodeIdem(key, m)
+			if err != nil {
+				return idempotency.Record{}, false, err
+			}
+			return e.record(key, e.resolved.at), true, nil
+		}
+		if !ambiguous(err) || time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			return idempotency.Record{}, false, fmt.Errorf("natsfence: %s %q: claimed at revision %d, but its record could not be read: %w: %w", op, key, rev, fence.ErrUnknown, errors.Join(err, context.Cause(ctx)))
+		}
+	}
+}
+
+// Get returns key's record, or fence.ErrNotFound.
+func (s *Store) Get(ctx context.Context, key string) (idempotency.Record, error) {
+	const op = "idempotency get"
+	if err := s.checkKey(ctx, op, key); err != nil {
+		return idempotency.Record{}, err
+	}
+	cur, _, err := s.last(ctx, key, EncodeKey(key))
+	if err != nil {
+		return idempotency.Record{}, fmt.Errorf("natsfence: %s %q: %w", op, key, err)
+	}
+	if cur == nil {
+		return idempotency.Record{}, fence.ErrNotFound
+	}
+	now, err := s.now(ctx)
+	if err != nil {
+		return idempotency.Record{}, fmt.Errorf("natsfence: %s %q: %w", op, key, err)
+	}
+	return cur.record(key, now), nil
+}
+
+// Update is the compare-and-set on state and fence. See idempotency.Store. A
+// change whose reply was lost is recognised when it landed (nil); an error
+// matching fence.ErrUnknown when that could not be told within RetryFor or
+// the record changed since. The record returned counts its lease and
+// in-progress time from the change.
+func (s *Store) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	const op = "idempotency update"
+	if err := s.checkKey(ctx, op, key); err != nil {
+		return idempotency.Record{}, err
+	}
+	if ch.Lease < 0 || ch.Retention < 0 {
+		return idempotency.Record{}, &fence.InvalidError{Op: op, Arg: "change", Reason: "negative lease or retention"}
+	}
+	wid, err := newWriteID()
+	if err != nil {
+		return idempotency.Record{}, err
+	}
+	kvKey := EncodeKey(key)
+	giveUp := time.Now().Add(s.o.RetryFor)
+	var lastErr error
+	var sentRev uint64
+	fail := func(err error) (idempotency.Record, error) {
+		if lastErr != nil {
+			return idempotency.Record{}, fmt.Errorf("natsfence: %s %q: %w: %w", op, key, fence.ErrUnknown, errors.Join(lastErr, err))
+		}
+		return idempotency.Record{}, err
+	}
+	for {
+		cur, m, err := s.last(ctx, key, kvKey)
+		if err != nil {
+			return fail(fmt.Errorf("natsfence: %s %q: %w", op, key, err))
+		}
+		if cur == nil {
+			return fail(fence.ErrNotFound)
+		}
+		if cur.WriteID == wid {
+			return cur.record(key, cur.resolved.at), nil // an earlier attempt landed
+		}
+		if lastErr != nil && m.Sequence != sentRev {
+			return fail(errors.New("the record changed after a change that may have landed"))
+		}
+		if cur.resolved.fence != fromFence {
+			return fail(&fence.StaleError{Key: key, Offered: fromFence, Current: cur.resolved.fence})
+		}
+		if cur.State != string(from) {
+			return fail(&idempotency.StateError{Key: key, Want: from, Got: idempotency.State(cur.State)})
+		}
+		next := &idemEntry{Version: idemVersion, Fingerprint: cur.Fingerprint, State: string(ch.State), From: string(from), Fence: uint64(ch.Fence),
+			Owner: ch.Owner, Lease: ch.Lease, Retention: ch.Retention, Dropped: ch.ResultDropped, WriteID: wid}
+		if next.Fence == 0 {
+			return fail(&fence.InvalidError{Op: op, Arg: "change", Reason: "fence 0"})
+		}
+		if !ch.Restart {
+			next.Start = cur.resolved.start.UnixNano()
+		}
+		if ch.Result != nil {
+			next.Result, next.HasResult = ch.Result, true
+		}
+		_, maybe, err := s.put(ctx, kvKey, next, m.Sequence, giveUp)
+		if maybe {
+			lastErr, sentRev = err, m.Sequence
+		}
+		if err == nil {
+			// Counted from the previous message's timestamp: the change's
+			// own is not known without another read.
+			next.resolved = resolvedEntry{fence: ch.Fence, start: cur.resolved.start, at: cur.resolved.at}
+			if ch.Restart {
+				next.resolved.start = cur.resolved.at
+			}
+			return next.record(key, cur.resolved.at), nil
+		}
+		if !revisionMismatch(err) {
+			return fail(fmt.Errorf("natsfence: %s %q: %w", op, key, err))
+		}
+	}
+}
+
+// Purge removes released records and completed or failed ones past their
+// retention, each by a purge expecting the revision it read (a record
+// claimed meanwhile is kept), and returns how many it removed. It lists
+// every key of the bucket: run it from one process now and then, not on
+// every request.
+func (s *Store) Purge(ctx context.Context) (int, error) {
+	const op = "idempotency purge"
+	if err := leasekit.CheckContext(op, ctx); err != nil {
+		return 0, err
+	}
+	now, err := s.now(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("natsfence: %s: %w", op, err)
+	}
+	lister, err := s.kv.ListKeys(ctx)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrNoKeysFound) {
+			return 0, nil
+		}
+		return 0, fmt.Errorf("natsfence: %s: %w", op, err)
+	}
+	var keys []string
+	for k := range lister.Keys() {
+		keys = append(keys, k)
+	}
+	n := 0
+	for _, kvKey := range keys {
+		cur, m, err := s.last(ctx, kvKey, kvKey)
+		if err != nil {
+			return n, fmt.Errorf("natsfence: %s: %w", op, err)
+		}
+		if cur == nil || !cur.claimable(now) {
+			continue
+		}
+		opts := []jetstream.KVDeleteOpt{jetstream.LastRevision(m.Sequence)}
+		if s.marker > 0 {
+			opts = append(opts, jetstream.PurgeTTL(s.marker))
+		}
+		actx, cancel := attemptCtx(ctx, s.o.Timeout)
+		err = s.kv.Purge(actx, kvKey, opts...)
+		cancel()
+		switch {
+		case err == nil:
+			n++
+		case revisionMismatch(err) || isWrongLastSeq(err):
+			// claimed or changed meanwhile: kept
+		default:
+			return n, fmt.Errorf("natsfence: %s: %w", op, err)
+		}
+	}
+	return n, nil
+}

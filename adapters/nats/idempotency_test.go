@@ -1,0 +1,261 @@
+package natsfence_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	natsfence "github.com/fencekit/fencekit/adapters/nats"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// idemBucket is the bucket of t's store: one per test, so Purge lists few
+// keys, and the same for New and Faulty within a test.
+func idemBucket(t testing.TB) jetstream.KeyValueConfig {
+	h := sha256.Sum256([]byte(t.Name()))
+	return natsfence.LockBucket("idem_" + hex.EncodeToString(h[:8]))
+}
+
+func newStore(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConfig) *natsfence.Store {
+	t.Helper()
+	return newStoreOpts(t, j, cfg, nil)
+}
+
+// faultyOpts is for stores behind a proxy: a request on a connection the
+// proxy cut waits for its Timeout, so the cases with many cuts use a short one.
+var faultyOpts = &natsfence.StoreOptions{Timeout: 500 * time.Millisecond}
+
+func newStoreOpts(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConfig, o *natsfence.StoreOptions) *natsfence.Store {
+	t.Helper()
+	bucket(t, j, cfg)
+	s, err := natsfence.NewStore(context.Background(), j, cfg.Bucket, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestStoreConformance(t *testing.T) {
+	idempotencytest.Suite{
+		New:     func(t *testing.T) idempotency.Store { return newStore(t, js(t), idemBucket(t)) },
+		BadKeys: []string{strings.Repeat("k", natsfence.MaxKeyBytes+1)},
+		Faulty: func(t *testing.T) (idempotency.Store, *faultnet.Proxy) {
+			j, p := proxied(t)
+			return newStoreOpts(t, j, idemBucket(t), faultyOpts), p
+		},
+	}.Run(t)
+}
+
+// TestStoreWithoutMarkers: on a bucket without limit markers (a plain KV
+// bucket) the store works too; Purge's markers then stay.
+func TestStoreWithoutMarkers(t *testing.T) {
+	cfg := jetstream.KeyValueConfig{Bucket: "idem_plain", History: 1}
+	s := newStore(t, js(t), cfg)
+	ctx := context.Background()
+	k := fencetest.Name("plain")
+	r, err := idempotency.Do(ctx, s, k, "fp", func(context.Context, string) ([]byte, error) { return []byte("v"), nil },
+		&idempotency.Options{Retention: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(10 * time.Millisecond)
+	if n, err := s.Purge(ctx); err != nil || n < 1 {
+		t.Fatalf("Purge: %d, %v, want the record removed", n, err)
+	}
+	if _, err := s.Get(ctx, k); !errors.Is(err, fence.ErrNotFound) {
+		t.Fatalf("Get after Purge: %v", err)
+	}
+	rec, created, err := s.Begin(ctx, k, "fp", "me", time.Minute)
+	if err != nil || !created || rec.Fence <= r.Fence {
+		t.Fatalf("claim after Purge: %+v, created %v, %v, want a fence above %d", rec, created, err, r.Fence)
+	}
+}
+
+// TestStoreFenceAfterStateDeleted (HAZARDS 1): a key's record removed by
+// hand (kv del, kv purge) or with its whole bucket (deleted and made again,
+// which restarts the stream's revisions at 1) is claimed again above every
+// fence it had, including fences raised by takeovers.
+func TestStoreFenceAfterStateDeleted(t *testing.T) {
+	ctx := context.Background()
+	j := js(t)
+	cfg := natsfence.LockBucket("idem_deleted")
+	for _, how := range []string{"kv del", "kv purge", "bucket re-created"} {
+		s := newStore(t, j, cfg)
+		k := fencetest.Name("deleted")
+		a, _, err := s.Begin(ctx, k, "fp", "A", time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Ten takeovers raise the fence by ten, each one message.
+		f := a.Fence
+		for i := range 10 {
+			if _, err := s.Update(ctx, k, idempotency.Claimed, f, idempotency.Change{State: idempotency.Claimed, Fence: f + 1, Owner: "B", Lease: time.Minute}); err != nil {
+				t.Fatalf("takeover %d: %v", i, err)
+			}
+			f++
+		}
+		kv, err := j.KeyValue(ctx, cfg.Bucket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch how {
+		case "kv del":
+			err = kv.Delete(ctx, natsfence.EncodeKey(k))
+		case "kv purge":
+			err = kv.Purge(ctx, natsfence.EncodeKey(k))
+		default:
+			if err = j.DeleteKeyValue(ctx, cfg.Bucket); err == nil {
+				_, err = j.CreateKeyValue(ctx, cfg)
+			}
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", how, err)
+		}
+		if _, err := s.Get(ctx, k); !errors.Is(err, fence.ErrNotFound) {
+			t.Fatalf("after %s the record is still there: %v", how, err)
+		}
+		c, created, err := s.Begin(ctx, k, "fp", "C", time.Minute)
+		if err != nil || !created {
+			t.Fatalf("claim after %s: created %v, %v", how, created, err)
+		}
+		if c.Fence <= f {
+			t.Fatalf("after %s the key restarted at fence %d, not above %d", how, c.Fence, f)
+		}
+		// The old owner's change is refused.
+		if _, err := s.Update(ctx, k, idempotency.Claimed, f, idempotency.Change{State: idempotency.Released, Fence: f, Owner: "B"}); !errors.Is(err, fence.ErrStale) {
+			t.Fatalf("the old owner's release after %s: %v, want ErrStale", how, err)
+		}
+	}
+}
+
+// TestStoreLostPublishAck (HAZARDS 3): the suite loses the reply of a step's
+// first request (a read). Here the JetStream ack of the step's publish is
+// lost after the server stored it: Begin and every Update recognise their
+// write and return it, and the record holds it once.
+func TestStoreLostPublishAck(t *testing.T) {
+	j, p := proxied(t)
+	cfg := idemBucket(t)
+	s := newStoreOpts(t, j, cfg, faultyOpts)
+	direct := newStore(t, js(t), cfg)
+	ctx := context.Background()
+	k := fencetest.Name("lostack")
+	lose := func() int64 {
+		before := p.Stats().LostReplies
+		p.LoseReply(publishTo(cfg.Bucket))
+		return before
+	}
+	before := lose()
+	rec, created, err := s.Begin(ctx, k, "fp", "me", time.Minute)
+	waitLost(t, p, before)
+	if err != nil || !created || rec.Owner != "me" || rec.Fence == 0 {
+		t.Fatalf("Begin whose ack was lost: %+v, created %v, %v, want its claim recognised", rec, created, err)
+	}
+	if got, err := direct.Get(ctx, k); err != nil || got.Fence != rec.Fence || got.State != idempotency.Claimed {
+		t.Fatalf("record after Begin: %+v, %v", got, err)
+	}
+	f := rec.Fence
+	steps := []struct {
+		from idempotency.State
+		ch   idempotency.Change
+	}{
+		{idempotency.Claimed, idempotency.Change{State: idempotency.Armed, Fence: f, Owner: "me", Lease: time.Minute}},
+		{idempotency.Armed, idempotency.Change{State: idempotency.Claimed, Fence: f + 1, Owner: "B", Lease: time.Minute, Restart: true}},
+		{idempotency.Claimed, idempotency.Change{State: idempotency.Completed, Fence: f + 1, Owner: "B", Result: []byte("done"), Retention: time.Hour}},
+	}
+	for _, st := range steps {
+		before := lose()
+		got, err := s.Update(ctx, k, st.from, st.ch.Fence-boolTok(st.ch.Restart), st.ch)
+		waitLost(t, p, before)
+		if err != nil || got.State != st.ch.State || got.Fence != st.ch.Fence {
+			t.Fatalf("%s -> %s whose ack was lost: %+v, %v, want it recognised", st.from, st.ch.State, got, err)
+		}
+	}
+	got, err := direct.Get(ctx, k)
+	if err != nil || got.State != idempotency.Completed || string(got.Result) != "done" || got.Fence != f+1 || got.Owner != "B" {
+		t.Fatalf("record after the lost acks: %+v, %v", got, err)
+	}
+}
+
+func boolTok(b bool) fence.Token {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// TestStoreUnknownWhenCutOff (HAZARDS 3 and 6): a step sent while the server
+// cannot be reached returns an error matching fence.ErrUnknown after
+// RetryFor, not a hang, and not a definite answer.
+func TestStoreUnknownWhenCutOff(t *testing.T) {
+	j, p := proxied(t)
+	cfg := idemBucket(t)
+	bucket(t, js(t), cfg)
+	s, err := natsfence.NewStore(context.Background(), j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 200 * time.Millisecond, RetryFor: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	k := fencetest.Name("cut")
+	rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The arm's publish lands, its ack is lost, and the reconnect is refused.
+	p.LoseReply(publishTo(cfg.Bucket))
+	p.Refuse(true)
+	defer p.Refuse(false)
+	begun := time.Now()
+	_, err = s.Update(ctx, k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute})
+	took := time.Since(begun)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("an arm whose ack was lost, the server then unreachable: %v, want fence.ErrUnknown", err)
+	}
+	if took > 10*time.Second {
+		t.Fatalf("the arm took %v with RetryFor 1s", took)
+	}
+	p.Refuse(false)
+	got, err := newStore(t, js(t), cfg).Get(ctx, k)
+	if err != nil || got.State != idempotency.Armed {
+		t.Fatalf("record: %+v, %v, want armed (the publish landed)", got, err)
+	}
+}
+
+// TestNewStoreRefuses (HAZARDS 8): bad options and buckets are refused at
+// construction with fence.ErrInvalid naming them.
+func TestNewStoreRefuses(t *testing.T) {
+	j := js(t)
+	ctx := context.Background()
+	bucket(t, j, jetstream.KeyValueConfig{Bucket: "idem_ttl", TTL: time.Hour})
+	bucket(t, j, jetstream.KeyValueConfig{Bucket: "idem_ok"})
+	for _, c := range []struct {
+		what   string
+		js     jetstream.JetStream
+		bucket string
+		o      *natsfence.StoreOptions
+		arg    string
+	}{
+		{"nil js", nil, "idem_ok", nil, "js"},
+		{"empty bucket", j, "", nil, "bucket"},
+		{"a bucket with a TTL", j, "idem_ttl", nil, "bucket"},
+		{"negative Timeout", j, "idem_ok", &natsfence.StoreOptions{Timeout: -1}, "Timeout"},
+		{"negative RetryFor", j, "idem_ok", &natsfence.StoreOptions{RetryFor: -1}, "RetryFor"},
+	} {
+		_, err := natsfence.NewStore(ctx, c.js, c.bucket, c.o)
+		var ie *fence.InvalidError
+		if !errors.As(err, &ie) || ie.Arg != c.arg {
+			t.Errorf("%s: %v, want ErrInvalid naming %s", c.what, err, c.arg)
+		}
+	}
+	if _, err := natsfence.NewStore(ctx, j, "idem_missing", nil); !errors.Is(err, jetstream.ErrBucketNotFound) {
+		t.Errorf("a missing bucket: %v", err)
+	}
+}
