@@ -17,8 +17,8 @@ import (
 // natsTiming stretches the lesson for NATS, whose key TTLs are whole seconds
 // (at least one) and expire on the server within about a second after.
 var natsTiming = timing{
-	lease: time.Second, stall: 4 * time.Second, arrive: 2500 * time.Millisecond,
-	bugLease: time.Second, bugStall: 3 * time.Second,
+	lease: time.Second, stall: 4 * time.Second,
+	bugLease: time.Second,
 }
 
 // The buckets of the NATS backend: locks (natsfence.LockBucket), fenced data,
