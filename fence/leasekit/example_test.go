@@ -147,6 +147,14 @@ func Example() {
 
 // TestExampleAcquirer: the example acquirer passes fence/fencetest's suite.
 func TestExampleAcquirer(t *testing.T) {
-	a := memAcquirer{b: &memBackend{locks: map[string]*memLock{}}}
-	fencetest.AcquirerSuite{New: func(*testing.T) fence.Acquirer { return a }}.Run(t)
+	b := &memBackend{locks: map[string]*memLock{}}
+	a := memAcquirer{b: b}
+	fencetest.AcquirerSuite{New: func(*testing.T) fence.Acquirer { return a },
+		// The backend forgets the name, as an operator's DELETE would.
+		DeleteState: func(_ *testing.T, name string) {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			delete(b.locks, name)
+		},
+	}.Run(t)
 }
