@@ -2,6 +2,7 @@ package redislua_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 
 	"github.com/fencekit/fencekit/adapters/redislua"
@@ -85,5 +86,26 @@ func deleteNameKeys(clients ...*redis.Client) func(*testing.T, string) {
 		if deleted == 0 {
 			t.Fatalf("no key of %q to delete", name)
 		}
+	}
+}
+
+// deleteClusterNameKeys returns DeleteState on a Redis Cluster: the name's
+// keys deleted on whichever primary holds the name's slot.
+func deleteClusterNameKeys(cc *redis.ClusterClient) func(*testing.T, string) {
+	return func(t *testing.T, name string) {
+		var (
+			mu        sync.Mutex
+			primaries []*redis.Client
+		)
+		err := cc.ForEachMaster(context.Background(), func(_ context.Context, c *redis.Client) error {
+			mu.Lock()
+			defer mu.Unlock()
+			primaries = append(primaries, c)
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("listing the primaries: %v", err)
+		}
+		deleteNameKeys(primaries...)(t, name)
 	}
 }
