@@ -3,6 +3,7 @@ package etcdfence_test
 import (
 	"context"
 	"errors"
+	"net/url"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/etcdtest"
+	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 func TestAcquirerConformance(t *testing.T) { runSuite(t, 1, 0, 0) }
@@ -47,6 +49,16 @@ func runSuite(t *testing.T, members, workers, increments int) {
 		MaxTTL:   etcdfence.MaxTTL,
 		BadNames: []string{strings.Repeat("n", etcdfence.MaxNameBytes+1)},
 		Workers:  workers, Increments: increments,
+		// Every key of the name's line (holder and waiters) deleted, as an
+		// operator's etcdctl del --prefix would; the etcd leases stay. A name
+		// nobody holds has no key: the token is the cluster's revision, kept
+		// outside the name's state, so the deletion cannot restart it.
+		DeleteState: func(t *testing.T, name string) {
+			pfx := "/fencekit/locks/" + url.PathEscape(name) + "/"
+			if _, err := c.Client(t).Delete(context.Background(), pfx, clientv3.WithPrefix()); err != nil {
+				t.Fatalf("deleting the keys of %q: %v", name, err)
+			}
+		},
 	}.Run(t)
 }
 

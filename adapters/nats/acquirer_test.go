@@ -55,6 +55,18 @@ func TestAcquirerConformance(t *testing.T) {
 		ShortTTL: natsfence.MinTTL,
 		MaxTTL:   natsfence.MaxTTL,
 		BadNames: []string{strings.Repeat("n", natsfence.MaxKeyBytes+1)},
+		// Every message of the name's key purged, as nats kv purge would; the
+		// token's revision is the bucket stream's sequence, which a purge
+		// does not set back (TestTokensAfterBucketRecreated deletes the bucket).
+		DeleteState: func(t *testing.T, name string) {
+			kv, err := js(t).KeyValue(context.Background(), lockBucket.Bucket)
+			if err == nil {
+				err = kv.Purge(context.Background(), natsfence.EncodeKey(name))
+			}
+			if err != nil {
+				t.Fatalf("purging the key of %q: %v", name, err)
+			}
+		},
 	}.Run(t)
 }
 

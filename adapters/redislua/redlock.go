@@ -51,7 +51,8 @@ type RedlockOptions struct {
 // A grant locks the name on every node it can within NodeTimeout, and succeeds
 // when a majority took it and time is left: the lease's validity is ttl minus the
 // time the grant took minus Drift, and its local deadline is never later. Each
-// node also reports its token counter; the token is one more than the largest
+// node also reports its token counter, or its clock (TIME) in microseconds
+// when that is larger; the token is one more than the largest
 // reported, and is written to the counter of every node that granted, while that
 // node still holds the lock, before the lease is handed out. Any later grant
 // needs a majority, which shares at least one node with this one, whose counter
@@ -59,8 +60,14 @@ type RedlockOptions struct {
 //
 // What that relies on, stated plainly:
 //   - Nodes do not lose their data. A node that restarts empty (no AOF with fsync)
-//     must stay down for at least the longest ttl in use, or the lock and the
-//     counter on it are forgotten and both guarantees can fail.
+//     must stay down for at least the longest ttl in use, or the lock on it is
+//     forgotten and mutual exclusion can fail. Tokens survive a counter lost on
+//     every node (a DEL, FLUSHALL, eviction): a node never reports a counter
+//     below its clock in microseconds, so the next token is above every token
+//     handed out before, as long as the clock of some node of the next
+//     majority is not behind the clock of the node whose reading set the old
+//     counter by more than the time since, and the old counter made fewer
+//     grants than microseconds passed since (as for the Acquirer's floor).
 //   - Clocks on the nodes advance at about the same rate (bounded drift), since
 //     each node expires the lock on its own clock. A jumping clock breaks mutual
 //     exclusion; the tokens still grow, so fenced writes stay safe.

@@ -80,6 +80,14 @@ func TestRedlockConformance(t *testing.T) {
 		Workers: 8, Increments: 10,
 		MaxTTL:   redislua.MaxTTL,
 		BadNames: []string{"a{b}", "x}"},
+		// The name's keys deleted on every node.
+		DeleteState: func(t *testing.T, name string) {
+			own := make([]*redis.Client, len(servers))
+			for i, s := range servers {
+				own[i] = s.Client(t)
+			}
+			deleteNameKeys(own...)(t, name)
+		},
 	}.Run(t)
 }
 

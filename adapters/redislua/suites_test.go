@@ -1,6 +1,8 @@
 package redislua_test
 
 import (
+	"context"
+	"sync"
 	"testing"
 
 	"github.com/fencekit/fencekit/adapters/redislua"
@@ -52,4 +54,58 @@ func faultyWriter(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 		t.Fatal(err)
 	}
 	return w, p
+}
+
+// deleteNameKeys returns DeleteState: on each of clients (every node, for
+// Redlock), it deletes every key under the name's hash tag with the default
+// prefix (the lock, the token counter, the line and the waiters' entries), as
+// a DEL, a FLUSHALL or an eviction would. A name with no key on any node
+// fails the test: the deletion would prove nothing.
+func deleteNameKeys(clients ...*redis.Client) func(*testing.T, string) {
+	return func(t *testing.T, name string) {
+		ctx := context.Background()
+		deleted := int64(0)
+		for _, c := range clients {
+			var keys []string
+			iter := c.Scan(ctx, 0, redislua.DefaultPrefix+"{"+name+"}*", 100).Iterator()
+			for iter.Next(ctx) {
+				keys = append(keys, iter.Val())
+			}
+			if err := iter.Err(); err != nil {
+				t.Fatalf("listing the keys of %q: %v", name, err)
+			}
+			if len(keys) == 0 {
+				continue
+			}
+			n, err := c.Del(ctx, keys...).Result()
+			if err != nil {
+				t.Fatalf("deleting the keys of %q: %v", name, err)
+			}
+			deleted += n
+		}
+		if deleted == 0 {
+			t.Fatalf("no key of %q to delete", name)
+		}
+	}
+}
+
+// deleteClusterNameKeys returns DeleteState on a Redis Cluster: the name's
+// keys deleted on whichever primary holds the name's slot.
+func deleteClusterNameKeys(cc *redis.ClusterClient) func(*testing.T, string) {
+	return func(t *testing.T, name string) {
+		var (
+			mu        sync.Mutex
+			primaries []*redis.Client
+		)
+		err := cc.ForEachMaster(context.Background(), func(_ context.Context, c *redis.Client) error {
+			mu.Lock()
+			defer mu.Unlock()
+			primaries = append(primaries, c)
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("listing the primaries: %v", err)
+		}
+		deleteNameKeys(primaries...)(t, name)
+	}
 }

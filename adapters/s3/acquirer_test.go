@@ -49,6 +49,13 @@ func TestAcquirerConformance(t *testing.T) {
 			BadNames: []string{"nul\x00", "bad \xff"},
 			// Waiters poll: keep the contention test small.
 			Workers: 4, Increments: 5,
+			// The name's lock object deleted, as a lifecycle rule or an
+			// operator would: it holds the holder, the expiry and the counter.
+			DeleteState: func(t *testing.T, name string) {
+				if _, err := e.c.DeleteObject(context.Background(), &s3.DeleteObjectInput{Bucket: aws.String(e.bucket), Key: aws.String("fencekit-locks/" + name)}); err != nil {
+					t.Fatalf("deleting the lock object of %q: %v", name, err)
+				}
+			},
 		}.Run(t)
 	})
 }

@@ -14,7 +14,11 @@ import (
 
 // memBackend stands for a remote store with a compare-and-set: it keeps, per
 // name, the token counter, the holder's token and the expiry on its own clock.
-// A real acquirer would make one request per method here.
+// A real acquirer would make one request per method here. A name's counter
+// starts at the backend's clock in microseconds, not at 0, so a name whose
+// state is deleted (an operator, a lifecycle rule, an eviction) never grants
+// a token below one it granted before, as long as the clock does not step
+// back and the name made fewer grants than microseconds passed (HAZARDS 1).
 type memBackend struct {
 	mu    sync.Mutex
 	locks map[string]*memLock
@@ -30,12 +34,12 @@ type memLock struct {
 func (b *memBackend) grant(name string, ttl time.Duration) (fence.Token, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	now := time.Now() // the backend's clock
 	l := b.locks[name]
 	if l == nil {
-		l = &memLock{}
+		l = &memLock{counter: fence.Token(now.UnixMicro())}
 		b.locks[name] = l
 	}
-	now := time.Now() // the backend's clock
 	if l.holder != 0 && now.Before(l.expires) {
 		return 0, false
 	}
@@ -136,17 +140,25 @@ func Example() {
 	ctx := context.Background()
 	l, _ := a.TryAcquire(ctx, "invoice-42", time.Minute)
 	_, err := a.TryAcquire(ctx, "invoice-42", time.Minute)
-	fmt.Println(l.Token(), err)
+	fmt.Println(err)
 	_ = l.Release(ctx)
 	l2, _ := a.TryAcquire(ctx, "invoice-42", time.Minute)
-	fmt.Println(l2.Token(), l.Context().Err() != nil)
+	fmt.Println(l2.Token() == l.Token()+1, l.Context().Err() != nil)
 	// Output:
-	// 1 fence: lease held by another holder
-	// 2 true
+	// fence: lease held by another holder
+	// true true
 }
 
 // TestExampleAcquirer: the example acquirer passes fence/fencetest's suite.
 func TestExampleAcquirer(t *testing.T) {
-	a := memAcquirer{b: &memBackend{locks: map[string]*memLock{}}}
-	fencetest.AcquirerSuite{New: func(*testing.T) fence.Acquirer { return a }}.Run(t)
+	b := &memBackend{locks: map[string]*memLock{}}
+	a := memAcquirer{b: b}
+	fencetest.AcquirerSuite{New: func(*testing.T) fence.Acquirer { return a },
+		// The backend forgets the name, as an operator's DELETE would.
+		DeleteState: func(_ *testing.T, name string) {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			delete(b.locks, name)
+		},
+	}.Run(t)
 }

@@ -5,6 +5,9 @@
 -- this grant: a call sent again after a lost reply), {0, counter} when
 -- held, or when this grant was already released here: a lock call that lands
 -- after its grant's release must not lock the node for a ttl.
+-- The counter reported is never below the node's clock (TIME) in
+-- microseconds, so a counter that was deleted (DEL, FLUSHALL, eviction) does
+-- not make the next token restart at 1.
 local n = 0
 local cur = redis.call('GET', KEYS[2])
 if cur then
@@ -12,6 +15,11 @@ if cur then
   if not n or n < 0 or n ~= math.floor(n) then
     return redis.error_reply('fencekit: token counter ' .. KEYS[2] .. ' holds ' .. cur .. ', not a token')
   end
+end
+local t = redis.call('TIME')
+local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+if us > n then
+  n = us
 end
 local s = string.format('%d', n)
 if redis.call('EXISTS', KEYS[3]) == 1 then
