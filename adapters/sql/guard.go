@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
@@ -210,10 +211,13 @@ func (g *Guards) wrap(err error) error {
 
 // TxOptions configures RunTx. A nil *TxOptions means the defaults.
 type TxOptions struct {
-	// Isolation is the transaction's isolation level. Default: the server's.
+	// Isolation is the transaction's isolation level, one of database/sql's
+	// levels; a value outside them is refused with an error matching
+	// fence.ErrInvalid. Default: the server's.
 	Isolation sql.IsolationLevel
 	// MaxAttempts bounds how often the transaction runs when it fails with a
-	// serialization failure or deadlock. Default: 10.
+	// serialization failure or deadlock; a negative value is refused with an
+	// error matching fence.ErrInvalid. Default (0): 10.
 	MaxAttempts int
 }
 
@@ -224,7 +228,8 @@ type TxOptions struct {
 // transaction is rolled back and run again from the start, at most
 // MaxAttempts times in all; f must therefore have no effects outside tx. Any
 // other error rolls back and is returned as it is (a fence.ErrStale from Guard
-// among them). A nil ctx, db or f returns an error matching fence.ErrInvalid.
+// among them). A nil ctx, db or f, or an option TxOptions refuses, returns an
+// error matching fence.ErrInvalid before a transaction begins.
 // A commit whose reply was lost (it may have committed) returns
 // an error matching fence.ErrUnknown and is not run again. A caller who
 // commits a guarded transaction itself gets the driver's error instead: an
@@ -237,10 +242,14 @@ func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) 
 	if opts != nil {
 		o = *opts
 	}
-	if o.MaxAttempts <= 0 {
-		o.MaxAttempts = 10
+	if o.Isolation < sql.LevelDefault || o.Isolation > sql.LevelLinearizable {
+		return &fence.InvalidError{Op: "run tx", Arg: "Isolation", Reason: fmt.Sprintf("%d is not a database/sql isolation level", int(o.Isolation))}
 	}
-	return retryTx(ctx, o.MaxAttempts, func() error {
+	attempts, err := maxAttempts("run tx", o.MaxAttempts)
+	if err != nil {
+		return err
+	}
+	return retryTx(ctx, attempts, func() error {
 		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: o.Isolation})
 		if err != nil {
 			return err
@@ -260,10 +269,15 @@ type PgxBeginner interface {
 // PgxTxOptions configures RunPgxTx. A nil *PgxTxOptions means the defaults.
 type PgxTxOptions struct {
 	// TxOptions begins each attempt's transaction (isolation level, access
-	// mode). Default: the zero pgx.TxOptions, the server's defaults.
+	// mode). Its IsoLevel, AccessMode and DeferrableMode must each be empty
+	// or one of pgx's constants (pgx puts them into the BEGIN statement as
+	// they are), unless BeginQuery is set; others are refused with an error
+	// matching fence.ErrInvalid. Default: the zero pgx.TxOptions, the
+	// server's defaults.
 	TxOptions pgx.TxOptions
 	// MaxAttempts bounds how often the transaction runs when it fails with a
-	// serialization failure or deadlock. Default: 10.
+	// serialization failure or deadlock; a negative value is refused with an
+	// error matching fence.ErrInvalid. Default (0): 10.
 	MaxAttempts int
 }
 
@@ -273,8 +287,9 @@ type PgxTxOptions struct {
 // deadlock (40001, 40P01), the transaction is rolled back and run again from
 // the start, at most MaxAttempts times in all; f must therefore have no
 // effects outside tx. A commit whose reply was lost returns an error matching
-// fence.ErrUnknown and is not run again. A nil ctx, db or f returns an error
-// matching fence.ErrInvalid.
+// fence.ErrUnknown and is not run again. A nil ctx, db or f, or an option
+// PgxTxOptions refuses, returns an error matching fence.ErrInvalid before a
+// transaction begins.
 func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx pgx.Tx) error) error {
 	if err := checkRunTx("run pgx tx", ctx, db == nil || isNilPgx(pgxBeginnerQuerier(db)), f == nil); err != nil {
 		return err
@@ -283,10 +298,14 @@ func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx
 	if opts != nil {
 		o = *opts
 	}
-	if o.MaxAttempts <= 0 {
-		o.MaxAttempts = 10
+	if err := checkPgxTxOptions(o.TxOptions); err != nil {
+		return err
 	}
-	return retryTx(ctx, o.MaxAttempts, func() error {
+	attempts, err := maxAttempts("run pgx tx", o.MaxAttempts)
+	if err != nil {
+		return err
+	}
+	return retryTx(ctx, attempts, func() error {
 		tx, err := db.BeginTx(ctx, o.TxOptions)
 		if err != nil {
 			return err
@@ -296,6 +315,41 @@ func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx
 		}
 		return commitErr(tx.Commit(ctx))
 	})
+}
+
+// maxAttempts returns n, or the default 10 for 0; a negative n returns an
+// error matching fence.ErrInvalid.
+func maxAttempts(op string, n int) (int, error) {
+	switch {
+	case n < 0:
+		return 0, &fence.InvalidError{Op: op, Arg: "MaxAttempts", Reason: fmt.Sprintf("%d is negative (0 means the default, 10)", n)}
+	case n == 0:
+		return 10, nil
+	}
+	return n, nil
+}
+
+// checkPgxTxOptions refuses transaction modes that are not pgx's constants:
+// pgx writes them into BEGIN unchecked, so a typo is a syntax error at run
+// time and anything after a semicolon another statement. A BeginQuery
+// replaces them, and is the caller's own SQL.
+func checkPgxTxOptions(o pgx.TxOptions) error {
+	if o.BeginQuery != "" {
+		return nil
+	}
+	for _, f := range []struct {
+		arg, v string
+		ok     []string
+	}{
+		{"TxOptions.IsoLevel", string(o.IsoLevel), []string{string(pgx.Serializable), string(pgx.RepeatableRead), string(pgx.ReadCommitted), string(pgx.ReadUncommitted)}},
+		{"TxOptions.AccessMode", string(o.AccessMode), []string{string(pgx.ReadWrite), string(pgx.ReadOnly)}},
+		{"TxOptions.DeferrableMode", string(o.DeferrableMode), []string{string(pgx.Deferrable), string(pgx.NotDeferrable)}},
+	} {
+		if f.v != "" && !slices.Contains(f.ok, f.v) {
+			return &fence.InvalidError{Op: "run pgx tx", Arg: f.arg, Reason: fmt.Sprintf("%q is not one of pgx's constants", f.v)}
+		}
+	}
+	return nil
 }
 
 // checkRunTx refuses a nil context, handle or function with an error
