@@ -234,6 +234,7 @@ type TxOptions struct {
 // an error matching fence.ErrUnknown and is not run again. A caller who
 // commits a guarded transaction itself gets the driver's error instead: an
 // error other than one the server sent leaves the commit's outcome unknown.
+// A panic in f rolls the transaction back and goes on to the caller.
 func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) error) error {
 	if err := checkRunTx("run tx", ctx, db == nil, f == nil); err != nil {
 		return err
@@ -254,7 +255,17 @@ func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) 
 		if err != nil {
 			return err
 		}
-		if err := f(tx); err != nil {
+		// A panic (or Goexit) in f rolls back on its way to the caller: a
+		// transaction left open keeps its locks as long as its connection.
+		ended := false
+		defer func() {
+			if !ended {
+				_ = tx.Rollback()
+			}
+		}()
+		err = f(tx)
+		ended = true
+		if err != nil {
 			return errors.Join(err, tx.Rollback())
 		}
 		return commitErr(tx.Commit())
@@ -287,7 +298,8 @@ type PgxTxOptions struct {
 // deadlock (40001, 40P01), the transaction is rolled back and run again from
 // the start, at most MaxAttempts times in all; f must therefore have no
 // effects outside tx. A commit whose reply was lost returns an error matching
-// fence.ErrUnknown and is not run again. A nil ctx, db or f, or an option
+// fence.ErrUnknown and is not run again. A panic in f rolls the transaction
+// back and goes on to the caller. A nil ctx, db or f, or an option
 // PgxTxOptions refuses, returns an error matching fence.ErrInvalid before a
 // transaction begins.
 func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx pgx.Tx) error) error {
@@ -310,7 +322,15 @@ func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx
 		if err != nil {
 			return err
 		}
-		if err := f(tx); err != nil {
+		ended := false // as in RunTx: a panic in f rolls back
+		defer func() {
+			if !ended {
+				_ = tx.Rollback(context.WithoutCancel(ctx))
+			}
+		}()
+		err = f(tx)
+		ended = true
+		if err != nil {
 			return errors.Join(err, tx.Rollback(context.WithoutCancel(ctx)))
 		}
 		return commitErr(tx.Commit(ctx))
