@@ -3,10 +3,12 @@ package sqlfence_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"testing"
 	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/jackc/pgx/v5"
@@ -88,6 +90,70 @@ func TestRunTxPanicRollsBack(t *testing.T) {
 			defer cancel()
 			if err := c.run(ctx, name, false); err != nil {
 				t.Errorf("a guarded transaction after the panicking one: %v; the panicking transaction still holds its locks", err)
+			}
+		})
+	}
+}
+
+// TestRunTxEndedByF (HAZARDS 3): f commits the transaction itself (after a
+// guard and an insert) and returns nil; RunTx's own commit then finds it
+// closed. The transaction committed, so RunTx must not report a definite
+// failure ("commit: tx is closed"): it cannot know whether f committed or
+// rolled back, and says so with fence.ErrUnknown. The row is there.
+func TestRunTxEndedByF(t *testing.T) {
+	ctx := context.Background()
+	rawLite, lite := openSQLite(t)
+	if err := mustGuards(t, lite).CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	p := pgPool(t, pgOpts{})
+	std := pgStd(t)
+	pgG := mustGuards(t, sqlfence.Pgx(p))
+	count := func(db *sql.DB, name string) int {
+		var n int
+		if err := db.QueryRowContext(ctx, "SELECT count(*) FROM fence_guards WHERE name = $1", name).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	for _, c := range []struct {
+		name string
+		db   *sql.DB
+		run  func(name string) error
+	}{
+		{"sqlite", rawLite, func(name string) error {
+			return sqlfence.RunTx(ctx, rawLite, nil, func(tx *sql.Tx) error {
+				if err := mustGuards(t, lite).Guard(ctx, tx, name, 1); err != nil {
+					return err
+				}
+				return tx.Commit()
+			})
+		}},
+		{"postgres-database-sql", std, func(name string) error {
+			return sqlfence.RunTx(ctx, std, nil, func(tx *sql.Tx) error {
+				if err := pgG.Guard(ctx, tx, name, 1); err != nil {
+					return err
+				}
+				return tx.Commit()
+			})
+		}},
+		{"postgres-pgx", std, func(name string) error {
+			return sqlfence.RunPgxTx(ctx, p, nil, func(tx pgx.Tx) error {
+				if err := pgG.GuardPgx(ctx, tx, name, 1); err != nil {
+					return err
+				}
+				return tx.Commit(ctx)
+			})
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			name := fencetest.Name("ended-by-f")
+			err := c.run(name)
+			if n := count(c.db, name); n != 1 {
+				t.Fatalf("the guard row after f committed: %d rows, want 1", n)
+			}
+			if !errors.Is(err, fence.ErrUnknown) {
+				t.Errorf("RunTx whose f committed the transaction itself: %v, want ErrUnknown", err)
 			}
 		})
 	}
