@@ -234,7 +234,9 @@ type TxOptions struct {
 // an error matching fence.ErrUnknown and is not run again. A caller who
 // commits a guarded transaction itself gets the driver's error instead: an
 // error other than one the server sent leaves the commit's outcome unknown.
-// A panic in f rolls the transaction back and goes on to the caller.
+// A panic in f rolls the transaction back and goes on to the caller. f must
+// not commit or roll back tx itself: when it did, RunTx returns an error
+// matching fence.ErrUnknown.
 func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) error) error {
 	if err := checkRunTx("run tx", ctx, db == nil, f == nil); err != nil {
 		return err
@@ -268,7 +270,7 @@ func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) 
 		if err != nil {
 			return errors.Join(err, tx.Rollback())
 		}
-		return commitErr(tx.Commit())
+		return commitErr(ctx, tx.Commit())
 	})
 }
 
@@ -299,7 +301,8 @@ type PgxTxOptions struct {
 // the start, at most MaxAttempts times in all; f must therefore have no
 // effects outside tx. A commit whose reply was lost returns an error matching
 // fence.ErrUnknown and is not run again. A panic in f rolls the transaction
-// back and goes on to the caller. A nil ctx, db or f, or an option
+// back and goes on to the caller; f must not commit or roll back tx itself
+// (when it did, RunPgxTx returns an error matching fence.ErrUnknown). A nil ctx, db or f, or an option
 // PgxTxOptions refuses, returns an error matching fence.ErrInvalid before a
 // transaction begins.
 func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx pgx.Tx) error) error {
@@ -333,7 +336,7 @@ func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx
 		if err != nil {
 			return errors.Join(err, tx.Rollback(context.WithoutCancel(ctx)))
 		}
-		return commitErr(tx.Commit(ctx))
+		return commitErr(ctx, tx.Commit(ctx))
 	})
 }
 
@@ -397,9 +400,16 @@ func pgxBeginnerQuerier(db PgxBeginner) PgxQuerier {
 // commitErr reports a commit that failed without a reply from the server (a
 // lost reply, a cut connection) as fence.ErrUnknown: it may have committed.
 // Such a transaction is not run again.
-func commitErr(err error) error {
+//
+// A transaction already ended while ctx is live was ended by f itself, which
+// may have committed it: that is fence.ErrUnknown too. (When ctx ended,
+// database/sql rolled the transaction back, and the error stays definite.)
+func commitErr(ctx context.Context, err error) error {
 	if err == nil {
 		return nil
+	}
+	if ctx.Err() == nil && (errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed)) {
+		return fmt.Errorf("sqlfence: commit: %w: f ended the transaction itself (committed or rolled back it), so RunTx cannot tell which: %w", fence.ErrUnknown, err)
 	}
 	return unknownIfAmbiguous(fmt.Errorf("sqlfence: commit: %w", err), false)
 }
