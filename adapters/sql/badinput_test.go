@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -146,6 +147,57 @@ func TestRunTxBadInput(t *testing.T) {
 		if !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("%s: %v, want ErrInvalid", name, err)
 		}
+	}
+}
+
+// TestRunTxBadOptions (HAZARDS 8): a negative MaxAttempts, an isolation
+// level that database/sql does not define and pgx transaction modes that pgx
+// does not define are refused with ErrInvalid naming the option, before a
+// transaction begins (f never runs); a MaxAttempts of math.MaxInt is a bound
+// like any other.
+func TestRunTxBadOptions(t *testing.T) {
+	ctx := context.Background()
+	db, _ := openSQLite(t)
+	p := pgPool(t, pgOpts{})
+	runs := 0
+	f := func(*sql.Tx) error { runs++; return nil }
+	fPgx := func(pgx.Tx) error { runs++; return nil }
+	for _, c := range []struct {
+		name, arg string
+		run       func() error
+	}{
+		{"RunTx MaxAttempts -1", "MaxAttempts", func() error { return sqlfence.RunTx(ctx, db, &sqlfence.TxOptions{MaxAttempts: -1}, f) }},
+		{"RunTx MaxAttempts MinInt", "MaxAttempts", func() error { return sqlfence.RunTx(ctx, db, &sqlfence.TxOptions{MaxAttempts: math.MinInt}, f) }},
+		{"RunTx Isolation 99", "Isolation", func() error { return sqlfence.RunTx(ctx, db, &sqlfence.TxOptions{Isolation: 99}, f) }},
+		{"RunTx Isolation -1", "Isolation", func() error { return sqlfence.RunTx(ctx, db, &sqlfence.TxOptions{Isolation: -1}, f) }},
+		{"RunPgxTx MaxAttempts -1", "MaxAttempts", func() error { return sqlfence.RunPgxTx(ctx, p, &sqlfence.PgxTxOptions{MaxAttempts: -1}, fPgx) }},
+		{"RunPgxTx IsoLevel", "TxOptions.IsoLevel", func() error {
+			return sqlfence.RunPgxTx(ctx, p, &sqlfence.PgxTxOptions{TxOptions: pgx.TxOptions{IsoLevel: "snapshot"}}, fPgx)
+		}},
+		{"RunPgxTx AccessMode", "TxOptions.AccessMode", func() error {
+			return sqlfence.RunPgxTx(ctx, p, &sqlfence.PgxTxOptions{TxOptions: pgx.TxOptions{AccessMode: "read only; SELECT 1"}}, fPgx)
+		}},
+		{"RunPgxTx DeferrableMode", "TxOptions.DeferrableMode", func() error {
+			return sqlfence.RunPgxTx(ctx, p, &sqlfence.PgxTxOptions{TxOptions: pgx.TxOptions{DeferrableMode: "later"}}, fPgx)
+		}},
+	} {
+		runs = 0
+		err := c.run()
+		var inv *fence.InvalidError
+		if !errors.As(err, &inv) || inv.Arg != c.arg {
+			t.Errorf("%s: %v, want ErrInvalid naming %s", c.name, err, c.arg)
+		}
+		if runs != 0 {
+			t.Errorf("%s: f ran %d times, want 0", c.name, runs)
+		}
+	}
+	runs = 0
+	if err := sqlfence.RunTx(ctx, db, &sqlfence.TxOptions{MaxAttempts: math.MaxInt}, f); err != nil || runs != 1 {
+		t.Errorf("RunTx MaxAttempts MaxInt: %v after %d runs, want nil after 1", err, runs)
+	}
+	runs = 0
+	if err := sqlfence.RunPgxTx(ctx, p, &sqlfence.PgxTxOptions{MaxAttempts: math.MaxInt, TxOptions: pgx.TxOptions{IsoLevel: pgx.Serializable, AccessMode: pgx.ReadOnly, DeferrableMode: pgx.Deferrable}}, fPgx); err != nil || runs != 1 {
+		t.Errorf("RunPgxTx MaxAttempts MaxInt, serializable read only deferrable: %v after %d runs, want nil after 1", err, runs)
 	}
 }
 

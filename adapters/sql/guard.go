@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
@@ -210,10 +211,13 @@ func (g *Guards) wrap(err error) error {
 
 // TxOptions configures RunTx. A nil *TxOptions means the defaults.
 type TxOptions struct {
-	// Isolation is the transaction's isolation level. Default: the server's.
+	// Isolation is the transaction's isolation level, one of database/sql's
+	// levels; a value outside them is refused with an error matching
+	// fence.ErrInvalid. Default: the server's.
 	Isolation sql.IsolationLevel
 	// MaxAttempts bounds how often the transaction runs when it fails with a
-	// serialization failure or deadlock. Default: 10.
+	// serialization failure or deadlock; a negative value is refused with an
+	// error matching fence.ErrInvalid. Default (0): 10.
 	MaxAttempts int
 }
 
@@ -224,11 +228,15 @@ type TxOptions struct {
 // transaction is rolled back and run again from the start, at most
 // MaxAttempts times in all; f must therefore have no effects outside tx. Any
 // other error rolls back and is returned as it is (a fence.ErrStale from Guard
-// among them). A nil ctx, db or f returns an error matching fence.ErrInvalid.
+// among them). A nil ctx, db or f, or an option TxOptions refuses, returns an
+// error matching fence.ErrInvalid before a transaction begins.
 // A commit whose reply was lost (it may have committed) returns
 // an error matching fence.ErrUnknown and is not run again. A caller who
 // commits a guarded transaction itself gets the driver's error instead: an
 // error other than one the server sent leaves the commit's outcome unknown.
+// A panic in f rolls the transaction back and goes on to the caller. f must
+// not commit or roll back tx itself: when it did, RunTx returns an error
+// matching fence.ErrUnknown.
 func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) error) error {
 	if err := checkRunTx("run tx", ctx, db == nil, f == nil); err != nil {
 		return err
@@ -237,18 +245,32 @@ func RunTx(ctx context.Context, db *sql.DB, opts *TxOptions, f func(tx *sql.Tx) 
 	if opts != nil {
 		o = *opts
 	}
-	if o.MaxAttempts <= 0 {
-		o.MaxAttempts = 10
+	if o.Isolation < sql.LevelDefault || o.Isolation > sql.LevelLinearizable {
+		return &fence.InvalidError{Op: "run tx", Arg: "Isolation", Reason: fmt.Sprintf("%d is not a database/sql isolation level", int(o.Isolation))}
 	}
-	return retryTx(ctx, o.MaxAttempts, func() error {
+	attempts, err := maxAttempts("run tx", o.MaxAttempts)
+	if err != nil {
+		return err
+	}
+	return retryTx(ctx, attempts, func() error {
 		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: o.Isolation})
 		if err != nil {
 			return err
 		}
-		if err := f(tx); err != nil {
+		// A panic (or Goexit) in f rolls back on its way to the caller: a
+		// transaction left open keeps its locks as long as its connection.
+		ended := false
+		defer func() {
+			if !ended {
+				_ = tx.Rollback()
+			}
+		}()
+		err = f(tx)
+		ended = true
+		if err != nil {
 			return errors.Join(err, tx.Rollback())
 		}
-		return commitErr(tx.Commit())
+		return commitErr(ctx, tx.Commit())
 	})
 }
 
@@ -260,10 +282,15 @@ type PgxBeginner interface {
 // PgxTxOptions configures RunPgxTx. A nil *PgxTxOptions means the defaults.
 type PgxTxOptions struct {
 	// TxOptions begins each attempt's transaction (isolation level, access
-	// mode). Default: the zero pgx.TxOptions, the server's defaults.
+	// mode). Its IsoLevel, AccessMode and DeferrableMode must each be empty
+	// or one of pgx's constants (pgx puts them into the BEGIN statement as
+	// they are), unless BeginQuery is set; others are refused with an error
+	// matching fence.ErrInvalid. Default: the zero pgx.TxOptions, the
+	// server's defaults.
 	TxOptions pgx.TxOptions
 	// MaxAttempts bounds how often the transaction runs when it fails with a
-	// serialization failure or deadlock. Default: 10.
+	// serialization failure or deadlock; a negative value is refused with an
+	// error matching fence.ErrInvalid. Default (0): 10.
 	MaxAttempts int
 }
 
@@ -273,8 +300,11 @@ type PgxTxOptions struct {
 // deadlock (40001, 40P01), the transaction is rolled back and run again from
 // the start, at most MaxAttempts times in all; f must therefore have no
 // effects outside tx. A commit whose reply was lost returns an error matching
-// fence.ErrUnknown and is not run again. A nil ctx, db or f returns an error
-// matching fence.ErrInvalid.
+// fence.ErrUnknown and is not run again. A panic in f rolls the transaction
+// back and goes on to the caller; f must not commit or roll back tx itself
+// (when it did, RunPgxTx returns an error matching fence.ErrUnknown). A nil ctx, db or f, or an option
+// PgxTxOptions refuses, returns an error matching fence.ErrInvalid before a
+// transaction begins.
 func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx pgx.Tx) error) error {
 	if err := checkRunTx("run pgx tx", ctx, db == nil || isNilPgx(pgxBeginnerQuerier(db)), f == nil); err != nil {
 		return err
@@ -283,19 +313,66 @@ func RunPgxTx(ctx context.Context, db PgxBeginner, opts *PgxTxOptions, f func(tx
 	if opts != nil {
 		o = *opts
 	}
-	if o.MaxAttempts <= 0 {
-		o.MaxAttempts = 10
+	if err := checkPgxTxOptions(o.TxOptions); err != nil {
+		return err
 	}
-	return retryTx(ctx, o.MaxAttempts, func() error {
+	attempts, err := maxAttempts("run pgx tx", o.MaxAttempts)
+	if err != nil {
+		return err
+	}
+	return retryTx(ctx, attempts, func() error {
 		tx, err := db.BeginTx(ctx, o.TxOptions)
 		if err != nil {
 			return err
 		}
-		if err := f(tx); err != nil {
+		ended := false // as in RunTx: a panic in f rolls back
+		defer func() {
+			if !ended {
+				_ = tx.Rollback(context.WithoutCancel(ctx))
+			}
+		}()
+		err = f(tx)
+		ended = true
+		if err != nil {
 			return errors.Join(err, tx.Rollback(context.WithoutCancel(ctx)))
 		}
-		return commitErr(tx.Commit(ctx))
+		return commitErr(ctx, tx.Commit(ctx))
 	})
+}
+
+// maxAttempts returns n, or the default 10 for 0; a negative n returns an
+// error matching fence.ErrInvalid.
+func maxAttempts(op string, n int) (int, error) {
+	switch {
+	case n < 0:
+		return 0, &fence.InvalidError{Op: op, Arg: "MaxAttempts", Reason: fmt.Sprintf("%d is negative (0 means the default, 10)", n)}
+	case n == 0:
+		return 10, nil
+	}
+	return n, nil
+}
+
+// checkPgxTxOptions refuses transaction modes that are not pgx's constants:
+// pgx writes them into BEGIN unchecked, so a typo is a syntax error at run
+// time and anything after a semicolon another statement. A BeginQuery
+// replaces them, and is the caller's own SQL.
+func checkPgxTxOptions(o pgx.TxOptions) error {
+	if o.BeginQuery != "" {
+		return nil
+	}
+	for _, f := range []struct {
+		arg, v string
+		ok     []string
+	}{
+		{"TxOptions.IsoLevel", string(o.IsoLevel), []string{string(pgx.Serializable), string(pgx.RepeatableRead), string(pgx.ReadCommitted), string(pgx.ReadUncommitted)}},
+		{"TxOptions.AccessMode", string(o.AccessMode), []string{string(pgx.ReadWrite), string(pgx.ReadOnly)}},
+		{"TxOptions.DeferrableMode", string(o.DeferrableMode), []string{string(pgx.Deferrable), string(pgx.NotDeferrable)}},
+	} {
+		if f.v != "" && !slices.Contains(f.ok, f.v) {
+			return &fence.InvalidError{Op: "run pgx tx", Arg: f.arg, Reason: fmt.Sprintf("%q is not one of pgx's constants", f.v)}
+		}
+	}
+	return nil
 }
 
 // checkRunTx refuses a nil context, handle or function with an error
@@ -323,9 +400,16 @@ func pgxBeginnerQuerier(db PgxBeginner) PgxQuerier {
 // commitErr reports a commit that failed without a reply from the server (a
 // lost reply, a cut connection) as fence.ErrUnknown: it may have committed.
 // Such a transaction is not run again.
-func commitErr(err error) error {
+//
+// A transaction already ended while ctx is live was ended by f itself, which
+// may have committed it: that is fence.ErrUnknown too. (When ctx ended,
+// database/sql rolled the transaction back, and the error stays definite.)
+func commitErr(ctx context.Context, err error) error {
 	if err == nil {
 		return nil
+	}
+	if ctx.Err() == nil && (errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed)) {
+		return fmt.Errorf("sqlfence: commit: %w: f ended the transaction itself (committed or rolled back it), so RunTx cannot tell which: %w", fence.ErrUnknown, err)
 	}
 	return unknownIfAmbiguous(fmt.Errorf("sqlfence: commit: %w", err), false)
 }

@@ -33,6 +33,10 @@ type IdempotencyStore struct {
 	ddl   string
 
 	begin, get, update, purge string
+	// getLatest is get as a locking read on MySQL: in a caller's transaction
+	// under REPEATABLE READ a plain read returns the transaction's snapshot,
+	// which can predate the change that made a compare-and-set fail.
+	getLatest string
 }
 
 var _ idempotency.Store = (*IdempotencyStore)(nil)
@@ -79,6 +83,7 @@ ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, state = 'cla
 WHERE cur.state = 'released' OR (cur.expires_at IS NOT NULL AND cur.expires_at <= %[2]s)
 RETURNING fence`, t, now, d.nowUs, d.greatest)
 	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE key = $1", cols, t)
+	s.getLatest = s.get
 	// The compare-and-set: state and fence must be what the caller saw.
 	s.update = fmt.Sprintf(`UPDATE %[1]s SET state = $4, fence = $5, owner = $6, lease_until = %[2]s + $7,
   started_at = CASE WHEN $8 = 1 THEN %[2]s ELSE started_at END,
@@ -216,7 +221,12 @@ func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Rec
 }
 
 func (s *IdempotencyStore) getOn(ctx context.Context, c conn, key string) (idempotency.Record, error) {
-	rec, err := scanRecord(key, func(dest ...any) error { return c.queryRow(ctx, s.get, []any{s.db.text(key)}, dest...) })
+	return s.readOn(ctx, c, s.get, key)
+}
+
+// readOn runs q, get or getLatest, for key on c.
+func (s *IdempotencyStore) readOn(ctx context.Context, c conn, q, key string) (idempotency.Record, error) {
+	rec, err := scanRecord(key, func(dest ...any) error { return c.queryRow(ctx, q, []any{s.db.text(key)}, dest...) })
 	if errors.Is(err, errNoRows) {
 		return rec, fence.ErrNotFound
 	}
@@ -325,7 +335,9 @@ func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, fro
 	if !errors.Is(err, errNoRows) {
 		return rec, s.wrap("update", unknown(err))
 	}
-	cur, err := s.getOn(ctx, c, key)
+	// Why the compare-and-set failed is in the latest committed record, not
+	// in the snapshot of a caller's transaction (CompleteTx).
+	cur, err := s.readOn(ctx, c, s.getLatest, key)
 	if err != nil {
 		return cur, err
 	}

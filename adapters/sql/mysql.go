@@ -196,6 +196,7 @@ ON DUPLICATE KEY UPDATE
   expires_at = IF(%[4]s, NULL, expires_at),
   state = IF(%[4]s, 'claimed', state)`, t, now, nowUs, claim, mysqlText, mysqlMaybeEmpty)
 	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE `key` = %s", cols, t, mysqlText)
+	s.getLatest = s.get + " FOR UPDATE"
 	s.update = fmt.Sprintf(`UPDATE %[1]s SET fence = LAST_INSERT_ID(?), state = %[3]s, owner = %[4]s, lease_until = %[2]s + ?,
   started_at = IF(? = 1, %[2]s, started_at),
   expires_at = IF(? > 0, %[2]s + ?, NULL),
