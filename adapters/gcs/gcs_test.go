@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"cloud.google.com/go/storage"
 	gcsfence "github.com/fencekit/fencekit/adapters/gcs"
@@ -29,6 +30,23 @@ type faults struct {
 	plan    []string // each entry is consumed by one upload: "drop-response", "apply-503", "503", "429"
 	uploads atomic.Int32
 	reqs    atomic.Int32 // every request
+	// afterApply, when set, runs after a "drop-response" or "apply-503"
+	// upload was applied and before its answer goes out.
+	afterApply func()
+	// dateOffset shifts the Date header of every answer, as a proxy with
+	// its own clock would.
+	dateOffset atomic.Int64
+}
+
+// applied runs the upload r on the server, then afterApply.
+func (f *faults) applied(r *http.Request) {
+	f.next.ServeHTTP(httptest.NewRecorder(), r)
+	f.mu.Lock()
+	after := f.afterApply
+	f.mu.Unlock()
+	if after != nil {
+		after()
+	}
 }
 
 func (f *faults) inject(kinds ...string) {
@@ -39,6 +57,9 @@ func (f *faults) inject(kinds ...string) {
 
 func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	f.reqs.Add(1)
+	if off := time.Duration(f.dateOffset.Load()); off != 0 {
+		w.Header().Set("Date", time.Now().Add(off).UTC().Format(http.TimeFormat))
+	}
 	if r.Method != http.MethodPost || !strings.HasPrefix(r.URL.Path, "/upload/") {
 		f.next.ServeHTTP(w, r)
 		return
@@ -53,14 +74,14 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch kind {
 	case "drop-response":
 		// Apply the upload, then lose the answer: the connection dies.
-		f.next.ServeHTTP(httptest.NewRecorder(), r)
+		f.applied(r)
 		conn, _, err := w.(http.Hijacker).Hijack()
 		if err == nil {
 			conn.Close()
 		}
 	case "apply-503":
 		// Apply the upload, then answer 503, as a frontend may.
-		f.next.ServeHTTP(httptest.NewRecorder(), r)
+		f.applied(r)
 		http.Error(w, `{"error":{"code":503,"message":"injected"}}`, http.StatusServiceUnavailable)
 	case "503", "429":
 		code := 503

@@ -20,17 +20,21 @@
 // reflects the body only.
 //
 //   - Ambiguous attempts: an upload whose response was lost (or that got a 5xx
-//     or a 408) may have been applied. cloud.google.com/go/storage retries an
-//     upload by default when it has a precondition (any ifGenerationMatch,
-//     which makes it "idempotent" to the library): on 408, 429 and 5xx answers,
-//     io.ErrUnexpectedEOF, and connection resets, refusals, broken pipes and
-//     EOFs; a retry of an attempt that landed then fails with 412. The writer
-//     turns those retries off (RetryNever) and retries itself: on every read
-//     after an ambiguous attempt it checks whether the stored generation is its
-//     own write (by write id), and if so the write succeeded. If instead a
-//     newer token is stored, or the write ends for any other reason, the error
-//     matches fence.ErrUnknown, never fence.ErrStale: the value may have
-//     landed before it was replaced.
+//     or a 408) may have been applied. cloud.google.com/go/storage retries
+//     uploads on its own when they are "idempotent" to it, which any upload
+//     with a generation precondition is: by default (RetryIdempotent) on 408,
+//     429 and 5xx answers, io.ErrUnexpectedEOF, and connection resets,
+//     refusals and broken pipes. It can do so when it buffers the body (the
+//     default ChunkSize of 16 MiB: TestLibraryRetries sees a conditional
+//     upload answered 503 sent twice and reported as a success); a retry of
+//     an attempt that landed fails with 412. The writer uploads in one request
+//     (ChunkSize 0, which the library cannot resend) with RetryNever, and
+//     retries itself: on every read after an ambiguous attempt it checks
+//     whether the stored generation is its own write (by write id), and if so
+//     the write succeeded. If instead a newer token is stored, or the write
+//     ends for any other reason, the error matches fence.ErrUnknown, never
+//     fence.ErrStale: the value may have landed before it was replaced. Reads
+//     of attributes and bodies keep the library's retries: they change nothing.
 //   - Objects written by other tools have no token: they count as token 0 (any
 //     fenced write may replace them), or are refused with RefuseUnfenced.
 //
