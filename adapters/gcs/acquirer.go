@@ -254,7 +254,7 @@ func (a *Acquirer) check(op string, ctx context.Context, name string) error {
 	if err := fence.CheckContext(op, ctx); err != nil {
 		return err
 	}
-	if err := checkName(op, "name", name, MaxKeyBytes-len(a.o.Prefix)); err != nil {
+	if err := fence.CheckText(op, "name", name, MaxKeyBytes-len(a.o.Prefix)); err != nil {
 		return err
 	}
 	return checkName(op, "name", a.o.Prefix+name, MaxKeyBytes)

@@ -167,10 +167,11 @@ func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 	if err := fence.CheckContext(op, ctx); err != nil {
 		return err
 	}
-	if err := checkName(op, "key", key, MaxKeyBytes-len(w.o.Prefix)); err != nil {
+	if err := fence.CheckText(op, "key", key, MaxKeyBytes-len(w.o.Prefix)); err != nil {
 		return err
 	}
-	// A full name of "." or ".." (an empty Prefix) or one under the ACME path.
+	// The object name (Prefix + key): no CR or LF, not "." or "..", not
+	// under the ACME path.
 	return checkName(op, "key", w.o.Prefix+key, MaxKeyBytes)
 }
 
