@@ -251,13 +251,7 @@ func (o observed) expires() time.Time { return o.updated.Add(clockResolution).Ad
 func (a *Acquirer) object(name string) *storage.ObjectHandle { return a.b.Object(a.o.Prefix + name) }
 
 func (a *Acquirer) check(op string, ctx context.Context, name string) error {
-	if err := fence.CheckContext(op, ctx); err != nil {
-		return err
-	}
-	if err := fence.CheckText(op, "name", name, MaxKeyBytes-len(a.o.Prefix)); err != nil {
-		return err
-	}
-	return checkName(op, "name", a.o.Prefix+name, MaxKeyBytes)
+	return checkObjectName(op, ctx, "name", a.o.Prefix, name)
 }
 
 // checkTTL refuses a ttl outside the acquirer's bounds, or one not longer

@@ -164,15 +164,21 @@ type state struct {
 func (w *Writer) object(key string) *storage.ObjectHandle { return w.b.Object(w.o.Prefix + key) }
 
 func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
+	return checkObjectName(op, ctx, "key", w.o.Prefix, key)
+}
+
+// checkObjectName refuses a nil ctx, and a key or name (arg) that GCS cannot
+// store as the object prefix + s: s must be UTF-8 without NUL, the whole name
+// at most MaxKeyBytes bytes, without CR or LF, not "." or "..", not under the
+// ACME path.
+func checkObjectName(op string, ctx context.Context, arg, prefix, s string) error {
 	if err := fence.CheckContext(op, ctx); err != nil {
 		return err
 	}
-	if err := fence.CheckText(op, "key", key, MaxKeyBytes-len(w.o.Prefix)); err != nil {
+	if err := fence.CheckText(op, arg, s, MaxKeyBytes-len(prefix)); err != nil {
 		return err
 	}
-	// The object name (Prefix + key): no CR or LF, not "." or "..", not
-	// under the ACME path.
-	return checkName(op, "key", w.o.Prefix+key, MaxKeyBytes)
+	return checkName(op, arg, prefix+s, MaxKeyBytes)
 }
 
 // stateOf reads the fence from an object's attributes.
