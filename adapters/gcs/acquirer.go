@@ -328,6 +328,12 @@ func (a *Acquirer) free(ctx context.Context, o observed) (bool, error) {
 		return false, nil // held, by a recent reading
 	}
 	c, err := a.now(ctx)
+	if isRateLimited(err) {
+		// GCS takes about one write a second per object, and every
+		// contender writes the clock object: without a reading, the lock
+		// counts as held (Acquire polls again).
+		return false, nil
+	}
 	if err != nil {
 		return false, err
 	}

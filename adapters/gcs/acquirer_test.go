@@ -249,3 +249,35 @@ func TestAcquirerBadOptions(t *testing.T) {
 	}
 	fencetest.DriftRefusesShortTTL(t, a, 500*time.Millisecond, "ttl")
 }
+
+// TestClockRateLimited: a contender whose clock reading is refused with 429
+// (GCS's limit of about one write a second per object, which every contender
+// shares on the clock object) gets ErrHeld, not an error, and Acquire polls
+// on until the lock is free.
+func TestClockRateLimited(t *testing.T) {
+	e := fakeGCS(t)
+	ctx := ctxFor(t)
+	a, b := newAcquirer(t, e), newAcquirer(t, e)
+	name := fencetest.Name("rate")
+	l, err := a.TryAcquire(ctx, name, 400*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.f.inject("429")
+	before := e.f.uploads.Load()
+	if _, err := b.TryAcquire(ctx, name, time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("TryAcquire with the clock upload refused 429 = %v, want ErrHeld", err)
+	}
+	if n := e.f.uploads.Load() - before; n != 1 {
+		t.Fatalf("%d uploads, want the one clock upload", n)
+	}
+	e.f.inject("429", "429")
+	l2, err := b.Acquire(ctx, name, time.Second)
+	if err != nil {
+		t.Fatalf("Acquire through 429s on the clock: %v", err)
+	}
+	if l2.Token() <= l.Token() {
+		t.Errorf("token %d after %d", l2.Token(), l.Token())
+	}
+	_ = l2.Release(ctx)
+}
