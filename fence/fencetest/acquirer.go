@@ -65,6 +65,16 @@ type AcquirerSuite struct {
 	// environment variable named by LostReplyEnv is "0", they are skipped
 	// with a logged reason.
 	Faulty func(t *testing.T) (fence.Acquirer, *faultnet.Proxy)
+
+	// DeleteState, when set, removes every piece of state the backend keeps
+	// for lock name (the lease row, the Redis keys, the lock object, the
+	// etcd or NATS key), as an operator's DELETE, a lifecycle rule, FLUSHALL
+	// or an eviction would, while the caller may still hold a lease on it.
+	// The TokensSurviveDeletedState case (HAZARDS 1) uses it to check that a
+	// grant after the deletion carries a token above every token granted
+	// before, or is refused with ErrHeld or ErrTokensExhausted. When nil,
+	// that case is skipped with a logged reason.
+	DeleteState func(t *testing.T, name string)
 }
 
 // Name returns a fresh random lock name with prefix, for tests that share a backend.
@@ -116,6 +126,7 @@ func (s AcquirerSuite) Run(t *testing.T) {
 		{"LateRenewHoldsNothing", s.testLateRenew},
 		{"NoGrantWhileHolderContextLive", s.testNoGrantWhileLive},
 		{"TokensExhausted", s.testTokensExhausted},
+		{"TokensSurviveDeletedState", s.testDeletedState},
 		{"LostReplyTryAcquire", s.lostReply(s.testLostReplyGrant(false))},
 		{"LostReplyAcquire", s.lostReply(s.testLostReplyGrant(true))},
 		{"LostReplyRenew", s.lostReply(s.testLostReplyRenew)},
