@@ -42,7 +42,14 @@ func TestAcquirerConformance(t *testing.T) {
 				}
 				return newAcquirer(t, &gcsEnv{c: newClient(t, e.url), bucket: e.bucket, url: e.url})
 			},
-			Faulty:   faultyAcquirer(e),
+			Faulty: faultyAcquirer(e),
+			// An operator's delete of the lock object (the default Prefix).
+			DeleteState: func(t *testing.T, name string) {
+				err := e.b().Object("fencekit-locks/" + name).Delete(context.Background())
+				if err != nil && !errors.Is(err, storage.ErrObjectNotExist) {
+					t.Fatalf("deleting the lock object of %q: %v", name, err)
+				}
+			},
 			ShortTTL: short,
 			MaxTTL:   gcsfence.MaxAcquirerTTL,
 			BadNames: []string{"nul\x00", "bad \xff", "line\nfeed"},
