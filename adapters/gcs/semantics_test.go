@@ -18,7 +18,8 @@ import (
 // a matching one succeeds; every upload gets a new, larger generation, also
 // after the object was deleted and recreated (no reuse); ifMetagenerationMatch
 // on an upload is logged as enforced or ignored (fake-gcs-server ignores it,
-// so neither package uses it); the "updated" time of an upload lies on the
+// so neither package uses it), as is ifGenerationMatch on a delete (neither
+// package deletes); the "updated" time of an upload lies on the
 // server's clock between the request and its answer (here the server's clock
 // is this machine's).
 func TestGenerationSemantics(t *testing.T) {
@@ -101,6 +102,17 @@ func TestGenerationSemantics(t *testing.T) {
 		for i := 1; i < len(gens); i++ {
 			if gens[i] <= gens[i-1] {
 				t.Errorf("generation %d after %d: reused or went back", gens[i], gens[i-1])
+			}
+		}
+		// Delete with ifGenerationMatch on another generation: GCS refuses it
+		// with 412; logged, since neither package deletes conditionally.
+		derr := obj.If(storage.Conditions{GenerationMatch: a3.Generation + 1}).Retryer(storage.WithPolicy(storage.RetryNever)).Delete(ctx)
+		_, aerr := obj.Attrs(ctx)
+		t.Logf("delete with ifGenerationMatch on another generation: %d (%v): %s", status(derr), derr,
+			map[bool]string{true: "enforced", false: "ignored: the object was deleted"}[aerr == nil])
+		if aerr != nil {
+			if a3, err = put(&storage.Conditions{DoesNotExist: true}, "v1"); err != nil {
+				t.Fatal(err)
 			}
 		}
 		// A stale precondition from before the delete never matches again.
