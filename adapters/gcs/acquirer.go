@@ -586,6 +586,7 @@ func (l *lease) Renew(ctx context.Context) error {
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	var ambiguous error // an upload of the renewal that may have landed
 	for attempt := 0; attempt < l.a.o.MaxAttempts; attempt++ {
 		if l.Context().Err() != nil {
 			return l.lost()
@@ -607,6 +608,9 @@ func (l *lease) Renew(ctx context.Context) error {
 		if !isConflict(err) && !mayHaveApplied(err) && !isRateLimited(err) {
 			return fmt.Errorf("gcsfence: renew %q: %w", l.Name(), err)
 		}
+		if mayHaveApplied(err) {
+			ambiguous = err
+		}
 		o, rerr := l.a.read(ctx, l.Name())
 		if rerr != nil {
 			return fmt.Errorf("gcsfence: renew %q: %w: %w (after %v)", l.Name(), fence.ErrUnknown, rerr, err)
@@ -620,15 +624,26 @@ func (l *lease) Renew(ctx context.Context) error {
 		// when a write is confirmed.
 		l.gen = o.gen
 		if err := pause(ctx, attempt); err != nil {
-			return fmt.Errorf("gcsfence: renew %q: %w", l.Name(), err)
+			return l.renewFailed(err, ambiguous)
 		}
 	}
-	return fmt.Errorf("gcsfence: renew %q: %d attempts: %w", l.Name(), l.a.o.MaxAttempts, ErrContention)
+	return l.renewFailed(fmt.Errorf("%d attempts: %w", l.a.o.MaxAttempts, ErrContention), ambiguous)
+}
+
+// renewFailed wraps err for a Renew that gave up; after an upload that may
+// have landed (ambiguous), it matches fence.ErrUnknown.
+func (l *lease) renewFailed(err, ambiguous error) error {
+	if ambiguous != nil {
+		return fmt.Errorf("gcsfence: renew %q: %w: a renewal may have landed (%v): %w", l.Name(), fence.ErrUnknown, ambiguous, err)
+	}
+	return fmt.Errorf("gcsfence: renew %q: %w", l.Name(), err)
 }
 
 // Release frees the lock, keeping its counter, with an upload conditional on
 // the holder's generation; fence.ErrLost if another grant holds it or the
-// lease had already ended. The lease's context is done afterwards. A release
+// lease had already ended, but an error matching fence.ErrUnknown when
+// another grant holds it after an upload of the release that may have landed
+// (the release may have freed it). The lease's context is done afterwards. A release
 // that cannot be confirmed goes on in the background until the lock is free
 // of this grant or its ttl has passed, and Release returns an error matching
 // fence.ErrUnknown.
@@ -639,6 +654,8 @@ func (l *lease) Release(ctx context.Context) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	defer l.End(context.Canceled)
+	live := l.Context().Err() == nil
+	var ambiguous error // an upload of the release that may have landed
 	for attempt := 0; attempt < l.a.o.MaxAttempts; attempt++ {
 		_, err := l.a.write(ctx, l.Name(), l.gen, lockState{token: l.st.token, owner: l.st.owner})
 		if err == nil {
@@ -646,6 +663,9 @@ func (l *lease) Release(ctx context.Context) error {
 		}
 		if !isConflict(err) && !mayHaveApplied(err) && !isRateLimited(err) {
 			return fmt.Errorf("gcsfence: release %q: %w", l.Name(), err)
+		}
+		if mayHaveApplied(err) {
+			ambiguous = err
 		}
 		o, rerr := l.a.read(ctx, l.Name())
 		if rerr != nil {
@@ -655,6 +675,11 @@ func (l *lease) Release(ctx context.Context) error {
 		case o.exists && o.st.token == l.st.token && o.st.holder == "":
 			return l.released() // our release landed; its answer was lost
 		case !o.exists || o.st.token != l.st.token || o.st.holder != l.st.holder:
+			if ambiguous != nil && live {
+				// Our release may have landed and the lock been granted
+				// since: that is not a lost lease.
+				return fmt.Errorf("gcsfence: release %q: %w: another grant holds the lock after an upload of the release that may have landed (%v)", l.Name(), fence.ErrUnknown, ambiguous)
+			}
 			return l.lost()
 		}
 		l.gen = o.gen // still ours: release against the current generation
