@@ -37,22 +37,30 @@ const clockReuse = 10 * time.Second
 // Metadata keys of a lock object. Its body is empty: the whole state is in
 // its custom metadata, so one attributes read gives state and generation.
 const (
-	metaFormat = "fencekit"
-	metaToken  = "fence-token"
-	metaHolder = "fence-holder"
-	metaOwner  = "fence-owner"
-	metaTTL    = "fence-ttl-ns"
-	metaNew    = "fence-new"
-	lockFormat = "lock-v1"
+	metaFormat  = "fencekit"
+	metaToken   = "fence-token"
+	metaHolder  = "fence-holder"
+	metaOwner   = "fence-owner"
+	metaTTL     = "fence-ttl-ns"
+	metaNew     = "fence-new"
+	lockFormat  = "lock-v1"
+	clockFormat = "clock-v1"
 )
+
+// errClockBusy is now's error when other contenders rewrote the clock object
+// between every read and upload of MaxAttempts attempts.
+var errClockBusy = errors.New("gcsfence: the clock object kept changing under the clock reading")
 
 // AcquirerOptions configures an Acquirer. A nil *AcquirerOptions means the defaults.
 type AcquirerOptions struct {
 	// Prefix starts the name of every lock object. Default: "fencekit-locks/".
 	Prefix string
 	// ClockObject is the object the acquirer writes to read GCS's clock (an
-	// empty object, rewritten without conditions). It may not start with
-	// Prefix. Default: "fencekit-clock".
+	// empty object with a clock marker in its metadata, rewritten
+	// conditional on its generation). It may not start with Prefix. An
+	// object of that name written by anything else (other than an empty
+	// object without metadata) is never overwritten: reading the clock then
+	// fails with an error naming ClockObject. Default: "fencekit-clock".
 	ClockObject string
 	// Owner is recorded in the lock object, for operators. Default: host name
 	// and process id.
@@ -128,8 +136,9 @@ type Acquirer struct {
 	b *storage.BucketHandle
 	o AcquirerOptions
 
-	mu    sync.Mutex
-	clock gcsClock // the latest reading of GCS's clock
+	mu       sync.Mutex
+	clock    gcsClock // the latest reading of GCS's clock
+	clockGen int64    // the clock object's generation as last seen; 0: unknown
 }
 
 var (
@@ -294,27 +303,53 @@ func (a *Acquirer) write(ctx context.Context, name string, gen int64, st lockSta
 	return attrs, err
 }
 
-// now reads GCS's clock: it rewrites the clock object (no precondition: any
-// order of such writes is fine, and the library does not retry them) and
-// takes the time GCS stamped on it.
+// now reads GCS's clock: it rewrites the clock object and takes the time GCS
+// stamped on it. The upload is conditional on the clock object's generation
+// as last seen (on its absence at first), so it never overwrites an object
+// that is not a clock: after a 412 it reads the object, and refuses to go on
+// if that object holds anything but an empty body without metadata or
+// fencekit's clock marker (a Writer's value, say, in the same bucket). The
+// library does not retry these uploads.
 func (a *Acquirer) now(ctx context.Context) (gcsClock, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	wr := a.b.Object(a.o.ClockObject).Retryer(storage.WithPolicy(storage.RetryNever)).NewWriter(ctx)
-	wr.ChunkSize = 0
-	if err := wr.Close(); err != nil {
-		return gcsClock{}, fmt.Errorf("gcsfence: reading GCS's clock (writing %q): %w", a.o.ClockObject, err)
-	}
-	c := gcsClock{at: wr.Attrs().Updated, recv: time.Now()}
-	if c.at.IsZero() {
-		return gcsClock{}, fmt.Errorf("gcsfence: reading GCS's clock: the answer for %q has no updated time", a.o.ClockObject)
+	a.mu.Lock()
+	gen := a.clockGen
+	a.mu.Unlock()
+	o := a.b.Object(a.o.ClockObject)
+	for attempt := 0; attempt < a.o.MaxAttempts; attempt++ {
+		attrs, err := upload(ctx, o, gen, nil, map[string]string{metaFormat: clockFormat})
+		if isConflict(err) {
+			cur, rerr := o.Attrs(ctx)
+			switch {
+			case errors.Is(rerr, storage.ErrObjectNotExist):
+				gen = 0
+			case rerr != nil:
+				return gcsClock{}, fmt.Errorf("gcsfence: reading GCS's clock (reading %q after %v): %w", a.o.ClockObject, err, rerr)
+			case cur.Metadata[metaFormat] != clockFormat && (cur.Size != 0 || len(cur.Metadata) != 0):
+				return gcsClock{}, fmt.Errorf("gcsfence: reading GCS's clock: ClockObject %q holds an object fencekit did not write as its clock (metadata %v, %d bytes); it is left alone: choose another ClockObject", a.o.ClockObject, cur.Metadata, cur.Size)
+			default:
+				gen = cur.Generation
+			}
+			continue
+		}
+		if err != nil {
+			return gcsClock{}, fmt.Errorf("gcsfence: reading GCS's clock (writing %q): %w", a.o.ClockObject, err)
+		}
+		c := gcsClock{at: attrs.Updated, recv: time.Now()}
+		if c.at.IsZero() {
+			return gcsClock{}, fmt.Errorf("gcsfence: reading GCS's clock: the answer for %q has no updated time", a.o.ClockObject)
+		}
+		a.mu.Lock()
+		a.clockGen = attrs.Generation
+		if c.earliest().After(a.clock.earliest()) || a.clock.recv.IsZero() {
+			a.clock = c
+		}
+		a.mu.Unlock()
+		return c, nil
 	}
 	a.mu.Lock()
-	if c.earliest().After(a.clock.earliest()) || a.clock.recv.IsZero() {
-		a.clock = c
-	}
+	a.clockGen = gen
 	a.mu.Unlock()
-	return c, nil
+	return gcsClock{}, errClockBusy
 }
 
 // free reports whether a grant may take o over: it exists and is released, or
@@ -330,7 +365,7 @@ func (a *Acquirer) free(ctx context.Context, o observed) (bool, error) {
 		return false, nil // held, by a recent reading
 	}
 	c, err := a.now(ctx)
-	if isRateLimited(err) {
+	if isRateLimited(err) || errors.Is(err, errClockBusy) {
 		// GCS takes about one write a second per object, and every
 		// contender writes the clock object: without a reading, the lock
 		// counts as held (Acquire polls again).
