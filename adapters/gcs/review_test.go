@@ -1,6 +1,7 @@
 package gcsfence_test
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -117,4 +118,106 @@ func TestWriterKeysByteForByte(t *testing.T) {
 			t.Errorf("read %q: %q token %d, %v", k, v, tok, err)
 		}
 	}
+}
+
+// TestAbandonedGrantFreed (HAZARDS 6): a TryAcquire whose grant landed but
+// whose answer was lost, and whose context ended right then, returns an error
+// and frees the lock in the background: another contender gets it well
+// before the ttl.
+func TestAbandonedGrantFreed(t *testing.T) {
+	e := fakeGCS(t)
+	ctx := ctxFor(t)
+	a, other := newAcquirer(t, e), newAcquirer(t, e)
+	name := fencetest.Name("aband")
+	l, err := a.TryAcquire(ctx, name, time.Second) // creates the object
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	const ttl = 20 * time.Second
+	gctx, cancel := context.WithCancel(ctx)
+	e.f.mu.Lock()
+	e.f.afterApply = func() { cancel() }
+	e.f.mu.Unlock()
+	e.f.inject("drop-response")
+	if l, err := a.TryAcquire(gctx, name, ttl); err == nil {
+		t.Fatalf("TryAcquire whose context ended after its upload landed returned lease %d", l.Token())
+	}
+	e.f.mu.Lock()
+	e.f.afterApply = nil
+	e.f.mu.Unlock()
+	start := time.Now()
+	actx, acancel := context.WithTimeout(ctx, 5*time.Second)
+	defer acancel()
+	l2, err := other.Acquire(actx, name, time.Second)
+	if err != nil {
+		t.Fatalf("Acquire after an abandoned grant: %v after %v (ttl %v)", err, time.Since(start), ttl)
+	}
+	t.Logf("granted %v after the abandoned grant", time.Since(start))
+	_ = l2.Release(ctx)
+}
+
+// TestLongLockNames (HAZARDS 4, 8): a lock name that makes its object name
+// exactly 1024 bytes is granted, and is a different lock from the same name
+// one byte shorter; one byte more is fence.ErrInvalid before any request.
+func TestLongLockNames(t *testing.T) {
+	e := fakeGCS(t)
+	ctx := ctxFor(t)
+	a := newAcquirer(t, e)
+	room := gcsfence.MaxKeyBytes - len("fencekit-locks/")
+	base := fencetest.Name("long")
+	name := base + strings.Repeat("é", (room-len(base)-1)/2)
+	for len(name) < room {
+		name += "x"
+	}
+	l1, err := a.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("a %d-byte name: %v", len(name), err)
+	}
+	defer l1.Release(ctx)
+	l2, err := a.TryAcquire(ctx, name[:len(name)-1], 5*time.Second)
+	if err != nil {
+		t.Fatalf("the name one byte shorter: %v", err)
+	}
+	defer l2.Release(ctx)
+	before := e.f.reqs.Load()
+	if _, err := a.TryAcquire(ctx, name+"y", 5*time.Second); !errors.Is(err, fence.ErrInvalid) {
+		t.Fatalf("a name one byte too long: %v, want ErrInvalid", err)
+	}
+	if n := e.f.reqs.Load() - before; n != 0 {
+		t.Errorf("%d requests for a refused name", n)
+	}
+}
+
+// TestClockObjectDeleted (HAZARDS 1): the clock object deleted between two
+// readings (by an operator or a lifecycle rule) is written again; an expired
+// lease is taken over.
+func TestClockObjectDeleted(t *testing.T) {
+	e := fakeGCS(t)
+	ctx := ctxFor(t)
+	a, b := newAcquirer(t, e), newAcquirer(t, e)
+	name := fencetest.Name("clockdel")
+	const ttl = 200 * time.Millisecond
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.TryAcquire(ctx, name, ttl); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("TryAcquire on a live lease = %v, want ErrHeld", err)
+	}
+	if err := e.b().Object("fencekit-clock").Delete(ctx); err != nil {
+		t.Fatal(err)
+	}
+	actx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	l2, err := b.Acquire(actx, name, ttl)
+	if err != nil {
+		t.Fatalf("TryAcquire on an expired lease after the clock object was deleted: %v", err)
+	}
+	if l2.Token() <= l.Token() {
+		t.Errorf("token %d after %d", l2.Token(), l.Token())
+	}
+	_ = l2.Release(ctx)
 }
