@@ -221,3 +221,31 @@ func TestClockObjectDeleted(t *testing.T) {
 	}
 	_ = l2.Release(ctx)
 }
+
+// TestWriterSparesLockObjects (HAZARDS 4): a Writer on the locks' bucket
+// given a key that names a lock object (the acquirer's Prefix + a lock name)
+// refuses it instead of replacing the lock's state; the lock stays held and
+// usable.
+func TestWriterSparesLockObjects(t *testing.T) {
+	e := fakeGCS(t)
+	ctx := ctxFor(t)
+	a, other := newAcquirer(t, e), newAcquirer(t, e)
+	w := newWriter(t, e, nil)
+	name := fencetest.Name("lockkey")
+	l, err := a.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(ctx)
+	err = w.Write(ctx, "fencekit-locks/"+name, []byte("value"), l.Token())
+	t.Logf("Write to the lock object's name: %v", err)
+	if err == nil {
+		t.Error("a Writer replaced a lock object")
+	}
+	if _, err := other.TryAcquire(ctx, name, 5*time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Errorf("TryAcquire after the write = %v, want ErrHeld", err)
+	}
+	if err := l.Renew(ctx); err != nil {
+		t.Errorf("Renew after the write = %v", err)
+	}
+}
