@@ -239,8 +239,8 @@ func TestWriterSparesLockObjects(t *testing.T) {
 	defer l.Release(ctx)
 	err = w.Write(ctx, "fencekit-locks/"+name, []byte("value"), l.Token())
 	t.Logf("Write to the lock object's name: %v", err)
-	if err == nil {
-		t.Error("a Writer replaced a lock object")
+	if !errors.Is(err, gcsfence.ErrLockObject) {
+		t.Errorf("Write to a lock object's name = %v, want ErrLockObject", err)
 	}
 	if _, err := other.TryAcquire(ctx, name, 5*time.Second); !errors.Is(err, fence.ErrHeld) {
 		t.Errorf("TryAcquire after the write = %v, want ErrHeld", err)

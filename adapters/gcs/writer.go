@@ -73,6 +73,13 @@ const MaxKeyBytes = 1024
 // ErrUnfenced is returned, with RefuseUnfenced, for an object that has no token.
 var ErrUnfenced = errors.New("gcsfence: object was not written by a fenced writer")
 
+// ErrLockObject is returned by Write, Delete and Read for an object that an
+// Acquirer keeps (a lock object or the clock object, which carry a "fencekit"
+// metadata key): a Writer never replaces one, so a key that names one (say
+// "fencekit-locks/x" on the locks' bucket) is refused, and nothing is
+// written.
+var ErrLockObject = errors.New("gcsfence: the object is a fencekit lock or clock object, not a fenced value")
+
 // ErrContention is returned when other writers changed the object between every
 // read and write of MaxAttempts attempts.
 var ErrContention = errors.New("gcsfence: object kept changing under the write")
@@ -183,6 +190,9 @@ func checkObjectName(op string, ctx context.Context, arg, prefix, s string) erro
 
 // stateOf reads the fence from an object's attributes.
 func stateOf(key string, a *storage.ObjectAttrs) (state, error) {
+	if f, ok := a.Metadata[metaFormat]; ok {
+		return state{}, fmt.Errorf("object %q (%s %q): %w", key, metaFormat, f, ErrLockObject)
+	}
 	st := state{exists: true, gen: a.Generation, writeID: a.Metadata[MetaWriteID], deleted: a.Metadata[MetaDeleted] == "1"}
 	t, ok := a.Metadata[MetaToken]
 	if !ok {
@@ -213,7 +223,8 @@ func (w *Writer) attrs(ctx context.Context, key string) (state, error) {
 // Write stores value under key unless the object holds a larger token.
 // A lower token returns a *fence.StaleError; an outcome the writer could not
 // learn returns an error matching fence.ErrUnknown; a key GCS cannot store
-// returns fence.ErrInvalid before any request.
+// returns fence.ErrInvalid before any request; a key naming an Acquirer's
+// lock or clock object returns ErrLockObject, and nothing is written.
 func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
 	return w.put(ctx, "write", key, value, token, false)
 }
