@@ -35,6 +35,9 @@
 //     ends for any other reason, the error matches fence.ErrUnknown, never
 //     fence.ErrStale: the value may have landed before it was replaced. Reads
 //     of attributes and bodies keep the library's retries: they change nothing.
+//   - An object deleted other than by Delete (by hand, by a lifecycle rule)
+//     takes its token with it: the next write of any token creates it again.
+//     Keep lifecycle deletes off the keys you fence.
 //   - Objects written by other tools have no token: they count as token 0 (any
 //     fenced write may replace them), or are refused with RefuseUnfenced.
 //
