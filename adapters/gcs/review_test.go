@@ -274,3 +274,25 @@ func TestObjectDeletedByHand(t *testing.T) {
 		t.Fatalf("a lower token after the object was deleted by hand = %v; the README says it is accepted", err)
 	}
 }
+
+// TestBadBucketNames (HAZARDS 8): a bucket handle whose name GCS cannot have
+// is refused by New and NewAcquirer with fence.ErrInvalid naming the bucket,
+// not at the first write.
+func TestBadBucketNames(t *testing.T) {
+	e := fakeGCS(t)
+	for _, name := range []string{"", "ab", "Upper", "under space", strings.Repeat("b", 64), "-dash-first", "dot-last.", "a/b"} {
+		b := e.c.Bucket(name)
+		var ie *fence.InvalidError
+		if _, err := gcsfence.New(b, nil); !errors.As(err, &ie) || ie.Arg != "bucket" {
+			t.Errorf("New on bucket %q = %v, want ErrInvalid naming bucket", name, err)
+		}
+		if _, err := gcsfence.NewAcquirer(b, nil); !errors.As(err, &ie) || ie.Arg != "bucket" {
+			t.Errorf("NewAcquirer on bucket %q = %v, want ErrInvalid naming bucket", name, err)
+		}
+	}
+	for _, name := range []string{e.bucket, "a_b", "a.b-c", strings.Repeat("b", 63)} {
+		if _, err := gcsfence.New(e.c.Bucket(name), nil); err != nil {
+			t.Errorf("New on bucket %q: %v", name, err)
+		}
+	}
+}
