@@ -147,13 +147,14 @@ var (
 )
 
 // NewAcquirer returns an Acquirer on bucket. It returns an error matching
-// fence.ErrInvalid, naming the option, for a nil bucket, a negative Drift or
+// fence.ErrInvalid, naming the option, for a nil bucket or one whose name GCS
+// cannot have, a negative Drift or
 // MaxAttempts, an invalid Backoff, or a Prefix or ClockObject GCS cannot store
 // (or a ClockObject under Prefix, which a lock name could then name).
 func NewAcquirer(bucket *storage.BucketHandle, opts *AcquirerOptions) (*Acquirer, error) {
 	const op = "new acquirer"
-	if bucket == nil {
-		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: "nil"}
+	if err := checkBucket(op, bucket); err != nil {
+		return nil, err
 	}
 	var o AcquirerOptions
 	if opts != nil {

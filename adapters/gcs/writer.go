@@ -121,10 +121,11 @@ var (
 )
 
 // New returns a Writer on bucket. It returns an error matching fence.ErrInvalid
-// for a nil bucket, a negative MaxAttempts or a Prefix GCS cannot store.
+// for a nil bucket or one whose name GCS cannot have, a negative MaxAttempts
+// or a Prefix GCS cannot store.
 func New(bucket *storage.BucketHandle, opts *Options) (*Writer, error) {
-	if bucket == nil {
-		return nil, &fence.InvalidError{Op: "new writer", Arg: "bucket", Reason: "nil"}
+	if err := checkBucket("new writer", bucket); err != nil {
+		return nil, err
 	}
 	var o Options
 	if opts != nil {
@@ -142,6 +143,38 @@ func New(bucket *storage.BucketHandle, opts *Options) (*Writer, error) {
 		}
 	}
 	return &Writer{b: bucket, o: o, last: map[string]state{}}, nil
+}
+
+// checkBucket refuses a nil bucket handle, or one whose name GCS cannot
+// have: 3..63 bytes of lowercase letters, digits, '-', '_' and '.', starting
+// and ending with a letter or digit (up to 222 bytes with dots, each
+// dot-separated part at most 63).
+func checkBucket(op string, b *storage.BucketHandle) error {
+	if b == nil {
+		return &fence.InvalidError{Op: op, Arg: "bucket", Reason: "nil"}
+	}
+	name := b.BucketName()
+	bad := func(reason string) error {
+		return &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q %s", name, reason)}
+	}
+	alnum := func(c byte) bool { return c >= 'a' && c <= 'z' || c >= '0' && c <= '9' }
+	switch {
+	case len(name) < 3 || len(name) > 222:
+		return bad("is not 3..222 bytes long")
+	case !alnum(name[0]) || !alnum(name[len(name)-1]):
+		return bad("does not start and end with a lowercase letter or digit")
+	}
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; !alnum(c) && c != '-' && c != '_' && c != '.' {
+			return bad("holds a byte other than a lowercase letter, digit, '-', '_' or '.'")
+		}
+	}
+	for _, part := range strings.Split(name, ".") {
+		if len(part) > 63 {
+			return bad("has a part longer than 63 bytes")
+		}
+	}
+	return nil
 }
 
 // checkName refuses object names GCS cannot store: empty, over maxBytes, not
