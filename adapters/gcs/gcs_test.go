@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -36,6 +37,27 @@ type faults struct {
 	// dateOffset shifts the Date header of every answer, as a proxy with
 	// its own clock would.
 	dateOffset atomic.Int64
+	// msTimes truncates the object timestamps in every JSON answer to
+	// milliseconds, as GCS writes them (the fake gives microseconds).
+	msTimes atomic.Bool
+}
+
+// subMillis matches the digits after a timestamp's milliseconds.
+var subMillis = regexp.MustCompile(`("(?:updated|timeCreated|timeStorageClassUpdated)":\s*"[^"]*T[0-9:]+\.[0-9]{3})[0-9]*`)
+
+// serveMillis serves r with the object timestamps of the answer truncated to
+// milliseconds.
+func (f *faults) serveMillis(w http.ResponseWriter, r *http.Request) {
+	rec := httptest.NewRecorder()
+	f.next.ServeHTTP(rec, r)
+	body := subMillis.ReplaceAll(rec.Body.Bytes(), []byte("$1"))
+	for k, v := range rec.Header() {
+		if k != "Content-Length" {
+			w.Header()[k] = v
+		}
+	}
+	w.WriteHeader(rec.Code)
+	_, _ = w.Write(body)
 }
 
 // applied runs the upload r on the server, then afterApply.
@@ -60,8 +82,12 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if off := time.Duration(f.dateOffset.Load()); off != 0 {
 		w.Header().Set("Date", time.Now().Add(off).UTC().Format(http.TimeFormat))
 	}
+	next := f.next.ServeHTTP
+	if f.msTimes.Load() {
+		next = f.serveMillis
+	}
 	if r.Method != http.MethodPost || !strings.HasPrefix(r.URL.Path, "/upload/") {
-		f.next.ServeHTTP(w, r)
+		next(w, r)
 		return
 	}
 	f.uploads.Add(1)
@@ -92,7 +118,7 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(code)
 		fmt.Fprintf(w, `{"error":{"code":%d,"message":"injected"}}`, code)
 	default:
-		f.next.ServeHTTP(w, r)
+		next(w, r)
 	}
 }
 

@@ -296,3 +296,53 @@ func TestBadBucketNames(t *testing.T) {
 		}
 	}
 }
+
+// TestMillisecondTimestamps (HAZARDS 5): GCS stamps objects in milliseconds
+// (the fake in microseconds; here its answers are truncated as GCS's are).
+// A contender's grant comes only after the holder's local context ended,
+// through renewals, and a deleted lock object's next token is still above
+// the old ones.
+func TestMillisecondTimestamps(t *testing.T) {
+	e := fakeGCS(t)
+	e.f.msTimes.Store(true)
+	ctx := ctxFor(t)
+	a, b := newAcquirer(t, e), newAcquirer(t, e)
+	name := fencetest.Name("ms")
+	const ttl = 150 * time.Millisecond
+	for round := range 5 {
+		l, err := a.Acquire(ctx, name, ttl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if round%2 == 0 {
+			if err := l.Renew(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		l2, err := b.Acquire(ctx, name, ttl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Context().Err() == nil {
+			t.Fatalf("round %d: granted token %d while the holder of %d is live", round, l2.Token(), l.Token())
+		}
+		if l2.Token() <= l.Token() {
+			t.Fatalf("token %d after %d", l2.Token(), l.Token())
+		}
+		if err := l2.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		attrs, err := e.b().Object("fencekit-locks/" + name).Attrs(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if attrs.Updated.Nanosecond()%int(time.Millisecond) != 0 {
+			t.Fatalf("the lock object's updated time %v is not in whole milliseconds", attrs.Updated)
+		}
+		if round == 2 {
+			if err := e.b().Object("fencekit-locks/" + name).Delete(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
