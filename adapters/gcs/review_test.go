@@ -346,3 +346,30 @@ func TestMillisecondTimestamps(t *testing.T) {
 		}
 	}
 }
+
+// TestClockReplyLost (HAZARDS 3): the clock upload's answer lost (applied,
+// then the connection died) or a 503 once is no reason to fail an Acquire:
+// the clock upload changes nothing a retry could harm.
+func TestClockReplyLost(t *testing.T) {
+	for _, kind := range []string{"drop-response", "503"} {
+		t.Run(kind, func(t *testing.T) {
+			e := fakeGCS(t)
+			ctx := ctxFor(t)
+			a, b := newAcquirer(t, e), newAcquirer(t, e)
+			name := fencetest.Name("clocklost")
+			l, err := a.TryAcquire(ctx, name, 200*time.Millisecond)
+			if err != nil {
+				t.Fatal(err)
+			}
+			e.f.inject(kind) // b's first upload: its clock reading
+			l2, err := b.Acquire(ctx, name, time.Second)
+			if err != nil {
+				t.Fatalf("Acquire with the clock upload's answer %s: %v", kind, err)
+			}
+			if l.Context().Err() == nil || l2.Token() <= l.Token() {
+				t.Errorf("granted %d while %d live=%v", l2.Token(), l.Token(), l.Context().Err() == nil)
+			}
+			_ = l2.Release(ctx)
+		})
+	}
+}
