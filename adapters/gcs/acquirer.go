@@ -310,7 +310,8 @@ func (a *Acquirer) write(ctx context.Context, name string, gen int64, st lockSta
 // that is not a clock: after a 412 it reads the object, and refuses to go on
 // if that object holds anything but an empty body without metadata or
 // fencekit's clock marker (a Writer's value, say, in the same bucket). The
-// library does not retry these uploads.
+// library does not retry these uploads; now does, after a lost answer or a
+// 5xx, up to MaxAttempts uploads in all.
 func (a *Acquirer) now(ctx context.Context) (gcsClock, error) {
 	a.mu.Lock()
 	gen := a.clockGen
@@ -329,6 +330,14 @@ func (a *Acquirer) now(ctx context.Context) (gcsClock, error) {
 				return gcsClock{}, fmt.Errorf("gcsfence: reading GCS's clock: ClockObject %q holds an object fencekit did not write as its clock (metadata %v, %d bytes); it is left alone: choose another ClockObject", a.o.ClockObject, cur.Metadata, cur.Size)
 			default:
 				gen = cur.Generation
+			}
+			continue
+		}
+		if err != nil && mayHaveApplied(err) && ctx.Err() == nil && attempt+1 < a.o.MaxAttempts {
+			// A lost answer or a 5xx: write again (if the upload landed, the
+			// next one gets 412 and reads the new generation).
+			if perr := pause(ctx, attempt); perr != nil {
+				return gcsClock{}, fmt.Errorf("gcsfence: reading GCS's clock (writing %q): %w", a.o.ClockObject, err)
 			}
 			continue
 		}
