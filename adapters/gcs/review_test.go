@@ -373,3 +373,26 @@ func TestClockReplyLost(t *testing.T) {
 		})
 	}
 }
+
+// TestRequestCounts checks the figures the docs give: a new name's first
+// grant + release take 5 requests (two more than a free lock's), a free
+// lock's grant + release 3.
+func TestRequestCounts(t *testing.T) {
+	e := fakeGCS(t)
+	ctx := ctxFor(t)
+	a := newAcquirer(t, e)
+	name := fencetest.Name("count")
+	for i, want := range []int32{5, 3, 3} {
+		before := e.f.reqs.Load()
+		l, err := a.TryAcquire(ctx, name, time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if n := e.f.reqs.Load() - before; n != want {
+			t.Errorf("grant %d + release: %d requests, want %d", i, n, want)
+		}
+	}
+}
