@@ -3,6 +3,7 @@ package gcsfence_test
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -48,6 +49,15 @@ func TestAcquirerConformance(t *testing.T) {
 				err := e.b().Object("fencekit-locks/" + name).Delete(context.Background())
 				if err != nil && !errors.Is(err, storage.ErrObjectNotExist) {
 					t.Fatalf("deleting the lock object of %q: %v", name, err)
+				}
+			},
+			// The counter set by hand, as an operator restoring a lock
+			// object would: a free lock-v1 object holding tok.
+			SetCounter: func(t *testing.T, name string, tok fence.Token) {
+				wr := e.b().Object("fencekit-locks/" + name).NewWriter(context.Background())
+				wr.Metadata = map[string]string{"fencekit": "lock-v1", "fence-token": strconv.FormatUint(uint64(tok), 10), "fence-owner": "test"}
+				if err := wr.Close(); err != nil {
+					t.Fatalf("setting the counter of %q: %v", name, err)
 				}
 			},
 			ShortTTL: short,
