@@ -101,8 +101,12 @@ type AcquirerOptions struct {
 // reads GCS's time from that upload's "updated"; it adds the time since that
 // answer on its own monotonic clock, and reuses that reading for up to 10s to
 // decide that a lock is still held, but takes a lock over only on a fresh one.
-// A clock upload refused with 429 (every contender writes that one object,
-// and GCS takes about one write a second per object) counts the lock as held.
+// The clock upload is conditional on the clock object's generation (after a
+// 412 it reads the object and writes again), so it never overwrites an object
+// that is not a clock; it is sent again after a lost answer or a 5xx. A clock
+// upload refused with 429 (every contender writes that one object, and GCS
+// takes about one write a second per object), or refused 412 on each of
+// MaxAttempts tries, counts the lock as held.
 // A Date header can be set by any proxy or gateway on the way; an object's
 // timestamps are in the JSON that GCS wrote. The holder's local deadline is
 // measured from before the request that set the lease, less Drift; this
