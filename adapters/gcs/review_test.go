@@ -396,3 +396,18 @@ func TestRequestCounts(t *testing.T) {
 		}
 	}
 }
+
+// TestBadOwner (HAZARDS 8): Owner goes into every lock object's custom
+// metadata, which GCS limits to 8 KiB in all and keeps as UTF-8 text: an
+// Owner it cannot keep is refused by NewAcquirer, naming Owner, not by
+// every grant on GCS.
+func TestBadOwner(t *testing.T) {
+	e := fakeGCS(t)
+	for _, owner := range []string{strings.Repeat("o", 9000), "bad \xff", "nul\x00"} {
+		_, err := gcsfence.NewAcquirer(e.b(), &gcsfence.AcquirerOptions{Owner: owner})
+		var ie *fence.InvalidError
+		if !errors.As(err, &ie) || ie.Arg != "Owner" {
+			t.Errorf("Owner of %d bytes %.12q: %v, want ErrInvalid naming Owner", len(owner), owner, err)
+		}
+	}
+}
