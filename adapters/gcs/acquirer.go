@@ -22,6 +22,10 @@ import (
 // are for emulators.
 const MinAcquirerTTL = 100 * time.Millisecond
 
+// MaxOwnerBytes is the longest AcquirerOptions.Owner: it is stored in every
+// lock object's custom metadata, which GCS limits to 8 KiB in all.
+const MaxOwnerBytes = 1024
+
 // MaxAcquirerTTL is the longest lease: the largest time.Duration.
 const MaxAcquirerTTL = time.Duration(math.MaxInt64)
 
@@ -62,8 +66,8 @@ type AcquirerOptions struct {
 	// object without metadata) is never overwritten: reading the clock then
 	// fails with an error naming ClockObject. Default: "fencekit-clock".
 	ClockObject string
-	// Owner is recorded in the lock object, for operators. Default: host name
-	// and process id.
+	// Owner is recorded in the lock object, for operators: UTF-8 without NUL,
+	// at most MaxOwnerBytes. Default: host name and process id.
 	Owner string
 	// Backoff paces Acquire's polls while the lock is held: every poll is an
 	// attributes read. Default: Min 50ms, Max 1s.
@@ -152,9 +156,9 @@ var (
 
 // NewAcquirer returns an Acquirer on bucket. It returns an error matching
 // fence.ErrInvalid, naming the option, for a nil bucket or one whose name GCS
-// cannot have, a negative Drift or
-// MaxAttempts, an invalid Backoff, or a Prefix or ClockObject GCS cannot store
-// (or a ClockObject under Prefix, which a lock name could then name).
+// cannot have, a negative Drift or MaxAttempts, an invalid Backoff, an Owner
+// GCS cannot keep, or a Prefix or ClockObject GCS cannot store (or a
+// ClockObject under Prefix, which a lock name could then name).
 func NewAcquirer(bucket *storage.BucketHandle, opts *AcquirerOptions) (*Acquirer, error) {
 	const op = "new acquirer"
 	if err := checkBucket(op, bucket); err != nil {
@@ -191,6 +195,10 @@ func NewAcquirer(bucket *storage.BucketHandle, opts *AcquirerOptions) (*Acquirer
 	if o.Owner == "" {
 		host, _ := os.Hostname()
 		o.Owner = fmt.Sprintf("%s/%d", host, os.Getpid())
+	}
+	// GCS keeps at most 8 KiB of custom metadata per object, as text.
+	if err := fence.CheckText(op, "Owner", o.Owner, MaxOwnerBytes); err != nil {
+		return nil, err
 	}
 	if o.Backoff == (fence.Backoff{}) {
 		o.Backoff = fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}
