@@ -411,3 +411,52 @@ func TestBadOwner(t *testing.T) {
 		}
 	}
 }
+
+// TestExpiredLockMaxAttemptsOne (HAZARDS 6, 8): an acquirer with MaxAttempts
+// 1, new to a bucket whose clock object another acquirer wrote, takes over an
+// expired lease at its first TryAcquire: ErrHeld would leave a free lock
+// unused.
+func TestExpiredLockMaxAttemptsOne(t *testing.T) {
+	e := fakeGCS(t)
+	ctx := ctxFor(t)
+	a, b := newAcquirer(t, e), newAcquirer(t, e)
+	name := fencetest.Name("one")
+	l, err := a.TryAcquire(ctx, name, 150*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.TryAcquire(ctx, name, time.Second); !errors.Is(err, fence.ErrHeld) { // b writes the clock object
+		t.Fatalf("TryAcquire on a live lease = %v, want ErrHeld", err)
+	}
+	actx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	l2, err := b.Acquire(actx, name, time.Second) // waits for the expiry; b's reading is kept
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = l2.Release(ctx)
+	// The lease l2 released; take it again and let it expire.
+	l3, err := b.TryAcquire(ctx, name, 150*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-l3.Context().Done()
+	one, err := gcsfence.NewAcquirer(e.b(), &gcsfence.AcquirerOptions{MaxAttempts: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var l4 fence.Lease
+	for range 50 { // until GCS's expiry, at most 5ms after the local one
+		if l4, err = one.TryAcquire(ctx, name, time.Second); err == nil || !errors.Is(err, fence.ErrHeld) {
+			break
+		}
+		if _, err := b.Inspect(ctx, name); err != nil { // a round trip, not a sleep
+			t.Fatal(err)
+		}
+	}
+	if err != nil {
+		t.Fatalf("TryAcquire with MaxAttempts 1 on an expired lease: %v", err)
+	}
+	_ = l4.Release(ctx)
+	_ = l
+}
