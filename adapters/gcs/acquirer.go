@@ -107,10 +107,11 @@ type AcquirerOptions struct {
 // decide that a lock is still held, but takes a lock over only on a fresh one.
 // The clock upload is conditional on the clock object's generation (after a
 // 412 it reads the object and writes again), so it never overwrites an object
-// that is not a clock; it is sent again after a lost answer or a 5xx. A clock
-// upload refused with 429 (every contender writes that one object, and GCS
-// takes about one write a second per object), or refused 412 on each of
-// MaxAttempts tries, counts the lock as held.
+// that is not a clock; it is sent again after a lost answer or a 5xx, and
+// when another contender's clock write got in before each of MaxAttempts
+// tries, the time GCS stamped on that write is the reading. A clock upload
+// refused with 429 (every contender writes that one object, and GCS takes
+// about one write a second per object) counts the lock as held.
 // A Date header can be set by any proxy or gateway on the way; an object's
 // timestamps are in the JSON that GCS wrote. The holder's local deadline is
 // measured from before the request that set the lease, less Drift; this
@@ -323,16 +324,25 @@ func (a *Acquirer) write(ctx context.Context, name string, gen int64, st lockSta
 // if that object holds anything but an empty body without metadata or
 // fencekit's clock marker (a Writer's value, say, in the same bucket). The
 // library does not retry these uploads; now does, after a lost answer or a
-// 5xx, up to MaxAttempts uploads in all.
+// 5xx, up to MaxAttempts uploads in all. When every upload met another
+// contender's clock write (412), the time GCS stamped on the last such write
+// is the reading.
 func (a *Acquirer) now(ctx context.Context) (gcsClock, error) {
 	a.mu.Lock()
 	gen := a.clockGen
 	a.mu.Unlock()
 	o := a.b.Object(a.o.ClockObject)
+	var read gcsClock // the latest clock write another contender made, as read after a 412
 	for attempt := 0; attempt < a.o.MaxAttempts; attempt++ {
 		attrs, err := upload(ctx, o, gen, nil, map[string]string{metaFormat: clockFormat})
 		if isConflict(err) {
 			cur, rerr := o.Attrs(ctx)
+			if rerr == nil && cur.Metadata[metaFormat] == clockFormat && !cur.Updated.IsZero() {
+				// GCS stamped that write before it served this read: a
+				// reading too (maybe older than an upload of our own would
+				// give, never later than GCS's time).
+				read = gcsClock{at: cur.Updated, recv: time.Now()}
+			}
 			switch {
 			case errors.Is(rerr, storage.ErrObjectNotExist):
 				gen = 0
@@ -369,9 +379,15 @@ func (a *Acquirer) now(ctx context.Context) (gcsClock, error) {
 		return c, nil
 	}
 	a.mu.Lock()
+	defer a.mu.Unlock()
 	a.clockGen = gen
-	a.mu.Unlock()
-	return gcsClock{}, errClockBusy
+	if read.recv.IsZero() {
+		return gcsClock{}, errClockBusy
+	}
+	if read.earliest().After(a.clock.earliest()) || a.clock.recv.IsZero() {
+		a.clock = read
+	}
+	return read, nil
 }
 
 // free reports whether a grant may take o over: it exists and is released, or
