@@ -14,10 +14,12 @@ import (
 	"testing"
 	"time"
 
+	"cloud.google.com/go/storage"
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	gcsfence "github.com/fencekit/fencekit/adapters/gcs"
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/adapters/redislua"
 	s3fence "github.com/fencekit/fencekit/adapters/s3"
@@ -27,12 +29,14 @@ import (
 	"github.com/fencekit/fencekit/internal/etcdtest"
 	"github.com/fencekit/fencekit/internal/natstest"
 	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/fsouza/fake-gcs-server/fakestorage"
 	_ "github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/johannesboyne/gofakes3"
 	"github.com/johannesboyne/gofakes3/backend/s3mem"
 	"github.com/nats-io/nats.go/jetstream"
+	"google.golang.org/api/option"
 )
 
 // store is a fenced writer that reads.
@@ -169,6 +173,9 @@ func acquirers() []acquirerCase {
 			j := natsJS(t, natsfence.LockBucket("locks"))
 			return must(natsfence.New(context.Background(), j, "locks", &natsfence.Options{Drift: drift}))
 		}},
+		{"gcs", 300 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+			return must(gcsfence.NewAcquirer(gcsBucket(t), &gcsfence.AcquirerOptions{Drift: drift, Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
+		}},
 	}
 }
 
@@ -231,6 +238,18 @@ func s3Client(t *testing.T) (*s3.Client, string) {
 	return c, "fenced"
 }
 
+// gcsBucket starts an in-process GCS (fake-gcs-server) with a bucket, reached
+// through the real client.
+func gcsBucket(t *testing.T) *storage.BucketHandle {
+	srv := must(fakestorage.NewServerWithOptions(fakestorage.Options{Scheme: "http", Host: "127.0.0.1"}))
+	t.Cleanup(srv.Stop)
+	srv.CreateBucket("fenced")
+	c := must(storage.NewClient(context.Background(), option.WithEndpoint(srv.URL()+"/storage/v1/"),
+		option.WithoutAuthentication(), storage.WithJSONReads()))
+	t.Cleanup(func() { c.Close() })
+	return c.Bucket("fenced")
+}
+
 func s3Writer(t *testing.T) *s3fence.Writer {
 	c, bucket := s3Client(t)
 	return must(s3fence.New(c, bucket, nil))
@@ -280,6 +299,7 @@ func writers() []writerCase {
 			j := natsJS(t, jetstream.KeyValueConfig{Bucket: "fences", History: 1})
 			return must(natsfence.NewWriter(context.Background(), j, "fences", nil))
 		}},
+		{"gcs", func(t *testing.T) store { return must(gcsfence.New(gcsBucket(t), nil)) }},
 	}
 }
 

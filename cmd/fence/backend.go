@@ -45,7 +45,7 @@ type backend struct {
 	idem         idempotency.Store
 }
 
-var backendNames = []string{"sqlite", "postgres", "mysql", "redis", "etcd", "s3", "nats"}
+var backendNames = []string{"sqlite", "postgres", "mysql", "redis", "etcd", "s3", "nats", "gcs"}
 
 // backendConfig holds the flags that choose and reach a backend.
 type backendConfig struct {
@@ -61,6 +61,8 @@ type backendConfig struct {
 	s3Region    string
 	// NATS: the server, and the buckets of the locks and of the protected keys.
 	natsURL, natsBucket, natsDataBucket string
+	gcsBucket                           string // -backend gcs
+	gcsEndpoint                         string
 	// operator is set for inspect and bump, which act on the backend the flags
 	// name and nothing else: no defaults, no temporary or embedded backend, no
 	// tables created.
@@ -119,6 +121,10 @@ func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
 		"NATS server URL, required for -backend nats (NATS_USER and NATS_PASSWORD for auth)"))
 	fs.StringVar(&c.natsBucket, "nats-bucket", natsLockBucket, "NATS KV bucket of the locks, for -backend nats with inspect and bump (it must exist)")
 	fs.StringVar(&c.natsDataBucket, "nats-data-bucket", natsDataBucket, "NATS KV bucket of the protected keys, for -backend nats with inspect -key (it must exist)")
+	fs.StringVar(&c.gcsBucket, "gcs-bucket", "", need(
+		"Google Cloud Storage bucket, for -backend gcs (it must exist; when empty, an in-process GCS emulator); credentials from Application Default Credentials",
+		"Google Cloud Storage bucket, required for -backend gcs (it must exist); credentials from Application Default Credentials"))
+	fs.StringVar(&c.gcsEndpoint, "gcs-endpoint", "", "GCS JSON API endpoint URL, for -backend gcs with another server (default: Google's)")
 	if !operator {
 		// The default DSN's password is the test user's; help shows it redacted.
 		fs.Lookup("mysql-dsn").DefValue = redactConn(defaultMySQLDSN)
@@ -187,6 +193,10 @@ func (c *backendConfig) checkOperator(key string) error {
 		}
 		if os.Getenv("AWS_ACCESS_KEY_ID") == "" || os.Getenv("AWS_SECRET_ACCESS_KEY") == "" {
 			return fmt.Errorf("%w: -backend s3 needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment", errUsage)
+		}
+	case "gcs":
+		if blank(c.gcsBucket) {
+			return missing("-gcs-bucket BUCKET", "an existing bucket")
 		}
 	}
 	return nil
@@ -406,6 +416,8 @@ func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
 		return openS3Backend(ctx, c)
 	case "nats":
 		return openNATSBackend(ctx, c.natsURL)
+	case "gcs":
+		return openGCSBackend(ctx, c)
 	default:
 		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
 	}

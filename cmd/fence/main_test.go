@@ -149,6 +149,21 @@ func TestDemoS3(t *testing.T) {
 	}
 }
 
+func TestDemoGCS(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the demo replays the lesson's timings (about 10s); skipped with -short")
+	}
+	var out, errOut bytes.Buffer
+	if code := run([]string{"demo", "-backend", "gcs"}, &out, &errOut); code != 0 {
+		t.Fatalf("fence demo -backend gcs exited %d\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"fence demo on in-process GCS", `storage: REJECTED  "written by A"`, "Every outcome was the expected one."} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo output lacks %q\n%s", want, out.String())
+		}
+	}
+}
+
 func TestUsage(t *testing.T) {
 	cases := []struct {
 		args []string

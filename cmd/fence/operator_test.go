@@ -83,6 +83,7 @@ func TestOperatorRefusesUnnamedBackend(t *testing.T) {
 		{[]string{"inspect", "-backend", "etcd", "-etcd-endpoints", ",", "job"}, "-etcd-endpoints holds an empty endpoint"},
 		{[]string{"inspect", "-backend", "etcd", "-etcd-endpoints", "http://127.0.0.1:1, ", "job"}, "-etcd-endpoints holds an empty endpoint"},
 		{[]string{"inspect", "-backend", "s3", "-s3-bucket", " ", "job"}, "-backend s3 needs -s3-bucket"},
+		{[]string{"inspect", "-backend", "gcs", "job"}, "-backend gcs needs -gcs-bucket"},
 	}
 	t.Setenv("AWS_ACCESS_KEY_ID", "")
 	t.Setenv("AWS_SECRET_ACCESS_KEY", "")
