@@ -119,8 +119,13 @@ func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
 	fs.StringVar(&c.natsURL, "nats-url", "", need(
 		"NATS server URL, for -backend nats (when empty, an in-process server in a temporary directory; NATS_USER and NATS_PASSWORD for auth)",
 		"NATS server URL, required for -backend nats (NATS_USER and NATS_PASSWORD for auth)"))
-	fs.StringVar(&c.natsBucket, "nats-bucket", natsLockBucket, "NATS KV bucket of the locks, for -backend nats with inspect and bump (it must exist)")
-	fs.StringVar(&c.natsDataBucket, "nats-data-bucket", natsDataBucket, "NATS KV bucket of the protected keys, for -backend nats with inspect -key (it must exist)")
+	if operator {
+		// Bucket names on the server -nats-url names; empty means the buckets
+		// fence demo makes there (no default is shown: help shows nothing to
+		// act on that the operator did not name).
+		fs.StringVar(&c.natsBucket, "nats-bucket", "", "NATS KV bucket of the locks, for -backend nats (it must exist; when empty: "+natsLockBucket+", the bucket fence demo -nats-url uses)")
+		fs.StringVar(&c.natsDataBucket, "nats-data-bucket", "", "NATS KV bucket of the protected keys, for -backend nats with inspect -key (it must exist; when empty: "+natsDataBucket+")")
+	}
 	fs.StringVar(&c.gcsBucket, "gcs-bucket", "", need(
 		"Google Cloud Storage bucket, for -backend gcs (it must exist; when empty, an in-process GCS emulator); credentials from Application Default Credentials",
 		"Google Cloud Storage bucket, required for -backend gcs (it must exist); credentials from Application Default Credentials"))

@@ -155,6 +155,12 @@ func natsBackend(ctx context.Context, url, name string) (*backend, error) {
 // openNATSOperator opens the lock bucket (and, with keys, the data bucket)
 // on the server the operator named, creating nothing.
 func openNATSOperator(ctx context.Context, c backendConfig, keys bool) (*backend, error) {
+	if c.natsBucket == "" {
+		c.natsBucket = natsLockBucket
+	}
+	if c.natsDataBucket == "" {
+		c.natsDataBucket = natsDataBucket
+	}
 	nc, js, err := connectNATS(ctx, c.natsURL)
 	if err != nil {
 		return nil, err
