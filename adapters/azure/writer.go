@@ -1,0 +1,410 @@
+// Package azfence fences writes to Azure Blob Storage with conditional Put
+// Blob requests, and grants leases on Azure's native blob leases with the
+// fencing token kept in the lock blob's metadata.
+//
+// # Writer
+//
+// A write reads the blob's properties (its token and write id in metadata,
+// and its ETag), refuses a stale token, and puts the blob with If-Match on
+// that ETag (If-None-Match: * for a new blob): if anyone wrote in between,
+// the put fails with 412 ConditionNotMet (409 BlobAlreadyExists for a blob
+// created in between, 404 for one deleted in between) and the writer reads
+// again and decides again, a bounded number of times. Three corners:
+//
+//   - ETag reuse (ABA): Azure's ETags do not hash the body. Azurite makes them
+//     from its clock in milliseconds times a random number in 70000..100000,
+//     so two writes of one blob in the same millisecond can share an ETag. Every
+//     write also stores its random write id in a blob index tag
+//     (TagWriteID), and every conditional put requires that tag to still hold
+//     the write id it read (x-ms-if-tags), along with the ETag: a write in
+//     between changes the tag even if the ETag came back the same.
+//   - Ambiguous attempts: a put whose reply was lost (or that got a 5xx) may
+//     have been applied. The SDK's retry policy (azcore: up to 3 retries of
+//     any request on a transport error other than the caller's context ending,
+//     and on 408, 429, 500, 502, 503 and 504) is off for the put; the writer
+//     retries itself, and on every read after such an attempt checks whether
+//     the stored blob is its own write (by write id): then the write
+//     succeeded. If a newer token is stored instead, or the write ends for any
+//     other reason, the error matches fence.ErrUnknown, never fence.ErrStale.
+//   - Blobs written by other tools have no token: they count as token 0, or
+//     are refused with RefuseUnfenced.
+//
+// Errors are told apart by Azure's error codes and HTTP status, never by
+// their messages.
+package azfence
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore"
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore/policy"
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore/streaming"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blob"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/bloberror"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blockblob"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/container"
+	"github.com/fencekit/fencekit/fence"
+)
+
+// Metadata keys stored with every blob this package writes (x-ms-meta-*;
+// Azure compares metadata names case-insensitively, these are lower case).
+const (
+	MetaToken   = "fencetoken"
+	MetaWriteID = "fencewrite"
+	MetaDeleted = "fencedeleted"
+)
+
+// TagWriteID is the blob index tag holding the write id of the blob's last
+// fenced write; conditional writes require it (x-ms-if-tags).
+const TagWriteID = "fencewrite"
+
+// MaxKeyBytes is Azure's limit on a blob name, in bytes (1024 characters; a
+// name is kept at 1024 bytes of UTF-8 here). The writer's Prefix counts
+// towards it.
+const MaxKeyBytes = 1024
+
+// ErrUnfenced is returned, with RefuseUnfenced, for a blob that has no token.
+var ErrUnfenced = errors.New("azfence: blob was not written by a fenced writer")
+
+// ErrContention is returned when other writers changed the blob between every
+// read and write of MaxAttempts attempts.
+var ErrContention = errors.New("azfence: blob kept changing under the write")
+
+// Options configures a Writer. A nil *Options means the defaults.
+type Options struct {
+	// Prefix is put before every key. Default: "".
+	Prefix string
+	// MaxAttempts bounds how often a write reads and tries again after another
+	// writer got in between. Default: 8.
+	MaxAttempts int
+	// RefuseUnfenced makes writes to (and reads of) blobs without a token fail
+	// with ErrUnfenced instead of treating them as token 0. Default: false.
+	RefuseUnfenced bool
+}
+
+// Writer is a fence.FencedWriter, fence.Reader and fence.Deleter on one
+// container. It is safe for concurrent use.
+type Writer struct {
+	c *container.Client
+	o Options
+}
+
+var (
+	_ fence.FencedWriter = (*Writer)(nil)
+	_ fence.Reader       = (*Writer)(nil)
+	_ fence.Deleter      = (*Writer)(nil)
+)
+
+// New returns a Writer on the container c (which must exist). It returns an
+// error matching fence.ErrInvalid for a nil client, a negative MaxAttempts or
+// an invalid Prefix.
+func New(c *container.Client, opts *Options) (*Writer, error) {
+	if c == nil {
+		return nil, &fence.InvalidError{Op: "new writer", Arg: "container client", Reason: "nil"}
+	}
+	var o Options
+	if opts != nil {
+		o = *opts
+	}
+	if o.MaxAttempts < 0 {
+		return nil, &fence.InvalidError{Op: "new writer", Arg: "MaxAttempts", Reason: "negative"}
+	}
+	if o.MaxAttempts == 0 {
+		o.MaxAttempts = 8
+	}
+	if o.Prefix != "" {
+		if err := checkName("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
+			return nil, err
+		}
+	}
+	return &Writer{c: c, o: o}, nil
+}
+
+// checkName refuses text Azure cannot store byte for byte as (part of) a blob
+// name: not UTF-8, NUL, longer than max bytes, or (checked by checkBlobName)
+// ending in a dot or slash, which Azure drops.
+func checkName(op, arg, s string, max int) error {
+	if err := fence.CheckText(op, arg, s, max); err != nil {
+		return err
+	}
+	if strings.ContainsAny(s, "\\") {
+		// Azure turns a backslash in a blob name into a slash.
+		return &fence.InvalidError{Op: op, Arg: arg, Reason: "a backslash (Azure stores it as a slash)"}
+	}
+	return nil
+}
+
+// checkBlobName refuses a whole blob name Azure would change: one ending in a
+// dot or a slash (dropped), or with a path segment that is "." or "..".
+func checkBlobName(op, arg, name string) error {
+	if strings.HasSuffix(name, ".") || strings.HasSuffix(name, "/") {
+		return &fence.InvalidError{Op: op, Arg: arg, Reason: "ends in a dot or slash, which Azure drops"}
+	}
+	for _, seg := range strings.Split(name, "/") {
+		if seg == "." || seg == ".." {
+			return &fence.InvalidError{Op: op, Arg: arg, Reason: "a path segment . or .., which Azure resolves"}
+		}
+	}
+	return nil
+}
+
+// state is what a blob's properties tell.
+type state struct {
+	exists   bool
+	etag     azcore.ETag
+	token    fence.Token
+	unfenced bool
+	writeID  string
+}
+
+func (w *Writer) blobName(key string) string { return w.o.Prefix + key }
+
+func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
+	if err := fence.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	if err := checkName(op, "key", key, MaxKeyBytes-len(w.o.Prefix)); err != nil {
+		return err
+	}
+	return checkBlobName(op, "key", w.blobName(key))
+}
+
+// meta returns metadata value k, whatever case the server returned it in.
+func meta(m map[string]*string, k string) (string, bool) {
+	for mk, v := range m {
+		if strings.EqualFold(mk, k) && v != nil {
+			return *v, true
+		}
+	}
+	return "", false
+}
+
+func (w *Writer) head(ctx context.Context, key string) (state, error) {
+	p, err := w.c.NewBlobClient(w.blobName(key)).GetProperties(ctx, nil)
+	if err != nil {
+		if isNotFound(err) {
+			return state{}, nil
+		}
+		return state{}, err
+	}
+	st := state{exists: true}
+	if p.ETag != nil {
+		st.etag = *p.ETag
+	}
+	st.writeID, _ = meta(p.Metadata, MetaWriteID)
+	if t, ok := meta(p.Metadata, MetaToken); ok {
+		n, err := strconv.ParseUint(t, 10, 64)
+		if err != nil || !fence.Token(n).Valid() {
+			return state{}, fmt.Errorf("azfence: blob %q has a malformed %s %q", key, MetaToken, t)
+		}
+		st.token = fence.Token(n)
+	} else {
+		st.unfenced = true
+	}
+	return st, nil
+}
+
+// Write stores value under key unless the blob holds a larger token. It
+// returns *fence.StaleError for a lower token, an error matching
+// fence.ErrUnknown when an attempt may have been applied but could not be
+// confirmed, ErrContention after MaxAttempts conflicts, and fence.ErrInvalid
+// for a nil ctx, token 0 or a key Azure cannot store byte for byte.
+func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
+	return w.put(ctx, "write", key, envelope{token: token, value: value})
+}
+
+// Delete replaces the blob with a tombstone that keeps the fence at token,
+// unless the blob holds a larger token (errors as Write). Read then returns
+// fence.ErrNotFound.
+func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
+	return w.put(ctx, "delete", key, envelope{token: token, deleted: true})
+}
+
+func newID() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// noRetries turns azcore's retry policy off for requests made with the
+// returned context: a conditional request retried after its first attempt
+// landed fails its precondition, and only the caller knows to read that as
+// "maybe ours".
+func noRetries(ctx context.Context) context.Context {
+	return policy.WithRetryOptions(ctx, policy.RetryOptions{MaxRetries: -1})
+}
+
+func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
+	if err := w.checkKey(op, ctx, key); err != nil {
+		return err
+	}
+	if err := fence.CheckToken(op, e.token); err != nil {
+		return err
+	}
+	e.writeID = newID()
+	body := e.encode()
+	tok := strconv.FormatUint(uint64(e.token), 10)
+	md := map[string]*string{MetaToken: &tok, MetaWriteID: &e.writeID}
+	if e.deleted {
+		one := "1"
+		md[MetaDeleted] = &one
+	}
+	bc := w.c.NewBlockBlobClient(w.blobName(key))
+	var st state
+	haveState := false
+	var ambiguous error
+	for attempt := 0; attempt < w.o.MaxAttempts; attempt++ {
+		if !haveState {
+			var err error
+			if st, err = w.head(ctx, key); err != nil {
+				return w.failed(op, key, err, ambiguous)
+			}
+			if ambiguous != nil && st.exists && st.writeID == e.writeID {
+				return nil // an earlier attempt landed
+			}
+		}
+		haveState = false
+		if st.unfenced && w.o.RefuseUnfenced {
+			return w.failed(op, key, ErrUnfenced, ambiguous)
+		}
+		if st.token > e.token {
+			if ambiguous != nil {
+				return w.failed(op, key, fmt.Errorf("the key now holds token %d (%w)", st.token, ambiguous), ambiguous)
+			}
+			return &fence.StaleError{Key: key, Offered: e.token, Current: st.token}
+		}
+		mac := &blob.ModifiedAccessConditions{}
+		if st.exists {
+			mac.IfMatch = &st.etag
+			if !st.unfenced {
+				// ETag and write id: a write in between changed the tag
+				// even if its ETag equals the one read.
+				cond := fmt.Sprintf("%q = '%s'", TagWriteID, st.writeID)
+				mac.IfTags = &cond
+			}
+		} else {
+			any := azcore.ETagAny
+			mac.IfNoneMatch = &any
+		}
+		_, err := bc.Upload(noRetries(ctx), streaming.NopCloser(bytes.NewReader(body)), &blockblob.UploadOptions{
+			Metadata: md, Tags: map[string]string{TagWriteID: e.writeID},
+			AccessConditions: &blob.AccessConditions{ModifiedAccessConditions: mac},
+		})
+		if err == nil {
+			return nil
+		}
+		switch {
+		case isConflict(err):
+			cur, herr := w.head(ctx, key)
+			if herr != nil {
+				return w.failed(op, key, herr, ambiguous)
+			}
+			if cur.exists && cur.writeID == e.writeID {
+				return nil
+			}
+			st, haveState = cur, true
+		case mayHaveApplied(err):
+			ambiguous = err
+			if ctx.Err() != nil {
+				return w.failed(op, key, err, ambiguous)
+			}
+			if err := (fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}).Sleep(ctx, attempt); err != nil {
+				return w.failed(op, key, err, ambiguous)
+			}
+		default:
+			return w.failed(op, key, err, ambiguous)
+		}
+	}
+	return w.failed(op, key, fmt.Errorf("%d attempts: %w", w.o.MaxAttempts, ErrContention), ambiguous)
+}
+
+// failed wraps err for op on key; after an attempt that may have been applied
+// (ambiguous), the error matches fence.ErrUnknown.
+func (w *Writer) failed(op, key string, err, ambiguous error) error {
+	if ambiguous != nil {
+		return fmt.Errorf("azfence: %s %q: %w: an attempt may have been applied (%v): %w", op, key, fence.ErrUnknown, ambiguous, err)
+	}
+	return fmt.Errorf("azfence: %s %q: %w", op, key, err)
+}
+
+// Read returns the value stored under key and its token. A key never written
+// or deleted returns fence.ErrNotFound. A blob written by another tool
+// returns its whole body with token 0 (or ErrUnfenced with RefuseUnfenced).
+func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
+	if err := w.checkKey("read", ctx, key); err != nil {
+		return nil, 0, err
+	}
+	out, err := w.c.NewBlobClient(w.blobName(key)).DownloadStream(ctx, nil)
+	if err != nil {
+		if isNotFound(err) {
+			return nil, 0, fence.ErrNotFound
+		}
+		return nil, 0, fmt.Errorf("azfence: read %q: %w", key, err)
+	}
+	defer out.Body.Close()
+	b, err := io.ReadAll(out.Body)
+	if err != nil {
+		return nil, 0, fmt.Errorf("azfence: read %q: %w", key, err)
+	}
+	e, err := parseEnvelope(b)
+	switch {
+	case errors.Is(err, errNoEnvelope):
+		if w.o.RefuseUnfenced {
+			return nil, 0, fmt.Errorf("azfence: read %q: %w", key, ErrUnfenced)
+		}
+		return b, 0, nil
+	case err != nil:
+		return nil, 0, fmt.Errorf("azfence: read %q: %w", key, err)
+	case e.deleted:
+		return nil, 0, fence.ErrNotFound
+	}
+	if e.value == nil {
+		e.value = []byte{}
+	}
+	return e.value, e.token, nil
+}
+
+// isConflict reports a failed precondition: 412 (ConditionNotMet, or a lease
+// condition), 409 BlobAlreadyExists for If-None-Match: * on a blob created
+// in between, or 404 for If-Match on a blob deleted in between.
+func isConflict(err error) bool {
+	if bloberror.HasCode(err, bloberror.ConditionNotMet, bloberror.BlobAlreadyExists, bloberror.BlobNotFound) {
+		return true
+	}
+	switch httpStatus(err) {
+	case 412, 409, 404:
+		return true
+	}
+	return false
+}
+
+// mayHaveApplied reports an error after which the request may have been
+// applied: no HTTP response (a broken connection, a timeout, a cancelled
+// context) or a 5xx.
+func mayHaveApplied(err error) bool {
+	if s := httpStatus(err); s != 0 {
+		return s >= 500
+	}
+	return true
+}
+
+func isNotFound(err error) bool {
+	return bloberror.HasCode(err, bloberror.BlobNotFound) || httpStatus(err) == 404
+}
+
+func httpStatus(err error) int {
+	var re *azcore.ResponseError
+	if errors.As(err, &re) {
+		return re.StatusCode
+	}
+	return 0
+}
