@@ -100,8 +100,9 @@ type AcquirerOptions struct {
 // Deleting a leased blob needs its lease ID, but a break followed by a
 // delete (or a container's deletion) removes the token. A grant that finds no
 // blob creates it without a token; the first grant on a blob without a token
-// takes it from Azure's clock: the second after the Date of the read that
-// found it without a token, in microseconds (about 1.7e15; below 2^53 until
+// takes it from Azure's clock (before taking the lease, so the wait below is
+// not part of the ttl): the second after the Date of the read that found it
+// without a token, in microseconds (about 1.7e15; below 2^53 until
 // the year 2255), and waits until Azure's time has reached that second before
 // writing it. Its token is then above every token a deleted blob handed out,
 // provided Azure's clock (its Date headers) does not go back between the two
@@ -265,6 +266,9 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			if err := a.create(ctx, name); err != nil {
 				return nil, a.failed("acquire", name, err, ambiguous)
 			}
+			if err := a.stamp(ctx, name); err != nil {
+				return nil, a.failed("acquire", name, err, ambiguous)
+			}
 			if !created {
 				created = true
 				attempt--
@@ -315,6 +319,43 @@ func (a *Acquirer) create(ctx context.Context, name string) error {
 	return nil
 }
 
+// stamp gives a lock blob without a token its first one, before any lease:
+// the token from Azure's clock (creationToken, which waits up to a second),
+// so that the wait is not inside a lease's ttl. It writes conditional on the
+// ETag of the blob it read without a token and without a lease ID: if the
+// blob changed, or someone leased it first, the write is refused and the
+// grant under the lease takes the token itself (advance).
+func (a *Acquirer) stamp(ctx context.Context, name string) error {
+	bc := a.c.NewBlobClient(a.blobName(name))
+	p, err := bc.GetProperties(ctx, nil)
+	if err != nil {
+		if isNotFound(err) {
+			return nil
+		}
+		return err
+	}
+	if _, ok := meta(p.Metadata, MetaToken); ok {
+		return nil
+	}
+	if p.Date == nil {
+		return errNoDate
+	}
+	t, err := creationToken(ctx, *p.Date, time.Now())
+	if err != nil {
+		return err
+	}
+	ts, owner, write := strconv.FormatUint(t-1, 10), a.o.Owner, newID()
+	_, err = bc.SetMetadata(noRetries(ctx), map[string]*string{MetaToken: &ts, MetaWriteID: &write, MetaOwner: &owner}, &blob.SetMetadataOptions{
+		AccessConditions: &blob.AccessConditions{ModifiedAccessConditions: &blob.ModifiedAccessConditions{IfMatch: p.ETag}},
+	})
+	if err != nil && !isConflict(err) && !mayHaveApplied(err) {
+		return err
+	}
+	return nil
+}
+
+var errNoDate = errors.New("azfence: the server's response has no Date header, and a new lock blob's token needs Azure's clock")
+
 // advance writes the next token of name under the lease id and returns it.
 func (a *Acquirer) advance(ctx context.Context, name, id string) (uint64, error) {
 	bc := a.c.NewBlobClient(a.blobName(name))
@@ -344,7 +385,7 @@ func (a *Acquirer) advance(ctx context.Context, name, id string) (uint64, error)
 				lw.token = n
 			} else {
 				if p.Date == nil {
-					return 0, errors.New("azfence: the server's response has no Date header, and a new lock blob's token needs Azure's clock")
+					return 0, errNoDate
 				}
 				t, err := creationToken(ctx, *p.Date, time.Now())
 				if err != nil {
@@ -537,9 +578,12 @@ func (l *azLease) Release(ctx context.Context) error {
 			return l.released()
 		}
 		if !mayHaveApplied(err) {
-			if ambiguous != nil && liveAtStart && httpStatus(err) == 409 && bloberror.HasCode(err, bloberror.LeaseNotPresentWithLeaseOperation) {
-				// No lease at all, while ours was live when the first
-				// release was sent: that release landed.
+			if ambiguous != nil && liveAtStart && httpStatus(err) == 409 {
+				// Azure no longer holds our lease, and it was live when
+				// the first release was sent: that release landed (Azure
+				// answers LeaseNotPresentWithLeaseOperation, Azurite
+				// LeaseIdMismatchWithLeaseOperation, also when another
+				// grant followed).
 				return l.released()
 			}
 			if httpStatus(err) == 409 || httpStatus(err) == 412 || httpStatus(err) == 404 {

@@ -1,8 +1,12 @@
 package azfence_test
 
 import (
+	"bytes"
 	"context"
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore/streaming"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blockblob"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -107,8 +111,8 @@ func TestWriterConformance(t *testing.T) {
 	e := newEnv(t)
 	w := newWriter(t, e.c, nil)
 	s := fencetest.WriterSuite{
-		New:      func(*testing.T) fence.FencedWriter { return w },
-		BadKeys:  []string{"nul\x00", "bad \xff", "dot.", "slash/", "back\\slash", "a/../b", strings.Repeat("k", azfence.MaxKeyBytes+1)},
+		New:     func(*testing.T) fence.FencedWriter { return w },
+		BadKeys: []string{"nul\x00", "bad \xff", "dot.", "slash/", "back\\slash", "a/../b", strings.Repeat("k", azfence.MaxKeyBytes+1)},
 	}
 	if !e.srv.External {
 		s.Faulty = func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
@@ -129,6 +133,14 @@ func TestAcquirerConformance(t *testing.T) {
 		MaxTTL:   azfence.MaxAcquirerTTL,
 		BadNames: []string{"nul\x00", "bad \xff", "dot.", "slash/", "back\\slash", "a/./b", strings.Repeat("n", azfence.MaxKeyBytes)},
 		Parallel: true,
+		SetCounter: func(t *testing.T, name string, tok fence.Token) {
+			v := strconv.FormatUint(uint64(tok), 10)
+			_, err := e.c.NewBlockBlobClient("fencekit-locks/"+name).Upload(context.Background(), streaming.NopCloser(bytes.NewReader(nil)),
+				&blockblob.UploadOptions{Metadata: map[string]*string{azfence.MetaToken: &v}})
+			if err != nil {
+				t.Fatal(err)
+			}
+		},
 	}
 	if !e.srv.External {
 		s.Faulty = func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
