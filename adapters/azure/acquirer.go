@@ -72,8 +72,9 @@ type AcquirerOptions struct {
 // it landed. The grant is returned only once the token write is confirmed.
 // A release (Lease Blob, release) keeps the token. Acquire + release take 4
 // requests (acquire, read, write, release); the acquirer remembers the ETag
-// and token of its own last write of each name and skips the read when they
-// are still current, so a name it used last takes 3.
+// and token of its own last write of each name and skips the read when the
+// acquire's answer carries that ETag (lease operations do not change it), so
+// a name it used last takes 3.
 //
 // # Time
 //
@@ -239,6 +240,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	created := false
 	granted := false // Azure may hold the lease for id
 	ok := false
+	var etag azcore.ETag // the blob's ETag as the granted acquire saw it
 	defer func() {
 		if granted && !ok {
 			go a.abandon(name, id, ttl)
@@ -249,7 +251,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			return nil, a.failed("acquire", name, fmt.Errorf("%d attempts: %w", a.o.MaxAttempts, ErrContention), ambiguous)
 		}
 		sent := time.Now()
-		_, err := lc.AcquireLease(noRetries(ctx), leaseSeconds(ttl), nil)
+		resp, err := lc.AcquireLease(noRetries(ctx), leaseSeconds(ttl), nil)
 		if firstSent.IsZero() || err != nil && mayHaveApplied(err) {
 			// The local deadline counts from the first acquire that may
 			// have started Azure's lease.
@@ -259,6 +261,9 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 		}
 		if err == nil {
 			granted = true
+			if resp.ETag != nil {
+				etag = *resp.ETag
+			}
 			break
 		}
 		switch {
@@ -292,7 +297,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			return nil, a.failed("acquire", name, err, ambiguous)
 		}
 	}
-	tok, err := a.advance(ctx, name, id)
+	tok, err := a.advance(ctx, name, id, etag)
 	if err != nil {
 		return nil, a.failed("acquire", name, err, nil)
 	}
@@ -357,12 +362,16 @@ func (a *Acquirer) stamp(ctx context.Context, name string) error {
 var errNoDate = errors.New("azfence: the server's response has no Date header, and a new lock blob's token needs Azure's clock")
 
 // advance writes the next token of name under the lease id and returns it.
-func (a *Acquirer) advance(ctx context.Context, name, id string) (uint64, error) {
+// etag is the blob's ETag from the acquire's answer (lease operations leave
+// it alone): when it is the ETag of this acquirer's own last token write, the
+// token is known and the read is skipped.
+func (a *Acquirer) advance(ctx context.Context, name, id string, etag azcore.ETag) (uint64, error) {
 	bc := a.c.NewBlobClient(a.blobName(name))
 	write := newID()
 	a.mu.Lock()
 	lw, known := a.last[name]
 	a.mu.Unlock()
+	known = known && etag != "" && lw.etag == etag
 	var ambiguous error
 	for attempt := 0; attempt < a.o.MaxAttempts; attempt++ {
 		if !known {

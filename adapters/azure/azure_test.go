@@ -33,12 +33,17 @@ type azenv struct {
 // newClient returns a container client of srv, with its own connections,
 // reaching the server at serviceURL.
 func newClient(t testing.TB, srv *testenv.AzureServer, serviceURL, name string) *container.Client {
+	return newClientVia(t, srv, serviceURL, name, &http.Transport{})
+}
+
+// newClientVia is newClient with the given transport.
+func newClientVia(t testing.TB, srv *testenv.AzureServer, serviceURL, name string, rt http.RoundTripper) *container.Client {
 	cred, err := azblob.NewSharedKeyCredential(srv.Account, srv.Key)
 	if err != nil {
 		t.Fatal(err)
 	}
 	sc, err := azblob.NewClientWithSharedKeyCredential(serviceURL, cred, &azblob.ClientOptions{ClientOptions: azcore.ClientOptions{
-		Transport: &http.Client{Transport: &http.Transport{}},
+		Transport: &http.Client{Transport: rt},
 		Retry:     policy.RetryOptions{TryTimeout: 10 * time.Second},
 	}})
 	if err != nil {
