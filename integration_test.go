@@ -14,9 +14,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/container"
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
+	azfence "github.com/fencekit/fencekit/adapters/azure"
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
 	"github.com/fencekit/fencekit/adapters/redislua"
 	s3fence "github.com/fencekit/fencekit/adapters/s3"
@@ -158,6 +161,11 @@ func acquirers() []acquirerCase {
 			return must(s3fence.NewAcquirer(c, bucket, &s3fence.AcquirerOptions{Drift: drift, Prefix: fencetest.Name("locks") + "/",
 				Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
 		}},
+		// Azure's shortest lease is 15 s.
+		{"azure", azfence.MinLeaseDuration, func(t *testing.T) fence.Acquirer {
+			return must(azfence.NewAcquirer(azureContainer(t), &azfence.AcquirerOptions{Drift: drift,
+				Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
+		}},
 		{"etcd", time.Second, func(t *testing.T) fence.Acquirer {
 			return must(etcdfence.New(etcdtest.Start(t, 1).Client(t), &etcdfence.Options{Drift: drift}))
 		}},
@@ -206,6 +214,22 @@ func s3Client(t *testing.T) (*s3.Client, string) {
 	return c, "fenced"
 }
 
+// azureContainer starts Azurite (or finds FENCEKIT_AZURE_URL's account) and
+// returns a client of a new container (or of FENCEKIT_AZURE_CONTAINER).
+func azureContainer(t *testing.T) *container.Client {
+	srv := testenv.RealAzure(t)
+	cred := must(azblob.NewSharedKeyCredential(srv.Account, srv.Key))
+	sc := must(azblob.NewClientWithSharedKeyCredential(srv.ServiceURL, cred, nil)).ServiceClient()
+	if srv.Container != "" {
+		return sc.NewContainerClient(srv.Container)
+	}
+	c := sc.NewContainerClient(strings.ToLower(fencetest.Name("paused")))
+	if _, err := c.Create(context.Background(), nil); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 func s3Writer(t *testing.T) *s3fence.Writer {
 	c, bucket := s3Client(t)
 	return must(s3fence.New(c, bucket, nil))
@@ -251,6 +275,7 @@ func writers() []writerCase {
 		}},
 		{"redis-lua", func(t *testing.T) store { return must(redislua.NewWriter(testenv.RedisClient(t), nil)) }},
 		{"s3", func(t *testing.T) store { return s3Writer(t) }},
+		{"azure", func(t *testing.T) store { return must(azfence.New(azureContainer(t), nil)) }},
 	}
 }
 

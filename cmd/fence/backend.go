@@ -45,7 +45,7 @@ type backend struct {
 	idem         idempotency.Store
 }
 
-var backendNames = []string{"sqlite", "postgres", "mysql", "redis", "etcd", "s3"}
+var backendNames = []string{"sqlite", "postgres", "mysql", "redis", "etcd", "s3", "azure"}
 
 // backendConfig holds the flags that choose and reach a backend.
 type backendConfig struct {
@@ -59,6 +59,8 @@ type backendConfig struct {
 	s3Endpoint  string
 	s3Bucket    string
 	s3Region    string
+	// -backend azure
+	azureURL, azureContainer string
 	// operator is set for inspect and bump, which act on the backend the flags
 	// name and nothing else: no defaults, no temporary or embedded backend, no
 	// tables created.
@@ -112,6 +114,10 @@ func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
 		"S3 bucket, for -backend s3 with -s3-endpoint (it must exist)",
 		"S3 bucket, required for -backend s3 (it must exist)"))
 	fs.StringVar(&c.s3Region, "s3-region", "", "S3 region, for -backend s3 (default: AWS_REGION, else us-east-1)")
+	fs.StringVar(&c.azureURL, "azure-url", "", need(
+		"Azure blob service URL, for -backend azure (when empty, an Azurite started for the command); account and key from AZURE_STORAGE_ACCOUNT, AZURE_STORAGE_KEY",
+		"Azure blob service URL, required for -backend azure; account and key from AZURE_STORAGE_ACCOUNT, AZURE_STORAGE_KEY"))
+	fs.StringVar(&c.azureContainer, "azure-container", "", "Azure container, for -backend azure with -azure-url (it must exist)")
 	if !operator {
 		// The default DSN's password is the test user's; help shows it redacted.
 		fs.Lookup("mysql-dsn").DefValue = redactConn(defaultMySQLDSN)
@@ -176,6 +182,13 @@ func (c *backendConfig) checkOperator(key string) error {
 		}
 		if os.Getenv("AWS_ACCESS_KEY_ID") == "" || os.Getenv("AWS_SECRET_ACCESS_KEY") == "" {
 			return fmt.Errorf("%w: -backend s3 needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment", errUsage)
+		}
+	case "azure":
+		if blank(c.azureURL) || blank(c.azureContainer) {
+			return missing("-azure-url URL and -azure-container NAME", "an existing container")
+		}
+		if os.Getenv("AZURE_STORAGE_ACCOUNT") == "" || os.Getenv("AZURE_STORAGE_KEY") == "" {
+			return fmt.Errorf("%w: -backend azure needs AZURE_STORAGE_ACCOUNT and AZURE_STORAGE_KEY in the environment", errUsage)
 		}
 	}
 	return nil
@@ -393,6 +406,8 @@ func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
 		return openEtcdBackend(ctx, c.etcd, c.dbPath)
 	case "s3":
 		return openS3Backend(ctx, c)
+	case "azure":
+		return openAzureBackend(ctx, c)
 	default:
 		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
 	}
