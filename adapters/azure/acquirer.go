@@ -100,15 +100,15 @@ type AcquirerOptions struct {
 //
 // Deleting a leased blob needs its lease ID, but a break followed by a
 // delete (or a container's deletion) removes the token. A grant that finds no
-// blob creates it without a token; the first grant on a blob without a token
-// takes it from Azure's clock (before taking the lease, so the wait below is
-// not part of the ttl): the second after the Date of the read that found it
-// without a token, in microseconds (about 1.7e15; below 2^53 until
-// the year 2255), and waits until Azure's time has reached that second before
-// writing it. Its token is then above every token a deleted blob handed out,
-// provided Azure's clock (its Date headers) does not go back between the two
-// blobs and the old one saw fewer than a million grants per second of its
-// life.
+// blob creates it without a token and gives it its first token before taking
+// the lease: Azure's clock in microseconds (about 1.7e15; below 2^53 until
+// the year 2255), read as the time of a snapshot of the blob (taken and
+// deleted at once: 100 ns steps on Azure, 1 ms on Azurite; Date has whole
+// seconds). Its token is then above every token a deleted blob handed out,
+// provided Azure's clock does not go back between the two blobs, the old
+// blob handed out fewer than one token per microsecond of its life, and that
+// life (from its first token to the new blob's snapshot) was longer than the
+// clock's step.
 //
 // # Lost answers
 //
@@ -325,8 +325,7 @@ func (a *Acquirer) create(ctx context.Context, name string) error {
 }
 
 // stamp gives a lock blob without a token its first one, before any lease:
-// the token from Azure's clock (creationToken, which waits up to a second),
-// so that the wait is not inside a lease's ttl. It writes conditional on the
+// the token from Azure's clock (creationToken). It writes conditional on the
 // ETag of the blob it read without a token and without a lease ID: if the
 // blob changed, or someone leased it first, the write is refused and the
 // grant under the lease takes the token itself (advance).
@@ -342,10 +341,7 @@ func (a *Acquirer) stamp(ctx context.Context, name string) error {
 	if _, ok := meta(p.Metadata, MetaToken); ok {
 		return nil
 	}
-	if p.Date == nil {
-		return errNoDate
-	}
-	t, err := creationToken(ctx, *p.Date, time.Now())
+	t, err := creationToken(ctx, bc)
 	if err != nil {
 		return err
 	}
@@ -359,7 +355,7 @@ func (a *Acquirer) stamp(ctx context.Context, name string) error {
 	return nil
 }
 
-var errNoDate = errors.New("azfence: the server's response has no Date header, and a new lock blob's token needs Azure's clock")
+var errNoClock = errors.New("azfence: the server's snapshot has no time, and a new lock blob's token needs Azure's clock")
 
 // advance writes the next token of name under the lease id and returns it.
 // etag is the blob's ETag from the acquire's answer (lease operations leave
@@ -393,10 +389,7 @@ func (a *Acquirer) advance(ctx context.Context, name, id string, etag azcore.ETa
 				}
 				lw.token = n
 			} else {
-				if p.Date == nil {
-					return 0, errNoDate
-				}
-				t, err := creationToken(ctx, *p.Date, time.Now())
+				t, err := creationToken(ctx, bc)
 				if err != nil {
 					return 0, err
 				}
@@ -447,23 +440,30 @@ func (a *Acquirer) remember(name string, etag azcore.ETag, tok uint64) {
 	a.last[name] = lastWrite{etag: etag, token: tok}
 }
 
-// creationToken is the token of a lock blob without one: the second after
-// date (Azure's Date on the read that found it so, received at recv), in
-// microseconds, once Azure's time has certainly reached that second, so that
-// any later read finding a newer blob without a token has a later Date and a
-// token at least a second (a million) higher.
-func creationToken(ctx context.Context, date, recv time.Time) (uint64, error) {
-	floor := date.Truncate(time.Second).Add(time.Second)
-	if wait := floor.Sub(date.Add(time.Since(recv))); wait > 0 {
-		t := time.NewTimer(wait)
-		defer t.Stop()
-		select {
-		case <-ctx.Done():
-			return 0, context.Cause(ctx)
-		case <-t.C:
-		}
+// creationToken is the first token of a lock blob without one: Azure's
+// clock now, read as the time of a snapshot of the blob (x-ms-snapshot: 100ns
+// on Azure, milliseconds on Azurite, unlike Date's whole seconds), in
+// microseconds, plus one. The snapshot is deleted at once. A newer blob of
+// the same name is created after this one was deleted, so after every grant
+// this one made: its snapshot is later, and its first token is above this
+// blob's tokens as long as they grew by less than one per microsecond of its
+// life (one per grant), and the life lasted longer than the clock's step.
+func creationToken(ctx context.Context, bc *blob.Client) (uint64, error) {
+	out, err := bc.CreateSnapshot(ctx, nil)
+	if err != nil {
+		return 0, err
 	}
-	return uint64(floor.UnixMicro()), nil
+	if out.Snapshot == nil {
+		return 0, errNoClock
+	}
+	if sc, err := bc.WithSnapshot(*out.Snapshot); err == nil {
+		_, _ = sc.Delete(ctx, nil)
+	}
+	t, err := time.Parse(time.RFC3339Nano, *out.Snapshot)
+	if err != nil || t.UnixMicro() <= 0 {
+		return 0, fmt.Errorf("azfence: snapshot time %q: %w", *out.Snapshot, errNoClock)
+	}
+	return uint64(t.UnixMicro()) + 1, nil
 }
 
 // abandon releases lease id on name in the background, for a grant that

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"github.com/Azure/azure-sdk-for-go/sdk/azcore/streaming"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blob"
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blockblob"
 	"net/http"
 	"strconv"
@@ -107,7 +108,8 @@ func deleteLock(t *testing.T, c *container.Client, name string) {
 	}
 	zero := int32(0)
 	_, _ = lc.BreakLease(context.Background(), &lease.BlobBreakOptions{BreakPeriod: &zero})
-	if _, err := bc.Delete(context.Background(), nil); err != nil {
+	incl := blob.DeleteSnapshotsOptionTypeInclude
+	if _, err := bc.Delete(context.Background(), &blob.DeleteOptions{DeleteSnapshots: &incl}); err != nil {
 		t.Fatalf("deleting lock blob %q: %v", name, err)
 	}
 }

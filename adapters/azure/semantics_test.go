@@ -15,6 +15,7 @@ import (
 	"github.com/Azure/azure-sdk-for-go/sdk/azcore/streaming"
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blob"
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blockblob"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/container"
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/lease"
 	azfence "github.com/fencekit/fencekit/adapters/azure"
 	"github.com/fencekit/fencekit/fence"
@@ -174,6 +175,21 @@ func TestDeletedLockBlob(t *testing.T) {
 	defer lb.Release(ctx)
 	if lb.Token() <= la.Token() {
 		t.Fatalf("after the lock blob was deleted, the new grant has token %d, not above the old holder's %d", lb.Token(), la.Token())
+	}
+	// The clock read for the new blob's first token (a snapshot) leaves no
+	// snapshot behind.
+	pfx := "fencekit-locks/" + name
+	pager := e.c.NewListBlobsFlatPager(&container.ListBlobsFlatOptions{Prefix: &pfx, Include: container.ListBlobsInclude{Snapshots: true}})
+	n := 0
+	for pager.More() {
+		page, err := pager.NextPage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n += len(page.Segment.BlobItems)
+	}
+	if n != 1 {
+		t.Errorf("%d blobs and snapshots under %s, want the lock blob alone", n, pfx)
 	}
 	if err := la.Renew(ctx); !errors.Is(err, fence.ErrLost) {
 		t.Errorf("Renew of the deleted blob's lease: %v, want ErrLost", err)

@@ -312,6 +312,14 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 				return nil
 			}
 			st, haveState = cur, true
+			if cur.token <= e.token {
+				// Another writer got in between and we may try again:
+				// a jittered pause, so that writers contending for one
+				// blob do not keep meeting each other.
+				if err := (fence.Backoff{Min: 2 * time.Millisecond, Max: 100 * time.Millisecond}).Sleep(ctx, attempt); err != nil {
+					return w.failed(op, key, err, ambiguous)
+				}
+			}
 		case mayHaveApplied(err):
 			ambiguous = err
 			if ctx.Err() != nil {
