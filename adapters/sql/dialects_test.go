@@ -82,6 +82,17 @@ func (d dialectDB) parts(t *testing.T) (*sqlfence.Writer, *sqlfence.Acquirer, *s
 	return w, a, s
 }
 
+// deleteLeaseRow is the acquirer suite's DeleteState on the default lease
+// table: an operator's DELETE of the name's row, which holds the name's whole
+// state (holder, expiry and counter), run through exec.
+func deleteLeaseRow(exec func(context.Context, string, ...any) error) func(*testing.T, string) {
+	return func(t *testing.T, name string) {
+		if err := exec(context.Background(), "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
+			t.Fatalf("deleting the lease row of %q: %v", name, err)
+		}
+	}
+}
+
 func pgxExec(p *pgxpool.Pool) func(context.Context, string, ...any) error {
 	return func(ctx context.Context, q string, args ...any) error {
 		_, err := p.Exec(ctx, placeholders(q, len(args), dollar), args...)
@@ -130,6 +141,34 @@ func TestTokenAfterLeaseRowDeleted(t *testing.T) {
 			}
 			if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
 				t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
+			}
+		})
+	}
+}
+
+// TestTokenAfterLeaseRowDeletedAtOnce (HAZARDS 1): a row created, deleted
+// and created again at once, many times over, must give each new holder a
+// token above the one before, also when both creations fall in one tick of
+// the database's clock (SQLite's counts milliseconds).
+func TestTokenAfterLeaseRowDeletedAtOnce(t *testing.T) {
+	ctx := context.Background()
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			_, a, _ := d.parts(t)
+			name := fencetest.Name("deleted-at-once")
+			var prev fence.Token
+			for i := 0; i < 50; i++ {
+				l, err := a.TryAcquire(ctx, name, time.Minute)
+				if err != nil {
+					t.Fatalf("grant %d: %v", i, err)
+				}
+				if l.Token() <= prev {
+					t.Fatalf("grant %d after the row was deleted: token %d, not above the previous holder's %d", i, l.Token(), prev)
+				}
+				prev = l.Token()
+				if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
+					t.Fatal(err)
+				}
 			}
 		})
 	}

@@ -86,14 +86,15 @@ func TestMySQLWriterConformance(t *testing.T) {
 func TestMySQLAcquirerConformance(t *testing.T) {
 	for _, params := range []string{"", "clientFoundRows=true"} {
 		t.Run("params="+params, func(t *testing.T) {
-			_, fdb := openMySQL(t, params)
+			raw, fdb := openMySQL(t, params)
 			a, err := sqlfence.NewAcquirer(fdb, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
 			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
-				NewOther: otherAcquirer(mysqlOpener(params), nil),
-				Faulty:   faultyAcquirer(mysqlOpener(params), mysqlAddr, nil),
+				NewOther:    otherAcquirer(mysqlOpener(params), nil),
+				Faulty:      faultyAcquirer(mysqlOpener(params), mysqlAddr, nil),
+				DeleteState: deleteLeaseRow(stdExec(raw, func(int) string { return "?" })),
 			}.Run(t)
 		})
 	}

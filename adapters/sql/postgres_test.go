@@ -68,6 +68,7 @@ func TestPostgresWriterOwnTable(t *testing.T) {
 }
 
 func TestPostgresAcquirerConformance(t *testing.T) {
+	deleteState := deleteLeaseRow(pgxExec(pgPool(t, pgOpts{})))
 	for style, fdb := range pgHandles(t) {
 		for _, notify := range []bool{true, false} {
 			t.Run(fmt.Sprintf("%s/notify=%v", style, notify), func(t *testing.T) {
@@ -77,8 +78,9 @@ func TestPostgresAcquirerConformance(t *testing.T) {
 					t.Fatal(err)
 				}
 				fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
-					NewOther: otherAcquirer(pgOpener(style), opts),
-					Faulty:   faultyAcquirer(pgOpener(style), pgTarget, opts),
+					NewOther:    otherAcquirer(pgOpener(style), opts),
+					Faulty:      faultyAcquirer(pgOpener(style), pgTarget, opts),
+					DeleteState: deleteState,
 				}.Run(t)
 			})
 		}

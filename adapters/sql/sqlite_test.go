@@ -59,11 +59,12 @@ func TestSQLiteWriterConformance(t *testing.T) {
 }
 
 func TestSQLiteAcquirerConformance(t *testing.T) {
-	_, fdb := openSQLite(t)
+	raw, fdb := openSQLite(t)
 	a := newSQLiteAcquirer(t, fdb)
 	fencetest.AcquirerSuite{
 		New:    func(t *testing.T) fence.Acquirer { return a },
 		MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+		DeleteState: deleteLeaseRow(stdExec(raw, dollar)),
 	}.Run(t)
 }
 
@@ -110,8 +111,15 @@ func TestSQLiteAcrossHandles(t *testing.T) {
 		t.Errorf("token on the second handle = %d, want %d", l2.Token(), l.Token()+1)
 	}
 	_ = l2.Release(context.Background())
-	// The suite, with New and NewOther each on a handle of its own.
-	fencetest.AcquirerSuite{New: open, NewOther: open, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys}.Run(t)
+	// The suite, with New and NewOther each on a handle of its own, and the
+	// lease rows deleted through a third.
+	raw, err := sqlfence.OpenSQLite(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { raw.Close() })
+	fencetest.AcquirerSuite{New: open, NewOther: open, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+		DeleteState: deleteLeaseRow(stdExec(raw, dollar))}.Run(t)
 }
 
 // badKeys are keys and lock names sqlfence refuses on every dialect: what

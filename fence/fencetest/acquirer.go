@@ -66,6 +66,16 @@ type AcquirerSuite struct {
 	// with a logged reason.
 	Faulty func(t *testing.T) (fence.Acquirer, *faultnet.Proxy)
 
+	// DeleteState, when set, removes every piece of state the backend keeps
+	// for lock name (the lease row, the Redis keys, the lock object, the
+	// etcd or NATS key), as an operator's DELETE, a lifecycle rule, FLUSHALL
+	// or an eviction would, while the caller may still hold a lease on it.
+	// The TokensSurviveDeletedState case (HAZARDS 1) uses it to check that a
+	// grant after the deletion carries a token above every token granted
+	// before, or is refused with ErrHeld or ErrTokensExhausted. When nil,
+	// that case is skipped with a logged reason.
+	DeleteState func(t *testing.T, name string)
+
 	// Parallel runs the cases as parallel subtests (every case uses names of
 	// its own), for backends whose shortest lease makes the expiry cases
 	// long (Azure's 15 s). Default: false, one case at a time.
@@ -121,6 +131,7 @@ func (s AcquirerSuite) Run(t *testing.T) {
 		{"LateRenewHoldsNothing", s.testLateRenew},
 		{"NoGrantWhileHolderContextLive", s.testNoGrantWhileLive},
 		{"TokensExhausted", s.testTokensExhausted},
+		{"TokensSurviveDeletedState", s.testDeletedState},
 		{"LostReplyTryAcquire", s.lostReply(s.testLostReplyGrant(false))},
 		{"LostReplyAcquire", s.lostReply(s.testLostReplyGrant(true))},
 		{"LostReplyRenew", s.lostReply(s.testLostReplyRenew)},

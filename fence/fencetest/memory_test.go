@@ -40,6 +40,7 @@ var mutants = []struct {
 	{"name-pad-space", "Acquirer", "NamesIndependent", "trailing spaces ignored in names (PAD SPACE)"},
 	{"name-utf8mb3", "Acquirer", "NamesIndependent", "4-byte characters in names stored as '?' (a 3-byte character set)"},
 	{"token-wrap", "Acquirer", "TokensExhausted", "the counter goes past MaxToken"},
+	{"delete-restarts", "Acquirer", "TokensSurviveDeletedState", "a lock whose state was deleted restarts its counter at 1 (no clock floor)"},
 	{"write-alias", "Writer", "ValueNotAliased", "Write keeps the caller's buffer"},
 	{"read-alias", "Writer", "ValueNotAliased", "Read returns the stored buffer"},
 	{"key-fold-case", "Writer", "KeysIndependent", "keys compared case-insensitively (a _ci collation)"},
@@ -97,14 +98,30 @@ func (s *memServer) fold(kind, k string) string {
 	return k
 }
 
+// lock returns the state of name, created when there is none. A new lock's
+// counter starts at the server's clock in microseconds, so that a lock whose
+// state was deleted never grants a token below one it granted before (as long
+// as it made fewer grants than microseconds passed since it was created); the
+// delete-restarts mutant starts it at 0, so its first token is 1.
 func (s *memServer) lock(name string) *memLock {
 	name = s.fold("name", name)
 	l := s.locks[name]
 	if l == nil {
 		l = &memLock{}
+		if s.bug != "delete-restarts" {
+			l.counter = fence.Token(s.now().UnixMicro())
+		}
 		s.locks[name] = l
 	}
 	return l
+}
+
+// deleteState removes every piece of state kept for name, as an operator's
+// DELETE would, whoever holds it.
+func (s *memServer) deleteState(name string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.locks, s.fold("name", name))
 }
 
 // grant takes a free or expired lock and advances its counter.
@@ -349,9 +366,10 @@ func TestMemoryAcquirer(t *testing.T) {
 	srv := newMemServer(memoryBug(t))
 	newAcq := func(*testing.T) fence.Acquirer { return memAcquirer{s: srv, maxWait: 3 * time.Second} }
 	fencetest.AcquirerSuite{
-		New:        newAcq,
-		NewOther:   newAcq,
-		SetCounter: func(_ *testing.T, name string, tok fence.Token) { srv.setCounter(name, tok) },
+		New:         newAcq,
+		NewOther:    newAcq,
+		SetCounter:  func(_ *testing.T, name string, tok fence.Token) { srv.setCounter(name, tok) },
+		DeleteState: func(_ *testing.T, name string) { srv.deleteState(name) },
 	}.Run(t)
 }
 

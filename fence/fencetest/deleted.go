@@ -1,0 +1,107 @@
+package fencetest
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+// smallCounter is where the deleted-state case raises a counter that is still
+// small (a backend that counts from 1) with Bump, so that a counter that
+// restarts at a small number after the deletion shows.
+const smallCounter fence.Token = 1 << 20
+
+// deletedGrant is what a grant after the deletion of a name's state may do:
+// carry a token above top, or be refused with ErrHeld or ErrTokensExhausted
+// (a backend that cannot tell which tokens it handed out refuses to grant;
+// it must never hand out a smaller token). It returns the lease, or nil after
+// a refusal, which it logs.
+func deletedGrant(t *testing.T, op string, l fence.Lease, err error, top fence.Token, when string) fence.Lease {
+	t.Helper()
+	if err != nil {
+		if l != nil {
+			t.Errorf("%s %s returned a lease together with %v", op, when, err)
+		}
+		if errors.Is(err, fence.ErrHeld) || errors.Is(err, fence.ErrTokensExhausted) {
+			t.Logf("%s %s refused: %v", op, when, err)
+			return nil
+		}
+		t.Fatalf("%s %s: %v; want a token above %d, ErrHeld or ErrTokensExhausted", op, when, err, top)
+	}
+	t.Cleanup(func() { _ = l.Release(context.Background()) })
+	if l.Token() <= top {
+		t.Fatalf("%s %s granted token %d, not above %d, a token granted before: a paused holder's writes would beat the new holder's (HAZARDS 1)", op, when, l.Token(), top)
+	}
+	t.Logf("%s %s: token %d (largest before %d)", op, when, l.Token(), top)
+	return l
+}
+
+// testDeletedState (HAZARDS 1): the state a backend keeps for a name (its
+// counter among it) is deleted behind the acquirers' backs, while A holds the
+// name and pauses. A grant to another process after that must carry a token
+// above every token granted before, by TryAcquire, by Acquire after a second
+// deletion, and after a deletion while nobody holds the name; A's Renew must
+// then report ErrLost, and A's Release must not free the new holder's lease.
+func (s AcquirerSuite) testDeletedState(t *testing.T) {
+	if s.DeleteState == nil {
+		t.Skip("fencetest: the harness has no DeleteState: tokens after the name's state is deleted are not tested")
+	}
+	a, b := s.New(t), s.NewOther(t)
+	name := Name("deleted")
+	var top fence.Token
+	for i := 0; i < 3; i++ { // a few grants first, so the counter is past its start
+		l := mustTry(t, a, name, longTTL)
+		top = max(top, l.Token())
+		release(t, l)
+	}
+	if bumper, ok := a.(fence.Bumper); ok && top < smallCounter {
+		if err := bumper.Bump(ctxT(t), name, smallCounter); err != nil {
+			t.Fatalf("Bump(%q, %d): %v", name, smallCounter, err)
+		}
+		top = smallCounter
+	}
+	la := mustTry(t, a, name, longTTL) // A: holds the name, then pauses
+	defer func() { _ = la.Release(context.Background()) }()
+	if la.Token() <= top {
+		t.Fatalf("token %d after the counter was at %d", la.Token(), top)
+	}
+	top = la.Token()
+	t.Logf("before the deletion: tokens up to %d, A holds %d", top, la.Token())
+
+	s.DeleteState(t, name)
+	l, err := b.TryAcquire(ctxT(t), name, longTTL)
+	if lb := deletedGrant(t, "TryAcquire", l, err, top, "after the state was deleted under A's lease"); lb != nil {
+		top = lb.Token()
+		if err := la.Renew(ctxT(t)); !errors.Is(err, fence.ErrLost) {
+			t.Errorf("A's Renew after the deletion and B's grant: %v, want ErrLost", err)
+		}
+	}
+
+	s.DeleteState(t, name) // again, under A's (and maybe B's) lease
+	ctx, cancel := context.WithTimeout(ctxT(t), 5*time.Second)
+	l, err = b.Acquire(ctx, name, longTTL)
+	cancel()
+	if lc := deletedGrant(t, "Acquire", l, err, top, "after a second deletion"); lc != nil {
+		top = lc.Token()
+		_ = la.Release(context.Background()) // A wakes up and lets go: the result does not matter
+		if l, err := a.TryAcquire(ctxT(t), name, longTTL); !errors.Is(err, fence.ErrHeld) {
+			if err == nil {
+				t.Errorf("TryAcquire after the paused holder's Release while the new holder (token %d) holds the name: granted token %d, want ErrHeld", lc.Token(), l.Token())
+				_ = l.Release(context.Background())
+			} else {
+				t.Errorf("TryAcquire after the paused holder's Release while the new holder (token %d) holds the name: %v, want ErrHeld", lc.Token(), err)
+			}
+		}
+		release(t, lc)
+	}
+
+	// Nobody holds the name now (A let go, or was refused nothing; B's first
+	// lease, if any, had its state deleted): delete once more, then grant.
+	_ = la.Release(context.Background())
+	s.DeleteState(t, name)
+	l, err = a.TryAcquire(ctxT(t), name, longTTL)
+	deletedGrant(t, "TryAcquire", l, err, top, "after a deletion while nobody held the name")
+}
