@@ -53,6 +53,7 @@ import (
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blockblob"
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/container"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/objenvelope"
 )
 
 // Metadata keys stored with every blob this package writes (x-ms-meta-*;
@@ -219,14 +220,14 @@ func (w *Writer) head(ctx context.Context, key string) (state, error) {
 // confirmed, ErrContention after MaxAttempts conflicts, and fence.ErrInvalid
 // for a nil ctx, token 0 or a key Azure cannot store byte for byte.
 func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
-	return w.put(ctx, "write", key, envelope{token: token, value: value})
+	return w.put(ctx, "write", key, objenvelope.Envelope{Token: token, Value: value})
 }
 
 // Delete replaces the blob with a tombstone that keeps the fence at token,
 // unless the blob holds a larger token (errors as Write). Read then returns
 // fence.ErrNotFound.
 func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
-	return w.put(ctx, "delete", key, envelope{token: token, deleted: true})
+	return w.put(ctx, "delete", key, objenvelope.Envelope{Token: token, Deleted: true})
 }
 
 func newID() string {
@@ -243,18 +244,18 @@ func noRetries(ctx context.Context) context.Context {
 	return policy.WithRetryOptions(ctx, policy.RetryOptions{MaxRetries: -1})
 }
 
-func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
+func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope) error {
 	if err := w.checkKey(op, ctx, key); err != nil {
 		return err
 	}
-	if err := fence.CheckToken(op, e.token); err != nil {
+	if err := fence.CheckToken(op, e.Token); err != nil {
 		return err
 	}
-	e.writeID = newID()
-	body := e.encode()
-	tok := strconv.FormatUint(uint64(e.token), 10)
-	md := map[string]*string{MetaToken: &tok, MetaWriteID: &e.writeID}
-	if e.deleted {
+	e.WriteID = newID()
+	body := e.Encode()
+	tok := strconv.FormatUint(uint64(e.Token), 10)
+	md := map[string]*string{MetaToken: &tok, MetaWriteID: &e.WriteID}
+	if e.Deleted {
 		one := "1"
 		md[MetaDeleted] = &one
 	}
@@ -268,7 +269,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 			if st, err = w.head(ctx, key); err != nil {
 				return w.failed(op, key, err, ambiguous)
 			}
-			if ambiguous != nil && st.exists && st.writeID == e.writeID {
+			if ambiguous != nil && st.exists && st.writeID == e.WriteID {
 				return nil // an earlier attempt landed
 			}
 		}
@@ -276,11 +277,11 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 		if st.unfenced && w.o.RefuseUnfenced {
 			return w.failed(op, key, ErrUnfenced, ambiguous)
 		}
-		if st.token > e.token {
+		if st.token > e.Token {
 			if ambiguous != nil {
 				return w.failed(op, key, fmt.Errorf("the key now holds token %d (%w)", st.token, ambiguous), ambiguous)
 			}
-			return &fence.StaleError{Key: key, Offered: e.token, Current: st.token}
+			return &fence.StaleError{Key: key, Offered: e.Token, Current: st.token}
 		}
 		mac := &blob.ModifiedAccessConditions{}
 		if st.exists {
@@ -296,7 +297,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 			mac.IfNoneMatch = &any
 		}
 		_, err := bc.Upload(noRetries(ctx), streaming.NopCloser(bytes.NewReader(body)), &blockblob.UploadOptions{
-			Metadata: md, Tags: map[string]string{TagWriteID: e.writeID},
+			Metadata: md, Tags: map[string]string{TagWriteID: e.WriteID},
 			AccessConditions: &blob.AccessConditions{ModifiedAccessConditions: mac},
 		})
 		if err == nil {
@@ -308,11 +309,11 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 			if herr != nil {
 				return w.failed(op, key, herr, ambiguous)
 			}
-			if cur.exists && cur.writeID == e.writeID {
+			if cur.exists && cur.writeID == e.WriteID {
 				return nil
 			}
 			st, haveState = cur, true
-			if cur.token <= e.token {
+			if cur.token <= e.Token {
 				// Another writer got in between and we may try again:
 				// a jittered pause, so that writers contending for one
 				// blob do not keep meeting each other.
@@ -363,22 +364,22 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 	if err != nil {
 		return nil, 0, fmt.Errorf("azfence: read %q: %w", key, err)
 	}
-	e, err := parseEnvelope(b)
+	e, err := objenvelope.Parse(b)
 	switch {
-	case errors.Is(err, errNoEnvelope):
+	case errors.Is(err, objenvelope.ErrNoEnvelope):
 		if w.o.RefuseUnfenced {
 			return nil, 0, fmt.Errorf("azfence: read %q: %w", key, ErrUnfenced)
 		}
 		return b, 0, nil
 	case err != nil:
 		return nil, 0, fmt.Errorf("azfence: read %q: %w", key, err)
-	case e.deleted:
+	case e.Deleted:
 		return nil, 0, fence.ErrNotFound
 	}
-	if e.value == nil {
-		e.value = []byte{}
+	if e.Value == nil {
+		e.Value = []byte{}
 	}
-	return e.value, e.token, nil
+	return e.Value, e.Token, nil
 }
 
 // isConflict reports a failed precondition: 412 (ConditionNotMet, or a lease
