@@ -256,3 +256,31 @@ func TestBadOptions(t *testing.T) {
 	}
 	fencetest.DriftRefusesShortTTL(t, a, 20*time.Second, "ttl")
 }
+
+// TestUnfencedBlobs: a blob another tool wrote reads as token 0 and any
+// fenced write replaces it; with RefuseUnfenced both are refused.
+func TestUnfencedBlobs(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	key := fencetest.Name("plain")
+	if _, err := e.c.NewBlockBlobClient(key).Upload(ctx, streaming.NopCloser(bytes.NewReader([]byte("by hand"))), nil); err != nil {
+		t.Fatal(err)
+	}
+	strict := newWriter(t, e.c, &azfence.Options{RefuseUnfenced: true})
+	if _, _, err := strict.Read(ctx, key); !errors.Is(err, azfence.ErrUnfenced) {
+		t.Errorf("strict Read of an unfenced blob: %v, want ErrUnfenced", err)
+	}
+	if err := strict.Write(ctx, key, []byte("x"), 1); !errors.Is(err, azfence.ErrUnfenced) {
+		t.Errorf("strict Write over an unfenced blob: %v, want ErrUnfenced", err)
+	}
+	w := newWriter(t, e.c, nil)
+	if v, tok, err := w.Read(ctx, key); err != nil || string(v) != "by hand" || tok != 0 {
+		t.Errorf("Read of an unfenced blob = %q, %d, %v; want its body with token 0", v, tok, err)
+	}
+	if err := w.Write(ctx, key, []byte("fenced"), 1); err != nil {
+		t.Fatal(err)
+	}
+	if v, tok, err := w.Read(ctx, key); err != nil || string(v) != "fenced" || tok != 1 {
+		t.Errorf("after a fenced write: %q, %d, %v", v, tok, err)
+	}
+}

@@ -364,22 +364,11 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 	if err != nil {
 		return nil, 0, fmt.Errorf("azfence: read %q: %w", key, err)
 	}
-	e, err := objenvelope.Parse(b)
-	switch {
-	case errors.Is(err, objenvelope.ErrNoEnvelope):
-		if w.o.RefuseUnfenced {
-			return nil, 0, fmt.Errorf("azfence: read %q: %w", key, ErrUnfenced)
-		}
-		return b, 0, nil
-	case err != nil:
+	v, tok, err := objenvelope.Decode(b, w.o.RefuseUnfenced, ErrUnfenced)
+	if err != nil && !errors.Is(err, fence.ErrNotFound) {
 		return nil, 0, fmt.Errorf("azfence: read %q: %w", key, err)
-	case e.Deleted:
-		return nil, 0, fence.ErrNotFound
 	}
-	if e.Value == nil {
-		e.Value = []byte{}
-	}
-	return e.Value, e.Token, nil
+	return v, tok, err
 }
 
 // isConflict reports a failed precondition: 412 (ConditionNotMet, or a lease

@@ -84,3 +84,25 @@ func Parse(b []byte) (Envelope, error) {
 	e.Value = b[nl+1:]
 	return e, nil
 }
+
+// Decode returns the value and token a reader sees in the stored bytes b: a
+// tombstone is fence.ErrNotFound; bytes without an envelope (another tool's
+// object) are the value with token 0, or errUnfenced when refuseUnfenced.
+func Decode(b []byte, refuseUnfenced bool, errUnfenced error) ([]byte, fence.Token, error) {
+	e, err := Parse(b)
+	switch {
+	case errors.Is(err, ErrNoEnvelope):
+		if refuseUnfenced {
+			return nil, 0, errUnfenced
+		}
+		return b, 0, nil
+	case err != nil:
+		return nil, 0, err
+	case e.Deleted:
+		return nil, 0, fence.ErrNotFound
+	}
+	if e.Value == nil {
+		e.Value = []byte{}
+	}
+	return e.Value, e.Token, nil
+}
