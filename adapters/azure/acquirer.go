@@ -28,6 +28,11 @@ import (
 // (this package never takes infinite leases: see Acquirer).
 const MaxAcquirerTTL = 60 * time.Second
 
+// MinAcquirerTTL is the shortest ttl the acquirer grants (a shorter one
+// returns an error matching fence.ErrInvalid): Azure holds every lease for
+// 15 s at least, so a shorter local lease only ends the holder's work early.
+const MinAcquirerTTL = time.Second
+
 // MinLeaseDuration is Azure's shortest blob lease. A ttl below it is granted
 // with a lease of this length on Azure: the holder's lease ends at its ttl
 // (its local deadline), but others are refused the name until Azure's lease
@@ -82,8 +87,8 @@ type AcquirerOptions struct {
 // its duration after the service handled the acquire or the last renewal.
 // The holder's local deadline is measured from before the acquire (or
 // renewal) was sent, less Drift, so it passes before Azure's expiry. A ttl
-// above 60 s is refused with fence.ErrInvalid; one below 15 s is granted on a
-// 15 s lease (see MinLeaseDuration).
+// above 60 s or below 1 s is refused with fence.ErrInvalid; one below 15 s is
+// granted on a 15 s lease (see MinLeaseDuration).
 //
 // # Infinite leases and break
 //
@@ -194,7 +199,7 @@ func (a *Acquirer) checkTTL(ttl time.Duration) error {
 	if d := a.o.Drift; d > 0 && ttl > 0 && ttl <= d {
 		return &fence.InvalidError{Op: "acquire", Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
 	}
-	return fence.CheckTTL("acquire", ttl, 0, MaxAcquirerTTL)
+	return fence.CheckTTL("acquire", ttl, MinAcquirerTTL, MaxAcquirerTTL)
 }
 
 // leaseSeconds is the Azure lease duration for ttl: whole seconds, rounded
@@ -219,7 +224,8 @@ func (a *Acquirer) leaseClient(name, id string) *lease.BlobClient {
 }
 
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at
-// once. ttl is in (0, 60s] (fence.ErrInvalid otherwise); name is a blob name
+// once. ttl is in [MinAcquirerTTL, MaxAcquirerTTL], 1 s to 60 s
+// (fence.ErrInvalid otherwise); name is a blob name
 // (UTF-8, no NUL or backslash, not ending in a dot or slash, with the prefix
 // at most 1024 bytes), compared byte for byte. A counter at fence.MaxToken
 // returns fence.ErrTokensExhausted. A name's first grant (and the first after
@@ -252,12 +258,10 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 		}
 		sent := time.Now()
 		resp, err := lc.AcquireLease(noRetries(ctx), leaseSeconds(ttl), nil)
-		if firstSent.IsZero() || err != nil && mayHaveApplied(err) {
+		if firstSent.IsZero() {
 			// The local deadline counts from the first acquire that may
 			// have started Azure's lease.
-			if firstSent.IsZero() {
-				firstSent = sent
-			}
+			firstSent = sent
 		}
 		if err == nil {
 			granted = true

@@ -40,9 +40,10 @@ func FuzzEntryPoints(f *testing.F) {
 	f.Add("k", "n", int64(math.MaxInt64), uint64(fence.MaxToken), []byte("top"))
 	f.Add("dot.", "a/../b", int64(time.Second), uint64(fence.MaxToken+1), []byte(""))
 	f.Add("back\\slash", "slash/", int64(61*time.Second), uint64(2), []byte("x"))
+	f.Add("k2", "n2", int64(time.Millisecond), uint64(3), []byte("short ttl"))
 	f.Add(string(bytes.Repeat([]byte("k"), 1025)), "n", int64(60*time.Second), uint64(2), []byte("x"))
 	e := newEnv(f)
-	p := &fencetest.EntryPoints{Writer: newWriter(f, e.c, nil), Acquirer: newAcquirer(f, e.c), MaxTTL: azfence.MaxAcquirerTTL}
+	p := &fencetest.EntryPoints{Writer: newWriter(f, e.c, nil), Acquirer: newAcquirer(f, e.c), MinTTL: azfence.MinAcquirerTTL, MaxTTL: azfence.MaxAcquirerTTL}
 	keyRefused, nameRefused := refuses(""), refuses("fencekit-locks/")
 	p.Refuses = func(s string) bool { return keyRefused(s) || nameRefused(s) }
 	f.Fuzz(func(t *testing.T, key, name string, ttlNs int64, token uint64, value []byte) {
