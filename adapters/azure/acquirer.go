@@ -472,20 +472,22 @@ func creationToken(ctx context.Context, bc *blob.Client) (uint64, error) {
 
 // abandon releases lease id on name in the background, for a grant that
 // TryAcquire gave up on (or a renewal confirmed too late): an acquire still
-// on its way can land afterwards, so it tries until the release is confirmed
-// or the lease (at most 60 s) has certainly expired.
+// on its way can land afterwards, so it tries until a release is confirmed
+// (Azure held the lease for id, and now does not) or the lease's duration
+// plus 5 s has passed since it started. Refusals (no lease, or another ID's)
+// do not stop it: they are what it sees before a late acquire lands. An
+// acquire delayed in the network for longer than that can still hold the
+// name until its lease expires.
 func (a *Acquirer) abandon(name, id string, ttl time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(leaseSeconds(ttl))*time.Second+5*time.Second)
 	defer cancel()
 	lc := a.leaseClient(name, id)
+	b := fence.Backoff{Min: 10 * time.Millisecond, Max: time.Second}
 	for attempt := 0; ctx.Err() == nil; attempt++ {
-		_, err := lc.ReleaseLease(noRetries(ctx), nil)
-		if err == nil || (httpStatus(err) != 0 && !mayHaveApplied(err)) {
-			if err == nil || attempt > 2 {
-				return
-			}
+		if _, err := lc.ReleaseLease(noRetries(ctx), nil); err == nil {
+			return
 		}
-		if pause(ctx, attempt) != nil {
+		if b.Sleep(ctx, attempt) != nil {
 			return
 		}
 	}
