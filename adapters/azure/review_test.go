@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	azfence "github.com/fencekit/fencekit/adapters/azure"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
@@ -142,5 +143,66 @@ func TestAbandonedGrantLandingLate(t *testing.T) {
 	t.Logf("granted after %v", time.Since(start))
 	if err := lb.Release(ctx); err != nil && !errors.Is(err, fence.ErrLost) {
 		t.Error(err)
+	}
+}
+
+// TestOptionsRefusedAtConstruction (HAZARDS 8): an Owner that cannot go into
+// an HTTP header as Azure signs it (a line break, a control character,
+// non-ASCII, spaces at either end) and a Prefix with a "." or ".." path
+// segment made every later call fail (net/http's invalid header value, 403
+// AuthorizationFailure from the server, or ErrInvalid for every name): the
+// constructors must refuse them with fence.ErrInvalid instead. The same
+// options, accepted, must work.
+func TestOptionsRefusedAtConstruction(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	for _, o := range []*azfence.AcquirerOptions{{Owner: "a\nb"}, {Owner: "a\x01b"}, {Owner: "Zo\u00eb"}, {Owner: " pad"}, {Owner: "pad "},
+		{Prefix: "x/./"}, {Prefix: "../"}, {Prefix: "x/../y/"}} {
+		a, err := azfence.NewAcquirer(e.c, o)
+		if errors.Is(err, fence.ErrInvalid) {
+			continue
+		}
+		if err != nil {
+			t.Errorf("NewAcquirer(%#v): %v, want ErrInvalid", *o, err)
+			continue
+		}
+		l, err := a.TryAcquire(ctx, fencetest.Name("opt"), 15*time.Second)
+		if err == nil {
+			_ = l.Release(ctx)
+		}
+		t.Errorf("NewAcquirer(%#v) accepted the options; TryAcquire then: %v", *o, err)
+	}
+	for _, o := range []*azfence.Options{{Prefix: "x/./"}, {Prefix: "../"}, {Prefix: "x/../y/"}} {
+		w, err := azfence.New(e.c, o)
+		if errors.Is(err, fence.ErrInvalid) {
+			continue
+		}
+		if err != nil {
+			t.Errorf("New(%#v): %v, want ErrInvalid", *o, err)
+			continue
+		}
+		t.Errorf("New(%#v) accepted the options; Write then: %v", *o, w.Write(ctx, fencetest.Name("opt"), []byte("v"), 1))
+	}
+	// Near misses that Azure stores as given are accepted and work.
+	for _, o := range []*azfence.AcquirerOptions{{Owner: "host-1/42 (worker a)"}, {Prefix: "x/.y/"}, {Prefix: "x/."}, {Prefix: "..x/"}} {
+		a, err := azfence.NewAcquirer(e.c, o)
+		if err != nil {
+			t.Errorf("NewAcquirer(%#v): %v", *o, err)
+			continue
+		}
+		l, err := a.TryAcquire(ctx, fencetest.Name("opt"), 15*time.Second)
+		if err != nil {
+			t.Errorf("NewAcquirer(%#v), then TryAcquire: %v", *o, err)
+			continue
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Error(err)
+		}
+	}
+	for _, o := range []*azfence.Options{{Prefix: "x/."}, {Prefix: "x/.y/"}} {
+		w := newWriter(t, e.c, o)
+		if err := w.Write(ctx, fencetest.Name("opt"), []byte("v"), 1); err != nil {
+			t.Errorf("New(%#v), then Write: %v", *o, err)
+		}
 	}
 }
