@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -48,8 +49,9 @@ const MetaOwner = "fenceowner"
 type AcquirerOptions struct {
 	// Prefix starts the name of every lock blob. Default: "fencekit-locks/".
 	Prefix string
-	// Owner is recorded in the lock blob's metadata. Default: host name and
-	// process id.
+	// Owner is recorded in the lock blob's metadata: printable ASCII without
+	// a space at either end, at most 1024 bytes (fence.ErrInvalid
+	// otherwise). Default: host name and process id.
 	Owner string
 	// Backoff paces Acquire's attempts while the lock is held: each is one
 	// Lease Blob request. Default: Min 50ms, Max 1s.
@@ -167,11 +169,14 @@ func NewAcquirer(c *container.Client, opts *AcquirerOptions) (*Acquirer, error) 
 	if err := checkName(op, "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 		return nil, err
 	}
+	if err := checkPrefix(op, o.Prefix); err != nil {
+		return nil, err
+	}
 	if o.Owner == "" {
 		host, _ := os.Hostname()
-		o.Owner = fmt.Sprintf("%s/%d", host, os.Getpid())
+		o.Owner = headerSafe(fmt.Sprintf("%s/%d", host, os.Getpid()))
 	}
-	if err := fence.CheckText(op, "Owner", o.Owner, 1024); err != nil {
+	if err := checkOwner(op, o.Owner); err != nil {
 		return nil, err
 	}
 	if o.Backoff == (fence.Backoff{}) {
@@ -181,6 +186,35 @@ func NewAcquirer(c *container.Client, opts *AcquirerOptions) (*Acquirer, error) 
 		o.MaxAttempts = 8
 	}
 	return &Acquirer{c: c, o: o, last: map[string]lastWrite{}}, nil
+}
+
+// checkOwner refuses an Owner that cannot be sent as a metadata value the
+// way Azure signs and stores it: printable ASCII (a line break or a control
+// character is refused by net/http, non-ASCII and spaces at either end fail
+// the request's signature), 1 to 1024 bytes.
+func checkOwner(op, owner string) error {
+	if err := fence.CheckText(op, "Owner", owner, 1024); err != nil {
+		return err
+	}
+	if headerSafe(owner) != owner {
+		return &fence.InvalidError{Op: op, Arg: "Owner", Reason: "only printable ASCII, without a space at either end, can be sent as blob metadata"}
+	}
+	return nil
+}
+
+// headerSafe returns s with every byte outside printable ASCII replaced by
+// '_' and the spaces at either end removed ("_" when nothing is left).
+func headerSafe(s string) string {
+	b := []byte(s)
+	for i, c := range b {
+		if c < 0x20 || c > 0x7e {
+			b[i] = '_'
+		}
+	}
+	if s = strings.Trim(string(b), " "); s == "" {
+		return "_"
+	}
+	return s
 }
 
 func (a *Acquirer) blobName(name string) string { return a.o.Prefix + name }

@@ -107,7 +107,8 @@ var (
 
 // New returns a Writer on the container c (which must exist). It returns an
 // error matching fence.ErrInvalid for a nil client, a negative MaxAttempts or
-// an invalid Prefix.
+// a Prefix that is not UTF-8, holds a NUL or a backslash, has a path segment
+// "." or "..", or leaves no room for a key.
 func New(c *container.Client, opts *Options) (*Writer, error) {
 	if c == nil {
 		return nil, &fence.InvalidError{Op: "new writer", Arg: "container client", Reason: "nil"}
@@ -126,6 +127,9 @@ func New(c *container.Client, opts *Options) (*Writer, error) {
 		if err := checkName("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 			return nil, err
 		}
+		if err := checkPrefix("new writer", o.Prefix); err != nil {
+			return nil, err
+		}
 	}
 	return &Writer{c: c, o: o}, nil
 }
@@ -140,6 +144,19 @@ func checkName(op, arg, s string, max int) error {
 	if strings.ContainsAny(s, "\\") {
 		// Azure turns a backslash in a blob name into a slash.
 		return &fence.InvalidError{Op: op, Arg: arg, Reason: "a backslash (Azure stores it as a slash)"}
+	}
+	return nil
+}
+
+// checkPrefix refuses a Prefix that makes every blob name one Azure would
+// change: a whole path segment (every segment but the last, which the name
+// continues) that is "." or "..".
+func checkPrefix(op, prefix string) error {
+	segs := strings.Split(prefix, "/")
+	for _, seg := range segs[:len(segs)-1] {
+		if seg == "." || seg == ".." {
+			return &fence.InvalidError{Op: op, Arg: "Prefix", Reason: "a path segment . or .., which Azure resolves"}
+		}
 	}
 	return nil
 }
