@@ -528,6 +528,8 @@ func (a *Acquirer) abandon(name, id string, ttl time.Duration) {
 }
 
 func (a *Acquirer) failed(op, name string, err, ambiguous error) error {
+	scrub(err)
+	scrub(ambiguous)
 	if ambiguous != nil {
 		return fmt.Errorf("azfence: %s %q: %w (an earlier attempt may have been granted; it is being released: %v)", op, name, err, ambiguous)
 	}
@@ -594,6 +596,7 @@ func (l *azLease) Renew(ctx context.Context) error {
 				l.End(fence.ErrLost)
 				return l.lost()
 			}
+			scrub(err)
 			return fmt.Errorf("azfence: renew %q: %w", l.Name(), err)
 		}
 		ambiguous = err
@@ -604,6 +607,7 @@ func (l *azLease) Renew(ctx context.Context) error {
 			break
 		}
 	}
+	scrub(ambiguous)
 	return fmt.Errorf("azfence: renew %q: %w: not confirmed (%v)", l.Name(), fence.ErrUnknown, ambiguous)
 }
 
@@ -638,6 +642,7 @@ func (l *azLease) Release(ctx context.Context) error {
 			if httpStatus(err) == 409 || httpStatus(err) == 412 || httpStatus(err) == 404 {
 				return l.lost()
 			}
+			scrub(err)
 			return fmt.Errorf("azfence: release %q: %w", l.Name(), err)
 		}
 		ambiguous = err
@@ -649,6 +654,7 @@ func (l *azLease) Release(ctx context.Context) error {
 		}
 	}
 	go l.a.abandon(l.Name(), l.id, l.TTL())
+	scrub(ambiguous)
 	return fmt.Errorf("azfence: release %q: %w: %v (it goes on in the background)", l.Name(), fence.ErrUnknown, ambiguous)
 }
 

@@ -30,7 +30,8 @@
 //     are refused with RefuseUnfenced.
 //
 // Errors are told apart by Azure's error codes and HTTP status, never by
-// their messages.
+// their messages. Errors returned by this package show a SAS token's
+// signature (the URL's sig parameter) as REDACTED.
 package azfence
 
 import (
@@ -41,6 +42,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -356,6 +358,8 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 // failed wraps err for op on key; after an attempt that may have been applied
 // (ambiguous), the error matches fence.ErrUnknown.
 func (w *Writer) failed(op, key string, err, ambiguous error) error {
+	scrub(err)
+	scrub(ambiguous)
 	if ambiguous != nil {
 		return fmt.Errorf("azfence: %s %q: %w: an attempt may have been applied (%v): %w", op, key, fence.ErrUnknown, ambiguous, err)
 	}
@@ -370,6 +374,7 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 		return nil, 0, err
 	}
 	out, err := w.c.NewBlobClient(w.blobName(key)).DownloadStream(ctx, nil)
+	scrub(err)
 	if err != nil {
 		if isNotFound(err) {
 			return nil, 0, fence.ErrNotFound
@@ -378,6 +383,7 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 	}
 	defer out.Body.Close()
 	b, err := io.ReadAll(out.Body)
+	scrub(err)
 	if err != nil {
 		return nil, 0, fmt.Errorf("azfence: read %q: %w", key, err)
 	}
@@ -410,6 +416,41 @@ func mayHaveApplied(err error) bool {
 		return s >= 500
 	}
 	return true
+}
+
+// scrub hides the signature of a SAS token (the query parameter sig) in the
+// URL of every *url.Error in err's tree, in place, before the error is
+// wrapped or printed: net/http puts the whole request URL, query included,
+// in the error of a request that got no answer.
+func scrub(err error) {
+	if ue, ok := err.(*url.Error); ok {
+		ue.URL = redactURL(ue.URL)
+	}
+	switch e := err.(type) {
+	case interface{ Unwrap() error }:
+		scrub(e.Unwrap())
+	case interface{ Unwrap() []error }:
+		for _, x := range e.Unwrap() {
+			scrub(x)
+		}
+	}
+}
+
+// redactURL returns s with the value of its query parameter sig replaced,
+// or without its query when it does not parse.
+func redactURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil {
+		if i := strings.IndexByte(s, '?'); i >= 0 {
+			return s[:i] + "?REDACTED"
+		}
+		return s
+	}
+	if q := u.Query(); q.Has("sig") {
+		q.Set("sig", "REDACTED")
+		u.RawQuery = q.Encode()
+	}
+	return u.String()
 }
 
 func isNotFound(err error) bool {
