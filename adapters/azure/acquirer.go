@@ -124,8 +124,10 @@ type AcquirerOptions struct {
 // with the same lease ID: Azure grants it again to the same ID (recognised),
 // and refuses another (409). A token write whose answer was lost is
 // recognised by its write id. A TryAcquire that gives up after taking (or
-// maybe taking) the lease releases it in the background. Acquirer is safe
-// for concurrent use.
+// maybe taking) the lease releases it in the background, again and again
+// until a release is confirmed or the lease's duration plus 5 s has passed:
+// an acquire still in the network for longer than that can hold the name
+// until its lease expires. Acquirer is safe for concurrent use.
 type Acquirer struct {
 	c *container.Client
 	o AcquirerOptions
@@ -263,9 +265,10 @@ func (a *Acquirer) leaseClient(name, id string) *lease.BlobClient {
 // (UTF-8, no NUL or backslash, not ending in a dot or slash, with the prefix
 // at most 1024 bytes), compared byte for byte. A counter at fence.MaxToken
 // returns fence.ErrTokensExhausted. A name's first grant (and the first after
-// its blob was deleted) waits up to a second for Azure's clock: see "Tokens
-// when the lock blob is deleted". A grant that cannot be confirmed returns an
-// error and is released in the background.
+// its blob was deleted) creates the blob and reads Azure's clock from a
+// snapshot (a few more requests): see "Tokens when the lock blob is deleted". A
+// grant that cannot be confirmed returns an error and is released in the
+// background (see abandon's bound in "Lost answers").
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err

@@ -446,3 +446,31 @@ func TestNoSASSignatureInErrors(t *testing.T) {
 	check("Renew", l.Renew(tctx))
 	check("Release", l.Release(tctx))
 }
+
+// TestTombstoneDeletedByHand (HAZARDS 1, 7): what Delete's doc says about a
+// tombstone deleted by other means: the fence goes with it, and a write with
+// a lower token than the tombstone's is accepted afterwards. While the
+// tombstone is there, the same write is refused.
+func TestTombstoneDeletedByHand(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	w := newWriter(t, e.c, nil)
+	ctx := context.Background()
+	key := fencetest.Name("tomb")
+	if err := w.Write(ctx, key, []byte("v"), 5); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Delete(ctx, key, 7); err != nil {
+		t.Fatal(err)
+	}
+	var se *fence.StaleError
+	if err := w.Write(ctx, key, []byte("stale"), 6); !errors.As(err, &se) || se.Current != 7 {
+		t.Fatalf("a write below the tombstone's token: %v, want *StaleError holding 7", err)
+	}
+	if _, err := e.c.NewBlobClient(key).Delete(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("stale"), 6); err != nil {
+		t.Fatalf("after the tombstone was deleted by hand, Delete's doc says any token is accepted: %v", err)
+	}
+}

@@ -17,7 +17,9 @@
 //     write also stores its random write id in a blob index tag
 //     (TagWriteID), and every conditional put requires that tag to still hold
 //     the write id it read (x-ms-if-tags), along with the ETag: a write in
-//     between changes the tag even if the ETag came back the same.
+//     between changes the tag even if the ETag came back the same. Azure
+//     documents that condition; Azurite 3.37.0 ignores it, so there the
+//     guard is the ETag alone.
 //   - Ambiguous attempts: a put whose reply was lost (or that got a 5xx) may
 //     have been applied. The SDK's retry policy (azcore: up to 3 retries of
 //     any request on a transport error other than the caller's context ending,
@@ -67,7 +69,8 @@ const (
 )
 
 // TagWriteID is the blob index tag holding the write id of the blob's last
-// fenced write; conditional writes require it (x-ms-if-tags).
+// fenced write; conditional writes require it (x-ms-if-tags, which Azurite
+// ignores).
 const TagWriteID = "fencewrite"
 
 // MaxKeyBytes is Azure's limit on a blob name, in bytes (1024 characters; a
@@ -244,7 +247,9 @@ func (w *Writer) Write(ctx context.Context, key string, value []byte, token fenc
 
 // Delete replaces the blob with a tombstone that keeps the fence at token,
 // unless the blob holds a larger token (errors as Write). Read then returns
-// fence.ErrNotFound.
+// fence.ErrNotFound. The fence lives in the blob: a tombstone (or blob)
+// deleted by other means (a lifecycle rule, an operator) takes it along, and
+// the next write is accepted with any token.
 func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
 	return w.put(ctx, "delete", key, objenvelope.Envelope{Token: token, Deleted: true})
 }
