@@ -29,7 +29,9 @@
 //     succeeded. If a newer token is stored instead, or the write ends for any
 //     other reason, the error matches fence.ErrUnknown, never fence.ErrStale.
 //   - Blobs written by other tools have no token: they count as token 0, or
-//     are refused with RefuseUnfenced.
+//     are refused with RefuseUnfenced. A fenced blob whose metadata was
+//     replaced (Set Blob Metadata by another tool) keeps the token of the
+//     envelope in its body, which the writer then reads.
 //
 // Errors are told apart by Azure's error codes and HTTP status, never by
 // their messages. Errors returned by this package show a SAS token's
@@ -211,29 +213,83 @@ func meta(m map[string]*string, k string) (string, bool) {
 	return "", false
 }
 
+// envelopeHead is how many bytes of a blob hold its envelope's header line
+// (about 60: magic, token, write id, "deleted").
+const envelopeHead = 128
+
 func (w *Writer) head(ctx context.Context, key string) (state, error) {
-	p, err := w.c.NewBlobClient(w.blobName(key)).GetProperties(ctx, nil)
+	bc := w.c.NewBlobClient(w.blobName(key))
+	for attempt := 0; ; attempt++ {
+		p, err := bc.GetProperties(ctx, nil)
+		if err != nil {
+			if isNotFound(err) {
+				return state{}, nil
+			}
+			return state{}, err
+		}
+		st := state{exists: true}
+		if p.ETag != nil {
+			st.etag = *p.ETag
+		}
+		st.writeID, _ = meta(p.Metadata, MetaWriteID)
+		if t, ok := meta(p.Metadata, MetaToken); ok {
+			n, err := strconv.ParseUint(t, 10, 64)
+			if err != nil || !fence.Token(n).Valid() {
+				return state{}, fmt.Errorf("azfence: blob %q has a malformed %s %q", key, MetaToken, t)
+			}
+			st.token = fence.Token(n)
+			return st, nil
+		}
+		// No token in the metadata: another tool's blob, or a fenced blob
+		// whose metadata was replaced (Set Blob Metadata replaces all of it).
+		// The envelope in the body still holds the fence.
+		if p.ContentLength == nil || *p.ContentLength < int64(len("fencekit-v1 1 x\n")) {
+			st.unfenced = true
+			return st, nil
+		}
+		e, same, err := w.bodyHeader(ctx, bc, st.etag)
+		switch {
+		case err != nil:
+			return state{}, err
+		case !same && attempt < 2:
+			continue // written in between: read again
+		case !same:
+			return state{}, ErrContention
+		case e == nil:
+			st.unfenced = true
+		default:
+			st.token, st.writeID = e.Token, e.WriteID
+		}
+		return st, nil
+	}
+}
+
+// bodyHeader reads the envelope header at the start of the blob, reporting
+// whether the blob still had ETag etag; nil for a body without an envelope.
+func (w *Writer) bodyHeader(ctx context.Context, bc *blob.Client, etag azcore.ETag) (*objenvelope.Envelope, bool, error) {
+	out, err := bc.DownloadStream(ctx, &blob.DownloadStreamOptions{Range: blob.HTTPRange{Count: envelopeHead}})
 	if err != nil {
 		if isNotFound(err) {
-			return state{}, nil
+			return nil, false, nil
 		}
-		return state{}, err
+		return nil, false, err
 	}
-	st := state{exists: true}
-	if p.ETag != nil {
-		st.etag = *p.ETag
+	defer out.Body.Close()
+	b, err := io.ReadAll(out.Body)
+	if err != nil {
+		return nil, false, err
 	}
-	st.writeID, _ = meta(p.Metadata, MetaWriteID)
-	if t, ok := meta(p.Metadata, MetaToken); ok {
-		n, err := strconv.ParseUint(t, 10, 64)
-		if err != nil || !fence.Token(n).Valid() {
-			return state{}, fmt.Errorf("azfence: blob %q has a malformed %s %q", key, MetaToken, t)
-		}
-		st.token = fence.Token(n)
-	} else {
-		st.unfenced = true
+	if out.ETag == nil || *out.ETag != etag {
+		return nil, false, nil
 	}
-	return st, nil
+	if nl := bytes.IndexByte(b, '\n'); nl >= 0 {
+		b = b[:nl+1] // the header alone: a tombstone's, or a value's cut at the range
+	}
+	e, err := objenvelope.Parse(b)
+	if err != nil {
+		return nil, true, nil
+	}
+	return &e, true, nil
 }
 
 // Write stores value under key unless the blob holds a larger token. It
