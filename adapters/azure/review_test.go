@@ -514,3 +514,50 @@ func TestMetadataEditedByHand(t *testing.T) {
 		}
 	}
 }
+
+// TestShortTTLPastDeadline (HAZARDS 5, 6): a 1 s ttl is held on a 15 s
+// Azure lease. Once the holder's context is done (at its ttl), nobody else
+// has been granted the name yet (Azure still holds it: ErrHeld), a Renew
+// sends nothing and reports ErrLost, and the holder's Release still frees
+// the name at once instead of leaving it blocked for the rest of Azure's
+// lease; the next grant's token is larger and fences the old holder out.
+func TestShortTTLPastDeadline(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	a, b := newAcquirer(t, e.c), newAcquirer(t, e.other(t))
+	w := newWriter(t, e.c, nil)
+	ctx := context.Background()
+	name := fencetest.Name("short")
+	la, err := a.TryAcquire(ctx, name, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	granted := time.Now()
+	<-la.Context().Done()
+	if d := time.Since(granted); d > 5*time.Second {
+		t.Fatalf("a 1 s lease's context ended only after %v", d)
+	}
+	expectHeldBy(t, b, name)
+	if err := la.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("Renew past the local deadline: %v, want ErrLost", err)
+	}
+	expectHeldBy(t, b, name)
+	if err := la.Release(ctx); err != nil && !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("Release past the local deadline: %v", err)
+	}
+	lb, err := b.TryAcquire(ctx, name, time.Second)
+	if err != nil {
+		t.Fatalf("TryAcquire right after the old holder's Release, %v after its grant: %v (the name stays blocked for Azure's 15 s lease)", time.Since(granted), err)
+	}
+	defer lb.Release(ctx)
+	if lb.Token() <= la.Token() {
+		t.Fatalf("next grant's token %d, not above %d", lb.Token(), la.Token())
+	}
+	if err := w.Write(ctx, name, []byte("new"), lb.Token()); err != nil {
+		t.Fatal(err)
+	}
+	var se *fence.StaleError
+	if err := w.Write(ctx, name, []byte("old"), la.Token()); !errors.As(err, &se) {
+		t.Errorf("the old holder's write after the new holder's: %v, want *StaleError", err)
+	}
+}
