@@ -487,7 +487,8 @@ func TestMetadataEditedByHand(t *testing.T) {
 	ctx := context.Background()
 	for _, del := range []bool{false, true} {
 		key := fencetest.Name("meta")
-		if err := w.Write(ctx, key, []byte("v5"), 5); err != nil {
+		v5 := "v5" + strings.Repeat(".", 300) // longer than the header read
+		if err := w.Write(ctx, key, []byte(v5), 5); err != nil {
 			t.Fatal(err)
 		}
 		if del {
@@ -499,7 +500,7 @@ func TestMetadataEditedByHand(t *testing.T) {
 		if _, err := e.c.NewBlobClient(key).SetMetadata(ctx, map[string]*string{"note": &note}, nil); err != nil {
 			t.Fatal(err)
 		}
-		if v, tok, err := w.Read(ctx, key); !del && (err != nil || tok != 5 || string(v) != "v5") {
+		if v, tok, err := w.Read(ctx, key); !del && (err != nil || tok != 5 || string(v) != v5) {
 			t.Fatalf("Read after the metadata was replaced: %q, %d, %v; want v5 at token 5", v, tok, err)
 		}
 		var se *fence.StaleError
