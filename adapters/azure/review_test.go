@@ -14,6 +14,7 @@ import (
 
 	"github.com/Azure/azure-sdk-for-go/sdk/azcore"
 	"github.com/Azure/azure-sdk-for-go/sdk/azcore/policy"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/bloberror"
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/container"
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/sas"
 	azfence "github.com/fencekit/fencekit/adapters/azure"
@@ -561,4 +562,33 @@ func TestShortTTLPastDeadline(t *testing.T) {
 	if err := w.Write(ctx, name, []byte("old"), la.Token()); !errors.As(err, &se) {
 		t.Errorf("the old holder's write after the new holder's: %v, want *StaleError", err)
 	}
+}
+
+// TestMissingContainer (bad input): a client of a container that does not
+// exist. Every call must say so (Azure's ContainerNotFound in the chain),
+// not answer that the key was not found (Read) or that the blob kept changing
+// (Write, Delete, TryAcquire, after a burst of requests).
+func TestMissingContainer(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	c := newClient(t, e.srv, e.srv.ServiceURL, "no-such-"+strings.ToLower(strings.ReplaceAll(fencetest.Name("c"), "_", "-")))
+	w, a := newWriter(t, c, nil), newAcquirer(t, c)
+	ctx := context.Background()
+	check := func(what string, err error) {
+		t.Helper()
+		switch {
+		case err == nil:
+			t.Errorf("%s in a missing container: no error", what)
+		case errors.Is(err, fence.ErrNotFound) || errors.Is(err, azfence.ErrContention) || !bloberror.HasCode(err, bloberror.ContainerNotFound):
+			t.Errorf("%s in a missing container: %v, want Azure's ContainerNotFound", what, err)
+		default:
+			t.Logf("%s: %v", what, err)
+		}
+	}
+	check("Write", w.Write(ctx, "k", []byte("v"), 1))
+	check("Delete", w.Delete(ctx, "k", 1))
+	_, _, err := w.Read(ctx, "k")
+	check("Read", err)
+	_, err = a.TryAcquire(ctx, "n", 15*time.Second)
+	check("TryAcquire", err)
 }
