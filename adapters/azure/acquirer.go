@@ -308,7 +308,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			break
 		}
 		switch {
-		case bloberror.HasCode(err, bloberror.BlobNotFound) || httpStatus(err) == 404:
+		case isNotFound(err):
 			if err := a.create(ctx, name); err != nil {
 				return nil, a.failed("acquire", name, err, ambiguous)
 			}

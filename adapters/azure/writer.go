@@ -459,6 +459,9 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 // condition), 409 BlobAlreadyExists for If-None-Match: * on a blob created
 // in between, or 404 for If-Match on a blob deleted in between.
 func isConflict(err error) bool {
+	if containerMissing(err) {
+		return false
+	}
 	if bloberror.HasCode(err, bloberror.ConditionNotMet, bloberror.BlobAlreadyExists, bloberror.BlobNotFound) {
 		return true
 	}
@@ -514,8 +517,15 @@ func redactURL(s string) string {
 	return u.String()
 }
 
+// isNotFound reports a blob that does not exist, in a container that does.
 func isNotFound(err error) bool {
-	return bloberror.HasCode(err, bloberror.BlobNotFound) || httpStatus(err) == 404
+	return !containerMissing(err) && (bloberror.HasCode(err, bloberror.BlobNotFound) || httpStatus(err) == 404)
+}
+
+// containerMissing reports Azure's 404 for a container that does not exist:
+// a definite error for every call, never a blob deleted in between.
+func containerMissing(err error) bool {
+	return bloberror.HasCode(err, bloberror.ContainerNotFound)
 }
 
 func httpStatus(err error) int {
