@@ -15,9 +15,12 @@ import (
 	"time"
 
 	"cloud.google.com/go/storage"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/container"
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
+	azfence "github.com/fencekit/fencekit/adapters/azure"
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
 	gcsfence "github.com/fencekit/fencekit/adapters/gcs"
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
@@ -165,6 +168,11 @@ func acquirers() []acquirerCase {
 			return must(s3fence.NewAcquirer(c, bucket, &s3fence.AcquirerOptions{Drift: drift, Prefix: fencetest.Name("locks") + "/",
 				Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
 		}},
+		// Azure's shortest lease is 15 s.
+		{"azure", azfence.MinLeaseDuration, func(t *testing.T) fence.Acquirer {
+			return must(azfence.NewAcquirer(azureContainer(t), &azfence.AcquirerOptions{Drift: drift,
+				Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
+		}},
 		{"etcd", time.Second, func(t *testing.T) fence.Acquirer {
 			return must(etcdfence.New(etcdtest.Start(t, 1).Client(t), &etcdfence.Options{Drift: drift}))
 		}},
@@ -250,6 +258,22 @@ func gcsBucket(t *testing.T) *storage.BucketHandle {
 	return c.Bucket("fenced")
 }
 
+// azureContainer starts Azurite (or finds FENCEKIT_AZURE_URL's account) and
+// returns a client of a new container (or of FENCEKIT_AZURE_CONTAINER).
+func azureContainer(t *testing.T) *container.Client {
+	srv := testenv.RealAzure(t)
+	cred := must(azblob.NewSharedKeyCredential(srv.Account, srv.Key))
+	sc := must(azblob.NewClientWithSharedKeyCredential(srv.ServiceURL, cred, nil)).ServiceClient()
+	if srv.Container != "" {
+		return sc.NewContainerClient(srv.Container)
+	}
+	c := sc.NewContainerClient(strings.ToLower(fencetest.Name("paused")))
+	if _, err := c.Create(context.Background(), nil); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 func s3Writer(t *testing.T) *s3fence.Writer {
 	c, bucket := s3Client(t)
 	return must(s3fence.New(c, bucket, nil))
@@ -300,6 +324,7 @@ func writers() []writerCase {
 			return must(natsfence.NewWriter(context.Background(), j, "fences", nil))
 		}},
 		{"gcs", func(t *testing.T) store { return must(gcsfence.New(gcsBucket(t), nil)) }},
+		{"azure", func(t *testing.T) store { return must(azfence.New(azureContainer(t), nil)) }},
 	}
 }
 

@@ -15,6 +15,9 @@
 #                          a versitygw they start (with FENCEKIT_S3_ACCESS_KEY,
 #                          FENCEKIT_S3_SECRET_KEY, FENCEKIT_S3_REGION and
 #                          FENCEKIT_S3_BUCKET), for example MinIO or AWS
+#   FENCEKIT_AZURE_URL     an Azure blob service URL for the Azure tests instead
+#                          of an Azurite they start (with FENCEKIT_AZURE_ACCOUNT,
+#                          FENCEKIT_AZURE_KEY and FENCEKIT_AZURE_CONTAINER)
 #   FENCEKIT_NO_SERVICES=1 do not start or install anything (tests that need a
 #                          missing server then skip, or fail when CI is set)
 #   GO_TEST_FLAGS          extra flags for go test (for example -run Postgres)
@@ -143,12 +146,29 @@ ensure_versitygw() {
   go install "$VERSITYGW" || say "could not install versitygw: its tests will skip (or fail under CI)"
 }
 
+# Azurite, the Azure Storage emulator of the Azure tests (they start it
+# themselves, on a temporary folder); installed with npm when missing, into
+# a cache folder the tests find through FENCEKIT_AZURITE_DIR.
+AZURITE=azurite@3.37.0
+ensure_azurite() {
+  [ -n "${FENCEKIT_AZURE_URL:-}" ] && return 0
+  command -v azurite-blob >/dev/null && return 0
+  export FENCEKIT_AZURITE_DIR="${FENCEKIT_AZURITE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fencekit/azurite}"
+  [ -x "$FENCEKIT_AZURITE_DIR/node_modules/.bin/azurite-blob" ] && return 0
+  command -v npm >/dev/null || { say "npm is missing: the Azure tests will skip (or fail under CI)"; return 0; }
+  say "Azurite is not installed: npm install $AZURITE into $FENCEKIT_AZURITE_DIR"
+  mkdir -p "$FENCEKIT_AZURITE_DIR"
+  npm install --prefix "$FENCEKIT_AZURITE_DIR" --no-audit --no-fund "$AZURITE" >/dev/null ||
+    say "could not install Azurite: its tests will skip (or fail under CI)"
+}
+
 if [ "${FENCEKIT_NO_SERVICES:-}" != 1 ]; then
   start_postgres
   ensure_test_db
   start_redis
   start_mysql
   ensure_versitygw
+  ensure_azurite
 fi
 
 say "go vet ./... (and the bench module)"

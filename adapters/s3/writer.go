@@ -43,6 +43,7 @@ import (
 	"github.com/aws/smithy-go"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/internal/objenvelope"
 )
 
 // Metadata keys (x-amz-meta-*) stored with every object this package writes.
@@ -209,13 +210,13 @@ func (w *Writer) headsShortKey(ctx context.Context) bool {
 
 // Write stores value under key unless the object holds a larger token.
 func (w *Writer) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
-	return w.put(ctx, "write", key, envelope{token: token, value: value})
+	return w.put(ctx, "write", key, objenvelope.Envelope{Token: token, Value: value})
 }
 
 // Delete replaces the object with a tombstone that keeps the fence at token,
 // unless the object holds a larger token. Read then returns fence.ErrNotFound.
 func (w *Writer) Delete(ctx context.Context, key string, token fence.Token) error {
-	return w.put(ctx, "delete", key, envelope{token: token, deleted: true})
+	return w.put(ctx, "delete", key, objenvelope.Envelope{Token: token, Deleted: true})
 }
 
 func newWriteID() string {
@@ -224,17 +225,17 @@ func newWriteID() string {
 	return hex.EncodeToString(b[:])
 }
 
-func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
+func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope) error {
 	if err := w.checkKey(op, ctx, key); err != nil {
 		return err
 	}
-	if err := leasekit.CheckToken(op, e.token); err != nil {
+	if err := leasekit.CheckToken(op, e.Token); err != nil {
 		return err
 	}
-	e.writeID = newWriteID()
-	body := e.encode()
-	meta := map[string]string{MetaToken: strconv.FormatUint(uint64(e.token), 10), MetaWriteID: e.writeID}
-	if e.deleted {
+	e.WriteID = newWriteID()
+	body := e.Encode()
+	meta := map[string]string{MetaToken: strconv.FormatUint(uint64(e.Token), 10), MetaWriteID: e.WriteID}
+	if e.Deleted {
 		meta[MetaDeleted] = "1"
 	}
 	var st state
@@ -255,7 +256,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 			if st, err = w.head(ctx, key); err != nil {
 				return w.failed(op, key, err, ambiguous)
 			}
-			if ambiguous != nil && st.exists && st.writeID == e.writeID {
+			if ambiguous != nil && st.exists && st.writeID == e.WriteID {
 				w.remember(key, st)
 				return nil // an earlier attempt landed
 			}
@@ -264,11 +265,11 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 		if st.unfenced && w.o.RefuseUnfenced {
 			return w.failed(op, key, ErrUnfenced, ambiguous)
 		}
-		if st.token > e.token {
+		if st.token > e.Token {
 			if ambiguous != nil {
 				return w.failed(op, key, fmt.Errorf("the key now holds token %d (%w)", st.token, ambiguous), ambiguous)
 			}
-			return &fence.StaleError{Key: key, Offered: e.token, Current: st.token}
+			return &fence.StaleError{Key: key, Offered: e.Token, Current: st.token}
 		}
 		in := &s3.PutObjectInput{Bucket: &w.bucket, Key: aws.String(w.objectKey(key)),
 			Body: bytes.NewReader(body), ContentLength: aws.Int64(int64(len(body))), Metadata: meta}
@@ -282,7 +283,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 		// "maybe ours".
 		out, err := w.api.PutObject(ctx, in, noRetries)
 		if err == nil {
-			w.remember(key, state{exists: true, etag: aws.ToString(out.ETag), token: e.token, writeID: e.writeID})
+			w.remember(key, state{exists: true, etag: aws.ToString(out.ETag), token: e.Token, writeID: e.WriteID})
 			return nil
 		}
 		switch {
@@ -293,7 +294,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e envelope) error {
 			if herr != nil {
 				return w.failed(op, key, herr, ambiguous)
 			}
-			if cur.exists && cur.writeID == e.writeID {
+			if cur.exists && cur.writeID == e.WriteID {
 				w.remember(key, cur)
 				return nil
 			}
@@ -381,22 +382,11 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 	if err != nil {
 		return nil, 0, fmt.Errorf("s3fence: read %q: %w", key, err)
 	}
-	e, err := parseEnvelope(b)
-	switch {
-	case errors.Is(err, errNoEnvelope):
-		if w.o.RefuseUnfenced {
-			return nil, 0, fmt.Errorf("s3fence: read %q: %w", key, ErrUnfenced)
-		}
-		return b, 0, nil
-	case err != nil:
+	v, tok, err := objenvelope.Decode(b, w.o.RefuseUnfenced, ErrUnfenced)
+	if err != nil && !errors.Is(err, fence.ErrNotFound) {
 		return nil, 0, fmt.Errorf("s3fence: read %q: %w", key, err)
-	case e.deleted:
-		return nil, 0, fence.ErrNotFound
 	}
-	if e.value == nil {
-		e.value = []byte{}
-	}
-	return e.value, e.token, nil
+	return v, tok, err
 }
 
 // isConflict reports a failed precondition: 412 PreconditionFailed, 409

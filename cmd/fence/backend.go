@@ -45,7 +45,7 @@ type backend struct {
 	idem         idempotency.Store
 }
 
-var backendNames = []string{"sqlite", "postgres", "mysql", "redis", "etcd", "s3", "nats", "gcs"}
+var backendNames = []string{"sqlite", "postgres", "mysql", "redis", "etcd", "s3", "nats", "gcs", "azure"}
 
 // backendConfig holds the flags that choose and reach a backend.
 type backendConfig struct {
@@ -63,6 +63,8 @@ type backendConfig struct {
 	natsURL, natsBucket, natsDataBucket string
 	gcsBucket                           string // -backend gcs
 	gcsEndpoint                         string
+	// -backend azure
+	azureURL, azureContainer string
 	// operator is set for inspect and bump, which act on the backend the flags
 	// name and nothing else: no defaults, no temporary or embedded backend, no
 	// tables created.
@@ -130,6 +132,10 @@ func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
 		"Google Cloud Storage bucket, for -backend gcs (it must exist; when empty, an in-process GCS emulator); credentials from Application Default Credentials",
 		"Google Cloud Storage bucket, required for -backend gcs (it must exist); credentials from Application Default Credentials"))
 	fs.StringVar(&c.gcsEndpoint, "gcs-endpoint", "", "GCS JSON API endpoint URL, for -backend gcs with another server (default: Google's)")
+	fs.StringVar(&c.azureURL, "azure-url", "", need(
+		"Azure blob service URL, for -backend azure (when empty, an Azurite started for the command); account and key from AZURE_STORAGE_ACCOUNT, AZURE_STORAGE_KEY",
+		"Azure blob service URL, required for -backend azure; account and key from AZURE_STORAGE_ACCOUNT, AZURE_STORAGE_KEY"))
+	fs.StringVar(&c.azureContainer, "azure-container", "", "Azure container, for -backend azure with -azure-url (it must exist)")
 	if !operator {
 		// The default DSN's password is the test user's; help shows it redacted.
 		fs.Lookup("mysql-dsn").DefValue = redactConn(defaultMySQLDSN)
@@ -202,6 +208,13 @@ func (c *backendConfig) checkOperator(key string) error {
 	case "gcs":
 		if blank(c.gcsBucket) {
 			return missing("-gcs-bucket BUCKET", "an existing bucket")
+		}
+	case "azure":
+		if blank(c.azureURL) || blank(c.azureContainer) {
+			return missing("-azure-url URL and -azure-container NAME", "an existing container")
+		}
+		if os.Getenv("AZURE_STORAGE_ACCOUNT") == "" || os.Getenv("AZURE_STORAGE_KEY") == "" {
+			return fmt.Errorf("%w: -backend azure needs AZURE_STORAGE_ACCOUNT and AZURE_STORAGE_KEY in the environment", errUsage)
 		}
 	}
 	return nil
@@ -423,6 +436,8 @@ func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
 		return openNATSBackend(ctx, c.natsURL)
 	case "gcs":
 		return openGCSBackend(ctx, c)
+	case "azure":
+		return openAzureBackend(ctx, c)
 	default:
 		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
 	}

@@ -188,6 +188,8 @@ func TestUsage(t *testing.T) {
 		{[]string{"demo", "-backend", "redis", "-redis-url", "http://127.0.0.1:6379"}, 2, "does not parse"},
 		{[]string{"demo", "-backend", "s3", "-s3-endpoint", "127.0.0.1:9000", "-s3-bucket", "b"}, 2, "is not a URL"},
 		{[]string{"demo", "-backend", "redis", "-redis-addr", "127.0.0.1:1"}, 1, "redis at"},
+		{[]string{"demo", "-backend", "azure", "-azure-url", "http://127.0.0.1:1/acct/"}, 2, "-azure-url needs -azure-container"},
+		{[]string{"demo", "-backend", "azure", "-azure-url", "127.0.0.1:10000", "-azure-container", "c"}, 2, "is not a URL"},
 	}
 	for _, c := range cases {
 		var out, errOut bytes.Buffer

@@ -76,6 +76,11 @@ type AcquirerSuite struct {
 	// paused holder's Release does not free the new holder. When nil,
 	// that case is skipped with a logged reason.
 	DeleteState func(t *testing.T, name string)
+
+	// Parallel runs the cases as parallel subtests (every case uses names of
+	// its own), for backends whose shortest lease makes the expiry cases
+	// long (Azure's 15 s). Default: false, one case at a time.
+	Parallel bool
 }
 
 // Name returns a fresh random lock name with prefix, for tests that share a backend.
@@ -134,7 +139,12 @@ func (s AcquirerSuite) Run(t *testing.T) {
 		{"LostReplyRelease", s.lostReply(s.testLostReplyRelease)},
 	}
 	for _, tc := range tests {
-		t.Run(tc.name, tc.fn)
+		t.Run(tc.name, func(t *testing.T) {
+			if s.Parallel {
+				t.Parallel()
+			}
+			tc.fn(t)
+		})
 	}
 }
 

@@ -1,4 +1,4 @@
-package s3fence
+package objenvelope
 
 import (
 	"bytes"
@@ -26,14 +26,14 @@ func FuzzEnvelope(f *testing.F) {
 		f.Add(seed)
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
-		e, err := parseEnvelope(b)
+		e, err := Parse(b)
 		if err != nil {
 			return
 		}
-		if !e.token.Valid() || e.writeID == "" {
-			t.Fatalf("parsed %q into token %d, write id %q", b, e.token, e.writeID)
+		if !e.Token.Valid() || e.WriteID == "" {
+			t.Fatalf("parsed %q into token %d, write id %q", b, e.Token, e.WriteID)
 		}
-		if got := e.encode(); !bytes.Equal(got, b) {
+		if got := e.Encode(); !bytes.Equal(got, b) {
 			t.Fatalf("parse then encode changed %q into %q", b, got)
 		}
 	})
@@ -49,12 +49,12 @@ func FuzzEnvelopeRoundTrip(f *testing.F) {
 		if deleted {
 			value = nil
 		}
-		e := envelope{token: fence.Token(tok), writeID: id, deleted: deleted, value: value}
-		got, err := parseEnvelope(e.encode())
+		e := Envelope{Token: fence.Token(tok), WriteID: id, Deleted: deleted, Value: value}
+		got, err := Parse(e.Encode())
 		if err != nil {
 			t.Fatalf("encoded %+v does not parse: %v", e, err)
 		}
-		if got.token != e.token || got.writeID != e.writeID || got.deleted != e.deleted || !bytes.Equal(got.value, e.value) {
+		if got.Token != e.Token || got.WriteID != e.WriteID || got.Deleted != e.Deleted || !bytes.Equal(got.Value, e.Value) {
 			t.Fatalf("round trip %+v -> %+v", e, got)
 		}
 	})

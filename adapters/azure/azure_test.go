@@ -1,0 +1,162 @@
+package azfence_test
+
+import (
+	"bytes"
+	"context"
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore/streaming"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blob"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blockblob"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore"
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore/policy"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/container"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/lease"
+	azfence "github.com/fencekit/fencekit/adapters/azure"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/internal/testenv"
+)
+
+// azenv is a container on the test's Azure server.
+type azenv struct {
+	srv       *testenv.AzureServer
+	container string
+	c         *container.Client
+}
+
+// newClient returns a container client of srv, with its own connections,
+// reaching the server at serviceURL.
+func newClient(t testing.TB, srv *testenv.AzureServer, serviceURL, name string) *container.Client {
+	return newClientVia(t, srv, serviceURL, name, &http.Transport{})
+}
+
+// newClientVia is newClient with the given transport.
+func newClientVia(t testing.TB, srv *testenv.AzureServer, serviceURL, name string, rt http.RoundTripper) *container.Client {
+	cred, err := azblob.NewSharedKeyCredential(srv.Account, srv.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc, err := azblob.NewClientWithSharedKeyCredential(serviceURL, cred, &azblob.ClientOptions{ClientOptions: azcore.ClientOptions{
+		Transport: &http.Client{Transport: rt},
+		Retry:     policy.RetryOptions{TryTimeout: 10 * time.Second},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sc.ServiceClient().NewContainerClient(name)
+}
+
+// newEnv starts (or finds) the Azure server and makes a fresh container.
+func newEnv(t testing.TB) *azenv {
+	srv := testenv.RealAzure(t)
+	e := &azenv{srv: srv, container: srv.Container}
+	if e.container == "" {
+		e.container = strings.ToLower(strings.ReplaceAll(fencetest.Name("fencekit"), "_", "-"))
+		e.c = newClient(t, srv, srv.ServiceURL, e.container)
+		if _, err := e.c.Create(context.Background(), nil); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _, _ = e.c.Delete(context.Background(), nil) })
+		return e
+	}
+	e.c = newClient(t, srv, srv.ServiceURL, e.container)
+	return e
+}
+
+// other returns a client of e's container with connections of its own.
+func (e *azenv) other(t testing.TB) *container.Client {
+	return newClient(t, e.srv, e.srv.ServiceURL, e.container)
+}
+
+// proxied returns a client of e's container that reaches the server only
+// through a new faultnet proxy, and the proxy; nil for an external account.
+func (e *azenv) proxied(t testing.TB) (*container.Client, *faultnet.Proxy) {
+	p := faultnet.Start(t, e.srv.Host)
+	u := strings.Replace(e.srv.ServiceURL, e.srv.Host, p.Addr(), 1)
+	return newClient(t, e.srv, u, e.container), p
+}
+
+func newWriter(t testing.TB, c *container.Client, o *azfence.Options) *azfence.Writer {
+	w, err := azfence.New(c, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
+func newAcquirer(t testing.TB, c *container.Client) *azfence.Acquirer {
+	a, err := azfence.NewAcquirer(c, &azfence.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: 200 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// deleteLock deletes name's lock blob, breaking its lease first.
+func deleteLock(t *testing.T, c *container.Client, name string) {
+	bc := c.NewBlobClient("fencekit-locks/" + name)
+	lc, err := lease.NewBlobClient(bc, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	zero := int32(0)
+	_, _ = lc.BreakLease(context.Background(), &lease.BlobBreakOptions{BreakPeriod: &zero})
+	incl := blob.DeleteSnapshotsOptionTypeInclude
+	if _, err := bc.Delete(context.Background(), &blob.DeleteOptions{DeleteSnapshots: &incl}); err != nil {
+		t.Fatalf("deleting lock blob %q: %v", name, err)
+	}
+}
+
+func TestWriterConformance(t *testing.T) {
+	e := newEnv(t)
+	w := newWriter(t, e.c, nil)
+	s := fencetest.WriterSuite{
+		New:     func(*testing.T) fence.FencedWriter { return w },
+		BadKeys: []string{"nul\x00", "bad \xff", "dot.", "slash/", "back\\slash", "a/../b", strings.Repeat("k", azfence.MaxKeyBytes+1)},
+	}
+	if !e.srv.External {
+		s.Faulty = func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
+			c, p := e.proxied(t)
+			return newWriter(t, c, nil), p
+		}
+	}
+	s.Run(t)
+}
+
+func TestAcquirerConformance(t *testing.T) {
+	e := newEnv(t)
+	a := newAcquirer(t, e.c)
+	s := fencetest.AcquirerSuite{
+		New:      func(*testing.T) fence.Acquirer { return a },
+		NewOther: func(t *testing.T) fence.Acquirer { return newAcquirer(t, e.other(t)) },
+		ShortTTL: azfence.MinLeaseDuration,
+		MaxTTL:   azfence.MaxAcquirerTTL,
+		BadNames: []string{"nul\x00", "bad \xff", "dot.", "slash/", "back\\slash", "a/./b", strings.Repeat("n", azfence.MaxKeyBytes)},
+		Parallel: true,
+		// The lock blob deleted while a lease may be held on it: its lease
+		// broken first (Azure refuses to delete a leased blob otherwise).
+		DeleteState: func(t *testing.T, name string) { deleteLock(t, e.c, name) },
+		SetCounter: func(t *testing.T, name string, tok fence.Token) {
+			v := strconv.FormatUint(uint64(tok), 10)
+			_, err := e.c.NewBlockBlobClient("fencekit-locks/"+name).Upload(context.Background(), streaming.NopCloser(bytes.NewReader(nil)),
+				&blockblob.UploadOptions{Metadata: map[string]*string{azfence.MetaToken: &v}})
+			if err != nil {
+				t.Fatal(err)
+			}
+		},
+	}
+	if !e.srv.External {
+		s.Faulty = func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
+			c, p := e.proxied(t)
+			return newAcquirer(t, c), p
+		}
+	}
+	s.Run(t)
+}
