@@ -251,7 +251,7 @@ func s3Client(t *testing.T) (*s3.Client, string) {
 func gcsBucket(t *testing.T) *storage.BucketHandle {
 	srv := must(fakestorage.NewServerWithOptions(fakestorage.Options{Scheme: "http", Host: "127.0.0.1"}))
 	t.Cleanup(srv.Stop)
-	srv.CreateBucket("fenced")
+	srv.CreateBucketWithOpts(fakestorage.CreateBucketOpts{Name: "fenced"})
 	c := must(storage.NewClient(context.Background(), option.WithEndpoint(srv.URL()+"/storage/v1/"),
 		option.WithoutAuthentication(), storage.WithJSONReads()))
 	t.Cleanup(func() { c.Close() })

@@ -24,7 +24,7 @@ func Example() {
 		log.Fatal(err)
 	}
 	defer srv.Stop()
-	srv.CreateBucket("reports")
+	srv.CreateBucketWithOpts(fakestorage.CreateBucketOpts{Name: "reports"})
 	ctx := context.Background()
 	client, err := storage.NewClient(ctx, option.WithEndpoint(srv.URL()+"/storage/v1/"),
 		option.WithoutAuthentication(), storage.WithJSONReads())

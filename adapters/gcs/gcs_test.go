@@ -158,7 +158,7 @@ func fakeGCS(t testing.TB) *gcsEnv {
 	hs := httptest.NewServer(f)
 	t.Cleanup(hs.Close)
 	bucket := "fence-" + strings.ToLower(fencetest.Name("b")[2:])
-	srv.CreateBucket(bucket)
+	srv.CreateBucketWithOpts(fakestorage.CreateBucketOpts{Name: bucket})
 	return &gcsEnv{c: newClient(t, hs.URL), bucket: bucket, url: hs.URL, f: f}
 }
 

@@ -111,7 +111,7 @@ func TestGenerationSemantics(t *testing.T) {
 		t.Logf("delete with ifGenerationMatch on another generation: %d (%v): %s", status(derr), derr,
 			map[bool]string{true: "enforced", false: "ignored: the object was deleted"}[aerr == nil])
 		if aerr != nil {
-			if a3, err = put(&storage.Conditions{DoesNotExist: true}, "v1"); err != nil {
+			if _, err := put(&storage.Conditions{DoesNotExist: true}, "v1"); err != nil {
 				t.Fatal(err)
 			}
 		}

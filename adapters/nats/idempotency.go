@@ -81,13 +81,13 @@ func NewStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *
 	// The same two options, the same defaults, as a Writer's.
 	var wo *WriterOptions
 	if opts != nil {
-		wo = &WriterOptions{Timeout: opts.Timeout, RetryFor: opts.RetryFor}
+		wo = (*WriterOptions)(opts)
 	}
 	w, err := wo.withDefaults(op)
 	if err != nil {
 		return nil, err
 	}
-	o := StoreOptions{Timeout: w.Timeout, RetryFor: w.RetryFor}
+	o := StoreOptions(w)
 	kv, stream, err := openBucket(ctx, op, js, bucket)
 	if err != nil {
 		return nil, err

@@ -111,7 +111,7 @@ func startAzurite(ctx context.Context) (*container.Client, string, func(), error
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
 			stop()
-			return nil, "", nil, fmt.Errorf("Azurite did not answer on port %d within 30s: %w", port, err)
+			return nil, "", nil, fmt.Errorf("fence: azurite did not answer on port %d within 30s: %w", port, err)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

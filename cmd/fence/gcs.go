@@ -26,7 +26,7 @@ func connectGCS(ctx context.Context, cfg backendConfig) (b *storage.BucketHandle
 		if err != nil {
 			return nil, nil, "", nil, err
 		}
-		srv.CreateBucket("fence-demo")
+		srv.CreateBucketWithOpts(fakestorage.CreateBucketOpts{Name: "fence-demo"})
 		c, err := storage.NewClient(ctx, option.WithEndpoint(srv.URL()+"/storage/v1/"), option.WithoutAuthentication(), storage.WithJSONReads())
 		if err != nil {
 			srv.Stop()
