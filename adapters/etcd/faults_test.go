@@ -458,3 +458,119 @@ func TestLostMoveReply(t *testing.T) {
 	}
 	_ = l2.Release(ctx)
 }
+
+// TestAcquireRetriesLostSteps (HAZARDS 3, issue 23 item 5): a waiting Acquire
+// whose request (the lock's lease grant, the create transaction, the waiter's
+// key) was dropped by a cut connection, or applied with its answer lost,
+// tries again within its context instead of returning the transport error.
+// An applied step is recognised by its own key, so the name's line never
+// holds two keys of one Acquire (nothing granted twice, nothing orphaned),
+// and after the release the name is free.
+func TestAcquireRetriesLostSteps(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		held bool // the name is held, so Acquire waits in line
+		// nth: the fault takes the nth chunk (from 1) that opens a stream
+		// and carries the name's line prefix (0: the nth stream at all).
+		nth  int
+		lose bool // forward the request, lose its answer (else drop it)
+	}{
+		{"create dropped", false, 1, false},
+		{"create answer lost", false, 1, true},
+		{"waiter key dropped", true, 2, false},
+		{"waiter key answer lost", true, 2, true},
+		{"grant dropped", false, 0, false},
+		{"grant answer lost", false, 0, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, cl, b, p, name := faultSetup(t, "retry")
+			ctx := context.Background()
+			var h fence.Lease
+			if tc.held {
+				var err error
+				if h, err = a.TryAcquire(ctx, name, 30*time.Second); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Connect b's client first, so the fault takes one of
+			// Acquire's own requests.
+			if _, err := b.Inspect(ctx, name); err != nil {
+				t.Fatal(err)
+			}
+			pfx := []byte(linePrefix(name))
+			seen := 0
+			match := func(req []byte) bool {
+				if !opensStream(req) {
+					return false
+				}
+				if tc.nth == 0 {
+					// The first stream Acquire opens is its lease grant.
+					return true
+				}
+				if bytes.Contains(req, pfx) {
+					seen++
+				}
+				return seen == tc.nth
+			}
+			if tc.lose {
+				p.LoseReply(match)
+			} else {
+				p.DropRequest(match)
+			}
+			type result struct {
+				l   fence.Lease
+				err error
+			}
+			res := make(chan result, 1)
+			go func() {
+				wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+				defer cancel()
+				l, err := b.Acquire(wctx, name, 30*time.Second)
+				res <- result{l, err}
+			}()
+			if tc.held {
+				waitLine(t, cl, name, 2)
+				// Waiting: one key of the holder's, one of b's, however
+				// many times b sent its key.
+				time.Sleep(200 * time.Millisecond)
+				if resp, err := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix(), clientv3.WithCountOnly()); err != nil || resp.Count != 2 {
+					t.Errorf("the line while b waits: %v keys (%v), want 2", resp.Count, err)
+				}
+				if err := h.Release(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			r := <-res
+			if p.Pending() != 0 {
+				t.Fatal("the fault never took a request")
+			}
+			if r.err != nil {
+				t.Fatalf("Acquire after a lost step, with its context live: %v, want a lease", r.err)
+			}
+			if r.l.Context().Err() != nil {
+				t.Fatalf("Acquire returned a lease already ended: %v", context.Cause(r.l.Context()))
+			}
+			if h != nil && r.l.Token() <= h.Token() {
+				t.Errorf("token %d not above the holder's %d", r.l.Token(), h.Token())
+			}
+			resp, err := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(resp.Kvs) != 1 || fence.Token(resp.Kvs[0].CreateRevision) != r.l.Token() {
+				t.Fatalf("the line after the grant: %d keys (first created at %v), want only the lease's key (token %d)", len(resp.Kvs), resp.Kvs, r.l.Token())
+			}
+			if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
+				t.Fatalf("while b holds: %v, want ErrHeld", err)
+			}
+			if err := r.l.Release(ctx); err != nil {
+				t.Errorf("release: %v", err)
+			}
+			l2, err := a.TryAcquire(ctx, name, 30*time.Second)
+			if err != nil {
+				t.Fatalf("after the release: %v", err)
+			}
+			_ = l2.Release(ctx)
+		})
+	}
+}
