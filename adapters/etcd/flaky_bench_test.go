@@ -2,6 +2,7 @@ package etcdfence_test
 
 import (
 	"testing"
+	"time"
 
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
 	"github.com/fencekit/fencekit/fence"
@@ -23,6 +24,10 @@ func BenchmarkFlakyNetwork(b *testing.B) {
 	benchutil.FlakyNetwork(b, benchutil.Flaky{
 		Name:   "etcd",
 		Target: func(*testing.B) string { return c.ClientAddr(0) },
+		// A lost reply's connection is cut 50ms after its request: the
+		// first bytes back on the shared HTTP/2 connection need not be
+		// its reply (faultnet.ReplyWindow).
+		ReplyWindow: 50 * time.Millisecond,
 		Open: func(b *testing.B, p *faultnet.Proxy) (fence.Acquirer, benchutil.Store) {
 			a, err := etcdfence.New(etcdtest.NewClient(b, p.Addr()), nil)
 			if err != nil {
