@@ -578,3 +578,68 @@ func TestAcquireRetriesLostSteps(t *testing.T) {
 		})
 	}
 }
+
+// TestWaiterWatchesAgainAfterACut: a waiter whose connection is cut while it
+// waits reads its predecessor's key when the connection is back and watches
+// again from there; the holder's release after that wakes it (the deletion
+// is the very next revision, so a watch started past it would wait until
+// its context ends). It is granted with a larger token, and only its key is
+// in line.
+func TestWaiterWatchesAgainAfterACut(t *testing.T) {
+	a, cl, b, p, name := faultSetup(t, "rewatch")
+	ctx := context.Background()
+	h, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		l, err := b.Acquire(wctx, name, 30*time.Second)
+		res <- result{l, err}
+	}()
+	waitLine(t, cl, name, 2)
+	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithFirstCreate(), clientv3.WithLimit(1))...)
+	if err != nil || len(line.Kvs) != 1 {
+		t.Fatalf("the holder's key: %v, %v", line, err)
+	}
+	holderKey := line.Kvs[0].Key
+	// After the cut, the waiter's requests that name the holder's key: its
+	// read, then its new watch (and the client's resumed one). Release once
+	// the read and a watch have gone through.
+	seen := make(chan struct{}, 8)
+	p.DropRequest(func(req []byte) bool {
+		if bytes.Contains(req, holderKey) {
+			seen <- struct{}{}
+		}
+		return false
+	})
+	p.CutAll()
+	for i := 0; i < 2; i++ {
+		select {
+		case <-seen:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the waiter did not read or watch the holder's key after the cut")
+		}
+	}
+	waitLine(t, cl, name, 2)
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	if r.err != nil {
+		t.Fatalf("the waiter after a cut and the holder's release: %v", r.err)
+	}
+	if r.l.Token() <= h.Token() || r.l.Context().Err() != nil {
+		t.Fatalf("token %d (holder %d), context %v", r.l.Token(), h.Token(), r.l.Context().Err())
+	}
+	if resp, err := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix(), clientv3.WithCountOnly()); err != nil || resp.Count != 1 {
+		t.Errorf("the line after the grant: %v keys (%v), want 1", resp.Count, err)
+	}
+	_ = r.l.Release(ctx)
+}
