@@ -78,6 +78,25 @@ func leaseID(t *testing.T, cl *clientv3.Client, name string) int64 {
 	return resp.Kvs[0].Lease
 }
 
+// acquired is the outcome of an Acquire run by acquireAsync.
+type acquired struct {
+	l   fence.Lease
+	err error
+}
+
+// acquireAsync runs b.Acquire(name, ttl 30s) with a context of wait, and
+// sends its outcome on the channel it returns.
+func acquireAsync(b *etcdfence.Acquirer, name string, wait time.Duration) <-chan acquired {
+	res := make(chan acquired, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		defer cancel()
+		l, err := b.Acquire(ctx, name, 30*time.Second)
+		res <- acquired{l, err}
+	}()
+	return res
+}
+
 // opensStream reports whether a chunk the client sent holds an HTTP/2 HEADERS
 // frame (type 1): a new gRPC call, not flow control or a ping.
 func opensStream(b []byte) bool {
@@ -422,17 +441,7 @@ func TestLostMoveReply(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	res := make(chan result, 1)
-	go func() {
-		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		l, err := b.Acquire(wctx, name, 30*time.Second)
-		res <- result{l, err}
-	}()
+	res := acquireAsync(b, name, 30*time.Second)
 	waitLine(t, cl, name, 2)
 	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithLastCreate(), clientv3.WithLimit(1))...)
 	if err != nil || len(line.Kvs) != 1 {
@@ -521,17 +530,7 @@ func TestAcquireRetriesLostSteps(t *testing.T) {
 			} else {
 				p.DropRequest(match)
 			}
-			type result struct {
-				l   fence.Lease
-				err error
-			}
-			res := make(chan result, 1)
-			go func() {
-				wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-				defer cancel()
-				l, err := b.Acquire(wctx, name, 30*time.Second)
-				res <- result{l, err}
-			}()
+			res := acquireAsync(b, name, 30*time.Second)
 			if tc.held {
 				waitLine(t, cl, name, 2)
 				// Waiting: one key of the holder's, one of b's, however
@@ -592,17 +591,7 @@ func TestWaiterWatchesAgainAfterACut(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	res := make(chan result, 1)
-	go func() {
-		wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-		defer cancel()
-		l, err := b.Acquire(wctx, name, 30*time.Second)
-		res <- result{l, err}
-	}()
+	res := acquireAsync(b, name, 20*time.Second)
 	waitLine(t, cl, name, 2)
 	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithFirstCreate(), clientv3.WithLimit(1))...)
 	if err != nil || len(line.Kvs) != 1 {
