@@ -97,6 +97,24 @@ func acquireAsync(b *etcdfence.Acquirer, name string, wait time.Duration) <-chan
 	return res
 }
 
+// heldThenFree checks that while l holds its name, a's TryAcquire gets
+// ErrHeld, and that after l's release it is granted.
+func heldThenFree(t *testing.T, a *etcdfence.Acquirer, l fence.Lease, name string) {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("while token %d holds: %v, want ErrHeld", l.Token(), err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+	l2, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatalf("after the release: %v", err)
+	}
+	_ = l2.Release(ctx)
+}
+
 // opensStream reports whether a chunk the client sent holds an HTTP/2 HEADERS
 // frame (type 1): a new gRPC call, not flow control or a ping.
 func opensStream(b []byte) bool {
@@ -462,17 +480,7 @@ func TestLostMoveReply(t *testing.T) {
 	if r.l.Context().Err() != nil || r.l.Token() != fence.Token(line.Kvs[0].CreateRevision) {
 		t.Fatalf("lease token %d (key created at %d), context %v", r.l.Token(), line.Kvs[0].CreateRevision, r.l.Context().Err())
 	}
-	if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
-		t.Fatalf("while the recognised waiter holds: %v, want ErrHeld", err)
-	}
-	if err := r.l.Release(ctx); err != nil {
-		t.Errorf("release: %v", err)
-	}
-	l2, err := a.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatalf("after the release: %v", err)
-	}
-	_ = l2.Release(ctx)
+	heldThenFree(t, a, r.l, name)
 }
 
 // TestAcquireRetriesLostSteps (HAZARDS 3, issue 23 item 5): a waiting Acquire
@@ -563,17 +571,7 @@ func TestAcquireRetriesLostSteps(t *testing.T) {
 			if len(resp.Kvs) != 1 || fence.Token(resp.Kvs[0].CreateRevision) != r.l.Token() {
 				t.Fatalf("the line after the grant: %d keys (first created at %v), want only the lease's key (token %d)", len(resp.Kvs), resp.Kvs, r.l.Token())
 			}
-			if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
-				t.Fatalf("while b holds: %v, want ErrHeld", err)
-			}
-			if err := r.l.Release(ctx); err != nil {
-				t.Errorf("release: %v", err)
-			}
-			l2, err := a.TryAcquire(ctx, name, 30*time.Second)
-			if err != nil {
-				t.Fatalf("after the release: %v", err)
-			}
-			_ = l2.Release(ctx)
+			heldThenFree(t, a, r.l, name)
 		})
 	}
 }
