@@ -202,8 +202,9 @@ const DefaultReplyWait = 5 * time.Second
 // the reply is the server's first bytes after the request: right for a
 // request-reply protocol (PostgreSQL, MySQL, Redis, HTTP/1), where the
 // server answers each request before anything else; the connection is cut as
-// they arrive, or DefaultReplyWait after the request if the server sends
-// nothing. With d > 0 the connection is cut d after the request was
+// they arrive, or as soon as the client sends more (it was not waiting for a
+// reply: the request gets none), or DefaultReplyWait after the request if
+// neither happens. With d > 0 the connection is cut d after the request was
 // forwarded, whatever the server sent meanwhile (thrown away): right for a
 // multiplexed protocol (HTTP/2, gRPC: etcd), where the server's first bytes
 // may be flow control or another call's reply, and a chunk may be a control
@@ -321,7 +322,7 @@ func take(list *[]func([]byte) bool, b []byte) bool {
 	return false
 }
 
-func (p *Proxy) upstream(pr *pair, lost chan<- struct{}) {
+func (p *Proxy) upstream(pr *pair, lost chan struct{}) {
 	defer p.wg.Done()
 	keep := false
 	defer func() {
@@ -386,10 +387,24 @@ func (p *Proxy) upstream(pr *pair, lost chan<- struct{}) {
 					return
 				}
 				// downstream cuts the pair once the reply arrived (or the
-				// server closed); read nothing more from the client, and cut
-				// anyway if the server never answers.
+				// server closed); forward nothing more from the client, and
+				// cut anyway if the server never answers. A client that
+				// sends more meanwhile was not waiting for a reply (a
+				// message that gets none, such as MySQL's COM_STMT_CLOSE):
+				// cut then.
+				t := time.AfterFunc(DefaultReplyWait, func() { p.forget(pr) })
+				var one [1]byte
+				if n, _ := pr.client.Read(one[:]); n > 0 {
+					t.Stop()
+					select {
+					case <-lost: // downstream has not taken it: no reply came
+						p.lostReplys.Add(1)
+						p.cuts.Add(1)
+					default:
+					}
+					p.forget(pr)
+				}
 				keep = true
-				time.AfterFunc(DefaultReplyWait, func() { p.forget(pr) })
 				return
 			}
 			if _, err := pr.server.Write(b); err != nil {

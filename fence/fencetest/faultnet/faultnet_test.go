@@ -255,3 +255,31 @@ func TestReplyWindow(t *testing.T) {
 		t.Fatalf("stats %+v, %d pending: want 2 lost replies, none pending", s, p.Pending())
 	}
 }
+
+// TestLoseReplyWithoutReply: a lost reply's request that gets no reply
+// (CLIENT REPLY OFF, as MySQL's COM_STMT_CLOSE gets none) is cut as soon as
+// the client sends its next request, not DefaultReplyWait later: the server
+// acted on the first (replies stay off on that connection until it ends,
+// and the next request never reached it).
+func TestLoseReplyWithoutReply(t *testing.T) {
+	p := faultnet.Start(t, redisTarget(t))
+	c := dial(t, p.Addr())
+	c.must("PING")
+	p.LoseReply(func(b []byte) bool { return bytes.Contains(b, []byte("REPLY")) })
+	if _, err := c.c.Write([]byte("CLIENT REPLY OFF\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	for p.Pending() != 0 {
+		time.Sleep(time.Millisecond) // until the proxy has taken the request
+	}
+	sent := time.Now()
+	if r, err := c.do("PING"); err == nil {
+		t.Fatalf("the request after one whose reply was lost answered %q", r)
+	}
+	if took := time.Since(sent); took > faultnet.DefaultReplyWait/2 {
+		t.Errorf("the connection was cut %v after the client's next request, want at once (not DefaultReplyWait %v)", took, faultnet.DefaultReplyWait)
+	}
+	if s := p.Stats(); s.LostReplies != 1 {
+		t.Errorf("stats %+v, want 1 lost reply", s)
+	}
+}
