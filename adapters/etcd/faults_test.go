@@ -18,11 +18,18 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
+// replyWindow is how long a lost reply's connection lives after its request
+// (faultnet.ReplyWindow): gRPC multiplexes calls on one HTTP/2 connection, so
+// the first bytes back need not be the reply; long enough for etcd to apply
+// a write on a loaded machine, shorter than WaiterTTL.
+const replyWindow = 300 * time.Millisecond
+
 // behindProxy returns an acquirer whose client reaches the cluster's first
 // member through a fault proxy, and the proxy.
 func behindProxy(t *testing.T, c *etcdtest.Cluster, o *etcdfence.Options) (*etcdfence.Acquirer, *faultnet.Proxy) {
 	t.Helper()
 	p := faultnet.Start(t, c.ClientAddr(0))
+	p.ReplyWindow(replyWindow)
 	a, err := etcdfence.New(etcdtest.NewClient(t, p.Addr()), o)
 	if err != nil {
 		t.Fatal(err)
@@ -69,6 +76,43 @@ func leaseID(t *testing.T, cl *clientv3.Client, name string) int64 {
 		t.Fatalf("the line of %q: %v, %v", name, resp, err)
 	}
 	return resp.Kvs[0].Lease
+}
+
+// acquired is the outcome of an Acquire run by acquireAsync.
+type acquired struct {
+	l   fence.Lease
+	err error
+}
+
+// acquireAsync runs b.Acquire(name, ttl 30s) with a context of wait, and
+// sends its outcome on the channel it returns.
+func acquireAsync(b *etcdfence.Acquirer, name string, wait time.Duration) <-chan acquired {
+	res := make(chan acquired, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		defer cancel()
+		l, err := b.Acquire(ctx, name, 30*time.Second)
+		res <- acquired{l, err}
+	}()
+	return res
+}
+
+// heldThenFree checks that while l holds its name, a's TryAcquire gets
+// ErrHeld, and that after l's release it is granted.
+func heldThenFree(t *testing.T, a *etcdfence.Acquirer, l fence.Lease, name string) {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("while token %d holds: %v, want ErrHeld", l.Token(), err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+	l2, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatalf("after the release: %v", err)
+	}
+	_ = l2.Release(ctx)
 }
 
 // opensStream reports whether a chunk the client sent holds an HTTP/2 HEADERS
@@ -415,17 +459,7 @@ func TestLostMoveReply(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	res := make(chan result, 1)
-	go func() {
-		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		l, err := b.Acquire(wctx, name, 30*time.Second)
-		res <- result{l, err}
-	}()
+	res := acquireAsync(b, name, 30*time.Second)
 	waitLine(t, cl, name, 2)
 	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithLastCreate(), clientv3.WithLimit(1))...)
 	if err != nil || len(line.Kvs) != 1 {
@@ -446,15 +480,153 @@ func TestLostMoveReply(t *testing.T) {
 	if r.l.Context().Err() != nil || r.l.Token() != fence.Token(line.Kvs[0].CreateRevision) {
 		t.Fatalf("lease token %d (key created at %d), context %v", r.l.Token(), line.Kvs[0].CreateRevision, r.l.Context().Err())
 	}
-	if _, err := a.TryAcquire(ctx, name, 30*time.Second); !errors.Is(err, fence.ErrHeld) {
-		t.Fatalf("while the recognised waiter holds: %v, want ErrHeld", err)
+	heldThenFree(t, a, r.l, name)
+}
+
+// TestAcquireRetriesLostSteps (HAZARDS 3, issue 23 item 5): a waiting Acquire
+// whose request (the lock's lease grant, the create transaction, the waiter's
+// key) was dropped by a cut connection, or applied with its answer lost,
+// tries again within its context instead of returning the transport error.
+// An applied step is recognised by its own key, so the name's line never
+// holds two keys of one Acquire (nothing granted twice, nothing orphaned),
+// and after the release the name is free.
+func TestAcquireRetriesLostSteps(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		held bool // the name is held, so Acquire waits in line
+		// nth: the fault takes the nth chunk (from 1) that carries the
+		// name's line prefix (0: the first that opens a stream).
+		nth  int
+		lose bool // forward the request, lose its answer (else drop it)
+	}{
+		{"create dropped", false, 1, false},
+		{"create answer lost", false, 1, true},
+		{"waiter key dropped", true, 2, false},
+		{"waiter key answer lost", true, 2, true},
+		{"grant dropped", false, 0, false},
+		{"grant answer lost", false, 0, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, cl, b, p, name := faultSetup(t, "retry")
+			ctx := context.Background()
+			var h fence.Lease
+			if tc.held {
+				var err error
+				if h, err = a.TryAcquire(ctx, name, 30*time.Second); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Connect b's client first, so the fault takes one of
+			// Acquire's own requests.
+			if _, err := b.Inspect(ctx, name); err != nil {
+				t.Fatal(err)
+			}
+			pfx := []byte(linePrefix(name))
+			seen := 0
+			match := func(req []byte) bool {
+				if tc.nth == 0 {
+					// The first stream Acquire opens is its lease grant.
+					return opensStream(req)
+				}
+				if bytes.Contains(req, pfx) {
+					seen++
+				}
+				return seen == tc.nth
+			}
+			if tc.lose {
+				p.LoseReply(match)
+			} else {
+				p.DropRequest(match)
+			}
+			res := acquireAsync(b, name, 30*time.Second)
+			if tc.held {
+				waitLine(t, cl, name, 2)
+				// Waiting: one key of the holder's, one of b's, however
+				// many times b sent its key.
+				time.Sleep(200 * time.Millisecond)
+				if resp, err := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix(), clientv3.WithCountOnly()); err != nil || resp.Count != 2 {
+					t.Errorf("the line while b waits: %v keys (%v), want 2", resp.Count, err)
+				}
+				if err := h.Release(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			r := <-res
+			if p.Pending() != 0 {
+				t.Fatal("the fault never took a request")
+			}
+			if r.err != nil {
+				t.Fatalf("Acquire after a lost step, with its context live: %v, want a lease", r.err)
+			}
+			if r.l.Context().Err() != nil {
+				t.Fatalf("Acquire returned a lease already ended: %v", context.Cause(r.l.Context()))
+			}
+			if h != nil && r.l.Token() <= h.Token() {
+				t.Errorf("token %d not above the holder's %d", r.l.Token(), h.Token())
+			}
+			resp, err := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(resp.Kvs) != 1 || fence.Token(resp.Kvs[0].CreateRevision) != r.l.Token() {
+				t.Fatalf("the line after the grant: %d keys (first created at %v), want only the lease's key (token %d)", len(resp.Kvs), resp.Kvs, r.l.Token())
+			}
+			heldThenFree(t, a, r.l, name)
+		})
 	}
-	if err := r.l.Release(ctx); err != nil {
-		t.Errorf("release: %v", err)
-	}
-	l2, err := a.TryAcquire(ctx, name, 30*time.Second)
+}
+
+// TestWaiterWatchesAgainAfterACut: a waiter whose connection is cut while it
+// waits reads its predecessor's key when the connection is back and watches
+// again from there; the holder's release after that wakes it (the deletion
+// is the very next revision, so a watch started past it would wait until
+// its context ends). It is granted with a larger token, and only its key is
+// in line.
+func TestWaiterWatchesAgainAfterACut(t *testing.T) {
+	a, cl, b, p, name := faultSetup(t, "rewatch")
+	ctx := context.Background()
+	h, err := a.TryAcquire(ctx, name, 30*time.Second)
 	if err != nil {
-		t.Fatalf("after the release: %v", err)
+		t.Fatal(err)
 	}
-	_ = l2.Release(ctx)
+	res := acquireAsync(b, name, 20*time.Second)
+	waitLine(t, cl, name, 2)
+	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithFirstCreate(), clientv3.WithLimit(1))...)
+	if err != nil || len(line.Kvs) != 1 {
+		t.Fatalf("the holder's key: %v, %v", line, err)
+	}
+	holderKey := line.Kvs[0].Key
+	// After the cut, the waiter's requests that name the holder's key: its
+	// read, then its new watch (and the client's resumed one). Release once
+	// the read and a watch have gone through.
+	seen := make(chan struct{}, 8)
+	p.DropRequest(func(req []byte) bool {
+		if bytes.Contains(req, holderKey) {
+			seen <- struct{}{}
+		}
+		return false
+	})
+	p.CutAll()
+	for i := 0; i < 2; i++ {
+		select {
+		case <-seen:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the waiter did not read or watch the holder's key after the cut")
+		}
+	}
+	waitLine(t, cl, name, 2)
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	if r.err != nil {
+		t.Fatalf("the waiter after a cut and the holder's release: %v", r.err)
+	}
+	if r.l.Token() <= h.Token() || r.l.Context().Err() != nil {
+		t.Fatalf("token %d (holder %d), context %v", r.l.Token(), h.Token(), r.l.Context().Err())
+	}
+	if resp, err := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix(), clientv3.WithCountOnly()); err != nil || resp.Count != 1 {
+		t.Errorf("the line after the grant: %v keys (%v), want 1", resp.Count, err)
+	}
+	_ = r.l.Release(ctx)
 }

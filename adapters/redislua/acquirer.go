@@ -237,7 +237,10 @@ func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Dur
 	} else {
 		// A "try" or "wait" sent again finds its own grant and adopts it; a
 		// "leave" sent again finds nothing to do: go-redis may resend them.
-		res, replicas, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+		err = bounded(ctx, func() (err error) {
+			res, replicas, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+			return err
+		})
 	}
 	r := lockReply{replicas: replicas}
 	if err != nil {
@@ -485,7 +488,14 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 	value := nonce + ":" + strconv.FormatUint(m.token, 10)
 	keys, args := []string{lock}, []any{value, ttlMs(ttl)}
 	sent := time.Now()
-	res, replicas, err := a.run(ctx, renewScript, keys, args, true)
+	var (
+		res      any
+		replicas int64
+	)
+	err := bounded(ctx, func() (err error) {
+		res, replicas, err = a.run(ctx, renewScript, keys, args, true)
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("redislua: acquire %q: confirming a grant: %w", name, err)
 	}
@@ -614,7 +624,11 @@ func (l *lease) Renew(ctx context.Context) error {
 	sent := time.Now()
 	// Sent again by go-redis after a network error, a renewal only extends
 	// this grant again.
-	n, err := renewScript.Run(ctx, l.a.c, []string{l.lock}, l.value, ttlMs(l.TTL())).Int64()
+	var n int64
+	err := bounded(ctx, func() (err error) {
+		n, err = renewScript.Run(ctx, l.a.c, []string{l.lock}, l.value, ttlMs(l.TTL())).Int64()
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("redislua: renew %q: %w", l.Name(), ambiguous(err))
 	}

@@ -51,15 +51,20 @@ func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []stri
 			return nil, err // not sent
 		}
 		cmd := onceCmd{redis.NewCmd(ctx, args...)}
-		err := send(ctx, cmd)
-		if err == nil {
-			err = cmd.Err()
+		err := bounded(ctx, func() error {
+			if err := send(ctx, cmd); err != nil {
+				return err
+			}
+			return cmd.Err()
+		})
+		if errors.Is(err, errNoReply) {
+			return nil, ambiguous(err)
 		}
 		switch {
 		case err == nil || errors.Is(err, redis.Nil):
 			return cmd.Val(), nil
 		case !loaded && redis.HasErrorPrefix(err, "NOSCRIPT"):
-			if err := s.Load(ctx, c).Err(); err != nil {
+			if err := bounded(ctx, func() error { return s.Load(ctx, c).Err() }); err != nil {
 				return nil, err
 			}
 			loaded = true
@@ -110,6 +115,34 @@ func anys(s []string) []any {
 		a[i] = v
 	}
 	return a
+}
+
+// errNoReply: the caller's context ended before Redis answered.
+var errNoReply = errors.New("no reply before the context ended (the request may still land)")
+
+// bounded runs call and returns its error, or returns when ctx ends first
+// (errNoReply joined with ctx's cause). A go-redis client without
+// ContextTimeoutEnabled (the default) does not stop at ctx's deadline: it
+// waits for its ReadTimeout, then sends the command again. The call then
+// goes on in the background until the client's own timeouts, and may still
+// land; callers that write report that as fence.ErrUnknown.
+func bounded(ctx context.Context, call func() error) error {
+	if ctx.Done() == nil {
+		return call()
+	}
+	done := make(chan error, 1)
+	go func() { done <- call() }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		select {
+		case err := <-done:
+			return err
+		default:
+		}
+		return fmt.Errorf("%w: %w", errNoReply, context.Cause(ctx))
+	}
 }
 
 // isReply reports whether err is a reply from Redis (the request was

@@ -116,7 +116,11 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 	if err := checkWriterKey(ctx, "read", key); err != nil {
 		return nil, 0, err
 	}
-	res, err := readScript.Run(ctx, w.c, []string{w.Key(key)}).Slice()
+	var res []any
+	err := bounded(ctx, func() (err error) {
+		res, err = readScript.Run(ctx, w.c, []string{w.Key(key)}).Slice()
+		return err
+	})
 	if err != nil {
 		return nil, 0, fmt.Errorf("redislua: read %q: %w", key, err)
 	}

@@ -35,6 +35,10 @@ type Flaky struct {
 	Workers, Increments int
 	// TTL of each lease; 0 means 10s.
 	TTL time.Duration
+	// ReplyWindow is the proxy's (faultnet.Proxy.ReplyWindow): set it for a
+	// multiplexed protocol (gRPC), whose first bytes back need not be the
+	// reply. 0: the reply is the server's first bytes.
+	ReplyWindow time.Duration
 }
 
 // FlakyNetwork runs, for each backend, Workers x Increments locked increments
@@ -60,6 +64,7 @@ func FlakyNetwork(b *testing.B, backends ...Flaky) {
 				for j, cut := range []float64{0, 0.02} {
 					p := faultnet.Start(b, be.Target(b))
 					p.Latency(time.Millisecond, 3*time.Millisecond)
+					p.ReplyWindow(be.ReplyWindow)
 					a, s := be.Open(b, p)
 					p.CutRate(cut)
 					start := time.Now()

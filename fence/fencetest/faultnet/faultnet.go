@@ -37,7 +37,8 @@ type Proxy struct {
 	latMin    time.Duration
 	latMax    time.Duration
 	cutRate   float64
-	cutAfter  int64 // >0: the next client bytes past this many cut the connection
+	cutAfter  int64         // >0: the next client bytes past this many cut the connection
+	window    time.Duration // >0: a lost reply's connection is cut this long after its request
 	loseReply []func([]byte) bool
 	dropReq   []func([]byte) bool
 	conns     map[*pair]struct{}
@@ -52,6 +53,7 @@ type Proxy struct {
 type pair struct {
 	client, server net.Conn
 	once           sync.Once
+	discard        atomic.Bool // everything the server sends is thrown away (ReplyWindow)
 }
 
 func (p *pair) close() {
@@ -179,13 +181,42 @@ func (p *Proxy) CutAfter(n int64) {
 // returns true (any chunk when match is nil) is forwarded to the server, the
 // server's reply is read and thrown away, and the connection is then closed.
 // The server has acted; the client sees an error. Several calls queue several
-// faults, each taken by the next matching chunk.
+// faults, each taken by the next matching chunk. Which bytes are the reply,
+// and how long to wait for them, is set by ReplyWindow; nothing more from the
+// client is forwarded on that connection meanwhile.
+// CutRate's lost replies follow the same rules.
 func (p *Proxy) LoseReply(match func(request []byte) bool) {
 	if match == nil {
 		match = func([]byte) bool { return true }
 	}
 	p.mu.Lock()
 	p.loseReply = append(p.loseReply, match)
+	p.mu.Unlock()
+}
+
+// DefaultReplyWait is how long, with no ReplyWindow, a lost reply's
+// connection waits for the server's first bytes before it is cut anyway.
+const DefaultReplyWait = 5 * time.Second
+
+// ReplyWindow sets how a lost reply is recognised. With d = 0 (the default)
+// the reply is the server's first bytes after the request: right for a
+// request-reply protocol (PostgreSQL, MySQL, Redis, HTTP/1), where the
+// server answers each request before anything else; the connection is cut as
+// they arrive, or as soon as the client sends more (it was not waiting for a
+// reply: the request gets none), or DefaultReplyWait after the request if
+// neither happens. With d > 0 the connection is cut d after the request was
+// forwarded, whatever the server sent meanwhile (thrown away): right for a
+// multiplexed protocol (HTTP/2, gRPC: etcd), where the server's first bytes
+// may be flow control or another call's reply, and a chunk may be a control
+// frame that gets no reply at all. Choose d longer than the server takes to
+// act on the request, and shorter than the client's own timeouts (the
+// client's other calls on that connection wait for the cut).
+func (p *Proxy) ReplyWindow(d time.Duration) {
+	if d < 0 {
+		d = 0
+	}
+	p.mu.Lock()
+	p.window = d
 	p.mu.Unlock()
 }
 
@@ -291,7 +322,7 @@ func take(list *[]func([]byte) bool, b []byte) bool {
 	return false
 }
 
-func (p *Proxy) upstream(pr *pair, lost chan<- struct{}) {
+func (p *Proxy) upstream(pr *pair, lost chan struct{}) {
 	defer p.wg.Done()
 	keep := false
 	defer func() {
@@ -317,6 +348,7 @@ func (p *Proxy) upstream(pr *pair, lost chan<- struct{}) {
 					lose = true
 				}
 			}
+			window := p.window
 			cut := int64(-1)
 			if !drop && !lose && p.cutAfter > 0 {
 				if int64(n) >= p.cutAfter {
@@ -335,16 +367,44 @@ func (p *Proxy) upstream(pr *pair, lost chan<- struct{}) {
 				pr.server.Write(b[:cut])
 				p.cuts.Add(1)
 				return
+			case lose && window > 0:
+				// Throw away whatever the server sends from now on, and cut
+				// once the window has passed.
+				pr.discard.Store(true)
+				if _, err := pr.server.Write(b); err != nil {
+					return
+				}
+				keep = true
+				time.AfterFunc(window, func() {
+					p.lostReplys.Add(1)
+					p.cuts.Add(1)
+					p.forget(pr)
+				})
+				return
 			case lose:
 				lost <- struct{}{}
 				if _, err := pr.server.Write(b); err != nil {
 					return
 				}
 				// downstream cuts the pair once the reply arrived (or the
-				// server closed); read nothing more from the client, and cut
-				// anyway if the server never answers.
+				// server closed); forward nothing more from the client, and
+				// cut anyway if the server never answers. A client that
+				// sends more meanwhile was not waiting for a reply (a
+				// message that gets none, such as MySQL's COM_STMT_CLOSE):
+				// cut then.
+				t := time.AfterFunc(DefaultReplyWait, func() { p.forget(pr) })
+				var one [1]byte
+				if n, _ := pr.client.Read(one[:]); n > 0 {
+					t.Stop()
+					select {
+					case <-lost: // downstream has not taken it: no reply came
+						p.lostReplys.Add(1)
+						p.cuts.Add(1)
+					default:
+					}
+					p.forget(pr)
+				}
 				keep = true
-				time.AfterFunc(5*time.Second, func() { p.forget(pr) })
 				return
 			}
 			if _, err := pr.server.Write(b); err != nil {
@@ -368,6 +428,9 @@ func (p *Proxy) downstream(pr *pair, lost <-chan struct{}) {
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := pr.server.Read(buf)
+		if n > 0 && pr.discard.Load() {
+			continue // within a lost reply's window
+		}
 		if n > 0 {
 			select {
 			case <-lost:

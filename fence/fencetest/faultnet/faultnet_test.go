@@ -211,3 +211,75 @@ func TestCutRateCutsSome(t *testing.T) {
 		t.Fatalf("%d of 40 PINGs failed at a 50%% cut rate", failed)
 	}
 }
+
+// TestReplyWindow: with a reply window, a lost reply's connection is cut the
+// window after its request, not at the server's first bytes nor after
+// DefaultReplyWait: the request was applied (INCR), the client sees its
+// connection end no earlier than the window, and a chunk that gets no reply
+// at all (CLIENT REPLY OFF, as an HTTP/2 control frame gets none) is cut at
+// the window too.
+func TestReplyWindow(t *testing.T) {
+	target := redisTarget(t)
+	p := faultnet.Start(t, target)
+	const window = 400 * time.Millisecond
+	p.ReplyWindow(window)
+	k := key(t)
+	direct := dial(t, target)
+	direct.must("DEL " + k)
+
+	c := dial(t, p.Addr())
+	c.must("PING")
+	p.LoseReply(func(b []byte) bool { return bytes.Contains(b, []byte("INCR")) })
+	sent := time.Now()
+	if r, err := c.do("INCR " + k); err == nil {
+		t.Fatalf("INCR whose reply was lost answered %q", r)
+	}
+	if took := time.Since(sent); took < window {
+		t.Errorf("the connection was cut %v after the request, before the %v window (at the reply)", took, window)
+	}
+	if r := direct.must("GET " + k); r != "$1" {
+		t.Fatalf("GET after a lost INCR reply: %q, want the bulk header of \"1\" (applied)", r)
+	}
+
+	c2 := dial(t, p.Addr())
+	c2.must("PING")
+	p.LoseReply(func(b []byte) bool { return bytes.Contains(b, []byte("REPLY")) })
+	sent = time.Now()
+	if r, err := c2.do("CLIENT REPLY OFF"); err == nil {
+		t.Fatalf("a chunk whose reply was lost answered %q", r)
+	}
+	if took := time.Since(sent); took < window || took > faultnet.DefaultReplyWait-time.Second {
+		t.Errorf("a chunk with no reply: cut after %v, want about the %v window (not %v)", took, window, faultnet.DefaultReplyWait)
+	}
+	if s := p.Stats(); s.LostReplies != 2 || p.Pending() != 0 {
+		t.Fatalf("stats %+v, %d pending: want 2 lost replies, none pending", s, p.Pending())
+	}
+}
+
+// TestLoseReplyWithoutReply: a lost reply's request that gets no reply
+// (CLIENT REPLY OFF, as MySQL's COM_STMT_CLOSE gets none) is cut as soon as
+// the client sends its next request, not DefaultReplyWait later: the server
+// acted on the first (replies stay off on that connection until it ends,
+// and the next request never reached it).
+func TestLoseReplyWithoutReply(t *testing.T) {
+	p := faultnet.Start(t, redisTarget(t))
+	c := dial(t, p.Addr())
+	c.must("PING")
+	p.LoseReply(func(b []byte) bool { return bytes.Contains(b, []byte("REPLY")) })
+	if _, err := c.c.Write([]byte("CLIENT REPLY OFF\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	for p.Pending() != 0 {
+		time.Sleep(time.Millisecond) // until the proxy has taken the request
+	}
+	sent := time.Now()
+	if r, err := c.do("PING"); err == nil {
+		t.Fatalf("the request after one whose reply was lost answered %q", r)
+	}
+	if took := time.Since(sent); took > faultnet.DefaultReplyWait/2 {
+		t.Errorf("the connection was cut %v after the client's next request, want at once (not DefaultReplyWait %v)", took, faultnet.DefaultReplyWait)
+	}
+	if s := p.Stats(); s.LostReplies != 1 {
+		t.Errorf("stats %+v, want 1 lost reply", s)
+	}
+}

@@ -1,0 +1,115 @@
+package redislua_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
+)
+
+// TestCallsKeepTheirContextDeadline (issue 23): with a go-redis client that
+// does not honour context deadlines (ContextTimeoutEnabled off, the default:
+// it waits ReadTimeout, 3s, and sends again), a call through a partition
+// returns soon after its context's deadline, with an error that says the
+// outcome is unknown (a read: the context's error), instead of after the
+// client's own timeouts. An acquire that gives up spends up to 1s more
+// trying to undo a grant it may have made (leaving the line), and since
+// that cannot reach Redis either, its error matches fence.ErrUnknown.
+func TestCallsKeepTheirContextDeadline(t *testing.T) {
+	ctx := context.Background()
+	p := faultnet.Start(t, testenv.RedisAddr())
+	c := redis.NewClient(&redis.Options{Addr: p.Addr()}) // ContextTimeoutEnabled off
+	t.Cleanup(func() { c.Close() })
+	a, err := redislua.NewAcquirer(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := redislua.NewWriter(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("deadline")
+	l, err := a.TryAcquire(ctx, name, time.Minute) // connects and loads the scripts
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, name, []byte("v"), l.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := w.Read(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	const wait = 200 * time.Millisecond
+	tried := fencetest.Name("deadline")
+	calls := []struct {
+		name  string
+		slack time.Duration // allowed past the deadline
+		call  func(ctx context.Context) error
+		want  error // the error must match this
+	}{
+		{"TryAcquire", 1500 * time.Millisecond, func(ctx context.Context) error {
+			_, err := a.TryAcquire(ctx, tried, time.Minute)
+			return err
+		}, fence.ErrUnknown},
+		{"Acquire", 1500 * time.Millisecond, func(ctx context.Context) error {
+			_, err := a.Acquire(ctx, name, time.Minute)
+			return err
+		}, fence.ErrUnknown},
+		{"Renew", 500 * time.Millisecond, l.Renew, fence.ErrUnknown},
+		{"Write", 500 * time.Millisecond, func(ctx context.Context) error {
+			return w.Write(ctx, name, []byte("w"), l.Token())
+		}, fence.ErrUnknown},
+		{"Read", 500 * time.Millisecond, func(ctx context.Context) error {
+			_, _, err := w.Read(ctx, name)
+			return err
+		}, context.DeadlineExceeded},
+		{"Release", 500 * time.Millisecond, l.Release, fence.ErrUnknown},
+	}
+	p.Partition()
+	healed := false
+	defer func() {
+		if !healed {
+			p.Heal()
+		}
+	}()
+	for _, tc := range calls {
+		cctx, cancel := context.WithTimeout(ctx, wait)
+		start := time.Now()
+		err := tc.call(cctx)
+		took := time.Since(start)
+		cancel()
+		t.Logf("%s through a partition with a %v context: %v after %v", tc.name, wait, err, took.Round(time.Millisecond))
+		if err == nil {
+			t.Errorf("%s through a partition: nil error", tc.name)
+		}
+		if tc.want != nil && !errors.Is(err, tc.want) {
+			t.Errorf("%s through a partition: %v, want an error matching %v", tc.name, err, tc.want)
+		}
+		if took > wait+tc.slack {
+			t.Errorf("%s with a %v context returned after %v (allowed %v)", tc.name, wait, took, wait+tc.slack)
+		}
+	}
+	// HAZARDS 6: the TryAcquire that gave up must not hold its name for the
+	// minute's ttl once its held requests land: its leave marks its nonce
+	// gone (a try landing later is refused) or releases what it granted.
+	p.Heal()
+	healed = true
+	other, err := redislua.NewAcquirer(testenv.RedisClient(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	ol, err := other.Acquire(actx, tried, time.Minute)
+	if err != nil {
+		t.Fatalf("the name of a TryAcquire that gave up in a partition, after healing: %v, want it free", err)
+	}
+	_ = ol.Release(ctx)
+}
