@@ -49,7 +49,11 @@ type StoreOptions struct {
 // recognised when it landed, and otherwise sent again expecting the same
 // revision, which can land at most once; when that does not settle within
 // RetryFor, or the record changed meanwhile, the step returns an error
-// matching fence.ErrUnknown (read the record to know).
+// matching fence.ErrUnknown (read the record to know). A step is published
+// only while the client is connected, so that the client's reconnect buffer
+// cannot send it after the step returned; a connection that breaks while the
+// step is still in its write buffer can deliver it after the reconnect, and
+// a read then may not yet show it.
 //
 // # What it cannot keep
 //

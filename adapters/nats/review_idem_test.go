@@ -3,6 +3,7 @@ package natsfence_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -68,5 +69,86 @@ func TestStoreUnknownStepDoesNotLandLater(t *testing.T) {
 	got, err = s2.Get(ctx, k)
 	if err != nil || got.State != idempotency.Claimed {
 		t.Fatalf("after the reconnect: %+v, %v, want still claimed (an arm reported unknown and read as not landed must not land later)", got, err)
+	}
+}
+
+// TestStoreDoCutOffOwner (HAZARDS 2 and 6): the owner's client is cut off
+// from the server (a partition) while its effect runs. Its effect's context
+// must end before another Do, on a client of its own, starts the effect
+// again, and that Do must not wait much beyond the owner's lease.
+func TestStoreDoCutOffOwner(t *testing.T) {
+	j, p := proxied(t)
+	cfg := idemBucket(t)
+	other := newStore(t, js(t), cfg)
+	s, err := natsfence.NewStore(context.Background(), j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const lease = 2 * time.Second
+	k := fencetest.Name("cutowner")
+	started := make(chan struct{})
+	var ended time.Time
+	ownerDone := make(chan error, 1)
+	go func() {
+		_, err := idempotency.Do(context.Background(), s, k, "fp", func(ctx context.Context, _ string) ([]byte, error) {
+			close(started)
+			<-ctx.Done()
+			ended = time.Now()
+			return nil, ctx.Err()
+		}, &idempotency.Options{Lease: lease})
+		ownerDone <- err
+	}()
+	<-started
+	p.Partition()
+	defer p.Heal()
+	cut := time.Now()
+	var second time.Time
+	ctx, cancel := context.WithTimeout(context.Background(), 10*lease)
+	defer cancel()
+	res, err := idempotency.Do(ctx, other, k, "fp", func(context.Context, string) ([]byte, error) {
+		second = time.Now()
+		return []byte("second"), nil
+	}, &idempotency.Options{Lease: lease, Wait: true, Reconcile: func(context.Context, string) (bool, []byte, error) { return false, nil, nil }})
+	if err != nil || string(res.Value) != "second" {
+		t.Fatalf("the second Do: %+v, %v", res, err)
+	}
+	select {
+	case err := <-ownerDone:
+		t.Logf("the owner's Do: %v", err)
+	case <-time.After(10 * lease):
+		t.Fatal("the owner's Do did not return")
+	}
+	if ended.IsZero() || !ended.Before(second) {
+		t.Fatalf("the owner's effect context ended at %v, the second effect started at %v: they overlapped", ended, second)
+	}
+	if wait := second.Sub(cut); wait > lease+2*time.Second {
+		t.Fatalf("the second effect started %v after the owner was cut off, with a lease of %v", wait, lease)
+	}
+	t.Logf("owner's effect cancelled %v after the cut, second effect %v after it", ended.Sub(cut), second.Sub(cut))
+}
+
+// TestStoreKeysByteForByte (HAZARDS 4): keys that differ only in case, a
+// dot against its escape, a trailing space, wildcards, a 4-byte character or
+// its bytes split, and the longest key of bytes that each escape to three,
+// each get a record of their own through Do, and each replays its own result.
+func TestStoreKeysByteForByte(t *testing.T) {
+	s := newStore(t, js(t), idemBucket(t))
+	ctx := context.Background()
+	long := strings.Repeat(".", natsfence.MaxKeyBytes)
+	keys := []string{"a.b", "a=2Eb", "A.b", "a.b ", "a b", "*", ">", "a.*", "a.>", "😀", "\xf0\x9f\x98", "\xf0\x9f\x98\x80 ", "=", "=3D", long, long[1:] + "a"}
+	for _, k := range keys {
+		r, err := idempotency.Do(ctx, s, k, "fp", func(context.Context, string) ([]byte, error) { return []byte(k), nil }, nil)
+		if err != nil || r.Replayed || string(r.Value) != k {
+			t.Fatalf("Do(%q): %+v, %v, want its own first run", k, r, err)
+		}
+	}
+	for _, k := range keys {
+		r, err := idempotency.Do(ctx, s, k, "fp", func(context.Context, string) ([]byte, error) {
+			t.Errorf("Do(%q) ran again", k)
+			return nil, nil
+		}, nil)
+		if err != nil || !r.Replayed || string(r.Value) != k {
+			t.Errorf("Do(%q) again: %+v, %v, want its own result replayed", k, r, err)
+		}
 	}
 }
