@@ -43,6 +43,16 @@ type StoreOptions struct {
 // a cluster: the clocks of the nodes that lead the stream) does not step back
 // by more than the time since that fence was granted (HAZARDS 1).
 //
+// Leases are wall-clock differences, so at most once also assumes the
+// clock does not jump forward (HAZARDS 5): a lease ends early at the store
+// by as much as the leader's clock steps forward while it runs, or as a new
+// leader's clock runs ahead of the old one's after a leader change, while
+// the owner's effect is cancelled only at its local deadline (the lease less
+// 1% + 2ms, on the owner's monotonic clock). A jump larger than that margin
+// lets a waiting Do take the key over, and run the effect again, while the
+// owner's effect still runs. Keep the nodes' clocks slewed (NTP), not
+// stepped, and their skew well under 1% of the shortest lease.
+//
 // # Lost replies
 //
 // Every entry carries a random write id. A step whose reply was lost is
