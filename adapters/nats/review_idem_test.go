@@ -152,3 +152,34 @@ func TestStoreKeysByteForByte(t *testing.T) {
 		}
 	}
 }
+
+// TestStorePurgeSkipsForeignEntries (HAZARDS 4): an entry the store did not
+// write (an operator's kv put, or a lock of an Acquirer on the same bucket)
+// is left alone by Purge, which still removes the released records around it
+// instead of failing on it, now and at every later Purge.
+func TestStorePurgeSkipsForeignEntries(t *testing.T) {
+	j := js(t)
+	cfg := idemBucket(t)
+	s := newStore(t, j, cfg)
+	kv := bucket(t, j, cfg)
+	ctx := context.Background()
+	for _, k := range []string{"a", "z"} {
+		rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Update(ctx, k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Released, Fence: rec.Fence, Owner: "me"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := kv.Put(ctx, "m", []byte("an operator's value")); err != nil {
+		t.Fatal(err)
+	}
+	n, err := s.Purge(ctx)
+	if err != nil || n != 2 {
+		t.Fatalf("Purge = %d, %v, want the 2 released records removed", n, err)
+	}
+	if e, err := kv.Get(ctx, "m"); err != nil || string(e.Value()) != "an operator's value" {
+		t.Fatalf("the foreign entry: %v, %v", e, err)
+	}
+}
