@@ -85,7 +85,10 @@ var _ idempotency.Store = (*Store)(nil)
 
 // NewStore returns a Store on the existing KV bucket named bucket of js
 // (History 1 is enough; a bucket made with LockBucket also lets Purge's
-// markers age out). It returns an error matching fence.ErrInvalid for a nil
+// markers age out). Give it a bucket of its own: a lock name or a Writer's
+// key equal to a record's key would share its entry (Begin and Update then
+// fail on it, and an Acquirer reports the name held). It returns an error
+// matching fence.ErrInvalid for a nil
 // js, an empty or invalid bucket name, a negative option, a bucket whose
 // entries expire (a bucket TTL would remove armed records), or a mirror or a
 // bucket with sources. A missing bucket returns an error matching
@@ -146,6 +149,9 @@ type resolvedEntry struct {
 
 const idemVersion = 1
 
+// errNotRecord is an entry that the Store did not write.
+var errNotRecord = errors.New("not a record written by natsfence")
+
 // decodeIdem reads the entry of message m; nil for none or a marker.
 func decodeIdem(key string, m *storedMsg) (*idemEntry, error) {
 	if m == nil || isMarker(m) {
@@ -153,7 +159,7 @@ func decodeIdem(key string, m *storedMsg) (*idemEntry, error) {
 	}
 	var e idemEntry
 	if err := json.Unmarshal(m.Data, &e); err != nil || e.Version != idemVersion {
-		return nil, fmt.Errorf("natsfence: idempotency record %q at revision %d: not a record written by natsfence", key, m.Sequence)
+		return nil, fmt.Errorf("natsfence: idempotency record %q at revision %d: %w", key, m.Sequence, errNotRecord)
 	}
 	if !e.HasResult {
 		e.Result = nil
@@ -492,7 +498,8 @@ func (s *Store) Update(ctx context.Context, key string, from idempotency.State, 
 
 // Purge removes released records and completed or failed ones past their
 // retention, each by a purge expecting the revision it read (a record
-// claimed meanwhile is kept), and returns how many it removed. It lists
+// claimed meanwhile is kept), and returns how many it removed. Entries it
+// did not write are left alone. It lists
 // every key of the bucket: run it from one process now and then, not on
 // every request.
 func (s *Store) Purge(ctx context.Context) (int, error) {
@@ -518,6 +525,9 @@ func (s *Store) Purge(ctx context.Context) (int, error) {
 	n := 0
 	for _, kvKey := range keys {
 		cur, m, err := s.last(ctx, kvKey, kvKey)
+		if errors.Is(err, errNotRecord) {
+			continue // not the store's: left alone
+		}
 		if err != nil {
 			return n, fmt.Errorf("natsfence: %s: %w", op, err)
 		}
