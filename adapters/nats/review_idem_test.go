@@ -27,10 +27,7 @@ func TestStoreUnknownStepDoesNotLandLater(t *testing.T) {
 	j, p := proxied(t)
 	cfg := idemBucket(t)
 	s2 := newStore(t, js(t), cfg)
-	s, err := natsfence.NewStore(context.Background(), j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 200 * time.Millisecond, RetryFor: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := newStoreOpts(t, j, cfg, &natsfence.StoreOptions{Timeout: 200 * time.Millisecond, RetryFor: time.Second})
 	ctx := context.Background()
 	k := fencetest.Name("late")
 	rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
@@ -80,10 +77,7 @@ func TestStoreDoCutOffOwner(t *testing.T) {
 	j, p := proxied(t)
 	cfg := idemBucket(t)
 	other := newStore(t, js(t), cfg)
-	s, err := natsfence.NewStore(context.Background(), j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 300 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := newStoreOpts(t, j, cfg, &natsfence.StoreOptions{Timeout: 300 * time.Millisecond})
 	const lease = 2 * time.Second
 	k := fencetest.Name("cutowner")
 	started := make(chan struct{})
