@@ -11,6 +11,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // TestStoreUnknownStepDoesNotLandLater (HAZARDS 3): the arm's first publish
@@ -175,5 +176,50 @@ func TestStorePurgeSkipsForeignEntries(t *testing.T) {
 	}
 	if e, err := kv.Get(ctx, "m"); err != nil || string(e.Value()) != "an operator's value" {
 		t.Fatalf("the foreign entry: %v, %v", e, err)
+	}
+}
+
+// TestWriterUnknownWriteDoesNotLandLater (HAZARDS 3): as
+// TestStoreUnknownStepDoesNotLandLater, for a fenced write: reported
+// fence.ErrUnknown, read as not landed, it must not land after the
+// reconnect (a caller that read the old value and reported the write failed
+// would then be wrong).
+func TestWriterUnknownWriteDoesNotLandLater(t *testing.T) {
+	j, p := proxied(t)
+	cfg := jetstream.KeyValueConfig{Bucket: "late_" + strings.TrimPrefix(idemBucket(t).Bucket, "idem_"), History: 1}
+	bucket(t, j, cfg)
+	w, err := natsfence.NewWriter(context.Background(), j, cfg.Bucket, &natsfence.WriterOptions{Timeout: 200 * time.Millisecond, RetryFor: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := newWriter(t, js(t), cfg)
+	ctx := context.Background()
+	k := fencetest.Name("late")
+	if err := w.Write(ctx, k, []byte("v1"), 1); err != nil {
+		t.Fatal(err)
+	}
+	p.Refuse(true)
+	defer p.Refuse(false)
+	p.DropRequest(publishTo(cfg.Bucket))
+	if err := w.Write(ctx, k, []byte("v2"), 2); !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("a write cut off from the server: %v, want fence.ErrUnknown", err)
+	}
+	if p.Pending() != 0 {
+		t.Fatal("the first publish was not dropped")
+	}
+	if v, _, err := other.Read(ctx, k); err != nil || string(v) != "v1" {
+		t.Fatalf("after the unknown write: %q, %v, want v1", v, err)
+	}
+	p.Refuse(false)
+	for giveUp := time.Now().Add(10 * time.Second); !j.Conn().IsConnected(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(giveUp) {
+			t.Fatal("the client did not reconnect")
+		}
+	}
+	if _, _, err := w.Read(ctx, k); err != nil { // a round trip after the reconnect
+		t.Fatal(err)
+	}
+	if v, _, err := other.Read(ctx, k); err != nil || string(v) != "v1" {
+		t.Fatalf("after the reconnect: %q, %v, want still v1 (a write reported unknown and read as not landed must not land later)", v, err)
 	}
 }
