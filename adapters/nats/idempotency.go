@@ -274,23 +274,15 @@ func (s *Store) publish(ctx context.Context, kvKey string, e *idemEntry, expect 
 	return pa.Sequence, nil
 }
 
-// errNotConnected is a step not sent because the client was not connected.
-var errNotConnected = errors.New("not connected to the server (the step was not sent)")
-
 // put publishes e expecting expect, sending it again after an ambiguous
 // failure (it lands at most once) until RetryFor. It returns the revision, or
 // whether an attempt may have landed, and the last error.
-//
-// It publishes only while the client is connected: the nats client keeps
-// what is published while it reconnects and sends it after the reconnect,
-// however late, and a step that lands after it returned fence.ErrUnknown (and
-// after a read showed it had not landed) would, for an arm, leave armed a key
-// whose effect never ran (HAZARDS 3). A publish buffered by a connection
-// that breaks between this check and the write can still be sent late.
+// It publishes only while the client is connected (see disconnected): a
+// late arm would leave armed a key whose effect never ran.
 func (s *Store) put(ctx context.Context, kvKey string, e *idemEntry, expect uint64, giveUp time.Time) (uint64, bool, error) {
 	var maybe bool
 	for {
-		if nc := s.js.Conn(); nc != nil && !nc.IsConnected() {
+		if disconnected(s.js) {
 			if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
 				return 0, maybe, errors.Join(errNotConnected, context.Cause(ctx))
 			}

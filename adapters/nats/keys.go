@@ -79,6 +79,20 @@ func ambiguous(err error) bool {
 	return true
 }
 
+// errNotConnected is a request not sent because the client was not connected.
+var errNotConnected = errors.New("not connected to the server (not sent)")
+
+// disconnected reports a client that is not connected now. A write is not
+// published then: the nats client keeps what is published while it
+// reconnects and sends it after the reconnect, however late, so a write that
+// returned fence.ErrUnknown, and that a read then showed had not landed,
+// could land after all (HAZARDS 3). A publish still in the write buffer of a
+// connection that breaks after this check can be sent late all the same.
+func disconnected(js jetstream.JetStream) bool {
+	nc := js.Conn()
+	return nc != nil && !nc.IsConnected()
+}
+
 // revisionMismatch reports a compare-and-set that found another revision.
 func revisionMismatch(err error) bool {
 	return errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch)

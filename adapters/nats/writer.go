@@ -197,6 +197,17 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 		// Publish, expecting rev; an ambiguous failure sends the same entry
 		// with the same expectation again, which lands at most once.
 		for {
+			if disconnected(w.js) {
+				// Not sent now: it could be sent after this write returned.
+				if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+					err = errors.Join(errNotConnected, context.Cause(ctx))
+					if lastErr != nil {
+						return unknown(errors.Join(lastErr, err))
+					}
+					return fmt.Errorf("natsfence: %s %q: %w", op, key, err)
+				}
+				continue
+			}
 			actx, cancel := attemptCtx(ctx, w.o.Timeout)
 			_, err = w.kv.Update(actx, kvKey, data, rev)
 			cancel()
