@@ -223,3 +223,25 @@ func TestWriterUnknownWriteDoesNotLandLater(t *testing.T) {
 		t.Fatalf("after the reconnect: %q, %v, want still v1 (a write reported unknown and read as not landed must not land later)", v, err)
 	}
 }
+
+// TestTimeoutTooShortRefused (HAZARDS 8): a Timeout no request can meet (2,
+// meant as seconds, is 2ns) is refused at construction with fence.ErrInvalid
+// naming Timeout, instead of making every step fail at use after RetryFor.
+func TestTimeoutTooShortRefused(t *testing.T) {
+	j := js(t)
+	cfg := idemBucket(t)
+	bucket(t, j, cfg)
+	ctx := context.Background()
+	if s, err := natsfence.NewStore(ctx, j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 2, RetryFor: 200 * time.Millisecond}); err == nil {
+		_, _, berr := s.Begin(ctx, fencetest.Name("k"), "fp", "me", time.Minute)
+		t.Errorf("NewStore with Timeout 2ns accepted; a Begin then: %v", berr)
+	} else if ie := (*fence.InvalidError)(nil); !errors.As(err, &ie) || ie.Arg != "Timeout" {
+		t.Errorf("NewStore with Timeout 2ns: %v, want fence.ErrInvalid naming Timeout", err)
+	}
+	if _, err := natsfence.NewWriter(ctx, j, cfg.Bucket, &natsfence.WriterOptions{Timeout: 2}); err == nil {
+		t.Error("NewWriter with Timeout 2ns accepted")
+	}
+	if _, err := natsfence.NewStore(ctx, j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 10 * time.Millisecond}); err != nil {
+		t.Errorf("NewStore with Timeout MinTimeout: %v", err)
+	}
+}
