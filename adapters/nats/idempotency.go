@@ -18,7 +18,8 @@ import (
 
 // StoreOptions configures a Store. A nil *StoreOptions means the defaults.
 type StoreOptions struct {
-	// Timeout bounds each request to the server. Default: 2s.
+	// Timeout bounds each request to the server: at least MinTimeout.
+	// Default: 2s.
 	Timeout time.Duration
 	// RetryFor bounds how long a request whose reply was lost (a timeout, a
 	// dropped connection, a leader election) is retried before the step
@@ -88,9 +89,8 @@ var _ idempotency.Store = (*Store)(nil)
 // markers age out). Give it a bucket of its own: a lock name or a Writer's
 // key equal to a record's key would share its entry (Begin and Update then
 // fail on it, and an Acquirer reports the name held). It returns an error
-// matching fence.ErrInvalid for a nil
-// js, an empty or invalid bucket name, a negative option, a bucket whose
-// entries expire (a bucket TTL would remove armed records), or a mirror or a
+// matching fence.ErrInvalid for a nil js, an empty or invalid bucket name, a
+// negative option or a Timeout under MinTimeout, a bucket whose entries expire (a bucket TTL would remove armed records), or a mirror or a
 // bucket with sources. A missing bucket returns an error matching
 // jetstream.ErrBucketNotFound.
 func NewStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *StoreOptions) (*Store, error) {

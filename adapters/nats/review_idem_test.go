@@ -241,7 +241,7 @@ func TestTimeoutTooShortRefused(t *testing.T) {
 	if _, err := natsfence.NewWriter(ctx, j, cfg.Bucket, &natsfence.WriterOptions{Timeout: 2}); err == nil {
 		t.Error("NewWriter with Timeout 2ns accepted")
 	}
-	if _, err := natsfence.NewStore(ctx, j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 10 * time.Millisecond}); err != nil {
+	if _, err := natsfence.NewStore(ctx, j, cfg.Bucket, &natsfence.StoreOptions{Timeout: natsfence.MinTimeout}); err != nil {
 		t.Errorf("NewStore with Timeout MinTimeout: %v", err)
 	}
 }
