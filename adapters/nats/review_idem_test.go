@@ -245,3 +245,46 @@ func TestTimeoutTooShortRefused(t *testing.T) {
 		t.Errorf("NewStore with Timeout MinTimeout: %v", err)
 	}
 }
+
+// TestDiscardOldBucketRefused (HAZARDS 1): a bucket whose stream drops its
+// oldest messages when it reaches a message or byte limit (discard old, as
+// an operator can set with nats stream edit) removes records, fences and
+// leases as a TTL does: a completed key's record goes, and its effect runs
+// again. NewStore, NewWriter and New refuse such a bucket as they refuse a
+// TTL.
+func TestDiscardOldBucketRefused(t *testing.T) {
+	j := js(t)
+	ctx := context.Background()
+	name := "discard_" + strings.TrimPrefix(idemBucket(t).Bucket, "idem_")
+	if _, err := j.CreateStream(ctx, jetstream.StreamConfig{
+		Name: "KV_" + name, Subjects: []string{"$KV." + name + ".>"}, MaxMsgsPerSubject: 1,
+		AllowRollup: true, DenyDelete: true, AllowDirect: true, Discard: jetstream.DiscardOld, MaxMsgs: 2,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = j.DeleteStream(context.Background(), "KV_"+name) })
+	s, err := natsfence.NewStore(ctx, j, name, nil)
+	if err == nil {
+		// What it would do: the third key's record pushes the first out.
+		runs := 0
+		for _, k := range []string{"a", "b", "c", "a"} {
+			if _, err := idempotency.Do(ctx, s, k, "fp", func(context.Context, string) ([]byte, error) {
+				if k == "a" {
+					runs++
+				}
+				return nil, nil
+			}, &idempotency.Options{Retention: idempotency.Forever}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		t.Errorf("NewStore accepted a discard-old bucket with MaxMsgs 2; key a's effect then ran %d times", runs)
+	} else if ie := (*fence.InvalidError)(nil); !errors.As(err, &ie) || ie.Arg != "bucket" {
+		t.Errorf("NewStore: %v, want fence.ErrInvalid naming the bucket", err)
+	}
+	if _, err := natsfence.NewWriter(ctx, j, name, nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("NewWriter: %v, want fence.ErrInvalid", err)
+	}
+	if _, err := natsfence.New(ctx, j, name, nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("New: %v, want fence.ErrInvalid", err)
+	}
+}
