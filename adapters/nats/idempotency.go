@@ -90,8 +90,10 @@ var _ idempotency.Store = (*Store)(nil)
 // key equal to a record's key would share its entry (Begin and Update then
 // fail on it, and an Acquirer reports the name held). It returns an error
 // matching fence.ErrInvalid for a nil js, an empty or invalid bucket name, a
-// negative option or a Timeout under MinTimeout, a bucket whose entries expire (a bucket TTL would remove armed records), or a mirror or a
-// bucket with sources. A missing bucket returns an error matching
+// negative option or a Timeout under MinTimeout, a bucket whose entries
+// expire (a bucket TTL would remove armed records) or that drops its oldest
+// entries at a message or byte limit (discard old), or a mirror or a bucket
+// with sources. A missing bucket returns an error matching
 // jetstream.ErrBucketNotFound.
 func NewStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *StoreOptions) (*Store, error) {
 	const op = "new idempotency store"

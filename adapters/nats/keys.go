@@ -148,6 +148,11 @@ func openBucket(ctx context.Context, op string, js jetstream.JetStream, bucket s
 		// bucket's keys from elsewhere. Either would lose fences and leases.
 		return nil, nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q mirrors or sources other buckets: use a bucket of its own", bucket)}
 	}
+	if cfg := stream.CachedInfo().Config; cfg.Discard == jetstream.DiscardOld && (cfg.MaxMsgs > 0 || cfg.MaxBytes > 0) {
+		// Full, it would drop its oldest entries: fences, leases and
+		// idempotency records gone as with a TTL (HAZARDS 1).
+		return nil, nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q drops its oldest entries when it reaches its message or byte limit (discard old): use discard new, or no limit", bucket)}
+	}
 	return kv, stream, nil
 }
 

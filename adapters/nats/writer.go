@@ -87,10 +87,10 @@ var (
 // reads the bucket's configuration once and refuses, with an error matching
 // fence.ErrInvalid naming the bucket, one whose entries expire (a bucket TTL):
 // an expired entry takes its fence with it, and a stale writer could then
-// write again. A mirror or a bucket with sources is refused likewise, and a
-// negative option or a Timeout under MinTimeout (naming it). A missing bucket
-// returns an error matching
-// jetstream.ErrBucketNotFound.
+// write again. A bucket that drops its oldest entries at a message or byte
+// limit (discard old), a mirror or a bucket with sources is refused likewise,
+// and a negative option or a Timeout under MinTimeout (naming it). A missing
+// bucket returns an error matching jetstream.ErrBucketNotFound.
 func NewWriter(ctx context.Context, js jetstream.JetStream, bucket string, opts *WriterOptions) (*Writer, error) {
 	const op = "new writer"
 	o, err := opts.withDefaults(op)
