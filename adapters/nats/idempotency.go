@@ -71,7 +71,14 @@ type StoreOptions struct {
 // A record removed by hand while armed (kv del, kv purge, the bucket
 // deleted) takes with it the fact that its effect may have run: a later Do
 // runs the effect again. NewStore refuses a bucket whose entries expire
-// (a bucket TTL) for that reason.
+// (a bucket TTL) or drop out at a limit (discard old) for that reason.
+//
+// A bucket restored from a backup (a stream restore keeps the messages'
+// timestamps) brings back records as they were: a completed key completed
+// after the backup runs again, and a claimed or armed one that a later Do
+// takes over gets the old fence + 1 (idempotency.Do's takeover), which can
+// be below fences handed out after the backup (HAZARDS 1). Restore only a
+// bucket that no caller used after the backup was taken.
 type Store struct {
 	js         jetstream.JetStream
 	kv         jetstream.KeyValue
