@@ -18,7 +18,8 @@ import (
 
 // StoreOptions configures a Store. A nil *StoreOptions means the defaults.
 type StoreOptions struct {
-	// Timeout bounds each request to the server. Default: 2s.
+	// Timeout bounds each request to the server: at least MinTimeout.
+	// Default: 2s.
 	Timeout time.Duration
 	// RetryFor bounds how long a request whose reply was lost (a timeout, a
 	// dropped connection, a leader election) is retried before the step
@@ -43,20 +44,41 @@ type StoreOptions struct {
 // a cluster: the clocks of the nodes that lead the stream) does not step back
 // by more than the time since that fence was granted (HAZARDS 1).
 //
+// Leases are wall-clock differences, so at most once also assumes the
+// clock does not jump forward (HAZARDS 5): a lease ends early at the store
+// by as much as the leader's clock steps forward while it runs, or as a new
+// leader's clock runs ahead of the old one's after a leader change, while
+// the owner's effect is cancelled only at its local deadline (the lease less
+// 1% + 2ms, on the owner's monotonic clock). A jump larger than that margin
+// lets a waiting Do take the key over, and run the effect again, while the
+// owner's effect still runs. Keep the nodes' clocks slewed (NTP), not
+// stepped, and their skew well under 1% of the shortest lease.
+//
 // # Lost replies
 //
 // Every entry carries a random write id. A step whose reply was lost is
 // recognised when it landed, and otherwise sent again expecting the same
 // revision, which can land at most once; when that does not settle within
 // RetryFor, or the record changed meanwhile, the step returns an error
-// matching fence.ErrUnknown (read the record to know).
+// matching fence.ErrUnknown (read the record to know). A step is published
+// only while the client is connected, so that the client's reconnect buffer
+// cannot send it after the step returned; a connection that breaks while the
+// step is still in its write buffer can deliver it after the reconnect, and
+// a read then may not yet show it.
 //
 // # What it cannot keep
 //
 // A record removed by hand while armed (kv del, kv purge, the bucket
 // deleted) takes with it the fact that its effect may have run: a later Do
 // runs the effect again. NewStore refuses a bucket whose entries expire
-// (a bucket TTL) for that reason.
+// (a bucket TTL) or drop out at a limit (discard old) for that reason.
+//
+// A bucket restored from a backup (a stream restore keeps the messages'
+// timestamps) brings back records as they were: a completed key completed
+// after the backup runs again, and a claimed or armed one that a later Do
+// takes over gets the old fence + 1 (idempotency.Do's takeover), which can
+// be below fences handed out after the backup (HAZARDS 1). Restore only a
+// bucket that no caller used after the backup was taken.
 type Store struct {
 	js         jetstream.JetStream
 	kv         jetstream.KeyValue
@@ -71,10 +93,14 @@ var _ idempotency.Store = (*Store)(nil)
 
 // NewStore returns a Store on the existing KV bucket named bucket of js
 // (History 1 is enough; a bucket made with LockBucket also lets Purge's
-// markers age out). It returns an error matching fence.ErrInvalid for a nil
-// js, an empty or invalid bucket name, a negative option, a bucket whose
-// entries expire (a bucket TTL would remove armed records), or a mirror or a
-// bucket with sources. A missing bucket returns an error matching
+// markers age out). Give it a bucket of its own: a lock name or a Writer's
+// key equal to a record's key would share its entry (Begin and Update then
+// fail on it, and an Acquirer reports the name held). It returns an error
+// matching fence.ErrInvalid for a nil js, an empty or invalid bucket name, a
+// negative option or a Timeout under MinTimeout, a bucket whose entries
+// expire (a bucket TTL would remove armed records) or that drops its oldest
+// entries at a message or byte limit (discard old), or a mirror or a bucket
+// with sources. A missing bucket returns an error matching
 // jetstream.ErrBucketNotFound.
 func NewStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *StoreOptions) (*Store, error) {
 	const op = "new idempotency store"
@@ -132,6 +158,9 @@ type resolvedEntry struct {
 
 const idemVersion = 1
 
+// errNotRecord is an entry that the Store did not write.
+var errNotRecord = errors.New("not a record written by natsfence")
+
 // decodeIdem reads the entry of message m; nil for none or a marker.
 func decodeIdem(key string, m *storedMsg) (*idemEntry, error) {
 	if m == nil || isMarker(m) {
@@ -139,7 +168,7 @@ func decodeIdem(key string, m *storedMsg) (*idemEntry, error) {
 	}
 	var e idemEntry
 	if err := json.Unmarshal(m.Data, &e); err != nil || e.Version != idemVersion {
-		return nil, fmt.Errorf("natsfence: idempotency record %q at revision %d: not a record written by natsfence", key, m.Sequence)
+		return nil, fmt.Errorf("natsfence: idempotency record %q at revision %d: %w", key, m.Sequence, errNotRecord)
 	}
 	if !e.HasResult {
 		e.Result = nil
@@ -257,9 +286,17 @@ func (s *Store) publish(ctx context.Context, kvKey string, e *idemEntry, expect 
 // put publishes e expecting expect, sending it again after an ambiguous
 // failure (it lands at most once) until RetryFor. It returns the revision, or
 // whether an attempt may have landed, and the last error.
+// It publishes only while the client is connected (see disconnected): a
+// late arm would leave armed a key whose effect never ran.
 func (s *Store) put(ctx context.Context, kvKey string, e *idemEntry, expect uint64, giveUp time.Time) (uint64, bool, error) {
 	var maybe bool
 	for {
+		if disconnected(s.js) {
+			if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+				return 0, maybe, errors.Join(errNotConnected, context.Cause(ctx))
+			}
+			continue
+		}
 		rev, err := s.publish(ctx, kvKey, e, expect)
 		if err == nil || !ambiguous(err) {
 			return rev, maybe, err
@@ -462,7 +499,8 @@ func (s *Store) Update(ctx context.Context, key string, from idempotency.State, 
 
 // Purge removes released records and completed or failed ones past their
 // retention, each by a purge expecting the revision it read (a record
-// claimed meanwhile is kept), and returns how many it removed. It lists
+// claimed meanwhile is kept), and returns how many it removed. Entries it
+// did not write are left alone. It lists
 // every key of the bucket: run it from one process now and then, not on
 // every request.
 func (s *Store) Purge(ctx context.Context) (int, error) {
@@ -488,6 +526,9 @@ func (s *Store) Purge(ctx context.Context) (int, error) {
 	n := 0
 	for _, kvKey := range keys {
 		cur, m, err := s.last(ctx, kvKey, kvKey)
+		if errors.Is(err, errNotRecord) {
+			continue // not the store's: left alone
+		}
 		if err != nil {
 			return n, fmt.Errorf("natsfence: %s: %w", op, err)
 		}

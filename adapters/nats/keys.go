@@ -79,6 +79,20 @@ func ambiguous(err error) bool {
 	return true
 }
 
+// errNotConnected is a request not sent because the client was not connected.
+var errNotConnected = errors.New("not connected to the server (not sent)")
+
+// disconnected reports a client that is not connected now. A write is not
+// published then: the nats client keeps what is published while it
+// reconnects and sends it after the reconnect, however late, so a write that
+// returned fence.ErrUnknown, and that a read then showed had not landed,
+// could land after all (HAZARDS 3). A publish still in the write buffer of a
+// connection that breaks after this check can be sent late all the same.
+func disconnected(js jetstream.JetStream) bool {
+	nc := js.Conn()
+	return nc != nil && !nc.IsConnected()
+}
+
 // revisionMismatch reports a compare-and-set that found another revision.
 func revisionMismatch(err error) bool {
 	return errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch)
@@ -133,6 +147,11 @@ func openBucket(ctx context.Context, op string, js jetstream.JetStream, bucket s
 		// the bucket's own reads never see them; sources write over the
 		// bucket's keys from elsewhere. Either would lose fences and leases.
 		return nil, nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q mirrors or sources other buckets: use a bucket of its own", bucket)}
+	}
+	if cfg := stream.CachedInfo().Config; cfg.Discard == jetstream.DiscardOld && (cfg.MaxMsgs > 0 || cfg.MaxBytes > 0) {
+		// Full, it would drop its oldest entries: fences, leases and
+		// idempotency records gone as with a TTL (HAZARDS 1).
+		return nil, nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q drops its oldest entries when it reaches its message or byte limit (discard old): use discard new, or no limit", bucket)}
 	}
 	return kv, stream, nil
 }

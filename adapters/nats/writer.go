@@ -23,7 +23,8 @@ var ErrFenceGone = errors.New("natsfence: the key's entry was deleted or purged 
 
 // WriterOptions configures a Writer. A nil *WriterOptions means the defaults.
 type WriterOptions struct {
-	// Timeout bounds each request to the server. Default: 2s.
+	// Timeout bounds each request to the server: at least MinTimeout.
+	// Default: 2s.
 	Timeout time.Duration
 	// RetryFor bounds how long a write whose reply was lost (a timeout, a
 	// dropped connection, a leader election) is retried before it returns
@@ -31,13 +32,18 @@ type WriterOptions struct {
 	RetryFor time.Duration
 }
 
+// MinTimeout is the shortest Timeout a Writer or a Store accepts (zero is
+// the default): a shorter one (2 meant as seconds is 2ns) would end every
+// request before the server's reply and make every step fail.
+const MinTimeout = 10 * time.Millisecond
+
 func (o *WriterOptions) withDefaults(op string) (WriterOptions, error) {
 	var w WriterOptions
 	if o != nil {
 		w = *o
 	}
-	if w.Timeout < 0 {
-		return w, &fence.InvalidError{Op: op, Arg: "Timeout", Reason: "negative"}
+	if w.Timeout < 0 || (w.Timeout > 0 && w.Timeout < MinTimeout) {
+		return w, &fence.InvalidError{Op: op, Arg: "Timeout", Reason: fmt.Sprintf("%v is negative or under MinTimeout (%v)", w.Timeout, MinTimeout)}
 	}
 	if w.RetryFor < 0 {
 		return w, &fence.InvalidError{Op: op, Arg: "RetryFor", Reason: "negative"}
@@ -81,9 +87,10 @@ var (
 // reads the bucket's configuration once and refuses, with an error matching
 // fence.ErrInvalid naming the bucket, one whose entries expire (a bucket TTL):
 // an expired entry takes its fence with it, and a stale writer could then
-// write again. A mirror or a bucket with sources is refused likewise. A
-// missing bucket returns an error matching
-// jetstream.ErrBucketNotFound.
+// write again. A bucket that drops its oldest entries at a message or byte
+// limit (discard old), a mirror or a bucket with sources is refused likewise,
+// and a negative option or a Timeout under MinTimeout (naming it). A missing
+// bucket returns an error matching jetstream.ErrBucketNotFound.
 func NewWriter(ctx context.Context, js jetstream.JetStream, bucket string, opts *WriterOptions) (*Writer, error) {
 	const op = "new writer"
 	o, err := opts.withDefaults(op)
@@ -197,6 +204,17 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 		// Publish, expecting rev; an ambiguous failure sends the same entry
 		// with the same expectation again, which lands at most once.
 		for {
+			if disconnected(w.js) {
+				// Not sent now: it could be sent after this write returned.
+				if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+					err = errors.Join(errNotConnected, context.Cause(ctx))
+					if lastErr != nil {
+						return unknown(errors.Join(lastErr, err))
+					}
+					return fmt.Errorf("natsfence: %s %q: %w", op, key, err)
+				}
+				continue
+			}
 			actx, cancel := attemptCtx(ctx, w.o.Timeout)
 			_, err = w.kv.Update(actx, kvKey, data, rev)
 			cancel()

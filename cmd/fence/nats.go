@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	neturl "net/url"
 	"os"
+	"strings"
 	"time"
 
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
@@ -42,7 +44,7 @@ func connectNATS(ctx context.Context, url string) (*nats.Conn, jetstream.JetStre
 	}
 	nc, err := nats.Connect(url, opts...)
 	if err != nil {
-		return nil, nil, fmt.Errorf("nats at %s: %w", redactConn(url), err)
+		return nil, nil, fmt.Errorf("nats at %s: %w", redactNATS(url), err)
 	}
 	js, err := jetstream.New(nc)
 	if err == nil {
@@ -52,7 +54,7 @@ func connectNATS(ctx context.Context, url string) (*nats.Conn, jetstream.JetStre
 	}
 	if err != nil {
 		nc.Close()
-		return nil, nil, fmt.Errorf("nats JetStream at %s: %w", redactConn(url), err)
+		return nil, nil, fmt.Errorf("nats JetStream at %s: %w", redactNATS(url), err)
 	}
 	return nc, js, nil
 }
@@ -63,7 +65,7 @@ func connectNATS(ctx context.Context, url string) (*nats.Conn, jetstream.JetStre
 // empty.
 func openNATSBackend(ctx context.Context, url string) (*backend, error) {
 	stop := func() {}
-	name := "nats (" + redactConn(url) + ")"
+	name := "nats (" + redactNATS(url) + ")"
 	if url == "" {
 		dir, err := os.MkdirTemp("", "fence-nats-")
 		if err != nil {
@@ -170,7 +172,7 @@ func openNATSOperator(ctx context.Context, c backendConfig, keys bool) (*backend
 		nc.Close()
 		return nil, err
 	}
-	b := &backend{name: "nats (" + redactConn(c.natsURL) + ", bucket " + c.natsBucket + ")", acq: a, close: func() error { nc.Close(); return nil }}
+	b := &backend{name: "nats (" + redactNATS(c.natsURL) + ", bucket " + c.natsBucket + ")", acq: a, close: func() error { nc.Close(); return nil }}
 	if keys {
 		if b.fenced, err = natsfence.NewWriter(ctx, js, c.natsDataBucket, nil); err != nil {
 			nc.Close()
@@ -178,4 +180,59 @@ func openNATSOperator(ctx context.Context, c backendConfig, keys bool) (*backend
 		}
 	}
 	return b, nil
+}
+
+// natsUserinfo returns the user information of each server URL in a
+// -nats-url (a comma-separated list, nats:// implied without a scheme), as
+// written up to the URL's last @, with the index where it starts in url. The
+// nats client sends user information without a colon as a token.
+func natsUserinfo(url string) (infos []string, starts []int) {
+	off := 0
+	for part := range strings.SplitSeq(url, ",") {
+		start := off
+		off += len(part) + 1
+		if i := strings.Index(part, "://"); i >= 0 {
+			start += i + 3
+			part = part[i+3:]
+		}
+		if at := strings.LastIndex(part, "@"); at >= 0 {
+			infos, starts = append(infos, part[:at]), append(starts, start)
+		}
+	}
+	return infos, starts
+}
+
+// natsSecrets returns the passwords and tokens in a -nats-url, as written and
+// unescaped.
+func natsSecrets(url string) []string {
+	var out []string
+	infos, _ := natsUserinfo(url)
+	for _, ui := range infos {
+		if _, pw, ok := strings.Cut(ui, ":"); ok {
+			ui = pw
+		}
+		if ui == "" || ui == redacted {
+			continue
+		}
+		out = append(out, ui)
+		if dec, err := neturl.PathUnescape(ui); err == nil && dec != ui {
+			out = append(out, dec)
+		}
+	}
+	return out
+}
+
+// redactNATS returns a -nats-url for display: each password, and each token
+// (user information without a colon), replaced by xxxxx.
+func redactNATS(url string) string {
+	infos, starts := natsUserinfo(url)
+	for i := len(infos) - 1; i >= 0; i-- {
+		ui, at := infos[i], starts[i]
+		keep := ""
+		if user, _, ok := strings.Cut(ui, ":"); ok {
+			keep = user + ":"
+		}
+		url = url[:at] + keep + redacted + url[at+len(ui):]
+	}
+	return url
 }

@@ -171,12 +171,18 @@ func newRedactor(args []string) *redactor {
 	if flags, err := childBackendFlags(); err == nil {
 		args = append(flags, args...) // a bench child's connection flags
 	}
-	for _, a := range args {
+	for i, a := range args {
 		r.secrets = append(r.secrets, secretsIn(a)...)
 		if strings.HasPrefix(a, "-") {
 			if _, v, ok := strings.Cut(a, "="); ok {
 				r.secrets = append(r.secrets, secretsIn(v)...)
 			}
+		}
+		// A NATS URL may carry a token, user information without a colon.
+		if f, v, ok := strings.Cut(a, "="); ok && strings.TrimLeft(f, "-") == "nats-url" {
+			r.secrets = append(r.secrets, natsSecrets(v)...)
+		} else if strings.TrimLeft(a, "-") == "nats-url" && strings.HasPrefix(a, "-") && i+1 < len(args) {
+			r.secrets = append(r.secrets, natsSecrets(args[i+1])...)
 		}
 	}
 	for _, env := range []string{"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"} { // endpoints fence reads
