@@ -35,22 +35,25 @@ func TestClusterStoreLeaderLoss(t *testing.T) {
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	outcomes := map[string]int{}
-	started := make(chan struct{})
+	// Key 5's first effect holds its Do open until the leader's shutdown is
+	// over, so at least one Do straddles the kill whatever the scheduling.
+	inEffect, killDone := make(chan struct{}), make(chan struct{})
 	var killed atomic.Int64    // when the leader's shutdown began, unix ns
 	var straddled atomic.Int32 // Do calls under way when it began
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		for i := range keys {
-			if i == 5 {
-				close(started)
-			}
 			k := fmt.Sprintf("order-%d", i)
-			for range 2 {
+			for attempt := range 2 {
 				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 				begun := time.Now()
 				r, err := idempotency.Do(ctx, s, k, "fp", func(context.Context, string) ([]byte, error) {
 					runs[i].Add(1)
+					if i == 5 && attempt == 0 {
+						close(inEffect)
+						<-killDone
+					}
 					return []byte(k), nil
 				}, &idempotency.Options{Lease: 5 * time.Second})
 				cancel()
@@ -77,7 +80,7 @@ func TestClusterStoreLeaderLoss(t *testing.T) {
 			}
 		}
 	}()
-	<-started
+	<-inEffect
 	leader := c.StreamLeader("KV_" + cfg.Bucket)
 	if leader < 0 {
 		t.Fatal("no stream leader")
@@ -85,6 +88,7 @@ func TestClusterStoreLeaderLoss(t *testing.T) {
 	t.Logf("killing node %d, the bucket's stream leader", leader)
 	killed.Store(time.Now().UnixNano())
 	c.Stop(leader)
+	close(killDone)
 	wg.Wait()
 	t.Logf("outcomes of %d Do calls: %v; %d under way when the leader went down", 2*keys, outcomes, straddled.Load())
 	if straddled.Load() == 0 {
