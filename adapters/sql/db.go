@@ -106,8 +106,8 @@ type dialect struct {
 	// the Unix epoch; it is read when the statement runs.
 	nowMs string
 	// nowUs is the server's clock in microseconds since the Unix epoch (on
-	// SQLite, milliseconds times 1000: the acquirer sends its own floor there,
-	// see sqliteFloor); greatest is the two-argument maximum.
+	// SQLite, milliseconds times 1000: the acquirer reads this host's clock
+	// there, see sqliteUnixUs); greatest is the two-argument maximum.
 	nowUs, greatest    string
 	textType, blobType string
 	intType            string
