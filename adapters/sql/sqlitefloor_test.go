@@ -9,6 +9,7 @@ import (
 	"github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
 )
 
 // TestSQLiteFloorReadWhenRowIsCreated (HAZARDS 1): on SQLite a new lease row
@@ -93,5 +94,36 @@ func TestSQLiteFloorReadWhenRowIsCreated(t *testing.T) {
 			}
 			t.Logf("after %s on handle 1: token %d", op, l.Token())
 		})
+	}
+}
+
+// TestSQLiteIdempotencyFenceAfterPurgeAtOnce (HAZARDS 1): Store.Begin
+// promises a fence larger than any the key had, also after Purge removed its
+// record. A key claimed, released, purged and claimed again within one
+// millisecond must not get the fence it had: on SQLite, whose clock counts
+// milliseconds, a new record's fence must come from a microsecond clock.
+// Two records of one key in state claimed with one fence are one to Update's
+// compare-and-set.
+func TestSQLiteIdempotencyFenceAfterPurgeAtOnce(t *testing.T) {
+	ctx := context.Background()
+	_, fdb := openSQLite(t)
+	s := idemStore(t, fdb)
+	key := fencetest.Name("purged-at-once")
+	var prev fence.Token
+	for i := 0; i < 50; i++ {
+		rec, created, err := s.Begin(ctx, key, "fp", "owner", time.Minute)
+		if err != nil || !created {
+			t.Fatalf("claim %d: created %v, %v", i, created, err)
+		}
+		if rec.Fence <= prev {
+			t.Fatalf("claim %d after the record was purged: fence %d, not above the key's earlier fence %d", i, rec.Fence, prev)
+		}
+		prev = rec.Fence
+		if _, err := s.Update(ctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Released, Fence: rec.Fence}); err != nil {
+			t.Fatal(err)
+		}
+		if n, err := s.Purge(ctx); err != nil || n != 1 {
+			t.Fatalf("Purge: %d, %v; want 1 record removed", n, err)
+		}
 	}
 }
