@@ -123,21 +123,13 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	a.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  token %s NOT NULL CHECK (token BETWEEN 1 AND %d),\n  owner %s NOT NULL,\n  expires_at %s NOT NULL\n)",
 		t, d.keyType, d.intType, uint64(fence.MaxToken), d.textType, d.intType)
 	now := d.nowMs
-	// SQLite's clock counts milliseconds: a row deleted and created again
-	// within one would start at the same token. SQLite runs in this process,
-	// so the floor there is this host's clock in microseconds, read by the
-	// statement itself (see sqliteUnixUs).
-	grantUs := d.nowUs
-	if d == sqliteDialect {
-		grantUs = sqliteUnixUs
-	}
 	// Grant: create the row with the server's clock in microseconds as its
 	// token (see Acquirer), or take over an expired row and advance its
 	// counter, in one statement. The CHECK constraint stops the counter at
 	// MaxToken. expires_at is milliseconds since the epoch on the server's clock.
 	a.grant = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s, $2, %s + $3) "+
 		"ON CONFLICT (name) DO UPDATE SET token = cur.token + 1, owner = excluded.owner, expires_at = excluded.expires_at "+
-		"WHERE cur.expires_at <= %s RETURNING token", t, grantUs, now, now)
+		"WHERE cur.expires_at <= %s RETURNING token", t, d.nowUs, now, now)
 	a.renew = fmt.Sprintf("UPDATE %s SET expires_at = %s + $3 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now, now)
 	a.release = fmt.Sprintf("UPDATE %s SET expires_at = 0 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now)
 	if d == postgresDialect && !o.DisableNotify {
@@ -150,7 +142,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	// new row would start at (see Acquirer), so that Bump never lowers the
 	// counter of a row that was deleted; an existing row is raised to to.
 	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s($2, %s), '', 0) "+
-		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, grantUs, now)
+		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, d.nowUs, now)
 	if d == mysqlDialect {
 		a.mysqlStatements(t)
 	}
