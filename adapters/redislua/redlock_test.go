@@ -80,6 +80,16 @@ func TestRedlockConformance(t *testing.T) {
 		Workers: 8, Increments: 10,
 		MaxTTL:   redislua.MaxTTL,
 		BadNames: []string{"a{b}", "x}"},
+		// The counter set on every node (TokensExhausted: the counters near
+		// 2^53 beside the nodes' clocks in microseconds).
+		SetCounter: func(t *testing.T, name string, tok fence.Token) {
+			for _, s := range servers {
+				key := redislua.DefaultPrefix + "{" + name + "}:token"
+				if err := s.Client(t).Set(context.Background(), key, uint64(tok), 0).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+		},
 		// The name's keys deleted on every node.
 		DeleteState: func(t *testing.T, name string) {
 			own := make([]*redis.Client, len(servers))

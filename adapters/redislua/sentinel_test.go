@@ -297,7 +297,8 @@ func TestSentinelSuites(t *testing.T) {
 	onPrimary("acquirer", func(t *testing.T) {
 		a := newAcquirerOn(t, fc, &opts)
 		fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, ShortTTL: shortTTL, BadNames: []string{"a{b}", "x}"},
-			NewOther: func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, sent.FailoverClient(t), &opts) },
+			NewOther:    func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, sent.FailoverClient(t), &opts) },
+			DeleteState: deleteNameKeys(pc), // on the primary, which replicates the DEL
 		}.Run(t)
 	})
 	onPrimary("writer", func(t *testing.T) {

@@ -66,7 +66,9 @@ type AcquirerOptions struct {
 // unless Bump raised the counter above the clock: a bumped counter is lost
 // with its row). On SQLite, whose own clock counts milliseconds, the clock is
 // that of the host the process runs on (SQLite runs in the process, on that
-// host), read in microseconds when the statement is sent. Tokens stay below 2^53 (fence.MaxToken) until the year 2255.
+// host), read in microseconds while the statement creating the row runs
+// (under SQLite's write lock), so the handle's connections must be the
+// "sqlite" driver's of modernc.org/sqlite, as [SQLite] requires. Tokens stay below 2^53 (fence.MaxToken) until the year 2255.
 type Acquirer struct {
 	db     *DB
 	opts   AcquirerOptions
@@ -121,21 +123,13 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	a.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  token %s NOT NULL CHECK (token BETWEEN 1 AND %d),\n  owner %s NOT NULL,\n  expires_at %s NOT NULL\n)",
 		t, d.keyType, d.intType, uint64(fence.MaxToken), d.textType, d.intType)
 	now := d.nowMs
-	// SQLite's clock counts milliseconds: a row deleted and created again
-	// within one would start at the same token. SQLite runs in this process,
-	// so the floor there is this host's clock in microseconds, sent as the
-	// last parameter of the grant and the bump (see sqliteFloor).
-	grantUs, bumpUs := d.nowUs, d.nowUs
-	if d == sqliteDialect {
-		grantUs, bumpUs = "$4", "$3"
-	}
 	// Grant: create the row with the server's clock in microseconds as its
 	// token (see Acquirer), or take over an expired row and advance its
 	// counter, in one statement. The CHECK constraint stops the counter at
 	// MaxToken. expires_at is milliseconds since the epoch on the server's clock.
 	a.grant = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s, $2, %s + $3) "+
 		"ON CONFLICT (name) DO UPDATE SET token = cur.token + 1, owner = excluded.owner, expires_at = excluded.expires_at "+
-		"WHERE cur.expires_at <= %s RETURNING token", t, grantUs, now, now)
+		"WHERE cur.expires_at <= %s RETURNING token", t, d.nowUs, now, now)
 	a.renew = fmt.Sprintf("UPDATE %s SET expires_at = %s + $3 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now, now)
 	a.release = fmt.Sprintf("UPDATE %s SET expires_at = 0 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now)
 	if d == postgresDialect && !o.DisableNotify {
@@ -148,7 +142,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	// new row would start at (see Acquirer), so that Bump never lowers the
 	// counter of a row that was deleted; an existing row is raised to to.
 	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s($2, %s), '', 0) "+
-		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, bumpUs, now)
+		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, d.nowUs, now)
 	if d == mysqlDialect {
 		a.mysqlStatements(t)
 	}
@@ -295,9 +289,6 @@ func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Du
 	var tok int64
 	if a.db.d == mysqlDialect {
 		return a.grantMySQL(ctx, args)
-	}
-	if a.db.d == sqliteDialect {
-		args = append(args, sqliteFloor())
 	}
 	if a.advance == "" {
 		err := a.db.queryRow(ctx, a.grant, args, &tok)
@@ -544,11 +535,8 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 		return err
 	}
 	args := []any{a.db.text(name), int64(to)}
-	switch a.db.d {
-	case mysqlDialect:
+	if a.db.d == mysqlDialect {
 		args = append(args, int64(to), int64(to))
-	case sqliteDialect:
-		args = append(args, sqliteFloor())
 	}
 	n, err := a.db.change(ctx, a.bump, args...)
 	if err != nil {
@@ -566,9 +554,3 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	}
 	return fmt.Errorf("sqlfence: bump %q: held by %s (token %d, %v left): %w", name, info.Owner, info.Token, info.TimeLeft, fence.ErrHeld)
 }
-
-// sqliteFloor is where a new lease row starts its counter on SQLite: this
-// host's clock in microseconds since the Unix epoch. SQLite's own clock
-// counts milliseconds, so a row deleted and created again within one
-// millisecond would start at the token the deleted row started at.
-func sqliteFloor() int64 { return time.Now().UnixMicro() }

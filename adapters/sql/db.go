@@ -105,9 +105,9 @@ type dialect struct {
 	// nowMs is an SQL expression for the server's clock in milliseconds since
 	// the Unix epoch; it is read when the statement runs.
 	nowMs string
-	// nowUs is the server's clock in microseconds since the Unix epoch (on
-	// SQLite, milliseconds times 1000: the acquirer sends its own floor there,
-	// see sqliteFloor); greatest is the two-argument maximum.
+	// nowUs is the server's clock in microseconds since the Unix epoch, read
+	// when the statement runs (on SQLite, whose clock counts milliseconds,
+	// this host's clock, see sqliteUnixUs); greatest is the two-argument maximum.
 	nowUs, greatest    string
 	textType, blobType string
 	intType            string
@@ -128,7 +128,7 @@ type dialect struct {
 var sqliteDialect = &dialect{
 	name:  "sqlite",
 	nowMs: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
-	nowUs: "(CAST(unixepoch('subsec') * 1000 AS INTEGER) * 1000)", greatest: "max",
+	nowUs: sqliteUnixUs, greatest: "max",
 	textType: "TEXT", blobType: "BLOB", intType: "INTEGER", keyType: "TEXT", quoteChar: `"`,
 	updateFirst:         true,
 	missingTable:        func(err error) bool { return err != nil && strings.Contains(err.Error(), "no such table") },

@@ -21,8 +21,11 @@ type IdempotencyOptions struct {
 }
 
 // IdempotencyStore is an idempotency.Store in a SQL table. Each method is one
-// statement, decided on the database server's clock (milliseconds). On
-// PostgreSQL it is also an idempotency.Notifier: a change that ends an owner's
+// statement, decided on the database server's clock (milliseconds). A new
+// record's fence starts at that clock in microseconds (on SQLite, whose clock
+// counts milliseconds, this host's clock read while the statement runs), so
+// a key claimed again after Purge gets a larger fence as long as the clock
+// does not step back (see idempotency.Store). On PostgreSQL it is also an idempotency.Notifier: a change that ends an owner's
 // hold (completed, failed, released, unknown) runs pg_notify in the same
 // statement, and Do with Wait wakes on it through LISTEN. On MySQL a
 // fingerprint or owner over 65535 bytes (its BLOB column) is refused with an

@@ -72,7 +72,8 @@ type AcquirerSuite struct {
 	// or an eviction would, while the caller may still hold a lease on it.
 	// The TokensSurviveDeletedState case (HAZARDS 1) uses it to check that a
 	// grant after the deletion carries a token above every token granted
-	// before, or is refused with ErrHeld or ErrTokensExhausted, and that the
+	// before, or is refused with ErrTokensExhausted (ErrHeld fails the case:
+	// the name's holder was deleted too, so nobody holds it), and that the
 	// paused holder's Release does not free the new holder. When nil,
 	// that case is skipped with a logged reason.
 	DeleteState func(t *testing.T, name string)

@@ -41,6 +41,8 @@ var mutants = []struct {
 	{"name-utf8mb3", "Acquirer", "NamesIndependent", "4-byte characters in names stored as '?' (a 3-byte character set)"},
 	{"token-wrap", "Acquirer", "TokensExhausted", "the counter goes past MaxToken"},
 	{"delete-restarts", "Acquirer", "TokensSurviveDeletedState", "a lock whose state was deleted restarts its counter at 1 (no clock floor)"},
+	{"delete-refuses", "Acquirer", "TokensSurviveDeletedState", "a lock whose state was deleted refuses every later grant with ErrHeld (stuck for good)"},
+	{"delete-noop", "Acquirer", "TokensSurviveDeletedState", "the harness's DeleteState deletes nothing (a wrong table or key)"},
 	{"write-alias", "Writer", "ValueNotAliased", "Write keeps the caller's buffer"},
 	{"read-alias", "Writer", "ValueNotAliased", "Read returns the stored buffer"},
 	{"key-fold-case", "Writer", "KeysIndependent", "keys compared case-insensitively (a _ci collation)"},
@@ -57,6 +59,8 @@ type memServer struct {
 	mu    sync.Mutex
 	locks map[string]*memLock
 	rows  map[string]*memRow
+	// deleted: names whose state was deleted (the delete-refuses mutant).
+	deleted map[string]bool
 }
 
 type memLock struct {
@@ -121,6 +125,15 @@ func (s *memServer) lock(name string) *memLock {
 func (s *memServer) deleteState(name string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	switch s.bug {
+	case "delete-noop":
+		return
+	case "delete-refuses":
+		if s.deleted == nil {
+			s.deleted = map[string]bool{}
+		}
+		s.deleted[s.fold("name", name)] = true
+	}
 	delete(s.locks, s.fold("name", name))
 }
 
@@ -129,7 +142,7 @@ func (s *memServer) grant(name string, ttl time.Duration) (fence.Token, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	l, now := s.lock(name), s.now()
-	if l.holder != 0 && now.Before(l.expires) {
+	if l.holder != 0 && now.Before(l.expires) || s.deleted[s.fold("name", name)] {
 		return 0, fence.ErrHeld
 	}
 	if l.counter >= fence.MaxToken && s.bug != "token-wrap" {
