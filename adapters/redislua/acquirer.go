@@ -237,10 +237,19 @@ func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Dur
 	} else {
 		// A "try" or "wait" sent again finds its own grant and adopts it; a
 		// "leave" sent again finds nothing to do: go-redis may resend them.
+		// The call's results are read only once it returned: after
+		// errNoReply it goes on in the background and must not share them.
+		var (
+			got     any
+			gotReps int64
+		)
 		err = bounded(ctx, func() (err error) {
-			res, replicas, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+			got, gotReps, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
 			return err
 		})
+		if !errors.Is(err, errNoReply) {
+			res, replicas = got, gotReps
+		}
 	}
 	r := lockReply{replicas: replicas}
 	if err != nil {
