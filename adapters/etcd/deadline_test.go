@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // TestTryAcquireLookupPastLocalDeadline (HAZARDS 6): a TryAcquire whose
@@ -64,11 +65,74 @@ func TestTryAcquireLookupPastLocalDeadline(t *testing.T) {
 		return
 	}
 	t.Logf("TryAcquire: %v", r.err)
-	// Not granted: the name is free at once (its key given back), not
-	// after etcd's ttl.
-	l, err := a.TryAcquire(ctx, name, 30*time.Second)
+	// Not granted: nothing holds the name afterwards. (Here etcd's own
+	// expiry of the 2s lease is only about 0.5s away, so this cannot tell
+	// the revoke from it; it shows no other key was left behind.)
+	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	l, err := a.Acquire(actx, name, 30*time.Second)
 	if err != nil {
 		t.Fatalf("the name after a TryAcquire that was not granted: %v, want it free", err)
 	}
 	_ = l.Release(ctx)
+}
+
+// TestWaiterKeepsItsPlaceAfterACut (HAZARDS 7): the first waiter, whose
+// connection is cut while it waits, keeps its place ahead of a second waiter
+// that joined after it: after the holder's release the first is granted,
+// and the second still waits until the first releases.
+func TestWaiterKeepsItsPlaceAfterACut(t *testing.T) {
+	a, cl, b, p, name := faultSetup(t, "fifo")
+	ctx := context.Background()
+	h, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := acquireAsync(b, name, 20*time.Second)
+	waitLine(t, cl, name, 2)
+	second := acquireAsync(a, name, 20*time.Second)
+	waitLine(t, cl, name, 3)
+	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithFirstCreate(), clientv3.WithLimit(1))...)
+	if err != nil || len(line.Kvs) != 1 {
+		t.Fatalf("the holder's key: %v, %v", line, err)
+	}
+	holderKey := line.Kvs[0].Key
+	seen := make(chan struct{}, 8)
+	p.DropRequest(func(req []byte) bool {
+		if bytes.Contains(req, holderKey) {
+			seen <- struct{}{}
+		}
+		return false
+	})
+	p.CutAll()
+	select {
+	case <-seen: // the first waiter is back and reads or watches the holder's key
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first waiter did not come back after the cut")
+	}
+	waitLine(t, cl, name, 3)
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-first
+	if r.err != nil {
+		t.Fatalf("the first waiter after a cut and the holder's release: %v", r.err)
+	}
+	waitLine(t, cl, name, 2) // the first's key (now the lock's) and the second's
+	select {
+	case r2 := <-second:
+		t.Fatalf("the second waiter was answered while the first holds: %v, %v", r2.l, r2.err)
+	default:
+	}
+	if err := r.l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r2 := <-second
+	if r2.err != nil {
+		t.Fatalf("the second waiter after the first's release: %v", r2.err)
+	}
+	if !(h.Token() < r.l.Token() && r.l.Token() < r2.l.Token()) {
+		t.Errorf("tokens %d, %d, %d: want them in line order", h.Token(), r.l.Token(), r2.l.Token())
+	}
+	_ = r2.l.Release(ctx)
 }
