@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
-	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // TestTryAcquireLookupPastLocalDeadline (HAZARDS 6): a TryAcquire whose
@@ -92,24 +91,7 @@ func TestWaiterKeepsItsPlaceAfterACut(t *testing.T) {
 	waitLine(t, cl, name, 2)
 	second := acquireAsync(a, name, 20*time.Second)
 	waitLine(t, cl, name, 3)
-	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithFirstCreate(), clientv3.WithLimit(1))...)
-	if err != nil || len(line.Kvs) != 1 {
-		t.Fatalf("the holder's key: %v, %v", line, err)
-	}
-	holderKey := line.Kvs[0].Key
-	seen := make(chan struct{}, 8)
-	p.DropRequest(func(req []byte) bool {
-		if bytes.Contains(req, holderKey) {
-			seen <- struct{}{}
-		}
-		return false
-	})
-	p.CutAll()
-	select {
-	case <-seen: // the first waiter is back and reads or watches the holder's key
-	case <-time.After(10 * time.Second):
-		t.Fatal("the first waiter did not come back after the cut")
-	}
+	cutUntilBack(t, cl, p, name, 1) // the first waiter is back
 	waitLine(t, cl, name, 3)
 	if err := h.Release(ctx); err != nil {
 		t.Fatal(err)
