@@ -15,6 +15,14 @@
 // of the line its key moves to a lease with the lock's ttl, keeping its create
 // revision (the token). Names are escaped into keys and compared byte for byte.
 //
+// The line is FIFO under these conditions: a waiter whose connection is cut
+// for less than WaiterTTL keeps its place (its key stays; it reads its
+// predecessor and watches again); one cut off for longer loses it and fails
+// with fence.ErrHeld; and an attempt that fails for the network's sake (a
+// grant whose answer was lost and whose key is not found, a key found only
+// after the lease's local deadline passed) is given back and Acquire starts
+// again, within its context, at the end of the line.
+//
 // Cleanup (revoking the lease of a loser, of a waiter that gave up, of a grant
 // whose answer was lost) runs in the background and tries again until the
 // lease is gone or could not outlive its ttl; since a key can only be created
@@ -157,7 +165,9 @@ func (a *Acquirer) lockPrefix(name string) string {
 // fence.ErrHeld at once. Two round trips: the etcd lease, then one transaction
 // that creates the key if the line is empty. A transaction whose answer was
 // lost is recognised by reading the key (the lease is returned), or reported
-// as not granted, its etcd lease being revoked.
+// as not granted, its etcd lease being revoked. A key found only after the
+// lease's local deadline passed (the reads were tried again through a cut) is
+// given back the same way, with an error: never a lease already lost.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
@@ -188,12 +198,6 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}
 	for attempt := 0; ; attempt++ {
 		l, err := a.acquire(ctx, name, ttl, true)
-		if err == nil && l.Context().Err() != nil {
-			// Retries took so long that the lease's local deadline passed:
-			// give it back rather than return a lease already lost.
-			_ = l.Release(context.WithoutCancel(ctx))
-			err = fmt.Errorf("etcdfence: acquire %q: granted past its local deadline: %w", name, errRetry)
-		}
 		if err == nil || !transient(err) {
 			return l, err
 		}
@@ -328,7 +332,16 @@ func (a *Acquirer) granted(name string, rev int64, ttl time.Duration, id clientv
 		a.revoke(id, ttl)
 		return nil, fmt.Errorf("etcdfence: acquire %q: revision %d: %w", name, rev, fence.ErrTokensExhausted)
 	}
-	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, id: id}, nil
+	l := &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, id: id}
+	if l.Context().Err() != nil {
+		// Retries (lookups after a lost answer, a move sent again) took
+		// so long that the local deadline passed: give the key back, in
+		// the background so that a cluster still unreachable does not
+		// hold the caller, rather than return a lease already lost.
+		a.revoke(id, ttl)
+		return nil, fmt.Errorf("etcdfence: acquire %q: granted past its local deadline (its etcd lease is revoked): %w", name, errRetry)
+	}
+	return l, nil
 }
 
 // revoke revokes etcd lease id in the background, trying again until it is

@@ -576,6 +576,33 @@ func TestAcquireRetriesLostSteps(t *testing.T) {
 	}
 }
 
+// cutUntilBack cuts every connection through p and waits until n requests
+// naming the key at the head of name's line (the holder's) have come
+// through it again: the waiter behind p reading and watching that key.
+func cutUntilBack(t *testing.T, cl *clientv3.Client, p *faultnet.Proxy, name string, n int) {
+	t.Helper()
+	line, err := cl.Get(context.Background(), linePrefix(name), append(clientv3.WithFirstCreate(), clientv3.WithLimit(1))...)
+	if err != nil || len(line.Kvs) != 1 {
+		t.Fatalf("the holder's key: %v, %v", line, err)
+	}
+	holderKey := line.Kvs[0].Key
+	seen := make(chan struct{}, 8)
+	p.DropRequest(func(req []byte) bool {
+		if bytes.Contains(req, holderKey) {
+			seen <- struct{}{}
+		}
+		return false
+	})
+	p.CutAll()
+	for i := 0; i < n; i++ {
+		select {
+		case <-seen:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the waiter did not read or watch the holder's key after the cut")
+		}
+	}
+}
+
 // TestWaiterWatchesAgainAfterACut: a waiter whose connection is cut while it
 // waits reads its predecessor's key when the connection is back and watches
 // again from there; the holder's release after that wakes it (the deletion
@@ -591,29 +618,10 @@ func TestWaiterWatchesAgainAfterACut(t *testing.T) {
 	}
 	res := acquireAsync(b, name, 20*time.Second)
 	waitLine(t, cl, name, 2)
-	line, err := cl.Get(ctx, linePrefix(name), append(clientv3.WithFirstCreate(), clientv3.WithLimit(1))...)
-	if err != nil || len(line.Kvs) != 1 {
-		t.Fatalf("the holder's key: %v, %v", line, err)
-	}
-	holderKey := line.Kvs[0].Key
 	// After the cut, the waiter's requests that name the holder's key: its
 	// read, then its new watch (and the client's resumed one). Release once
 	// the read and a watch have gone through.
-	seen := make(chan struct{}, 8)
-	p.DropRequest(func(req []byte) bool {
-		if bytes.Contains(req, holderKey) {
-			seen <- struct{}{}
-		}
-		return false
-	})
-	p.CutAll()
-	for i := 0; i < 2; i++ {
-		select {
-		case <-seen:
-		case <-time.After(10 * time.Second):
-			t.Fatal("the waiter did not read or watch the holder's key after the cut")
-		}
-	}
+	cutUntilBack(t, cl, p, name, 2)
 	waitLine(t, cl, name, 2)
 	if err := h.Release(ctx); err != nil {
 		t.Fatal(err)

@@ -393,8 +393,9 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 // the wait: the next poll, with the same nonce, adopts a grant a lost request
 // made. When the wait ends without a lease (ctx), the waiter leaves the line
 // in a script that also releases such a grant; if Redis cannot be reached for
-// that either, the grant lasts until its ttl, and the error also matches
-// fence.ErrUnknown.
+// that either, the error also matches fence.ErrUnknown, and the leave is
+// sent again in the background for up to ttl: a grant a held request makes
+// when it lands is released once Redis is reachable again.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (_ fence.Lease, err error) {
 	if err := checkLease(ctx, name, ttl, a.o.Drift); err != nil {
 		return nil, err
@@ -433,7 +434,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	inLine := false
 	defer func() {
 		if inLine && !a.leaveLine(ctx, name, nonce, ttl) && err != nil && !errors.Is(err, fence.ErrUnknown) {
-			err = fmt.Errorf("%w: leaving the line got no answer, and a grant to this waiter, if one was made, lasts until its ttl: %w", fence.ErrUnknown, err)
+			err = fmt.Errorf("%w: leaving the line got no answer (it is sent again in the background for up to the ttl, releasing a grant to this waiter if one lands): %w", fence.ErrUnknown, err)
 		}
 	}()
 	timer := time.NewTimer(time.Hour)
@@ -517,8 +518,8 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 // giveUp ends an acquire that failed with err. When the last request's reply
 // was lost (it may have granted), it leaves the line, which releases such a
 // grant: once Redis answered that, the outcome is known and the error no
-// longer matches fence.ErrUnknown; otherwise it does, and a grant made lasts
-// until its ttl.
+// longer matches fence.ErrUnknown; otherwise it does, and the leave goes on
+// in the background (leaveLine).
 func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, ttl time.Duration, err error) error {
 	if errors.Is(err, fence.ErrUnknown) && a.leaveLine(ctx, name, nonce, ttl) {
 		return fmt.Errorf("redislua: acquire %q: not granted (a grant whose reply was lost, if any, is released): %v", name, err)
@@ -531,18 +532,47 @@ func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, ttl time.Dura
 // it the lock when it lands; if a grant to it
 // raced with that (or was made by a request whose reply was lost), the same
 // script releases the grant (to the next waiter). It reports whether Redis
-// answered. A waiter that cannot reach Redis here is dropped from the line
-// once its entry expires (AcquirerOptions.Backoff: five polls, at least 1s);
-// a grant to it lasts until its ttl.
+// answered within a second. When it did not (a partition: the requests of
+// the acquire may be held on their way and land when it heals), the leave is
+// sent again in the background until Redis answers, for up to ttl: a grant
+// that lands late is released then, not held for its ttl. A waiter's entry
+// expires meanwhile anyway (AcquirerOptions.Backoff: five polls, at least 1s).
 func (a *Acquirer) leaveLine(ctx context.Context, name, nonce string, ttl time.Duration) bool {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
+	if a.leave(lctx, name, nonce, ttl) {
+		return true
+	}
+	go func() {
+		bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ttl+time.Second)
+		defer cancel()
+		for attempt := 0; ; attempt++ {
+			if leaveDelay.Sleep(bctx, attempt) != nil {
+				return
+			}
+			actx, cancel := context.WithTimeout(bctx, time.Second)
+			done := a.leave(actx, name, nonce, ttl)
+			cancel()
+			if done {
+				return
+			}
+		}
+	}()
+	return false
+}
+
+// leaveDelay spaces the leaves sent again in the background.
+var leaveDelay = fence.Backoff{Min: 100 * time.Millisecond, Max: 2 * time.Second}
+
+// leave sends one "leave" and reports whether it is settled: Redis answered,
+// or the client is closed and nothing more can be sent.
+func (a *Acquirer) leave(ctx context.Context, name, nonce string, ttl time.Duration) bool {
 	sent := time.Now()
 	r, err := a.lockOp(ctx, name, "leave", nonce, ttl, "0")
 	if err == nil {
 		a.handOver(r, sent)
 	}
-	return err == nil
+	return err == nil || errors.Is(err, redis.ErrClosed) || !(errors.Is(err, fence.ErrUnknown) || notSent(err))
 }
 
 // lOrNil keeps a nil *lease from becoming a non-nil fence.Lease.
