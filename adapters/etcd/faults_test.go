@@ -586,10 +586,16 @@ func cutUntilBack(t *testing.T, cl *clientv3.Client, p *faultnet.Proxy, name str
 		t.Fatalf("the holder's key: %v, %v", line, err)
 	}
 	holderKey := line.Kvs[0].Key
-	seen := make(chan struct{}, 8)
+	// The proxy hands over what the client wrote in one chunk, and gRPC may
+	// write several requests at once (the read and the new watch): count
+	// every one that names the key, without ever blocking the proxy.
+	seen := make(chan struct{}, 64)
 	p.DropRequest(func(req []byte) bool {
-		if bytes.Contains(req, holderKey) {
-			seen <- struct{}{}
+		for range bytes.Count(req, holderKey) {
+			select {
+			case seen <- struct{}{}:
+			default:
+			}
 		}
 		return false
 	})
