@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -537,5 +539,51 @@ func TestCeilingUnderLease(t *testing.T) {
 				t.Fatalf("InProgressCeiling 5ns: %v (effect ran %d times, its context ended with %v); want ErrInvalid before the effect", err, runs.Load(), cause)
 			}
 		})
+	}
+}
+
+// stuckRenewals is a store whose lease renewals (armed -> armed) hang until
+// their context ends, as they would with the store cut off.
+type stuckRenewals struct{ idempotency.Store }
+
+func (f stuckRenewals) Update(ctx context.Context, k string, from idempotency.State, ff fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	if from == idempotency.Armed && ch.State == idempotency.Armed {
+		<-ctx.Done()
+		return idempotency.Record{}, fmt.Errorf("injected: renewal timed out: %w", ctx.Err())
+	}
+	return f.Store.Update(ctx, k, from, ff, ch)
+}
+
+// TestEffectErrReadsTheClock: an effect that checks ctx.Err() once its lease's
+// local deadline has passed sees the lease lost, even when the timer that
+// cancels its context has not run yet (the scheduler is busy: here the effect
+// itself holds the only P, spinning without a blocking call). Without it, a
+// loaded machine let the store accept another owner's takeover while the
+// first effect's ctx.Err() was still nil (RenewalFailureCancelsEffect on NATS,
+// in a run of the whole test command with two busy loops).
+func TestEffectErrReadsTheClock(t *testing.T) {
+	const lease = 500 * time.Millisecond
+	st := stuckRenewals{stores(t)["sqlite"]}
+	for i := range 5 {
+		var errAtDeadline, causeAtDeadline error
+		func() {
+			defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+			_, _ = idempotency.Do(ctxT(t), st, key(), "fp", func(ctx context.Context, _ string) ([]byte, error) {
+				// The local deadline is at most lease less the drift
+				// after the arm was sent, which was before now.
+				end := time.Now().Add(lease - lease/100 - 2*time.Millisecond)
+				for time.Now().Before(end) {
+				}
+				errAtDeadline, causeAtDeadline = ctx.Err(), context.Cause(ctx)
+				<-ctx.Done()
+				return nil, ctx.Err()
+			}, &idempotency.Options{Lease: lease})
+		}()
+		if errAtDeadline == nil {
+			t.Fatalf("round %d: ctx.Err() right after the local deadline: nil, want the lease lost", i)
+		}
+		if !errors.Is(causeAtDeadline, fence.ErrLost) {
+			t.Fatalf("round %d: cause %v, want fence.ErrLost", i, causeAtDeadline)
+		}
 	}
 }
