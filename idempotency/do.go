@@ -429,7 +429,7 @@ func run(ctx context.Context, s Store, rec Record, effect Effect, o Options) (Re
 	ek := EffectKey(armed)
 	ectx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	stop := renew(s, armed, o, sent, cancel)
+	stop, expired := renew(s, armed, o, sent, cancel)
 	returned := false
 	defer func() {
 		if !returned {
@@ -438,7 +438,7 @@ func run(ctx context.Context, s Store, rec Record, effect Effect, o Options) (Re
 			stop()
 		}
 	}()
-	value, effErr := effect(ectx, ek)
+	value, effErr := effect(effectContext{ectx, expired}, ek)
 	returned = true
 	stop()
 
@@ -586,13 +586,24 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 // The caller's context does not stop renewals: the effect may still run after
 // it ended (it is cancelled, but need not stop), and letting the lease lapse
 // then would let another owner run the effect at the same time.
-func renew(s Store, rec Record, o Options, sent time.Time, cancel context.CancelCauseFunc) (stop func()) {
+//
+// expired cancels the effect at once when the local deadline has passed,
+// reading the clock itself: the timer that otherwise does it may run late on
+// a busy machine, after the store could have let another owner in.
+func renew(s Store, rec Record, o Options, sent time.Time, cancel context.CancelCauseFunc) (stop, expired func()) {
 	local := leasekit.New(rec.Key, rec.Fence, o.Lease, 0, sent)
-	unwatch := context.AfterFunc(local.Context(), func() {
+	lost := func() {
 		if errors.Is(context.Cause(local.Context()), fence.ErrLost) {
 			cancel(fmt.Errorf("idempotency: key %q: lease not renewed before its local deadline: %w", rec.Key, fence.ErrLost))
 		}
-	})
+	}
+	unwatch := context.AfterFunc(local.Context(), lost)
+	expired = func() {
+		// The lease's context reads the clock in Err.
+		if local.Context().Err() != nil {
+			lost()
+		}
+	}
 	// Renewals are bounded by the local deadline (one that cannot finish
 	// before it is useless) and stop.
 	rctx, rcancel := context.WithCancel(local.Context())
@@ -636,7 +647,26 @@ func renew(s Store, rec Record, o Options, sent time.Time, cancel context.Cancel
 		<-finished
 		unwatch()
 		local.End(context.Canceled)
+	}, expired
+}
+
+// effectContext is the effect's context: its Err reads the clock, so an
+// effect that checks ctx.Err() learns that the lease's local deadline passed
+// even before the timer behind Done has run. Done, and contexts derived from
+// this one, wait for that timer.
+type effectContext struct {
+	context.Context
+	expired func()
+}
+
+// Err returns the context's error, cancelling it first when the lease's local
+// deadline has passed without a confirmed renewal.
+func (c effectContext) Err() error {
+	if err := c.Context.Err(); err != nil {
+		return err
 	}
+	c.expired()
+	return c.Context.Err()
 }
 
 // Resolve is the operator's way out of unknown: it sets key, in state unknown
