@@ -24,6 +24,10 @@ import (
 // of the key's lease was confirmed before its local deadline (measured from
 // before the request that set the lease, less a drift margin of 1% + 2ms), so
 // an owner cut off from the store stops before another may take the key over.
+// ctx.Err() reads the clock, so a check of it right before an irreversible
+// step sees the local deadline at once; ctx.Done() and contexts derived from
+// ctx learn of it from a timer, which a busy machine may run late: the drift
+// margin must cover that delay.
 //
 // Classify the error: wrap it with NotSent when the effect provably did not
 // happen (the key is released and may be claimed again), with Definitive for a
