@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"os"
 	"sort"
@@ -14,77 +13,29 @@ import (
 	"testing"
 	"time"
 
-	"github.com/bsm/redislock"
-	"github.com/fencekit/fencekit/adapters/redislua"
-	"github.com/go-redsync/redsync/v4"
-	goredis "github.com/go-redsync/redsync/v4/redis/goredis/v9"
 	"github.com/redis/go-redis/v9"
 )
 
 // locker takes a lock on name and returns its release.
 type locker func(ctx context.Context, name string) (release func() error, err error)
 
-func fencekitLocker(c *redis.Client) locker {
-	a, err := redislua.NewAcquirer(c, nil)
+// contender builds one of the compared lockers by name (see Contenders).
+func contender(name string, c *redis.Client) locker {
+	mk, ok := Contenders[name]
+	if !ok {
+		panic("unknown contender " + name)
+	}
+	lock, err := mk(c)
 	if err != nil {
 		panic(err)
 	}
 	return func(ctx context.Context, name string) (func() error, error) {
-		l, err := a.Acquire(ctx, name, 10*time.Second)
+		release, err := lock(ctx, name)
 		if err != nil {
 			return nil, err
 		}
-		return func() error { return l.Release(ctx) }, nil
+		return func() error { return release(ctx) }, nil
 	}
-}
-
-func redislockLocker(c *redis.Client, retry redislock.RetryStrategy) locker {
-	lc := redislock.New(c)
-	return func(ctx context.Context, name string) (func() error, error) {
-		l, err := lc.Obtain(ctx, name, 10*time.Second, &redislock.Options{RetryStrategy: retry})
-		if err != nil {
-			return nil, err
-		}
-		return func() error { return l.Release(ctx) }, nil
-	}
-}
-
-func redsyncLocker(c *redis.Client, opts ...redsync.Option) locker {
-	rs := redsync.New(goredis.NewPool(c))
-	return func(ctx context.Context, name string) (func() error, error) {
-		m := rs.NewMutex(name, append([]redsync.Option{redsync.WithExpiry(10 * time.Second)}, opts...)...)
-		if err := m.LockContext(ctx); err != nil {
-			return nil, err
-		}
-		return func() error {
-			ok, err := m.UnlockContext(ctx)
-			if err == nil && !ok {
-				err = errors.New("redsync: unlock found the lock gone")
-			}
-			return err
-		}, nil
-	}
-}
-
-// contender builds one of the compared lockers by name.
-func contender(name string, c *redis.Client) locker {
-	switch name {
-	case "fencekit":
-		return fencekitLocker(c)
-	// redislock does not retry by default; its README retries with a
-	// linear 100ms backoff.
-	case "redislock-100ms":
-		return redislockLocker(c, redislock.LinearBackoff(100*time.Millisecond))
-	case "redislock-1ms":
-		return redislockLocker(c, redislock.LinearBackoff(time.Millisecond))
-	// redsync's defaults: 32 tries, 50-250ms apart; tries raised so that 20
-	// contenders do not give up.
-	case "redsync-default":
-		return redsyncLocker(c, redsync.WithTries(math.MaxInt32))
-	case "redsync-1ms":
-		return redsyncLocker(c, redsync.WithTries(math.MaxInt32), redsync.WithRetryDelay(time.Millisecond))
-	}
-	panic("unknown contender " + name)
 }
 
 var contenderNames = []string{"fencekit", "redislock-100ms", "redislock-1ms", "redsync-default", "redsync-1ms"}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/fencekit/fencekit/internal/childproc"
 	"github.com/fencekit/fencekit/internal/rediscount"
+	"github.com/fencekit/fencekit/internal/sweep"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -90,9 +91,19 @@ func processIncrements(ctx context.Context, c *redis.Client, name string, procs,
 }
 
 // TestMain runs this test binary as one process of BenchmarkPeersProcesses
-// when the benchmark starts it with BENCH_CHILD set, and as the test binary
-// otherwise.
+// when the benchmark starts it with BENCH_CHILD set, as one of BenchmarkSweep
+// when it is a sweep child, and as the test binary otherwise.
 func TestMain(m *testing.M) {
+	if sweep.IsChild() {
+		c := redis.NewClient(&redis.Options{Addr: redisAddr()})
+		err := sweep.RunChild(context.Background(), c, Contenders, os.Stdout)
+		c.Close()
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "sweep child: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	name := os.Getenv("BENCH_CHILD")
 	if name == "" {
 		os.Exit(m.Run())

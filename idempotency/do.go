@@ -325,8 +325,13 @@ func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Re
 		if err == nil && !created && rec.Owner == owner && rec.State == Claimed {
 			return rec, true, nil // the client library's resend of this claim
 		}
-		if err == nil || refused(err) || try == 3 || ctx.Err() != nil {
+		switch {
+		case err == nil || refused(err):
 			return rec, created, err
+		case ctx.Err() != nil:
+			return rec, created, fmt.Errorf("%w (%w)", err, context.Cause(ctx))
+		case try == 3:
+			return rec, created, fmt.Errorf("%w (the claim was sent 3 times; the record was not found after the first 2)", err)
 		}
 		rctx, cancel := context.WithTimeout(ctx, o.CompleteTimeout)
 		got, gerr := read(rctx, s, key)
@@ -335,7 +340,7 @@ func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Re
 		case gerr == nil:
 			return got, got.Owner == owner && got.State == Claimed, nil
 		case !errors.Is(gerr, fence.ErrNotFound):
-			return rec, created, err
+			return rec, created, fmt.Errorf("%w (reading the record to tell: %v)", err, gerr)
 		}
 	}
 }

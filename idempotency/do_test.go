@@ -184,15 +184,17 @@ func TestCutConnections(t *testing.T) {
 					defer wg.Done()
 					for k := range next {
 						ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+						start := time.Now()
 						_, err := idempotency.Do(ctx, f.Store, k, "fp", l.effect(k), opts)
+						took, ctxErr := time.Since(start), ctx.Err()
 						cancel()
 						switch {
 						case errors.Is(err, idempotency.ErrNotRecorded):
 							notRecorded.Add(1)
-							t.Errorf("key %s: %v", k, err)
+							t.Errorf("key %s: %v (after %v; context: %v)", k, err, took, ctxErr)
 						case err != nil:
 							failed.Add(1)
-							t.Errorf("key %s: %v", k, err)
+							t.Errorf("key %s: %v (after %v; context: %v)", k, err, took, ctxErr)
 						}
 					}
 				}()

@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.."
 export FENCEKIT_POSTGRES_URL="${FENCEKIT_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test?sslmode=disable}"
 export FENCEKIT_REDIS_ADDR="${FENCEKIT_REDIS_ADDR:-127.0.0.1:6379}"
 
-say() { printf 'test.sh: %s\n' "$*" >&2; }
+say() { printf 'test.sh: [%ds] %s\n' "$SECONDS" "$*" >&2; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else say "need root for: $*"; return 1; fi; }
 apt_updated=
 apt_install() {
@@ -162,13 +162,16 @@ ensure_azurite() {
     say "could not install Azurite: its tests will skip (or fail under CI)"
 }
 
+installs=()
 if [ "${FENCEKIT_NO_SERVICES:-}" != 1 ]; then
+  # The two emulator installs download most of their time: they go on in the
+  # background while the servers start and go vet and the hygiene checks run.
+  ensure_versitygw & installs+=($!)
+  ensure_azurite & installs+=($!)
   start_postgres
   ensure_test_db
   start_redis
   start_mysql
-  ensure_versitygw
-  ensure_azurite
 fi
 
 say "go vet ./... (and the bench module)"
@@ -176,9 +179,15 @@ go vet ./...
 (cd bench && go vet ./...)
 say "module hygiene: go mod tidy, staticcheck, govulncheck"
 scripts/hygiene.sh
-say "go test -race ./... (8 packages at a time: most of their time is spent waiting on leases and servers)"
+for p in "${installs[@]}"; do wait "$p" || true; done
+# What the installs exported in their subshells, again for the tests.
+export PATH="$PATH:$(go env GOPATH)/bin"
+if [ -z "${FENCEKIT_AZURE_URL:-}" ] && ! command -v azurite-blob >/dev/null; then
+  export FENCEKIT_AZURITE_DIR="${FENCEKIT_AZURITE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fencekit/azurite}"
+fi
+say "go test -race ./... (8 packages and 8 parallel tests each at a time: most of their time is spent waiting on leases and servers)"
 # shellcheck disable=SC2086
-go test -race -count=1 -p 8 -timeout 30m ${GO_TEST_FLAGS:-} ./...
+go test -race -count=1 -p 8 -parallel 8 -timeout 30m ${GO_TEST_FLAGS:-} ./...
 
 # The bench/ module's peer benchmarks fail when a contender's counter does not
 # end exact (lost updates). One round of 20 workers x 5 increments per

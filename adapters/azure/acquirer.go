@@ -22,6 +22,7 @@ import (
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/lease"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/internal/wakeup"
 )
 
 // MaxAcquirerTTL is the longest ttl the acquirer grants: Azure's longest
@@ -131,6 +132,8 @@ type AcquirerOptions struct {
 type Acquirer struct {
 	c *container.Client
 	o AcquirerOptions
+
+	line wakeup.Line // this acquirer's waiting Acquire calls, per name
 
 	mu   sync.Mutex
 	last map[string]lastWrite
@@ -516,6 +519,8 @@ func creationToken(ctx context.Context, bc *blob.Client) (uint64, error) {
 // acquire delayed in the network for longer than that can still hold the
 // name until its lease expires.
 func (a *Acquirer) abandon(name, id string, ttl time.Duration) {
+	// However it ends, the lock may be free now: the head of the line tries.
+	defer a.line.Poke(name)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(leaseSeconds(ttl))*time.Second+5*time.Second)
 	defer cancel()
 	lc := a.leaseClient(name, id)
@@ -545,6 +550,15 @@ func pause(ctx context.Context, attempt int) error {
 
 // Acquire waits until the lease on name is granted, trying with the
 // acquirer's Backoff. See fence.Acquirer and TryAcquire.
+//
+// The Acquire calls of one Acquirer that wait for the same name form a line in
+// the order they began: only its head reads and writes the lock object, a
+// Release through this Acquirer lets the head try at once, and a holder that
+// releases and asks again joins at the back. So within one Acquirer waiters
+// are granted in arrival order, unless the head's attempt stays stuck for
+// more than a second (the others then try too) or a grant goes elsewhere: to
+// another Acquirer or process (no order is kept between them), or to a
+// TryAcquire, which never waits in the line.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
@@ -552,8 +566,18 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	if err := a.checkTTL(ttl); err != nil {
 		return nil, err
 	}
-	return leasekit.Acquire(ctx, a.o.Backoff, nil, func(ctx context.Context) (fence.Lease, error) {
-		return a.TryAcquire(ctx, name, ttl)
+	return a.line.Acquire(ctx, a.o.Backoff, name, nil, func(ctx context.Context) (fence.Lease, error) {
+		l, err := a.TryAcquire(ctx, name, ttl)
+		if errors.Is(err, ErrContention) && !errors.Is(err, fence.ErrUnknown) {
+			// Other contenders wrote the lock in between every attempt:
+			// not granted, as for a held lock; wait and try again.
+			return nil, fmt.Errorf("%w (%v)", fence.ErrHeld, err)
+		}
+		if err != nil && !errors.Is(err, fence.ErrHeld) && ctx.Err() != nil {
+			// The wait ran out during an attempt.
+			return nil, wakeup.GaveUp(ctx)
+		}
+		return l, err
 	})
 }
 
@@ -623,6 +647,10 @@ func (l *azLease) Release(ctx context.Context) error {
 	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
 	}
+	// Whatever the outcome, the lock may be free: the head of this
+	// acquirer's line tries at once (after the lease's own lock below is
+	// let go).
+	defer l.a.line.Poke(l.Name())
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	defer l.End(context.Canceled)

@@ -6,6 +6,7 @@ import (
 	"github.com/Azure/azure-sdk-for-go/sdk/azcore/streaming"
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blob"
 	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blockblob"
+	"github.com/fencekit/fencekit/internal/linetest"
 	"net/http"
 	"strconv"
 	"strings"
@@ -159,4 +160,13 @@ func TestAcquirerConformance(t *testing.T) {
 		}
 	}
 	s.Run(t)
+}
+
+// TestAcquireLineOrder: the waiting Acquire calls of one acquirer are granted
+// in the order they began, and a holder that releases and asks again joins at
+// the back (linetest.Order).
+func TestAcquireLineOrder(t *testing.T) {
+	e := newEnv(t)
+	a := newAcquirer(t, e.c)
+	linetest.Order(t, a, func(name string) int { return azfence.LineLen(a, name) }, 30*time.Second)
 }

@@ -12,11 +12,13 @@ import (
 	"github.com/fencekit/fencekit/internal/benchutil"
 	"github.com/fencekit/fencekit/internal/etcdtest"
 	"github.com/fencekit/fencekit/internal/testenv"
+	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // acquirers returns two acquirers each (two processes' views) on an embedded
-// single-node etcd and on Redis, to be measured side by side in one run.
-func acquirers(b *testing.B) map[string][2]fence.Acquirer {
+// single-node etcd and on Redis, to be measured side by side in one run, and
+// the etcd client.
+func acquirers(b *testing.B) (map[string][2]fence.Acquirer, *clientv3.Client) {
 	c := etcdtest.Start(b, 1)
 	ec, rc := c.Client(b), testenv.RedisClient(b)
 	out := map[string][2]fence.Acquirer{}
@@ -33,14 +35,16 @@ func acquirers(b *testing.B) map[string][2]fence.Acquirer {
 		es[i], rs[i] = e, r
 		out["etcd"], out["redis"] = es, rs
 	}
-	return out
+	return out, ec
 }
 
 // BenchmarkAcquireRelease: an uncontended TryAcquire + Release on an embedded
-// etcd and on Redis.
+// etcd and on Redis; etcd-vs-mutex compares it with concurrency.Mutex in the
+// same run (acquireReleaseVsMutex).
 func BenchmarkAcquireRelease(b *testing.B) {
 	ctx := context.Background()
-	all := acquirers(b)
+	all, ec := acquirers(b)
+	b.Run("etcd-vs-mutex", func(b *testing.B) { acquireReleaseVsMutex(b, ec) })
 	for _, kind := range []string{"etcd", "redis"} {
 		a := all[kind][0]
 		b.Run(kind, func(b *testing.B) {
@@ -62,7 +66,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 // of an Acquire already waiting in another acquirer (another process's view: no
 // in-process hand-over), p50 and p90, on etcd and on Redis.
 func BenchmarkHandoff(b *testing.B) {
-	all := acquirers(b)
+	all, _ := acquirers(b)
 	for _, kind := range []string{"etcd", "redis"} {
 		b.Run(kind, func(b *testing.B) {
 			benchutil.Handoff(b, all[kind][0], all[kind][1], fencetest.Name("handoff"))

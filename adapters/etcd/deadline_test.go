@@ -87,11 +87,12 @@ func TestWaiterKeepsItsPlaceAfterACut(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	seen := holderRequests(t, cl, p, name)
 	first := acquireAsync(b, name, 20*time.Second)
 	waitLine(t, cl, name, 2)
 	second := acquireAsync(a, name, 20*time.Second)
 	waitLine(t, cl, name, 3)
-	cutUntilBack(t, cl, p, name, 1) // the first waiter is back
+	cutUntilBack(t, p, seen, false) // the first waiter is back
 	waitLine(t, cl, name, 3)
 	if err := h.Release(ctx); err != nil {
 		t.Fatal(err)

@@ -3,13 +3,16 @@
 // created, which the whole cluster agrees on and which only grows, across
 // leader changes and the loss of a minority of members.
 //
-// Each grant creates an etcd lease with the ttl (whole seconds; etcd may round
-// it up to its minimum) and a key under prefix/name/ attached to it, in one
-// transaction that succeeds only if the name's line is empty: a TryAcquire that
-// loses never enters the line. The holder is the key with the lowest create
-// revision; waiters queue in creation order and each watches the key just
-// before its own, as go.etcd.io/etcd/client/v3/concurrency.Mutex does, so a
-// release wakes exactly the next waiter and nobody polls. A waiter's key is on
+// Each grant has an etcd lease of its own with the ttl (whole seconds; etcd
+// may round it up to its minimum) and a key under prefix/name/ attached to
+// it, created in one transaction that succeeds only if the name's line is
+// empty: a TryAcquire that loses never enters the line. The etcd lease is
+// granted on the spot, or taken from the acquirer's pool of leases that an
+// earlier grant released and that hold no key (see Acquirer). The holder is the
+// key with the lowest create revision; waiters queue in creation order and
+// each watches the key just before its own, as
+// go.etcd.io/etcd/client/v3/concurrency.Mutex does, so a release wakes
+// exactly the next waiter and nobody polls. A waiter's key is on
 // a short lease (WaiterTTL) that it keeps alive while it waits, so a waiter
 // that dies leaves the line within WaiterTTL, not the lock's ttl; at the head
 // of the line its key moves to a lease with the lock's ttl, keeping its create
@@ -17,16 +20,18 @@
 //
 // The line is FIFO under these conditions: a waiter whose connection is cut
 // for less than WaiterTTL keeps its place (its key stays; it reads its
-// predecessor and watches again); one cut off for longer loses it and fails
-// with fence.ErrHeld; and an attempt that fails for the network's sake (a
+// predecessor and watches again); one cut off for longer loses it and joins
+// the line again at its end, within its context; and an attempt that fails for the network's sake (a
 // grant whose answer was lost and whose key is not found, a key found only
 // after the lease's local deadline passed) is given back and Acquire starts
 // again, within its context, at the end of the line.
 //
-// Cleanup (revoking the lease of a loser, of a waiter that gave up, of a grant
-// whose answer was lost) runs in the background and tries again until the
-// lease is gone or could not outlive its ttl; since a key can only be created
-// on a live lease, a late request that lands after the revoke fails.
+// Cleanup (revoking the lease of a waiter that gave up, of a grant whose
+// answer was lost, of a loser when the pool is off) runs in the background
+// and tries again until the lease is gone or could not outlive its ttl;
+// since a key can only be created on a live lease, a late request that lands
+// after the revoke fails. A lease such a request may still name is never
+// pooled (see Acquirer).
 //
 // Tokens are revisions of the whole cluster: deleting the lock keys (or the
 // whole prefix) does not restart them. It does free the names, though: the
@@ -79,12 +84,40 @@ type Options struct {
 	MaxWait time.Duration
 	// Owner is stored as the lock key's value, for operators. Default: host name and process id.
 	Owner string
+	// NoPool turns off the lease pool: every grant then waits for an etcd
+	// lease granted on the spot, and its lease's local deadline counts from
+	// that grant. Default: false (the pool is on; see Acquirer).
+	NoPool bool
 }
 
 // Acquirer grants leases from etcd. It is safe for concurrent use.
+//
+// Unless Options.NoPool is set, a Release deletes the lock key and keeps its
+// etcd lease, which then holds no key, in the acquirer's pool, and the next
+// grant of the same ttl (in whole seconds) puts its key on that lease: a
+// grant and its release are two Raft writes (the grant's transaction and the
+// delete) instead of three (a lease grant, the transaction, a revoke). A
+// waiter's lease, once its key moved onto the lock's lease, is pooled for
+// the next waiter the same way. Each grant still has an etcd lease to itself
+// while it holds it: only its own renewals keep it alive, so a holder that
+// stops renewing loses the lock at its ttl and a dead holder's lock frees
+// itself at its ttl. A lease is pooled again only when no request of the
+// grant that used it can still reach etcd (the delete was confirmed, no
+// Renew was under way, every renewal was answered); otherwise it is revoked.
+//
+// A pooled lease's etcd clock counts from its last confirmed grant or
+// keep-alive, and so does the local deadline of the grant that takes it: a
+// grant from the pool may hold up to a tenth of its ttl (at most 10s) less
+// than one granted on the spot (its Context ends that much earlier unless it
+// is renewed). A lease pooled for longer than that is revoked in the
+// background, never used; one released past half that time is refreshed by
+// one keep-alive first. The pool holds one lease for each of up to 8 ttls.
+// Close revokes the pooled leases; without Close they expire at their ttl,
+// holding no key.
 type Acquirer struct {
-	c *clientv3.Client
-	o Options
+	c    *clientv3.Client
+	o    Options
+	pool *pool // nil with NoPool
 }
 
 var _ fence.Acquirer = (*Acquirer)(nil)
@@ -114,7 +147,31 @@ func New(c *clientv3.Client, opts *Options) (*Acquirer, error) {
 		host, _ := os.Hostname()
 		o.Owner = fmt.Sprintf("%s/%d", host, os.Getpid())
 	}
-	return &Acquirer{c: c, o: o}, nil
+	a := &Acquirer{c: c, o: o}
+	if !o.NoPool {
+		a.pool = newPool(c)
+	}
+	return a, nil
+}
+
+// Close revokes the leases the acquirer holds in its pool, after waiting for
+// the pool's keep-alives under way (each gives up within a twentieth of its
+// ttl, at most 5s), and stops pooling. It waits for etcd's answers until ctx ends and returns the
+// first error; a pooled lease whose revoke failed holds no key and expires
+// at its ttl. It does not release granted leases, and the acquirer still
+// grants afterwards, each grant waiting for an etcd lease of its own. Close
+// may be called more than once.
+func (a *Acquirer) Close(ctx context.Context) error {
+	if err := leasekit.CheckContext("close", ctx); err != nil {
+		return err
+	}
+	if a.pool == nil {
+		return nil
+	}
+	if err := a.pool.close(ctx); err != nil {
+		return fmt.Errorf("etcdfence: close: revoking a pooled lease: %w", err)
+	}
+	return nil
 }
 
 // MinTTL is the shortest lease: etcd counts lease time in whole seconds.
@@ -162,8 +219,9 @@ func (a *Acquirer) lockPrefix(name string) string {
 }
 
 // TryAcquire grants the lease on name for ttl (at least 1s), or returns
-// fence.ErrHeld at once. Two round trips: the etcd lease, then one transaction
-// that creates the key if the line is empty. A transaction whose answer was
+// fence.ErrHeld at once. One round trip with an etcd lease from the pool,
+// two without: the etcd lease, then one transaction that creates the key if
+// the line is empty. A transaction whose answer was
 // lost is recognised by reading the key (the lease is returned), or reported
 // as not granted, its etcd lease being revoked. A key found only after the
 // lease's local deadline passed (the reads were tried again through a cut) is
@@ -183,8 +241,8 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 // recognised by its own key (named after its own etcd lease), so one Acquire
 // never holds two places in line, and an attempt that cannot tell revokes its
 // leases before the next begins. A waiter cut off from etcd for WaiterTTL
-// loses its place (its waiter lease expires) and fails with fence.ErrHeld. A
-// lease it returns was confirmed by etcd after its turn came: never one
+// loses its place (its waiter lease expires) and joins the line again at its
+// end: Acquire returns ErrHeld only with the context's error. A lease it returns was confirmed by etcd after its turn came: never one
 // already lost.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check(ctx, name, ttl); err != nil {
@@ -198,7 +256,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}
 	for attempt := 0; ; attempt++ {
 		l, err := a.acquire(ctx, name, ttl, true)
-		if err == nil || !transient(err) {
+		if err == nil || !(transient(err) || errors.Is(err, errPlaceExpired)) {
 			return l, err
 		}
 		if retryDelay.Sleep(ctx, attempt) != nil {
@@ -212,6 +270,11 @@ var retryDelay = fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Milli
 
 // errRetry marks an attempt that left nothing behind and may be tried again.
 var errRetry = errors.New("etcdfence: try again")
+
+// errPlaceExpired ends a wait whose key left the line because its waiter
+// lease expired (keep-alives lost for WaiterTTL): Acquire joins the line
+// again at its end, within its context.
+var errPlaceExpired = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
 
 // transient reports whether err is the network's (gRPC's Unavailable: a cut
 // connection, a member without a leader for now): the step did not, or may
@@ -232,6 +295,26 @@ func transient(err error) bool {
 // spacing the tries, or until ctx ends (then the step's last error). Only
 // for steps that are safe to repeat: reads, and writes that recognise their
 // own earlier landing.
+// freshLease grants a lock lease of ttl for a waiter whose turn came, again
+// after a transient error (a grant whose answer was lost leaves a lease no
+// key is on: it expires at its ttl and holds nothing), and returns it with
+// the send time of the grant that was answered.
+func (a *Acquirer) freshLease(ctx context.Context, ttl time.Duration) (clientv3.LeaseID, time.Time, error) {
+	var (
+		lg   *clientv3.LeaseGrantResponse
+		sent time.Time
+	)
+	err := retrying(ctx, func() (err error) {
+		sent = time.Now()
+		lg, err = a.c.Grant(ctx, seconds(ttl))
+		return err
+	})
+	if err != nil {
+		return 0, time.Time{}, err
+	}
+	return lg.ID, sent, nil
+}
+
 func retrying(ctx context.Context, step func() error) error {
 	for attempt := 0; ; attempt++ {
 		err := step()
@@ -255,36 +338,76 @@ const WaiterTTL = 3 * time.Second
 
 func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, wait bool) (fence.Lease, error) {
 	pfx := a.lockPrefix(name)
-	sent := time.Now()
-	lg, err := a.c.Grant(ctx, seconds(ttl))
-	if err != nil {
-		return nil, a.fail(ctx, "acquire", name, err)
-	}
-	key := fmt.Sprintf("%s%016x", pfx, int64(lg.ID))
-	// The key is created only if the line is empty, in one transaction: a
-	// TryAcquire that loses never enters the line, so a loser whose cleanup
-	// fails blocks nobody.
-	txn, err := a.c.Txn(ctx).
-		If(clientv3.Compare(clientv3.CreateRevision(pfx).WithPrefix(), "=", 0)).
-		Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(lg.ID))).
-		Commit()
-	if err != nil {
-		// The answer was lost: the key may have been created. Look.
-		rev, ok, gerr := a.created(ctx, key, lg.ID)
-		if ok {
-			return a.granted(name, rev, ttl, lg.ID, sent)
+	id, sent, pooled := a.takePooled(ttl)
+	for {
+		if !pooled {
+			sent = time.Now()
+			lg, err := a.c.Grant(ctx, seconds(ttl))
+			if err != nil {
+				return nil, a.fail(ctx, "acquire", name, err)
+			}
+			id = lg.ID
 		}
-		// A create that lands after the revoke fails, or is deleted by it.
-		return nil, a.notGranted(ctx, name, err, gerr, lg.ID)
+		key := keyOf(pfx, id)
+		// The key is created only if the line is empty, in one transaction: a
+		// TryAcquire that loses never enters the line, so a loser whose cleanup
+		// fails blocks nobody.
+		txn, err := a.c.Txn(ctx).
+			If(clientv3.Compare(clientv3.CreateRevision(pfx).WithPrefix(), "=", 0)).
+			Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id))).
+			Commit()
+		if pooled && isLeaseNotFound(err) {
+			// etcd no longer has the pooled lease (revoked, or expired
+			// sooner than the pool counted): a put on it fails, so the
+			// transaction created nothing. Take a lease on the spot.
+			pooled = false
+			continue
+		}
+		if err != nil {
+			// The answer was lost: the key may have been created. Look.
+			rev, ok, gerr := a.created(ctx, key, id)
+			if ok {
+				return a.granted(name, key, rev, ttl, id, sent, false)
+			}
+			// A create that lands after the revoke fails, or is deleted by it.
+			return nil, a.notGranted(ctx, name, err, gerr, id)
+		}
+		if txn.Succeeded {
+			return a.granted(name, key, txn.Header.Revision, ttl, id, sent, true)
+		}
+		if !wait {
+			// No key uses the lease: pool it (again), or revoke it.
+			if a.pool != nil {
+				a.pool.put(id, sent, ttl)
+			} else {
+				a.revoke(id, ttl)
+			}
+			return nil, fmt.Errorf("etcdfence: acquire %q: %w", name, fence.ErrHeld)
+		}
+		return a.waitInLine(ctx, name, pfx, ttl, id, sent)
 	}
-	if txn.Succeeded {
-		return a.granted(name, txn.Header.Revision, ttl, lg.ID, sent)
+}
+
+// keyOf names the key in line pfx of the grant whose lock lease is id (a
+// waiter's key too is named after the lock lease, not its waiter lease):
+// one grant holds a lock lease at a time, and its key is gone before the
+// lease is pooled again, so no two keys in line share a name, while a
+// pooled lease's grants of one name reuse one key (as a Mutex on a session
+// does) instead of leaving a deleted key behind for each grant, which
+// etcd's index keeps until a compaction and every grant's check of the line
+// would scan. The name lets a grant recognise its own key after a lost
+// answer.
+func keyOf(pfx string, id clientv3.LeaseID) string {
+	return fmt.Sprintf("%s%016x", pfx, int64(id))
+}
+
+// takePooled returns a pooled etcd lease for ttl and the send time of its
+// grant, or ok false (no pool, or nothing pooled).
+func (a *Acquirer) takePooled(ttl time.Duration) (clientv3.LeaseID, time.Time, bool) {
+	if a.pool == nil {
+		return 0, time.Time{}, false
 	}
-	if !wait {
-		a.revoke(lg.ID, ttl) // no key uses it
-		return nil, fmt.Errorf("etcdfence: acquire %q: %w", name, fence.ErrHeld)
-	}
-	return a.waitInLine(ctx, name, pfx, ttl, lg.ID, sent)
+	return a.pool.take(ttl)
 }
 
 // created reports whether key exists on lease id (a create whose answer was
@@ -324,15 +447,18 @@ func (a *Acquirer) notGranted(ctx context.Context, name string, err, lookErr err
 	return fmt.Errorf("etcdfence: acquire %q: not granted (its answer was lost: %w; its etcd lease is revoked, so a late create cannot hold the name)", name, err)
 }
 
-// granted is the lease whose key was created at revision rev, on etcd lease id
-// granted by a request sent at sent.
-func (a *Acquirer) granted(name string, rev int64, ttl time.Duration, id clientv3.LeaseID, sent time.Time) (fence.Lease, error) {
+// granted is the lease whose key was created at revision rev, on etcd lease
+// id whose clock counts from a request sent at sent (its grant, or its last
+// confirmed keep-alive). clean reports that every request of this grant that
+// named the lease was answered (none may land later), so that the lease may
+// be pooled again at the release.
+func (a *Acquirer) granted(name, key string, rev int64, ttl time.Duration, id clientv3.LeaseID, sent time.Time, clean bool) (fence.Lease, error) {
 	tok := fence.Token(rev)
 	if !tok.Valid() {
 		a.revoke(id, ttl)
 		return nil, fmt.Errorf("etcdfence: acquire %q: revision %d: %w", name, rev, fence.ErrTokensExhausted)
 	}
-	l := &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, id: id}
+	l := &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, id: id, key: key, sent: sent, dirty: !clean}
 	if l.Context().Err() != nil {
 		// Retries (lookups after a lost answer, a move sent again) took
 		// so long that the local deadline passed: give the key back, in
@@ -349,13 +475,16 @@ func (a *Acquirer) granted(name string, rev int64, ttl time.Duration, id clientv
 // closed: a key on it leaves the line, in whatever order a late request and
 // the revoke reach etcd (a create on a revoked lease fails). A lease whose
 // revoke fails for longer expires at its ttl.
-func (a *Acquirer) revoke(id clientv3.LeaseID, ttl time.Duration) {
+func (a *Acquirer) revoke(id clientv3.LeaseID, ttl time.Duration) { revokeLease(a.c, id, ttl) }
+
+// revokeLease is Acquirer.revoke on client c.
+func revokeLease(c *clientv3.Client, id clientv3.LeaseID, ttl time.Duration) {
 	go func() {
-		ctx, cancel := context.WithTimeout(a.c.Ctx(), min(ttl, time.Minute)+time.Second)
+		ctx, cancel := context.WithTimeout(c.Ctx(), min(ttl, time.Minute)+time.Second)
 		defer cancel()
 		for attempt := 0; ; attempt++ {
-			_, err := a.c.Revoke(ctx, id)
-			if err == nil || errors.Is(err, rpctypes.ErrLeaseNotFound) || ctx.Err() != nil || errors.Is(err, context.Canceled) {
+			_, err := c.Revoke(ctx, id)
+			if err == nil || isLeaseNotFound(err) || ctx.Err() != nil || errors.Is(err, context.Canceled) {
 				return
 			}
 			if (fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}).Sleep(ctx, attempt) != nil {
@@ -364,6 +493,9 @@ func (a *Acquirer) revoke(id clientv3.LeaseID, ttl time.Duration) {
 		}
 	}()
 }
+
+// isLeaseNotFound reports whether etcd answered that it has no such lease.
+func isLeaseNotFound(err error) bool { return errors.Is(err, rpctypes.ErrLeaseNotFound) }
 
 // waitInLine queues a key for name on a short etcd lease (WaiterTTL), waits
 // until it heads the line, then moves it to lease id, which has the lock's ttl
@@ -376,35 +508,51 @@ func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Du
 		}
 		return a.fail(ctx, "acquire", name, err)
 	}
-	wl, err := a.c.Grant(ctx, seconds(WaiterTTL))
-	if err != nil {
-		return nil, giveUp(err, id)
+	// The waiter's lease: from the pool (a lease an earlier waiter's key
+	// moved off), or granted now.
+	w, wSent, wPooled := a.takePooled(WaiterTTL)
+	var (
+		key  string
+		rev  int64 // the create revision of our key: the token
+		once bool  // the create was sent once: no copy of it may land later
+	)
+	for {
+		if !wPooled {
+			wSent = time.Now()
+			wl, err := a.c.Grant(ctx, seconds(WaiterTTL))
+			if err != nil {
+				return nil, giveUp(err, id)
+			}
+			w = wl.ID
+		}
+		key = keyOf(pfx, id)
+		var err error
+		rev, once, err = a.joinLine(ctx, key, w)
+		if wPooled && isLeaseNotFound(err) {
+			wPooled = false // etcd no longer has it: the create failed
+			continue
+		}
+		if err != nil {
+			return nil, giveUp(err, id, w)
+		}
+		break
 	}
-	w := wl.ID
-	key := fmt.Sprintf("%s%016x", pfx, int64(w))
-	rev, err := a.joinLine(ctx, key, w) // the create revision of our key: the token
+	turn, err := a.waitTurn(ctx, pfx, w, rev, id, ttl, sent, wSent)
 	if err != nil {
 		return nil, giveUp(err, id, w)
 	}
-	if sent, err = a.waitTurn(ctx, pfx, w, rev, id, ttl, sent); err != nil {
-		return nil, giveUp(err, id, w)
-	}
+	// A copy of the key's create that may land later names the key after
+	// id: id is not pooled again either.
+	sent, clean := turn.sent, turn.clean && once
 	if time.Since(sent) > ttl/2 {
 		// The lock's lease was not confirmed lately (keep-alives lost):
 		// take a fresh one rather than a short local deadline.
 		a.revoke(id, ttl)
-		var lg *clientv3.LeaseGrantResponse
-		err := retrying(ctx, func() (err error) {
-			// A grant whose answer was lost leaves a lease no key is on:
-			// it expires at its ttl and holds nothing.
-			sent = time.Now()
-			lg, err = a.c.Grant(ctx, seconds(ttl))
-			return err
-		})
-		if err != nil {
+		var err error
+		if id, sent, err = a.freshLease(ctx, ttl); err != nil {
 			return nil, giveUp(err, w)
 		}
-		id = lg.ID
+		clean = true
 	}
 	// Our turn: move the key to the lock's lease, if it is still on the
 	// waiter's lease (it did not expire meanwhile). One round trip. The move
@@ -418,11 +566,30 @@ func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Du
 			Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id))).
 			Commit()
 		if err == nil && txn.Succeeded {
-			a.revoke(w, WaiterTTL) // no key uses it now
-			return a.granted(name, rev, ttl, id, sent)
+			// No key uses the waiter's lease now: pool it for the next
+			// waiter when no request that named it (its key's create, its
+			// keep-alives) may land later.
+			if a.pool != nil && once && turn.wClean {
+				a.pool.put(w, turn.wSent, WaiterTTL)
+			} else {
+				a.revoke(w, WaiterTTL)
+			}
+			return a.granted(name, key, rev, ttl, id, sent, clean)
+		}
+		if isLeaseNotFound(err) {
+			// etcd no longer has the lock's lease (a pooled lease revoked
+			// behind the pool, or one that expired while its keep-alives
+			// were lost): the put failed, nothing moved. Move the key onto a
+			// lease granted now.
+			var gerr error
+			if id, sent, gerr = a.freshLease(ctx, ttl); gerr != nil {
+				return nil, giveUp(gerr, w)
+			}
+			clean = true
+			continue
 		}
 		if err == nil {
-			err = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
+			err = errPlaceExpired
 		}
 		// Where is the key? One read: on the lock's lease (moved: an
 		// earlier move, or this one with its answer lost, landed), still on
@@ -431,7 +598,7 @@ func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Du
 		switch {
 		case lease == id:
 			a.revoke(w, WaiterTTL)
-			return a.granted(name, rev, ttl, id, sent) // moved; the answer was lost
+			return a.granted(name, key, rev, ttl, id, sent, false) // moved; the answer was lost
 		case txn != nil:
 			return nil, giveUp(err, id, w)
 		case gerr == nil && lease == w && retryDelay.Sleep(ctx, attempt) == nil:
@@ -442,13 +609,19 @@ func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Du
 }
 
 // joinLine creates key, a waiter's place in line, on waiter lease w and
-// returns its create revision. The create is conditional on the key not
-// existing, and answers with the key otherwise, so it is sent again after an
-// answer lost to the network: a create that landed is recognised (the key
-// is named after w), never made twice.
-func (a *Acquirer) joinLine(ctx context.Context, key string, w clientv3.LeaseID) (int64, error) {
-	var rev int64
+// returns its create revision, and whether it was sent once only. The create
+// is conditional on the key not existing, and answers with the key
+// otherwise, so it is sent again after an answer lost to the network: a
+// create that landed is recognised (no other request names the key), never
+// made twice. A create sent more than once may still land after the key is
+// gone, on w, if w lives: such a w is never pooled.
+func (a *Acquirer) joinLine(ctx context.Context, key string, w clientv3.LeaseID) (int64, bool, error) {
+	var (
+		rev   int64
+		sends int
+	)
 	err := retrying(ctx, func() error {
+		sends++
 		txn, err := a.c.Txn(ctx).
 			If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
 			Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(w))).
@@ -468,7 +641,7 @@ func (a *Acquirer) joinLine(ctx context.Context, key string, w clientv3.LeaseID)
 		rev = kvs[0].CreateRevision // an earlier send landed
 		return nil
 	})
-	return rev, err
+	return rev, sends == 1, err
 }
 
 // keyLease is the lease of key if it exists with create revision rev (0 when
@@ -502,21 +675,31 @@ func (a *Acquirer) fail(ctx context.Context, op, name string, err error) error {
 // errLookAgain: a watch ended without the event; read the line again.
 var errLookAgain = errors.New("etcdfence: watch closed")
 
+// turn is how a wait in line ended: the send times of the last confirmed
+// grant or keep-alive of the lock's lease (sent) and of the waiter's
+// (wSent), and whether every keep-alive of each that the wait sent was
+// answered (clean, wClean: none may land later).
+type turn struct {
+	sent, wSent   time.Time
+	clean, wClean bool
+}
+
 // waitTurn keeps waiter lease w and the lock's lease id alive and waits until
-// no key in pfx was created before rev. It returns the send time of the last
-// confirmed keep-alive of id (or sent, its grant's), from which the granted
-// lease's local deadline counts. A waiter lease that etcd expired (the waiter
-// was cut off for WaiterTTL) ends the wait with ErrHeld: its place in line is
-// gone.
-func (a *Acquirer) waitTurn(ctx context.Context, pfx string, w clientv3.LeaseID, rev int64, id clientv3.LeaseID, ttl time.Duration, sent time.Time) (time.Time, error) {
+// no key in pfx was created before rev. sent and wSent are the send times of
+// the grants of id and w. The lease's local deadline counts from the turn's
+// sent. A waiter lease that etcd expired (the waiter was cut off for
+// WaiterTTL) ends the wait with errPlaceExpired: its place in line is gone.
+func (a *Acquirer) waitTurn(ctx context.Context, pfx string, w clientv3.LeaseID, rev int64, id clientv3.LeaseID, ttl time.Duration, sent, wSent time.Time) (turn, error) {
 	var (
-		mu        sync.Mutex
-		aliveErr  error
-		confirmed = sent
+		mu       sync.Mutex
+		aliveErr error
+		res      = turn{sent: sent, wSent: wSent, clean: true, wClean: true}
 	)
 	kctx, stop := context.WithCancel(ctx)
 	defer stop()
+	exited := make(chan struct{})
 	go func() {
+		defer close(exited)
 		t := time.NewTicker(WaiterTTL / 3)
 		defer t.Stop()
 		for {
@@ -528,39 +711,57 @@ func (a *Acquirer) waitTurn(ctx context.Context, pfx string, w clientv3.LeaseID,
 			// A keep-alive that cannot reach etcd gives up at the next
 			// tick; the lease then runs out on etcd's clock.
 			tctx, cancel := context.WithTimeout(kctx, WaiterTTL/3)
-			_, err := a.c.KeepAliveOnce(tctx, w)
+			ws := time.Now()
+			_, wAgain, err := keepAliveOnce(tctx, a.c, w)
 			mu.Lock()
-			last := confirmed
+			if wAgain {
+				res.wClean = false // a copy may land later
+			}
+			switch {
+			case err == nil:
+				res.wSent = ws
+			case !isLeaseNotFound(err):
+				res.wClean = false // it may land later
+			}
+			last := res.sent
 			mu.Unlock()
 			if err == nil && time.Since(last) >= ttl/3 {
 				s := time.Now()
-				if resp, kerr := a.c.KeepAliveOnce(tctx, id); kerr == nil && resp.TTL > 0 {
-					mu.Lock()
-					confirmed = s
-					mu.Unlock()
+				_, again, kerr := keepAliveOnce(tctx, a.c, id)
+				mu.Lock()
+				if again {
+					res.clean = false // a copy may land later
 				}
+				switch {
+				case kerr == nil:
+					res.sent = s
+				case !isLeaseNotFound(kerr):
+					res.clean = false // it may land later
+				}
+				mu.Unlock()
 			}
 			cancel()
 			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 				mu.Lock()
-				aliveErr = fmt.Errorf("its place in line expired while it waited: %w", fence.ErrHeld)
+				aliveErr = errPlaceExpired
 				mu.Unlock()
 				stop()
 				return
 			}
 		}
 	}()
-	done := func(err error) (time.Time, error) {
+	done := func(err error) (turn, error) {
 		stop()
+		<-exited // no keep-alive under way
 		mu.Lock()
 		defer mu.Unlock()
 		if aliveErr != nil {
-			return time.Time{}, aliveErr
+			return turn{}, aliveErr
 		}
 		if err != nil {
-			return time.Time{}, err
+			return turn{}, err
 		}
-		return confirmed, nil
+		return res, nil
 	}
 	for attempt := 0; ; attempt++ {
 		// The key just before ours in line.
@@ -647,22 +848,27 @@ func (a *Acquirer) watchDelete(ctx context.Context, wch clientv3.WatchChan, reco
 }
 
 // reconnects returns a channel that receives each time the client's
-// connection is ready again after it was not, until ctx ends.
+// connection is ready again after it was not, until ctx ends. The state is
+// read before it returns, so a break that comes before its goroutine runs
+// is seen; a connection that left Ready and was back by the time its state
+// was read counts as a break too.
 func (a *Acquirer) reconnects(ctx context.Context) <-chan struct{} {
 	ch := make(chan struct{}, 1)
 	conn := a.c.ActiveConnection()
 	if conn == nil {
 		return ch
 	}
+	s := conn.GetState()
 	go func() {
-		s := conn.GetState()
-		broken := false
+		broken := s != connectivity.Ready
 		for conn.WaitForStateChange(ctx, s) {
+			was := s
 			s = conn.GetState()
-			switch {
-			case s != connectivity.Ready:
+			if s != connectivity.Ready {
 				broken = true
-			case broken:
+				continue
+			}
+			if broken || was == connectivity.Ready {
 				broken = false
 				select {
 				case ch <- struct{}{}:
@@ -676,8 +882,15 @@ func (a *Acquirer) reconnects(ctx context.Context) <-chan struct{} {
 
 type lease struct {
 	*leasekit.Base
-	a  *Acquirer
-	id clientv3.LeaseID
+	a   *Acquirer
+	id  clientv3.LeaseID
+	key string
+
+	mu        sync.Mutex
+	sent      time.Time // the send time of id's last confirmed grant or keep-alive
+	renewing  int       // Renews under way
+	dirty     bool      // a request naming id may still land: never pool id again
+	releasing bool      // Release was called: no more requests
 }
 
 // Renew sends one keep-alive for the etcd lease. A lease etcd no longer has
@@ -687,48 +900,116 @@ type lease struct {
 // after the local deadline passed is undone by revoking the etcd lease. A
 // keep-alive is safe to repeat: the client sends it again after a lost answer
 // until ctx ends, and an error then (matching fence.ErrUnknown) means the
-// renewal was not confirmed (the lease still ends at its local deadline).
+// renewal was not confirmed (the lease still ends at its local deadline). A
+// renewal that was not confirmed, or was sent more than once, keeps the etcd
+// lease out of the pool: a copy of it may still land later.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
 	}
+	l.mu.Lock()
+	if l.releasing {
+		l.mu.Unlock()
+		return l.lost()
+	}
+	l.renewing++
+	l.mu.Unlock()
+	defer func() {
+		l.mu.Lock()
+		l.renewing--
+		l.mu.Unlock()
+	}()
 	if l.Context().Err() != nil {
 		return l.lost()
 	}
 	sent := time.Now()
-	resp, err := l.a.c.KeepAliveOnce(ctx, l.id)
-	if errors.Is(err, rpctypes.ErrLeaseNotFound) || (err == nil && resp.TTL <= 0) {
+	_, again, err := keepAliveOnce(ctx, l.a.c, l.id)
+	if again {
+		// A copy sent before a break may still land, after the release:
+		// never pool the etcd lease again.
+		l.mu.Lock()
+		l.dirty = true
+		l.mu.Unlock()
+	}
+	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 		l.End(fence.ErrLost)
 		return l.lost()
 	}
 	if err != nil {
-		// The keep-alive may have reached etcd: not confirmed, the lease
-		// still ends at its local deadline.
+		// The keep-alive may have reached etcd, or may yet: not confirmed,
+		// the lease still ends at its local deadline, and the etcd lease is
+		// never pooled again.
+		l.mu.Lock()
+		l.dirty = true
+		l.mu.Unlock()
 		return fmt.Errorf("etcdfence: renew %q: %w: %w", l.Name(), fence.ErrUnknown, err)
 	}
 	if !l.Extend(sent) {
+		l.mu.Lock()
+		l.dirty = true
+		l.mu.Unlock()
 		l.a.revoke(l.id, l.TTL())
 		return l.lost()
 	}
+	l.mu.Lock()
+	if sent.After(l.sent) {
+		l.sent = sent
+	}
+	l.mu.Unlock()
 	return nil
 }
 
-// Release revokes the etcd lease, which deletes the lock key and wakes the next
-// waiter. It returns fence.ErrLost when the lease had ended before (past its
-// local deadline, found lost, or released). The client sends a revoke again after a lost
-// answer; etcd then no longer has the lease, and a lease still within its
-// local deadline when that answer came cannot have expired on etcd (the
-// deadline comes first), so that is our own revoke and Release returns nil;
-// past the local deadline by then, the lease may have expired before the
-// revoke landed, and Release returns fence.ErrLost. A revoke that cannot be
-// confirmed before ctx ends goes on in the background until the lease is gone
-// or its ttl has passed; Release then returns an error matching
-// fence.ErrUnknown.
+// Release ends the grant: it deletes the lock key, which wakes the next
+// waiter, and pools the etcd lease for the next grant (see Acquirer); a
+// lease that cannot be pooled (the pool is off, a Renew is under way or a
+// renewal was not confirmed, the local deadline has passed, the delete's
+// answer was lost) is revoked instead, which deletes the key too. It
+// returns fence.ErrLost when the lease had ended before (past its local
+// deadline, found lost, or released; a second Release sends nothing), and
+// when the key was found gone (expired, or deleted by an operator).
+//
+// The client sends a revoke again after a lost answer; etcd then no longer
+// has the lease, and a lease still within its local deadline when that
+// answer came cannot have expired on etcd (the deadline comes first), so
+// that is our own revoke and Release returns nil; past the local deadline by
+// then, the lease may have expired before the revoke landed, and Release
+// returns fence.ErrLost. A revoke that cannot be confirmed before ctx ends
+// goes on in the background until the lease is gone or its ttl has passed;
+// Release then returns an error matching fence.ErrUnknown.
 func (l *lease) Release(ctx context.Context) error {
 	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
 	}
+	l.mu.Lock()
+	again := l.releasing
+	l.releasing = true
+	pool := !again && l.a.pool != nil && l.renewing == 0 && !l.dirty
+	sent := l.sent
+	l.mu.Unlock()
+	if again {
+		// Its etcd lease may be another grant's by now: send nothing.
+		return l.lost()
+	}
 	ended := l.Context().Err() != nil // expired, found lost, or released before
+	if pool && !ended {
+		txn, err := l.a.c.Txn(ctx).
+			If(clientv3.Compare(clientv3.CreateRevision(l.key), "=", int64(l.Token()))).
+			Then(clientv3.OpDelete(l.key)).
+			Commit()
+		if err == nil {
+			l.End(context.Canceled)
+			if !txn.Succeeded {
+				// The key is gone: expired, or deleted by an operator
+				// (the etcd lease may live on: revoke it).
+				l.a.revoke(l.id, l.TTL())
+				return l.lost()
+			}
+			l.a.pool.put(l.id, sent, l.TTL())
+			return nil
+		}
+		// The answer was lost: the key may be deleted or not. Revoke the
+		// etcd lease, which settles it either way.
+	}
 	_, err := l.a.c.Revoke(ctx, l.id)
 	lapsed := l.Context().Err() != nil // the local deadline passed on the way
 	l.End(context.Canceled)

@@ -172,8 +172,9 @@ func TestTryAcquireLoserBlocksNobody(t *testing.T) {
 
 // TestDeadWaiterSkipped (HAZARDS 6): a waiter cut off from etcd leaves the
 // line within about WaiterTTL after the holder releases, not the lock's ttl;
-// the waiter behind it is granted, and the cut-off waiter's Acquire fails
-// instead of returning a lease.
+// the waiter behind it is granted, and the cut-off waiter, once it reaches
+// etcd again, joins the line at its end and is granted after it (a live
+// lease, a larger token), never with its old place.
 func TestDeadWaiterSkipped(t *testing.T) {
 	a, cl, dead, p, name := faultSetup(t, "deadwaiter")
 	ctx := context.Background()
@@ -182,15 +183,23 @@ func TestDeadWaiterSkipped(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	deadErr := make(chan error, 1)
+	type deadResult struct {
+		tok  fence.Token
+		live bool
+		err  error
+	}
+	deadRes := make(chan deadResult, 1)
 	go func() {
 		dctx, cancel := context.WithTimeout(ctx, 40*time.Second)
 		defer cancel()
 		l, err := dead.Acquire(dctx, name, ttl)
-		if err == nil {
-			_ = l.Release(ctx)
+		if err != nil {
+			deadRes <- deadResult{err: err}
+			return
 		}
-		deadErr <- err
+		r := deadResult{tok: l.Token(), live: l.Context().Err() == nil}
+		_ = l.Release(ctx)
+		deadRes <- r
 	}()
 	waitLine(t, cl, name, 2)
 	p.Partition() // the waiter is cut off (dead, as far as etcd can tell)
@@ -225,11 +234,17 @@ func TestDeadWaiterSkipped(t *testing.T) {
 		t.Errorf("token %d not above %d", r.l.Token(), h.Token())
 	}
 	p.Heal()
+	// The cut-off waiter learns its place is gone and joins again, behind
+	// the live waiter that now holds the name.
+	waitLine(t, cl, name, 2)
 	if err := r.l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := <-deadErr; err == nil {
-		t.Error("the waiter that was cut off past its waiter lease was granted after healing; want an error")
+	switch d := <-deadRes; {
+	case d.err != nil:
+		t.Errorf("the waiter cut off past its waiter lease, after healing: %v; want a grant after it joined the line again", d.err)
+	case !d.live || d.tok <= r.l.Token():
+		t.Errorf("the rejoined waiter's lease: live %v, token %d after the live waiter's %d", d.live, d.tok, r.l.Token())
 	}
 }
 
@@ -576,35 +591,93 @@ func TestAcquireRetriesLostSteps(t *testing.T) {
 	}
 }
 
-// cutUntilBack cuts every connection through p and waits until n requests
-// naming the key at the head of name's line (the holder's) have come
-// through it again: the waiter behind p reading and watching that key.
-func cutUntilBack(t *testing.T, cl *clientv3.Client, p *faultnet.Proxy, name string, n int) {
+// Requests through the proxy that holderRequests reports.
+const (
+	namesHolder = 'k' // names the holder's key: a watch on it, or a read of it
+	readsLine   = 'p' // names the line's prefix alone: a read of the line
+)
+
+// holderRequests reports, from now on, every request through p that names
+// the key at the head of name's line (the holder's), and every read of the
+// line by its prefix. The proxy hands over what the client wrote in one
+// chunk, and gRPC may write several requests at once (a read and a new
+// watch), so each occurrence counts, and the proxy is never blocked.
+func holderRequests(t *testing.T, cl *clientv3.Client, p *faultnet.Proxy, name string) <-chan byte {
 	t.Helper()
 	line, err := cl.Get(context.Background(), linePrefix(name), append(clientv3.WithFirstCreate(), clientv3.WithLimit(1))...)
 	if err != nil || len(line.Kvs) != 1 {
 		t.Fatalf("the holder's key: %v, %v", line, err)
 	}
 	holderKey := line.Kvs[0].Key
-	// The proxy hands over what the client wrote in one chunk, and gRPC may
-	// write several requests at once (the read and the new watch): count
-	// every one that names the key, without ever blocking the proxy.
-	seen := make(chan struct{}, 64)
-	p.DropRequest(func(req []byte) bool {
-		for range bytes.Count(req, holderKey) {
+	prefix := []byte(linePrefix(name))
+	seen := make(chan byte, 256)
+	send := func(kind byte, n int) {
+		for range n {
 			select {
-			case seen <- struct{}{}:
+			case seen <- kind:
 			default:
 			}
 		}
+	}
+	p.DropRequest(func(req []byte) bool {
+		k := bytes.Count(req, holderKey)
+		send(readsLine, bytes.Count(req, prefix)-k)
+		send(namesHolder, k)
 		return false
 	})
-	p.CutAll()
-	for i := 0; i < n; i++ {
+	return seen
+}
+
+// awaitRequest waits for the next request of kind reported by
+// holderRequests (skipping others) and reports whether it came.
+func awaitRequest(seen <-chan byte, kind byte, timeout <-chan time.Time) bool {
+	for {
 		select {
-		case <-seen:
-		case <-time.After(10 * time.Second):
-			t.Fatal("the waiter did not read or watch the holder's key after the cut")
+		case k := <-seen:
+			if k == kind {
+				return true
+			}
+		case <-timeout:
+			return false
+		}
+	}
+}
+
+// cutUntilBack: seen reports requests since before the waiter behind p
+// started (holderRequests). It waits for the waiter's watch on the holder's
+// key, so that the cut comes while it waits (a cut while it was still
+// reading the line would leave it nothing to resume), cuts every
+// connection through p, and waits until the waiter is back: with
+// readAgain, until it has read the holder's key or the line again and then
+// watched the key (two requests naming the key, or a read of the line
+// followed by one: the watch stream may end at the cut, and the waiter
+// then reads the line again); without, until one request names the key.
+func cutUntilBack(t *testing.T, p *faultnet.Proxy, seen <-chan byte, readAgain bool) {
+	t.Helper()
+	if !awaitRequest(seen, namesHolder, time.After(10*time.Second)) {
+		t.Fatal("the waiter's watch on the holder's key never came through the proxy")
+	}
+	p.CutAll()
+	timeout := time.After(10 * time.Second)
+	if !readAgain {
+		if !awaitRequest(seen, namesHolder, timeout) {
+			t.Fatal("after the cut, no request naming the holder's key came through the proxy")
+		}
+		return
+	}
+	for read := false; ; {
+		select {
+		case k := <-seen:
+			switch {
+			case k == readsLine:
+				read = true
+			case read:
+				return // the line read again, then the key watched
+			default:
+				read = true // a read (or the resumed watch) of the key
+			}
+		case <-timeout:
+			t.Fatalf("after the cut, the waiter did not read the holder's key or the line and then watch the key (read: %v)", read)
 		}
 	}
 }
@@ -622,12 +695,13 @@ func TestWaiterWatchesAgainAfterACut(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	seen := holderRequests(t, cl, p, name)
 	res := acquireAsync(b, name, 20*time.Second)
 	waitLine(t, cl, name, 2)
 	// After the cut, the waiter's requests that name the holder's key: its
 	// read, then its new watch (and the client's resumed one). Release once
 	// the read and a watch have gone through.
-	cutUntilBack(t, cl, p, name, 2)
+	cutUntilBack(t, p, seen, true)
 	waitLine(t, cl, name, 2)
 	if err := h.Release(ctx); err != nil {
 		t.Fatal(err)
@@ -643,4 +717,37 @@ func TestWaiterWatchesAgainAfterACut(t *testing.T) {
 		t.Errorf("the line after the grant: %v keys (%v), want 1", resp.Count, err)
 	}
 	_ = r.l.Release(ctx)
+}
+
+// TestAcquireRejoinsAfterPlaceExpired: a waiter cut off from etcd until its
+// waiter lease expires (its key leaves the line) joins the line again once
+// it reaches etcd, and is granted at the holder's release: Acquire gives up
+// only with its context (the fence.Acquirer contract), not with ErrHeld at
+// the expiry (which a loaded 3-member cluster's lost keep-alives also cause).
+func TestAcquireRejoinsAfterPlaceExpired(t *testing.T) {
+	a, cl, waiter, p, name := faultSetup(t, "rejoin")
+	ctx := context.Background()
+	h, err := a.TryAcquire(ctx, name, 60*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := acquireAsync(waiter, name, 45*time.Second)
+	waitLine(t, cl, name, 2)
+	p.Partition()
+	// etcd expires the waiter's lease (WaiterTTL) and its key leaves the line.
+	waitLine(t, cl, name, 1)
+	p.Heal()
+	// The waiter learns its place is gone and joins again.
+	waitLine(t, cl, name, 2)
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	if r.err != nil {
+		t.Fatalf("a waiter whose place expired while cut off: %v, want a grant after it joined again", r.err)
+	}
+	defer r.l.Release(ctx)
+	if r.l.Token() <= h.Token() {
+		t.Errorf("token %d after the holder's %d", r.l.Token(), h.Token())
+	}
 }

@@ -14,6 +14,7 @@ import (
 	"cloud.google.com/go/storage"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/internal/wakeup"
 )
 
 // MinAcquirerTTL is the shortest lease the GCS acquirer grants. On GCS
@@ -144,6 +145,8 @@ type AcquirerOptions struct {
 type Acquirer struct {
 	b *storage.BucketHandle
 	o AcquirerOptions
+
+	line wakeup.Line // this acquirer's waiting Acquire calls, per name
 
 	mu       sync.Mutex
 	clock    gcsClock // the latest reading of GCS's clock
@@ -551,6 +554,8 @@ type pendingGrant struct {
 // (recognised by its nonce). It stops when the lock is free of this grant, or
 // after the grant's ttl (at most a minute) and 5s.
 func (a *Acquirer) abandon(name, nonce string, p pendingGrant, ttl time.Duration) {
+	// However it ends, the lock may be free now: the head of the line tries.
+	defer a.line.Poke(name)
 	ctx, cancel := context.WithTimeout(context.Background(), min(ttl, time.Minute)+5*time.Second)
 	defer cancel()
 	gen := p.gen
@@ -595,6 +600,15 @@ func (a *Acquirer) lease(name string, st lockState, gen int64, ttl time.Duration
 
 // Acquire waits until the lease on name is granted, polling the lock object
 // with the acquirer's Backoff. See fence.Acquirer and TryAcquire.
+//
+// The Acquire calls of one Acquirer that wait for the same name form a line in
+// the order they began: only its head reads and writes the lock object, a
+// Release through this Acquirer lets the head try at once, and a holder that
+// releases and asks again joins at the back. So within one Acquirer waiters
+// are granted in arrival order, unless the head's attempt stays stuck for
+// more than a second (the others then try too) or a grant goes elsewhere: to
+// another Acquirer or process (no order is kept between them), or to a
+// TryAcquire, which never waits in the line.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
@@ -602,8 +616,18 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	if err := a.checkTTL(ttl); err != nil {
 		return nil, err
 	}
-	return leasekit.Acquire(ctx, a.o.Backoff, nil, func(ctx context.Context) (fence.Lease, error) {
-		return a.TryAcquire(ctx, name, ttl)
+	return a.line.Acquire(ctx, a.o.Backoff, name, nil, func(ctx context.Context) (fence.Lease, error) {
+		l, err := a.TryAcquire(ctx, name, ttl)
+		if errors.Is(err, ErrContention) && !errors.Is(err, fence.ErrUnknown) {
+			// Other contenders wrote the lock in between every attempt:
+			// not granted, as for a held lock; wait and try again.
+			return nil, fmt.Errorf("%w (%v)", fence.ErrHeld, err)
+		}
+		if err != nil && !errors.Is(err, fence.ErrHeld) && ctx.Err() != nil {
+			// The wait ran out during an attempt.
+			return nil, wakeup.GaveUp(ctx)
+		}
+		return l, err
 	})
 }
 
@@ -724,6 +748,10 @@ func (l *lease) Release(ctx context.Context) error {
 	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
 	}
+	// Whatever the outcome, the lock may be free: the head of this
+	// acquirer's line tries at once (after the lease's own lock below is
+	// let go).
+	defer l.a.line.Poke(l.Name())
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	defer l.End(context.Canceled)

@@ -3,6 +3,7 @@ package gcsfence_test
 import (
 	"context"
 	"errors"
+	"github.com/fencekit/fencekit/internal/linetest"
 	"strconv"
 	"strings"
 	"testing"
@@ -297,4 +298,14 @@ func TestClockRateLimited(t *testing.T) {
 		t.Errorf("token %d after %d", l2.Token(), l.Token())
 	}
 	_ = l2.Release(ctx)
+}
+
+// TestAcquireLineOrder: the waiting Acquire calls of one acquirer are granted
+// in the order they began, and a holder that releases and asks again joins at
+// the back (linetest.Order).
+func TestAcquireLineOrder(t *testing.T) {
+	servers(t, func(t *testing.T, e *gcsEnv) {
+		a := newAcquirer(t, e)
+		linetest.Order(t, a, func(name string) int { return gcsfence.LineLen(a, name) }, time.Minute)
+	})
 }

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
@@ -49,7 +50,9 @@ type Options struct {
 	// dropped connection, a leader election) is retried. Default: 10s.
 	RetryFor time.Duration
 	// Recheck is how often a waiting Acquire tries again when no watch event
-	// woke it (a watch that lost events across a reconnect). Default: 5s.
+	// woke it (a watch that lost events in a way the client could not see).
+	// A break of the connection does not wait for it: the waiter watches
+	// anew and tries again once connected. Default: 5s.
 	Recheck time.Duration
 }
 
@@ -79,7 +82,11 @@ type Options struct {
 //
 // Waiters watch the lock key and try again when its release or expiry marker
 // arrives (and every Recheck without one); they are not served in order
-// (not FIFO): every waiter tries at once, and one wins.
+// (not FIFO): every waiter tries at once, and one wins. A waiter whose
+// connection breaks, at any point of its wait, watches anew and tries again
+// once connected: a marker sent while it was away may be lost with the
+// connection (the client's consumer notices the gap only at its next
+// heartbeat, 5s on) and lives only LimitMarkerTTL.
 type Acquirer struct {
 	js         jetstream.JetStream
 	kv         jetstream.KeyValue
@@ -141,6 +148,7 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 	if cfg.MaxAge != 0 {
 		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q expires entries after %v, which would end a renewed lease early", bucket, cfg.MaxAge)}
 	}
+	connBroke(js) // follow the connection's breaks from now on
 	return &Acquirer{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}, nil
 }
 
@@ -169,7 +177,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	return a.acquire(ctx, name, ttl, false, nil, nil)
+	return a.acquire(ctx, name, ttl, nil)
 }
 
 // Acquire waits for the lease on name. It gives up at ctx's deadline, or
@@ -189,25 +197,124 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	// watch is not missed. Creating the watch (a consumer) can stall during
 	// a leader election: wait for it at most Timeout, then go on with
 	// Recheck alone until it arrives.
-	wctx, stop := context.WithCancel(ctx)
-	defer stop()
-	ready := make(chan jetstream.KeyWatcher, 1)
-	go func() {
-		if w, err := a.kv.Watch(wctx, EncodeKey(name)); err == nil {
-			ready <- w // stopped by wctx's end when nobody takes it
-		}
-	}()
+	wt := a.watch(ctx, EncodeKey(name))
+	defer func() { wt.close() }() // the last one: a break replaces it
 	t := time.NewTimer(a.o.Timeout)
 	defer t.Stop()
-	var w jetstream.KeyWatcher
 	select {
-	case w = <-ready:
-		defer stopWatch(w)
+	case w := <-wt.ready:
+		wt.took(w)
 	case <-t.C:
 	case <-ctx.Done():
 		return nil, a.fail(ctx, name, ctx.Err())
 	}
-	return a.acquire(ctx, name, ttl, true, w, ready)
+	return a.acquire(ctx, name, ttl, &wt)
+}
+
+// keyWatch is a waiting Acquire's watch on its lock key, made in the
+// background.
+type keyWatch struct {
+	// broke ends at the first break of the connection after the watch was
+	// asked for: events may have been lost with the connection since, and
+	// the tries made since may have read the key before a release.
+	broke context.Context
+	ready chan jetstream.KeyWatcher // the watch once made
+	w     jetstream.KeyWatcher      // the watch, once taken from ready
+	stop  context.CancelFunc        // ends the watch's creation
+
+	mu     sync.Mutex
+	closed bool
+}
+
+// watch asks for a watch on key. The connection's breaks are followed from
+// before the request, so a break while the consumer is made, or at any time
+// after, ends broke.
+func (a *Acquirer) watch(ctx context.Context, key string) *keyWatch {
+	wt := &keyWatch{broke: connBroke(a.js), ready: make(chan jetstream.KeyWatcher, 1)}
+	wctx, stop := context.WithCancel(ctx)
+	wt.stop = stop
+	go func() {
+		w, err := a.kv.Watch(wctx, key)
+		if err != nil {
+			return
+		}
+		wt.mu.Lock()
+		defer wt.mu.Unlock()
+		if wt.closed {
+			stopWatch(w) // made after the wait ended: nobody will take it
+			return
+		}
+		wt.ready <- w
+	}()
+	return wt
+}
+
+// took records w, taken from ready.
+func (wt *keyWatch) took(w jetstream.KeyWatcher) {
+	wt.w = w
+}
+
+// pending returns ready until the watch was taken, then nil.
+func (wt *keyWatch) pending() <-chan jetstream.KeyWatcher {
+	if wt.w != nil {
+		return nil
+	}
+	return wt.ready
+}
+
+// updates returns the watch's events, nil before it was taken.
+func (wt *keyWatch) updates() <-chan jetstream.KeyValueEntry {
+	if wt.w == nil {
+		return nil
+	}
+	return wt.w.Updates()
+}
+
+// close stops the watch, also one still being made or not yet taken.
+func (wt *keyWatch) close() {
+	wt.stop()
+	wt.mu.Lock()
+	wt.closed = true
+	select {
+	case w := <-wt.ready:
+		stopWatch(w)
+	default:
+	}
+	wt.mu.Unlock()
+	if wt.w != nil {
+		stopWatch(wt.w)
+	}
+}
+
+// connBroke returns a context that ends at the next break of js's connection
+// (none without a connection).
+func connBroke(js jetstream.JetStream) context.Context {
+	if nc := js.Conn(); nc != nil {
+		return breaksOf(nc).current()
+	}
+	return context.Background()
+}
+
+// waitConnected waits until js's connection is connected. It returns
+// nats.ErrConnectionClosed for a closed connection, or ctx's error.
+func waitConnected(ctx context.Context, js jetstream.JetStream) error {
+	nc := js.Conn()
+	if nc == nil {
+		return nil
+	}
+	ch := nc.StatusChanged(nats.CONNECTED, nats.CLOSED)
+	defer nc.RemoveStatusListener(ch)
+	for !nc.IsConnected() {
+		if nc.IsClosed() {
+			return nats.ErrConnectionClosed
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
 }
 
 // stopWatch stops w without waiting: Stop may wait for the server (the
@@ -222,10 +329,11 @@ func ttlSeconds(ttl time.Duration) string {
 	return strconv.FormatInt(leasekit.CeilDiv(ttl, time.Second), 10)
 }
 
-// acquire tries, and when wait is set waits for the key's release or expiry
-// marker on w, or for the watch to arrive on ready when w is nil, or for the
-// recheck.
-func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, wait bool, w jetstream.KeyWatcher, ready <-chan jetstream.KeyWatcher) (fence.Lease, error) {
+// acquire tries, and when wt is set (a waiting Acquire's watch) waits for the
+// key's release or expiry marker on the watch, or for the watch to arrive
+// when it has not yet, or for the recheck, or for a break of the connection:
+// then it waits to be connected again, watches anew (*wt) and tries again.
+func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, wt **keyWatch) (fence.Lease, error) {
 	var nb [16]byte
 	if _, err := rand.Read(nb[:]); err != nil {
 		return nil, err
@@ -267,14 +375,15 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			// the name is not blocked for the ttl by an entry nobody holds.
 			go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
 		}
-		if !errors.Is(err, fence.ErrHeld) || !wait {
+		if !errors.Is(err, fence.ErrHeld) || wt == nil {
 			return nil, a.fail(ctx, name, err)
 		}
-		var updates <-chan jetstream.KeyValueEntry
-		if w != nil {
-			updates = w.Updates()
+		w := *wt
+		updates := w.updates()
+		if h := waitingHook.Load(); h != nil {
+			(*h)(key)
 		}
-		// Wait for a release or expiry marker, or the recheck.
+		// Wait for a release or expiry marker, or the recheck, or a break.
 	wait:
 		for {
 			select {
@@ -283,22 +392,39 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			case <-recheck.C:
 				recheck.Reset(a.o.Recheck)
 				break wait
-			case nw := <-ready:
-				w = nw
-				defer stopWatch(nw)
-				ready = nil
+			case nw := <-w.pending():
+				w.took(nw)
 				break wait // a release before the watch began is not missed
 			case e, ok := <-updates:
-				if !ok {
-					return nil, a.fail(ctx, name, errors.New("watch ended"))
+				if ok {
+					if e != nil && e.Operation() != jetstream.KeyValuePut {
+						break wait
+					}
+					continue
 				}
-				if e != nil && e.Operation() != jetstream.KeyValuePut {
-					break wait
-				}
+				// The watch ended (the client could not make its
+				// consumer again after a gap): watch anew.
+			case <-w.broke.Done():
+				// The connection broke after the watch was asked for:
+				// a release sent meanwhile may be lost with it (the
+				// client's consumer notices a gap only at its next
+				// heartbeat, and a marker lives one LimitMarkerTTL), or
+				// the watch was never made.
 			}
+			// Watch anew once connected, then try again.
+			w.close()
+			if err := waitConnected(ctx, a.js); err != nil {
+				return nil, a.fail(ctx, name, err)
+			}
+			*wt = a.watch(ctx, key)
+			break wait
 		}
 	}
 }
+
+// waitingHook, set by tests only, is called with the lock key each time a
+// waiting Acquire's try found the name held and it begins to wait.
+var waitingHook atomic.Pointer[func(key string)]
 
 // grant creates key with value and a TTL; it returns the create's revision,
 // or fence.ErrHeld. A create whose reply was lost is sent again; one that
@@ -306,6 +432,7 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time.Duration) (uint64, error) {
 	giveUp := time.Now().Add(a.o.RetryFor)
 	var lastErr error
+	wrote := false // a create whose outcome is unknown was sent
 	for {
 		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
 		if err == nil {
@@ -327,13 +454,21 @@ func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time
 			if revisionMismatch(err) {
 				continue // changed meanwhile: look again
 			}
+			if ambiguous(err) {
+				wrote = true
+			}
 		}
 		if !ambiguous(err) {
 			return 0, err
 		}
 		lastErr = err
-		if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
-			return 0, fmt.Errorf("%w: %w", fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
+		if werr := retryWaitUntil(ctx, a.js, giveUp); werr != nil {
+			if !wrote {
+				// Only reads failed: nothing was written, nothing to
+				// clean up; as any wait that ran out when ctx ended.
+				return 0, errors.Join(lastErr, werr)
+			}
+			return 0, fmt.Errorf("%w: %w", fence.ErrUnknown, errors.Join(lastErr, werr))
 		}
 	}
 }
@@ -355,7 +490,7 @@ func (a *Acquirer) cleanup(ctx context.Context, key string, value []byte, ttl ti
 				continue // look again
 			}
 		}
-		if !ambiguous(err) || pause(ctx, retryPause) != nil {
+		if !ambiguous(err) || retryWait(ctx, a.js) != nil {
 			return
 		}
 	}
@@ -375,7 +510,7 @@ func (a *Acquirer) publish(ctx context.Context, key string, value []byte, expect
 	if grant != 0 {
 		m.Header.Set(grantHeader, strconv.FormatUint(grant, 10))
 	}
-	actx, cancel := attemptCtx(ctx, a.o.Timeout)
+	actx, cancel := attemptCtx(ctx, a.js, a.o.Timeout)
 	defer cancel()
 	pa, err := a.js.PublishMsg(actx, m, jetstream.WithExpectLastSequencePerSubject(expect))
 	if err != nil {
@@ -399,14 +534,14 @@ func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, tt
 	var created time.Time
 	giveUp := time.Now().Add(a.o.RetryFor)
 	for {
-		actx, cancel := attemptCtx(ctx, a.o.Timeout)
+		actx, cancel := attemptCtx(ctx, a.js, a.o.Timeout)
 		info, err := a.stream.Info(actx)
 		cancel()
 		if err == nil {
 			created = info.Created
 			break
 		}
-		if !ambiguous(err) || time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+		if !ambiguous(err) || time.Now().After(giveUp) || retryWait(ctx, a.js) != nil {
 			a.purge(context.WithoutCancel(ctx), key, rev)
 			return nil, fmt.Errorf("natsfence: acquire %q: the bucket's creation time for the token: %w", name, err)
 		}
@@ -422,7 +557,7 @@ func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, tt
 // purge removes key if it is still at rev, leaving a marker that wakes the
 // waiters and ages out.
 func (a *Acquirer) purge(ctx context.Context, key string, rev uint64) error {
-	actx, cancel := attemptCtx(ctx, a.o.Timeout)
+	actx, cancel := attemptCtx(ctx, a.js, a.o.Timeout)
 	defer cancel()
 	return a.kv.Purge(actx, key, jetstream.LastRevision(rev), jetstream.PurgeTTL(a.marker))
 }
@@ -501,7 +636,7 @@ func (l *lease) Renew(ctx context.Context) error {
 		if l.Context().Err() != nil {
 			return l.lost()
 		}
-		if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+		if time.Now().After(giveUp) || retryWait(ctx, l.a.js) != nil {
 			return fmt.Errorf("natsfence: renew %q: %w: %w", l.Name(), fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
 		}
 	}
@@ -546,7 +681,7 @@ func (l *lease) Release(ctx context.Context) error {
 			return fmt.Errorf("natsfence: release %q: %w", l.Name(), err)
 		}
 		lastErr = err
-		if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+		if time.Now().After(giveUp) || retryWait(ctx, l.a.js) != nil {
 			return fmt.Errorf("natsfence: release %q: %w: %w", l.Name(), fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
 		}
 	}
@@ -579,7 +714,7 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 	if err != nil {
 		return fence.LockInfo{}, fmt.Errorf("natsfence: inspect %q: %w", name, err)
 	}
-	actx, cancel := attemptCtx(ctx, a.o.Timeout)
+	actx, cancel := attemptCtx(ctx, a.js, a.o.Timeout)
 	info, err := a.stream.Info(actx) // after the read: its last revision covers the entry
 	cancel()
 	if err != nil {

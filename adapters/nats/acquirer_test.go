@@ -32,7 +32,7 @@ func TestAcquirerConformance(t *testing.T) {
 	// TokensExhausted case, which brings it near fence.MaxToken, gets a
 	// bucket of its own.
 	exhausting := func(t *testing.T) bool { return strings.HasSuffix(t.Name(), "/TokensExhausted") }
-	fencetest.AcquirerSuite{
+	fencetest.AcquirerSuite{Parallel: true,
 		New: func(t *testing.T) fence.Acquirer {
 			if exhausting(t) {
 				return newAcquirer(t, js(t), exhaustBucket, nil)

@@ -236,7 +236,7 @@ func (s *Store) last(ctx context.Context, key, kvKey string) (*idemEntry, *store
 			e, err := decodeIdem(key, m)
 			return e, m, err
 		}
-		if !ambiguous(err) || time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+		if !ambiguous(err) || time.Now().After(giveUp) || retryWait(ctx, s.js) != nil {
 			return nil, nil, errors.Join(err, context.Cause(ctx))
 		}
 	}
@@ -247,7 +247,7 @@ func (s *Store) last(ctx context.Context, key, kvKey string) (*idemEntry, *store
 func (s *Store) now(ctx context.Context) (time.Time, error) {
 	giveUp := time.Now().Add(s.o.RetryFor)
 	for {
-		actx, cancel := attemptCtx(ctx, s.o.Timeout)
+		actx, cancel := attemptCtx(ctx, s.js, s.o.Timeout)
 		info, err := s.stream.Info(actx)
 		cancel()
 		if err == nil {
@@ -256,7 +256,7 @@ func (s *Store) now(ctx context.Context) (time.Time, error) {
 			}
 			return info.TimeStamp, nil
 		}
-		if !ambiguous(err) || time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+		if !ambiguous(err) || time.Now().After(giveUp) || retryWait(ctx, s.js) != nil {
 			return time.Time{}, errors.Join(err, context.Cause(ctx))
 		}
 	}
@@ -271,7 +271,7 @@ func (s *Store) publish(ctx context.Context, kvKey string, e *idemEntry, expect 
 	}
 	m := nats.NewMsg(s.subj + kvKey)
 	m.Data = data
-	actx, cancel := attemptCtx(ctx, s.o.Timeout)
+	actx, cancel := attemptCtx(ctx, s.js, s.o.Timeout)
 	defer cancel()
 	pa, err := s.js.PublishMsg(actx, m, jetstream.WithExpectLastSequencePerSubject(expect))
 	if err != nil {
@@ -292,7 +292,7 @@ func (s *Store) put(ctx context.Context, kvKey string, e *idemEntry, expect uint
 	var maybe bool
 	for {
 		if disconnected(s.js) {
-			if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			if time.Now().After(giveUp) || retryWait(ctx, s.js) != nil {
 				return 0, maybe, errors.Join(errNotConnected, context.Cause(ctx))
 			}
 			continue
@@ -302,7 +302,7 @@ func (s *Store) put(ctx context.Context, kvKey string, e *idemEntry, expect uint
 			return rev, maybe, err
 		}
 		maybe = true
-		if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+		if time.Now().After(giveUp) || retryWait(ctx, s.js) != nil {
 			return 0, true, errors.Join(err, context.Cause(ctx))
 		}
 	}
@@ -394,7 +394,7 @@ func (s *Store) claimed(ctx context.Context, op, key string, rev uint64) (idempo
 			}
 			return e.record(key, e.resolved.at), true, nil
 		}
-		if !ambiguous(err) || time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+		if !ambiguous(err) || time.Now().After(giveUp) || retryWait(ctx, s.js) != nil {
 			return idempotency.Record{}, false, fmt.Errorf("natsfence: %s %q: claimed at revision %d, but its record could not be read: %w: %w", op, key, rev, fence.ErrUnknown, errors.Join(err, context.Cause(ctx)))
 		}
 	}
@@ -539,7 +539,7 @@ func (s *Store) Purge(ctx context.Context) (int, error) {
 		if s.marker > 0 {
 			opts = append(opts, jetstream.PurgeTTL(s.marker))
 		}
-		actx, cancel := attemptCtx(ctx, s.o.Timeout)
+		actx, cancel := attemptCtx(ctx, s.js, s.o.Timeout)
 		err = s.kv.Purge(actx, kvKey, opts...)
 		cancel()
 		switch {

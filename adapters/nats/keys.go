@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
@@ -79,6 +81,18 @@ func ambiguous(err error) bool {
 	return true
 }
 
+// unavailable reports a JetStream API error 503 (the system temporarily
+// unavailable, a stream without a leader): an answer that comes during an
+// election and that the writer waits out, as it does a lost reply, rather
+// than fail a write a moment before the new leader takes it. The writer
+// counts it as ambiguous too (a proposal forwarded before the election may
+// still be applied), so it reports fence.ErrUnknown, never a definite
+// failure, when its RetryFor runs out.
+func unavailable(err error) bool {
+	var api *jetstream.APIError
+	return errors.As(err, &api) && api.Code == 503
+}
+
 // errNotConnected is a request not sent because the client was not connected.
 var errNotConnected = errors.New("not connected to the server (not sent)")
 
@@ -98,15 +112,131 @@ func revisionMismatch(err error) bool {
 	return errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch)
 }
 
-// attemptCtx bounds one request by timeout within ctx.
-func attemptCtx(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(ctx, timeout)
+// attemptCtx bounds one request on js's connection by timeout within ctx,
+// and ends it when that connection breaks (errConnBroken). The nats client
+// does not fail a request whose connection broke: its reply, lost with the
+// connection, would otherwise be awaited for the whole timeout, while a new
+// connection is usually up within milliseconds. A request ended so is
+// ambiguous (it may have been applied before the break) and is handled as
+// any lost reply is.
+func attemptCtx(ctx context.Context, js jetstream.JetStream, timeout time.Duration) (context.Context, context.CancelFunc) {
+	actx, cancel := context.WithTimeout(ctx, timeout)
+	nc := js.Conn()
+	if nc == nil {
+		return actx, cancel
+	}
+	bctx, bcancel := context.WithCancelCause(actx)
+	stop := context.AfterFunc(breaksOf(nc).current(), func() { bcancel(errConnBroken) })
+	return bctx, func() {
+		stop()
+		bcancel(context.Canceled)
+		cancel()
+	}
+}
+
+// errConnBroken ends a request whose connection broke before its reply came.
+var errConnBroken = errors.New("natsfence: the connection broke before the reply came (the request may have been applied)")
+
+// connBreaks holds, per client connection, a context that ends at the
+// connection's next break (disconnected, reconnecting or closed), and a
+// fresh one after each break.
+type connBreaks struct {
+	last   atomic.Int64 // when the last break was seen, in Unix ns
+	mu     sync.Mutex
+	cur    context.Context
+	cancel context.CancelFunc
+}
+
+// breaks maps a *nats.Conn to its *connBreaks. An entry and the goroutine
+// that serves it go when the connection is closed.
+var breaks sync.Map
+
+func (b *connBreaks) current() context.Context {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.cur
+}
+
+// breaksOf returns nc's connBreaks, watching nc's status from the first call.
+func breaksOf(nc *nats.Conn) *connBreaks {
+	if v, ok := breaks.Load(nc); ok {
+		return v.(*connBreaks)
+	}
+	b := &connBreaks{}
+	b.cur, b.cancel = context.WithCancel(context.Background())
+	if v, loaded := breaks.LoadOrStore(nc, b); loaded {
+		b.cancel()
+		return v.(*connBreaks)
+	}
+	ch := nc.StatusChanged(nats.DISCONNECTED, nats.RECONNECTING, nats.CLOSED)
+	if nc.IsClosed() {
+		// Closed before the listener was in place: it may never hear it.
+		nc.RemoveStatusListener(ch)
+	}
+	go func() {
+		for s := range ch {
+			b.last.Store(time.Now().UnixNano())
+			b.mu.Lock()
+			b.cancel()
+			b.cur, b.cancel = context.WithCancel(context.Background())
+			b.mu.Unlock()
+			if s == nats.CLOSED {
+				nc.RemoveStatusListener(ch)
+			}
+		}
+		b.mu.Lock()
+		b.cancel()
+		b.mu.Unlock()
+		breaks.Delete(nc)
+	}()
+	return b
 }
 
 // retryPause is the wait between two attempts of a request whose outcome was
 // ambiguous: long enough not to spin on a closed connection, short next to a
 // reconnect or a leader election.
 const retryPause = 50 * time.Millisecond
+
+// retryWait waits before the next attempt of a request on js's connection
+// whose outcome was ambiguous: retryPause, or, when the connection broke
+// within the last retryPause (the attempt most likely ended at the break),
+// only until it is connected again (at most retryPause). It returns ctx's
+// error when ctx ends first.
+func retryWait(ctx context.Context, js jetstream.JetStream) error {
+	nc := js.Conn()
+	if nc != nil && nc.IsClosed() {
+		return nats.ErrConnectionClosed // nothing more can be learned
+	}
+	if nc == nil || time.Since(time.Unix(0, breaksOf(nc).last.Load())) > retryPause {
+		return pause(ctx, retryPause)
+	}
+	for giveUp := time.Now().Add(retryPause); !nc.IsConnected() && time.Now().Before(giveUp); {
+		if err := pause(ctx, time.Millisecond); err != nil {
+			return err
+		}
+	}
+	return ctx.Err()
+}
+
+// retryWaitUntil is retryWait, or an error naming the retry time's end
+// when giveUp has passed.
+func retryWaitUntil(ctx context.Context, js jetstream.JetStream, giveUp time.Time) error {
+	if time.Now().After(giveUp) {
+		if err := context.Cause(ctx); err != nil {
+			return err
+		}
+		return errRetryFor
+	}
+	if err := retryWait(ctx, js); err != nil {
+		if cause := context.Cause(ctx); cause != nil {
+			return cause
+		}
+		return err
+	}
+	return nil
+}
+
+var errRetryFor = errors.New("natsfence: no answer within RetryFor")
 
 // pause waits d, or returns ctx's error when it ends first.
 func pause(ctx context.Context, d time.Duration) error {
@@ -181,7 +311,7 @@ func seqMsg(ctx context.Context, js jetstream.JetStream, stream string, seq uint
 
 // getMsg sends one STREAM.MSG.GET request to the stream leader.
 func getMsg(ctx context.Context, js jetstream.JetStream, stream string, request map[string]any, timeout time.Duration) (*storedMsg, error) {
-	actx, cancel := attemptCtx(ctx, timeout)
+	actx, cancel := attemptCtx(ctx, js, timeout)
 	defer cancel()
 	req, _ := json.Marshal(request)
 	resp, err := js.Conn().RequestWithContext(actx, "$JS.API.STREAM.MSG.GET."+stream, req)

@@ -109,8 +109,13 @@ func TestClusterNodeRestart(t *testing.T) {
 		c.Stop(i)
 		time.Sleep(time.Second) // the node stays down a while: not a synchronisation
 		c.Restart(i)
-		// Go on once the holder has renewed after the node came back.
-		for deadline := time.Now().Add(20 * time.Second); renewals.Load() == before || renewals.Load() == before+1; {
+		// Go on once the holder has renewed after the node came back, and
+		// the writer and the other process have each done a few calls
+		// since then: a call caught by the restart can take seconds, and
+		// the counts below must show the cluster was used around each one.
+		back := time.Now()
+		w0, t0 := writes.Load(), tries.Load()
+		for deadline := back.Add(20 * time.Second); renewals.Load() < before+2 || writes.Load() < w0+4 || tries.Load() < t0+4; {
 			if time.Now().After(deadline) || holder.Context().Err() != nil {
 				break
 			}

@@ -206,7 +206,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 		for {
 			if disconnected(w.js) {
 				// Not sent now: it could be sent after this write returned.
-				if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+				if time.Now().After(giveUp) || retryWait(ctx, w.js) != nil {
 					err = errors.Join(errNotConnected, context.Cause(ctx))
 					if lastErr != nil {
 						return unknown(errors.Join(lastErr, err))
@@ -215,17 +215,17 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 				}
 				continue
 			}
-			actx, cancel := attemptCtx(ctx, w.o.Timeout)
+			actx, cancel := attemptCtx(ctx, w.js, w.o.Timeout)
 			_, err = w.kv.Update(actx, kvKey, data, rev)
 			cancel()
 			if err == nil {
 				return nil
 			}
-			if !ambiguous(err) {
+			if !ambiguous(err) && !unavailable(err) {
 				break
 			}
 			lastErr, sentRev = err, rev
-			if time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+			if time.Now().After(giveUp) || retryWait(ctx, w.js) != nil {
 				return unknown(errors.Join(err, context.Cause(ctx)))
 			}
 		}
@@ -257,7 +257,7 @@ func (w *Writer) get(ctx context.Context, op, key, kvKey string) (*entry, uint64
 			}
 			return &e, m.Sequence, nil
 		}
-		if !ambiguous(err) || time.Now().After(giveUp) || pause(ctx, retryPause) != nil {
+		if !(ambiguous(err) || unavailable(err)) || time.Now().After(giveUp) || retryWait(ctx, w.js) != nil {
 			return nil, 0, fmt.Errorf("natsfence: %s %q: %w", op, key, errors.Join(err, context.Cause(ctx)))
 		}
 	}

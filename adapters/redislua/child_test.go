@@ -19,6 +19,10 @@ import (
 func TestMain(m *testing.M) {
 	kind := os.Getenv("FENCEKIT_CHILD")
 	if kind == "" {
+		// go-redis logs each broken connection of the fault, failover and
+		// node-loss tests; its logger is one per process, so it is set here,
+		// before any test (several run in parallel).
+		redis.SetLogger(quietLogger{})
 		os.Exit(m.Run())
 	}
 	if err := runChild(kind, os.Getenv("FENCEKIT_CHILD_NAME")); err != nil {

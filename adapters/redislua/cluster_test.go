@@ -19,6 +19,7 @@ import (
 // redis.ClusterClient. Names and keys are random, so they spread over the
 // slots of all three nodes; each script touches the one slot of its hash tag.
 func TestCluster(t *testing.T) {
+	t.Parallel() // servers of its own
 	rc := testenv.StartRedisCluster(t, 3)
 	c := rc.Client(t)
 	for _, o := range []struct {
@@ -36,7 +37,7 @@ func TestCluster(t *testing.T) {
 			if o.opts.CounterTokens {
 				deleteState = nil
 			}
-			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, ShortTTL: shortTTL, BadNames: []string{"a{b}"},
+			fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, ShortTTL: shortTTL, BadNames: []string{"a{b}"},
 				DeleteState: deleteState}.Run(t)
 		})
 	}

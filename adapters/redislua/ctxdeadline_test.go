@@ -187,3 +187,43 @@ func TestAbandonedLockCallLandsLate(t *testing.T) {
 	// they write lands while the test runs.
 	time.Sleep(time.Second)
 }
+
+// TestAcquireEndsWithARequestInFlight: an Acquire whose context ends while
+// its request is on a slow link (faultnet latency above the wait), whose
+// leave then lands and settles that it was not granted, returns what any
+// wait that ran out returns: fence.ErrHeld joined with the context's error,
+// not fence.ErrUnknown (the conformance suite's AcquireGivesUpAtDeadline and
+// AcquireCancelled failed so on a loaded machine, through Sentinel).
+func TestAcquireEndsWithARequestInFlight(t *testing.T) {
+	ctx := context.Background()
+	p, _, a := proxiedAcquirer(t, redis.Options{ContextTimeoutEnabled: true})
+	warm := fencetest.Name("inflight")
+	l, err := a.TryAcquire(ctx, warm, time.Minute) // connects and loads the scripts
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	holder, err := redislua.NewAcquirer(testenv.RedisClient(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("inflight")
+	h, err := holder.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Release(ctx)
+	p.Latency(100*time.Millisecond, 100*time.Millisecond)
+	wctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	got, err := a.Acquire(wctx, name, time.Minute)
+	if err == nil {
+		_ = got.Release(ctx)
+		t.Fatal("granted a held name")
+	}
+	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("Acquire whose context ended with its request in flight: %v, want ErrHeld joined with DeadlineExceeded (and not ErrUnknown)", err)
+	}
+}

@@ -30,10 +30,17 @@ type grants struct {
 	epoch   time.Time // stamps are durations since epoch, on the monotonic clock
 
 	mu      sync.Mutex
-	waiters map[string]chan grantMsg
+	waiters map[string]*waiter
 	ready   chan struct{} // closed once the current subscription is confirmed
 	stop    context.CancelFunc
 	idle    *time.Timer // ends the subscription after a spell with no waiter
+}
+
+// waiter is one Acquire's end: its grant, and the notice that it is next in
+// line (sent only to a waiter that spins, see AcquirerOptions.HeadSpin).
+type waiter struct {
+	grant chan grantMsg
+	next  chan struct{}
 }
 
 // grantsLinger keeps the subscription after the last waiter leaves, so a
@@ -41,16 +48,24 @@ type grants struct {
 const grantsLinger = 2 * time.Second
 
 func newGrants(c Client, channel string) *grants {
-	return &grants{c: c, channel: channel, epoch: time.Now(), waiters: map[string]chan grantMsg{}}
+	return &grants{c: c, channel: channel, epoch: time.Now(), waiters: map[string]*waiter{}}
 }
 
-// stamp encodes t for the line entry.
-func (g *grants) stamp(t time.Time) string { return strconv.FormatInt(int64(t.Sub(g.epoch)), 10) }
+// stamp encodes t for the line entry; a waiter that spins when it is next in
+// line ends it with "s", which asks the script that grants the lease to the
+// waiter before it to tell it so ("next <nonce>").
+func (g *grants) stamp(t time.Time, spins bool) string {
+	s := strconv.FormatInt(int64(t.Sub(g.epoch)), 10)
+	if spins {
+		s += "s"
+	}
+	return s
+}
 
 // sentAt decodes a stamp; a malformed one gives the epoch (the most
 // conservative answer: the lease's deadline then lies in the past).
 func (g *grants) sentAt(stamp string) time.Time {
-	n, err := strconv.ParseInt(stamp, 10, 64)
+	n, err := strconv.ParseInt(strings.TrimSuffix(stamp, "s"), 10, 64)
 	if err != nil {
 		return g.epoch
 	}
@@ -60,11 +75,11 @@ func (g *grants) sentAt(stamp string) time.Time {
 // join registers a waiter and returns its channel and the subscription's
 // ready channel: until that is closed a grant published to this acquirer may
 // find no receiver, and the script would skip the waiter.
-func (g *grants) join(nonce string) (chan grantMsg, <-chan struct{}) {
-	ch := make(chan grantMsg, 1)
+func (g *grants) join(nonce string) (*waiter, <-chan struct{}) {
+	w := &waiter{grant: make(chan grantMsg, 1), next: make(chan struct{}, 1)}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.waiters[nonce] = ch
+	g.waiters[nonce] = w
 	if g.idle != nil {
 		g.idle.Stop()
 		g.idle = nil
@@ -74,7 +89,7 @@ func (g *grants) join(nonce string) (chan grantMsg, <-chan struct{}) {
 		g.stop, g.ready = cancel, make(chan struct{})
 		go g.run(ctx, g.ready)
 	}
-	return ch, g.ready
+	return w, g.ready
 }
 
 // leave unregisters a waiter; a grant for it from then on is dropped (the
@@ -99,12 +114,12 @@ func (g *grants) leave(nonce string) {
 func (g *grants) deliver(nonce string, m grantMsg) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	ch, ok := g.waiters[nonce]
+	w, ok := g.waiters[nonce]
 	if !ok {
 		return false
 	}
 	select {
-	case ch <- m:
+	case w.grant <- m:
 	default: // it has one already; the newer grant replaces nothing
 	}
 	return true
@@ -121,9 +136,21 @@ func (g *grants) run(ctx context.Context, ready chan struct{}) {
 		func() {})
 }
 
-// message passes a published grant ("nonce token stamp name") to its waiter.
+// message passes a published grant ("nonce token stamp name") to its waiter,
+// and a notice that a waiter is next in line ("next nonce") to that waiter.
 func (g *grants) message(payload string) {
 	f := strings.SplitN(payload, " ", 4)
+	if len(f) == 2 && f[0] == "next" {
+		g.mu.Lock()
+		if w, ok := g.waiters[f[1]]; ok {
+			select {
+			case w.next <- struct{}{}:
+			default:
+			}
+		}
+		g.mu.Unlock()
+		return
+	}
 	if len(f) < 3 {
 		return
 	}

@@ -47,7 +47,7 @@ func TestAcquirerConformance(t *testing.T) {
 			if o.opts.CounterTokens {
 				deleteState = nil
 			}
-			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, ShortTTL: shortTTL, BadNames: []string{"a{b}", "x}"},
+			fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, ShortTTL: shortTTL, BadNames: []string{"a{b}", "x}"},
 				NewOther:    otherAcquirer(&o.opts),
 				Faulty:      faultyAcquirer(&o.opts),
 				DeleteState: deleteState,
@@ -233,7 +233,9 @@ func TestKeysAreBytes(t *testing.T) {
 		if err := w.Write(ctx, k, []byte("old"), 2); !errors.Is(err, fence.ErrStale) {
 			t.Errorf("a lower token on key %.20q: %v", k, err)
 		}
-		l, err := a.TryAcquire(ctx, k, time.Second)
+		// A minute's lease: a 1MiB name takes a loaded machine a while to
+		// send twice, and the lease must still be held for its Release.
+		l, err := a.TryAcquire(ctx, k, time.Minute)
 		if err != nil {
 			t.Errorf("TryAcquire with name %.20q: %v", k, err)
 			continue

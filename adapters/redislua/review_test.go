@@ -44,7 +44,6 @@ func TestWriterIdempotencyKeysApart(t *testing.T) {
 // redlockViaProxies returns a Redlock on three fresh Redis servers, each
 // reached through its own fault proxy.
 func redlockViaProxies(t *testing.T, retries int) (*redislua.Redlock, []*faultnet.Proxy, []*redis.Client) {
-	redis.SetLogger(quietLogger{})
 	var (
 		nodes   []redislua.Client
 		proxies []*faultnet.Proxy
@@ -205,7 +204,6 @@ func TestRedlockGrantLostReply(t *testing.T) {
 // each node's lock call is its own vote, and a call to one node must not
 // adopt the grant another node's call made on the same server.
 func TestRedlockOneServerTwice(t *testing.T) {
-	redis.SetLogger(quietLogger{})
 	srv := testenv.StartRedis(t)
 	down := faultnet.Start(t, testenv.StartRedis(t).Addr)
 	down.Refuse(true)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/fencekit/fencekit/internal/linetest"
 	"net/http"
 	"strings"
 	"testing"
@@ -34,7 +35,7 @@ func TestAcquirerConformance(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		t.Parallel()
 		a := newAcquirer(t, e)
-		fencetest.AcquirerSuite{
+		fencetest.AcquirerSuite{Parallel: true,
 			New: func(*testing.T) fence.Acquirer { return a },
 			// Another process: an acquirer on a client (and connections) of its own.
 			NewOther: func(t *testing.T) fence.Acquirer {
@@ -655,4 +656,14 @@ func TestMaxAttemptsOneNewName(t *testing.T) {
 		t.Fatalf("MaxAttempts 1, a new name: %v", err)
 	}
 	_ = l.Release(context.Background())
+}
+
+// TestAcquireLineOrder: the waiting Acquire calls of one acquirer are granted
+// in the order they began, and a holder that releases and asks again joins at
+// the back (linetest.Order).
+func TestAcquireLineOrder(t *testing.T) {
+	servers(t, func(t *testing.T, e *s3env) {
+		a := newAcquirer(t, e)
+		linetest.Order(t, a, func(name string) int { return s3fence.LineLen(a, name) }, time.Minute)
+	})
 }

@@ -26,6 +26,7 @@ package s3fence
 import (
 	"bytes"
 	"context"
+	"crypto/md5"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -51,13 +52,18 @@ const (
 	MetaToken   = "fence-token"
 	MetaWriteID = "fence-write-id"
 	MetaDeleted = "fence-deleted"
+	// MetaBodyMD5 is the hex MD5 of the object's body: where the server's
+	// ETag is that MD5 (a plain single-part PUT), a HEAD whose ETag matches
+	// it answered the token and the ETag of one version.
+	MetaBodyMD5 = "fence-body-md5"
 )
 
 // ErrUnfenced is returned, with RefuseUnfenced, for an object that has no token.
 var ErrUnfenced = errors.New("s3fence: object was not written by a fenced writer")
 
 // ErrContention is returned when other writers changed the object between every
-// read and write of MaxAttempts attempts.
+// read and write of MaxAttempts attempts, or between 9 HEADs in a row that
+// could not be trusted (see Writer.head): nothing was written; try again.
 var ErrContention = errors.New("s3fence: object kept changing under the write")
 
 // API is the part of *s3.Client the writer uses.
@@ -169,11 +175,46 @@ func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 }
 
 // head reads the object's state; a missing object is exists=false.
+//
+// A server may answer a HEAD with the metadata of one version and the ETag of
+// a newer one (versitygw v1.8.0 reads them one after the other while a PUT is
+// published between the two reads; a reviewer saw 21 torn answers of 3155
+// beside concurrent PUTs). The writer would then
+// pair an old token with the current ETag, and a PUT conditional on it would
+// replace a newer token. So a HEAD is trusted when its ETag is the MD5 its
+// metadata records (MetaBodyMD5); otherwise (a torn answer, an object without
+// MetaBodyMD5, a server whose ETag is no MD5) only when a second HEAD gives
+// the same ETag and write id: a version published before the first answer's
+// ETag was read is, by the second HEAD, also in its metadata.
 func (w *Writer) head(ctx context.Context, key string) (state, error) {
+	var prev state
+	for i := range 9 {
+		st, md5hex, err := w.headOnce(ctx, key)
+		if err != nil || !st.exists || (md5hex != "" && trimETag(st.etag) == md5hex) {
+			return st, err
+		}
+		if i > 0 && st.etag == prev.etag && st.writeID == prev.writeID && st.token == prev.token {
+			return st, nil
+		}
+		prev = st
+	}
+	return state{}, fmt.Errorf("object %q: 9 HEADs in a row disagreed on its ETag or write id: %w", key, ErrContention)
+}
+
+// trimETag drops an ETag's quotes.
+func trimETag(etag string) string {
+	if len(etag) >= 2 && etag[0] == '"' && etag[len(etag)-1] == '"' {
+		return etag[1 : len(etag)-1]
+	}
+	return etag
+}
+
+// headOnce is one HEAD of key: its state, and the MetaBodyMD5 it records.
+func (w *Writer) headOnce(ctx context.Context, key string) (state, string, error) {
 	out, err := w.api.HeadObject(ctx, &s3.HeadObjectInput{Bucket: &w.bucket, Key: aws.String(w.objectKey(key))})
 	if err != nil {
 		if isNotFound(err) {
-			return state{}, nil
+			return state{}, "", nil
 		}
 		if httpStatus(err) == 400 && w.headsShortKey(ctx) {
 			// HEAD carries nothing but the key: a server that refuses it
@@ -182,22 +223,22 @@ func (w *Writer) head(ctx context.Context, key string) (state, error) {
 			// below S3's 1024 for a key). One that refuses every HEAD (an
 			// expired session token gets 400 with no body) says nothing
 			// about the key.
-			return state{}, fmt.Errorf("%w: the server refused key %q (%d bytes) with 400 Bad Request; it may allow shorter keys than S3's %d bytes: %w",
+			return state{}, "", fmt.Errorf("%w: the server refused key %q (%d bytes) with 400 Bad Request; it may allow shorter keys than S3's %d bytes: %w",
 				fence.ErrInvalid, key, len(key), MaxKeyBytes, err)
 		}
-		return state{}, err
+		return state{}, "", err
 	}
 	st := state{exists: true, etag: aws.ToString(out.ETag), writeID: out.Metadata[MetaWriteID]}
 	if t, ok := out.Metadata[MetaToken]; ok {
 		n, err := strconv.ParseUint(t, 10, 64)
 		if err != nil || !fence.Token(n).Valid() {
-			return state{}, fmt.Errorf("s3fence: object %q has a malformed %s %q", key, MetaToken, t)
+			return state{}, "", fmt.Errorf("s3fence: object %q has a malformed %s %q", key, MetaToken, t)
 		}
 		st.token = fence.Token(n)
 	} else {
 		st.unfenced = true
 	}
-	return st, nil
+	return st, out.Metadata[MetaBodyMD5], nil
 }
 
 // headsShortKey reports whether the server answers a HEAD of a short key
@@ -234,7 +275,8 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 	}
 	e.WriteID = newWriteID()
 	body := e.Encode()
-	meta := map[string]string{MetaToken: strconv.FormatUint(uint64(e.Token), 10), MetaWriteID: e.WriteID}
+	sum := md5.Sum(body)
+	meta := map[string]string{MetaToken: strconv.FormatUint(uint64(e.Token), 10), MetaWriteID: e.WriteID, MetaBodyMD5: hex.EncodeToString(sum[:])}
 	if e.Deleted {
 		meta[MetaDeleted] = "1"
 	}

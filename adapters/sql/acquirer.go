@@ -11,6 +11,7 @@ import (
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/internal/wakeup"
 )
 
 // AcquirerOptions configures an Acquirer. A nil *AcquirerOptions means the defaults.
@@ -78,7 +79,10 @@ type Acquirer struct {
 
 	grant, renew, release string
 	inspect, bump         string
+	inspectLocked         string // inspect, waiting for a statement that holds the row (not on SQLite)
 	advance               string // SQLite and MySQL: the guard statement run with the grant
+
+	line wakeup.Line // this acquirer's waiting Acquire calls, per name
 }
 
 var _ fence.Acquirer = (*Acquirer)(nil)
@@ -145,6 +149,10 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, d.nowUs, now)
 	if d == mysqlDialect {
 		a.mysqlStatements(t)
+	}
+	a.inspectLocked = a.inspect
+	if d != sqliteDialect {
+		a.inspectLocked += " FOR UPDATE"
 	}
 	if g := o.AdvanceGuards; g != nil {
 		if g.db.d != d {
@@ -218,18 +226,66 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 		}
 		uncertain = true
 		if (attempts > 0 && i+1 >= attempts) || !retryPause(ctx, i) {
+			if cerr := ctx.Err(); cerr != nil && a.giveBack(ctx, name, owner, ttl) {
+				// The context ended with a grant in flight, and the row
+				// shows this attempt holds nothing (any grant it made is
+				// released): not granted, as any wait that ran out.
+				return nil, fmt.Errorf("sqlfence: acquire %q: not granted (a grant whose reply was lost, if any, is released; %v): %w", name, err, errors.Join(fence.ErrHeld, cerr))
+			}
 			return nil, a.wrap("acquire", a.db.unknown(err))
 		}
+	}
+	if cerr := ctx.Err(); cerr != nil && err != nil && !errors.Is(err, errNoRows) && a.db.d == sqliteDialect {
+		// SQLite runs the statement in this process, so it has ended when
+		// the call returns; but an error after the context ended does not
+		// say whether it committed first. The row says.
+		if a.giveBack(ctx, name, owner, ttl) {
+			return nil, fmt.Errorf("sqlfence: acquire %q: not granted (a grant made as the context ended, if any, is released; %v): %w", name, err, errors.Join(fence.ErrHeld, cerr))
+		}
+		return nil, a.wrap("acquire", fmt.Errorf("%w: the context ended during the grant, which may hold the lease: %w", fence.ErrUnknown, err))
 	}
 	switch {
 	case errors.Is(err, errNoRows):
 		return nil, fence.ErrHeld
 	case a.db.d.checkViolation(err):
 		return nil, fmt.Errorf("sqlfence: acquire %q: %w", name, fence.ErrTokensExhausted)
+	case err != nil && uncertain:
+		// A definite error now (a refused connection, the context ended
+		// before a dial) says nothing of the earlier attempt whose reply
+		// was lost (HAZARDS 3).
+		return nil, a.wrap("acquire", fmt.Errorf("%w: an earlier attempt whose reply was lost may hold the lease: %w", fence.ErrUnknown, err))
 	case err != nil:
 		return nil, a.wrap("acquire", err)
 	}
 	return &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}, nil
+}
+
+// giveBack settles, after ctx ended with a grant statement of owner's in
+// flight, that owner holds nothing: the row shows another owner or none, or
+// shows owner and is released. It reports whether it could tell, within two
+// seconds of its own. A grant statement that reaches the server only after
+// this read (still on the network) is not covered: it holds the row for its
+// ttl (HAZARDS 6).
+func (a *Acquirer) giveBack(ctx context.Context, name, owner string, ttl time.Duration) bool {
+	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	// The read takes the row lock, so it waits for a grant statement that
+	// already holds or waits for the row (one queued behind a release that
+	// committed as the context ended) and sees its outcome.
+	var r leaseRow
+	err := a.db.queryRow(bctx, a.inspectLocked, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
+	tok := r.token
+	if err == nil && (r.owner != owner || r.left <= 0) {
+		err = errNoRows
+	}
+	if errors.Is(err, errNoRows) {
+		return true
+	}
+	if err != nil {
+		return false
+	}
+	l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, time.Now()), a: a}
+	return l.Release(bctx) == nil
 }
 
 // nonceSep separates the acquirer's owner from a grant's nonce in the lease
@@ -307,27 +363,52 @@ func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Du
 // Acquire waits until the lease on name is granted, pacing its attempts with the
 // acquirer's Backoff. On PostgreSQL a release wakes the waiters of its name at
 // once (LISTEN/NOTIFY), with the backoff as the fallback. A grant whose reply
-// was lost is recognised or run again until ctx ends (see TryAcquire). See
-// fence.Acquirer.
+// was lost is recognised or run again until ctx ends (see TryAcquire). A ctx
+// without a deadline is bounded by the Backoff's MaxWait from the start, the
+// first attempt included, so a MaxWait shorter than a round trip to the
+// database never grants. See fence.Acquirer.
+//
+// The Acquire calls of one Acquirer that wait for the same name form a line in
+// the order they began: only its head asks the database, a release through
+// this Acquirer lets the head try at once, and a holder that releases and asks
+// again joins at the back. So within one Acquirer waiters are granted in
+// arrival order, unless the head's attempt stays stuck for more than a second
+// (the others then ask too) or a grant goes elsewhere: to another Acquirer or
+// process (no order is kept between them, on any dialect), or to a TryAcquire,
+// which never waits in the line.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	// The first attempt needs no subscription: an uncontended Acquire is one
-	// statement.
-	l, err := a.tryAcquire(ctx, name, ttl, 0)
-	if !errors.Is(err, fence.ErrHeld) {
-		return l, err
-	}
-	var wake <-chan struct{}
+	var listen func(chan struct{}) func()
 	if a.db.listen != nil && !a.opts.DisableNotify {
-		var unsubscribe func()
-		wake, unsubscribe = a.db.listen.subscribe(name)
-		defer unsubscribe()
+		listen = func(wake chan struct{}) func() { return a.db.listen.SubscribeChan(nameHash(name), wake) }
 	}
-	return leasekit.Retry(ctx, a.opts.Backoff, wake, func(ctx context.Context) (fence.Lease, error) {
-		return a.tryAcquire(ctx, name, ttl, 0)
+	return a.line.Acquire(ctx, a.opts.Backoff, name, listen, func(ctx context.Context) (fence.Lease, error) {
+		l, err := a.tryAcquire(ctx, name, ttl, 0)
+		if err != nil && !errors.Is(err, fence.ErrHeld) && !errors.Is(err, fence.ErrUnknown) {
+			if ctx.Err() != nil {
+				// The wait ran out during an attempt that made no grant.
+				err = wakeup.GaveUp(ctx)
+			} else if ended(ctx) != nil {
+				err = errors.Join(fence.ErrHeld, context.DeadlineExceeded)
+			}
+		}
+		return l, err
 	})
+}
+
+// ended returns ctx's cause when ctx is done or its deadline has passed (a
+// dial whose socket deadline is ctx's can fail a moment before ctx's own
+// timer marks it done); nil otherwise.
+func ended(ctx context.Context) error {
+	if ctx.Err() != nil {
+		return context.Cause(ctx)
+	}
+	if d, ok := ctx.Deadline(); ok && !time.Now().Before(d) {
+		return context.DeadlineExceeded
+	}
+	return nil
 }
 
 func (a *Acquirer) checkLease(op string, ctx context.Context, name string, ttl time.Duration) error {
@@ -445,18 +526,21 @@ func (l *lease) releaseRow(ctx context.Context) error {
 			if i+1 < maxAmbiguousRetries && retryPause(ctx, i) {
 				continue
 			}
+			// It may have landed: the head of the line tries (a wasted
+			// wake-up costs one grant statement).
+			l.a.line.Poke(l.Name())
 			return l.a.wrap("release", l.a.db.unknown(err))
 		}
 		if err != nil {
 			return l.a.wrap("release", err)
 		}
 		if n == 0 && uncertain {
-			return l.released(ctx)
+			err = l.released(ctx)
+		} else if n == 0 {
+			err = l.lost()
 		}
-		if n == 0 {
-			return l.lost()
-		}
-		return nil
+		l.a.line.Poke(l.Name())
+		return err
 	}
 }
 

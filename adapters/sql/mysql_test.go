@@ -91,7 +91,7 @@ func TestMySQLAcquirerConformance(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+			fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
 				NewOther:    otherAcquirer(mysqlOpener(params), nil),
 				Faulty:      faultyAcquirer(mysqlOpener(params), mysqlAddr, nil),
 				DeleteState: deleteLeaseRow(stdExec(raw, func(int) string { return "?" })),

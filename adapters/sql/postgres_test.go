@@ -77,7 +77,7 @@ func TestPostgresAcquirerConformance(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+				fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
 					NewOther:    otherAcquirer(pgOpener(style), opts),
 					Faulty:      faultyAcquirer(pgOpener(style), pgTarget, opts),
 					DeleteState: deleteState,

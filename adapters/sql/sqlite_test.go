@@ -61,7 +61,7 @@ func TestSQLiteWriterConformance(t *testing.T) {
 func TestSQLiteAcquirerConformance(t *testing.T) {
 	raw, fdb := openSQLite(t)
 	a := newSQLiteAcquirer(t, fdb)
-	fencetest.AcquirerSuite{
+	fencetest.AcquirerSuite{Parallel: true,
 		New:    func(t *testing.T) fence.Acquirer { return a },
 		MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
 		DeleteState: deleteLeaseRow(stdExec(raw, dollar)),
@@ -85,7 +85,7 @@ func TestSQLiteAcrossHandles(t *testing.T) {
 		return newSQLiteAcquirer(t, sqlfence.SQLite(db))
 	}
 	t.Run("suite", func(t *testing.T) {
-		fencetest.AcquirerSuite{New: open, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys}.Run(t)
+		fencetest.AcquirerSuite{Parallel: true, New: open, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys}.Run(t)
 	})
 	// Every case of the suite asks New for its acquirers, one a case at least.
 	if n := handles.Load(); n < 15 {
@@ -118,7 +118,7 @@ func TestSQLiteAcrossHandles(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { raw.Close() })
-	fencetest.AcquirerSuite{New: open, NewOther: open, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+	fencetest.AcquirerSuite{Parallel: true, New: open, NewOther: open, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
 		DeleteState: deleteLeaseRow(stdExec(raw, dollar))}.Run(t)
 }
 

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/sweep"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -27,8 +28,14 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	each := fs.Int("each", 50, "locked increments per worker in the contention run")
 	exerciseEach := fs.Int("exercise-each", 500, "updates per worker in the Redis lock-versus-Lua exercise")
 	processes := fs.Int("processes", 1, "processes the contention run's workers are spread over (postgres, mysql and redis)")
+	doSweep := fs.Bool("sweep", false, "redis: run the contention curve instead (processes x workers at each of -points, -rounds rounds, fencekit's contenders alternated); the peers' side: cd bench && go run ./sweep")
+	points := fs.String("points", sweep.DefaultPoints, "with -sweep: processes x workers per process, comma-separated")
+	increments := fs.Int("increments", 1280, "with -sweep: locked increments per run, split between the workers")
 	if err := parseFlags(fs, args); err != nil {
 		return err
+	}
+	if *doSweep {
+		return runSweep(*bc, *points, *rounds, *increments, stdout, stderr)
 	}
 	if *processes < 1 || *processes > *workers {
 		return fmt.Errorf("%w: -processes must be between 1 and -workers (%d)", errUsage, *workers)

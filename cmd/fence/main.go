@@ -14,6 +14,7 @@ import (
 	"io"
 	"log"
 	"os"
+	"sync"
 
 	"github.com/go-sql-driver/mysql"
 )
@@ -52,9 +53,33 @@ var (
 func run(args []string, stdout, stderr io.Writer) int {
 	red := newRedactor(args)
 	stdout, stderr = red.writer(stdout), red.writer(stderr)
-	// go-sql-driver/mysql logs to the standard logger's stderr on its own.
-	mysql.SetLogger(log.New(stderr, "[mysql] ", log.LstdFlags))
+	// go-sql-driver/mysql logs to the standard logger's stderr on its own:
+	// its lines go to this run's stderr instead, through the redactor.
+	mysqlLog.Lock()
+	mysqlLog.w = stderr
+	mysqlLog.Unlock()
+	setMySQLLogger.Do(func() { mysql.SetLogger(log.New(mysqlLogWriter{}, "[mysql] ", log.LstdFlags)) })
 	return runCommand(args, stdout, stderr)
+}
+
+// mysqlLog is the stderr of the latest run, where go-sql-driver/mysql's log
+// lines go. The driver's logger is one per process, set once, so runs at the
+// same time (the tests') do not race on it.
+var (
+	mysqlLog struct {
+		sync.Mutex
+		w io.Writer
+	}
+	setMySQLLogger sync.Once
+)
+
+type mysqlLogWriter struct{}
+
+func (mysqlLogWriter) Write(p []byte) (int, error) {
+	mysqlLog.Lock()
+	w := mysqlLog.w
+	mysqlLog.Unlock()
+	return w.Write(p)
 }
 
 func runCommand(args []string, stdout, stderr io.Writer) int {
@@ -70,6 +95,8 @@ func runCommand(args []string, stdout, stderr io.Writer) int {
 		err = runBench(args[1:], stdout, stderr)
 	case "bench-child": // one process of fence bench -processes
 		err = runBenchChild(args[1:], stdout, stderr)
+	case "sweep-child": // one process of fence bench -sweep
+		err = runSweepChild(args[1:], stdout, stderr)
 	case "inspect":
 		err = runInspect(args[1:], stdout, stderr)
 	case "bump":

@@ -13,6 +13,7 @@ import (
 )
 
 func TestDemo(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")
 	}
@@ -48,6 +49,7 @@ func TestDemo(t *testing.T) {
 }
 
 func TestDemoPostgres(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")
 	}
@@ -67,6 +69,7 @@ func TestDemoPostgres(t *testing.T) {
 }
 
 func TestDemoMySQL(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")
 	}
@@ -87,6 +90,7 @@ func TestDemoMySQL(t *testing.T) {
 }
 
 func TestDemoRedis(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")
 	}
@@ -281,5 +285,41 @@ func checkStaleRejected(t *testing.T, out string) {
 	}
 	if !strings.Contains(out, "W REJECTED (token "+m[1]+")") {
 		t.Errorf("the timeline lacks A's rejected write with token %s\n%s", m[1], out)
+	}
+}
+
+func TestBenchSweep(t *testing.T) {
+	if err := testenv.Dial(testenv.RedisAddr()); err != nil {
+		testenv.Missing(t, "Redis at "+testenv.RedisAddr(), err)
+	}
+	var out, errOut bytes.Buffer
+	code := run([]string{"bench", "-backend", "redis", "-redis-addr", testenv.RedisAddr(), "-sweep",
+		"-points", "1x2,2x2", "-rounds", "1", "-increments", "12"}, &out, &errOut)
+	if code != 0 {
+		t.Fatalf("fence bench -sweep exited %d\n%s%s", code, out.String(), errOut.String())
+	}
+	// One row per point, each run exact (the sweep fails on a lost update),
+	// with its commands and waits: 12 increments per run.
+	row := regexp.MustCompile(`(?m)^\s+(1x2|2x2)\s+12\s+fencekit\s+\S+\s+\S+\s+-\s+([0-9.]+)\s+([0-9.]+)\s+\S+\s+\S+\s+\S+\s+\S+\s*$`)
+	rows := row.FindAllStringSubmatch(out.String(), -1)
+	if len(rows) != 2 || rows[0][1] != "1x2" || rows[1][1] != "2x2" {
+		t.Fatalf("want a fencekit row for 1x2 and for 2x2:\n%s", out.String())
+	}
+	for _, r := range rows {
+		// Each increment sends at least its GET and SET and one release.
+		if sent, _ := strconv.ParseFloat(r[2], 64); sent < 3 {
+			t.Errorf("%s: %v commands sent per increment, want at least 3\n%s", r[1], sent, out.String())
+		}
+	}
+	if !strings.Contains(out.String(), "cd bench && go run ./sweep -points 1x2,2x2") {
+		t.Errorf("the sweep does not say how to run the peers:\n%s", out.String())
+	}
+	code = run([]string{"bench", "-backend", "sqlite", "-sweep"}, &out, &errOut)
+	if code != 2 {
+		t.Errorf("-sweep on sqlite exited %d, want 2 (usage)", code)
+	}
+	code = run([]string{"bench", "-backend", "redis", "-redis-addr", testenv.RedisAddr(), "-sweep", "-points", "4y5"}, &out, &errOut)
+	if code != 2 {
+		t.Errorf("-points 4y5 exited %d, want 2 (usage)", code)
 	}
 }

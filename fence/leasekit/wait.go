@@ -39,14 +39,24 @@ func Retry(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(
 	return loop(ctx, b, wake, try, false)
 }
 
+// WithMaxWait returns ctx bounded by b.MaxWait (DefaultMaxWait when unset)
+// when ctx has no deadline, with a cause that names the maximum wait; a ctx
+// with a deadline is returned as it is. The waiting loop of an acquirer that
+// does not use Acquire or Retry starts with it, so that it gives up as they
+// do.
+func WithMaxWait(ctx context.Context, b fence.Backoff) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return ctx, func() {}
+	}
+	b = b.WithDefaults()
+	return context.WithTimeoutCause(ctx, b.MaxWait,
+		fmt.Errorf("fence: gave up after the maximum wait %v: %w", b.MaxWait, context.DeadlineExceeded))
+}
+
 func loop(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(context.Context) (fence.Lease, error), tryFirst bool) (fence.Lease, error) {
 	b = b.WithDefaults()
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeoutCause(ctx, b.MaxWait,
-			fmt.Errorf("fence: gave up after the maximum wait %v: %w", b.MaxWait, context.DeadlineExceeded))
-		defer cancel()
-	}
+	ctx, cancel := WithMaxWait(ctx, b)
+	defer cancel()
 	// Since Go 1.23 a timer channel holds no stale value after Stop or Reset,
 	// so one timer serves every attempt without draining.
 	timer := time.NewTimer(time.Hour)

@@ -146,7 +146,8 @@ func waiting(pkg string, granted <-chan time.Time) error {
 
 // parkedIn reports whether the handoffWaiter goroutine in the stack dump is
 // parked in a select or a channel receive whose innermost frame outside the
-// runtime is in package pkg or package fence.
+// runtime is in package pkg, package fence or fence/leasekit (leasekit.Retry,
+// the waiting loop adapters share).
 func parkedIn(dump, pkg string) bool {
 	for _, g := range strings.Split(dump, "\n\n") {
 		if !strings.Contains(g, "benchutil.handoffWaiter(") {
@@ -160,7 +161,7 @@ func parkedIn(dump, pkg string) bool {
 			if line == "" || strings.HasPrefix(line, "\t") || strings.HasPrefix(line, "runtime.") {
 				continue
 			}
-			return strings.HasPrefix(line, pkg+".") || strings.HasPrefix(line, fencePkg+".")
+			return strings.HasPrefix(line, pkg+".") || strings.HasPrefix(line, fencePkg+".") || strings.HasPrefix(line, fencePkg+"/leasekit.")
 		}
 	}
 	return false

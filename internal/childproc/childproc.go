@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/exec"
 	"strings"
@@ -23,11 +24,18 @@ const Ready = "ready"
 // printed after Ready. Children's stderr goes to the parent's. On an error the
 // children still running are killed.
 func Run(cmds []*exec.Cmd, readyWithin time.Duration) (time.Duration, [][]string, error) {
+	return RunAtStart(cmds, readyWithin, nil)
+}
+
+// RunAtStart is Run, calling atStart (when not nil) once every child is
+// ready, just before the start line; its error stops the run.
+func RunAtStart(cmds []*exec.Cmd, readyWithin time.Duration, atStart func() error) (time.Duration, [][]string, error) {
 	type child struct {
 		cmd   *exec.Cmd
 		start io.WriteCloser
 		ready chan error
 		lines chan []string
+		err   error // reading its output, set before lines is sent
 	}
 	var kids []*child
 	defer func() {
@@ -53,6 +61,9 @@ func Run(cmds []*exec.Cmd, readyWithin time.Duration) (time.Duration, [][]string
 		kids = append(kids, k)
 		go func() {
 			sc := bufio.NewScanner(out)
+			// A line may be long (the sweep prints one number per
+			// increment on one line): no bound but memory.
+			sc.Buffer(make([]byte, 0, 64*1024), math.MaxInt32)
 			ready := false
 			var lines []string
 			for sc.Scan() {
@@ -63,6 +74,12 @@ func Run(cmds []*exec.Cmd, readyWithin time.Duration) (time.Duration, [][]string
 				case ready:
 					lines = append(lines, sc.Text())
 				}
+			}
+			if err := sc.Err(); err != nil {
+				// Read on, so that the child is not blocked on its stdout,
+				// and fail the run: its lines are not whole.
+				_, _ = io.Copy(io.Discard, out)
+				k.err = fmt.Errorf("reading a child's output: %w", err)
 			}
 			if !ready {
 				k.ready <- errors.New("a child process ended before it was ready")
@@ -81,6 +98,11 @@ func Run(cmds []*exec.Cmd, readyWithin time.Duration) (time.Duration, [][]string
 			return 0, nil, fmt.Errorf("a child process was not ready within %v", readyWithin)
 		}
 	}
+	if atStart != nil {
+		if err := atStart(); err != nil {
+			return 0, nil, err
+		}
+	}
 	start := time.Now()
 	for _, k := range kids {
 		fmt.Fprintln(k.start, "go")
@@ -91,6 +113,9 @@ func Run(cmds []*exec.Cmd, readyWithin time.Duration) (time.Duration, [][]string
 		out[i] = <-k.lines
 		if err := k.cmd.Wait(); err != nil {
 			return 0, nil, fmt.Errorf("child process: %w", err)
+		}
+		if k.err != nil {
+			return 0, nil, k.err
 		}
 	}
 	took := time.Since(start)

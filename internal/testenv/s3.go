@@ -76,11 +76,11 @@ func RealS3(t testing.TB) *S3Server {
 		_, _ = cmd.Process.Wait()
 		logf.Close()
 	})
-	deadline := time.Now().Add(15 * time.Second)
+	deadline := time.Now().Add(60 * time.Second)
 	for Dial(addr) != nil {
 		if time.Now().After(deadline) {
 			b, _ := os.ReadFile(logf.Name())
-			t.Fatalf("versitygw did not listen on %s within 15s:\n%s", addr, b)
+			t.Fatalf("versitygw did not listen on %s within 60s:\n%s", addr, b)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

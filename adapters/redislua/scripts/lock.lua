@@ -12,7 +12,9 @@
 -- ARGV[7] how long a waiter's entry lives without a refresh, in ms,
 -- ARGV[8] the lock name, ARGV[9] the grant channel prefix (+ acquirer id),
 -- ARGV[10] "1" when PUBLISH's receiver count shows whether an acquirer listens,
--- ARGV[11] how long the line lives after the last waiter's poll, in ms.
+-- ARGV[11] how long the line lives after the last waiter's poll, in ms,
+-- ARGV[12] "1" when the caller's acquirer has HeadSpin: a grant it makes
+-- tells the waiter then first in line that it is next, if that one spins.
 --
 -- Reply: {code, number, [nonce, token, stamp, acquirer]} where the last four
 -- describe a grant this call made to a waiter (the head of the line).
@@ -93,6 +95,19 @@ local function grant_head()
   end
   for i = #unheard, 1, -1 do redis.call('LPUSH', line, unheard[i]) end
   if #unheard > 0 then redis.call('PEXPIRE', line, ARGV[11]) end
+  -- The waiter now first in line is told so when it asked (its stamp ends
+  -- with "s": it spins while it is next, see AcquirerOptions.HeadSpin), by
+  -- an acquirer that spins too (the others spend no command on it).
+  if g and ARGV[12] == '1' then
+    local n2 = redis.call('LINDEX', line, 0)
+    local e2 = n2 and redis.call('GET', entry_base .. n2)
+    if e2 then
+      local wacq2, stamp2 = string.match(e2, '^(%S+) (%S+) ')
+      if wacq2 and string.sub(stamp2, -1) == 's' then
+        redis.call('PUBLISH', ARGV[9] .. wacq2, 'next ' .. n2)
+      end
+    end
+  end
   return g, err
 end
 

@@ -1,0 +1,6 @@
+//go:build !unix
+
+package testenv
+
+// favour does nothing here (see prio_unix.go).
+func favour(int) {}

@@ -1,0 +1,237 @@
+package wakeup
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
+)
+
+// Line orders the waiting Acquire calls of one acquirer, per lock name, in the
+// order they joined. Only the head asks the backend for the lock at its own
+// pace; a release made through the same acquirer pokes the head, so it tries
+// at once, and a caller that returns from its own release and asks again joins
+// at the back instead of taking the lock before the waiters. The others ask
+// only when the head has been inside one attempt for longer than the line's
+// stall limit (a call stuck on a dead connection), so one slow call does not
+// keep a free lock from them. It is safe for concurrent use; the zero value is
+// an empty line.
+type Line struct {
+	mu    sync.Mutex
+	names map[string][]*Place
+}
+
+// Place is one waiter's place in a Line.
+type Place struct {
+	// Wake receives when the lock may have just become free: a release through
+	// the acquirer while this place is the head, or the head before it leaving
+	// without a grant. Its buffer of one lets it be subscribed to a Hub too.
+	Wake chan struct{}
+
+	head      chan struct{} // closed when this place becomes the head
+	mu        sync.Mutex
+	tryingFor time.Time // when the head's current attempt began; zero between attempts
+}
+
+// Join adds a waiter for name at the back of the line and returns its place.
+// A place that joins an empty line is the head at once.
+func (l *Line) Join(name string) *Place {
+	p := &Place{Wake: make(chan struct{}, 1), head: make(chan struct{})}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.names == nil {
+		l.names = map[string][]*Place{}
+	}
+	if len(l.names[name]) == 0 {
+		close(p.head)
+	}
+	l.names[name] = append(l.names[name], p)
+	return p
+}
+
+// Head is closed once p is the head of its line.
+func (p *Place) Head() <-chan struct{} { return p.head }
+
+// IsHead reports whether p is the head of its line.
+func (p *Place) IsHead() bool {
+	select {
+	case <-p.head:
+		return true
+	default:
+		return false
+	}
+}
+
+// Trying marks the start (true) or end (false) of one attempt by the head.
+func (p *Place) Trying(on bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if on {
+		p.tryingFor = time.Now()
+	} else {
+		p.tryingFor = time.Time{}
+	}
+}
+
+// Leave removes p from name's line. When p was the head the next place becomes
+// the head; unless p leaves with a grant (the lock is then held) the new head
+// is also woken, since the lock may be free.
+func (l *Line) Leave(name string, p *Place, granted bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	list := l.names[name]
+	for i, q := range list {
+		if q != p {
+			continue
+		}
+		list = append(list[:i:i], list[i+1:]...)
+		if i == 0 && len(list) > 0 {
+			close(list[0].head)
+			if !granted {
+				poke(list[0])
+			}
+		}
+		break
+	}
+	if len(list) == 0 {
+		delete(l.names, name)
+	} else {
+		l.names[name] = list
+	}
+}
+
+// Poke wakes the head of name's line, if any: the lock may have just been
+// released.
+func (l *Line) Poke(name string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if list := l.names[name]; len(list) > 0 {
+		poke(list[0])
+	}
+}
+
+func poke(p *Place) {
+	select {
+	case p.Wake <- struct{}{}:
+	default: // already woken
+	}
+}
+
+// Len returns the number of waiters in name's line.
+func (l *Line) Len(name string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.names[name])
+}
+
+// HeadStalled reports whether the head of name's line has been inside one
+// attempt for longer than limit.
+func (l *Line) HeadStalled(name string, limit time.Duration) bool {
+	l.mu.Lock()
+	list := l.names[name]
+	var h *Place
+	if len(list) > 0 {
+		h = list[0]
+	}
+	l.mu.Unlock()
+	if h == nil {
+		return false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return !h.tryingFor.IsZero() && time.Since(h.tryingFor) > limit
+}
+
+// Stall is how long the head of a Line may spend in one attempt before the
+// waiters behind it try too.
+const Stall = time.Second
+
+// Acquire is the waiting loop of an acquirer whose Acquire calls wait in l.
+// It joins name's line and calls try (with ctx bounded by b.MaxWait when it
+// has no deadline) until try returns a lease or an error that does not match
+// fence.ErrHeld: at once when the line was empty, then as the head, paced by
+// b.Delay or woken by a Poke; behind the head, only when the head has spent
+// more than Stall in one attempt. listen, when not nil, subscribes the head's
+// wake-up channel to the backend's release notifications and returns the
+// function that ends the subscription. When ctx ends while waiting it
+// returns an error matching fence.ErrHeld and ctx's cause; try decides what
+// an attempt that fails as ctx ends returns.
+func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen func(wake chan struct{}) func(), try func(context.Context) (fence.Lease, error)) (fence.Lease, error) {
+	b = b.WithDefaults()
+	ctx, cancel := leasekit.WithMaxWait(ctx, b)
+	defer cancel()
+	p := l.Join(name)
+	granted := false
+	defer func() { l.Leave(name, p, granted) }()
+	attempt := func() (fence.Lease, error) {
+		p.Trying(true)
+		defer p.Trying(false)
+		lease, err := try(ctx)
+		granted = err == nil
+		return lease, err
+	}
+	head := p.Head()
+	if p.IsHead() {
+		if lease, err := attempt(); !errors.Is(err, fence.ErrHeld) {
+			return lease, err
+		}
+		head = nil
+	}
+	// Only the head hears of releases from the backend: a hub wakes its
+	// longest subscriber, which must not be a waiter behind the head.
+	unsubscribe := func() {}
+	defer func() { unsubscribe() }()
+	subscribe := func() {
+		if listen != nil {
+			unsubscribe = listen(p.Wake)
+		}
+	}
+	if head == nil {
+		subscribe()
+	}
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
+	for n := 0; ; {
+		var d time.Duration
+		if head == nil {
+			d = b.Delay(n)
+			n++
+		} else {
+			// Behind the head: look again only to see whether it is stuck.
+			d = Stall/2 + rand.N(Stall/2)
+		}
+		timer.Reset(d)
+		select {
+		case <-ctx.Done():
+			return nil, GaveUp(ctx)
+		case <-head:
+			timer.Stop()
+			head, n = nil, 0
+			subscribe()
+			continue // the lock was most likely just granted to the head before: wait a Delay(0), or a poke
+		case <-p.Wake:
+			timer.Stop()
+		case <-timer.C:
+			if head != nil && !l.HeadStalled(name, Stall) {
+				continue
+			}
+		}
+		if lease, err := attempt(); !errors.Is(err, fence.ErrHeld) {
+			return lease, err
+		}
+	}
+}
+
+// GaveUp is the error of a wait that ended with ctx: it matches
+// fence.ErrHeld, ctx.Err() and, when the caller gave one, ctx's cause.
+func GaveUp(ctx context.Context) error {
+	if cause := context.Cause(ctx); cause != nil && cause != ctx.Err() {
+		return errors.Join(fence.ErrHeld, ctx.Err(), cause)
+	}
+	return errors.Join(fence.ErrHeld, ctx.Err())
+}
