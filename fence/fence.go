@@ -45,7 +45,10 @@ type Acquirer interface {
 	// context error (context.DeadlineExceeded or context.Canceled).
 	Acquire(ctx context.Context, name string, ttl time.Duration) (Lease, error)
 
-	// TryAcquire grants the lease on name or returns ErrHeld at once.
+	// TryAcquire grants the lease on name or returns ErrHeld at once. A grant
+	// that the backend confirmed only after its local deadline had passed (a
+	// slow or cut connection) is given back and returns an error matching
+	// ErrLost: it holds nothing, and the name may be free.
 	TryAcquire(ctx context.Context, name string, ttl time.Duration) (Lease, error)
 }
 

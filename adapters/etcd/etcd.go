@@ -268,8 +268,10 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 // retryDelay spaces the tries of a step that failed for the network's sake.
 var retryDelay = fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}
 
-// errRetry marks an attempt that left nothing behind and may be tried again.
-var errRetry = errors.New("etcdfence: try again")
+// errLate is a grant confirmed only after its local deadline: its etcd lease
+// is being revoked and it holds nothing. It matches fence.ErrLost (what
+// TryAcquire returns), and is transient, so Acquire tries again.
+var errLate = fmt.Errorf("%w (confirmed after its local deadline)", fence.ErrLost)
 
 // errPlaceExpired ends a wait whose key left the line because its waiter
 // lease expired (keep-alives lost for WaiterTTL): Acquire joins the line
@@ -280,7 +282,7 @@ var errPlaceExpired = fmt.Errorf("its place in line expired while it waited: %w"
 // connection, a member without a leader for now): the step did not, or may
 // not, have happened, and may be tried again once its outcome is settled.
 func transient(err error) bool {
-	if errors.Is(err, errRetry) {
+	if errors.Is(err, errLate) {
 		return true
 	}
 	var ee rpctypes.EtcdError
@@ -465,7 +467,7 @@ func (a *Acquirer) granted(name, key string, rev int64, ttl time.Duration, id cl
 		// the background so that a cluster still unreachable does not
 		// hold the caller, rather than return a lease already lost.
 		a.revoke(id, ttl)
-		return nil, fmt.Errorf("etcdfence: acquire %q: granted past its local deadline (its etcd lease is revoked): %w", name, errRetry)
+		return nil, fmt.Errorf("etcdfence: acquire %q: granted past its local deadline (its etcd lease is revoked): %w", name, errLate)
 	}
 	return l, nil
 }

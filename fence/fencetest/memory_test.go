@@ -35,6 +35,7 @@ var mutants = []struct {
 	{"ttl-round-down", "Acquirer", "NoGrantWhileHolderContextLive", "the server keeps a lease for 2/3 of its ttl (600ms becomes 400ms)"},
 	{"late-after-deadline", "Acquirer", "AcquireGivesUpAtDeadline", "Acquire sleeps between tries until 500ms past its deadline"},
 	{"ignore-ctx", "Acquirer", "AcquireCancelled", "Acquire ignores ctx until its own maximum wait"},
+	{"held-as-lost", "Acquirer", "NoGrantWhileHolderContextLive", "TryAcquire on a held name answers ErrLost (a late grant given back) instead of ErrHeld"},
 	{"try-waits", "Acquirer", "TryAcquireHeld", "TryAcquire on a held name waits a second before ErrHeld"},
 	{"name-fold-case", "Acquirer", "NamesIndependent", "names compared case-insensitively (a _ci collation)"},
 	{"name-pad-space", "Acquirer", "NamesIndependent", "trailing spaces ignored in names (PAD SPACE)"},
@@ -211,6 +212,9 @@ func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Durat
 	l, err := a.try(name, ttl)
 	if errors.Is(err, fence.ErrHeld) && a.s.bug == "try-waits" {
 		time.Sleep(time.Second)
+	}
+	if errors.Is(err, fence.ErrHeld) && a.s.bug == "held-as-lost" {
+		return nil, fmt.Errorf("mem: acquire %q: granted past its local deadline: %w", name, fence.ErrLost)
 	}
 	return l, err
 }
