@@ -16,6 +16,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/etcdtest"
+	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // TestReviewLateEveryGrantAcquireGivesUp: every grant through the proxy is
@@ -187,5 +188,72 @@ func TestReviewLatePooledGrantNotPooledAgain(t *testing.T) {
 	_ = l.Release(ctx)
 	if leaseAlive(t, cl, id) {
 		t.Errorf("etcd still has the late grant's lease %x", id)
+	}
+}
+
+// TestReviewLateWaiterGivesUp: a waiter (ttl 1s) whose turn comes while
+// every chunk through its proxy takes 400ms each way: its move onto the
+// lock's lease (after a fresh lease, its lock lease being unconfirmed for
+// more than half its ttl) is confirmed past the local deadline, and every
+// attempt after it too. Acquire never returns ErrLost nor a lease already
+// lost: it gives up at its deadline with ErrHeld and DeadlineExceeded.
+// Afterwards nothing of it holds the name: its keys leave the line and the
+// name is free within etcd's expiry of its 1s leases.
+func TestReviewLateWaiterGivesUp(t *testing.T) {
+	a, cl, b, p, name := faultSetup(t, "rv-late-waiter")
+	ctx := context.Background()
+	h, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(12 * time.Second)
+	type stamped struct {
+		acquired
+		at time.Time
+	}
+	res := make(chan stamped, 1)
+	go func() {
+		wctx, cancel := context.WithDeadline(ctx, deadline)
+		defer cancel()
+		l, err := b.Acquire(wctx, name, time.Second)
+		res <- stamped{acquired{l, err}, time.Now()}
+	}()
+	waitLine(t, cl, name, 2)
+	p.Latency(400*time.Millisecond, 400*time.Millisecond)
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	p.Latency(0, 0)
+	if r.err == nil {
+		live := r.l.Context().Err() == nil
+		_ = r.l.Release(ctx)
+		if !live {
+			t.Fatalf("Acquire returned token %d with its context done: %v", r.l.Token(), context.Cause(r.l.Context()))
+		}
+		t.Fatalf("Acquire granted token %d through a 400ms-a-chunk proxy on a 1s ttl: the case proves nothing", r.l.Token())
+	}
+	t.Logf("the late waiter: %v (%v after its deadline)", r.err, r.at.Sub(deadline).Round(time.Millisecond))
+	if errors.Is(r.err, fence.ErrLost) || !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.DeadlineExceeded) {
+		t.Errorf("the late waiter at its deadline: %v, want ErrHeld joined with DeadlineExceeded, not ErrLost", r.err)
+	}
+	if late := r.at.Sub(deadline); late > time.Second {
+		t.Errorf("Acquire returned %v after its deadline", late)
+	}
+	bound := time.Now().Add(4 * time.Second)
+	for {
+		l, err := a.TryAcquire(ctx, name, 30*time.Second)
+		if err == nil {
+			_ = l.Release(ctx)
+			break
+		}
+		if !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("TryAcquire after the late waiter gave up: %v", err)
+		}
+		if time.Now().After(bound) {
+			resp, _ := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix())
+			t.Fatalf("the name is still held 4s after the late waiter gave up: %v", resp.Kvs)
+		}
+		time.Sleep(20 * time.Millisecond) // a poll, not a synchronisation
 	}
 }
