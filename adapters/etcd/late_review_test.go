@@ -6,6 +6,7 @@ package etcdfence_test
 // embedded etcd and checks a promise through the public API.
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"strings"
@@ -256,4 +257,76 @@ func TestReviewLateWaiterGivesUp(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond) // a poll, not a synchronisation
 	}
+}
+
+// TestReviewLateGrantRevokedNotLeftToExpire: a TryAcquire (ttl 3.01s, which
+// etcd rounds up to 4s) whose create landed with its answer lost finds its
+// key only after a 3.2s partition, past the local deadline: it answers
+// ErrLost, and gives the grant back at once: its etcd lease is revoked (the
+// key leaves the line) well before etcd's own expiry of the 4s lease, which
+// would keep the name from everyone for most of a second more.
+func TestReviewLateGrantRevokedNotLeftToExpire(t *testing.T) {
+	a, cl, b, p, name := faultSetup(t, "rv-late-revoke")
+	ctx := context.Background()
+	if _, err := b.Inspect(ctx, name); err != nil { // connects b's client
+		t.Fatal(err)
+	}
+	const ttl, partition = 3010 * time.Millisecond, 3200 * time.Millisecond
+	pfx := []byte(linePrefix(name))
+	sent := make(chan struct{}, 1)
+	p.LoseReply(func(req []byte) bool {
+		if !bytes.Contains(req, pfx) {
+			return false
+		}
+		sent <- struct{}{}
+		return true
+	})
+	res := make(chan acquired, 1)
+	go func() {
+		tctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		l, err := b.TryAcquire(tctx, name, ttl)
+		res <- acquired{l, err}
+	}()
+	select {
+	case <-sent:
+	case <-time.After(10 * time.Second):
+		t.Fatal("TryAcquire sent no create transaction")
+	}
+	p.Partition()
+	waitLine(t, cl, name, 1) // the create landed
+	id := leaseID(t, cl, name)
+	time.Sleep(partition) // the fault's length, not a synchronisation
+	p.Heal()
+	r := <-res
+	returned := time.Now()
+	if r.err == nil {
+		_ = r.l.Release(ctx)
+		t.Fatalf("TryAcquire returned token %d (context %v) after a %v partition on a %v ttl: the case proves nothing", r.l.Token(), context.Cause(r.l.Context()), partition, ttl)
+	}
+	t.Logf("TryAcquire: %v", r.err)
+	if !errors.Is(r.err, fence.ErrLost) {
+		t.Fatalf("the late grant: %v, want ErrLost", r.err)
+	}
+	// etcd reports a lease's time left in whole seconds (0 in its last
+	// second): look at the key, which the revoke deletes.
+	for {
+		resp, err := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.Count == 0 {
+			break
+		}
+		if time.Since(returned) > 500*time.Millisecond {
+			left, _ := cl.TimeToLive(ctx, clientv3.LeaseID(id))
+			t.Fatalf("%v after the late grant's ErrLost its key is still in the line, on etcd lease %x (%ds left): not given back, the name is held until etcd expires it", time.Since(returned).Round(time.Millisecond), id, left.TTL)
+		}
+		time.Sleep(10 * time.Millisecond) // a poll, not a synchronisation
+	}
+	l, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatalf("after the late grant was given back: %v, want a grant", err)
+	}
+	_ = l.Release(ctx)
 }
