@@ -358,8 +358,11 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			// Confirmed only after its local deadline (lost acks, a slow
 			// link): a lease already lost. Remove it and try again.
 			l.(*lease).End(fence.ErrLost)
-			_ = a.purge(context.WithoutCancel(ctx), key, rev)
-			if late++; late < 3 && ctx.Err() == nil {
+			// TryAcquire tries 3 times; a waiting Acquire tries on until
+			// its context ends, and then gives up as a wait does, at once:
+			// the purge of a grant given up goes on in the background.
+			if late++; (late < 3 || wt != nil) && ctx.Err() == nil {
+				_ = a.purge(context.WithoutCancel(ctx), key, rev)
 				// A new nonce: an entry the purge missed must not be
 				// taken for the next attempt's grant.
 				if _, err := rand.Read(nb[:]); err != nil {
@@ -367,6 +370,10 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 				}
 				value = []byte(hex.EncodeToString(nb[:]) + " " + a.o.Owner)
 				continue
+			}
+			go func() { _ = a.purge(context.WithoutCancel(ctx), key, rev) }()
+			if wt != nil {
+				return nil, a.fail(ctx, name, fmt.Errorf("every grant was confirmed only after its local deadline (a slow or cut connection): %w", fence.ErrLost))
 			}
 			return nil, fmt.Errorf("natsfence: acquire %q: every grant was confirmed only after its local deadline (a slow or cut connection): %w", name, fence.ErrLost)
 		}
@@ -568,7 +575,14 @@ func (a *Acquirer) fail(ctx context.Context, name string, err error) error {
 		return err
 	}
 	if errors.Is(err, fence.ErrUnknown) {
-		return fmt.Errorf("natsfence: acquire %q: %w", name, err)
+		err = fmt.Errorf("natsfence: acquire %q: %w", name, err)
+		if ctx.Err() != nil {
+			// Given up at the context's end, as any wait does; the last
+			// grant's outcome is unknown (its entry is removed in the
+			// background once it can tell).
+			return errors.Join(fence.ErrHeld, context.Cause(ctx), err)
+		}
+		return err
 	}
 	if ctx.Err() != nil {
 		return errors.Join(fence.ErrHeld, context.Cause(ctx))
