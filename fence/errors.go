@@ -18,8 +18,9 @@ var (
 	ErrHeld = errors.New("fence: lease held by another holder")
 
 	// ErrLost is returned by Renew and Release when the lease is no longer held
-	// (it expired, was released, or a newer grant exists), and by Hold when the
-	// lease was lost while the work ran.
+	// (it expired, was released, or a newer grant exists), by Hold when the
+	// lease was lost while the work ran, and by TryAcquire for a grant
+	// confirmed only after its local deadline, given back.
 	ErrLost = errors.New("fence: lease lost")
 
 	// ErrUnknown is matched by a fenced write whose outcome cannot be known: an

@@ -45,10 +45,13 @@ type Acquirer interface {
 	// context error (context.DeadlineExceeded or context.Canceled).
 	Acquire(ctx context.Context, name string, ttl time.Duration) (Lease, error)
 
-	// TryAcquire grants the lease on name or returns ErrHeld at once. A grant
-	// that the backend confirmed only after its local deadline had passed (a
-	// slow or cut connection) is given back and returns an error matching
-	// ErrLost: it holds nothing, and the name may be free.
+	// TryAcquire grants the lease on name or returns ErrHeld at once. It may
+	// also return an error matching ErrLost: the backend granted the name but
+	// confirmed it only after the new lease's local deadline had passed (a
+	// slow or cut connection), and the acquirer gave it back; it holds
+	// nothing, and the name may be free. Never for a name another holds. An
+	// acquirer that does not check may instead return such a lease with its
+	// Context already done.
 	TryAcquire(ctx context.Context, name string, ttl time.Duration) (Lease, error)
 }
 
