@@ -109,6 +109,7 @@ func TestReviewLateEveryGrantAcquireGivesUp(t *testing.T) {
 // ttl), answers ErrHeld, never ErrLost: the name is held by another, and
 // ErrLost would tell the caller it may be free. The same with the pool off.
 func TestReviewLateLoserIsHeld(t *testing.T) {
+	t.Parallel() // its own etcd; no goroutine count
 	for _, noPool := range []bool{false, true} {
 		c := etcdtest.Start(t, 1)
 		a, _ := etcdfence.New(c.Client(t), nil)
@@ -153,6 +154,7 @@ func TestReviewLateLoserIsHeld(t *testing.T) {
 // next grant takes another lease, and etcd no longer has the late one once
 // its revoke reached it.
 func TestReviewLatePooledGrantNotPooledAgain(t *testing.T) {
+	t.Parallel() // its own etcd; no goroutine count
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
 	b, p := behindProxy(t, c, nil)
@@ -201,6 +203,7 @@ func TestReviewLatePooledGrantNotPooledAgain(t *testing.T) {
 // Afterwards nothing of it holds the name: its keys leave the line and the
 // name is free within etcd's expiry of its 1s leases.
 func TestReviewLateWaiterGivesUp(t *testing.T) {
+	t.Parallel() // its own etcd; no goroutine count
 	a, cl, b, p, name := faultSetup(t, "rv-late-waiter")
 	ctx := context.Background()
 	h, err := a.TryAcquire(ctx, name, 30*time.Second)
