@@ -173,6 +173,9 @@ func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) er
 // within RetryFor cannot tell whether it landed, the error matches
 // fence.ErrUnknown; the acquirer then removes its entry in the background
 // once it can tell it landed (within the ttl), so the name is not blocked.
+// A grant confirmed only after its local deadline (a slow link) is given
+// back (its purge sent again after a lost reply, for up to the ttl) and
+// tried again, 3 times at most; then the error matches fence.ErrLost.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
@@ -182,7 +185,8 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 
 // Acquire waits for the lease on name. It gives up at ctx's deadline, or
 // after MaxWait when ctx has none, with an error matching fence.ErrHeld and
-// the context error.
+// the context error. Grants confirmed only after their local deadline are
+// given back and tried again, 50ms apart and doubling up to 1s, until then.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
@@ -206,7 +210,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		wt.took(w)
 	case <-t.C:
 	case <-ctx.Done():
-		return nil, a.fail(ctx, name, ctx.Err())
+		return nil, a.fail(ctx, name, ctx.Err(), true)
 	}
 	return a.acquire(ctx, name, ttl, &wt)
 }
@@ -352,28 +356,51 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 		rev, err := a.grant(ctx, key, value, ttl)
 		if err == nil {
 			l, err := a.lease(ctx, name, key, value, ttl, sent, rev)
-			if err != nil || time.Since(sent) < ttl-drift {
-				return l, err
+			if err != nil {
+				if ctx.Err() != nil {
+					return nil, a.fail(ctx, name, err, wt != nil)
+				}
+				return nil, err
+			}
+			if time.Since(sent) < ttl-drift {
+				return l, nil
 			}
 			// Confirmed only after its local deadline (lost acks, a slow
-			// link): a lease already lost. Remove it and try again.
+			// link): a lease already lost. Give it back and try again.
 			l.(*lease).End(fence.ErrLost)
+			// The give-back is sent again after a lost reply, for up to
+			// the ttl; the next try waits for it (or for ctx), so that
+			// it does not find its own entry in the way; what is left of
+			// it goes on in the background.
+			gave := make(chan struct{})
+			go func(value []byte) {
+				defer close(gave)
+				a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
+			}(value)
 			// TryAcquire tries 3 times; a waiting Acquire tries on until
-			// its context ends, and then gives up as a wait does, at once:
-			// the purge of a grant given up goes on in the background.
+			// its context ends, pausing between tries (a grant can be late
+			// at once: a Drift close to the ttl), and then gives up as a
+			// wait does, at once.
 			if late++; (late < 3 || wt != nil) && ctx.Err() == nil {
-				_ = a.purge(context.WithoutCancel(ctx), key, rev)
-				// A new nonce: an entry the purge missed must not be
-				// taken for the next attempt's grant.
-				if _, err := rand.Read(nb[:]); err != nil {
-					return nil, err
+				select {
+				case <-gave:
+				case <-ctx.Done():
 				}
-				value = []byte(hex.EncodeToString(nb[:]) + " " + a.o.Owner)
-				continue
+				if wt != nil {
+					_ = pause(ctx, latePause(late))
+				}
+				if ctx.Err() == nil {
+					// A new nonce: an entry the give-back missed must
+					// not be taken for the next attempt's grant.
+					if _, err := rand.Read(nb[:]); err != nil {
+						return nil, err
+					}
+					value = []byte(hex.EncodeToString(nb[:]) + " " + a.o.Owner)
+					continue
+				}
 			}
-			go func() { _ = a.purge(context.WithoutCancel(ctx), key, rev) }()
 			if wt != nil {
-				return nil, a.fail(ctx, name, fmt.Errorf("every grant was confirmed only after its local deadline (a slow or cut connection): %w", fence.ErrLost))
+				return nil, a.fail(ctx, name, fmt.Errorf("every grant was confirmed only after its local deadline (a slow or cut connection): %w", fence.ErrLost), true)
 			}
 			return nil, fmt.Errorf("natsfence: acquire %q: every grant was confirmed only after its local deadline (a slow or cut connection): %w", name, fence.ErrLost)
 		}
@@ -383,7 +410,7 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
 		}
 		if !errors.Is(err, fence.ErrHeld) || wt == nil {
-			return nil, a.fail(ctx, name, err)
+			return nil, a.fail(ctx, name, err, wt != nil)
 		}
 		w := *wt
 		updates := w.updates()
@@ -395,7 +422,7 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 		for {
 			select {
 			case <-ctx.Done():
-				return nil, a.fail(ctx, name, ctx.Err())
+				return nil, a.fail(ctx, name, ctx.Err(), true)
 			case <-recheck.C:
 				recheck.Reset(a.o.Recheck)
 				break wait
@@ -421,7 +448,7 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			// Watch anew once connected, then try again.
 			w.close()
 			if err := waitConnected(ctx, a.js); err != nil {
-				return nil, a.fail(ctx, name, err)
+				return nil, a.fail(ctx, name, err, true)
 			}
 			*wt = a.watch(ctx, key)
 			break wait
@@ -549,13 +576,15 @@ func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, tt
 			break
 		}
 		if !ambiguous(err) || time.Now().After(giveUp) || retryWait(ctx, a.js) != nil {
-			a.purge(context.WithoutCancel(ctx), key, rev)
+			// Given back in the background (sent again after a lost
+			// reply), so that an ending ctx is not held up by it.
+			go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
 			return nil, fmt.Errorf("natsfence: acquire %q: the bucket's creation time for the token: %w", name, err)
 		}
 	}
 	tok := fence.Token(uint64(created.UnixMicro()) + rev)
 	if created.UnixMicro() <= 0 || !tok.Valid() {
-		a.purge(context.WithoutCancel(ctx), key, rev)
+		go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
 		return nil, fmt.Errorf("natsfence: acquire %q: creation time %v, revision %d: %w", name, created, rev, fence.ErrTokensExhausted)
 	}
 	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, key: key, value: value, rev: rev, grant: rev}, nil
@@ -569,14 +598,24 @@ func (a *Acquirer) purge(ctx context.Context, key string, rev uint64) error {
 	return a.kv.Purge(actx, key, jetstream.LastRevision(rev), jetstream.PurgeTTL(a.marker))
 }
 
+// latePause spaces a waiting Acquire's tries after its late-th grant
+// confirmed past its local deadline: 50ms, doubling, at most 1s (no jitter:
+// these are not contenders to tell apart, but a link too slow for the ttl).
+func latePause(late int) time.Duration {
+	return min(time.Second, 50*time.Millisecond<<min(late-1, 5))
+}
+
 // fail wraps err; an ending ctx turns it into ErrHeld joined with the cause.
-func (a *Acquirer) fail(ctx context.Context, name string, err error) error {
+// A grant whose outcome is unknown (ErrUnknown) stays so for TryAcquire;
+// for a waiting Acquire (waiting) whose ctx ended it is joined with ErrHeld
+// and the cause, as any wait that gives up.
+func (a *Acquirer) fail(ctx context.Context, name string, err error, waiting bool) error {
 	if errors.Is(err, fence.ErrHeld) && ctx.Err() == nil {
 		return err
 	}
 	if errors.Is(err, fence.ErrUnknown) {
 		err = fmt.Errorf("natsfence: acquire %q: %w", name, err)
-		if ctx.Err() != nil {
+		if waiting && ctx.Err() != nil {
 			// Given up at the context's end, as any wait does; the last
 			// grant's outcome is unknown (its entry is removed in the
 			// background once it can tell).

@@ -20,6 +20,7 @@ import (
 // ErrLost (fence.Acquirer's contract). With the latency gone the name is
 // free: the late grants were given back.
 func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
+	t.Parallel() // its own names and proxies
 	j, p := proxied(t)
 	ctx := context.Background()
 	bucket(t, j, lockBucket)
