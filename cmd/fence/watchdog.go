@@ -184,13 +184,25 @@ func (d *demo) slowStep(ctx context.Context, name string) error {
 // deadline passes, Hold cancels A's work before it writes. The step lasts until
 // B has written: a watchdog that did not cancel A would let it write after B.
 func (d *demo) cutOff(ctx context.Context, name string) error {
-	var cause error
+	var (
+		cause   error
+		byClock bool // the lease's clock told A, before the timer cancelled its ctx
+	)
 	r, err := d.raceB(ctx, name, func(ctx context.Context, l fence.Lease, r *watchdogRun) error {
 		r.f.failing.Store(true)
 		select {
 		case <-r.bWrote:
-			if ctx.Err() != nil { // both ready: the cancellation came first
+			// "Do I still hold the lock?", asked of the lease's clock
+			// before the write: its Err does not wait for the timer that
+			// cancels ctx, which a loaded machine runs late (a loaded run
+			// saw B write first and A's ctx still live). B was granted
+			// only after A's lease expired on the backend, so after A's
+			// local deadline: A learns here that it lost the lease.
+			if ctx.Err() != nil || l.Context().Err() != nil {
 				cause = context.Cause(ctx)
+				if cause == nil {
+					cause, byClock = context.Cause(l.Context()), true
+				}
 				return nil
 			}
 			return d.fencedWrite(ctx, r.log, name, "A", l.Token())
@@ -202,12 +214,19 @@ func (d *demo) cutOff(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
-	d.printf("     A's work context was cancelled (cause: %s) before its write; Hold returned: %s\n", result(cause), result(r.holdErr))
+	how := "A's work context was cancelled"
+	if byClock {
+		how = "A's check of its lease's clock found it lost (the timer that cancels its work context had not run yet)"
+	}
+	d.printf("     %s (cause: %s) before its write; Hold returned: %s\n", how, result(cause), result(r.holdErr))
 	if err := d.report(ctx, name, r); err != nil {
 		return err
 	}
-	d.check(errors.Is(cause, fence.ErrLost) && errors.Is(r.holdErr, fence.ErrLost) && len(r.log.entries) == 1 && string(r.final) == "written by B",
-		"Hold cancelled A's work when its lease could not be renewed; A never wrote")
+	what := "Hold cancelled A's work when its lease could not be renewed; A never wrote"
+	if byClock {
+		what = "A's lease, not renewed, was lost by its own clock before its write, and Hold returned the loss; A never wrote"
+	}
+	d.check(errors.Is(cause, fence.ErrLost) && errors.Is(r.holdErr, fence.ErrLost) && len(r.log.entries) == 1 && string(r.final) == "written by B", what)
 	return nil
 }
 
