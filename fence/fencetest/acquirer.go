@@ -178,6 +178,13 @@ func release(t *testing.T, l fence.Lease) {
 func mustTry(t *testing.T, a fence.Acquirer, name string, ttl time.Duration) fence.Lease {
 	t.Helper()
 	l, err := a.TryAcquire(ctxT(t), name, ttl)
+	// ErrLost: granted, but confirmed only after the lease's local deadline
+	// (a loaded machine: NATS once confirmed three 1s grants in a row too
+	// late) and given back. The case needs a live lease: try again, twice.
+	for try := 1; try < 3 && errors.Is(err, fence.ErrLost); try++ {
+		t.Logf("TryAcquire(%q, %v), try %d: %v: trying again", name, ttl, try, err)
+		l, err = a.TryAcquire(ctxT(t), name, ttl)
+	}
 	if err != nil {
 		t.Fatalf("TryAcquire(%q, %v): %v", name, ttl, err)
 	}
