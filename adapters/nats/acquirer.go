@@ -399,10 +399,11 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 					continue
 				}
 			}
+			lateErr := fmt.Errorf("every grant was confirmed only after its local deadline (a slow or cut connection): %w", fence.ErrLost)
 			if wt != nil {
-				return nil, a.fail(ctx, name, fmt.Errorf("every grant was confirmed only after its local deadline (a slow or cut connection): %w", fence.ErrLost), true)
+				return nil, a.fail(ctx, name, lateErr, true)
 			}
-			return nil, fmt.Errorf("natsfence: acquire %q: every grant was confirmed only after its local deadline (a slow or cut connection): %w", name, fence.ErrLost)
+			return nil, fmt.Errorf("natsfence: acquire %q: %w", name, lateErr)
 		}
 		if errors.Is(err, fence.ErrUnknown) {
 			// The create may have landed: remove it once we can tell, so

@@ -23,11 +23,7 @@ func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 	t.Parallel() // its own names and proxies
 	j, p := proxied(t)
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirer(t, j, lockBucket, nil)
 	name := fencetest.Name("lategrants")
 	const ttl = natsfence.MinTTL
 	p.Latency(550*time.Millisecond, 550*time.Millisecond)

@@ -395,11 +395,7 @@ func TestReviewNatsLateLoopEndsDuringTokenRead(t *testing.T) {
 	// which the other tests' acquirers make too.
 	j, p := proxied(t)
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirer(t, j, lockBucket, nil)
 	name := fencetest.Name("natslate-loopinfo")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -438,11 +434,7 @@ func TestReviewNatsAcquireGivesUpAtItsEndUnderPartition(t *testing.T) {
 	// which the other tests' acquirers make too.
 	j, p := proxied(t)
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirer(t, j, lockBucket, nil)
 	name := fencetest.Name("natslate-partition")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
