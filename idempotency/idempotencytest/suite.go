@@ -1085,6 +1085,9 @@ func (s Suite) testTakeoverRestarts(t *testing.T) {
 	st := s.New(t)
 	k := key()
 	s.crashedOwner(t, st, k, false)
+	// The takeover's own lease is long: the effect reads the store with the
+	// effect's context, which a short lease's missed renewal on a loaded
+	// machine would cancel (CI: "idempotency get: context canceled").
 	begun := time.Now()
 	var inProgress, elapsed time.Duration
 	_, err := idempotency.Do(ctxT(t), st, k, "fp", func(ctx context.Context, _ string) ([]byte, error) {
@@ -1092,7 +1095,7 @@ func (s Suite) testTakeoverRestarts(t *testing.T) {
 		elapsed = time.Since(begun)
 		inProgress = rec.InProgressFor
 		return nil, err
-	}, s.opts())
+	}, s.opts(func(o *idempotency.Options) { o.Lease = 10 * time.Second }))
 	if err != nil {
 		t.Fatal(err)
 	}
