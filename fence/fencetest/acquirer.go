@@ -30,6 +30,13 @@ type AcquirerSuite struct {
 	// be at least the backend's minimum ttl. Default: 150ms.
 	ShortTTL time.Duration
 
+	// RenewTTL is the least lease length of the cases that keep a lease
+	// alive by renewing it every third of its ttl (RenewExtends,
+	// HoldRunsAndReleases), which run for three ttls each: a renewal must
+	// be confirmed within two thirds of it, also on a loaded machine.
+	// Default: 5s.
+	RenewTTL time.Duration
+
 	// Workers and Increments size the mutual-exclusion test.
 	// Default: 20 workers x 25 increments (the lesson uses 20 x 50).
 	Workers, Increments int
@@ -98,6 +105,9 @@ func Name(prefix string) string {
 func (s AcquirerSuite) Run(t *testing.T) {
 	if s.New == nil {
 		t.Fatal("fencetest: AcquirerSuite.New is nil")
+	}
+	if s.RenewTTL <= 0 {
+		s.RenewTTL = 5 * time.Second
 	}
 	if s.ShortTTL <= 0 {
 		s.ShortTTL = 150 * time.Millisecond
@@ -602,14 +612,16 @@ func (s AcquirerSuite) testRenewExtends(t *testing.T) {
 }
 
 // renewTTL is the lease of the cases that keep a lease alive by renewing it
-// every third of its ttl: ShortTTL, but at least 3s, so that a renewal
+// every third of its ttl: ShortTTL, but at least RenewTTL (5s), so that a renewal
 // delayed on a loaded machine does not lose it, nor do the TryAcquire and the
 // Release after the last renewal (a 150ms lease leaves a renewal under 100ms
 // of slack; with 600ms a MySQL run under the whole test command once took
 // longer than the lease between the last renewal and the release; with 1s,
 // then with 2s, the in-process NATS server lost a Hold's lease in a run of
-// the test command: a renewal every 667ms left 1.3s for a stalled process).
-func (s AcquirerSuite) renewTTL() time.Duration { return max(s.ShortTTL, 3*time.Second) }
+// the test command: a renewal every 667ms left 1.3s for a stalled process;
+// with 3s the embedded etcd lost a Hold's lease in a run beside two busy
+// loops: no renewal was confirmed within 2s).
+func (s AcquirerSuite) renewTTL() time.Duration { return max(s.ShortTTL, s.RenewTTL) }
 
 func (s AcquirerSuite) testContextAfterRelease(t *testing.T) {
 	a := s.New(t)

@@ -395,9 +395,12 @@ func TestMemoryAcquirer(t *testing.T) {
 	srv := newMemServer(memoryBug(t))
 	newAcq := func(*testing.T) fence.Acquirer { return memAcquirer{s: srv, maxWait: 3 * time.Second} }
 	fencetest.AcquirerSuite{
-		New:         newAcq,
-		NewOther:    newAcq,
-		ShortTTL:    memShortTTL(srv.bug),
+		New:      newAcq,
+		NewOther: newAcq,
+		ShortTTL: memShortTTL(srv.bug),
+		// Renewals are function calls here, with no server to fall
+		// behind: 3s, so that each mutant's run stays short.
+		RenewTTL:    3 * time.Second,
 		SetCounter:  func(_ *testing.T, name string, tok fence.Token) { srv.setCounter(name, tok) },
 		DeleteState: func(_ *testing.T, name string) { srv.deleteState(name) },
 	}.Run(t)
