@@ -23,3 +23,11 @@ func PooledLease(a *Acquirer, ttl time.Duration) (id int64, sent time.Time, ok b
 
 // LeaseID is the etcd lease of a lease granted by an Acquirer (tests only).
 func LeaseID(l fence.Lease) int64 { return int64(l.(*lease).id) }
+
+// SetPoolWindow replaces how long a's pooled leases of a ttl may be handed
+// out after their send (tests only; call it before a's first grant).
+func SetPoolWindow(a *Acquirer, window func(ttl time.Duration) time.Duration) {
+	a.pool.mu.Lock()
+	defer a.pool.mu.Unlock()
+	a.pool.window = window
+}

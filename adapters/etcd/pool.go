@@ -58,7 +58,8 @@ const poolSlots = 8
 // pool holds etcd leases that hold no key, at most one for each ttl in
 // whole seconds (the etcd lease's ttl). It is safe for concurrent use.
 type pool struct {
-	c *clientv3.Client
+	c      *clientv3.Client
+	window func(ttl time.Duration) time.Duration // poolWindow; tests may widen it
 
 	mu      sync.Mutex
 	closed  bool
@@ -75,7 +76,7 @@ type slot struct {
 }
 
 func newPool(c *clientv3.Client) *pool {
-	return &pool{c: c, slots: map[int64]*slot{}}
+	return &pool{c: c, window: poolWindow, slots: map[int64]*slot{}}
 }
 
 // take returns a pooled lease for ttl with the send time from which its
@@ -90,7 +91,7 @@ func (p *pool) take(ttl time.Duration) (id clientv3.LeaseID, sent time.Time, ok 
 	id, sent = s.id, s.sent
 	s.timer.Stop()
 	s.id, s.timer = 0, nil
-	if time.Since(sent) >= poolWindow(ttl) {
+	if time.Since(sent) >= p.window(ttl) {
 		p.revoke(id, ttl) // aged past its window before its timer ran
 		return 0, time.Time{}, false
 	}
@@ -114,7 +115,7 @@ func (p *pool) put(id clientv3.LeaseID, sent time.Time, ttl time.Duration) {
 		p.revoke(id, ttl)
 		return
 	}
-	if time.Since(sent) < poolWindow(ttl)/2 {
+	if time.Since(sent) < p.window(ttl)/2 {
 		p.keep(s, id, sent, ttl)
 		return
 	}
@@ -128,7 +129,7 @@ func (p *pool) put(id clientv3.LeaseID, sent time.Time, ttl time.Duration) {
 // confirmed (it may land later) is revoked.
 func (p *pool) renew(s *slot, id clientv3.LeaseID, ttl time.Duration) {
 	defer p.refresh.Done()
-	ctx, cancel := context.WithTimeout(p.c.Ctx(), poolWindow(ttl)/2)
+	ctx, cancel := context.WithTimeout(p.c.Ctx(), p.window(ttl)/2)
 	sent := time.Now()
 	_, again, err := keepAliveOnce(ctx, p.c, id)
 	cancel()
@@ -164,7 +165,7 @@ func (p *pool) room() bool {
 // revokes it when the pool is closed or id is past its window. It runs with
 // p.mu held.
 func (p *pool) keep(s *slot, id clientv3.LeaseID, sent time.Time, ttl time.Duration) {
-	left := poolWindow(ttl) - time.Since(sent)
+	left := p.window(ttl) - time.Since(sent)
 	if p.closed || s.id != 0 || left <= 0 {
 		p.revoke(id, ttl)
 		return

@@ -106,20 +106,25 @@ func TestPooledLeaseRevokedBehindThePool(t *testing.T) {
 func TestPooledLeaseDeadlineCountsFromItsSend(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	a, _ := etcdfence.New(c.Client(t), nil)
+	// A pooled lease is handed out within a tenth of its ttl; here within
+	// three quarters, so that a loaded machine's pause between the release
+	// and the grant below (up to 2.5s) does not make the grant take a
+	// lease of its own.
+	etcdfence.SetPoolWindow(a, func(ttl time.Duration) time.Duration { return ttl * 3 / 4 })
 	ctx := context.Background()
 	name := fencetest.Name("pool-deadline")
-	const ttl = 4 * time.Second // a pooled lease is used within ttl/10
+	const ttl = 4 * time.Second
 	id, sent := pooledAfterRelease(t, a, name, ttl)
-	// Age the pooled lease by half its window: the point of the test, not
-	// a synchronisation.
-	time.Sleep(time.Until(sent.Add(ttl / 10 / 2)))
+	// Age the pooled lease by 500ms: the point of the test (its hand-out
+	// comes that much after its send), not a synchronisation.
+	time.Sleep(time.Until(sent.Add(500 * time.Millisecond)))
 	l, err := a.TryAcquire(ctx, name, ttl)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Release(ctx)
 	if etcdfence.LeaseID(l) != id {
-		t.Skipf("the pooled lease was not used (the machine took longer than its window): lease %x, pooled %x", etcdfence.LeaseID(l), id)
+		t.Fatalf("the pooled lease was not used (%v after its send, within its 3s window): lease %x, pooled %x", time.Since(sent), etcdfence.LeaseID(l), id)
 	}
 	deadline := sent.Add(ttl - leasekitDrift(ttl))
 	time.Sleep(time.Until(deadline) + time.Millisecond)
