@@ -271,7 +271,9 @@ func (a *Acquirer) leaseClient(name, id string) *lease.BlobClient {
 // its blob was deleted) creates the blob and reads Azure's clock from a
 // snapshot (a few more requests): see "Tokens when the lock blob is deleted". A
 // grant that cannot be confirmed returns an error and is released in the
-// background (see abandon's bound in "Lost answers").
+// background (see abandon's bound in "Lost answers"); so is a grant confirmed
+// only after its local deadline, which returns an error matching
+// fence.ErrLost (it holds nothing; Acquire tries again instead).
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
@@ -348,7 +350,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	l := &azLease{Base: leasekit.New(name, fence.Token(tok), ttl, a.o.Drift, firstSent), a: a, lc: lc, id: id}
 	if l.Context().Err() != nil {
 		// Confirmed after its local deadline: nobody would use it.
-		return nil, a.failed("acquire", name, fmt.Errorf("the grant was confirmed after its local deadline: %w", fence.ErrLost), nil)
+		return nil, a.failed("acquire", name, errLate, nil)
 	}
 	ok = true
 	return l, nil
@@ -544,12 +546,19 @@ func (a *Acquirer) failed(op, name string, err, ambiguous error) error {
 	return fmt.Errorf("azfence: %s %q: %w", op, name, err)
 }
 
+// errLate is TryAcquire's answer for a grant Azure confirmed only after its
+// local deadline: it was given back (abandon), and it matches fence.ErrLost.
+// A waiting Acquire tries again instead.
+var errLate = fmt.Errorf("the grant was confirmed after its local deadline and is being released: %w", fence.ErrLost)
+
 func pause(ctx context.Context, attempt int) error {
 	return fence.Backoff{Min: 10 * time.Millisecond, Max: 200 * time.Millisecond}.Sleep(ctx, attempt)
 }
 
 // Acquire waits until the lease on name is granted, trying with the
-// acquirer's Backoff. See fence.Acquirer and TryAcquire.
+// acquirer's Backoff. See fence.Acquirer and TryAcquire. A grant confirmed
+// past its local deadline is released and counts as a held name: Acquire
+// waits for the release and tries again, until ctx ends.
 //
 // The Acquire calls of one Acquirer that wait for the same name form a line in
 // the order they began: only its head reads and writes the lock object, a
@@ -576,6 +585,13 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		if err != nil && !errors.Is(err, fence.ErrHeld) && ctx.Err() != nil {
 			// The wait ran out during an attempt.
 			return nil, wakeup.GaveUp(ctx)
+		}
+		if errors.Is(err, errLate) {
+			// A grant confirmed past its local deadline holds nothing and
+			// is being given back: wait, as for a held name, and try
+			// again within ctx (fence.Acquirer: only TryAcquire answers
+			// ErrLost for it).
+			return nil, fmt.Errorf("%w (%v)", fence.ErrHeld, err)
 		}
 		return l, err
 	})
