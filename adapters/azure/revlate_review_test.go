@@ -39,6 +39,10 @@ type revRT struct {
 	holdFirst time.Duration // >0: hold the first acquire back, fail it after this network time
 	held      *http.Request
 	onRelease func()
+	// afterRelease, when set, runs once after the next confirmed release,
+	// before its answer reaches the caller (abandon pokes the line only
+	// after that).
+	afterRelease func()
 }
 
 func newRevRT(name string) *revRT {
@@ -80,6 +84,13 @@ func (h *revRT) RoundTrip(r *http.Request) (*http.Response, error) {
 		resp, err := h.next.RoundTrip(r)
 		if err == nil && resp.StatusCode/100 == 2 {
 			h.releasesOK.Add(1)
+			h.mu.Lock()
+			f := h.afterRelease
+			h.afterRelease = nil
+			h.mu.Unlock()
+			if f != nil {
+				f()
+			}
 			select {
 			case h.released <- struct{}{}:
 			default:
@@ -354,6 +365,89 @@ func TestRevLateThenOtherTakes(t *testing.T) {
 	}
 	if !(first < bl.Token() && bl.Token() < r.l.Token()) {
 		t.Errorf("tokens: first %d, the other's %d, the waiter's %d: not growing", first, bl.Token(), r.l.Token())
+	}
+	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
+}
+
+// TestRevLateThenOtherHoldsThenGranted: a waiting Acquire on a slow link
+// (each token write confirmed 1.1s late) gets a late grant; right after its
+// give-back is confirmed (before abandon's poke), another Acquirer on its own
+// client takes the name, and the link becomes fast. The waiter must not be
+// granted, nor give up, while the other holds the name; once the other
+// releases, it is granted a live lease with a token above the other's, which
+// is above the late grant's.
+func TestRevLateThenOtherHoldsThenGranted(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	name := fencetest.Name("revlate-holds")
+	first := grantAndRelease(t, e.c, name)
+	h := newRevRT(name)
+	h.slowWrite.Store(int64(1100 * time.Millisecond))
+	ctx := context.Background()
+	b := newAcquirer(t, e.other(t))
+	type taken struct {
+		l   fence.Lease
+		err error
+	}
+	took := make(chan taken, 1)
+	var hook func()
+	hook = func() {
+		n := h.acquires.Load()
+		l, err := b.TryAcquire(ctx, name, 15*time.Second)
+		t.Logf("after a give-back: the waiter had sent %d acquires before the other's TryAcquire, %d after it: %v", n, h.acquires.Load(), err)
+		if errors.Is(err, fence.ErrHeld) {
+			// The waiter's own next (late) grant came first, on its
+			// backoff: try again after its give-back.
+			h.mu.Lock()
+			h.afterRelease = hook
+			h.mu.Unlock()
+			return
+		}
+		h.slowWrite.Store(0)
+		took <- taken{l, err}
+	}
+	h.afterRelease = hook
+	a := revAcquirer(t, e, h, nil)
+	actx, cancel := context.WithTimeout(ctx, 40*time.Second)
+	defer cancel()
+	got := goAcquire(actx, a, name, azfence.MinAcquirerTTL)
+	var bl fence.Lease
+	select {
+	case tk := <-took:
+		if tk.err != nil {
+			t.Fatalf("another acquirer right after the late grant's give-back: %v", tk.err)
+		}
+		bl = tk.l
+	case r := <-got:
+		t.Fatalf("Acquire returned before any late grant was given back: %v", r.err)
+	case <-time.After(15 * time.Second):
+		t.Fatal("no late grant given back within 15s")
+	}
+	select {
+	case r := <-got:
+		if r.err == nil {
+			t.Fatalf("Acquire granted token %d while another acquirer holds token %d", r.l.Token(), bl.Token())
+		}
+		t.Fatalf("Acquire gave up while the other holds the name, its ctx live: %v", r.err)
+	case <-time.After(2 * time.Second): // observing that nothing comes
+	}
+	if err := bl.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	released := time.Now()
+	r := within(t, got, 10*time.Second, "Acquire after the other's release")
+	if r.err != nil {
+		t.Fatalf("Acquire after the other's release: %v", r.err)
+	}
+	defer r.l.Release(ctx)
+	if r.at.Before(released) {
+		t.Errorf("Acquire granted before the other's release")
+	}
+	if err := r.l.Context().Err(); err != nil {
+		t.Errorf("Acquire returned a lease whose context is done: %v", context.Cause(r.l.Context()))
+	}
+	if !(first+1 < bl.Token() && bl.Token() < r.l.Token()) {
+		t.Errorf("tokens: first %d, late grant %d, the other's %d, the waiter's %d: not growing", first, first+1, bl.Token(), r.l.Token())
 	}
 	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
 }
