@@ -32,6 +32,8 @@ type revRT struct {
 
 	acquires   atomic.Int64
 	releasesOK atomic.Int64
+	releases   atomic.Int64 // release requests seen
+	loseNext   atomic.Int64 // the next n releases are sent, their answers lost
 	released   chan struct{}
 	slowWrite  atomic.Int64 // ns added to each metadata write's answer
 
@@ -81,7 +83,12 @@ func (h *revRT) RoundTrip(r *http.Request) (*http.Response, error) {
 		if f != nil {
 			f()
 		}
+		h.releases.Add(1)
 		resp, err := h.next.RoundTrip(r)
+		if err == nil && h.loseNext.Add(-1) >= 0 {
+			resp.Body.Close()
+			return nil, errors.New("injected: the release's answer was lost")
+		}
 		if err == nil && resp.StatusCode/100 == 2 {
 			h.releasesOK.Add(1)
 			h.mu.Lock()
@@ -448,6 +455,61 @@ func TestRevLateThenOtherHoldsThenGranted(t *testing.T) {
 	}
 	if !(first+1 < bl.Token() && bl.Token() < r.l.Token()) {
 		t.Errorf("tokens: first %d, late grant %d, the other's %d, the waiter's %d: not growing", first, first+1, bl.Token(), r.l.Token())
+	}
+	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
+}
+
+// TestRevLateGiveBackReplyLost: a waiting Acquire on a slow link (each token
+// write confirmed 1.1s late) gets a late grant whose give-back (abandon's
+// release) lands but whose answer is lost, twice: abandon keeps sending
+// releases that Azure refuses (the lease is gone) and does not poke the line.
+// Once the link is fast the waiter must be granted within its backoff (not
+// after abandon's 20s nor Azure's 15s), hold a live lease that abandon's
+// leftover releases do not end, and not have spun meanwhile.
+func TestRevLateGiveBackReplyLost(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	name := fencetest.Name("revlate-lostrel")
+	first := grantAndRelease(t, e.c, name)
+	h := newRevRT(name)
+	h.slowWrite.Store(int64(1100 * time.Millisecond))
+	h.loseNext.Store(2)
+	a := revAcquirer(t, e, h, nil)
+	ctx := context.Background()
+	actx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	got := goAcquire(actx, a, name, azfence.MinAcquirerTTL)
+	// The first late grant's release landed with its answer lost: Azure
+	// no longer holds a lease on the blob.
+	for end := time.Now().Add(10 * time.Second); h.releases.Load() == 0 || leased(t, e.c, name); {
+		if time.Now().After(end) {
+			t.Fatal("no late grant given back within 10s")
+		}
+		time.Sleep(5 * time.Millisecond) // polling, not synchronisation
+	}
+	h.slowWrite.Store(0)
+	fast := time.Now()
+	r := within(t, got, 5*time.Second, "a waiter after its late grant's give-back lost its answer")
+	if r.err != nil {
+		t.Fatalf("Acquire: %v", r.err)
+	}
+	defer r.l.Release(ctx)
+	t.Logf("granted %v after the link became fast; %d acquires, %d releases sent", r.at.Sub(fast), h.acquires.Load(), h.releases.Load())
+	if r.l.Token() <= first {
+		t.Errorf("token %d not above %d", r.l.Token(), first)
+	}
+	if d := r.at.Sub(fast); d > 3*time.Second {
+		t.Errorf("granted %v after the name was free: the waiter waited for abandon or Azure's lease", d)
+	}
+	// abandon may still send releases of the late grant's lease ID for
+	// seconds: the new lease must survive them.
+	select {
+	case <-r.l.Context().Done():
+		t.Fatalf("the granted lease ended: %v", context.Cause(r.l.Context()))
+	case <-time.After(500 * time.Millisecond): // observing that it stays live
+	}
+	if err := r.l.Renew(ctx); err != nil {
+		t.Fatalf("Renew of the granted lease: %v", err)
 	}
 	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
 }
