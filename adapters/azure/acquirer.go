@@ -271,7 +271,9 @@ func (a *Acquirer) leaseClient(name, id string) *lease.BlobClient {
 // its blob was deleted) creates the blob and reads Azure's clock from a
 // snapshot (a few more requests): see "Tokens when the lock blob is deleted". A
 // grant that cannot be confirmed returns an error and is released in the
-// background (see abandon's bound in "Lost answers").
+// background (see abandon's bound in "Lost answers"); so is a grant confirmed
+// only after its local deadline, which returns an error matching
+// fence.ErrLost (it holds nothing; Acquire tries again instead).
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
@@ -289,7 +291,9 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	var etag azcore.ETag // the blob's ETag as the granted acquire saw it
 	defer func() {
 		if granted && !ok {
-			go a.abandon(name, id, ttl)
+			// An attempt without an answer may still be on its way
+			// and land after the give-back: keep releasing.
+			go a.abandon(name, id, ttl, ambiguous != nil)
 		}
 	}()
 	for attempt := 0; ; attempt++ {
@@ -348,7 +352,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	l := &azLease{Base: leasekit.New(name, fence.Token(tok), ttl, a.o.Drift, firstSent), a: a, lc: lc, id: id}
 	if l.Context().Err() != nil {
 		// Confirmed after its local deadline: nobody would use it.
-		return nil, a.failed("acquire", name, fmt.Errorf("the grant was confirmed after its local deadline: %w", fence.ErrLost), nil)
+		return nil, a.failed("acquire", name, errLate, nil)
 	}
 	ok = true
 	return l, nil
@@ -515,10 +519,15 @@ func creationToken(ctx context.Context, bc *blob.Client) (uint64, error) {
 // on its way can land afterwards, so it tries until a release is confirmed
 // (Azure held the lease for id, and now does not) or the lease's duration
 // plus 5 s has passed since it started. Refusals (no lease, or another ID's)
-// do not stop it: they are what it sees before a late acquire lands. An
-// acquire delayed in the network for longer than that can still hold the
-// name until its lease expires.
-func (a *Acquirer) abandon(name, id string, ttl time.Duration) {
+// do not stop it: they are what it sees before a late acquire lands.
+//
+// With linger (an acquire of id got no answer, and may still be on its way),
+// a confirmed release does not end it either: it goes on releasing id, every
+// second at most, until that bound, so that an acquire landing after the
+// give-back holds the name for a second or so, not for Azure's whole lease.
+// An acquire delayed in the network for longer than the bound can still hold
+// the name until its lease expires.
+func (a *Acquirer) abandon(name, id string, ttl time.Duration, linger bool) {
 	// However it ends, the lock may be free now: the head of the line tries.
 	defer a.line.Poke(name)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(leaseSeconds(ttl))*time.Second+5*time.Second)
@@ -527,7 +536,10 @@ func (a *Acquirer) abandon(name, id string, ttl time.Duration) {
 	b := fence.Backoff{Min: 10 * time.Millisecond, Max: time.Second}
 	for attempt := 0; ctx.Err() == nil; attempt++ {
 		if _, err := lc.ReleaseLease(noRetries(ctx), nil); err == nil {
-			return
+			if !linger {
+				return
+			}
+			a.line.Poke(name)
 		}
 		if b.Sleep(ctx, attempt) != nil {
 			return
@@ -544,12 +556,24 @@ func (a *Acquirer) failed(op, name string, err, ambiguous error) error {
 	return fmt.Errorf("azfence: %s %q: %w", op, name, err)
 }
 
+// latePause is how long a waiting Acquire pauses after its n-th late grant
+// before it tries again.
+var latePause = fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}
+
+// errLate is TryAcquire's answer for a grant Azure confirmed only after its
+// local deadline: it was given back (abandon), and it matches fence.ErrLost.
+// A waiting Acquire tries again instead.
+var errLate = fmt.Errorf("the grant was confirmed after its local deadline and is being released: %w", fence.ErrLost)
+
 func pause(ctx context.Context, attempt int) error {
 	return fence.Backoff{Min: 10 * time.Millisecond, Max: 200 * time.Millisecond}.Sleep(ctx, attempt)
 }
 
 // Acquire waits until the lease on name is granted, trying with the
-// acquirer's Backoff. See fence.Acquirer and TryAcquire.
+// acquirer's Backoff. See fence.Acquirer and TryAcquire. A grant confirmed
+// past its local deadline is released in the background and counts as a
+// held name: Acquire pauses (50ms after the first, doubling to 1s) and tries
+// again, until ctx ends; between its tries other acquirers can take the name.
 //
 // The Acquire calls of one Acquirer that wait for the same name form a line in
 // the order they began: only its head reads and writes the lock object, a
@@ -566,6 +590,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	if err := a.checkTTL(ttl); err != nil {
 		return nil, err
 	}
+	late := 0 // late grants so far
 	return a.line.Acquire(ctx, a.o.Backoff, name, nil, func(ctx context.Context) (fence.Lease, error) {
 		l, err := a.TryAcquire(ctx, name, ttl)
 		if errors.Is(err, ErrContention) && !errors.Is(err, fence.ErrUnknown) {
@@ -576,6 +601,21 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		if err != nil && !errors.Is(err, fence.ErrHeld) && ctx.Err() != nil {
 			// The wait ran out during an attempt.
 			return nil, wakeup.GaveUp(ctx)
+		}
+		if errors.Is(err, errLate) {
+			// A grant confirmed past its local deadline holds nothing and
+			// is being given back: wait, as for a held name, and try
+			// again within ctx (fence.Acquirer: only TryAcquire answers
+			// ErrLost for it). The give-back's release wakes the line at
+			// once, so the head pauses first (latePause, growing): on a
+			// link too slow for the ttl it would otherwise take Azure's
+			// lease again at once, again and again, and keep the name
+			// from acquirers that could use it.
+			if latePause.Sleep(ctx, late) != nil {
+				return nil, wakeup.GaveUp(ctx)
+			}
+			late++
+			return nil, fmt.Errorf("%w (%v)", fence.ErrHeld, err)
 		}
 		return l, err
 	})
@@ -613,7 +653,7 @@ func (l *azLease) Renew(ctx context.Context) error {
 		_, err := l.lc.RenewLease(noRetries(ctx), nil)
 		if err == nil {
 			if !l.Extend(sent) {
-				go l.a.abandon(l.Name(), l.id, l.TTL())
+				go l.a.abandon(l.Name(), l.id, l.TTL(), false)
 				return l.lost()
 			}
 			return nil
@@ -684,7 +724,7 @@ func (l *azLease) Release(ctx context.Context) error {
 			break
 		}
 	}
-	go l.a.abandon(l.Name(), l.id, l.TTL())
+	go l.a.abandon(l.Name(), l.id, l.TTL(), false)
 	scrub(ambiguous)
 	return fmt.Errorf("azfence: release %q: %w: %v (it goes on in the background)", l.Name(), fence.ErrUnknown, ambiguous)
 }
