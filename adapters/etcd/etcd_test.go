@@ -194,7 +194,10 @@ func TestThreeNodeLeaderLoss(t *testing.T) {
 	go func() {
 		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
-		l, err := a.Acquire(wctx, "report", 5*time.Second)
+		// 30s: the next holder's lease must outlast the checks below,
+		// which never renew it (a 5s lease ran out before its Release
+		// in loaded run 2 on 2aa15c9).
+		l, err := a.Acquire(wctx, "report", 30*time.Second)
 		if err != nil {
 			t.Error(err)
 			next <- grant{}
