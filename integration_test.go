@@ -368,6 +368,14 @@ func TestPausedHolder(t *testing.T) {
 				name := fencetest.Name("invoice")
 				sentA := time.Now()
 				la, err := a.TryAcquire(ctx, name, ac.ttl)
+				for try := 1; errors.Is(err, fence.ErrLost) && try < 3; try++ {
+					// A grant confirmed past its local deadline holds
+					// nothing (fence.Acquirer); a loaded machine (CI on
+					// 5dc1f62, etcd): ask again.
+					t.Logf("A acquires: %v; again", err)
+					sentA = time.Now()
+					la, err = a.TryAcquire(ctx, name, ac.ttl)
+				}
 				if err != nil {
 					t.Fatalf("A acquires: %v", err)
 				}
