@@ -511,12 +511,29 @@ func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time
 // cleanup removes key when it still holds value (a grant of ours that
 // returned ErrUnknown), retrying ambiguous failures until it can tell, for at
 // most ttl: by then the server has expired the entry anyway.
+//
+// No entry, before it has seen one, does not end it at once: the create may
+// still be on its way, or not yet stored, and land afterwards. It looks
+// again, pausing 50ms doubling to 1s, until a request timeout
+// (Options.Timeout) has passed since it began.
 func (a *Acquirer) cleanup(ctx context.Context, key string, value []byte, ttl time.Duration) {
 	ctx, cancel := context.WithTimeout(ctx, ttl)
 	defer cancel()
-	for {
+	absentUntil := time.Now().Add(a.o.Timeout)
+	seen := false // the entry was there once: it has landed
+	for absent := 0; ; {
 		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
 		if err == nil {
+			if m != nil {
+				seen = true
+			}
+			if m == nil && !seen && time.Now().Before(absentUntil) {
+				if (fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}).Sleep(ctx, absent) != nil {
+					return
+				}
+				absent++
+				continue
+			}
 			if m == nil || isMarker(m) || string(m.Data) != string(value) {
 				return // not ours: nothing to clean up
 			}
