@@ -265,6 +265,10 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}
 }
 
+// maxExpired bounds how many fresh etcd leases a TryAcquire takes when each
+// expires before the transaction that uses it reaches etcd.
+const maxExpired = 3
+
 // retryDelay spaces the tries of a step that failed for the network's sake.
 var retryDelay = fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}
 
@@ -341,7 +345,7 @@ const WaiterTTL = 3 * time.Second
 func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, wait bool) (fence.Lease, error) {
 	pfx := a.lockPrefix(name)
 	id, sent, pooled := a.takePooled(ttl)
-	for {
+	for expired := 0; ; {
 		if !pooled {
 			sent = time.Now()
 			lg, err := a.c.Grant(ctx, seconds(ttl))
@@ -358,12 +362,21 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			If(clientv3.Compare(clientv3.CreateRevision(pfx).WithPrefix(), "=", 0)).
 			Then(clientv3.OpPut(key, a.o.Owner, clientv3.WithLease(id))).
 			Commit()
-		if pooled && isLeaseNotFound(err) {
-			// etcd no longer has the pooled lease (revoked, or expired
-			// sooner than the pool counted): a put on it fails, so the
-			// transaction created nothing. Take a lease on the spot.
+		if isLeaseNotFound(err) && (pooled || wait || expired < maxExpired) {
+			// etcd no longer has the lease (a pooled one revoked, or
+			// expired sooner than the pool counted; a fresh one whose ttl
+			// ran out before the transaction reached etcd, on a cluster
+			// slower than the ttl): a put on it fails, so the transaction
+			// created nothing. Take a lease on the spot: within ctx for
+			// Acquire, at most maxExpired times for TryAcquire.
+			if !pooled {
+				expired++
+			}
 			pooled = false
 			continue
+		}
+		if isLeaseNotFound(err) {
+			return nil, a.fail(ctx, "acquire", name, fmt.Errorf("%d fresh etcd leases expired before the transaction that uses each reached etcd (the cluster answers slower than the ttl): %w", expired+1, err))
 		}
 		if err != nil {
 			// The answer was lost: the key may have been created. Look.
@@ -530,8 +543,12 @@ func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Du
 		key = keyOf(pfx, id)
 		var err error
 		rev, once, err = a.joinLine(ctx, key, w)
-		if wPooled && isLeaseNotFound(err) {
-			wPooled = false // etcd no longer has it: the create failed
+		if isLeaseNotFound(err) {
+			// etcd no longer has the waiter lease (a pooled one revoked or
+			// expired; a fresh one whose WaiterTTL ran out before the
+			// create reached etcd): the create failed, or landed and left
+			// with the lease. Join on a new one, within ctx.
+			wPooled = false
 			continue
 		}
 		if err != nil {

@@ -31,9 +31,11 @@ func TestAcquirerConformanceThreeMembers(t *testing.T) { runSuite(t, 3, 8, 10) }
 
 func runSuite(t *testing.T, members, workers, increments int) {
 	c := etcdtest.Start(t, members)
-	shortTTL := 2 * time.Second
+	shortTTL, renewTTL := 2*time.Second, time.Duration(0)
 	if members > 1 {
-		shortTTL = 4 * time.Second
+		// A Hold's 5s lease was lost once (CI on 0a0c859: its renewals,
+		// every 1.7s, were not confirmed for its whole ttl).
+		shortTTL, renewTTL = 4*time.Second, 10*time.Second
 	}
 	a, err := etcdfence.New(c.Client(t), nil)
 	if err != nil {
@@ -54,6 +56,7 @@ func runSuite(t *testing.T, members, workers, increments int) {
 		// etcd counts leases in whole seconds and raises short ones to its
 		// minimum (about 2s with the default election timeout).
 		ShortTTL: shortTTL,
+		RenewTTL: renewTTL,
 		MaxTTL:   etcdfence.MaxTTL,
 		BadNames: []string{strings.Repeat("n", etcdfence.MaxNameBytes+1)},
 		Workers:  workers, Increments: increments,
