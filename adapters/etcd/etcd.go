@@ -371,6 +371,9 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			// Acquire, at most maxExpired times for TryAcquire.
 			if !pooled {
 				expired++
+				if retryDelay.Sleep(ctx, expired-1) != nil {
+					return nil, a.fail(ctx, "acquire", name, err)
+				}
 			}
 			pooled = false
 			continue
@@ -530,6 +533,8 @@ func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Du
 		key  string
 		rev  int64 // the create revision of our key: the token
 		once bool  // the create was sent once: no copy of it may land later
+		// fresh waiter leases that expired before their create arrived
+		wExpired int
 	)
 	for {
 		if !wPooled {
@@ -548,6 +553,12 @@ func (a *Acquirer) waitInLine(ctx context.Context, name, pfx string, ttl time.Du
 			// expired; a fresh one whose WaiterTTL ran out before the
 			// create reached etcd): the create failed, or landed and left
 			// with the lease. Join on a new one, within ctx.
+			if !wPooled {
+				wExpired++
+				if retryDelay.Sleep(ctx, wExpired-1) != nil {
+					return nil, giveUp(err, id)
+				}
+			}
 			wPooled = false
 			continue
 		}

@@ -294,6 +294,11 @@ func TestRevExpiredJoinEveryLeaseGivesUp(t *testing.T) {
 			if joins < 2 {
 				t.Errorf("only %d joins were tried", joins)
 			}
+			// The joins are spaced (retryDelay: 10ms doubling to 500ms,
+			// about 8 in 2s); without the pause 150-200 were sent.
+			if joins > 20 {
+				t.Errorf("%d joins in 2s: the retries of a join whose waiter lease expired are not spaced", joins)
+			}
 			if ks := revLineKeys(t, cl, name); len(ks) != 1 || ks[0].create != int64(held.Token()) {
 				t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
 			}
