@@ -378,6 +378,11 @@ func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Du
 // which never waits in the line.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
+		if ctx != nil && ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+			// Called with a context already done: a wait that ran out
+			// before its first try, as fence.Acquirer says.
+			return nil, fmt.Errorf("sqlfence: acquire %q: %w", name, wakeup.GaveUp(ctx))
+		}
 		return nil, err
 	}
 	var listen func(chan struct{}) func()

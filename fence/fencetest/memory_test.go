@@ -35,6 +35,7 @@ var mutants = []struct {
 	{"ttl-round-down", "Acquirer", "NoGrantWhileHolderContextLive", "the server keeps a lease for 2/3 of its ttl (600ms becomes 400ms)"},
 	{"late-after-deadline", "Acquirer", "AcquireGivesUpAtDeadline", "Acquire sleeps between tries until 500ms past its deadline"},
 	{"ignore-ctx", "Acquirer", "AcquireCancelled", "Acquire ignores ctx until its own maximum wait"},
+	{"done-ctx-bare", "Acquirer", "AcquireContextDone", "Acquire called with a done context returns the bare context error, not ErrHeld joined with it"},
 	{"held-as-lost", "Acquirer", "NoGrantWhileHolderContextLive", "TryAcquire on a held name answers ErrLost (a late grant given back) instead of ErrHeld"},
 	{"try-waits", "Acquirer", "TryAcquireHeld", "TryAcquire on a held name waits a second before ErrHeld"},
 	{"name-fold-case", "Acquirer", "NamesIndependent", "names compared case-insensitively (a _ci collation)"},
@@ -237,6 +238,9 @@ func (a memAcquirer) Acquire(ctx context.Context, name string, ttl time.Duration
 		return nil, err
 	}
 	try := func(context.Context) (fence.Lease, error) { return a.try(name, ttl) }
+	if err := ctx.Err(); err != nil && a.s.bug == "done-ctx-bare" {
+		return nil, fmt.Errorf("mem: acquire %q: %w", name, err)
+	}
 	switch a.s.bug {
 	case "late-after-deadline":
 		// Near its deadline, sleeps without looking at ctx until 500ms past it.
