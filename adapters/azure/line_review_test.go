@@ -188,7 +188,10 @@ func TestLineReviewNoLeaks(t *testing.T) {
 			t.Fatal(err)
 		}
 		name := fencetest.Name("line-leaks")
-		h, err := a.TryAcquire(ctx, name, 20*time.Second)
+		// The longest lease: the waits and the goroutine count below may
+		// take 30s on a loaded machine (a 20s lease was lost before its
+		// Release in a full run with -p 24).
+		h, err := a.TryAcquire(ctx, name, azfence.MaxAcquirerTTL)
 		if err != nil {
 			t.Fatal(err)
 		}
