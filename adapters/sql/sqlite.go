@@ -3,6 +3,7 @@ package sqlfence
 import (
 	"database/sql"
 	"database/sql/driver"
+	"errors"
 	"fmt"
 	"net/url"
 	"strings"
@@ -28,7 +29,8 @@ func init() {
 
 // OpenSQLite opens (creating it if needed) the SQLite database file at path with
 // the settings that make leases and fences safe across processes on one machine:
-// WAL journal, synchronous=NORMAL, a 10s busy timeout, and IMMEDIATE transactions,
+// WAL journal, synchronous=NORMAL, a 10s busy timeout (opening waits up to a
+// minute more for a file that stays locked), and IMMEDIATE transactions,
 // so that a transaction takes the write lock when it begins instead of failing
 // to upgrade a read lock later.
 func OpenSQLite(path string) (*sql.DB, error) {
@@ -47,9 +49,29 @@ func OpenSQLite(path string) (*sql.DB, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sqlfence: open sqlite %s: %w", path, err)
 	}
-	if err := db.Ping(); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("sqlfence: open sqlite %s: %w", path, err)
+	// A connection's first statements (the pragmas above) wait out another
+	// connection's write lock for the busy timeout; a file that many
+	// processes write can keep one waiting longer (a test sharing one file
+	// among 30 handles on a loaded machine did). Opening tries again for
+	// openBusyFor, since nothing was done yet.
+	deadline := time.Now().Add(openBusyFor)
+	for attempt := 0; ; attempt++ {
+		err := db.Ping()
+		if err == nil {
+			return db, nil
+		}
+		var se *sqlite.Error
+		if !errors.As(err, &se) || se.Code()&0xff != sqliteBusy || time.Now().After(deadline) {
+			db.Close()
+			return nil, fmt.Errorf("sqlfence: open sqlite %s: %w", path, err)
+		}
+		time.Sleep(min(10*time.Millisecond<<attempt, 500*time.Millisecond))
 	}
-	return db, nil
 }
+
+// sqliteBusy is SQLite's primary result code SQLITE_BUSY.
+const sqliteBusy = 5
+
+// openBusyFor is how long OpenSQLite keeps trying after its first
+// connection's pragmas found the file locked past the busy timeout.
+const openBusyFor = time.Minute
