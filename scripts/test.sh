@@ -174,18 +174,11 @@ if [ "${FENCEKIT_NO_SERVICES:-}" != 1 ]; then
   start_mysql
 fi
 
-# go vet and the hygiene checks run beside the tests, at the lowest CPU
-# priority: the tests keep the CPUs they need (their timing is what a loaded
-# machine breaks), and the checks take what the tests leave, mostly while
-# the last long packages wait on leases. Their output is shown, and their
-# failure fails the run, once the tests have ended.
-checks_out=$(mktemp)
-checks_rc=$(mktemp)
-say "go vet ./... (and the bench module) and module hygiene (go mod tidy, staticcheck, govulncheck), at low priority beside the tests"
-( nice -n 19 bash -c 'go vet ./... && (cd bench && go vet ./...) && scripts/hygiene.sh' >"$checks_out" 2>&1
-  echo $? >"$checks_rc" ) &
-checks=$!
-trap 'kill "$checks" 2>/dev/null || true' EXIT
+say "go vet ./... (and the bench module)"
+go vet ./...
+(cd bench && go vet ./...)
+say "module hygiene: go mod tidy, staticcheck, govulncheck"
+scripts/hygiene.sh
 for p in "${installs[@]}"; do wait "$p" || true; done
 # What the installs exported in their subshells, again for the tests.
 export PATH="$PATH:$(go env GOPATH)/bin"
@@ -194,13 +187,7 @@ if [ -z "${FENCEKIT_AZURE_URL:-}" ] && ! command -v azurite-blob >/dev/null; the
 fi
 say "go test -race ./... (8 packages and 8 parallel tests each at a time: most of their time is spent waiting on leases and servers)"
 # shellcheck disable=SC2086
-tests_rc=0
-go test -race -count=1 -p 8 -parallel 8 -timeout 30m ${GO_TEST_FLAGS:-} ./... || tests_rc=$?
-say "waiting for go vet and the hygiene checks"
-wait "$checks" || true
-cat "$checks_out" >&2
-if [ "$(cat "$checks_rc")" != 0 ]; then say "go vet or a hygiene check: FAIL"; exit 1; fi
-if [ "$tests_rc" != 0 ]; then say "go test: FAIL"; exit "$tests_rc"; fi
+go test -race -count=1 -p 8 -parallel 8 -timeout 30m ${GO_TEST_FLAGS:-} ./...
 
 # The bench/ module's peer benchmarks fail when a contender's counter does not
 # end exact (lost updates). One round of 20 workers x 5 increments per
