@@ -416,8 +416,13 @@ func ended(ctx context.Context) error {
 	return nil
 }
 
+// checkLease checks the arguments of a grant; a context already done is
+// looked at last, so that bad input is ErrInvalid whatever the context.
 func (a *Acquirer) checkLease(op string, ctx context.Context, name string, ttl time.Duration) error {
-	if err := a.db.checkCall(op, ctx); err != nil {
+	if err := leasekit.CheckContext(op, ctx); err != nil {
+		return err
+	}
+	if err := a.db.check(op); err != nil {
 		return err
 	}
 	if err := checkText(op, "name", name); err != nil {
@@ -427,7 +432,10 @@ func (a *Acquirer) checkLease(op string, ctx context.Context, name string, ttl t
 		// The local deadline would be past before the grant is made.
 		return &fence.InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
 	}
-	return leasekit.CheckTTL(op, ttl, 0, MaxTTL)
+	if err := leasekit.CheckTTL(op, ttl, 0, MaxTTL); err != nil {
+		return err
+	}
+	return checkLive(op, ctx)
 }
 
 // ttlMs rounds ttl up to whole milliseconds, so a lease is never shorter on the

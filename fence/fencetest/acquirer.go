@@ -789,17 +789,27 @@ func (s AcquirerSuite) testBadInput(t *testing.T) {
 			ttl  time.Duration
 		}{"name " + what, n, time.Second})
 	}
+	// Bad input is ErrInvalid also with a context already done: never
+	// ErrHeld, which a caller may retry (a review of sqlfence's done-context
+	// change found it answered an empty name so).
+	done, cancel := context.WithCancel(context.Background())
+	cancel()
 	for _, c := range cases {
 		for _, op := range []struct {
 			n string
 			f func(context.Context, string, time.Duration) (fence.Lease, error)
 		}{{"Acquire", a.Acquire}, {"TryAcquire", a.TryAcquire}} {
-			l, err := op.f(ctx, c.name, c.ttl)
-			if !errors.Is(err, fence.ErrInvalid) {
-				if l != nil {
-					_ = l.Release(context.Background())
+			for _, cc := range []struct {
+				what string
+				ctx  context.Context
+			}{{"", ctx}, {" and a done context", done}} {
+				l, err := op.f(cc.ctx, c.name, c.ttl)
+				if !errors.Is(err, fence.ErrInvalid) || errors.Is(err, fence.ErrHeld) {
+					if l != nil {
+						_ = l.Release(context.Background())
+					}
+					t.Errorf("%s with %s%s: err = %v, want ErrInvalid (and not ErrHeld)", op.n, c.what, cc.what, err)
 				}
-				t.Errorf("%s with %s: err = %v, want ErrInvalid", op.n, c.what, err)
 			}
 		}
 	}

@@ -36,6 +36,7 @@ var mutants = []struct {
 	{"late-after-deadline", "Acquirer", "AcquireGivesUpAtDeadline", "Acquire sleeps between tries until 500ms past its deadline"},
 	{"ignore-ctx", "Acquirer", "AcquireCancelled", "Acquire ignores ctx until its own maximum wait"},
 	{"done-ctx-bare", "Acquirer", "AcquireContextDone", "Acquire called with a done context returns the bare context error, not ErrHeld joined with it"},
+	{"ctx-before-input", "Acquirer", "BadInput", "Acquire called with a done context gives up (ErrHeld) before it looks at its name and ttl"},
 	{"held-as-lost", "Acquirer", "NoGrantWhileHolderContextLive", "TryAcquire on a held name answers ErrLost (a late grant given back) instead of ErrHeld"},
 	{"try-waits", "Acquirer", "TryAcquireHeld", "TryAcquire on a held name waits a second before ErrHeld"},
 	{"name-fold-case", "Acquirer", "NamesIndependent", "names compared case-insensitively (a _ci collation)"},
@@ -234,6 +235,9 @@ func (a memAcquirer) try(name string, ttl time.Duration) (fence.Lease, error) {
 
 // Acquire waits for name until ctx is done or the maximum wait passed.
 func (a memAcquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if a.s.bug == "ctx-before-input" && ctx != nil && ctx.Err() != nil {
+		return nil, errors.Join(fence.ErrHeld, ctx.Err())
+	}
 	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}

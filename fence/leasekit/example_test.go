@@ -73,14 +73,20 @@ type memLease struct {
 	b *memBackend
 }
 
-func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+// check refuses bad input with ErrInvalid, before anything looks at whether
+// ctx is done (a wait whose context ended is ErrHeld, which callers retry).
+func (memAcquirer) check(ctx context.Context, name string, ttl time.Duration) error {
 	if err := leasekit.CheckContext("acquire", ctx); err != nil {
-		return nil, err
+		return err
 	}
 	if err := leasekit.CheckName("acquire", name); err != nil {
-		return nil, err
+		return err
 	}
-	if err := leasekit.CheckTTL("acquire", ttl, 0, 0); err != nil {
+	return leasekit.CheckTTL("acquire", ttl, 0, 0)
+}
+
+func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	sent := time.Now() // before the request: the local deadline counts from here
@@ -92,7 +98,7 @@ func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Durat
 }
 
 func (a memAcquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	if err := leasekit.CheckContext("acquire", ctx); err != nil {
+	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
 	return leasekit.Acquire(ctx, fence.Backoff{}, nil, func(ctx context.Context) (fence.Lease, error) {

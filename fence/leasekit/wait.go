@@ -28,7 +28,9 @@ func CheckBackoff(op string, b fence.Backoff) error {
 // Between calls it sleeps for b.Delay(attempt), or less when wake receives (a
 // release notification; wake may be nil). It gives up at ctx's deadline, or
 // after b.MaxWait when ctx has none, with an error matching fence.ErrHeld and
-// the context error.
+// the context error. A ctx already done gives up before the first call, so
+// check the name and ttl before calling Acquire: bad input must be
+// fence.ErrInvalid whatever the context (the suite's BadInput case checks).
 func Acquire(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(context.Context) (fence.Lease, error)) (fence.Lease, error) {
 	return loop(ctx, b, wake, try, true)
 }
