@@ -1,6 +1,7 @@
 package sqlfence
 
 import (
+	"context"
 	"database/sql"
 	"database/sql/driver"
 	"errors"
@@ -8,6 +9,8 @@ import (
 	"net/url"
 	"strings"
 	"time"
+
+	"github.com/fencekit/fencekit/fence"
 
 	"modernc.org/sqlite" // registers the "sqlite" driver
 )
@@ -65,7 +68,7 @@ func OpenSQLite(path string) (*sql.DB, error) {
 			db.Close()
 			return nil, fmt.Errorf("sqlfence: open sqlite %s: %w", path, err)
 		}
-		time.Sleep(min(10*time.Millisecond<<attempt, 500*time.Millisecond))
+		_ = (fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}).Sleep(context.Background(), attempt)
 	}
 }
 
