@@ -185,6 +185,13 @@ export PATH="$PATH:$(go env GOPATH)/bin"
 if [ -z "${FENCEKIT_AZURE_URL:-}" ] && ! command -v azurite-blob >/dev/null; then
   export FENCEKIT_AZURITE_DIR="${FENCEKIT_AZURITE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fencekit/azurite}"
 fi
+# The etcd members of the tests run as child processes of a binary built once
+# here without the race detector (internal/etcdtest): inside a race-built test
+# binary under the run's own load, an embedded etcd stalled for seconds.
+etcd_node_dir=$(mktemp -d)
+trap 'rm -rf "$etcd_node_dir"' EXIT
+go build -o "$etcd_node_dir/etcdnode" ./internal/etcdtest/etcdnode
+export FENCEKIT_ETCD_NODE="$etcd_node_dir/etcdnode"
 say "go test -race ./... (8 packages and 8 parallel tests each at a time: most of their time is spent waiting on leases and servers)"
 # shellcheck disable=SC2086
 go test -race -count=1 -p 8 -parallel 8 -timeout 30m ${GO_TEST_FLAGS:-} ./...

@@ -1,31 +1,108 @@
-// Package etcdtest starts embedded etcd servers on loopback ports for tests: one
-// node, or a cluster of several.
+// Package etcdtest starts etcd servers on loopback ports for tests: one
+// member, or a cluster of several.
+//
+// Each member runs in a child process (command etcdnode, built without the
+// race detector), not inside the test binary: an embedded server shared the
+// CPU and the pauses of a race-instrumented test process, and under a loaded
+// test run it stalled for seconds, long enough for the suites' leases to run
+// out. scripts/test.sh builds etcdnode once and names it in
+// FENCEKIT_ETCD_NODE; without that variable the first Start of a test process
+// builds it with the go command (cached in the user's cache directory).
 package etcdtest
 
 import (
+	"bufio"
+	"context"
 	"fmt"
+	"io"
 	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/fencekit/fencekit/internal/testenv"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
 )
 
-// Node is one member of an embedded cluster.
+// NodeEnv names an etcdnode binary to run instead of building one.
+const NodeEnv = "FENCEKIT_ETCD_NODE"
+
+const nodePkg = "github.com/fencekit/fencekit/internal/etcdtest/etcdnode"
+
+// Node is one member of a test cluster.
 type Node struct {
 	Name      string
 	ClientURL string
-	Etcd      *embed.Etcd
-	cfg       *embed.Config
+	args      []string
+	cmd       *exec.Cmd
+	stdin     io.Closer
+	exited    chan struct{} // closed when cmd has been waited for
 }
 
-// Cluster is a running embedded etcd cluster.
+// Cluster is a running test etcd cluster.
 type Cluster struct {
 	Nodes []*Node
+}
+
+var (
+	buildOnce sync.Once
+	builtBin  string
+	buildErr  error
+)
+
+// nodeBinary returns the etcdnode binary: $FENCEKIT_ETCD_NODE, or one built
+// once per test process into the user's cache directory (the go command's
+// build cache makes a rebuild a link step).
+func nodeBinary(t testing.TB) string {
+	t.Helper()
+	if p := os.Getenv(NodeEnv); p != "" {
+		return p
+	}
+	buildOnce.Do(func() {
+		dir, err := os.UserCacheDir()
+		if err != nil {
+			dir = os.TempDir()
+		}
+		dir = filepath.Join(dir, "fencekit")
+		if err = os.MkdirAll(dir, 0o755); err != nil {
+			buildErr = err
+			return
+		}
+		goCmd, err := exec.LookPath("go")
+		if err != nil {
+			goCmd = filepath.Join(runtime.GOROOT(), "bin", "go")
+		}
+		// Built under a name of its own, then renamed: test processes of
+		// other packages may build and run it at the same time.
+		tmp, err := os.CreateTemp(dir, "etcdnode-*.tmp")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		tmp.Close()
+		out, err := exec.Command(goCmd, "build", "-o", tmp.Name(), nodePkg).CombinedOutput()
+		if err != nil {
+			os.Remove(tmp.Name())
+			buildErr = fmt.Errorf("go build %s: %v\n%s", nodePkg, err, out)
+			return
+		}
+		builtBin = filepath.Join(dir, "etcdnode")
+		if runtime.GOOS == "windows" {
+			builtBin += ".exe"
+		}
+		buildErr = os.Rename(tmp.Name(), builtBin)
+	})
+	if buildErr != nil {
+		t.Fatalf("etcdtest: building the etcd member binary (or set %s): %v", NodeEnv, buildErr)
+	}
+	return builtBin
 }
 
 // freeURL reserves a loopback port (testenv.Port: never one another test
@@ -36,59 +113,98 @@ func freeURL(t testing.TB) *url.URL {
 	return u
 }
 
-// Start starts an n-member cluster with data in temporary directories, and
-// stops it at the end of the test.
+// Start starts an n-member cluster with data in temporary directories, each
+// member a child process, and stops it at the end of the test.
 func Start(t testing.TB, n int) *Cluster {
 	t.Helper()
+	bin := nodeBinary(t)
 	c := &Cluster{}
 	var initial []string
 	for i := 0; i < n; i++ {
-		cfg := embed.NewConfig()
-		cfg.Name = fmt.Sprintf("node%d", i)
-		cfg.Dir = t.TempDir()
 		cu, pu := freeURL(t), freeURL(t)
-		cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{*cu}, []url.URL{*cu}
-		cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{*pu}, []url.URL{*pu}
-		cfg.LogLevel = "error"
-		cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
-		cfg.InitialClusterToken = "fencekit-test"
-		c.Nodes = append(c.Nodes, &Node{Name: cfg.Name, ClientURL: cu.String(), cfg: cfg})
-		initial = append(initial, fmt.Sprintf("%s=%s", cfg.Name, pu.String()))
-	}
-	errs := make(chan error, n)
-	for _, nd := range c.Nodes {
-		nd.cfg.InitialCluster = strings.Join(initial, ",")
-		go func() {
-			e, err := embed.StartEtcd(nd.cfg)
-			nd.Etcd = e
-			errs <- err
-		}()
-	}
-	for range c.Nodes {
-		if err := <-errs; err != nil {
-			t.Fatalf("starting embedded etcd: %v", err)
-		}
+		nd := &Node{Name: fmt.Sprintf("node%d", i), ClientURL: cu.String()}
+		nd.args = []string{"-name", nd.Name, "-dir", t.TempDir(), "-client-url", cu.String(), "-peer-url", pu.String()}
+		c.Nodes = append(c.Nodes, nd)
+		initial = append(initial, fmt.Sprintf("%s=%s", nd.Name, pu.String()))
 	}
 	t.Cleanup(c.Stop)
+	ready := make(chan error, n)
 	for _, nd := range c.Nodes {
+		args := append(nd.args, "-initial-cluster", strings.Join(initial, ","))
+		if err := nd.start(bin, args, ready); err != nil {
+			t.Fatalf("starting etcd member %s: %v", nd.Name, err)
+		}
+	}
+	// The members of a cluster become ready together (each waits for a
+	// quorum), so they are awaited together.
+	deadline := time.After(2 * time.Minute)
+	for range c.Nodes {
 		select {
-		case <-nd.Etcd.Server.ReadyNotify():
-		case <-time.After(30 * time.Second):
-			t.Fatalf("embedded etcd %s not ready", nd.Name)
+		case err := <-ready:
+			if err != nil {
+				t.Fatalf("etcd member: %v", err)
+			}
+		case <-deadline:
+			t.Fatal("etcd members not ready after 2m")
 		}
 	}
 	return c
+}
+
+func (nd *Node) start(bin string, args []string, ready chan<- error) error {
+	cmd := exec.Command(bin, args...)
+	cmd.Stderr = os.Stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	nd.cmd, nd.stdin, nd.exited = cmd, in, make(chan struct{})
+	go func() {
+		sc := bufio.NewScanner(out)
+		said := false
+		for sc.Scan() {
+			if !said && sc.Text() == "ready" {
+				said = true
+				ready <- nil
+			}
+		}
+		if !said {
+			ready <- fmt.Errorf("%s exited before it was ready", nd.Name)
+		}
+		_ = cmd.Wait()
+		close(nd.exited)
+	}()
+	return nil
 }
 
 // Endpoints returns the client URLs of the running members.
 func (c *Cluster) Endpoints() []string {
 	var eps []string
 	for _, nd := range c.Nodes {
-		if nd.Etcd != nil {
+		if nd.running() {
 			eps = append(eps, nd.ClientURL)
 		}
 	}
 	return eps
+}
+
+func (nd *Node) running() bool {
+	if nd.cmd == nil {
+		return false
+	}
+	select {
+	case <-nd.exited:
+		return false
+	default:
+		return true
+	}
 }
 
 // Client returns a client of every member, closed at the end of the test.
@@ -115,27 +231,66 @@ func NewClient(t testing.TB, endpoints ...string) *clientv3.Client {
 	return cl
 }
 
-// Leader returns the index of the current leader.
+// Leader returns the index of the member that says it leads, or -1 when none
+// of the running members answers so within 10s.
 func (c *Cluster) Leader() int {
-	for i, nd := range c.Nodes {
-		if nd.Etcd != nil && nd.Etcd.Server.Leader() == nd.Etcd.Server.MemberID() {
-			return i
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for ctx.Err() == nil {
+		for i, nd := range c.Nodes {
+			if !nd.running() {
+				continue
+			}
+			cl, err := clientv3.New(clientv3.Config{Endpoints: []string{nd.ClientURL}, DialTimeout: 2 * time.Second, Logger: zap.NewNop()})
+			if err != nil {
+				continue
+			}
+			st, err := cl.Status(ctx, nd.ClientURL)
+			cl.Close()
+			if err == nil && st.Leader != 0 && st.Leader == st.Header.MemberId {
+				return i
+			}
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(50 * time.Millisecond):
 		}
 	}
 	return -1
 }
 
-// StopNode stops member i.
+// StopNode stops member i gracefully, as embed.Etcd.Close does (a leader
+// hands its leadership over first), and waits for its process to exit; after
+// 30s it is killed.
 func (c *Cluster) StopNode(i int) {
-	if nd := c.Nodes[i]; nd.Etcd != nil {
-		nd.Etcd.Close()
-		nd.Etcd = nil
+	nd := c.Nodes[i]
+	if !nd.running() {
+		return
 	}
+	if err := nd.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		_ = nd.cmd.Process.Kill()
+	}
+	select {
+	case <-nd.exited:
+	case <-time.After(30 * time.Second):
+		_ = nd.cmd.Process.Kill()
+		<-nd.exited
+	}
+	nd.stdin.Close()
 }
 
-// Stop stops every member.
+// Stop kills every member still running (the end of a test: its data is
+// thrown away, so no graceful shutdown is waited for).
 func (c *Cluster) Stop() {
-	for i := range c.Nodes {
-		c.StopNode(i)
+	for _, nd := range c.Nodes {
+		if nd.running() {
+			_ = nd.cmd.Process.Kill()
+		}
+	}
+	for _, nd := range c.Nodes {
+		if nd.cmd != nil {
+			<-nd.exited
+			nd.stdin.Close()
+		}
 	}
 }
