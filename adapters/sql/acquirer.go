@@ -195,6 +195,11 @@ func (a *Acquirer) Owner() string { return a.opts.Owner }
 // and finds the name held), and is returned as the lease. When it cannot
 // know after a few attempts, it returns an error matching fence.ErrUnknown:
 // a grant may then be held on the server until its ttl runs out.
+//
+// On SQLite a file that another connection keeps locked past the busy
+// timeout makes TryAcquire return SQLite's "database is locked" error
+// (SQLITE_BUSY), which is neither ErrHeld nor ErrUnknown: nothing was granted.
+// Acquire waits on instead, within its context.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	return a.tryAcquire(ctx, name, ttl, maxAmbiguousRetries)
 }
@@ -391,6 +396,12 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}
 	return a.line.Acquire(ctx, a.opts.Backoff, name, listen, func(ctx context.Context) (fence.Lease, error) {
 		l, err := a.tryAcquire(ctx, name, ttl, 0)
+		if err != nil && a.db.d == sqliteDialect && ctx.Err() == nil && isSQLiteBusy(err) {
+			// The file stayed locked past the busy timeout (another
+			// connection writing a long time): the grant did nothing, and
+			// the wait goes on within ctx.
+			err = fmt.Errorf("%w (the database file stayed locked: %v)", fence.ErrHeld, err)
+		}
 		if err != nil && !errors.Is(err, fence.ErrHeld) && !errors.Is(err, fence.ErrUnknown) {
 			if ctx.Err() != nil {
 				// The wait ran out during an attempt that made no grant.

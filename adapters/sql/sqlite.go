@@ -63,13 +63,20 @@ func OpenSQLite(path string) (*sql.DB, error) {
 		if err == nil {
 			return db, nil
 		}
-		var se *sqlite.Error
-		if !errors.As(err, &se) || se.Code()&0xff != sqliteBusy || time.Now().After(deadline) {
+		if !isSQLiteBusy(err) || time.Now().After(deadline) {
 			db.Close()
 			return nil, fmt.Errorf("sqlfence: open sqlite %s: %w", path, err)
 		}
 		_ = (fence.Backoff{Min: 10 * time.Millisecond, Max: 500 * time.Millisecond}).Sleep(context.Background(), attempt)
 	}
+}
+
+// isSQLiteBusy reports an SQLITE_BUSY error (any extended code): the file's
+// lock stayed taken past the busy timeout, or the call's context ended while
+// it waited; the statement did nothing.
+func isSQLiteBusy(err error) bool {
+	var se *sqlite.Error
+	return errors.As(err, &se) && se.Code()&0xff == sqliteBusy
 }
 
 // sqliteBusy is SQLite's primary result code SQLITE_BUSY.
