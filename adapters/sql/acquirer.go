@@ -196,10 +196,15 @@ func (a *Acquirer) Owner() string { return a.opts.Owner }
 // know after a few attempts, it returns an error matching fence.ErrUnknown:
 // a grant may then be held on the server until its ttl runs out.
 //
-// On SQLite a file that another connection keeps locked past the busy
-// timeout makes TryAcquire return SQLite's "database is locked" error
-// (SQLITE_BUSY), which is neither ErrHeld nor ErrUnknown: nothing was granted.
-// Acquire waits on instead, within its context.
+// A grant that comes back after its local deadline (its statement waited for
+// a row or file lock longer than the ttl) holds nothing: it is released, and
+// TryAcquire returns an error matching fence.ErrLost; Acquire tries again.
+//
+// On SQLite a statement waits for the file's lock for up to the 10s busy
+// timeout, within ctx. A file that another connection keeps locked past that
+// makes TryAcquire return SQLite's "database is locked" error (SQLITE_BUSY),
+// which is neither ErrHeld nor ErrUnknown: nothing was granted. Acquire waits
+// on instead, within its context.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	return a.tryAcquire(ctx, name, ttl, maxAmbiguousRetries)
 }
@@ -262,7 +267,28 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 	case err != nil:
 		return nil, a.wrap("acquire", err)
 	}
-	return &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}, nil
+	l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}
+	if l.Context().Err() != nil {
+		return nil, a.giveBackLate(ctx, l)
+	}
+	return l, nil
+}
+
+// errLate is a grant made or confirmed only after its local deadline (the
+// statement waited for a row or file lock, or a lost reply was settled late):
+// it holds nothing. It matches fence.ErrLost, what TryAcquire returns; Acquire
+// tries again.
+var errLate = fmt.Errorf("%w (granted past its local deadline)", fence.ErrLost)
+
+// giveBackLate releases the row of l, a grant whose local deadline had passed
+// when it came back, so that nobody waits out its ttl, and returns errLate.
+func (a *Acquirer) giveBackLate(ctx context.Context, l *lease) error {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	if err := l.Release(rctx); err != nil && !errors.Is(err, fence.ErrLost) {
+		return fmt.Errorf("sqlfence: acquire %q: token %d given back (its release: %v; the row frees itself after the ttl): %w", l.Name(), l.Token(), err, errLate)
+	}
+	return fmt.Errorf("sqlfence: acquire %q: token %d given back: %w", l.Name(), l.Token(), errLate)
 }
 
 // giveBack settles, after ctx ended with a grant statement of owner's in
@@ -396,11 +422,16 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}
 	return a.line.Acquire(ctx, a.opts.Backoff, name, listen, func(ctx context.Context) (fence.Lease, error) {
 		l, err := a.tryAcquire(ctx, name, ttl, 0)
-		if err != nil && a.db.d == sqliteDialect && ctx.Err() == nil && isSQLiteBusy(err) {
+		switch {
+		case err == nil || ctx.Err() != nil:
+		case a.db.d == sqliteDialect && isSQLiteBusy(err):
 			// The file stayed locked past the busy timeout (another
 			// connection writing a long time): the grant did nothing, and
 			// the wait goes on within ctx.
 			err = fmt.Errorf("%w (the database file stayed locked: %v)", fence.ErrHeld, err)
+		case errors.Is(err, errLate):
+			// Granted past its local deadline and given back: try again.
+			err = fmt.Errorf("%w (%v)", fence.ErrHeld, err)
 		}
 		if err != nil && !errors.Is(err, fence.ErrHeld) && !errors.Is(err, fence.ErrUnknown) {
 			if ctx.Err() != nil {
@@ -499,7 +530,7 @@ func (l *lease) Renew(ctx context.Context) error {
 			return l.a.wrap("renew", l.a.db.unknown(err))
 		}
 		if err != nil {
-			return l.a.wrap("renew", err)
+			return l.a.wrap("renew", l.a.db.unknown(err))
 		}
 		if n == 0 {
 			l.End(fence.ErrLost)
@@ -556,7 +587,7 @@ func (l *lease) releaseRow(ctx context.Context) error {
 			return l.a.wrap("release", l.a.db.unknown(err))
 		}
 		if err != nil {
-			return l.a.wrap("release", err)
+			return l.a.wrap("release", l.a.db.unknown(err))
 		}
 		if n == 0 && uncertain {
 			err = l.released(ctx)

@@ -1,6 +1,7 @@
 package sqlfence
 
 import (
+	"context"
 	"database/sql"
 	"database/sql/driver"
 	"errors"
@@ -56,10 +57,17 @@ func unknownIfAmbiguous(err error, notSent bool) error {
 }
 
 // unknown is unknownIfAmbiguous for a statement of db's own, outside a
-// transaction of the caller's. SQLite runs in the process: its errors are
-// definite.
+// transaction of the caller's. SQLite runs in the process: its own errors are
+// definite, but the context's error, returned when the context ended while the
+// statement ran, may come after the statement committed.
 func (db *DB) unknown(err error) error {
 	if db.d == sqliteDialect {
+		if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+			// The driver reports the context's end even when the statement
+			// committed before it noticed (the review's Bump, Release and
+			// Begin rows showed their changes).
+			return fmt.Errorf("%w (the context ended while SQLite ran the statement, which may have committed first): %w", fence.ErrUnknown, err)
+		}
 		return err
 	}
 	return unknownIfAmbiguous(err, true)

@@ -110,6 +110,9 @@ func (e *EntryPoints) Check(t *testing.T, key, name string, ttlNs int64, token u
 			t.Fatalf("TryAcquire(%q, %d) refused valid input: %v", name, ttlNs, err)
 		}
 	case errors.Is(err, fence.ErrHeld):
+	case errors.Is(err, fence.ErrLost) && ttl < time.Second:
+		// A grant that came back past a short lease's local deadline and
+		// was given back, as fence.Acquirer allows.
 	default:
 		t.Fatalf("TryAcquire(%q, %d): undocumented error %v", name, ttlNs, err)
 	}

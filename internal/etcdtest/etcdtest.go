@@ -77,7 +77,8 @@ func nodeBinary(t testing.TB) string {
 		}
 		goCmd, err := exec.LookPath("go")
 		if err != nil {
-			goCmd = filepath.Join(runtime.GOROOT(), "bin", "go")
+			buildErr = fmt.Errorf("no go command on PATH to build it: %w", err)
+			return
 		}
 		// Built under a name of its own, then renamed: test processes of
 		// other packages may build and run it at the same time.

@@ -1,0 +1,539 @@
+package sqlfence_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+)
+
+// Review of e36fb74 (SQLite: a waiting Acquire waits on through SQLITE_BUSY).
+// Every test here runs against real SQLite files; the file's write lock is
+// held through another handle with lockSQLiteFile (sqlitebusy_test.go), as
+// another process writing for a long time would.
+
+func openSQLiteAt(t *testing.T, path string) *sqlfence.DB {
+	t.Helper()
+	db, err := sqlfence.OpenSQLite(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return sqlfence.SQLite(db)
+}
+
+// TestReviewSQLiteAcquireAfterALockIsNotAlreadyLost (HAZARDS 6): an Acquire
+// whose grant statement waited for the file's write lock (inside SQLite's busy
+// handler, or after SQLITE_BUSY now that Acquire waits on) is granted once the
+// file is free. The lease it returns with a nil error must be live: its local
+// deadline may not be counted from before the wait for the lock, or the
+// holder is handed a lease already lost while the row keeps the name from
+// everyone else for the ttl.
+func TestReviewSQLiteAcquireAfterALockIsNotAlreadyLost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("holds a file lock for seconds")
+	}
+	for _, tc := range []struct {
+		name string
+		hold time.Duration
+	}{
+		{"within-busy-timeout", 3 * time.Second},
+		{"past-busy-timeout", 12 * time.Second}, // the path e36fb74 added
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			path := filepath.Join(t.TempDir(), "short.db")
+			a := newSQLiteAcquirer(t, openSQLiteAt(t, path))
+			other := newSQLiteAcquirer(t, openSQLiteAt(t, path)) // another process
+			unlock := lockSQLiteFile(t, path)
+
+			const ttl = time.Second
+			type res struct {
+				l     fence.Lease
+				err   error
+				live  bool
+				cause error
+			}
+			got := make(chan res, 1)
+			go func() {
+				wctx, cancel := context.WithTimeout(ctx, time.Minute)
+				defer cancel()
+				l, err := a.Acquire(wctx, "short", ttl)
+				r := res{l: l, err: err}
+				if l != nil {
+					r.live, r.cause = l.Context().Err() == nil, context.Cause(l.Context())
+				}
+				got <- r
+			}()
+			select {
+			case r := <-got:
+				t.Fatalf("Acquire returned while the file was locked: %v, %v", r.l, r.err)
+			case <-time.After(tc.hold): // the fault: the file stays locked this long
+			}
+			unlock()
+			r := <-got
+			if r.err != nil {
+				t.Fatalf("Acquire after the lock ended: %v, want granted", r.err)
+			}
+			defer r.l.Release(ctx)
+			if !r.live {
+				t.Errorf("Acquire (ttl %v) returned a nil error with a lease whose Context was already done (cause: %v): "+
+					"granted after waiting %v for the file's lock, its local deadline counted from before that wait", ttl, r.cause, tc.hold)
+				// The holder was told it lost the lease: the name must be free.
+				if l2, err := other.TryAcquire(ctx, "short", ttl); err != nil {
+					t.Errorf("another handle's TryAcquire right after: %v: the row of a lease already lost holds the name (HAZARDS 6)", err)
+				} else {
+					l2.Release(ctx)
+				}
+			}
+		})
+	}
+}
+
+// TestReviewSQLiteTryAcquireOnALockedFileBounded: on a file another handle
+// keeps locked, TryAcquire without a deadline waits for the file's lock at
+// most SQLite's 10s busy timeout (as its doc says: a TryAcquire never waits
+// for a holder's lease, but a statement waits for the file), then returns
+// SQLITE_BUSY, which is neither ErrHeld nor ErrUnknown, and nothing is granted.
+// (The review asked for an answer within 2s; the wait for the file's lock
+// was kept and documented, as PostgreSQL's TryAcquire waits for a row lock.)
+func TestReviewSQLiteTryAcquireOnALockedFileBounded(t *testing.T) {
+	if testing.Short() {
+		t.Skip("holds a file lock for seconds")
+	}
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "try.db")
+	a := newSQLiteAcquirer(t, openSQLiteAt(t, path))
+	unlock := lockSQLiteFile(t, path)
+	start := time.Now()
+	l, err := a.TryAcquire(ctx, "try", time.Minute)
+	took := time.Since(start)
+	unlock()
+	if err == nil {
+		l.Release(ctx)
+		t.Fatal("TryAcquire granted while another handle held the file locked")
+	}
+	if errors.Is(err, fence.ErrHeld) || errors.Is(err, fence.ErrUnknown) || !strings.Contains(err.Error(), "SQLITE_BUSY") {
+		t.Errorf("TryAcquire on a locked file: %v, want SQLite's busy error (neither ErrHeld nor ErrUnknown)", err)
+	}
+	if took > 12*time.Second {
+		t.Errorf("TryAcquire on a locked file took %v (error %v): past the 10s busy timeout", took, err)
+	}
+	// Nothing left held.
+	l2, err := a.TryAcquire(ctx, "try", time.Minute)
+	if err != nil {
+		t.Fatalf("TryAcquire once the file is free: %v", err)
+	}
+	l2.Release(ctx)
+}
+
+// TestReviewSQLiteDeadlinesOnALockedFile: while another handle keeps the
+// file's write lock (past the busy timeout), every call with a 1s deadline
+// returns within about its deadline, with the outcome it reports true once the
+// file is free: three Acquire calls in one acquirer's line, an Acquire with
+// AdvanceGuards (grant and guard in one transaction), a TryAcquire, Renew,
+// Release, Bump, and an idempotency Begin.
+func TestReviewSQLiteDeadlinesOnALockedFile(t *testing.T) {
+	if testing.Short() {
+		t.Skip("holds a file lock for seconds")
+	}
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "deadlines.db")
+	fdb := openSQLiteAt(t, path)
+	a := newSQLiteAcquirer(t, fdb)
+	g, err := sqlfence.NewGuards(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ag, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := sqlfence.NewIdempotencyStore(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	lr, err := a.TryAcquire(ctx, "renew", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ll, err := a.TryAcquire(ctx, "release", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock := lockSQLiteFile(t, path)
+
+	const wait = time.Second
+	type outcome struct {
+		op   string
+		err  error
+		took time.Duration
+	}
+	var (
+		mu   sync.Mutex
+		outs []outcome
+		wg   sync.WaitGroup
+	)
+	run := func(op string, f func(ctx context.Context) error) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			dctx, cancel := context.WithTimeout(ctx, wait)
+			defer cancel()
+			start := time.Now()
+			err := f(dctx)
+			mu.Lock()
+			outs = append(outs, outcome{op, err, time.Since(start)})
+			mu.Unlock()
+		}()
+	}
+	acquire := func(a *sqlfence.Acquirer, name string) func(context.Context) error {
+		return func(ctx context.Context) error {
+			l, err := a.Acquire(ctx, name, time.Minute)
+			if err == nil {
+				l.Release(context.Background())
+				return errors.New("granted while the file was locked")
+			}
+			if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
+				return fmt.Errorf("%w; want ErrHeld and DeadlineExceeded", err)
+			}
+			return nil
+		}
+	}
+	for i := 0; i < 3; i++ {
+		run(fmt.Sprintf("Acquire in line #%d", i), acquire(a, "line"))
+	}
+	run("Acquire with AdvanceGuards", acquire(ag, "guarded"))
+	run("TryAcquire", func(ctx context.Context) error {
+		l, err := a.TryAcquire(ctx, "try", time.Minute)
+		if err == nil {
+			l.Release(context.Background())
+			return errors.New("granted while the file was locked")
+		}
+		if errors.Is(err, fence.ErrUnknown) {
+			return fmt.Errorf("%w; SQLite knows nothing was granted", err)
+		}
+		return nil
+	})
+	run("Renew", func(ctx context.Context) error {
+		if err := lr.Renew(ctx); err == nil || errors.Is(err, fence.ErrLost) {
+			return fmt.Errorf("Renew on a locked file: %v, want an error that is not ErrLost", err)
+		}
+		return nil
+	})
+	run("Release", func(ctx context.Context) error {
+		if err := ll.Release(ctx); err == nil || errors.Is(err, fence.ErrLost) {
+			return fmt.Errorf("Release on a locked file: %v, want an error that is not ErrLost (nothing released)", err)
+		}
+		return nil
+	})
+	run("Bump", func(ctx context.Context) error {
+		if err := a.Bump(ctx, "bump", fence.MaxToken-10); err == nil {
+			return errors.New("Bump on a locked file succeeded")
+		}
+		return nil
+	})
+	run("idempotency Begin", func(ctx context.Context) error {
+		_, claimed, err := st.Begin(ctx, "key", "fp", "me", time.Minute)
+		if err == nil || claimed {
+			return fmt.Errorf("Begin on a locked file: claimed %v, %v", claimed, err)
+		}
+		return nil
+	})
+	wg.Wait()
+	unlock()
+	for _, o := range outs {
+		if o.err != nil {
+			t.Errorf("%s: %v", o.op, o.err)
+		}
+		if o.took > wait+time.Second {
+			t.Errorf("%s with a %v deadline returned after %v", o.op, wait, o.took)
+		}
+	}
+
+	// What the errors said is what the file shows.
+	if !t.Failed() {
+		if err := lr.Renew(ctx); err != nil {
+			t.Errorf("Renew once the file is free: %v (the lease must still be held)", err)
+		}
+		info, err := a.Inspect(ctx, "release")
+		if err != nil || !info.Held || info.Token != ll.Token() {
+			t.Errorf("after a failed Release: %+v, %v; want still held with token %d", info, err, ll.Token())
+		}
+		if info, err := a.Inspect(ctx, "bump"); !errors.Is(err, fence.ErrNotFound) {
+			t.Errorf("after a failed Bump: %+v, %v; want no row", info, err)
+		}
+		if rec, err := st.Get(ctx, "key"); !errors.Is(err, fence.ErrNotFound) {
+			t.Errorf("after a failed Begin: %+v, %v; want no record", rec, err)
+		}
+		for _, n := range []string{"line", "guarded", "try"} {
+			l, err := a.TryAcquire(ctx, n, time.Minute)
+			if err != nil {
+				t.Errorf("TryAcquire %q once the file is free: %v (something was left held)", n, err)
+				continue
+			}
+			l.Release(ctx)
+		}
+	}
+}
+
+// TestReviewSQLiteWaitersAcrossHandlesOnALockedFile: six waiters, three on
+// each of two handles (as two processes), wait for one name while a third
+// handle keeps the file locked past the busy timeout; once it is free every
+// waiter is granted in turn, never two at once, with tokens that grow in grant
+// order, and no lease handed out already lost.
+func TestReviewSQLiteWaitersAcrossHandlesOnALockedFile(t *testing.T) {
+	if testing.Short() {
+		t.Skip("holds a file lock for seconds")
+	}
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "waiters.db")
+	as := []*sqlfence.Acquirer{newSQLiteAcquirer(t, openSQLiteAt(t, path)), newSQLiteAcquirer(t, openSQLiteAt(t, path))}
+	unlock := lockSQLiteFile(t, path)
+
+	const perHandle = 3
+	var (
+		mu      sync.Mutex
+		holding bool
+		last    fence.Token
+		granted int
+		wg      sync.WaitGroup
+		errs    = make(chan error, 2*perHandle)
+		started = make(chan struct{}, 2*perHandle)
+	)
+	for _, a := range as {
+		for i := 0; i < perHandle; i++ {
+			wg.Add(1)
+			go func(a *sqlfence.Acquirer) {
+				defer wg.Done()
+				wctx, cancel := context.WithTimeout(ctx, 90*time.Second)
+				defer cancel()
+				started <- struct{}{}
+				l, err := a.Acquire(wctx, "shared", 30*time.Second)
+				if err != nil {
+					errs <- fmt.Errorf("Acquire: %w", err)
+					return
+				}
+				mu.Lock()
+				if holding {
+					errs <- fmt.Errorf("token %d granted while another waiter held the lease", l.Token())
+				}
+				if l.Token() <= last {
+					errs <- fmt.Errorf("token %d granted after token %d", l.Token(), last)
+				}
+				if l.Context().Err() != nil {
+					errs <- fmt.Errorf("token %d returned already lost: %v", l.Token(), context.Cause(l.Context()))
+				}
+				holding, last = true, l.Token()
+				granted++
+				mu.Unlock()
+				// The file (through this handle) shows this grant as the holder.
+				if info, err := a.Inspect(ctx, "shared"); err != nil || !info.Held || info.Token != l.Token() {
+					errs <- fmt.Errorf("token %d granted, the row shows %+v, %v", l.Token(), info, err)
+				}
+				mu.Lock()
+				holding = false // the next grant may come only after this Release
+				mu.Unlock()
+				if err := l.Release(ctx); err != nil {
+					errs <- fmt.Errorf("Release of token %d: %w", l.Token(), err)
+				}
+			}(a)
+		}
+	}
+	for i := 0; i < 2*perHandle; i++ {
+		<-started
+	}
+	time.Sleep(11 * time.Second) // the fault: locked past the 10s busy timeout
+	mu.Lock()
+	if granted != 0 {
+		t.Errorf("%d granted while the file was locked", granted)
+	}
+	mu.Unlock()
+	unlock()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if granted != 2*perHandle {
+		t.Errorf("%d of %d waiters granted", granted, 2*perHandle)
+	}
+}
+
+// TestReviewSQLiteContextEndingAsAStatementCommits (HAZARDS 3): on SQLite
+// every error is taken as definite (db.ambiguous is false), but
+// modernc.org/sqlite returns ctx.Err() for a statement during which the
+// context ended, also when the statement had committed by then. A Bump or a
+// Release whose context ends as it commits must then not report a definite
+// failure: the row shows what happened. The deadlines are spread over the
+// statements' own duration, so some end just after the commit.
+func TestReviewSQLiteContextEndingAsAStatementCommits(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "race.db")
+	fdb := openSQLiteAt(t, path)
+	a := newSQLiteAcquirer(t, fdb)
+	st, err := sqlfence.NewIdempotencyStore(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The statements' duration here, to spread the deadlines over it.
+	start := time.Now()
+	const probe = 50
+	for i := 0; i < probe; i++ {
+		if err := a.Bump(ctx, fmt.Sprintf("probe-%d", i), 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	d := time.Since(start) / probe
+	t.Logf("a Bump takes about %v", d)
+	// raced counts, per step, the tries in which the context ended after
+	// the change landed (an error, and the row shows the change): the
+	// window this test is for. It goes on until each step has been caught
+	// in it, so a pass shows the race happened.
+	var bumpHits, releaseHits, beginHits, tries int
+	raced := map[string]int{}
+	for i := 0; i < 3000 && (raced["bump"] == 0 || raced["release"] == 0 || raced["begin"] == 0); i++ {
+		tries++
+		timeout := time.Duration(i%60) * d / 40 // 0 .. 1.5 d
+		// Bump of a name without a row: it creates one.
+		name := fmt.Sprintf("bump-%d", i)
+		bctx, cancel := context.WithTimeout(ctx, timeout)
+		err := a.Bump(bctx, name, 1)
+		cancel()
+		if err != nil {
+			if _, ierr := a.Inspect(ctx, name); ierr == nil {
+				raced["bump"]++
+			}
+		}
+		if err != nil && !errors.Is(err, fence.ErrUnknown) {
+			if _, ierr := a.Inspect(ctx, name); ierr == nil {
+				bumpHits++
+				t.Errorf("Bump returned a definite error (%v), yet its row was created: the bump landed (HAZARDS 3: want ErrUnknown or nil)", err)
+			}
+		}
+		// Release of a held lease.
+		name = fmt.Sprintf("release-%d", i)
+		l, err := a.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rctx, cancel := context.WithTimeout(ctx, timeout)
+		err = l.Release(rctx)
+		cancel()
+		if err != nil {
+			if info, ierr := a.Inspect(ctx, name); ierr == nil && !info.Held {
+				raced["release"]++
+			}
+		}
+		if err != nil && !errors.Is(err, fence.ErrUnknown) {
+			if info, ierr := a.Inspect(ctx, name); ierr == nil && !info.Held {
+				releaseHits++
+				t.Errorf("Release returned a definite error (%v), yet the row shows it released (HAZARDS 3: want ErrUnknown or nil)", err)
+			}
+		}
+		// An idempotency claim.
+		key := fmt.Sprintf("key-%d", i)
+		cctx, cancel := context.WithTimeout(ctx, timeout)
+		_, claimed, err := st.Begin(cctx, key, "fp", "me", time.Minute)
+		cancel()
+		if err != nil && !claimed {
+			if rec, gerr := st.Get(ctx, key); gerr == nil && rec.Owner == "me" {
+				raced["begin"]++
+			}
+		}
+		if err != nil && !claimed && !errors.Is(err, fence.ErrUnknown) {
+			if rec, gerr := st.Get(ctx, key); gerr == nil && rec.Owner == "me" {
+				beginHits++
+				t.Errorf("idempotency Begin returned a definite error (%v), yet the key is claimed by its owner (%s, fence %d) (HAZARDS 3: want ErrUnknown)", err, rec.State, rec.Fence)
+			}
+		}
+	}
+	t.Logf("%d tries: the context ended after the change landed %d times on Bump, %d on Release, %d on Begin; %d, %d and %d of those misreported", tries, raced["bump"], raced["release"], raced["begin"], bumpHits, releaseHits, beginHits)
+	for _, step := range []string{"bump", "release", "begin"} {
+		if raced[step] == 0 {
+			t.Errorf("%s: in %d tries the context never ended after the change landed: the race this test is for did not happen", step, tries)
+		}
+	}
+}
+
+// TestReviewSQLiteAcquireDeadlinePastTheBusyTimeout: a deadline longer than
+// the 10s busy timeout, on a file locked throughout: the first attempt ends
+// with SQLITE_BUSY (now taken as held), the next one must still end with the
+// deadline, as a wait that ran out (ErrHeld and DeadlineExceeded), for the
+// head of a line, the waiter behind it, and an Acquire with AdvanceGuards;
+// and nothing is left held.
+func TestReviewSQLiteAcquireDeadlinePastTheBusyTimeout(t *testing.T) {
+	if testing.Short() {
+		t.Skip("holds a file lock for seconds")
+	}
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "past.db")
+	fdb := openSQLiteAt(t, path)
+	a := newSQLiteAcquirer(t, fdb)
+	g, err := sqlfence.NewGuards(fdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ag, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock := lockSQLiteFile(t, path)
+	const wait = 12 * time.Second
+	var wg sync.WaitGroup
+	for i, c := range []struct {
+		a    *sqlfence.Acquirer
+		name string
+	}{{a, "line"}, {a, "line"}, {ag, "guarded"}} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			dctx, cancel := context.WithTimeout(ctx, wait)
+			defer cancel()
+			start := time.Now()
+			l, err := c.a.Acquire(dctx, c.name, time.Minute)
+			took := time.Since(start)
+			if err == nil {
+				l.Release(ctx)
+				t.Errorf("#%d: granted while the file was locked", i)
+				return
+			}
+			if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
+				t.Errorf("#%d %s: %v, want ErrHeld and DeadlineExceeded", i, c.name, err)
+			}
+			if took > wait+time.Second {
+				t.Errorf("#%d %s with a %v deadline returned after %v", i, c.name, wait, took)
+			}
+		}()
+	}
+	wg.Wait()
+	unlock()
+	for _, n := range []string{"line", "guarded"} {
+		l, err := a.TryAcquire(ctx, n, time.Minute)
+		if err != nil {
+			t.Errorf("TryAcquire %q once the file is free: %v", n, err)
+			continue
+		}
+		l.Release(ctx)
+	}
+}
