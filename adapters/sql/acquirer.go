@@ -187,8 +187,10 @@ func (a *Acquirer) CreateTable(ctx context.Context) error { return a.db.createTa
 func (a *Acquirer) Owner() string { return a.opts.Owner }
 
 // TryAcquire grants the lease on name for ttl, or returns fence.ErrHeld at once.
-// ttl is rounded up to whole milliseconds and must be positive. A name whose
-// counter reached fence.MaxToken returns fence.ErrTokensExhausted.
+// ttl is rounded up to whole milliseconds and must be longer than the drift
+// margin taken off the local deadline (the acquirer's Drift, by default 1% of
+// the ttl + 2ms: so a little over 2ms at least), else fence.ErrInvalid. A name
+// whose counter reached fence.MaxToken returns fence.ErrTokensExhausted.
 //
 // Each call records a nonce of its own with the grant, so a grant whose reply
 // was lost is recognised when the call looks again (or runs the grant again
@@ -430,8 +432,9 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 			// the wait goes on within ctx.
 			err = fmt.Errorf("%w (the database file stayed locked: %v)", fence.ErrHeld, err)
 		case errors.Is(err, errLate):
-			// Granted past its local deadline and given back: try again.
-			err = fmt.Errorf("%w (%v)", fence.ErrHeld, err)
+			// Granted past its local deadline and given back: try again,
+			// after the others of the line and a full backoff delay.
+			err = fmt.Errorf("%w (%w: %v)", fence.ErrHeld, wakeup.ErrYield, err)
 		}
 		if err != nil && !errors.Is(err, fence.ErrHeld) && !errors.Is(err, fence.ErrUnknown) {
 			if ctx.Err() != nil {
@@ -473,6 +476,8 @@ func (a *Acquirer) checkLease(op string, ctx context.Context, name string, ttl t
 	if d := a.opts.Drift; d > 0 && ttl > 0 && ttl <= d {
 		// The local deadline would be past before the grant is made.
 		return &fence.InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
+	} else if d := leasekit.DefaultDrift(ttl); a.opts.Drift <= 0 && ttl > 0 && ttl <= d {
+		return &fence.InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the default drift margin %v (1%% of the ttl + 2ms): the lease would be lost at once", ttl, d)}
 	}
 	if err := leasekit.CheckTTL(op, ttl, 0, MaxTTL); err != nil {
 		return err

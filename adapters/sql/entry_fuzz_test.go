@@ -26,7 +26,7 @@ func FuzzSQLiteEntryPoints(f *testing.F) {
 	f.Add(string(bytes.Repeat([]byte("k"), 1025)), "n", int64(1), uint64(2), []byte("x"))
 	_, fdb := openSQLite(f)
 	w, a := newSQLiteWriter(f, fdb), newSQLiteAcquirer(f, fdb)
-	e := &fencetest.EntryPoints{Writer: w, Acquirer: a, MaxTTL: sqlfence.MaxTTL,
+	e := &fencetest.EntryPoints{Writer: w, Acquirer: a, MinTTL: 3 * time.Millisecond, MaxTTL: sqlfence.MaxTTL,
 		Refuses: func(s string) bool { return leasekit.CheckText("", "", s, sqlfence.MaxKeyBytes) != nil }}
 	f.Fuzz(func(t *testing.T, key, name string, ttlNs int64, token uint64, value []byte) {
 		e.Check(t, key, name, ttlNs, token, value)

@@ -164,13 +164,14 @@ func (b *blocker) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQ
 
 func (b *blocker) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-func blockingPool(t *testing.T, b *blocker) *pgxpool.Pool {
+// tracedPool is a pgx pool on the test database whose connections run tr.
+func tracedPool(t *testing.T, tr pgx.QueryTracer) *pgxpool.Pool {
 	pgPool(t, pgOpts{}) // the default tables
 	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg.ConnConfig.Tracer = b
+	cfg.ConnConfig.Tracer = tr
 	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -188,7 +189,7 @@ func TestLineReviewStuckHead(t *testing.T) {
 		t.Run(fmt.Sprintf("notify=%v", notify), func(t *testing.T) {
 			ctx := context.Background()
 			b := &blocker{started: make(chan struct{}), release: make(chan struct{})}
-			a := newAcquirerOn(t, sqlfence.Pgx(blockingPool(t, b)), &sqlfence.AcquirerOptions{DisableNotify: !notify})
+			a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, b)), &sqlfence.AcquirerOptions{DisableNotify: !notify})
 			name := fencetest.Name("line-stuck")
 			h, err := a.TryAcquire(ctx, name, time.Minute)
 			if err != nil {
@@ -257,7 +258,7 @@ func TestLineReviewStuckHeadMaxWait(t *testing.T) {
 	b := &blocker{started: make(chan struct{}), release: make(chan struct{})}
 	defer close(b.release)
 	const maxWait = 1500 * time.Millisecond
-	a := newAcquirerOn(t, sqlfence.Pgx(blockingPool(t, b)), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{MaxWait: maxWait}})
+	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, b)), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{MaxWait: maxWait}})
 	name := fencetest.Name("line-stuck-maxwait")
 	h, err := a.TryAcquire(ctx, name, time.Minute)
 	if err != nil {

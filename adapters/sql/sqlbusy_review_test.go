@@ -124,8 +124,10 @@ func TestReviewSQLiteTryAcquireOnALockedFileBounded(t *testing.T) {
 	if errors.Is(err, fence.ErrHeld) || errors.Is(err, fence.ErrUnknown) || !strings.Contains(err.Error(), "SQLITE_BUSY") {
 		t.Errorf("TryAcquire on a locked file: %v, want SQLite's busy error (neither ErrHeld nor ErrUnknown)", err)
 	}
-	if took > 12*time.Second {
-		t.Errorf("TryAcquire on a locked file took %v (error %v): past the 10s busy timeout", took, err)
+	// One busy timeout (10s), with room for a loaded machine's late timers;
+	// a second statement waiting out the timeout again would take 20s.
+	if took >= 20*time.Second {
+		t.Errorf("TryAcquire on a locked file took %v (error %v): more than one 10s busy timeout", took, err)
 	}
 	// Nothing left held.
 	l2, err := a.TryAcquire(ctx, "try", time.Minute)

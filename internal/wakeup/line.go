@@ -53,6 +53,34 @@ func (l *Line) Join(name string) *Place {
 	return p
 }
 
+// ErrYield, matched by an attempt's error that also matches fence.ErrHeld,
+// says the attempt made a grant it had to give back (it came back past its
+// local deadline): the waiter lets the others of its line go first and waits
+// its full backoff delay before it tries again, unwoken by the release of its
+// own give-back, so that a head whose grants keep coming back late neither
+// spins nor keeps a free lock from the waiters behind it.
+var ErrYield = errors.New("wakeup: let the others go first")
+
+// yield moves p, when it is the head and others wait, to the back of name's
+// line and makes the next place the head; it reports whether p is
+// still the head (it was alone). Only p's own waiting loop may call it.
+func (l *Line) yield(name string, p *Place) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	list := l.names[name]
+	if len(list) < 2 || list[0] != p {
+		return len(list) > 0 && list[0] == p
+	}
+	list = append(list[1:], p)
+	l.names[name] = list
+	p.head = make(chan struct{})
+	// The new head tries after its first delay: not woken at once, so that
+	// waiters whose grants all come back late take turns at the backoff's
+	// pace instead of spinning.
+	close(list[0].head)
+	return false
+}
+
 // Head is closed once p is the head of its line.
 func (p *Place) Head() <-chan struct{} { return p.head }
 
@@ -174,13 +202,6 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 		granted = err == nil
 		return lease, err
 	}
-	head := p.Head()
-	if p.IsHead() {
-		if lease, err := attempt(); !errors.Is(err, fence.ErrHeld) {
-			return lease, err
-		}
-		head = nil
-	}
 	// Only the head hears of releases from the backend: a hub wakes its
 	// longest subscriber, which must not be a waiter behind the head.
 	unsubscribe := func() {}
@@ -189,6 +210,31 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 		if listen != nil {
 			unsubscribe = listen(p.Wake)
 		}
+	}
+	head := p.Head()
+	paced := false // the next wait ignores wake-ups (the attempt yielded)
+	// afterAttempt handles an attempt that ended in ErrHeld: a yielding
+	// head moves to the back of the line (or stays the head, alone) and
+	// waits its full delay.
+	afterAttempt := func(err error) {
+		if !errors.Is(err, ErrYield) {
+			return
+		}
+		paced = true
+		if l.yield(name, p) {
+			return
+		}
+		unsubscribe()
+		unsubscribe = func() {}
+		head = p.Head()
+	}
+	if p.IsHead() {
+		lease, err := attempt()
+		if !errors.Is(err, fence.ErrHeld) {
+			return lease, err
+		}
+		head = nil
+		afterAttempt(err)
 	}
 	if head == nil {
 		subscribe()
@@ -206,6 +252,11 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 			d = Stall/2 + rand.N(Stall/2)
 		}
 		timer.Reset(d)
+		wake := p.Wake
+		if paced {
+			// Not woken by its own give-back's release: the whole delay.
+			wake, paced = nil, false
+		}
 		select {
 		case <-ctx.Done():
 			return nil, GaveUp(ctx)
@@ -214,16 +265,18 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 			head, n = nil, 0
 			subscribe()
 			continue // the lock was most likely just granted to the head before: wait a Delay(0), or a poke
-		case <-p.Wake:
+		case <-wake:
 			timer.Stop()
 		case <-timer.C:
 			if head != nil && !l.HeadStalled(name, Stall) {
 				continue
 			}
 		}
-		if lease, err := attempt(); !errors.Is(err, fence.ErrHeld) {
+		lease, err := attempt()
+		if !errors.Is(err, fence.ErrHeld) {
 			return lease, err
 		}
+		afterAttempt(err)
 	}
 }
 
