@@ -113,23 +113,31 @@ func must[T any](v T, err error) T {
 // margin buys, so it gives every acquirer one that covers the lateness.
 const drift = 50 * time.Millisecond
 
+// sqlTTL is the SQL acquirers' lease in the paused-holder scenario.
+const sqlTTL = 500 * time.Millisecond
+
 func acquirers() []acquirerCase {
 	return []acquirerCase{
-		{"sqlite", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+		// The SQL acquirers give back a grant that comes back past its
+		// local deadline (TryAcquire: ErrLost). On 150ms leases (100ms
+		// of local life after the drift) a loaded run (L4 on 1d1ec55, two
+		// busy loops) had three grants in a row come back late, on
+		// MySQL and on SQLite: 500ms leave them 450ms.
+		{"sqlite", sqlTTL, func(t *testing.T) fence.Acquirer {
 			a := must(sqlfence.NewAcquirer(sqliteDB(t), &sqlfence.AcquirerOptions{Drift: drift}))
 			if err := a.CreateTable(context.Background()); err != nil {
 				t.Fatal(err)
 			}
 			return a
 		}},
-		{"postgres", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+		{"postgres", sqlTTL, func(t *testing.T) fence.Acquirer {
 			a := must(sqlfence.NewAcquirer(sqlfence.Pgx(pgPool(t)), &sqlfence.AcquirerOptions{Drift: drift}))
 			if err := a.CreateTable(context.Background()); err != nil {
 				t.Fatal(err)
 			}
 			return a
 		}},
-		{"mysql", 150 * time.Millisecond, func(t *testing.T) fence.Acquirer {
+		{"mysql", sqlTTL, func(t *testing.T) fence.Acquirer {
 			a := must(sqlfence.NewAcquirer(mysqlDB(t), &sqlfence.AcquirerOptions{Drift: drift}))
 			if err := a.CreateTable(context.Background()); err != nil {
 				t.Fatal(err)
