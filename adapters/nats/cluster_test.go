@@ -28,7 +28,12 @@ func TestClusterLeaderLoss(t *testing.T) {
 	j := jsOn(t, nc)
 	ctx := context.Background()
 
-	holder, err := a.TryAcquire(ctx, "report", 3*time.Second)
+	// 8s: the holder's key must outlive the node's kill and the
+	// TryAcquire during the election below, which a loaded run (L5 on
+	// db07910, two busy loops) stretched past a 3s lease.
+	const holderTTL = 8 * time.Second
+	holderSent := time.Now()
+	holder, err := a.TryAcquire(ctx, "report", holderTTL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,7 +105,9 @@ func TestClusterLeaderLoss(t *testing.T) {
 	_, err = b.TryAcquire(ctx, "report", 5*time.Second)
 	t.Logf("TryAcquire during the election: %v after %v", err, time.Since(start))
 	if err == nil {
-		t.Fatal("granted while the first holder's key had not expired")
+		// The key cannot expire before holderTTL has passed since its
+		// create was sent: a grant back before then is two holders.
+		t.Fatalf("granted %v after the first holder's %v key was created: while it had not expired", time.Since(holderSent), holderTTL)
 	}
 	if time.Since(start) > 15*time.Second {
 		t.Errorf("TryAcquire during the election took %v", time.Since(start))
