@@ -34,6 +34,13 @@ func DriftRefusesShortTTL(t *testing.T, a fence.Acquirer, drift time.Duration, a
 		}
 	}
 	l, err := a.TryAcquire(ctx, name, drift+time.Second)
+	for try := 1; errors.Is(err, fence.ErrLost) && try < 3; try++ {
+		// Confirmed past its one second of local life and given back, as
+		// fence.Acquirer allows (never for a held name: the name was
+		// free). A loaded machine (L6 on 7706196: etcd, 5s Drift): again.
+		t.Logf("TryAcquire with ttl %v under a %v Drift: %v; again", drift+time.Second, drift, err)
+		l, err = a.TryAcquire(ctx, name, drift+time.Second)
+	}
 	if err != nil {
 		t.Fatalf("TryAcquire with ttl %v under a %v Drift, after the refusals: %v", drift+time.Second, drift, err)
 	}
