@@ -473,11 +473,13 @@ func (a *Acquirer) checkLease(op string, ctx context.Context, name string, ttl t
 	if err := checkText(op, "name", name); err != nil {
 		return err
 	}
-	if d := a.opts.Drift; d > 0 && ttl > 0 && ttl <= d {
-		// The local deadline would be past before the grant is made.
-		return &fence.InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the acquirer's Drift %v: the lease would be lost at once", ttl, d)}
-	} else if d := leasekit.DefaultDrift(ttl); a.opts.Drift <= 0 && ttl > 0 && ttl <= d {
-		return &fence.InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than the default drift margin %v (1%% of the ttl + 2ms): the lease would be lost at once", ttl, d)}
+	// The local deadline would be past before the grant is made.
+	drift, whose := a.opts.Drift, "the acquirer's Drift"
+	if drift <= 0 {
+		drift, whose = leasekit.DefaultDrift(ttl), "the default drift margin (1% of the ttl + 2ms)"
+	}
+	if ttl > 0 && ttl <= drift {
+		return &fence.InvalidError{Op: op, Arg: "ttl", Reason: fmt.Sprintf("%v is not longer than %s, %v: the lease would be lost at once", ttl, whose, drift)}
 	}
 	if err := leasekit.CheckTTL(op, ttl, 0, MaxTTL); err != nil {
 		return err

@@ -33,17 +33,11 @@ func DriftRefusesShortTTL(t *testing.T, a fence.Acquirer, drift time.Duration, a
 			t.Errorf("%s with ttl %v under a %v Drift: %v, %v; want ErrInvalid naming %s", acquire.op, drift, drift, l, err, arg)
 		}
 	}
-	l, err := a.TryAcquire(ctx, name, drift+time.Second)
-	for try := 1; errors.Is(err, fence.ErrLost) && try < 3; try++ {
-		// Confirmed past its one second of local life and given back, as
-		// fence.Acquirer allows (never for a held name: the name was
-		// free). A loaded machine (L6 on 7706196: etcd, 5s Drift): again.
-		t.Logf("TryAcquire with ttl %v under a %v Drift: %v; again", drift+time.Second, drift, err)
-		l, err = a.TryAcquire(ctx, name, drift+time.Second)
-	}
-	if err != nil {
-		t.Fatalf("TryAcquire with ttl %v under a %v Drift, after the refusals: %v", drift+time.Second, drift, err)
-	}
+	// mustTry asks again when the grant is given back as confirmed past its
+	// one second of local life (ErrLost, a loaded machine: L6 on 7706196,
+	// etcd with a 5s Drift); ErrHeld, the refusal leaving the name taken,
+	// fails.
+	l := mustTry(t, a, name, drift+time.Second)
 	defer func() { _ = l.Release(ctx) }()
 	if l.Context().Err() != nil {
 		t.Fatalf("ttl %v under a %v Drift: granted with a context already done (%v)", drift+time.Second, drift, context.Cause(l.Context()))
