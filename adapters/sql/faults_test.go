@@ -141,10 +141,7 @@ func TestGrantKilledWhileWaiting(t *testing.T) {
 	a, _ := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
 	other, _ := sqlfence.NewAcquirer(sqlfence.Pgx(admin), nil)
 	name := fencetest.Name("killgrant")
-	first, err := other.TryAcquire(ctx, name, 50*time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
+	first := fencetest.TryLive(ctx, t, other, name, 50*time.Millisecond)
 	time.Sleep(100 * time.Millisecond) // expired: the next grant would take the row over
 	lockTx, err := admin.Begin(ctx)
 	if err != nil {

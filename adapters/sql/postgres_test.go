@@ -233,10 +233,7 @@ func TestAdvanceOnGrant(t *testing.T) {
 				t.Fatal(err)
 			}
 			name := fencetest.Name("advance")
-			old, err := a.TryAcquire(ctx, name, 100*time.Millisecond)
-			if err != nil {
-				t.Fatal(err)
-			}
+			old := fencetest.TryLive(ctx, t, a, name, 100*time.Millisecond)
 			time.Sleep(200 * time.Millisecond)
 			newer, err := a.TryAcquire(ctx, name, time.Minute)
 			if err != nil {

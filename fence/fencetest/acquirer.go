@@ -209,13 +209,20 @@ func release(t *testing.T, l fence.Lease) {
 
 func mustTry(t *testing.T, a fence.Acquirer, name string, ttl time.Duration) fence.Lease {
 	t.Helper()
-	l, err := a.TryAcquire(ctxT(t), name, ttl)
-	// ErrLost: granted, but confirmed only after the lease's local deadline
-	// (a loaded machine: NATS once confirmed three 1s grants in a row too
-	// late) and given back. The case needs a live lease: try again, twice.
+	return TryLive(ctxT(t), t, a, name, ttl)
+}
+
+// TryLive is TryAcquire for a test that needs a live lease to go on: it fails
+// t on any error but ErrLost, and asks again, at most twice, on ErrLost (a
+// grant confirmed after the lease's local deadline and given back, which a
+// loaded machine produces with short leases). It also checks the lease's
+// token is valid and its name is the one asked for.
+func TryLive(ctx context.Context, t testing.TB, a fence.Acquirer, name string, ttl time.Duration) fence.Lease {
+	t.Helper()
+	l, err := a.TryAcquire(ctx, name, ttl)
 	for try := 1; try < 3 && errors.Is(err, fence.ErrLost); try++ {
 		t.Logf("TryAcquire(%q, %v), try %d: %v: trying again", name, ttl, try, err)
-		l, err = a.TryAcquire(ctxT(t), name, ttl)
+		l, err = a.TryAcquire(ctx, name, ttl)
 	}
 	if err != nil {
 		t.Fatalf("TryAcquire(%q, %v): %v", name, ttl, err)
