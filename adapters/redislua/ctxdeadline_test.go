@@ -218,7 +218,25 @@ func TestAcquireEndsWithARequestInFlight(t *testing.T) {
 	p.Latency(100*time.Millisecond, 100*time.Millisecond)
 	wctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
 	defer cancel()
-	got, err := a.Acquire(wctx, name, time.Minute)
+	// The link is slow while the wait runs, and fast again once it ended: the
+	// leave (on a new connection: go-redis drops the one whose request timed
+	// out) then needs no 200ms round trips for its dial, HELLO and script, which
+	// on a loaded machine (loaded run L7) took longer than the leave's 1s and
+	// made the Acquire ErrUnknown. A leave sent before the latency is off
+	// still has that 1s.
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		l, err := a.Acquire(wctx, name, time.Minute)
+		res <- result{l, err}
+	}()
+	<-wctx.Done()
+	p.Latency(0, 0)
+	r := <-res
+	got, err := r.l, r.err
 	if err == nil {
 		_ = got.Release(ctx)
 		t.Fatal("granted a held name")
