@@ -45,6 +45,8 @@ type AcquirerOptions struct {
 	// only after the new holder's first guarded transaction. The guard table
 	// must be in the acquirer's database: NewAcquirer refuses Guards made on a
 	// database of another dialect with an error matching fence.ErrInvalid.
+	// A grant while the guard table is missing fails, granting nothing, with
+	// a *TableError that names the guard table and carries its DDL.
 	// Default: nil.
 	AdvanceGuards *Guards
 }
@@ -79,8 +81,9 @@ type Acquirer struct {
 
 	grant, renew, release string
 	inspect, bump         string
-	inspectLocked         string // inspect, waiting for a statement that holds the row (not on SQLite)
-	advance               string // SQLite and MySQL: the guard statement run with the grant
+	inspectLocked         string  // inspect, waiting for a statement that holds the row (not on SQLite)
+	advance               string  // SQLite and MySQL: the guard statement run with the grant
+	guards                *Guards // AdvanceGuards, whose table a grant also writes
 
 	line wakeup.Line // this acquirer's waiting Acquire calls, per name
 }
@@ -155,6 +158,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		a.inspectLocked += " FOR UPDATE"
 	}
 	if g := o.AdvanceGuards; g != nil {
+		a.guards = g
 		if g.db.d != d {
 			return nil, &fence.InvalidError{Op: "new acquirer", Arg: "AdvanceGuards", Reason: fmt.Sprintf("the Guards are on %s, the acquirer on %s: both tables must be in one database", g.db.d.name, d.name)}
 		}
@@ -493,6 +497,11 @@ func ttlMs(ttl time.Duration) int64 { return leasekit.CeilDiv(ttl, time.Millisec
 
 func (a *Acquirer) wrap(op string, err error) error {
 	if a.db.d.missingTable(err) {
+		// With AdvanceGuards a grant writes two tables: name the one the
+		// database says is missing.
+		if a.guards != nil && namesTable(err, a.guards.table) && !namesTable(err, a.table) {
+			return &TableError{Table: a.guards.table, DDL: a.guards.ddl, Err: err}
+		}
 		return &TableError{Table: a.table, DDL: a.ddl, Err: err}
 	}
 	return fmt.Errorf("sqlfence: %s: %w", op, err)

@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
@@ -284,4 +286,46 @@ func mustStore(t testing.TB, db *sqlfence.DB) *sqlfence.IdempotencyStore {
 		t.Fatal(err)
 	}
 	return s
+}
+
+// TestAdvanceGuardsMissingTable: with AdvanceGuards on a guard table that was
+// never created, a grant fails with a *TableError that names the guard
+// table and carries its DDL, not the lease table's (which exists), on every
+// dialect; once the guard table is created the same acquirer grants.
+func TestAdvanceGuardsMissingTable(t *testing.T) {
+	ctx := context.Background()
+	_, sqliteF := openSQLite(t)
+	_, mysqlF := openMySQL(t, "")
+	for _, c := range []struct {
+		dialect string
+		fdb     *sqlfence.DB
+	}{{"postgres", sqlfence.Postgres(pgStd(t))}, {"sqlite", sqliteF}, {"mysql", mysqlF}} {
+		t.Run(c.dialect, func(t *testing.T) {
+			table := strings.ReplaceAll(fencetest.Name("noguard"), "-", "_")
+			g, err := sqlfence.NewGuards(c.fdb, &sqlfence.GuardOptions{Table: table})
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := newAcquirerOn(t, c.fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
+			if err := a.CreateTable(ctx); err != nil {
+				t.Fatal(err)
+			}
+			l, err := a.TryAcquire(ctx, fencetest.Name("n"), time.Minute)
+			if l != nil {
+				_ = l.Release(ctx)
+			}
+			var te *sqlfence.TableError
+			if !errors.As(err, &te) || te.Table != table || te.DDL != g.DDL() {
+				t.Fatalf("TryAcquire with a missing guard table: %v, want a *TableError naming %s with its DDL", err, table)
+			}
+			if err := g.CreateTable(ctx); err != nil {
+				t.Fatal(err)
+			}
+			l, err = a.TryAcquire(ctx, fencetest.Name("n"), time.Minute)
+			if err != nil {
+				t.Fatalf("after the guard table's CreateTable: %v", err)
+			}
+			_ = l.Release(ctx)
+		})
+	}
 }
