@@ -291,7 +291,8 @@ func mustStore(t testing.TB, db *sqlfence.DB) *sqlfence.IdempotencyStore {
 // TestAdvanceGuardsMissingTable: with AdvanceGuards on a guard table that was
 // never created, a grant fails with a *TableError that names the guard
 // table and carries its DDL, not the lease table's (which exists), on every
-// dialect; once the guard table is created the same acquirer grants.
+// dialect; the failed grant holds nothing: once the guard table is created
+// the same acquirer is granted the same name.
 func TestAdvanceGuardsMissingTable(t *testing.T) {
 	ctx := context.Background()
 	_, sqliteF := openSQLite(t)
@@ -310,7 +311,8 @@ func TestAdvanceGuardsMissingTable(t *testing.T) {
 			if err := a.CreateTable(ctx); err != nil {
 				t.Fatal(err)
 			}
-			l, err := a.TryAcquire(ctx, fencetest.Name("n"), time.Minute)
+			name := fencetest.Name("n")
+			l, err := a.TryAcquire(ctx, name, time.Minute)
 			if l != nil {
 				_ = l.Release(ctx)
 			}
@@ -321,7 +323,8 @@ func TestAdvanceGuardsMissingTable(t *testing.T) {
 			if err := g.CreateTable(ctx); err != nil {
 				t.Fatal(err)
 			}
-			l, err = a.TryAcquire(ctx, fencetest.Name("n"), time.Minute)
+			// The failed grant held nothing: the name is free at once.
+			l, err = a.TryAcquire(ctx, name, time.Minute)
 			if err != nil {
 				t.Fatalf("after the guard table's CreateTable: %v", err)
 			}
