@@ -65,9 +65,7 @@ func grantAndRelease(t *testing.T, c *container.Client, name string) fence.Token
 func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	if e.srv.External {
-		t.Skip("needs the fault proxy in front of the Azurite this test run started")
-	}
+	localOnly(t, e, "needs the fault proxy in front of the Azurite this test run started")
 	c, p := e.proxied(t)
 	a := newAcquirer(t, c)
 	ctx := context.Background()
@@ -121,9 +119,7 @@ func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 func TestLateGrantThenAcquireGranted(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	if e.srv.External {
-		t.Skip("needs the fault proxy in front of the Azurite this test run started")
-	}
+	localOnly(t, e, "needs the fault proxy in front of the Azurite this test run started")
 	c, p := e.proxied(t)
 	a := newAcquirer(t, c)
 	ctx := context.Background()

@@ -98,9 +98,7 @@ func (l *lateAcquire) send(t *testing.T) int {
 // acquirer is granted it well before.
 func TestAbandonedGrantLandingLate(t *testing.T) {
 	e := newEnv(t)
-	if e.srv.External {
-		t.Skip("needs the test's own transport to the server")
-	}
+	localOnly(t, e, "needs the test's own transport to the server")
 	late := &lateAcquire{base: &http.Transport{}, released: make(chan struct{}, 100)}
 	a := newAcquirer(t, newClientVia(t, e.srv, e.srv.ServiceURL, e.container, late))
 	b := newAcquirer(t, e.other(t))
@@ -245,9 +243,7 @@ func storedToken(t *testing.T, e *azenv, name string) fence.Token {
 func TestLostTokenWriteReply(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	if e.srv.External {
-		t.Skip("the fault proxy needs a plain-HTTP server")
-	}
+	localOnly(t, e, "the fault proxy needs a plain-HTTP server")
 	c, p := e.proxied(t)
 	a, b := newAcquirer(t, c), newAcquirer(t, e.other(t))
 	ctx := context.Background()
@@ -341,9 +337,7 @@ func (c *crashAfter) RoundTrip(r *http.Request) (*http.Response, error) {
 func TestCrashBetweenLeaseAndTokenWrite(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	if e.srv.External {
-		t.Skip("needs the test's own transport to the server")
-	}
+	localOnly(t, e, "needs the test's own transport to the server")
 	crash := &crashAfter{base: &http.Transport{}, match: func(r *http.Request) bool { return r.URL.Query().Get("comp") == "metadata" }}
 	ctx := context.Background()
 	name := fencetest.Name("crash")
@@ -389,9 +383,7 @@ func TestCrashBetweenLeaseAndTokenWrite(t *testing.T) {
 func TestNoSASSignatureInErrors(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	if e.srv.External {
-		t.Skip("the fault proxy needs a plain-HTTP server")
-	}
+	localOnly(t, e, "the fault proxy needs a plain-HTTP server")
 	sasURL, err := e.c.GetSASURL(sas.ContainerPermissions{Read: true, Add: true, Create: true, Write: true, Delete: true, Tag: true},
 		time.Now().Add(time.Hour), nil)
 	if err != nil {
