@@ -294,14 +294,31 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 }
 
 // Acquire waits until the lease on name is granted, retrying with jittered
-// backoff while it is held. ErrNoQuorum ends the wait at once.
+// backoff while it is held, and also while too few nodes answer (a try that
+// ends in ErrNoQuorum undid its grant on every node it reached, so trying
+// again is safe): a wait outlasts a majority's restart or a slow round. When
+// the wait ends (ctx, or the Backoff's MaxWait) the error matches
+// fence.ErrHeld and the context's error, as fence.Acquirer says, and also
+// ErrNoQuorum, joined with the nodes' errors, when the last try found no
+// majority. A corrupt key and fence.ErrTokensExhausted end the wait at once.
 func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease(ctx, name, ttl, r.o.Drift); err != nil {
 		return nil, err
 	}
-	return leasekit.Acquire(ctx, r.o.Backoff, nil, func(ctx context.Context) (fence.Lease, error) {
-		return r.TryAcquire(ctx, name, ttl)
+	var noQuorum error // the last try's, when it found no majority
+	l, err := leasekit.Acquire(ctx, r.o.Backoff, nil, func(ctx context.Context) (fence.Lease, error) {
+		l, err := r.TryAcquire(ctx, name, ttl)
+		noQuorum = nil
+		if errors.Is(err, ErrNoQuorum) {
+			noQuorum = err
+			return nil, fence.ErrHeld // wait and try again
+		}
+		return l, err
 	})
+	if err != nil && noQuorum != nil && errors.Is(err, fence.ErrHeld) {
+		err = errors.Join(err, noQuorum)
+	}
+	return l, err
 }
 
 // nodeValue is the lock value of grant nonce on node i: a lock call sent

@@ -103,7 +103,8 @@ func TestRedlockConformance(t *testing.T) {
 }
 
 // TestRedlockNodeLoss: with 2 of 5 nodes killed it still grants, with tokens
-// that keep growing; with 3 killed it refuses with ErrNoQuorum.
+// that keep growing; with 3 killed TryAcquire refuses with ErrNoQuorum, and
+// Acquire waits until its context ends and then says so too.
 func TestRedlockNodeLoss(t *testing.T) {
 	servers, clients := fiveNodes(t)
 	// 500ms per node: the default 200ms is too short under -race on a loaded
@@ -152,9 +153,76 @@ func TestRedlockNodeLoss(t *testing.T) {
 	if !errors.Is(err, redislua.ErrNoQuorum) || errors.Is(err, fence.ErrHeld) {
 		t.Fatalf("with 3 of 5 nodes killed: %v, want ErrNoQuorum", err)
 	}
-	_, err = r.Acquire(ctx, "job", time.Second)
-	if !errors.Is(err, redislua.ErrNoQuorum) {
-		t.Fatalf("Acquire with 3 of 5 nodes killed: %v, want ErrNoQuorum at once", err)
+	// Acquire waits for a majority within its context, and says why it
+	// found none when it gives up.
+	wctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err = r.Acquire(wctx, "job", time.Second)
+	if !errors.Is(err, redislua.ErrNoQuorum) || !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Acquire with 3 of 5 nodes killed: %v, want ErrHeld, DeadlineExceeded and ErrNoQuorum", err)
+	}
+	if waited := time.Since(start); waited < 1500*time.Millisecond {
+		t.Fatalf("Acquire with 3 of 5 nodes killed gave up after %v, before its 1.5s context ended", waited)
+	}
+}
+
+// TestRedlockAcquireWaitsForAMajority: an Acquire that starts while 3 of 5
+// nodes are down keeps trying (each try finds no majority, undoes its grant
+// on the 2 nodes left, and marks it released there) and is granted once one
+// node is back, with a token above every earlier one.
+func TestRedlockAcquireWaitsForAMajority(t *testing.T) {
+	servers, clients := fiveNodes(t)
+	r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
+		Backoff: fence.Backoff{Min: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	ctx := context.Background()
+	name := fencetest.Name("majority")
+	first, err := r.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, i := range []int{0, 1, 2} {
+		servers[i].Kill()
+	}
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	res := make(chan result, 1)
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	go func() {
+		l, err := r.Acquire(wctx, name, 5*time.Second)
+		res <- result{l, err}
+	}()
+	// Each failed try marks its grant released on the nodes it reached:
+	// three marks on node 3 are three tries that found no majority.
+	gone := "fence:{" + name + "}:gone:*"
+	for {
+		keys, err := clients[3].Do(ctx, "KEYS", gone).StringSlice()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(keys) >= 3 {
+			break
+		}
+		select {
+		case r := <-res:
+			t.Fatalf("Acquire with 3 of 5 nodes down returned %v, %v after %d tries, before any node came back", r.l, r.err, len(keys))
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	servers[0].Restart(t) // empty: nodes 3 and 4 carry the counter
+	got := <-res
+	if got.err != nil {
+		t.Fatalf("Acquire after a node came back: %v", got.err)
+	}
+	defer got.l.Release(ctx)
+	if got.l.Token() <= first.Token() {
+		t.Errorf("token %d after the wait, not above the earlier %d", got.l.Token(), first.Token())
 	}
 }
 
