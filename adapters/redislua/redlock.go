@@ -246,9 +246,9 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 		}
 	}
 	unlockAll := func() {
-		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
-		defer cancel()
-		r.releaseOn(uctx, timeout, lock, nonce, ttl) // on every node: one that timed out may hold it anyway
+		// On every node: one that timed out may hold it anyway. The wait
+		// for answers ends with ctx; the releases go on (releaseOn).
+		r.releaseOn(ctx, timeout, lock, nonce, ttl)
 	}
 	if len(granted) < r.quorum {
 		unlockAll()
@@ -299,8 +299,8 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 // again is safe): a wait outlasts a majority's restart or a slow round. When
 // the wait ends (ctx, or the Backoff's MaxWait) the error matches
 // fence.ErrHeld and the context's error, as fence.Acquirer says, and also
-// ErrNoQuorum, joined with the nodes' errors, when the last try found no
-// majority. A corrupt key and fence.ErrTokensExhausted end the wait at once.
+// ErrNoQuorum, joined with the nodes' errors, when the last try that ran to
+// its end found no majority. A corrupt key and fence.ErrTokensExhausted end the wait at once.
 func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := checkLease(ctx, name, ttl, r.o.Drift); err != nil {
 		return nil, err
@@ -308,9 +308,13 @@ func (r *Redlock) Acquire(ctx context.Context, name string, ttl time.Duration) (
 	var noQuorum error // the last try's, when it found no majority
 	l, err := leasekit.Acquire(ctx, r.o.Backoff, nil, func(ctx context.Context) (fence.Lease, error) {
 		l, err := r.TryAcquire(ctx, name, ttl)
-		noQuorum = nil
+		if ctx.Err() == nil { // a try that ctx cut short says nothing of the nodes
+			noQuorum = nil
+			if errors.Is(err, ErrNoQuorum) {
+				noQuorum = err
+			}
+		}
 		if errors.Is(err, ErrNoQuorum) {
-			noQuorum = err
 			return nil, fence.ErrHeld // wait and try again
 		}
 		return l, err
@@ -339,13 +343,52 @@ func releasedKey(lock, nonce string) string {
 // failed grant and an abandoned one leave no node locked whatever order the
 // calls land in, unless a lock call arrives more than a ttl after the release
 // reached its node.
+//
+// It waits for the nodes' answers until ctx ends or timeout passes, whichever
+// is first; a node that has not answered by then counts as failed
+// (errNodeTimeout). The calls do not end with ctx: each has the timeout of its
+// own, and a node whose release got no answer (paused, cut off, restarting:
+// a lock call of this grant may be held in its socket, to run when it comes
+// back) is sent the release again in the background, paced, for up to the
+// ttl, until it answers.
 func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, nonce string, ttl time.Duration) (int, []error) {
 	keys := []string{lock, releasedKey(lock, nonce)}
-	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, i int, c Client) (any, error) {
-		// Sent once: a release sent again after it ran finds the lock gone
-		// and would report the grant lost; a lost reply is an error.
-		return runOnce(ctx, c, redlockReleaseScript, keys, nodeValue(nonce, i), ttlMs(ttl))
-	}, nil)
+	type reply struct {
+		i   int
+		res any
+		err error
+	}
+	replies := make(chan reply, len(r.nodes))
+	bg := context.WithoutCancel(ctx)
+	for i, c := range r.nodes {
+		go func() {
+			actx, cancel := context.WithTimeout(bg, timeout)
+			// Sent once: a release sent again after it ran finds the lock
+			// gone and would report the grant lost; a lost reply is an error.
+			res, err := runOnce(actx, c, redlockReleaseScript, keys, nodeValue(nonce, i), ttlMs(ttl))
+			cancel()
+			replies <- reply{i, res, err}
+			if err != nil && !isReply(err) && !errors.Is(err, redis.ErrClosed) {
+				releaseLater(bg, c, keys, nodeValue(nonce, i), ttl, timeout)
+			}
+		}()
+	}
+	res := make([]any, len(r.nodes))
+	errs := make([]error, len(r.nodes))
+	for i := range errs {
+		errs[i] = errNodeTimeout
+	}
+	wait, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+collect:
+	for range r.nodes {
+		select {
+		case rep := <-replies:
+			res[rep.i], errs[rep.i] = rep.res, rep.err
+		case <-wait.Done():
+			break collect
+		}
+	}
 	n := 0
 	for i := range res {
 		if errs[i] == nil && res[i] == int64(1) {
@@ -353,6 +396,24 @@ func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, no
 		}
 	}
 	return n, errs
+}
+
+// releaseLater sends a node's release again, paced by leaveDelay, until the
+// node answers (whatever the answer) or the ttl has passed.
+func releaseLater(ctx context.Context, c Client, keys []string, value string, ttl, timeout time.Duration) {
+	bctx, cancel := context.WithTimeout(ctx, ttl+time.Second)
+	defer cancel()
+	for attempt := 0; ; attempt++ {
+		if leaveDelay.Sleep(bctx, attempt) != nil {
+			return
+		}
+		actx, cancel := context.WithTimeout(bctx, max(timeout, time.Second))
+		err := redlockReleaseScript.Run(actx, c, keys, value, ttlMs(ttl)).Err()
+		cancel()
+		if err == nil || isReply(err) || errors.Is(err, redis.ErrClosed) {
+			return
+		}
+	}
 }
 
 type redlockLease struct {

@@ -211,23 +211,32 @@ func TestReview3WaitEndsAtItsDeadline(t *testing.T) {
 		{"context deadline", func() (context.Context, context.CancelFunc) { return context.WithTimeout(ctx, wait) }, fence.Backoff{}},
 		{"MaxWait", func() (context.Context, context.CancelFunc) { return context.WithCancel(ctx) }, fence.Backoff{MaxWait: wait}},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 4 * time.Second, Backoff: tc.b})
-			if err != nil {
-				t.Fatal(err)
-			}
-			wctx, cancel := tc.ctx()
-			defer cancel()
-			start := time.Now()
-			_, err = r.Acquire(wctx, name, 10*time.Second)
-			took := time.Since(start)
-			if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, redislua.ErrNoQuorum) {
-				t.Errorf("Acquire with 3 of 5 nodes paused: %v, want ErrHeld, DeadlineExceeded and ErrNoQuorum", err)
-			}
-			if took > wait+slack {
-				t.Errorf("Acquire with a %v wait and 3 of 5 nodes paused returned after %v, more than %v past the end of its wait", wait, took, slack)
-			}
-		})
+		// A node timeout longer than the wait: no try runs to its end, so
+		// the error says the wait ran out (ErrNoQuorum is for a try that
+		// found no majority, and none could). A node timeout a fifth of
+		// the wait: tries end, find no majority, and the error says so.
+		for _, nt := range []time.Duration{4 * time.Second, wait / 5} {
+			t.Run(fmt.Sprintf("%s/node timeout %v", tc.name, nt), func(t *testing.T) {
+				r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: nt, Backoff: tc.b})
+				if err != nil {
+					t.Fatal(err)
+				}
+				wctx, cancel := tc.ctx()
+				defer cancel()
+				start := time.Now()
+				_, err = r.Acquire(wctx, name, 10*time.Second)
+				took := time.Since(start)
+				if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
+					t.Errorf("Acquire with 3 of 5 nodes paused: %v, want ErrHeld and DeadlineExceeded", err)
+				}
+				if nt < wait && !errors.Is(err, redislua.ErrNoQuorum) {
+					t.Errorf("Acquire with 3 of 5 nodes paused, tries that found no majority: %v, want ErrNoQuorum too", err)
+				}
+				if took > wait+slack {
+					t.Errorf("Acquire with a %v wait and 3 of 5 nodes paused returned after %v, more than %v past the end of its wait", wait, took, slack)
+				}
+			})
+		}
 	}
 }
 
