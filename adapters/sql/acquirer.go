@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
@@ -391,11 +392,21 @@ func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Du
 		if err := c.queryRow(ctx, a.grant, args, &tok); err != nil {
 			return err
 		}
-		_, err := c.exec(ctx, a.advance, name, tok)
-		return err
+		if _, err := c.exec(ctx, a.advance, name, tok); err != nil {
+			return &guardStmtError{err}
+		}
+		return nil
 	})
 	return tok, err
 }
+
+// guardStmtError is an error of the AdvanceGuards statement that a grant
+// runs after its own (SQLite and MySQL): wrap tells a missing guard table
+// from a missing lease table by it.
+type guardStmtError struct{ err error }
+
+func (e *guardStmtError) Error() string { return e.err.Error() }
+func (e *guardStmtError) Unwrap() error { return e.err }
 
 // Acquire waits until the lease on name is granted, pacing its attempts with the
 // acquirer's Backoff. On PostgreSQL a release wakes the waiters of its name at
@@ -498,8 +509,12 @@ func ttlMs(ttl time.Duration) int64 { return leasekit.CeilDiv(ttl, time.Millisec
 func (a *Acquirer) wrap(op string, err error) error {
 	if a.db.d.missingTable(err) {
 		// With AdvanceGuards a grant writes two tables: name the one the
-		// database says is missing.
-		if a.guards != nil && namesTable(err, a.guards.table) && !namesTable(err, a.table) {
+		// database says is missing. On SQLite and MySQL the guard's is a
+		// statement of its own; PostgreSQL's one statement names the
+		// relation it could not find exactly as the statement quoted it.
+		var ge *guardStmtError
+		if a.guards != nil && (errors.As(err, &ge) ||
+			a.db.d == postgresDialect && strings.Contains(err.Error(), `relation "`+a.guards.table+`" does not exist`)) {
 			return &TableError{Table: a.guards.table, DDL: a.guards.ddl, Err: err}
 		}
 		return &TableError{Table: a.table, DDL: a.ddl, Err: err}

@@ -136,31 +136,6 @@ var sqliteDialect = &dialect{
 	serializationFailed: func(error) bool { return false },
 }
 
-// namesTable reports whether err's text names table (its last dotted part,
-// which is how PostgreSQL, MySQL and SQLite quote a missing table when the
-// statement named it unqualified) as a whole identifier, in any case.
-func namesTable(err error, table string) bool {
-	if i := strings.LastIndexByte(table, '.'); i >= 0 {
-		table = table[i+1:]
-	}
-	msg, table := strings.ToLower(err.Error()), strings.ToLower(table)
-	ident := func(b byte) bool {
-		return b == '_' || b == '$' || '0' <= b && b <= '9' || 'a' <= b && b <= 'z'
-	}
-	for i := 0; ; {
-		j := strings.Index(msg[i:], table)
-		if j < 0 {
-			return false
-		}
-		j += i
-		end := j + len(table)
-		if (j == 0 || !ident(msg[j-1])) && (end == len(msg) || !ident(msg[end])) {
-			return true
-		}
-		i = j + 1
-	}
-}
-
 // TableError reports that a table sqlfence needs is missing, and says how to
 // create it.
 type TableError struct {

@@ -166,8 +166,10 @@ func (a *Acquirer) grantMySQL(ctx context.Context, args []any) (int64, error) {
 		if tok, err = granted(execID(ctx, c, a.grant, args...)); err != nil {
 			return err
 		}
-		_, err = execID(ctx, c, a.advance, args[0], tok)
-		return err
+		if _, err := execID(ctx, c, a.advance, args[0], tok); err != nil {
+			return &guardStmtError{err}
+		}
+		return nil
 	})
 	return tok, err
 }
