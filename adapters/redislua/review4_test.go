@@ -1,0 +1,749 @@
+package redislua_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
+)
+
+// review4Lock returns the value of name's lock key on c ("" when none).
+func review4Lock(ctx context.Context, t *testing.T, c *redis.Client, name string) string {
+	t.Helper()
+	v, err := c.Get(ctx, "fence:{"+name+"}:lock").Result()
+	if errors.Is(err, redis.Nil) {
+		return ""
+	}
+	if err != nil {
+		t.Fatalf("reading the lock: %v", err)
+	}
+	return v
+}
+
+// review4WaitLocked waits until name is locked on every node by one grant
+// (a grant returns once a majority took it; the other lock calls are still
+// on their way), and returns that grant's nonce.
+func review4WaitLocked(ctx context.Context, t *testing.T, servers []*testenv.RedisServer, name string) string {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		nonces := map[string]bool{}
+		all := true
+		for _, s := range servers {
+			c := s.Client(t)
+			v := review4Lock(ctx, t, c, name)
+			c.Close()
+			if v == "" {
+				all = false
+				break
+			}
+			nonce, _, _ := strings.Cut(v, ".")
+			nonces[nonce] = true
+		}
+		if all && len(nonces) == 1 {
+			for n := range nonces {
+				return n
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the grant did not lock every node:%s", review3Locks(ctx, t, servers, name))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// review4Settle waits until the goroutine count is back near base (every
+// background call has ended), failing after limit.
+func review4Settle(t *testing.T, base int, limit time.Duration, what string) {
+	t.Helper()
+	deadline := time.Now().Add(limit)
+	for n := runtime.NumGoroutine(); n > base+10; n = runtime.NumGoroutine() {
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<20)
+			buf = buf[:runtime.Stack(buf, true)]
+			t.Fatalf("%s: %d goroutines after %v, %d before; stacks:\n%s", what, n, limit, base, review4TopStacks(string(buf)))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// review4TopStacks counts the goroutines' stacks by their first redislua frame.
+func review4TopStacks(all string) string {
+	count := map[string]int{}
+	for _, g := range strings.Split(all, "\n\n") {
+		key := "other"
+		for _, line := range strings.Split(g, "\n") {
+			if strings.Contains(line, "redislua.") && !strings.Contains(line, "_test.") {
+				key = strings.TrimSpace(line)
+				break
+			}
+		}
+		count[key]++
+	}
+	var b strings.Builder
+	for k, n := range count {
+		b.WriteString("  " + strconv.Itoa(n) + " x " + k + "\n")
+	}
+	return b.String()
+}
+
+// TestReview4ReleaseDuringLoadingLeavesLock (HAZARDS 6 and the README's "no
+// node stays locked by a released grant"): the Redlock documentation asks
+// for nodes that keep their data across a restart. Such a node answers
+// every command with -LOADING while it reads its data back (here: DEBUG
+// RELOAD, which saves and loads the dataset as a restart would, made slow by
+// key-load-delay). A Release that reaches 3 of 5 nodes while they load gets
+// -LOADING from them: the release did not run there, and the nodes come back
+// holding the released grant's lock. releaseOn counts any Redis reply as an
+// answer and never sends that release again, so the lock stays for the
+// ttl: a new Acquire is refused long after every node is up.
+func TestReview4ReleaseDuringLoadingLeavesLock(t *testing.T) {
+	servers := make([]*testenv.RedisServer, 5)
+	clients := make([]redislua.Client, 5)
+	for i := range servers {
+		servers[i] = testenv.StartRedis(t, "--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024")
+		clients[i] = servers[i].Client(t)
+	}
+	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	name := fencetest.Name("review4loading")
+	const ttl = time.Minute
+	l, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	review4WaitLocked(ctx, t, servers, name)
+	loading := []int{0, 1, 2}
+	var wg sync.WaitGroup
+	reloadErrs := make([]error, len(servers))
+	for _, i := range loading {
+		admin := servers[i].Client(t)
+		// 4000 filler keys read back at 2ms each: about 8s of loading.
+		if err := admin.Do(ctx, "DEBUG", "POPULATE", 4000, "review4filler", 10).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := admin.ConfigSet(ctx, "key-load-delay", "2000").Err(); err != nil {
+			t.Fatal(err)
+		}
+		reloader := redis.NewClient(&redis.Options{Addr: servers[i].Addr, MaxRetries: -1, ReadTimeout: -1})
+		t.Cleanup(func() { reloader.Close() })
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			reloadErrs[i] = reloader.Do(ctx, "DEBUG", "RELOAD").Err()
+		}()
+		// Wait until the node is loading (INFO is answered while loading).
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			info, err := admin.Info(ctx, "persistence").Result()
+			if err == nil && strings.Contains(info, "loading:1") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("node %d never started loading: %v %q", i, err, info)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	err = l.Release(ctx)
+	t.Logf("Release while nodes 0-2 load: %v", err)
+	wg.Wait()
+	for _, i := range loading {
+		if reloadErrs[i] != nil {
+			t.Fatalf("node %d: DEBUG RELOAD: %v", i, reloadErrs[i])
+		}
+		admin := servers[i].Client(t)
+		if err := admin.ConfigSet(ctx, "key-load-delay", "0").Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Every node is up and answering; the lease was released. A new holder
+	// must not wait for the 60s ttl.
+	other := make([]redislua.Client, len(servers))
+	for i, s := range servers {
+		other[i] = s.Client(t)
+	}
+	r2, err := redislua.NewRedlock(other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	l2, err := r2.Acquire(actx, name, ttl)
+	if err != nil {
+		t.Fatalf("Acquire 20s after a Release (%v) that met 3 loading nodes, all nodes up since: %v\nkeys on the nodes:%s", l.Context().Err(), err, review3Locks(ctx, t, servers, name))
+	}
+	_ = l2.Release(ctx)
+}
+
+// review4Proc is a redis-server that keeps its directory across a restart
+// (testenv's Restart starts empty and waits for PING, which a loading node
+// refuses).
+type review4Proc struct {
+	addr string
+	args []string
+	cmd  *exec.Cmd
+}
+
+func review4Start(t *testing.T, extra ...string) *review4Proc {
+	t.Helper()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		testenv.Missing(t, "redis-server", err)
+	}
+	dir := t.TempDir()
+	port := testenv.Port(t)
+	p := &review4Proc{addr: "127.0.0.1:" + strconv.Itoa(port)}
+	p.args = append([]string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", dir, "--logfile", filepath.Join(dir, "redis.log")}, extra...)
+	p.run(t, bin, p.args)
+	t.Cleanup(p.kill)
+	return p
+}
+
+// run starts the process and waits until it accepts connections.
+func (p *review4Proc) run(t *testing.T, bin string, args []string) {
+	t.Helper()
+	p.cmd = exec.Command(bin, args...)
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", p.addr, 200*time.Millisecond)
+		if err == nil {
+			c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("redis-server on %s did not start: %v", p.addr, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func (p *review4Proc) kill() {
+	if p.cmd != nil && p.cmd.Process != nil {
+		_ = p.cmd.Process.Kill()
+		_, _ = p.cmd.Process.Wait()
+		p.cmd = nil
+	}
+}
+
+func (p *review4Proc) client(t *testing.T) *redis.Client {
+	c := redis.NewClient(&redis.Options{Addr: p.addr, MaxRetries: -1, DialTimeout: time.Second, ReadTimeout: time.Second})
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// TestReview4ReleaseLaterStopsAtLoading (HAZARDS 6): as above, through
+// releaseLater. 3 of 5 nodes crash (SIGKILL) after saving their data, which
+// holds the grant's lock; the lease is released while they are down (no
+// answer: the release is sent again in the background). They restart from
+// their data: the first answer the background release gets is -LOADING,
+// which ends it, although it did not run. Once loaded, the 3 nodes hold the
+// released grant's lock for the ttl.
+func TestReview4ReleaseLaterStopsAtLoading(t *testing.T) {
+	procs := make([]*review4Proc, 5)
+	clients := make([]redislua.Client, 5)
+	for i := range procs {
+		procs[i] = review4Start(t, "--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024")
+		clients[i] = procs[i].client(t)
+	}
+	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	name := fencetest.Name("review4restart")
+	const ttl = time.Minute
+	l, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lockKey := "fence:{" + name + "}:lock"
+	// Every node has the lock (the grant returned at a majority).
+	deadline := time.Now().Add(15 * time.Second)
+	for i := 0; i < len(procs); {
+		n, err := procs[i].client(t).Exists(ctx, lockKey).Result()
+		if err == nil && n == 1 {
+			i++
+			continue
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node %d never got the lock: %v", i, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	down := []int{0, 1, 2}
+	for _, i := range down {
+		admin := procs[i].client(t)
+		if err := admin.Do(ctx, "DEBUG", "POPULATE", 4000, "review4filler", 10).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := admin.Save(ctx).Err(); err != nil { // what AOF with fsync keeps
+			t.Fatal(err)
+		}
+		procs[i].kill()
+	}
+	err = l.Release(ctx)
+	t.Logf("Release with nodes 0-2 down: %v", err)
+	bin, _ := exec.LookPath("redis-server")
+	for _, i := range down {
+		procs[i].run(t, bin, append(procs[i].args, "--key-load-delay", "2000")) // about 8s of loading
+	}
+	for _, i := range down {
+		admin := procs[i].client(t)
+		deadline := time.Now().Add(60 * time.Second)
+		for {
+			info, err := admin.Info(ctx, "persistence").Result()
+			if err == nil && strings.Contains(info, "loading:0") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("node %d still loading: %v", i, err)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	other := make([]redislua.Client, len(procs))
+	for i, p := range procs {
+		other[i] = p.client(t)
+	}
+	r2, err := redislua.NewRedlock(other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	l2, err := r2.Acquire(actx, name, ttl)
+	if err != nil {
+		var locked []string
+		for i, p := range procs {
+			v, _ := p.client(t).Get(ctx, lockKey).Result()
+			pttl, _ := p.client(t).PTTL(ctx, lockKey).Result()
+			locked = append(locked, "node "+strconv.Itoa(i)+": "+v+" for "+pttl.String())
+		}
+		t.Fatalf("Acquire 20s after the released grant's nodes came back: %v\n  %s", err, strings.Join(locked, "\n  "))
+	}
+	_ = l2.Release(ctx)
+}
+
+// TestReview4ReleaseDuringBusyScriptLeavesLock (HAZARDS 6): a node running a
+// long script (another application's, or a slow one) answers -BUSY to every
+// other command once busy-reply-threshold has passed. A Release that meets
+// 3 of 5 busy nodes did not run there, and is not sent again: when the
+// script ends, those nodes hold the released grant's lock for the ttl.
+func TestReview4ReleaseDuringBusyScriptLeavesLock(t *testing.T) {
+	servers, clients := fiveNodes(t)
+	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	name := fencetest.Name("review4busy")
+	const ttl = time.Minute
+	l, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	review4WaitLocked(ctx, t, servers, name)
+	busy := []int{0, 1, 2}
+	var wg sync.WaitGroup
+	for _, i := range busy {
+		admin := servers[i].Client(t)
+		if err := admin.ConfigSet(ctx, "busy-reply-threshold", "100").Err(); err != nil {
+			t.Fatal(err)
+		}
+		spinner := redis.NewClient(&redis.Options{Addr: servers[i].Addr, MaxRetries: -1, ReadTimeout: -1})
+		t.Cleanup(func() { spinner.Close() })
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = spinner.Eval(ctx, "while true do end", nil).Err() // ends with SCRIPT KILL
+		}()
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			err := admin.Ping(ctx).Err()
+			if err != nil && strings.HasPrefix(err.Error(), "BUSY") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("node %d never busy: %v", i, err)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	err = l.Release(ctx)
+	t.Logf("Release while nodes 0-2 run a script: %v", err)
+	for _, i := range busy {
+		if err := servers[i].Client(t).ScriptKill(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wg.Wait()
+	other := make([]redislua.Client, len(servers))
+	for i, s := range servers {
+		other[i] = s.Client(t)
+	}
+	r2, err := redislua.NewRedlock(other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	l2, err := r2.Acquire(actx, name, ttl)
+	if err != nil {
+		t.Fatalf("Acquire 20s after a released grant's busy nodes finished their script: %v\nkeys on the nodes:%s", err, review3Locks(ctx, t, servers, name))
+	}
+	_ = l2.Release(ctx)
+}
+
+// TestReview4BackgroundReleaseSparesLaterGrant: a lease renewed and released
+// while 2 of 5 nodes are paused leaves its renewal and its release (sent
+// again in the background) waiting in those nodes' sockets; the same Redlock
+// then grants the name again on the 3 others, and renews it. When the two
+// resume and every background call has ended, no node holds the old grant,
+// the new one still holds its majority (Renew nil), and once it is released
+// the name is free at once.
+func TestReview4BackgroundReleaseSparesLaterGrant(t *testing.T) {
+	servers, clients := fiveNodes(t)
+	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	name := fencetest.Name("review4later")
+	const ttl = 10 * time.Second
+	warm, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := warm.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	base := runtime.NumGoroutine()
+	a, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nonceA := review4WaitLocked(ctx, t, servers, name)
+	for _, i := range []int{3, 4} {
+		if err := servers[i].Stop(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, i := range []int{3, 4} {
+			_ = servers[i].Continue()
+		}
+	})
+	if err := a.Renew(ctx); err != nil {
+		t.Fatalf("renew with 2 of 5 paused: %v", err)
+	}
+	if err := a.Release(ctx); err != nil {
+		t.Fatalf("release with 2 of 5 paused: %v", err)
+	}
+	b, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatalf("grant again with 2 of 5 paused: %v", err)
+	}
+	if b.Token() <= a.Token() {
+		t.Errorf("token %d not above %d", b.Token(), a.Token())
+	}
+	if err := b.Renew(ctx); err != nil {
+		t.Fatalf("renew of the new grant: %v", err)
+	}
+	for _, i := range []int{3, 4} {
+		if err := servers[i].Continue(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	review4Settle(t, base, ttl+30*time.Second, "after the nodes resumed")
+	held := 0
+	for i, s := range servers {
+		v := review4Lock(ctx, t, s.Client(t), name)
+		nonce, _, _ := strings.Cut(v, ".")
+		switch {
+		case nonce == nonceA:
+			t.Errorf("node %d still locked by the released grant", i)
+		case v != "":
+			held++
+		}
+	}
+	if held < 3 {
+		t.Errorf("the new grant holds %d nodes after the old one's background release:%s", held, review3Locks(ctx, t, servers, name))
+	}
+	if err := b.Renew(ctx); err != nil {
+		t.Errorf("renew of the new grant after the old one's background release: %v", err)
+	}
+	if err := b.Release(ctx); err != nil {
+		t.Errorf("release of the new grant: %v", err)
+	}
+	c, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatalf("TryAcquire after both grants were released, all nodes up: %v%s", err, review3Locks(ctx, t, servers, name))
+	}
+	_ = c.Release(ctx)
+}
+
+// TestReview4ReleaseWithEndedContext: Release with a context that has
+// already ended, and one that ends while 3 of 5 nodes are paused, returns at
+// once with an error matching fence.ErrUnknown (never ErrLost: the lease was
+// held), the release still reaches every node, and a later Renew is ErrLost.
+func TestReview4ReleaseWithEndedContext(t *testing.T) {
+	servers, clients := fiveNodes(t)
+	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	const ttl = time.Minute
+	free := func(name string) {
+		t.Helper()
+		deadline := time.Now().Add(20 * time.Second)
+		for i := 0; i < len(servers); {
+			if review4Lock(ctx, t, servers[i].Client(t), name) == "" {
+				i++
+				continue
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("a released lease still locks a node 20s later:%s", review3Locks(ctx, t, servers, name))
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+
+	name := fencetest.Name("review4done")
+	l, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	review4WaitLocked(ctx, t, servers, name)
+	done, cancel := context.WithCancel(ctx)
+	cancel()
+	err = l.Release(done)
+	if !errors.Is(err, fence.ErrUnknown) && err != nil {
+		t.Errorf("Release with an ended context: %v, want nil or ErrUnknown", err)
+	}
+	free(name)
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("Renew after Release: %v, want ErrLost", err)
+	}
+
+	name = fencetest.Name("review4mid")
+	l, err = r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	review4WaitLocked(ctx, t, servers, name)
+	for _, i := range []int{2, 3, 4} {
+		if err := servers[i].Stop(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, i := range []int{2, 3, 4} {
+			_ = servers[i].Continue()
+		}
+	})
+	mid, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	start := time.Now()
+	err = l.Release(mid)
+	took := time.Since(start)
+	cancel()
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("Release ending with its context, 3 of 5 paused: %v, want ErrUnknown", err)
+	}
+	if took > 1500*time.Millisecond {
+		t.Errorf("Release with a 300ms context returned after %v", took)
+	}
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("Renew after Release: %v, want ErrLost", err)
+	}
+	for _, i := range []int{2, 3, 4} {
+		if err := servers[i].Continue(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	free(name)
+}
+
+// review4Clients returns go-redis clients with the library's default timeouts
+// (ReadTimeout 3s, 3 retries), a pool of 2 connections, and on odd nodes
+// ContextTimeoutEnabled.
+func review4Clients(t *testing.T, servers []*testenv.RedisServer) []redislua.Client {
+	clients := make([]redislua.Client, len(servers))
+	for i, s := range servers {
+		c := redis.NewClient(&redis.Options{Addr: s.Addr, PoolSize: 2, ContextTimeoutEnabled: i%2 == 1})
+		t.Cleanup(func() { c.Close() })
+		clients[i] = c
+	}
+	return clients
+}
+
+// TestReview4GoroutinesAfterPausedWaits: four waiters try for 5s while 3 of
+// 5 nodes are paused, on clients with default timeouts and tiny pools. Once
+// the nodes resume, the goroutines return to the baseline within the ttl
+// (plus slack), and a new Acquire is granted.
+func TestReview4GoroutinesAfterPausedWaits(t *testing.T) {
+	servers, _ := fiveNodes(t)
+	clients := review4Clients(t, servers)
+	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 300 * time.Millisecond,
+		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	name := fencetest.Name("review4goroutines")
+	const ttl = 4 * time.Second
+	warm, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := warm.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	base := runtime.NumGoroutine()
+	for _, i := range []int{0, 1, 2} {
+		if err := servers[i].Stop(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, i := range []int{0, 1, 2} {
+			_ = servers[i].Continue()
+		}
+	})
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			defer cancel()
+			_, err := r.Acquire(wctx, name, ttl)
+			if !errors.Is(err, fence.ErrHeld) {
+				t.Errorf("Acquire with 3 of 5 paused: %v", err)
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("goroutines: %d before, %d after the waits", base, runtime.NumGoroutine())
+	for _, i := range []int{0, 1, 2} {
+		if err := servers[i].Continue(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	review4Settle(t, base, ttl+20*time.Second, "after the nodes resumed")
+	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	l, err := r.Acquire(actx, name, ttl)
+	if err != nil {
+		t.Fatalf("Acquire after the nodes resumed: %v%s", err, review3Locks(ctx, t, servers, name))
+	}
+	_ = l.Release(ctx)
+}
+
+// TestReview4CloseClientsDuringBackgroundRelease: failed tries against 3
+// paused nodes leave releases running in the background; the clients are
+// closed, then the nodes resume. Nothing panics or hangs, and the
+// goroutines return to the baseline.
+func TestReview4CloseClientsDuringBackgroundRelease(t *testing.T) {
+	servers, _ := fiveNodes(t)
+	clients := review4Clients(t, servers)
+	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 300 * time.Millisecond,
+		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	name := fencetest.Name("review4close")
+	const ttl = 30 * time.Second
+	warm, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := warm.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	base := runtime.NumGoroutine()
+	for _, i := range []int{0, 1, 2} {
+		if err := servers[i].Stop(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, i := range []int{0, 1, 2} {
+			_ = servers[i].Continue()
+		}
+	})
+	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	_, err = r.Acquire(wctx, name, ttl)
+	cancel()
+	if !errors.Is(err, fence.ErrHeld) {
+		t.Errorf("Acquire with 3 of 5 paused: %v", err)
+	}
+	for _, c := range clients {
+		_ = c.(*redis.Client).Close()
+	}
+	for _, i := range []int{0, 1, 2} {
+		if err := servers[i].Continue(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Well within the 30s ttl the background releases would run for.
+	review4Settle(t, base, 15*time.Second, "after the clients were closed")
+}
+
+// TestReview4GoroutinesWhileMajorityDown measures what a wait against a dead
+// majority (killed, connection refused: every try fails at once) leaves in
+// the background: each failed try starts one release per dead node, alive
+// for the ttl plus 1s. It logs the count after a 10s wait with the default
+// Backoff, and checks that the goroutines return to the baseline about a
+// ttl after the wait, the nodes still down.
+func TestReview4GoroutinesWhileMajorityDown(t *testing.T) {
+	servers, clients := fiveNodes(t)
+	r, err := redislua.NewRedlock(clients, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	name := fencetest.Name("review4dead")
+	const ttl = 10 * time.Second
+	warm, err := r.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := warm.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	base := runtime.NumGoroutine()
+	for _, i := range []int{0, 1, 2} {
+		servers[i].Kill()
+	}
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	_, err = r.Acquire(wctx, name, ttl)
+	cancel()
+	if !errors.Is(err, redislua.ErrNoQuorum) {
+		t.Errorf("Acquire with 3 of 5 killed: %v", err)
+	}
+	t.Logf("goroutines: %d before, %d after a 10s wait (ttl %v), nodes still down", base, runtime.NumGoroutine(), ttl)
+	review4Settle(t, base, ttl+20*time.Second, "nodes still down")
+}
