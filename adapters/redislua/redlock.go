@@ -349,8 +349,9 @@ func releasedKey(lock, nonce string) string {
 // (errNodeTimeout). The calls do not end with ctx: each has the timeout of its
 // own, and a node whose release got no answer (paused, cut off, restarting:
 // a lock call of this grant may be held in its socket, to run when it comes
-// back) is sent the release again in the background, paced, for up to the
-// ttl, until it answers.
+// back, or one that answered LOADING, BUSY and the like: see
+// releaseAnswered) is sent the release again in the background, paced, for
+// up to the ttl, until it answers.
 func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, nonce string, ttl time.Duration) (int, []error) {
 	keys := []string{lock, releasedKey(lock, nonce)}
 	type reply struct {
@@ -368,7 +369,7 @@ func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, no
 			res, err := runOnce(actx, c, redlockReleaseScript, keys, nodeValue(nonce, i), ttlMs(ttl))
 			cancel()
 			replies <- reply{i, res, err}
-			if err != nil && !isReply(err) && !errors.Is(err, redis.ErrClosed) {
+			if !releaseAnswered(err) {
 				releaseLater(bg, c, keys, nodeValue(nonce, i), ttl, timeout)
 			}
 		}()
@@ -410,10 +411,31 @@ func releaseLater(ctx context.Context, c Client, keys []string, value string, tt
 		actx, cancel := context.WithTimeout(bctx, max(timeout, time.Second))
 		err := redlockReleaseScript.Run(actx, c, keys, value, ttlMs(ttl)).Err()
 		cancel()
-		if err == nil || isReply(err) || errors.Is(err, redis.ErrClosed) {
+		if releaseAnswered(err) {
 			return
 		}
 	}
+}
+
+// releaseAnswered reports whether a release's outcome on its node is settled:
+// the script ran (whatever it answered), or the client is closed and nothing
+// more can be sent. A reply that says the node did not run it and may later
+// (LOADING its data, BUSY with a script, OOM, a replica or cluster that cannot
+// serve writes yet) is not an answer: the lock the release is for may still
+// be there, or come back with the node's data.
+func releaseAnswered(err error) bool {
+	if err == nil || errors.Is(err, redis.ErrClosed) {
+		return true
+	}
+	if !isReply(err) {
+		return false
+	}
+	for _, p := range []string{"LOADING", "BUSY", "OOM", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY", "NOREPLICAS", "MISCONF"} {
+		if redis.HasErrorPrefix(err, p) {
+			return false
+		}
+	}
+	return true
 }
 
 type redlockLease struct {

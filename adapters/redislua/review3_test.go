@@ -52,6 +52,7 @@ func review3Locks(ctx context.Context, t *testing.T, servers []*testenv.RedisSer
 // must be granted well within the 60s ttl that a stray lock of a failed try
 // would keep the nodes for.
 func TestReview3FailedWaitLeavesNoLock(t *testing.T) {
+	t.Parallel()
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
 		Backoff: fence.Backoff{Min: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
@@ -107,6 +108,7 @@ func TestReview3FailedWaitLeavesNoLock(t *testing.T) {
 // 2 other nodes killed, a new Acquire on the 3 left must be granted well
 // within the 60s ttl.
 func TestReview3ReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
+	t.Parallel()
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 	if err != nil {
@@ -171,6 +173,7 @@ func TestReview3ReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
 // go-redis's default timeouts (ReadTimeout 3s), as a user's would; the
 // testenv clients' 1s ReadTimeout would cut every call short.
 func TestReview3WaitEndsAtItsDeadline(t *testing.T) {
+	t.Parallel()
 	servers := make([]*testenv.RedisServer, 5)
 	clients := make([]redislua.Client, 5)
 	for i := range servers {
@@ -307,6 +310,7 @@ func TestReview3WaitThroughKilledMajority(t *testing.T) {
 // their tries split the votes and fail over and over. At no moment do both
 // hold the lease, and the tokens grow in the order of the grants.
 func TestReview3TwoWaitersThroughMinorityOutage(t *testing.T) {
+	t.Parallel()
 	servers, _ := fiveNodes(t)
 	ctx := context.Background()
 	name := fencetest.Name("review3two")

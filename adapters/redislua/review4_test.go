@@ -111,6 +111,7 @@ func review4TopStacks(all string) string {
 // answer and never sends that release again, so the lock stays for the
 // ttl: a new Acquire is refused long after every node is up.
 func TestReview4ReleaseDuringLoadingLeavesLock(t *testing.T) {
+	t.Parallel()
 	servers := make([]*testenv.RedisServer, 5)
 	clients := make([]redislua.Client, 5)
 	for i := range servers {
@@ -260,6 +261,7 @@ func (p *review4Proc) client(t *testing.T) *redis.Client {
 // which ends it, although it did not run. Once loaded, the 3 nodes hold the
 // released grant's lock for the ttl.
 func TestReview4ReleaseLaterStopsAtLoading(t *testing.T) {
+	t.Parallel()
 	procs := make([]*review4Proc, 5)
 	clients := make([]redislua.Client, 5)
 	for i := range procs {
@@ -351,6 +353,7 @@ func TestReview4ReleaseLaterStopsAtLoading(t *testing.T) {
 // 3 of 5 busy nodes did not run there, and is not sent again: when the
 // script ends, those nodes hold the released grant's lock for the ttl.
 func TestReview4ReleaseDuringBusyScriptLeavesLock(t *testing.T) {
+	t.Parallel()
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	if err != nil {
@@ -508,6 +511,7 @@ func TestReview4BackgroundReleaseSparesLaterGrant(t *testing.T) {
 // once with an error matching fence.ErrUnknown (never ErrLost: the lease was
 // held), the release still reaches every node, and a later Renew is ErrLost.
 func TestReview4ReleaseWithEndedContext(t *testing.T) {
+	t.Parallel()
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	if err != nil {
