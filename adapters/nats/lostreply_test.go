@@ -126,8 +126,7 @@ func TestWriterUnknownWhenCutOff(t *testing.T) {
 func TestWriterLostAckThenNewerToken(t *testing.T) {
 	j, p := proxied(t)
 	bucket(t, j, writerBucket)
-	// The retry after the lost ack waits for the 5s attempt timeout, long
-	// after the newer write below.
+	// RetryFor (20s) outlasts the refused reconnections below.
 	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
 	if err != nil {
 		t.Fatal(err)
@@ -140,6 +139,11 @@ func TestWriterLostAckThenNewerToken(t *testing.T) {
 	}
 	before := p.Stats().LostReplies
 	p.LoseReply(publishTo(writerBucket.Bucket))
+	// The lost ack closes the writer's connection, and its reconnection is
+	// refused until the newer write has landed: the writer cannot look
+	// again before it (loaded run L3: it reconnected and recognised its own
+	// write first, a correct nil that this case is not about).
+	p.Refuse(true)
 	done := make(chan error, 1)
 	go func() { done <- w.Write(ctx, key, []byte("v6"), 6) }()
 	waitLost(t, p, before)
@@ -149,6 +153,7 @@ func TestWriterLostAckThenNewerToken(t *testing.T) {
 	if err := check.Write(ctx, key, []byte("v7"), 7); err != nil {
 		t.Fatal(err)
 	}
+	p.Refuse(false)
 	err = <-done
 	if !errors.Is(err, fence.ErrUnknown) || errors.Is(err, fence.ErrStale) && !errors.Is(err, fence.ErrUnknown) {
 		t.Fatalf("a landed write with a lost ack, then overwritten by a newer token: %v, want ErrUnknown", err)
