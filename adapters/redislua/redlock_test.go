@@ -31,6 +31,32 @@ func fiveNodes(t *testing.T) ([]*testenv.RedisServer, []redislua.Client) {
 	return servers, clients
 }
 
+// pauseNodes pauses the given nodes (SIGSTOP), and resumes them when t ends
+// if the test has not.
+func pauseNodes(t *testing.T, servers []*testenv.RedisServer, nodes ...int) {
+	t.Helper()
+	for _, i := range nodes {
+		if err := servers[i].Stop(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, i := range nodes {
+			_ = servers[i].Continue()
+		}
+	})
+}
+
+// resumeNodes resumes nodes that pauseNodes paused.
+func resumeNodes(t *testing.T, servers []*testenv.RedisServer, nodes ...int) {
+	t.Helper()
+	for _, i := range nodes {
+		if err := servers[i].Continue(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 func TestRedlockConformance(t *testing.T) {
 	servers, clients := fiveNodes(t)
 	// A node gets 2s to answer (the default, a quarter of the ttl and at

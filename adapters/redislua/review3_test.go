@@ -70,22 +70,14 @@ func TestReview3FailedWaitLeavesNoLock(t *testing.T) {
 	if err := first.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	for _, i := range []int{0, 1, 2} {
-		if err := servers[i].Stop(); err != nil {
-			t.Fatal(err)
-		}
-	}
+	pauseNodes(t, servers, 0, 1, 2)
 	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	_, err = r.Acquire(wctx, name, ttl)
 	cancel()
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, redislua.ErrNoQuorum) {
 		t.Errorf("Acquire with 3 of 5 nodes paused: %v, want ErrHeld, DeadlineExceeded and ErrNoQuorum", err)
 	}
-	for _, i := range []int{0, 1, 2} {
-		if err := servers[i].Continue(); err != nil {
-			t.Fatal(err)
-		}
-	}
+	resumeNodes(t, servers, 0, 1, 2)
 	// The nodes are all up; no grant is alive. A waiter must not be kept
 	// out for the failed tries' ttl.
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
@@ -124,11 +116,7 @@ func TestReview3ReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
 	if err := first.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	for _, i := range []int{3, 4} {
-		if err := servers[i].Stop(); err != nil {
-			t.Fatal(err)
-		}
-	}
+	pauseNodes(t, servers, 3, 4)
 	l, err := r.TryAcquire(ctx, name, ttl)
 	if err != nil {
 		t.Fatalf("grant with 2 of 5 nodes paused: %v", err)
@@ -148,11 +136,7 @@ func TestReview3ReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
-	for _, i := range []int{3, 4} {
-		if err := servers[i].Continue(); err != nil {
-			t.Fatal(err)
-		}
-	}
+	resumeNodes(t, servers, 3, 4)
 	servers[0].Kill()
 	servers[1].Kill()
 	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
@@ -196,16 +180,7 @@ func TestReview3WaitEndsAtItsDeadline(t *testing.T) {
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	for _, i := range []int{0, 1, 2} {
-		if err := servers[i].Stop(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Cleanup(func() {
-		for _, i := range []int{0, 1, 2} {
-			_ = servers[i].Continue()
-		}
-	})
+	pauseNodes(t, servers, 0, 1, 2)
 	for _, tc := range []struct {
 		name string
 		ctx  func() (context.Context, context.CancelFunc)
@@ -335,15 +310,7 @@ func TestReview3TwoWaitersThroughMinorityOutage(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for _, i := range []int{3, 4} {
-		if err := servers[i].Stop(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Cleanup(func() {
-		_ = servers[3].Continue()
-		_ = servers[4].Continue()
-	})
+	pauseNodes(t, servers, 3, 4)
 	var (
 		holding atomic.Int32
 		mu      sync.Mutex

@@ -447,16 +447,7 @@ func TestReview4BackgroundReleaseSparesLaterGrant(t *testing.T) {
 		t.Fatal(err)
 	}
 	nonceA := review4WaitLocked(ctx, t, servers, name)
-	for _, i := range []int{3, 4} {
-		if err := servers[i].Stop(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Cleanup(func() {
-		for _, i := range []int{3, 4} {
-			_ = servers[i].Continue()
-		}
-	})
+	pauseNodes(t, servers, 3, 4)
 	if err := a.Renew(ctx); err != nil {
 		t.Fatalf("renew with 2 of 5 paused: %v", err)
 	}
@@ -473,11 +464,7 @@ func TestReview4BackgroundReleaseSparesLaterGrant(t *testing.T) {
 	if err := b.Renew(ctx); err != nil {
 		t.Fatalf("renew of the new grant: %v", err)
 	}
-	for _, i := range []int{3, 4} {
-		if err := servers[i].Continue(); err != nil {
-			t.Fatal(err)
-		}
-	}
+	resumeNodes(t, servers, 3, 4)
 	review4Settle(t, base, ttl+30*time.Second, "after the nodes resumed")
 	held := 0
 	for i, s := range servers {
@@ -557,16 +544,7 @@ func TestReview4ReleaseWithEndedContext(t *testing.T) {
 		t.Fatal(err)
 	}
 	review4WaitLocked(ctx, t, servers, name)
-	for _, i := range []int{2, 3, 4} {
-		if err := servers[i].Stop(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Cleanup(func() {
-		for _, i := range []int{2, 3, 4} {
-			_ = servers[i].Continue()
-		}
-	})
+	pauseNodes(t, servers, 2, 3, 4)
 	mid, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	start := time.Now()
 	err = l.Release(mid)
@@ -581,11 +559,7 @@ func TestReview4ReleaseWithEndedContext(t *testing.T) {
 	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
 		t.Errorf("Renew after Release: %v, want ErrLost", err)
 	}
-	for _, i := range []int{2, 3, 4} {
-		if err := servers[i].Continue(); err != nil {
-			t.Fatal(err)
-		}
-	}
+	resumeNodes(t, servers, 2, 3, 4)
 	free(name)
 }
 
@@ -625,16 +599,7 @@ func TestReview4GoroutinesAfterPausedWaits(t *testing.T) {
 		t.Fatal(err)
 	}
 	base := runtime.NumGoroutine()
-	for _, i := range []int{0, 1, 2} {
-		if err := servers[i].Stop(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Cleanup(func() {
-		for _, i := range []int{0, 1, 2} {
-			_ = servers[i].Continue()
-		}
-	})
+	pauseNodes(t, servers, 0, 1, 2)
 	var wg sync.WaitGroup
 	for range 4 {
 		wg.Add(1)
@@ -650,11 +615,7 @@ func TestReview4GoroutinesAfterPausedWaits(t *testing.T) {
 	}
 	wg.Wait()
 	t.Logf("goroutines: %d before, %d after the waits", base, runtime.NumGoroutine())
-	for _, i := range []int{0, 1, 2} {
-		if err := servers[i].Continue(); err != nil {
-			t.Fatal(err)
-		}
-	}
+	resumeNodes(t, servers, 0, 1, 2)
 	review4Settle(t, base, ttl+20*time.Second, "after the nodes resumed")
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
@@ -688,16 +649,7 @@ func TestReview4CloseClientsDuringBackgroundRelease(t *testing.T) {
 		t.Fatal(err)
 	}
 	base := runtime.NumGoroutine()
-	for _, i := range []int{0, 1, 2} {
-		if err := servers[i].Stop(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Cleanup(func() {
-		for _, i := range []int{0, 1, 2} {
-			_ = servers[i].Continue()
-		}
-	})
+	pauseNodes(t, servers, 0, 1, 2)
 	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	_, err = r.Acquire(wctx, name, ttl)
 	cancel()
@@ -707,11 +659,7 @@ func TestReview4CloseClientsDuringBackgroundRelease(t *testing.T) {
 	for _, c := range clients {
 		_ = c.(*redis.Client).Close()
 	}
-	for _, i := range []int{0, 1, 2} {
-		if err := servers[i].Continue(); err != nil {
-			t.Fatal(err)
-		}
-	}
+	resumeNodes(t, servers, 0, 1, 2)
 	// Well within the 30s ttl the background releases would run for.
 	review4Settle(t, base, 15*time.Second, "after the clients were closed")
 }
