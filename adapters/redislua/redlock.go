@@ -138,8 +138,8 @@ var errNodeTimeout = errors.New("no answer within the node timeout")
 // or not its client honours context deadlines (go-redis only does with
 // ContextTimeoutEnabled). Calls still running when it returns early go on in
 // the background until the timeout cancels them: a late release still frees its
-// node.
-func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []int, f func(ctx context.Context, i int, c Client) (any, error), enough func(ok, refused, failed int) bool) ([]any, []error) {
+// node. ctx's end ends the wait, and the calls too unless detach is set.
+func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, detach bool, nodes []int, f func(ctx context.Context, i int, c Client) (any, error), enough func(ok, refused, failed int) bool) ([]any, []error) {
 	if nodes == nil {
 		nodes = make([]int, len(r.nodes))
 		for i := range nodes {
@@ -153,7 +153,11 @@ func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []in
 	}
 	replies := make(chan reply, len(nodes))
 	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
-	stop := context.AfterFunc(ctx, cancel) // the caller's cancellation still counts
+	cancels := ctx // the caller's cancellation still counts, unless detached
+	if detach {
+		cancels = context.Background()
+	}
+	stop := context.AfterFunc(cancels, cancel)
 	defer stop()
 	for _, i := range nodes {
 		go func() {
@@ -183,6 +187,8 @@ func (r *Redlock) onNodes(ctx context.Context, timeout time.Duration, nodes []in
 				return res, errs
 			}
 		case <-nctx.Done():
+			return res, errs
+		case <-ctx.Done():
 			return res, errs
 		}
 	}
@@ -218,7 +224,7 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	// Phase 1 ends as soon as a majority granted, or so many refused (or so
 	// many failed) that none can. The granted majority's counters are enough to choose the
 	// token: the previous grant raised a majority, which overlaps this one.
-	res, errs := r.onNodes(ctx, timeout, nil, func(ctx context.Context, i int, c Client) (any, error) {
+	res, errs := r.onNodes(ctx, timeout, false, nil, func(ctx context.Context, i int, c Client) (any, error) {
 		return redlockLockScript.Run(ctx, c, keys, nodeValue(nonce, i), ttlMs(ttl)).Result()
 	}, func(ok, refused, failed int) bool {
 		return ok >= r.quorum || refused > len(r.nodes)-r.quorum || failed > len(r.nodes)-r.quorum
@@ -274,7 +280,7 @@ func (r *Redlock) TryAcquire(ctx context.Context, name string, ttl time.Duration
 	}
 	tokStr := strconv.FormatUint(tok, 10)
 	raised := 0
-	rres, rerrs := r.onNodes(ctx, timeout, granted, func(ctx context.Context, i int, c Client) (any, error) {
+	rres, rerrs := r.onNodes(ctx, timeout, false, granted, func(ctx context.Context, i int, c Client) (any, error) {
 		return redlockRaiseScript.Run(ctx, c, keys[:2], nodeValue(nonce, i), tokStr).Int64()
 	}, nil)
 	live := granted[:0:0]
@@ -354,42 +360,15 @@ func releasedKey(lock, nonce string) string {
 // up to the ttl, until it answers.
 func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, nonce string, ttl time.Duration) (int, []error) {
 	keys := []string{lock, releasedKey(lock, nonce)}
-	type reply struct {
-		i   int
-		res any
-		err error
-	}
-	replies := make(chan reply, len(r.nodes))
-	bg := context.WithoutCancel(ctx)
-	for i, c := range r.nodes {
-		go func() {
-			actx, cancel := context.WithTimeout(bg, timeout)
-			// Sent once: a release sent again after it ran finds the lock
-			// gone and would report the grant lost; a lost reply is an error.
-			res, err := runOnce(actx, c, redlockReleaseScript, keys, nodeValue(nonce, i), ttlMs(ttl))
-			cancel()
-			replies <- reply{i, res, err}
-			if !releaseAnswered(err) {
-				releaseLater(bg, c, keys, nodeValue(nonce, i), ttl, timeout)
-			}
-		}()
-	}
-	res := make([]any, len(r.nodes))
-	errs := make([]error, len(r.nodes))
-	for i := range errs {
-		errs[i] = errNodeTimeout
-	}
-	wait, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-collect:
-	for range r.nodes {
-		select {
-		case rep := <-replies:
-			res[rep.i], errs[rep.i] = rep.res, rep.err
-		case <-wait.Done():
-			break collect
+	res, errs := r.onNodes(ctx, timeout, true, nil, func(nctx context.Context, i int, c Client) (any, error) {
+		// Sent once: a release sent again after it ran finds the lock gone
+		// and would report the grant lost; a lost reply is an error.
+		res, err := runOnce(nctx, c, redlockReleaseScript, keys, nodeValue(nonce, i), ttlMs(ttl))
+		if !releaseAnswered(err) {
+			go releaseLater(context.WithoutCancel(ctx), c, keys, nodeValue(nonce, i), ttl, timeout)
 		}
-	}
+		return res, err
+	}, nil)
 	n := 0
 	for i := range res {
 		if errs[i] == nil && res[i] == int64(1) {
@@ -463,7 +442,7 @@ func (l *redlockLease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	sent := time.Now()
-	res, errs := l.r.onNodes(ctx, l.timeout, nil, func(ctx context.Context, i int, c Client) (any, error) {
+	res, errs := l.r.onNodes(ctx, l.timeout, false, nil, func(ctx context.Context, i int, c Client) (any, error) {
 		return renewScript.Run(ctx, c, []string{l.lock}, nodeValue(l.nonce, i), ttlMs(l.TTL())).Int64()
 	}, nil)
 	ok, gone := 0, 0
