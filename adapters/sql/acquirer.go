@@ -81,6 +81,7 @@ type Acquirer struct {
 	ddl    string
 
 	grant, renew, release string
+	releaseAsync          string // PostgreSQL: the release, its commit not waiting for the disk (see pgNoFlush)
 	inspect, bump         string
 	inspectLocked         string  // inspect, waiting for a statement that holds the row (not on SQLite)
 	advance               string  // SQLite and MySQL: the guard statement run with the grant
@@ -140,10 +141,19 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		"WHERE cur.expires_at <= %s RETURNING token", t, d.nowUs, now, now)
 	a.renew = fmt.Sprintf("UPDATE %s SET expires_at = %s + $3 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now, now)
 	a.release = fmt.Sprintf("UPDATE %s SET expires_at = 0 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now)
-	if d == postgresDialect && !o.DisableNotify {
-		// The release and its notification are one statement: waiters hear of it
-		// when it commits. Only a real release notifies.
-		a.release = fmt.Sprintf("WITH r AS (%s RETURNING name) SELECT pg_notify('%s', md5(name)) FROM r", a.release, releaseChannel)
+	if d == postgresDialect {
+		// The release returns a row when it released (as renew and bump do
+		// below), so that its commit's durability can be set inside it.
+		sel := "SELECT 1 FROM r"
+		if !o.DisableNotify {
+			// The release and its notification are one statement: waiters hear
+			// of it when it commits. Only a real release notifies.
+			sel = fmt.Sprintf("SELECT pg_notify('%s', md5(name)) FROM r", releaseChannel)
+		}
+		rel := fmt.Sprintf("WITH r AS (%s RETURNING name) %s", a.release, sel)
+		a.release = rel + " WHERE " + pgDurable
+		a.releaseAsync = rel + " WHERE " + pgNoFlush
+		a.renew = fmt.Sprintf("WITH r AS (%s RETURNING 1) SELECT 1 FROM r WHERE %s", a.renew, pgDurable)
 	}
 	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = $1", now, t)
 	// Bump: a name without a row gets the larger of to and the clock floor a
@@ -151,6 +161,9 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	// counter of a row that was deleted; an existing row is raised to to.
 	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s($2, %s), '', 0) "+
 		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, d.nowUs, now)
+	if d == postgresDialect {
+		a.bump = fmt.Sprintf("WITH b AS (%s RETURNING 1) SELECT 1 FROM b WHERE %s", a.bump, pgDurable)
+	}
 	if d == mysqlDialect {
 		a.mysqlStatements(t)
 	}
@@ -166,11 +179,13 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		if d == postgresDialect {
 			// One statement: the guard advances only when the grant happened,
 			// and only upwards.
-			a.grant = fmt.Sprintf("WITH g AS (%s), adv AS (%s SELECT $1, token FROM g %s) SELECT token FROM g",
-				a.grant, g.insertPrefix, g.onConflictUp)
+			a.grant = fmt.Sprintf("WITH g AS (%s), adv AS (%s SELECT $1, token FROM g %s) SELECT token FROM g WHERE %s",
+				a.grant, g.insertPrefix, g.onConflictUp, pgDurable)
 		} else {
 			a.advance = g.guard
 		}
+	} else if d == postgresDialect {
+		a.grant = fmt.Sprintf("WITH g AS (%s) SELECT token FROM g WHERE %s", a.grant, pgDurable)
 	}
 	return a, nil
 }
@@ -606,7 +621,11 @@ func (l *lease) Release(ctx context.Context) error {
 func (l *lease) releaseRow(ctx context.Context) error {
 	uncertain := false
 	for i := 0; ; i++ {
-		n, err := l.a.db.change(ctx, l.a.release, l.a.db.text(l.Name()), int64(l.Token()))
+		q := l.a.release
+		if l.a.releaseAsync != "" && l.a.db.autocommit() {
+			q = l.a.releaseAsync
+		}
+		n, err := l.a.db.change(ctx, q, l.a.db.text(l.Name()), int64(l.Token()))
 		if l.a.db.ambiguous(err) {
 			uncertain = true
 			if i+1 < maxAmbiguousRetries && retryPause(ctx, i) {

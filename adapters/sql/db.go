@@ -20,7 +20,15 @@ type DB struct {
 	sqlDB  *sql.DB   // for SQLite transactions
 	// nilHandle: built on a nil handle; every use returns ErrInvalid.
 	nilHandle bool
+	// ownTx reports whether a statement run now is its own transaction (a
+	// pool, a *sql.DB, a *pgx.Conn outside a transaction block); nil: never
+	// known (a caller's transaction).
+	ownTx func() bool
 }
+
+// autocommit reports whether a statement run now commits on its own, so
+// that it may set its own commit's durability (see pgNoFlush).
+func (db *DB) autocommit() bool { return db.ownTx != nil && db.ownTx() }
 
 // SQLite wraps a database/sql handle opened with the "sqlite" driver of
 // modernc.org/sqlite (see [OpenSQLite]).

@@ -18,6 +18,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // ownPostgres is a PostgreSQL server of a test's own, in a temporary
@@ -202,4 +203,220 @@ func TestPostgresTokensGrowAcrossCrash(t *testing.T) {
 	if l.Token() <= last {
 		t.Errorf("after the crash a grant got token %d, not above %d", l.Token(), last)
 	}
+}
+
+// flushed reports whether the server's WAL is on disk up to where it has
+// been written to (the read itself writes none): true right after a commit
+// that waited for the disk, false after one that did not (the WAL writer,
+// at wal_writer_delay 10s, rarely catches up in between).
+func flushed(t *testing.T, p *pgxpool.Pool) bool {
+	t.Helper()
+	var ok bool
+	if err := p.QueryRow(context.Background(), "SELECT pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()").Scan(&ok); err != nil {
+		t.Fatal(err)
+	}
+	return ok
+}
+
+// TestPostgresAsyncServerKeepsGrantsAcrossCrash: on a server whose
+// synchronous_commit is off (a common tuning; wal_writer_delay 10s, so the
+// WAL writer does not flush in between), the statements that hand out a token
+// or extend a lease still wait for the disk, each one; a release does not. A
+// grant made just before a crash comes back with its counter and its holder,
+// so no token is handed out twice; a release lost in the crash leaves the
+// lease held no longer than its ttl, and the next token is above every
+// earlier one.
+func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
+	// wal_level minimal and no autovacuum: no background process writes WAL
+	// (a standby snapshot, a vacuum) between a statement and the check.
+	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = off", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	ctx := context.Background()
+	p := pg.pool(t)
+	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	const n = 20
+	name := "async"
+	var grants, renewals, releases, bumps int // statements whose commit was on disk when they returned
+	for i := 0; i < n; i++ {
+		l, err := a.TryAcquire(ctx, fmt.Sprintf("%s-%d", name, i), time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if flushed(t, p) {
+			grants++
+		}
+		if err := l.Renew(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if flushed(t, p) {
+			renewals++
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if flushed(t, p) {
+			releases++
+		}
+		if err := a.Bump(ctx, fmt.Sprintf("%s-%d", name, i), l.Token()+1e9); err != nil {
+			t.Fatal(err)
+		}
+		if flushed(t, p) {
+			bumps++
+		}
+	}
+	t.Logf("of %d each, on disk when they returned: grants %d, renewals %d, releases %d, bumps %d", n, grants, renewals, releases, bumps)
+	if grants < n || renewals < n || bumps < n {
+		t.Errorf("grants, renewals or bumps returned before their commit was on disk, on a server with synchronous_commit off: %d, %d, %d of %d on disk", grants, renewals, bumps, n)
+	}
+	if releases > n/2 {
+		t.Errorf("%d of %d releases waited for the disk: a release need not", releases, n)
+	}
+
+	// A grant just before the crash.
+	held, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pg.crash(t)
+	p.Reset()
+	info, err := a.Inspect(ctx, name)
+	if err != nil {
+		t.Fatalf("after the crash: %v (the grant made before it was lost)", err)
+	}
+	if info.Counter != held.Token() || !info.Held {
+		t.Fatalf("after the crash the row holds counter %d (held %v); the grant before it had token %d", info.Counter, info.Held, held.Token())
+	}
+	if err := held.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// A release just before the crash: lost or not, the lease is free
+	// within its ttl, and the next token is above the released one.
+	l, err := a.TryAcquire(ctx, name, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.Token() <= held.Token() {
+		t.Fatalf("token %d after %d", l.Token(), held.Token())
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pg.crash(t)
+	p.Reset()
+	info, err = a.Inspect(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after the crash the released lease shows held=%v, counter %d (token %d)", info.Held, info.Counter, l.Token())
+	if info.Counter != l.Token() {
+		t.Fatalf("after the crash the counter is %d; the last grant had token %d", info.Counter, l.Token())
+	}
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	next, err := a.Acquire(wctx, name, time.Minute)
+	if err != nil {
+		t.Fatalf("the lease released before the crash was not granted within 20s (its ttl was 2s): %v", err)
+	}
+	if next.Token() <= l.Token() {
+		t.Errorf("after the crash a grant got token %d, not above %d", next.Token(), l.Token())
+	}
+}
+
+// TestPostgresReleaseDoesNotWaitForDisk: on a server with synchronous_commit
+// on, a grant returns with its commit on disk and a release without waiting
+// for it, through a pool and through a *pgx.Conn; a release run inside the
+// caller's transaction (a pgx.Tx, or a *pgx.Conn inside BEGIN) leaves that
+// transaction's commit as durable as the server's setting makes it.
+func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
+	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	ctx := context.Background()
+	p := pg.pool(t)
+	pa, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pa.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pc, err := p.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Release()
+	ca, err := sqlfence.NewAcquirer(sqlfence.Pgx(pc.Conn()), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sdb := stdlib.OpenDBFromPool(p)
+	defer sdb.Close()
+	sa, err := sqlfence.NewAcquirer(sqlfence.Postgres(sdb), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 10
+	for _, c := range []struct {
+		how string
+		a   *sqlfence.Acquirer
+	}{{"pool", pa}, {"*pgx.Conn", ca}, {"database/sql", sa}} {
+		grants, releases := 0, 0
+		for i := 0; i < n; i++ {
+			l, err := c.a.TryAcquire(ctx, "nodisk", time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if flushed(t, p) {
+				grants++
+			}
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if flushed(t, p) {
+				releases++
+			}
+		}
+		t.Logf("%s: of %d, on disk when they returned: grants %d, releases %d", c.how, n, grants, releases)
+		if grants < n || releases > n/2 {
+			t.Errorf("%s: of %d grants %d were on disk when they returned, of %d releases %d: want every grant, and releases not waiting", c.how, n, grants, n, releases)
+		}
+	}
+
+	// Inside the caller's transaction: its commit waits for the disk.
+	inTx := func(how string, begin, commit func() error, a *sqlfence.Acquirer) {
+		t.Helper()
+		if err := begin(); err != nil {
+			t.Fatal(err)
+		}
+		l, err := a.TryAcquire(ctx, "in-tx-"+how, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := commit(); err != nil {
+			t.Fatal(err)
+		}
+		if !flushed(t, p) {
+			t.Errorf("%s: the caller's transaction, with a release in it, committed without waiting for the disk", how)
+		}
+	}
+	tx, err := p.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ta, err := sqlfence.NewAcquirer(sqlfence.Pgx(tx), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inTx("pgx.Tx", func() error { return nil }, func() error { return tx.Commit(ctx) }, ta)
+	exec := func(q string) func() error {
+		return func() error { _, err := pc.Exec(ctx, q); return err }
+	}
+	inTx("*pgx.Conn in BEGIN", exec("BEGIN"), exec("COMMIT"), ca)
 }

@@ -20,6 +20,29 @@ var postgresDialect = &dialect{
 	serializationFailed: func(err error) bool { c := pgCode(err); return c == "40001" || c == "40P01" },
 }
 
+// pgDurable, in the WHERE clause of a PostgreSQL statement's outer SELECT
+// over the rows it changed, makes its commit wait for the WAL to reach the
+// disk even on a server or session whose synchronous_commit is off: the
+// statements that hand out a token (grant, bump) or extend a lease (renew)
+// must not be lost in a crash after the holder was told, or a token would be
+// handed out twice, or a lease granted to another while its holder still
+// holds it. A stricter setting (remote_write, remote_apply, on) is kept as it
+// is. set_config with is_local true lasts to the end of the statement's own
+// transaction, so the session's setting is unchanged afterwards; it is only
+// evaluated when the statement changed a row (a statement that changed
+// nothing commits nothing).
+const pgDurable = "set_config('synchronous_commit', CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true) IS NOT NULL"
+
+// pgNoFlush makes a release's commit return without waiting for the WAL to
+// reach the disk (or a synchronous standby). A release lost in a crash
+// leaves the lease held on the server until its ttl, as an unanswered
+// release does, and changes no token; any later grant's commit flushes the
+// WAL up to itself, so a grant that followed the release never survives a
+// crash without it. It is only used where the statement is its own
+// transaction (see DB.autocommit), so a caller's transaction keeps its
+// durability.
+const pgNoFlush = "set_config('synchronous_commit', 'off', true) IS NOT NULL"
+
 func pgCode(err error) string {
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) {
@@ -49,6 +72,13 @@ func Pgx(q PgxQuerier) *DB {
 	if db.nilHandle {
 		return db
 	}
+	switch h := q.(type) {
+	case *pgxpool.Pool:
+		db.ownTx = func() bool { return true }
+	case *pgx.Conn:
+		// Outside a transaction block each statement is its own transaction.
+		db.ownTx = func() bool { return h.PgConn().TxStatus() == 'I' }
+	}
 	if p, ok := q.(*pgxpool.Pool); ok {
 		db.listen = newListener(func(ctx context.Context, f func(*pgx.Conn) error) error {
 			return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error { return f(c.Conn()) })
@@ -65,7 +95,7 @@ func Postgres(db *sql.DB) *DB {
 	if db == nil {
 		return &DB{d: postgresDialect, nilHandle: true}
 	}
-	return &DB{c: stdConn{db}, d: postgresDialect, listen: newListener(stdlibConn(db))}
+	return &DB{c: stdConn{db}, d: postgresDialect, listen: newListener(stdlibConn(db)), ownTx: func() bool { return true }}
 }
 
 // isNilPgx reports a nil handle, also one of the pgx types in an interface.
