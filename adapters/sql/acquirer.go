@@ -57,6 +57,18 @@ type AcquirerOptions struct {
 // database server's clock. It is safe for concurrent use, and across processes
 // that share the database.
 //
+// # Durability on PostgreSQL
+//
+// A grant, a renewal and a Bump return only once their commit is on disk,
+// also where synchronous_commit is off for the server or the session (each
+// sets it to on for its own transaction; a stricter setting is kept): a grant
+// lost in a crash would hand its token out again. A release run as its own
+// transaction (a pool, a *sql.DB, a *pgx.Conn outside a transaction block)
+// does not wait for the disk: lost in a crash, it leaves the lease held until
+// its ttl and changes no token, and a later grant's flush covers it. Inside
+// a caller's transaction the release leaves that transaction's durability
+// as it is.
+//
 // # Tokens after a lease row is lost
 //
 // A name's row is created with the database server's clock in microseconds

@@ -773,7 +773,7 @@ func TestLineReviewRowLockedHead(t *testing.T) {
 				t.Fatal(n, err)
 			}
 			return func() { _ = tx.Rollback(ctx) }
-		}, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO %fence_leases%'"},
+		}, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO %fence_leases%'"},
 		"mysql": {myFdb, func(t *testing.T, name string) func() {
 			tx, err := myRaw.BeginTx(ctx, nil)
 			if err != nil {
@@ -801,6 +801,7 @@ func TestLineReviewRowLockedHead(t *testing.T) {
 				t.Fatal(err)
 			}
 			unlock := c.lock(t, name)
+			t.Cleanup(unlock) // also when the test fails: its pool's Close waits for the transaction's connection
 			var chans []<-chan acquired
 			for i := range 3 {
 				chans = append(chans, goAcquire(ctx, a, name, time.Minute))
