@@ -522,3 +522,86 @@ func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
 		t.Errorf("after the crash a second caller claimed the key whose effect already ran: the effect runs twice")
 	}
 }
+
+// TestReview5AsyncServerWithAbsentSyncStandby attacks the choice of "on"
+// as the durable setting (the docs promise "on disk"; "local" gives that):
+// on a server whose synchronous_commit is off while synchronous_standby_names
+// names a standby that is not connected (an operator's way of not waiting
+// for the standby), a grant on a free name must still be made within 5s, as
+// it was before the change. With "on" the commit waits for the absent
+// standby, and the grant is never answered.
+func TestReview5AsyncServerWithAbsentSyncStandby(t *testing.T) {
+	pg := startOwnPostgres(t, "synchronous_commit = off", "synchronous_standby_names = 'review5_absent'")
+	ctx := context.Background()
+	p := pg.pool(t)
+	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	l, err := a.TryAcquire(cctx, "review5-standby", time.Minute)
+	t.Logf("TryAcquire after %v: %v", time.Since(start).Round(time.Millisecond), err)
+	if err != nil {
+		t.Fatalf("a grant on a free name, on a server with synchronous_commit off and an absent synchronous standby, failed: %v", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("release: %v", err)
+	}
+}
+
+// TestReview5WriterFenceAcrossCrash attacks the fence of the PostgreSQL
+// Writer on a server with synchronous_commit off (the change made the
+// acquirer's grants durable there, not the fenced writes): the new holder's
+// write with token t+1 is acknowledged, the server crashes, and a paused
+// holder's write with token t must still be rejected (ErrStale), since the
+// resource had accepted t+1.
+func TestReview5WriterFenceAcrossCrash(t *testing.T) {
+	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = off", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	ctx := context.Background()
+	p := pg.pool(t)
+	db := sqlfence.Pgx(p)
+	a, err := sqlfence.NewAcquirer(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := sqlfence.NewWriter(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	old, err := a.TryAcquire(ctx, "review5-writer", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, "k", []byte("old"), old.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Release(ctx); err != nil { // stands for its expiry
+		t.Fatal(err)
+	}
+	l, err := a.TryAcquire(ctx, "review5-writer", time.Minute) // durable: flushes the above
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, "k", []byte("new"), l.Token()); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("the write with token %d on disk when it returned: %v", l.Token(), flushed(t, p))
+	pg.crash(t)
+	p.Reset()
+	err = w.Write(ctx, "k", []byte("stale"), old.Token())
+	if !errors.Is(err, fence.ErrStale) {
+		v, tok, rerr := w.Read(ctx, "k")
+		t.Errorf("after the crash a write with token %d, below the acknowledged %d, returned %v; the key now holds %q token %d (%v)", old.Token(), l.Token(), err, v, tok, rerr)
+	}
+}
