@@ -59,15 +59,17 @@ type AcquirerOptions struct {
 //
 // # Durability on PostgreSQL
 //
-// A grant, a renewal and a Bump return only once their commit is on disk,
-// also where synchronous_commit is off for the server or the session (each
-// sets it to on for its own transaction; a stricter setting is kept): a grant
-// lost in a crash would hand its token out again. A release run as its own
-// transaction (a pool, a *sql.DB, a *pgx.Conn outside a transaction block)
-// does not wait for the disk: lost in a crash, it leaves the lease held until
-// its ttl and changes no token, and a later grant's flush covers it. Inside
-// a caller's transaction the release leaves that transaction's durability
-// as it is.
+// A grant, a renewal and a Bump commit to the local disk, also where
+// synchronous_commit is off for the server or the session: each sets it to
+// local for its transaction (every other setting is kept), since a grant lost
+// in a crash would hand its token out again. Run as their own transaction
+// they return once on disk; run inside a caller's transaction (a pgx.Tx, a
+// *pgx.Conn inside BEGIN), they make the caller's commit wait for the disk.
+// A release run as its own transaction (a *pgxpool.Pool, a *sql.DB, a
+// *pgx.Conn outside a transaction block) does not wait for the disk: lost in
+// a crash, it leaves the lease held until its ttl and changes no token, and a
+// later grant's flush covers it. Inside a caller's transaction a release sets
+// nothing, and the caller's commit keeps its own durability.
 //
 // # Tokens after a lease row is lost
 //
@@ -162,9 +164,10 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 			// of it when it commits. Only a real release notifies.
 			sel = fmt.Sprintf("SELECT pg_notify('%s', md5(name)) FROM r", releaseChannel)
 		}
-		rel := fmt.Sprintf("WITH r AS (%s RETURNING name) %s", a.release, sel)
-		a.release = rel + " WHERE " + pgDurable
-		a.releaseAsync = rel + " WHERE " + pgNoFlush
+		// Inside a caller's transaction the release sets nothing: the
+		// caller's commit keeps its durability.
+		a.release = fmt.Sprintf("WITH r AS (%s RETURNING name) %s", a.release, sel)
+		a.releaseAsync = a.release + " WHERE " + pgNoFlush
 		a.renew = fmt.Sprintf("WITH r AS (%s RETURNING 1) SELECT 1 FROM r WHERE %s", a.renew, pgDurable)
 	}
 	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = $1", now, t)

@@ -89,6 +89,11 @@ func NewGuards(db *DB, opts *GuardOptions) (*Guards, error) {
 	g.insertPrefix = fmt.Sprintf("INSERT INTO %s AS cur (name, fence)", t)
 	g.onConflictUp = "ON CONFLICT (name) DO UPDATE SET fence = excluded.fence WHERE cur.fence <= excluded.fence"
 	g.guard = fmt.Sprintf("%s VALUES ($1, $2) %s", g.insertPrefix, g.onConflictUp)
+	if d == postgresDialect {
+		// The guard's fence must survive a crash with the caller's commit,
+		// also where synchronous_commit is off (see pgDurable).
+		g.guard = pgDurableChange(g.guard)
+	}
 	g.current = fmt.Sprintf("SELECT fence FROM %s WHERE name = $1", t)
 	return g, nil
 }

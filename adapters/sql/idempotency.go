@@ -95,9 +95,13 @@ RETURNING fence`, t, now, d.nowUs, d.greatest)
 WHERE key = $1 AND state = $2 AND fence = $3
 RETURNING key, %[3]s`, t, now, cols)
 	if d == postgresDialect {
+		// Every change of a record commits to disk, also where
+		// synchronous_commit is off (see pgDurable): a claim or an armed
+		// record lost in a crash would let the effect run again.
 		s.update = fmt.Sprintf(`WITH u AS (%s)
 SELECT u.* FROM u LEFT JOIN LATERAL (
-  SELECT pg_notify('%s', md5('idem:' || u.key)) WHERE u.state NOT IN ('claimed', 'armed')) n ON true`, s.update, releaseChannel)
+  SELECT pg_notify('%s', md5('idem:' || u.key)) WHERE u.state NOT IN ('claimed', 'armed')) n ON true WHERE %s`, s.update, releaseChannel, pgDurable)
+		s.begin = fmt.Sprintf("WITH c AS (%s) SELECT fence FROM c WHERE %s", s.begin, pgDurable)
 	}
 	s.purge = fmt.Sprintf("DELETE FROM %s WHERE state = 'released' OR (expires_at IS NOT NULL AND expires_at <= %s)", t, now)
 	if d == mysqlDialect {

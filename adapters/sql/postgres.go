@@ -22,16 +22,25 @@ var postgresDialect = &dialect{
 
 // pgDurable, in the WHERE clause of a PostgreSQL statement's outer SELECT
 // over the rows it changed, makes its commit wait for the WAL to reach the
-// disk even on a server or session whose synchronous_commit is off: the
+// local disk even on a server or session whose synchronous_commit is off: the
 // statements that hand out a token (grant, bump) or extend a lease (renew)
 // must not be lost in a crash after the holder was told, or a token would be
 // handed out twice, or a lease granted to another while its holder still
-// holds it. A stricter setting (remote_write, remote_apply, on) is kept as it
-// is. set_config with is_local true lasts to the end of the statement's own
-// transaction, so the session's setting is unchanged afterwards; it is only
-// evaluated when the statement changed a row (a statement that changed
-// nothing commits nothing).
-const pgDurable = "set_config('synchronous_commit', CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true) IS NOT NULL"
+// holds it. off becomes local, not on: on would also wait for a synchronous
+// standby, which the operator chose not to wait for. Every other setting is
+// kept as it is. set_config with is_local true lasts to the end of the
+// transaction: the statement's own, or the caller's when the statement runs
+// inside the caller's transaction (whose commit then waits for the disk too).
+// It is only evaluated when the statement changed a row (a statement that
+// changed nothing commits nothing).
+const pgDurable = "set_config('synchronous_commit', CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true) IS NOT NULL"
+
+// pgDurableChange wraps q, a PostgreSQL INSERT or UPDATE whose caller counts
+// the rows it changed, so that its commit waits for the disk (pgDurable); the
+// count is that of the outer SELECT, the same.
+func pgDurableChange(q string) string {
+	return "WITH c AS (" + q + " RETURNING 1) SELECT 1 FROM c WHERE " + pgDurable
+}
 
 // pgNoFlush makes a release's commit return without waiting for the WAL to
 // reach the disk (or a synchronous standby). A release lost in a crash
@@ -39,8 +48,8 @@ const pgDurable = "set_config('synchronous_commit', CASE current_setting('synchr
 // release does, and changes no token; any later grant's commit flushes the
 // WAL up to itself, so a grant that followed the release never survives a
 // crash without it. It is only used where the statement is its own
-// transaction (see DB.autocommit), so a caller's transaction keeps its
-// durability.
+// transaction (see DB.autocommit): inside a caller's transaction the release
+// sets nothing, and the caller's commit keeps its own durability.
 const pgNoFlush = "set_config('synchronous_commit', 'off', true) IS NOT NULL"
 
 func pgCode(err error) string {

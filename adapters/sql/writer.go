@@ -116,6 +116,12 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 	// The NULL test is explicit: a driver may scan an empty value as nil.
 	w.read = fmt.Sprintf("SELECT %s, %s, CASE WHEN %s IS NULL THEN 1 ELSE 0 END FROM %s WHERE %s = $1", v, f, v, t, k)
 	w.current = fmt.Sprintf("SELECT %s FROM %s WHERE %s = $1", f, t, k)
+	if d == postgresDialect {
+		// An accepted write's fence must survive a crash, also where
+		// synchronous_commit is off: lost, it would let an older token in
+		// again (see pgDurable).
+		w.update, w.upsert, w.tombstone = pgDurableChange(w.update), pgDurableChange(w.upsert), pgDurableChange(w.tombstone)
+	}
 	return w, nil
 }
 
