@@ -10,6 +10,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/benchutil"
+	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -65,6 +66,19 @@ func BenchmarkPostgresVsAdvisory(b *testing.B) {
 		})
 	})
 	b.Run("increments", func(b *testing.B) {
+		// The workers' connections, one each for the run, from a pool of
+		// their own: fencekit's acquirer keeps its pool to itself, as a user's
+		// would when its workers hold connections.
+		cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+		if err != nil {
+			b.Fatal(err)
+		}
+		cfg.MaxConns = 16
+		p, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer p.Close()
 		if _, err := p.Exec(ctx, "CREATE TABLE IF NOT EXISTS fence_bench_counter (name TEXT PRIMARY KEY, v BIGINT NOT NULL)"); err != nil {
 			b.Fatal(err)
 		}

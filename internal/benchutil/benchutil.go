@@ -146,8 +146,8 @@ func waiting(pkg string, granted <-chan time.Time) error {
 
 // parkedIn reports whether the handoffWaiter goroutine in the stack dump is
 // parked in a select or a channel receive whose innermost frame outside the
-// runtime is in package pkg, package fence or fence/leasekit (leasekit.Retry,
-// the waiting loop adapters share).
+// runtime is in package pkg, package fence, fence/leasekit (leasekit.Retry,
+// the waiting loop adapters share) or internal/wakeup (the line of waiters).
 func parkedIn(dump, pkg string) bool {
 	for _, g := range strings.Split(dump, "\n\n") {
 		if !strings.Contains(g, "benchutil.handoffWaiter(") {
@@ -161,13 +161,17 @@ func parkedIn(dump, pkg string) bool {
 			if line == "" || strings.HasPrefix(line, "\t") || strings.HasPrefix(line, "runtime.") {
 				continue
 			}
-			return strings.HasPrefix(line, pkg+".") || strings.HasPrefix(line, fencePkg+".") || strings.HasPrefix(line, fencePkg+"/leasekit.")
+			return strings.HasPrefix(line, pkg+".") || strings.HasPrefix(line, fencePkg+".") || strings.HasPrefix(line, fencePkg+"/leasekit.") || strings.HasPrefix(line, wakeupPkg+".")
 		}
 	}
 	return false
 }
 
 var fencePkg = reflect.TypeFor[fence.Backoff]().PkgPath()
+
+// wakeupPkg is internal/wakeup, whose Line the waiting Acquire calls of
+// several acquirers (sqlfence's among them) park in between attempts.
+var wakeupPkg = strings.TrimSuffix(fencePkg, "/fence") + "/internal/wakeup"
 
 // acquirerPackage returns the import path of a's concrete type.
 func acquirerPackage(a fence.Acquirer) string {
