@@ -27,13 +27,15 @@ const advisoryKey = 7_100_031
 // BenchmarkPostgresVsAdvisory/uncontended interleaves an uncontended
 // TryAcquire + Release with pg_advisory_lock + pg_advisory_unlock on a
 // connection taken from the same pool (benchutil.Pair: subject fencekit,
-// baseline the advisory lock).
+// baseline the advisory lock); /uncontended-async-grants does the same with
+// AsyncGrants.
 //
 // /increments runs 8 workers x 25 locked increments of a counter row (a
 // SELECT and an UPDATE under the lock) in this process, fencekit's workers
-// sharing one Acquirer and the advisory workers a connection each, the two
-// alternating over 5 rounds; it reports each one's median and their ratio,
-// and fails when a counter does not end exact.
+// sharing one Acquirer (default, and AsyncGrants) and the advisory workers a
+// connection each, the three in turn over 5 rounds, each first in turn; it
+// reports each one's median and the ratios to the advisory lock, and fails
+// when a counter does not end exact.
 //
 // /handoff-fencekit and /handoff-advisory measure the time from the start of
 // a release to the grant of a waiter already waiting (p50, p90).
@@ -47,24 +49,33 @@ func BenchmarkPostgresVsAdvisory(b *testing.B) {
 	if err := a.CreateTable(ctx); err != nil {
 		b.Fatal(err)
 	}
-	b.Run("uncontended", func(b *testing.B) {
-		name := fencetest.Name("uncontended")
-		benchutil.Pair(b, func(int) error {
-			l, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				return err
-			}
-			return l.Release(ctx)
-		}, func(int) error {
-			return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-				if _, err := c.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
+	async, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		a    *sqlfence.Acquirer
+	}{{"uncontended", a}, {"uncontended-async-grants", async}} {
+		b.Run(c.name, func(b *testing.B) {
+			name := fencetest.Name("uncontended")
+			benchutil.Pair(b, func(int) error {
+				l, err := c.a.TryAcquire(ctx, name, time.Minute)
+				if err != nil {
 					return err
 				}
-				_, err := c.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey)
-				return err
+				return l.Release(ctx)
+			}, func(int) error {
+				return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+					if _, err := c.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
+						return err
+					}
+					_, err := c.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey)
+					return err
+				})
 			})
 		})
-	})
+	}
 	b.Run("increments", func(b *testing.B) {
 		// The workers' connections, one each for the run, from a pool of
 		// their own: fencekit's acquirer keeps its pool to itself, as a user's
@@ -82,48 +93,54 @@ func BenchmarkPostgresVsAdvisory(b *testing.B) {
 		if _, err := p.Exec(ctx, "CREATE TABLE IF NOT EXISTS fence_bench_counter (name TEXT PRIMARY KEY, v BIGINT NOT NULL)"); err != nil {
 			b.Fatal(err)
 		}
+		fencekit := func(a *sqlfence.Acquirer) func(string) lockFunc {
+			return func(name string) lockFunc {
+				return func(ctx context.Context, _ *pgxpool.Conn) (func() error, error) {
+					l, err := a.Acquire(ctx, name, time.Minute)
+					if err != nil {
+						return nil, err
+					}
+					return func() error { return l.Release(ctx) }, nil
+				}
+			}
+		}
+		contenders := []struct {
+			name string
+			lock func(name string) lockFunc
+		}{
+			{"fencekit", fencekit(a)},
+			{"async-grants", fencekit(async)},
+			{"advisory", func(string) lockFunc {
+				return func(ctx context.Context, c *pgxpool.Conn) (func() error, error) {
+					if _, err := c.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
+						return nil, err
+					}
+					return func() error { _, err := c.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey); return err }, nil
+				}
+			}},
+		}
 		const workers, each, rounds = 8, 25, 5
-		var fk, adv []time.Duration
+		times := make([][]time.Duration, len(contenders))
 		for i := 0; i < b.N; i++ {
 			for r := 0; r < rounds; r++ {
-				for k := 0; k < 2; k++ {
-					fencekitFirst := r%2 == 0
+				for k := range contenders {
+					j := (k + r) % len(contenders) // each contender first in turn
 					name := fencetest.Name("incr")
 					if _, err := p.Exec(ctx, "INSERT INTO fence_bench_counter VALUES ($1, 0)", name); err != nil {
 						b.Fatal(err)
 					}
-					var lock func(ctx context.Context, c *pgxpool.Conn) (func() error, error)
-					if fencekitFirst == (k == 0) {
-						lock = func(ctx context.Context, _ *pgxpool.Conn) (func() error, error) {
-							l, err := a.Acquire(ctx, name, time.Minute)
-							if err != nil {
-								return nil, err
-							}
-							return func() error { return l.Release(ctx) }, nil
-						}
-					} else {
-						lock = func(ctx context.Context, c *pgxpool.Conn) (func() error, error) {
-							if _, err := c.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
-								return nil, err
-							}
-							return func() error { _, err := c.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey); return err }, nil
-						}
-					}
-					d := pgLockedIncrements(b, p, lock, name, workers, each)
-					if fencekitFirst == (k == 0) {
-						fk = append(fk, d)
-					} else {
-						adv = append(adv, d)
-					}
+					times[j] = append(times[j], pgLockedIncrements(b, p, contenders[j].lock(name), name, workers, each))
 				}
 			}
 		}
-		slices.Sort(fk)
-		slices.Sort(adv)
-		mf, ma := fk[len(fk)/2], adv[len(adv)/2]
-		b.ReportMetric(float64(mf.Milliseconds()), "fencekit-ms")
-		b.ReportMetric(float64(ma.Milliseconds()), "advisory-ms")
-		b.ReportMetric(float64(mf)/float64(ma), "fencekit/advisory")
+		med := make([]time.Duration, len(contenders))
+		for j, c := range contenders {
+			slices.Sort(times[j])
+			med[j] = times[j][len(times[j])/2]
+			b.ReportMetric(float64(med[j].Milliseconds()), c.name+"-ms")
+		}
+		b.ReportMetric(float64(med[0])/float64(med[2]), "fencekit/advisory")
+		b.ReportMetric(float64(med[1])/float64(med[2]), "async-grants/advisory")
 	})
 	b.Run("handoff-fencekit", func(b *testing.B) {
 		benchutil.Handoff(b, a, a, fencetest.Name("handoff"))
@@ -133,11 +150,14 @@ func BenchmarkPostgresVsAdvisory(b *testing.B) {
 	})
 }
 
+// lockFunc takes a lock for a worker holding connection c, and returns its unlock.
+type lockFunc func(ctx context.Context, c *pgxpool.Conn) (unlock func() error, err error)
+
 // pgLockedIncrements runs workers x each increments of name's counter row,
 // each under lock (given a connection of the worker's own, which the
 // increment's statements also use), and returns the wall time; it fails
 // unless the counter ends at workers x each.
-func pgLockedIncrements(b *testing.B, p *pgxpool.Pool, lock func(context.Context, *pgxpool.Conn) (func() error, error), name string, workers, each int) time.Duration {
+func pgLockedIncrements(b *testing.B, p *pgxpool.Pool, lock lockFunc, name string, workers, each int) time.Duration {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var wg sync.WaitGroup

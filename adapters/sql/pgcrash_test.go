@@ -16,6 +16,7 @@ import (
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -419,4 +420,115 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 		return func() error { _, err := pc.Exec(ctx, q); return err }
 	}
 	inTx("*pgx.Conn in BEGIN", exec("BEGIN"), exec("COMMIT"), ca)
+}
+
+// TestPostgresAsyncGrants: with AsyncGrants a grant returns before its
+// commit is on disk, and may be lost in a crash; the next grant's token is
+// still above it (the counter is floored at the server's clock). A grant
+// whose token is above the clock (after a Bump) still waits for the disk and
+// survives the crash. Other dialects refuse the option.
+func TestPostgresAsyncGrants(t *testing.T) {
+	if _, err := sqlfence.NewAcquirer(sqliteFDB(t), &sqlfence.AcquirerOptions{AsyncGrants: true}); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("AsyncGrants on SQLite: %v, want ErrInvalid", err)
+	}
+	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	ctx := context.Background()
+	p := pg.pool(t)
+	durable, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	name := "async-grants"
+	// A row on disk, its counter below the clock.
+	first := fencetest.TryLive(ctx, t, durable, name, time.Minute)
+	if err := first.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
+		t.Fatal(err)
+	}
+	const n = 10
+	onDisk := 0
+	last := first.Token()
+	for i := 0; i < n; i++ {
+		l, err := a.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if flushed(t, p) {
+			onDisk++
+		}
+		if l.Token() <= last {
+			t.Fatalf("token %d after %d", l.Token(), last)
+		}
+		last = l.Token()
+		if i < n-1 {
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	t.Logf("%d of %d asynchronous grants were on disk when they returned", onDisk, n)
+	if onDisk > n/2 {
+		t.Errorf("%d of %d AsyncGrants grants waited for the disk", onDisk, n)
+	}
+	pg.crash(t) // the last grant is held, maybe not on disk
+	p.Reset()
+	info, err := a.Inspect(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after the crash: counter %d, held %v; the last grant had token %d", info.Counter, info.Held, last)
+	if info.Counter > last {
+		t.Fatalf("after the crash the counter is %d, above the last token %d", info.Counter, last)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 90*time.Second)
+	defer cancel()
+	next, err := a.Acquire(wctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if next.Token() <= last {
+		t.Fatalf("after the crash a grant got token %d, not above the %d handed out before it: a token handed out twice", next.Token(), last)
+	}
+	if err := next.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// A counter above the clock: the grant waits for the disk.
+	bumped := fence.Token(time.Now().UnixMicro()) + 1e12
+	if err := a.Bump(ctx, name, bumped); err != nil {
+		t.Fatal(err)
+	}
+	ahead, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ahead.Token() != bumped+1 {
+		t.Fatalf("token %d after a bump to %d", ahead.Token(), bumped)
+	}
+	if !flushed(t, p) {
+		t.Errorf("a grant above the clock (token %d) returned before its commit was on disk", ahead.Token())
+	}
+	pg.crash(t)
+	p.Reset()
+	info, err = a.Inspect(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Counter != ahead.Token() || !info.Held {
+		t.Fatalf("after the crash the counter is %d (held %v); the grant above the clock had token %d", info.Counter, info.Held, ahead.Token())
+	}
+}
+
+func sqliteFDB(t *testing.T) *sqlfence.DB {
+	_, fdb := openSQLite(t)
+	return fdb
 }
