@@ -31,6 +31,12 @@ type WriterOptions struct {
 // Writer is a fence.FencedWriter, fence.Reader and fence.Deleter on one table.
 // Each Write and Delete is one upsert statement that applies only when the stored
 // fence is not larger than the offered token. It is safe for concurrent use.
+//
+// On PostgreSQL a Write or Delete that applies commits to the local disk even
+// where synchronous_commit is off (it sets local for its transaction, and
+// inside a caller's transaction for that one): an accepted fence lost in a
+// crash would let an older token in again. The same holds for a Guards
+// advance and for the IdempotencyStore's claims and updates.
 type Writer struct {
 	db    *DB
 	table string // as given, for messages
