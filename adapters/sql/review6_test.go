@@ -1,0 +1,350 @@
+package sqlfence_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// review6Server starts a server of the test's own on which nothing but a
+// commit's own flush puts the WAL on disk (wal_writer_delay 10s, no
+// background WAL), with synchronous_commit on.
+func review6Server(t *testing.T) (*ownPostgres, *pgxpool.Pool) {
+	t.Helper()
+	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	return pg, pg.pool(t)
+}
+
+func review6Acquirer(t *testing.T, db *sqlfence.DB, o *sqlfence.AcquirerOptions) *sqlfence.Acquirer {
+	t.Helper()
+	a, err := sqlfence.NewAcquirer(db, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// TestReview6MixedAcquirersAfterCrash attacks "fencing tokens never repeat or
+// go backwards across a crash" when one table is shared by an AsyncGrants
+// acquirer and a default one (nothing in the docs forbids it, e.g. a rolling
+// deploy turning the option on). The async grant's token T is the clock; it
+// is lost in a crash, the durable counter C is far below it, and the default
+// acquirer's grant is C+1. Expects the token after the crash to be above T
+// (fails if a token at or below a handed-out one is granted).
+func TestReview6MixedAcquirersAfterCrash(t *testing.T) {
+	pg, p := review6Server(t)
+	ctx := context.Background()
+	durable := review6Acquirer(t, sqlfence.Pgx(p), nil)
+	async := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	if err := durable.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	name := "mixed"
+	first, err := durable.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
+		t.Fatal(err)
+	}
+	l, err := async.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if flushed(t, p) {
+		t.Skip("the async grant was flushed before the crash: nothing to lose")
+	}
+	pg.crash(t)
+	p.Reset()
+	next, err := durable.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("before: durable token %d, async token %d; after the crash the default acquirer granted %d", first.Token(), l.Token(), next.Token())
+	if next.Token() <= l.Token() {
+		t.Errorf("after the crash the default acquirer granted token %d, not above the async grant's %d that its holder still uses: fencing broken (%d behind)", next.Token(), l.Token(), l.Token()-next.Token())
+	}
+	// The holder of the lost grant is told it lost the lease.
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("renewal of the grant lost in the crash: %v, want ErrLost", err)
+	}
+}
+
+// TestReview6AsyncGrantInCallerTx attacks the durability of the caller's own
+// transaction: an AsyncGrants grant run inside a caller's pgx.Tx sets
+// synchronous_commit off for the whole transaction (set_config is_local), so
+// the caller's other writes, committed on a synchronous_commit on server,
+// return before they are on disk and are lost in a crash. The "# Durability
+// on PostgreSQL" section promises a grant inside a caller's transaction makes
+// the caller's commit wait for the disk; review 5 removed the same kind of
+// change from the release. Expects the caller's commit on disk when Commit
+// returns and its row present after a crash.
+func TestReview6AsyncGrantInCallerTx(t *testing.T) {
+	pg, p := review6Server(t)
+	ctx := context.Background()
+	if _, err := p.Exec(ctx, "CREATE TABLE callers (id int PRIMARY KEY)"); err != nil {
+		t.Fatal(err)
+	}
+	if err := review6Acquirer(t, sqlfence.Pgx(p), nil).CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := p.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "INSERT INTO callers VALUES (1)"); err != nil {
+		t.Fatal(err)
+	}
+	a := review6Acquirer(t, sqlfence.Pgx(tx), &sqlfence.AcquirerOptions{AsyncGrants: true, DisableNotify: true})
+	l, err := a.TryAcquire(ctx, "in-tx", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var setting string
+	if err := tx.QueryRow(ctx, "SHOW synchronous_commit").Scan(&setting); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	onDisk := flushed(t, p)
+	t.Logf("token %d; synchronous_commit in the caller's transaction after the grant: %s; on disk after Commit: %v", l.Token(), setting, onDisk)
+	if !onDisk {
+		t.Errorf("the caller's commit (synchronous_commit on) returned before it was on disk: the AsyncGrants grant inside it set synchronous_commit to %q for the caller's transaction", setting)
+	}
+	pg.crash(t)
+	p.Reset()
+	var n int
+	if err := p.QueryRow(ctx, "SELECT count(*) FROM callers").Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 1 {
+		t.Errorf("the caller's committed row is gone after a crash (%d rows): its commit was acknowledged before it was durable", n)
+	}
+}
+
+// TestReview6AdvanceGuardsAfterCrash attacks AdvanceGuards' promise ("a
+// stale holder's Guard is rejected from the moment a newer grant exists")
+// under AsyncGrants: the guard advance is in the grant's asynchronous
+// commit, so a crash takes it back to the previous holder's token while the
+// new holder still holds its grant. Expects the stale holder's guarded
+// transaction to be refused after the crash as it was before (fails: the
+// promise does not hold across a crash and AsyncGrants' doc does not say so).
+// It also checks that the new holder's token still fences the stale one
+// (the new holder's guarded write is accepted and then the stale one is
+// refused), which the AsyncGrants doc does promise.
+func TestReview6AdvanceGuardsAfterCrash(t *testing.T) {
+	pg, p := review6Server(t)
+	ctx := context.Background()
+	g, err := sqlfence.NewGuards(sqlfence.Pgx(p), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	a := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true, AdvanceGuards: g})
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	guard := func(tok fence.Token) error {
+		tx, err := p.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if err := g.GuardPgx(ctx, tx, "guarded", tok); err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	name := "guarded"
+	// The stale holder's grant, made durable by a checkpoint.
+	stale, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stale.Release(ctx); err != nil { // as if it expired while the holder paused
+		t.Fatal(err)
+	}
+	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
+		t.Fatal(err)
+	}
+	cur, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := guard(stale.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Fatalf("before the crash the stale holder's guard: %v, want ErrStale", err)
+	}
+	if flushed(t, p) {
+		t.Skip("the async grant was flushed before the crash: nothing to lose")
+	}
+	pg.crash(t)
+	p.Reset()
+	errStale := guard(stale.Token())
+	t.Logf("stale token %d, current holder's token %d; after the crash the stale guard returned %v", stale.Token(), cur.Token(), errStale)
+	if !errors.Is(errStale, fence.ErrStale) {
+		t.Errorf("after the crash the stale holder's (token %d) guarded transaction committed while the holder of token %d still holds its grant: AdvanceGuards' guard advance was lost with the asynchronous grant", stale.Token(), cur.Token())
+	}
+	if err := guard(cur.Token()); err != nil {
+		t.Fatalf("the current holder's guard after the crash: %v", err)
+	}
+	if err := guard(stale.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Errorf("after the current holder wrote, the stale guard: %v, want ErrStale", err)
+	}
+}
+
+// TestReview6LostGrantAfterCrash: an async grant lost in a crash, on a row
+// the async grant itself created (INSERT branch) and on an existing row.
+// Expects: Renew of the lost grant is ErrLost and does not touch the next
+// holder's lease; its Release is ErrLost; the next async grant's token is
+// above the lost one; a Bump to a value between the durable counter and the
+// lost token succeeds (the counter is below it) and the next grant is still
+// above the lost token; Bump refuses a value at the counter with ErrInvalid.
+func TestReview6LostGrantAfterCrash(t *testing.T) {
+	pg, p := review6Server(t)
+	ctx := context.Background()
+	a := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	b := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// An existing row, on disk.
+	old, err := a.TryAcquire(ctx, "existing", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
+		t.Fatal(err)
+	}
+	lostNew, err := a.TryAcquire(ctx, "created", time.Minute) // INSERT branch
+	if err != nil {
+		t.Fatal(err)
+	}
+	lostOld, err := a.TryAcquire(ctx, "existing", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if flushed(t, p) {
+		t.Skip("the async grants were flushed before the crash")
+	}
+	pg.crash(t)
+	p.Reset()
+	if _, err := a.Inspect(ctx, "created"); !errors.Is(err, fence.ErrNotFound) {
+		t.Logf("the created row after the crash: %v (expected it lost)", err)
+	}
+	info, err := a.Inspect(ctx, "existing")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Counter >= lostOld.Token() {
+		t.Fatalf("the grant was not lost: counter %d, lost token %d", info.Counter, lostOld.Token())
+	}
+	// Bump to the counter is refused; to a value below the lost token it raises the counter.
+	if err := a.Bump(ctx, "existing", info.Counter); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Bump to the counter %d: %v, want ErrInvalid", info.Counter, err)
+	}
+	mid := info.Counter + (lostOld.Token()-info.Counter)/2
+	if err := a.Bump(ctx, "existing", mid); err != nil {
+		t.Errorf("Bump to %d (counter %d): %v", mid, info.Counter, err)
+	}
+	for _, c := range []struct {
+		name string
+		lost fence.Lease
+	}{{"created", lostNew}, {"existing", lostOld}} {
+		next, err := b.TryAcquire(ctx, c.name, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if next.Token() <= c.lost.Token() {
+			t.Errorf("%s: token %d after the crash, not above the lost %d", c.name, next.Token(), c.lost.Token())
+		}
+		if err := c.lost.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+			t.Errorf("%s: renewal of the lost grant: %v, want ErrLost", c.name, err)
+		}
+		if err := c.lost.Release(ctx); !errors.Is(err, fence.ErrLost) {
+			t.Errorf("%s: release of the lost grant: %v, want ErrLost", c.name, err)
+		}
+		info, err := b.Inspect(ctx, c.name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !info.Held || info.Token != next.Token() || info.TimeLeft < 50*time.Second {
+			t.Errorf("%s: the next holder's lease after the lost holder's calls: %+v", c.name, info)
+		}
+	}
+}
+
+// TestReview6AboveClockOnAsyncSession: on a session whose synchronous_commit
+// is off, an AsyncGrants grant whose token is above the clock (after a Bump)
+// must still wait for the disk (off becomes local) and survive a crash; a
+// grant below the clock leaves the session's own setting as it was (off
+// stays off after the statement on a *pgx.Conn, not pinned to anything).
+func TestReview6AboveClockOnAsyncSession(t *testing.T) {
+	pg, p := review6Server(t)
+	ctx := context.Background()
+	cfg := p.Config().ConnConfig.Copy()
+	cfg.RuntimeParams["synchronous_commit"] = "off"
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	a := review6Acquirer(t, sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	name := "ahead"
+	l, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	bumped := fence.Token(time.Now().UnixMicro()) + 1e11
+	if err := a.Bump(ctx, name, bumped); err != nil {
+		t.Fatal(err)
+	}
+	ahead, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !flushed(t, p) {
+		t.Errorf("a grant above the clock (token %d) on a synchronous_commit off session returned before it was on disk", ahead.Token())
+	}
+	var s string
+	if err := conn.QueryRow(ctx, "SHOW synchronous_commit").Scan(&s); err != nil {
+		t.Fatal(err)
+	}
+	if s != "off" {
+		t.Errorf("the session's synchronous_commit is %q after the grant, want off", s)
+	}
+	conn.Close(ctx)
+	pg.crash(t)
+	p.Reset()
+	a2 := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	info, err := a2.Inspect(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Counter != ahead.Token() || !info.Held {
+		t.Errorf("after the crash: counter %d held %v; the grant above the clock had token %d", info.Counter, info.Held, ahead.Token())
+	}
+}
