@@ -51,19 +51,28 @@ type AcquirerOptions struct {
 	// Default: nil.
 	AdvanceGuards *Guards
 	// AsyncGrants, on PostgreSQL, lets a grant return before its commit is
-	// on disk, which takes a disk flush (about 0.3ms here) off every
-	// acquire. Its token is then the larger of the counter + 1 and the
-	// server's clock in microseconds; a grant whose token would be above
-	// the clock (after a Bump) waits for the disk as usual. What it gives
-	// up: a grant made in the last moments before a server crash (up to
-	// three wal_writer_delay, 600ms by default) may be lost with it, so
-	// after the restart the name can be granted to another holder while
-	// the first still holds it. Fencing still holds: the next token is
-	// above the lost one as long as the server's clock does not step back
-	// across the restart, so the resource rejects the first holder's writes
-	// once the second has written. Renewals and Bumps still wait for the
-	// disk. NewAcquirer refuses it on other dialects (fence.ErrInvalid).
-	// Default: false.
+	// on disk, which takes a disk flush (about 0.2ms here) off every
+	// acquire. It does so only when the grant's token is at or below the
+	// server's clock in microseconds (a PostgreSQL grant's token is the
+	// larger of the counter + 1 and that clock, see Acquirer); a grant
+	// above the clock (after a Bump) waits for the disk as usual, and so
+	// does one run inside a caller's transaction (a pgx.Tx, a *pgx.Conn in
+	// BEGIN), whose commit keeps its durability. What it gives up: a grant
+	// made in the last moments before a server crash (up to three
+	// wal_writer_delay, 600ms by default) may be lost with it, so after the
+	// restart the name can be granted to another holder while the first
+	// still holds it. Fencing still holds: any later grant on the table, by
+	// this acquirer or another of this version, has a token above the lost
+	// one as long as the server's clock does not step back across the
+	// restart (after a failover, the new server's clock must not be behind
+	// the old one's), so the resource rejects the first holder's writes
+	// once the second has written. Turn it on only once every process that
+	// grants on the table runs a version that floors PostgreSQL grants at
+	// the clock (this one or later): an older one counts up from the
+	// counter on disk and can hand a lost token out again. Renewals and
+	// Bumps still wait for the disk. NewAcquirer refuses it on other
+	// dialects, and with AdvanceGuards, whose guard advance must survive a
+	// crash with its grant (fence.ErrInvalid). Default: false.
 	AsyncGrants bool
 }
 
@@ -74,7 +83,7 @@ type AcquirerOptions struct {
 //
 // # Durability on PostgreSQL
 //
-// A grant, a renewal and a Bump commit to the local disk, also where
+// A grant (unless AsyncGrants), a renewal and a Bump commit to the local disk, also where
 // synchronous_commit is off for the server or the session: each sets it to
 // local for its transaction (every other setting is kept), since a grant lost
 // in a crash would hand its token out again. Run as their own transaction
@@ -89,7 +98,10 @@ type AcquirerOptions struct {
 // # Tokens after a lease row is lost
 //
 // A name's row is created with the database server's clock in microseconds
-// since the Unix epoch as its counter, and each later grant adds one. So when
+// since the Unix epoch as its counter, and each later grant adds one (on
+// PostgreSQL it takes the larger of the counter + 1 and the clock, so a
+// counter that went back, with a table restored from a backup, a grant lost
+// in a crash or a failover, hands out no token again either). So when
 // the row is deleted (an operator's DELETE, a table restored from a backup,
 // a cleanup job) the next grant still gets a token above every token the old
 // row handed out, and a paused holder of an old token stays fenced. This
@@ -111,6 +123,7 @@ type Acquirer struct {
 
 	grant, renew, release string
 	releaseAsync          string // PostgreSQL: the release, its commit not waiting for the disk (see pgNoFlush)
+	grantAsync            string // PostgreSQL with AsyncGrants: the grant, its commit not waiting for the disk when its token is at or below the clock
 	inspect, bump         string
 	inspectLocked         string  // inspect, waiting for a statement that holds the row (not on SQLite)
 	advance               string  // SQLite and MySQL: the guard statement run with the grant
@@ -193,6 +206,13 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, d.nowUs, now)
 	if d == postgresDialect {
 		a.bump = fmt.Sprintf("WITH b AS (%s RETURNING 1) SELECT 1 FROM b WHERE %s", a.bump, pgDurable)
+		// On PostgreSQL a grant's token is also never below the server's
+		// clock in microseconds: a counter that went back (a grant lost in
+		// a crash under AsyncGrants, by any acquirer on the table; a table
+		// restored from a backup; a failover to a replica that had not
+		// received the last grants) does not hand out a token again, if
+		// the clock has not stepped back (see Acquirer).
+		a.grant = strings.Replace(a.grant, "token = cur.token + 1", "token = greatest(cur.token + 1, "+d.nowUs+")", 1)
 	}
 	if d == mysqlDialect {
 		a.mysqlStatements(t)
@@ -218,17 +238,22 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		a.grant = fmt.Sprintf("WITH g AS (%s) SELECT token FROM g WHERE %s", a.grant, pgDurable)
 	}
 	if o.AsyncGrants {
-		if d != postgresDialect {
+		switch {
+		case d != postgresDialect:
 			return nil, &fence.InvalidError{Op: "new acquirer", Arg: "AsyncGrants", Reason: "PostgreSQL only: " + d.name + " sets a commit's flush only for the whole server"}
+		case o.AdvanceGuards != nil:
+			// The guard's advance would be lost with the grant, and a stale
+			// holder's Guard accepted after a crash while the new holder
+			// still holds.
+			return nil, &fence.InvalidError{Op: "new acquirer", Arg: "AsyncGrants", Reason: "not with AdvanceGuards, whose guard advance must survive a crash with its grant"}
 		}
-		// The counter takes the clock's value when that is larger, and the
-		// commit skips the flush only then: a token at or below the clock
-		// when the statement decided is below the clock of any grant after
-		// a restart, so a grant lost in a crash is never handed out again.
-		// The clock is read again where the decision is made, later than
-		// where the token was set.
-		a.grant = strings.Replace(a.grant, "token = cur.token + 1", "token = greatest(cur.token + 1, "+d.nowUs+")", 1)
-		a.grant = strings.Replace(a.grant, pgDurable, "set_config('synchronous_commit', CASE WHEN token <= "+d.nowUs+" THEN 'off' "+
+		// The counter is floored at the clock (above), and the commit skips
+		// the flush only when the token is at or below the clock where the
+		// statement decides (read again, later than where the token was
+		// set): such a token is below the clock of any grant after a
+		// restart, so a grant lost in a crash is never handed out again.
+		// Only where the grant is its own transaction (see grantRow).
+		a.grantAsync = strings.Replace(a.grant, pgDurable, "set_config('synchronous_commit', CASE WHEN token <= "+d.nowUs+" THEN 'off' "+
 			"WHEN current_setting('synchronous_commit') = 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true) IS NOT NULL", 1)
 	}
 	return a, nil
@@ -444,7 +469,12 @@ func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Du
 		return a.grantMySQL(ctx, args)
 	}
 	if a.advance == "" {
-		err := a.db.queryRow(ctx, a.grant, args, &tok)
+		q := a.grant
+		if a.grantAsync != "" && a.db.autocommit() {
+			// Inside a caller's transaction the grant keeps it durable.
+			q = a.grantAsync
+		}
+		err := a.db.queryRow(ctx, q, args, &tok)
 		return tok, err
 	}
 	err := a.db.inTx(ctx, func(c conn) error {

@@ -79,6 +79,11 @@ func TestRevLate2AcquirePacesLateGrants(t *testing.T) {
 			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
+			// A counter far above the clock, so that each grant adds one (a
+			// PostgreSQL grant takes the larger of the counter + 1 and the clock).
+			if err := normal.Bump(ctx, name, fence.Token(time.Now().UnixMicro())+1e12); err != nil {
+				t.Fatal(err)
+			}
 			before := counterOf(t, normal, name)
 
 			a := alwaysLate(t, db, ttl, fence.Backoff{Min: 100 * time.Millisecond, Max: 200 * time.Millisecond})

@@ -172,7 +172,13 @@ func carrying(s string) func([]byte) bool {
 	return func(b []byte) bool { return bytes.Contains(b, []byte(s)) }
 }
 
-func committing(b []byte) bool { return bytes.Contains(bytes.ToLower(b), []byte("commit")) }
+// committing matches the request that commits a transaction; not a
+// statement that sets synchronous_commit (sqlfence's PostgreSQL statements
+// that must reach the disk do).
+func committing(b []byte) bool {
+	l := bytes.ToLower(b)
+	return bytes.Contains(bytes.ReplaceAll(l, []byte("synchronous_commit"), nil), []byte("commit"))
+}
 
 // lose arms a lost reply for the next request that match accepts, runs f, and
 // checks that the fault was taken.

@@ -92,6 +92,17 @@ func startOwnPostgres(t *testing.T, settings ...string) *ownPostgres {
 	return pg
 }
 
+// startQuietPostgres starts a server of the test's own (startOwnPostgres)
+// with synchronous_commit set to syncCommit, on which nothing but a commit's
+// own flush writes the WAL to disk: the WAL writer waits 10s between
+// flushes, and wal_level minimal and no autovacuum mean no background
+// process writes WAL (a standby snapshot, a vacuum) between a statement and
+// a check of flushed.
+func startQuietPostgres(t *testing.T, syncCommit string) *ownPostgres {
+	t.Helper()
+	return startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = "+syncCommit, "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+}
+
 // run runs one of the server's programs (as the server's user).
 func (pg *ownPostgres) run(prog string, args ...string) (string, error) {
 	cmd := exec.Command(filepath.Join(pg.bin, prog), args...)
@@ -228,9 +239,7 @@ func flushed(t *testing.T, p *pgxpool.Pool) bool {
 // lease held no longer than its ttl, and the next token is above every
 // earlier one.
 func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
-	// wal_level minimal and no autovacuum: no background process writes WAL
-	// (a standby snapshot, a vacuum) between a statement and the check.
-	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = off", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
 	p := pg.pool(t)
 	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
@@ -335,7 +344,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 // caller's transaction (a pgx.Tx, or a *pgx.Conn inside BEGIN) leaves that
 // transaction's commit as durable as the server's setting makes it.
 func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
-	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
 	pa, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
@@ -431,7 +440,7 @@ func TestPostgresAsyncGrants(t *testing.T) {
 	if _, err := sqlfence.NewAcquirer(sqliteFDB(t), &sqlfence.AcquirerOptions{AsyncGrants: true}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("AsyncGrants on SQLite: %v, want ErrInvalid", err)
 	}
-	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
 	durable, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)

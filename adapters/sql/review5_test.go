@@ -65,7 +65,7 @@ func review5Show(t *testing.T, q interface {
 // is still off after the release, and its commit does not wait for the disk
 // (as the same transaction without the release does: the control round).
 func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
-	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
 	pc, err := p.Acquire(ctx)
@@ -154,7 +154,7 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 // row holds that token, the bumped counter is kept, and no token is handed
 // out again.
 func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
-	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	check := pg.pool(t) // for flushed and the tables: the server's default
 	cfg, err := pgxpool.ParseConfig("postgres://postgres@127.0.0.1:" + pg.port + "/postgres?sslmode=disable")
@@ -446,7 +446,9 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 			if err := a.Bump(ctx, name, l.Token()); !errors.Is(err, fence.ErrInvalid) {
 				t.Errorf("%s: Bump to the current counter: %v, want ErrInvalid", how, err)
 			}
-			if err := a.Bump(ctx, name, l.Token()+100); err != nil {
+			// Far above the clock, so the grant counts up from it (a
+			// PostgreSQL grant takes the larger of the counter + 1 and the clock).
+			if err := a.Bump(ctx, name, l.Token()+1e12); err != nil {
 				t.Errorf("%s: Bump above the counter of a free name: %v, want nil", how, err)
 			}
 			// An expired lease: its release finds nothing (ErrLost), its
@@ -455,8 +457,8 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 			if err != nil {
 				t.Fatalf("%s: grant after the Bump: %v", how, err)
 			}
-			if l2.Token() != l.Token()+101 {
-				t.Errorf("%s: grant after Bump to %d got token %d", how, l.Token()+100, l2.Token())
+			if l2.Token() != l.Token()+1e12+1 {
+				t.Errorf("%s: grant after Bump to %d got token %d", how, l.Token()+1e12, l2.Token())
 			}
 			if h.how != "*pgx.Conn in BEGIN" {
 				// Expire it on the server (the caller's block would hold the row).
@@ -482,7 +484,7 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 // second time ("at most once"). Expected: after the crash Begin does not
 // create a new record, and Get shows the armed record.
 func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
-	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = off", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
 	p := pg.pool(t)
 	s, err := sqlfence.NewIdempotencyStore(sqlfence.Pgx(p), nil)
@@ -561,7 +563,7 @@ func TestReview5AsyncServerWithAbsentSyncStandby(t *testing.T) {
 // holder's write with token t must still be rejected (ErrStale), since the
 // resource had accepted t+1.
 func TestReview5WriterFenceAcrossCrash(t *testing.T) {
-	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = off", "wal_level = minimal", "max_wal_senders = 0", "autovacuum = off")
+	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
 	p := pg.pool(t)
 	db := sqlfence.Pgx(p)
