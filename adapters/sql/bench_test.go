@@ -117,16 +117,23 @@ func BenchmarkPostgresAcquireRelease(b *testing.B) {
 
 // BenchmarkPostgresHandoff measures the time from the start of a holder's
 // Release to the grant of an Acquire already waiting, with waiters woken by
-// LISTEN/NOTIFY and with polling alone (p50 and p90).
+// LISTEN/NOTIFY and with polling alone (p50 and p90), for a waiter of the
+// holder's own Acquirer (whose Release lets the head of its line try at
+// once) and of another (as another process would see it: only the
+// notification or the next poll wakes it).
 func BenchmarkPostgresHandoff(b *testing.B) {
 	p := pgPool(b, pgOpts{})
 	for _, mode := range []string{"notify", "poll"} {
-		b.Run(mode, func(b *testing.B) {
-			a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{DisableNotify: mode == "poll"})
-			if err != nil {
-				b.Fatal(err)
-			}
-			benchutil.Handoff(b, a, a, fencetest.Name("handoff"))
-		})
+		opts := &sqlfence.AcquirerOptions{DisableNotify: mode == "poll"}
+		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), opts)
+		if err != nil {
+			b.Fatal(err)
+		}
+		other, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), opts)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Run(mode+"/same-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, a, fencetest.Name("handoff")) })
+		b.Run(mode+"/other-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, other, fencetest.Name("handoff")) })
 	}
 }

@@ -158,6 +158,36 @@ type lockFunc func(ctx context.Context, c *pgxpool.Conn) (unlock func() error, e
 // increment's statements also use), and returns the wall time; it fails
 // unless the counter ends at workers x each.
 func pgLockedIncrements(b *testing.B, p *pgxpool.Pool, lock lockFunc, name string, workers, each int) time.Duration {
+	return lockedIncrements(b, workers, each, func(ctx context.Context) error {
+		return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+			for range each {
+				unlock, err := lock(ctx, c)
+				if err != nil {
+					return err
+				}
+				var v int64
+				if err := c.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v); err != nil {
+					return err
+				}
+				if _, err := c.Exec(ctx, "UPDATE fence_bench_counter SET v = $1 WHERE name = $2", v+1, name); err != nil {
+					return err
+				}
+				if err := unlock(); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	}, func(ctx context.Context) (v int64, err error) {
+		err = p.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v)
+		return v, err
+	})
+}
+
+// lockedIncrements runs worker (each's increments under the lock) in workers
+// goroutines at once and returns the wall time; it fails on a worker's error
+// and unless read gives workers x each afterwards.
+func lockedIncrements(b *testing.B, workers, each int, worker func(context.Context) error, read func(context.Context) (int64, error)) time.Duration {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -167,25 +197,7 @@ func pgLockedIncrements(b *testing.B, p *pgxpool.Pool, lock lockFunc, name strin
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs <- p.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-				for range each {
-					unlock, err := lock(ctx, c)
-					if err != nil {
-						return err
-					}
-					var v int64
-					if err := c.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v); err != nil {
-						return err
-					}
-					if _, err := c.Exec(ctx, "UPDATE fence_bench_counter SET v = $1 WHERE name = $2", v+1, name); err != nil {
-						return err
-					}
-					if err := unlock(); err != nil {
-						return err
-					}
-				}
-				return nil
-			})
+			errs <- worker(ctx)
 		}()
 	}
 	wg.Wait()
@@ -196,8 +208,8 @@ func pgLockedIncrements(b *testing.B, p *pgxpool.Pool, lock lockFunc, name strin
 			b.Fatal(err)
 		}
 	}
-	var v int64
-	if err := p.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v); err != nil {
+	v, err := read(ctx)
+	if err != nil {
 		b.Fatal(err)
 	}
 	if v != int64(workers*each) {
