@@ -29,12 +29,14 @@ func idemStore(t *testing.T, fdb *sqlfence.DB) *sqlfence.IdempotencyStore {
 }
 
 func TestIdempotencySQLite(t *testing.T) {
+	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
 	_, fdb := openSQLite(t)
 	s := idemStore(t, fdb)
 	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
 }
 
 func TestIdempotencyPostgres(t *testing.T) {
+	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
 	for style, fdb := range pgHandles(t) {
 		t.Run(style, func(t *testing.T) {
 			s := idemStore(t, fdb)

@@ -83,6 +83,7 @@ func TestMySQLWriterConformance(t *testing.T) {
 }
 
 func TestMySQLAcquirerConformance(t *testing.T) {
+	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
 	for _, params := range []string{"", "clientFoundRows=true"} {
 		t.Run("params="+params, func(t *testing.T) {
 			raw, fdb := openMySQL(t, params)
@@ -100,6 +101,7 @@ func TestMySQLAcquirerConformance(t *testing.T) {
 }
 
 func TestMySQLIdempotency(t *testing.T) {
+	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
 	for _, params := range []string{"", "clientFoundRows=true"} {
 		t.Run("params="+params, func(t *testing.T) {
 			_, fdb := openMySQL(t, params)

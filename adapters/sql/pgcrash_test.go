@@ -151,6 +151,7 @@ func (pg *ownPostgres) pool(t *testing.T) *pgxpool.Pool {
 // released, and the next grant's token is above every token handed out
 // before the crash.
 func TestPostgresTokensGrowAcrossCrash(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on")
 	ctx := context.Background()
 	p := pg.pool(t)
@@ -239,6 +240,7 @@ func flushed(t *testing.T, p *pgxpool.Pool) bool {
 // lease held no longer than its ttl, and the next token is above every
 // earlier one.
 func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
 	p := pg.pool(t)
@@ -344,6 +346,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 // caller's transaction (a pgx.Tx, or a *pgx.Conn inside BEGIN) leaves that
 // transaction's commit as durable as the server's setting makes it.
 func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
@@ -437,6 +440,7 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 // whose token is above the clock (after a Bump) still waits for the disk and
 // survives the crash. Other dialects refuse the option.
 func TestPostgresAsyncGrants(t *testing.T) {
+	t.Parallel() // a server of its own
 	if _, err := sqlfence.NewAcquirer(sqliteFDB(t), &sqlfence.AcquirerOptions{AsyncGrants: true}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("AsyncGrants on SQLite: %v, want ErrInvalid", err)
 	}

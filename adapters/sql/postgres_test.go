@@ -68,6 +68,7 @@ func TestPostgresWriterOwnTable(t *testing.T) {
 }
 
 func TestPostgresAcquirerConformance(t *testing.T) {
+	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
 	deleteState := deleteLeaseRow(pgxExec(pgPool(t, pgOpts{})))
 	for style, fdb := range pgHandles(t) {
 		for _, notify := range []bool{true, false} {

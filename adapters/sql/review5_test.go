@@ -65,6 +65,7 @@ func review5Show(t *testing.T, q interface {
 // is still off after the release, and its commit does not wait for the disk
 // (as the same transaction without the release does: the control round).
 func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
@@ -154,6 +155,7 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 // row holds that token, the bumped counter is kept, and no token is handed
 // out again.
 func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	check := pg.pool(t) // for flushed and the tables: the server's default
@@ -484,6 +486,7 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 // second time ("at most once"). Expected: after the crash Begin does not
 // create a new record, and Get shows the armed record.
 func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
 	p := pg.pool(t)
@@ -533,6 +536,7 @@ func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
 // it was before the change. With "on" the commit waits for the absent
 // standby, and the grant is never answered.
 func TestReview5AsyncServerWithAbsentSyncStandby(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg := startOwnPostgres(t, "synchronous_commit = off", "synchronous_standby_names = 'review5_absent'")
 	ctx := context.Background()
 	p := pg.pool(t)
@@ -563,6 +567,7 @@ func TestReview5AsyncServerWithAbsentSyncStandby(t *testing.T) {
 // holder's write with token t must still be rejected (ErrStale), since the
 // resource had accepted t+1.
 func TestReview5WriterFenceAcrossCrash(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
 	p := pg.pool(t)

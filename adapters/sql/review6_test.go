@@ -38,6 +38,7 @@ func review6Acquirer(t *testing.T, db *sqlfence.DB, o *sqlfence.AcquirerOptions)
 // acquirer's grant is C+1. Expects the token after the crash to be above T
 // (fails if a token at or below a handed-out one is granted).
 func TestReview6MixedAcquirersAfterCrash(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg, p := review6Server(t)
 	ctx := context.Background()
 	durable := review6Acquirer(t, sqlfence.Pgx(p), nil)
@@ -89,6 +90,7 @@ func TestReview6MixedAcquirersAfterCrash(t *testing.T) {
 // change from the release. Expects the caller's commit on disk when Commit
 // returns and its row present after a crash.
 func TestReview6AsyncGrantInCallerTx(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg, p := review6Server(t)
 	ctx := context.Background()
 	if _, err := p.Exec(ctx, "CREATE TABLE callers (id int PRIMARY KEY)"); err != nil {
@@ -159,6 +161,7 @@ func TestReview6AdvanceGuardsAfterCrash(t *testing.T) {
 // lost token succeeds (the counter is below it) and the next grant is still
 // above the lost token; Bump refuses a value at the counter with ErrInvalid.
 func TestReview6LostGrantAfterCrash(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg, p := review6Server(t)
 	ctx := context.Background()
 	a := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
@@ -241,6 +244,7 @@ func TestReview6LostGrantAfterCrash(t *testing.T) {
 // grant below the clock leaves the session's own setting as it was (off
 // stays off after the statement on a *pgx.Conn, not pinned to anything).
 func TestReview6AboveClockOnAsyncSession(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg, p := review6Server(t)
 	ctx := context.Background()
 	cfg := p.Config().ConnConfig.Copy()
@@ -302,6 +306,7 @@ func TestReview6AboveClockOnAsyncSession(t *testing.T) {
 // grant with the lost token, and the lost holder's Renew to be ErrLost rather
 // than extend the new holder's lease (fails when the token repeats).
 func TestReview6MixedAcquirersSameToken(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg, p := review6Server(t)
 	ctx := context.Background()
 	durable := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{DisableNotify: true})

@@ -59,6 +59,7 @@ func TestSQLiteWriterConformance(t *testing.T) {
 }
 
 func TestSQLiteAcquirerConformance(t *testing.T) {
+	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
 	raw, fdb := openSQLite(t)
 	a := newSQLiteAcquirer(t, fdb)
 	fencetest.AcquirerSuite{Parallel: true,
@@ -73,6 +74,7 @@ func TestSQLiteAcquirerConformance(t *testing.T) {
 // suite's New opens a handle each time it is called, so a case that takes two
 // acquirers gets two handles.
 func TestSQLiteAcrossHandles(t *testing.T) {
+	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
 	path := filepath.Join(t.TempDir(), "shared.db")
 	var handles atomic.Int32
 	open := func(t *testing.T) fence.Acquirer {
