@@ -97,10 +97,16 @@ func TestAcquireLineWaiterGivesUp(t *testing.T) {
 				t.Fatalf("head whose context was cancelled: %v, want ErrHeld and context.Canceled", err)
 			}
 			waitLine(t, a, name, 1)
-			released := time.Now()
 			if err := h.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
+			// The lock is free once the release's statement has committed:
+			// timed from there, not from its start (loaded run l1 this
+			// session: 514ms from the release's start, most of it the
+			// statement itself on a loaded machine). A waiter left behind a
+			// head that had gone waits out its Stall timer (0.5-1s) or a
+			// Backoff of a minute.
+			released := time.Now()
 			select {
 			case l := <-next:
 				took := time.Since(released)
