@@ -174,13 +174,23 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	a.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  token %s NOT NULL CHECK (token BETWEEN 1 AND %d),\n  owner %s NOT NULL,\n  expires_at %s NOT NULL\n)",
 		t, d.keyType, d.intType, uint64(fence.MaxToken), d.textType, d.intType)
 	now := d.nowMs
+	next := "cur.token + 1"
+	if d == postgresDialect {
+		// On PostgreSQL a grant's token is also never below the server's
+		// clock in microseconds: a counter that went back (a grant lost in
+		// a crash under AsyncGrants, by any acquirer on the table; a table
+		// restored from a backup; a failover to a replica that had not
+		// received the last grants) does not hand out a token again, if
+		// the clock has not stepped back (see Acquirer).
+		next = "greatest(cur.token + 1, " + d.nowUs + ")"
+	}
 	// Grant: create the row with the server's clock in microseconds as its
 	// token (see Acquirer), or take over an expired row and advance its
 	// counter, in one statement. The CHECK constraint stops the counter at
 	// MaxToken. expires_at is milliseconds since the epoch on the server's clock.
 	a.grant = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s, $2, %s + $3) "+
-		"ON CONFLICT (name) DO UPDATE SET token = cur.token + 1, owner = excluded.owner, expires_at = excluded.expires_at "+
-		"WHERE cur.expires_at <= %s RETURNING token", t, d.nowUs, now, now)
+		"ON CONFLICT (name) DO UPDATE SET token = %s, owner = excluded.owner, expires_at = excluded.expires_at "+
+		"WHERE cur.expires_at <= %s RETURNING token", t, d.nowUs, now, next, now)
 	a.renew = fmt.Sprintf("UPDATE %s SET expires_at = %s + $3 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now, now)
 	a.release = fmt.Sprintf("UPDATE %s SET expires_at = 0 WHERE name = $1 AND token = $2 AND expires_at > %s", t, now)
 	if d == postgresDialect {
@@ -196,7 +206,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		// caller's commit keeps its durability.
 		a.release = fmt.Sprintf("WITH r AS (%s RETURNING name) %s", a.release, sel)
 		a.releaseAsync = a.release + " WHERE " + pgNoFlush
-		a.renew = fmt.Sprintf("WITH r AS (%s RETURNING 1) SELECT 1 FROM r WHERE %s", a.renew, pgDurable)
+		a.renew = pgDurableChange(a.renew)
 	}
 	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = $1", now, t)
 	// Bump: a name without a row gets the larger of to and the clock floor a
@@ -205,14 +215,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	a.bump = fmt.Sprintf("INSERT INTO %s AS cur (name, token, owner, expires_at) VALUES ($1, %s($2, %s), '', 0) "+
 		"ON CONFLICT (name) DO UPDATE SET token = $2 WHERE cur.token < $2 AND cur.expires_at <= %s", t, d.greatest, d.nowUs, now)
 	if d == postgresDialect {
-		a.bump = fmt.Sprintf("WITH b AS (%s RETURNING 1) SELECT 1 FROM b WHERE %s", a.bump, pgDurable)
-		// On PostgreSQL a grant's token is also never below the server's
-		// clock in microseconds: a counter that went back (a grant lost in
-		// a crash under AsyncGrants, by any acquirer on the table; a table
-		// restored from a backup; a failover to a replica that had not
-		// received the last grants) does not hand out a token again, if
-		// the clock has not stepped back (see Acquirer).
-		a.grant = strings.Replace(a.grant, "token = cur.token + 1", "token = greatest(cur.token + 1, "+d.nowUs+")", 1)
+		a.bump = pgDurableChange(a.bump)
 	}
 	if d == mysqlDialect {
 		a.mysqlStatements(t)
@@ -253,8 +256,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		// set): such a token is below the clock of any grant after a
 		// restart, so a grant lost in a crash is never handed out again.
 		// Only where the grant is its own transaction (see grantRow).
-		a.grantAsync = strings.Replace(a.grant, pgDurable, "set_config('synchronous_commit', CASE WHEN token <= "+d.nowUs+" THEN 'off' "+
-			"WHEN current_setting('synchronous_commit') = 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true) IS NOT NULL", 1)
+		a.grantAsync = strings.Replace(a.grant, pgDurable, pgNoFlushUpToClock, 1)
 	}
 	return a, nil
 }

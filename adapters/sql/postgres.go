@@ -35,6 +35,13 @@ var postgresDialect = &dialect{
 // changed nothing commits nothing).
 const pgDurable = "set_config('synchronous_commit', CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true) IS NOT NULL"
 
+// pgNoFlushUpToClock replaces pgDurable in an AsyncGrants grant: the commit
+// does not wait for the disk when the granted token is at or below the
+// server's clock in microseconds, read here (later than where the token was
+// set); otherwise it is pgDurable's.
+var pgNoFlushUpToClock = "set_config('synchronous_commit', CASE WHEN token <= " + postgresDialect.nowUs + " THEN 'off' " +
+	"WHEN current_setting('synchronous_commit') = 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true) IS NOT NULL"
+
 // pgDurableChange wraps q, a PostgreSQL INSERT or UPDATE whose caller counts
 // the rows it changed, so that its commit waits for the disk (pgDurable); the
 // count is that of the outer SELECT, the same.
