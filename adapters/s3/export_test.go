@@ -1,4 +1,10 @@
 package s3fence
 
+import "time"
+
 // LineLen returns how many Acquire calls of a wait in name's line.
 func LineLen(a *Acquirer, name string) int { return a.line.Len(name) }
+
+// SetLineStall sets how long the head of a's lines may spend in one attempt
+// before the waiters behind it try too (wakeup.Line.StallLimit).
+func SetLineStall(a *Acquirer, d time.Duration) { a.line.StallLimit = d }

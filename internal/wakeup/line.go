@@ -19,8 +19,15 @@ import (
 // only when the head has been inside one attempt for longer than the line's
 // stall limit (a call stuck on a dead connection), so one slow call does not
 // keep a free lock from them. It is safe for concurrent use; the zero value is
-// an empty line.
+// an empty line whose stall limit is Stall.
 type Line struct {
+	// StallLimit, when not zero, replaces Stall (a millisecond at least) as the time the head may
+	// spend in one attempt before the waiters behind it try too. Set it
+	// before the line is used. Tests of the line's order raise it, so that
+	// one slow statement on a loaded machine does not let a waiter try out
+	// of turn, which the line allows by design.
+	StallLimit time.Duration
+
 	mu    sync.Mutex
 	names map[string][]*Place
 }
@@ -178,12 +185,19 @@ func (l *Line) HeadStalled(name string, limit time.Duration) bool {
 // waiters behind it try too.
 const Stall = time.Second
 
+func (l *Line) stall() time.Duration {
+	if l.StallLimit > 0 {
+		return max(l.StallLimit, time.Millisecond)
+	}
+	return Stall
+}
+
 // Acquire is the waiting loop of an acquirer whose Acquire calls wait in l.
 // It joins name's line and calls try (with ctx bounded by b.MaxWait when it
 // has no deadline) until try returns a lease or an error that does not match
 // fence.ErrHeld: at once when the line was empty, then as the head, paced by
 // b.Delay or woken by a Poke; behind the head, only when the head has spent
-// more than Stall in one attempt. listen, when not nil, subscribes the head's
+// more than its stall limit (Stall by default) in one attempt. listen, when not nil, subscribes the head's
 // wake-up channel to the backend's release notifications and returns the
 // function that ends the subscription. When ctx ends while waiting it
 // returns an error matching fence.ErrHeld and ctx's cause; try decides what
@@ -239,6 +253,7 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 	if head == nil {
 		subscribe()
 	}
+	stall := l.stall()
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
@@ -249,7 +264,7 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 			n++
 		} else {
 			// Behind the head: look again only to see whether it is stuck.
-			d = Stall/2 + rand.N(Stall/2)
+			d = stall/2 + rand.N(stall/2)
 		}
 		timer.Reset(d)
 		wake := p.Wake
@@ -268,7 +283,7 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 		case <-wake:
 			timer.Stop()
 		case <-timer.C:
-			if head != nil && !l.HeadStalled(name, Stall) {
+			if head != nil && !l.HeadStalled(name, stall) {
 				continue
 			}
 		}
