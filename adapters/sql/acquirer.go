@@ -124,6 +124,7 @@ type Acquirer struct {
 	grant, renew, release string
 	releaseAsync          string // PostgreSQL: the release, its commit not waiting for the disk (see pgNoFlush)
 	grantAsync            string // PostgreSQL with AsyncGrants: the grant, its commit not waiting for the disk when its token is at or below the clock
+	transfer              string // PostgreSQL: a release that grants the lock to a waiter of this acquirer (see transfer.go)
 	inspect, bump         string
 	inspectLocked         string  // inspect, waiting for a statement that holds the row (not on SQLite)
 	advance               string  // SQLite and MySQL: the guard statement run with the grant
@@ -258,6 +259,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		// Only where the grant is its own transaction (see grantRow).
 		a.grantAsync = strings.Replace(a.grant, pgDurable, pgNoFlushUpToClock, 1)
 	}
+	a.transferStatement(t, next)
 	return a, nil
 }
 
@@ -299,18 +301,22 @@ func (a *Acquirer) Owner() string { return a.opts.Owner }
 // which is neither ErrHeld nor ErrUnknown: nothing was granted. Acquire waits
 // on instead, within its context.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	return a.tryAcquire(ctx, name, ttl, maxAmbiguousRetries)
+	return a.tryAcquire(ctx, name, ttl, maxAmbiguousRetries, "")
 }
 
 // tryAcquire is TryAcquire, running an ambiguous grant at most attempts times
-// in all (0: until ctx ends).
-func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duration, attempts int) (fence.Lease, error) {
+// in all (0: until ctx ends). owner, when not empty, is the owner (with its
+// nonce) of a handoff whose outcome was lost (see transfer): the grant runs
+// as that owner and recognises the handoff's grant if it landed.
+func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duration, attempts int, owner string) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	owner := a.opts.Owner + nonceSep + nonce()
+	uncertain := owner != "" // an earlier attempt may hold the lease
+	if owner == "" {
+		owner = a.opts.Owner + nonceSep + nonce()
+	}
 	sent := time.Now() // the first attempt's: the earliest a grant can have been made
-	uncertain := false // an earlier attempt may hold the lease
 	var (
 		tok int64
 		err error
@@ -528,8 +534,13 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	if a.db.listen != nil && !a.opts.DisableNotify {
 		listen = func(wake chan struct{}) func() { return a.db.listen.SubscribeChan(nameHash(name), wake) }
 	}
-	return a.line.Acquire(ctx, a.opts.Backoff, name, listen, func(ctx context.Context) (fence.Lease, error) {
-		l, err := a.tryAcquire(ctx, name, ttl, 0)
+	var req any
+	if a.transfer != "" {
+		req = &handReq{ttl: ttl}
+	}
+	return a.line.AcquireHanded(ctx, a.opts.Backoff, name, req, listen, func(ctx context.Context, hint any) (fence.Lease, error) {
+		owner, _ := hint.(string)
+		l, err := a.tryAcquire(ctx, name, ttl, 0, owner)
 		switch {
 		case err == nil || ctx.Err() != nil:
 		case a.db.d == sqliteDialect && isSQLiteBusy(err):
@@ -616,7 +627,8 @@ func (a *Acquirer) wrap(op string, err error) error {
 // lease is one grant from an Acquirer.
 type lease struct {
 	*leasekit.Base
-	a *Acquirer
+	a     *Acquirer
+	chain int // how many handoffs in a row, within this acquirer, led to this grant (see transfer)
 }
 
 // Renew extends the lease by its ttl on the server's clock, if this grant still
@@ -695,6 +707,16 @@ func (l *lease) Release(ctx context.Context) error {
 // releaseRow runs the release statement, again after an ambiguous error, and
 // recognises its own applied release (see Release).
 func (l *lease) releaseRow(ctx context.Context) error {
+	if l.chain < maxChain && l.a.transfer != "" && l.a.db.autocommit() {
+		if p, req := l.a.line.Offer(l.Name()); p != nil {
+			return l.transfer(ctx, p, req.(*handReq))
+		}
+	}
+	return l.releaseOnly(ctx)
+}
+
+// releaseOnly is releaseRow without a handoff.
+func (l *lease) releaseOnly(ctx context.Context) error {
 	uncertain := false
 	for i := 0; ; i++ {
 		q := l.a.release
@@ -720,7 +742,9 @@ func (l *lease) releaseRow(ctx context.Context) error {
 		} else if n == 0 {
 			err = l.lost()
 		}
-		l.a.line.Poke(l.Name())
+		if !l.endsChain() {
+			l.a.line.Poke(l.Name())
+		}
 		return err
 	}
 }

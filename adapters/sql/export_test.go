@@ -12,3 +12,11 @@ func SetLineStall(a *Acquirer, d time.Duration) { a.line.StallLimit = d }
 // LineHeadTrying reports whether the head of name's line is inside an
 // attempt now.
 func LineHeadTrying(a *Acquirer, name string) bool { return a.line.HeadStalled(name, 0) }
+
+// DisableHandoff makes a's releases release only, never grant to the head of
+// its line (see transfer.go).
+func DisableHandoff(a *Acquirer) { a.transfer = "" }
+
+// LineHeadWaiting reports whether the head of a's line for name has made an
+// attempt and now waits between attempts (wakeup.Line.HeadWaiting).
+func LineHeadWaiting(a *Acquirer, name string) bool { return a.line.HeadWaiting(name) }

@@ -96,6 +96,9 @@ func TestLineReviewUnknownReleasePokesHead(t *testing.T) {
 			owner := "review-" + fencetest.Name("o")
 			a := newAcquirerOn(t, db, &sqlfence.AcquirerOptions{Owner: owner, DisableNotify: true,
 				Backoff: fence.Backoff{Min: 30 * time.Second, Max: 30 * time.Second, MaxWait: 2 * time.Minute}})
+			// The release that releases only: a handoff whose replies are
+			// lost is TestHandoffLostReplies.
+			sqlfence.DisableHandoff(a)
 			check := newAcquirerOn(t, direct, nil)
 			if err := check.CreateTable(ctx); err != nil {
 				t.Fatal(err)

@@ -40,14 +40,121 @@ type Place struct {
 	Wake chan struct{}
 
 	head      chan struct{} // closed when this place becomes the head
+	req       any           // the waiter's request, for a handoff (AcquireHanded); nil: never offered
+	handed    chan Handoff  // the outcome of an offer (buffer of one: one offer at a time)
 	mu        sync.Mutex
-	tryingFor time.Time // when the head's current attempt began; zero between attempts
+	tryingFor time.Time // when the head's current attempt or the offer to it began; zero between them
+	trying    bool      // the waiter is inside an attempt
+	attempts  int       // the attempts the waiter began
+	offered   bool      // a handoff to this place is in flight (Offer, until Hand)
+	gone      bool      // the waiter left while an offer was in flight
+}
+
+// Handoff is the outcome of an offer made to the head of a line (Offer,
+// Hand): Lease when the releaser granted the lock to the waiter, nil when
+// the waiter is to try on its own, with Hint (the acquirer's own) for that
+// attempt.
+type Handoff struct {
+	Lease fence.Lease
+	Hint  any
+}
+
+// Offer reserves the head of name's line for a handoff: the releaser of the
+// lock grants it straight to that waiter, then calls Hand with the outcome.
+// It returns the head's place and its request, or nil when the line is
+// empty, its head has no request (it did not join through AcquireHanded),
+// is inside an attempt of its own, or is already offered. Until Hand, the
+// head makes no attempt of its own, and the time counts as an attempt for
+// the waiters behind it (they try after the stall limit, so a releaser
+// stuck on a dead connection does not hold them up for ever).
+func (l *Line) Offer(name string) (*Place, any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	list := l.names[name]
+	if len(list) == 0 || list[0].req == nil {
+		return nil, nil
+	}
+	p := list[0]
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.trying || p.offered || p.gone {
+		return nil, nil
+	}
+	p.offered, p.tryingFor = true, time.Now()
+	return p, p.req
+}
+
+// Hand ends the offer made to p: h.Lease is the lease granted to its waiter,
+// or nil when the releaser made no grant (the waiter then tries at once, with
+// h.Hint). It reports false when the waiter left while the offer was in
+// flight: the caller then gives the lease back.
+func (l *Line) Hand(p *Place, h Handoff) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.offered, p.tryingFor = false, time.Time{}
+	if p.gone {
+		return false
+	}
+	p.handed <- h // never blocks: one offer at a time, and each outcome is received before the next offer
+	return true
+}
+
+// beginTry marks the start of one attempt by p's waiter; false when an offer
+// to it is in flight (the waiter then waits for its outcome instead).
+func (p *Place) beginTry() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.offered {
+		return false
+	}
+	p.trying, p.tryingFor = true, time.Now()
+	p.attempts++
+	return true
+}
+
+// HeadWaiting reports whether the head of name's line has made an attempt
+// and is now waiting between attempts, with no offer to it in flight: a
+// release through the acquirer now would find it ready for a handoff.
+func (l *Line) HeadWaiting(name string) bool {
+	l.mu.Lock()
+	list := l.names[name]
+	l.mu.Unlock()
+	if len(list) == 0 {
+		return false
+	}
+	h := list[0]
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.attempts > 0 && !h.trying && !h.offered
+}
+
+// leaving marks p's waiter as gone while an offer is in flight, so that the
+// releaser gives back what it granted; it returns a lease already handed to
+// it and not yet received, which the caller gives back.
+func (p *Place) leaving() fence.Lease {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.offered {
+		p.gone = true
+		return nil
+	}
+	p.gone = true
+	select {
+	case h := <-p.handed:
+		return h.Lease
+	default:
+		return nil
+	}
 }
 
 // Join adds a waiter for name at the back of the line and returns its place.
 // A place that joins an empty line is the head at once.
 func (l *Line) Join(name string) *Place {
-	p := &Place{Wake: make(chan struct{}, 1), head: make(chan struct{})}
+	return l.join(name, nil)
+}
+
+func (l *Line) join(name string, req any) *Place {
+	p := &Place{Wake: make(chan struct{}, 1), head: make(chan struct{}), req: req, handed: make(chan Handoff, 1)}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.names == nil {
@@ -105,6 +212,7 @@ func (p *Place) IsHead() bool {
 func (p *Place) Trying(on bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.trying = on
 	if on {
 		p.tryingFor = time.Now()
 	} else {
@@ -203,18 +311,44 @@ func (l *Line) stall() time.Duration {
 // returns an error matching fence.ErrHeld and ctx's cause; try decides what
 // an attempt that fails as ctx ends returns.
 func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen func(wake chan struct{}) func(), try func(context.Context) (fence.Lease, error)) (fence.Lease, error) {
+	return l.AcquireHanded(ctx, b, name, nil, listen, func(ctx context.Context, _ any) (fence.Lease, error) { return try(ctx) })
+}
+
+// AcquireHanded is Acquire for an acquirer whose releases can grant the lock
+// straight to the head of the line (Offer, Hand): req, when not nil, is the
+// waiter's request the releaser reads, and try gets the Hint of a handoff
+// that made no grant (nil otherwise). A handed lease is returned as try's
+// would be. A waiter whose ctx ends while an offer to it is in flight
+// returns at once; the releaser gives back what it grants (Hand reports
+// false), and a lease handed just as ctx ended is given back here.
+func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, req any, listen func(wake chan struct{}) func(), try func(context.Context, any) (fence.Lease, error)) (fence.Lease, error) {
 	b = b.WithDefaults()
 	ctx, cancel := leasekit.WithMaxWait(ctx, b)
 	defer cancel()
-	p := l.Join(name)
+	p := l.join(name, req)
 	granted := false
 	defer func() { l.Leave(name, p, granted) }()
+	var hint any // the hint of the last handoff that made no grant, for the next attempt
+	errOffered := errors.New("offered")
 	attempt := func() (fence.Lease, error) {
-		p.Trying(true)
+		if !p.beginTry() {
+			return nil, errOffered
+		}
 		defer p.Trying(false)
-		lease, err := try(ctx)
+		h := hint
+		hint = nil
+		lease, err := try(ctx, h)
 		granted = err == nil
 		return lease, err
+	}
+	gaveUp := func() (fence.Lease, error) {
+		if lease := p.leaving(); lease != nil {
+			// Handed as ctx ended: given back, so nobody waits out its ttl.
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+			defer cancel()
+			_ = lease.Release(rctx)
+		}
+		return nil, GaveUp(ctx)
 	}
 	// Only the head hears of releases from the backend: a hub wakes its
 	// longest subscriber, which must not be a waiter behind the head.
@@ -244,7 +378,7 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 	}
 	if p.IsHead() {
 		lease, err := attempt()
-		if !errors.Is(err, fence.ErrHeld) {
+		if err != errOffered && !errors.Is(err, fence.ErrHeld) {
 			return lease, err
 		}
 		head = nil
@@ -274,7 +408,14 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 		}
 		select {
 		case <-ctx.Done():
-			return nil, GaveUp(ctx)
+			return gaveUp()
+		case h := <-p.handed:
+			timer.Stop()
+			if h.Lease != nil {
+				granted = true
+				return h.Lease, nil
+			}
+			hint = h.Hint
 		case <-head:
 			timer.Stop()
 			head, n = nil, 0
@@ -288,6 +429,9 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 			}
 		}
 		lease, err := attempt()
+		if err == errOffered {
+			continue // the outcome of the offer comes through p.handed
+		}
 		if !errors.Is(err, fence.ErrHeld) {
 			return lease, err
 		}

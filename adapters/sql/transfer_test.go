@@ -1,0 +1,294 @@
+package sqlfence_test
+
+// The handoff on PostgreSQL (transfer.go): a release through an Acquirer
+// grants the lock to the head of that Acquirer's line in its own statement.
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+)
+
+// stmtCounter counts the grant statements (INSERT … RETURNING token) and
+// the handoff statements (WITH g AS (UPDATE …) a pool's connections start.
+type stmtCounter struct{ grants, handoffs atomic.Int64 }
+
+func (c *stmtCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	switch {
+	case strings.Contains(d.SQL, "INSERT INTO") && strings.Contains(d.SQL, "RETURNING token"):
+		c.grants.Add(1)
+	case strings.HasPrefix(d.SQL, "WITH g AS (UPDATE"):
+		c.handoffs.Add(1)
+	}
+	return ctx
+}
+
+func (c *stmtCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// idleHead is a Backoff whose head tries on its own (at a random time within
+// an hour) almost never during a test: it tries when it joins, and when a
+// release pokes it or hands it a lease. (Its acquirers disable
+// notifications too: the listener wakes every waiter once when it starts.)
+var idleHead = fence.Backoff{Min: time.Hour, Max: time.Hour, MaxWait: 2 * time.Hour}
+
+// waitHeadIdle waits until the head of name's line has made its first
+// attempt and waits between attempts.
+func waitHeadIdle(t *testing.T, a *sqlfence.Acquirer, name string) {
+	t.Helper()
+	for end := time.Now().Add(10 * time.Second); !sqlfence.LineHeadWaiting(a, name); {
+		if time.Now().After(end) {
+			t.Fatal("the head's attempt did not end within 10s")
+		}
+		time.Sleep(time.Millisecond) // polling the line's state
+	}
+}
+
+// TestHandoffOneStatement: a release through the Acquirer whose Acquire call
+// waits grants the lock to that waiter in the release's own statement: the
+// waiter sends no grant statement, holds a larger token, and the released
+// lease is lost.
+func TestHandoffOneStatement(t *testing.T) {
+	ctx := context.Background()
+	c := &stmtCounter{}
+	fdb := sqlfence.Pgx(tracedPool(t, c))
+	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
+	name := fencetest.Name("handoff")
+	h, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	head := goAcquire(ctx, a, name, time.Minute)
+	waitLine(t, a, name, 1)
+	waitHeadIdle(t, a, name)
+	grants := c.grants.Load()
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := within(t, head, 10*time.Second, "the head")
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if n := c.grants.Load() - grants; n != 0 || c.handoffs.Load() != 1 {
+		t.Fatalf("after the release: %d grant statements and %d handoffs, want 0 and 1 (the release grants to the head)", n, c.handoffs.Load())
+	}
+	if r.l.Token() <= h.Token() {
+		t.Fatalf("handed token %d, not above the released %d", r.l.Token(), h.Token())
+	}
+	info, err := check.Inspect(ctx, name)
+	if err != nil || !info.Held || info.Token != r.l.Token() || info.Owner != a.Owner() {
+		t.Fatalf("the row after the handoff: %+v, %v; want held by %s with token %d", info, err, a.Owner(), r.l.Token())
+	}
+	if err := h.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("Renew of the released lease: %v, want ErrLost", err)
+	}
+	if err := r.l.Renew(ctx); err != nil {
+		t.Fatalf("Renew of the handed lease: %v", err)
+	}
+	if err := r.l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if info, err := check.Inspect(ctx, name); err != nil || info.Held {
+		t.Fatalf("the row after the handed lease's release: %+v, %v; want free", info, err)
+	}
+}
+
+// TestHandoffHeadGivesUp: the head's context ends while the handoff
+// statement waits for the row (another transaction holds it). The head
+// returns at once with ErrHeld and its context's error; when the statement
+// then grants, the grant is given back at once, and the next waiter is
+// granted without waiting out the ttl.
+func TestHandoffHeadGivesUp(t *testing.T) {
+	ctx := context.Background()
+	pool := pgPool(t, pgOpts{})
+	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	admin := pgPool(t, pgOpts{})
+	check := newAcquirerOn(t, sqlfence.Pgx(admin), nil)
+	name := fencetest.Name("handoff-gone")
+	h, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	head := goAcquire(hctx, a, name, time.Minute)
+	waitLine(t, a, name, 1)
+	waitHeadIdle(t, a, name)
+	next := goAcquire(ctx, a, name, time.Minute)
+	waitLine(t, a, name, 2)
+
+	// Another transaction holds the row: the handoff statement waits.
+	tx, err := admin.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, "SELECT 1 FROM fence_leases WHERE name = $1 FOR UPDATE", name); err != nil {
+		t.Fatal(err)
+	}
+	released := make(chan error, 1)
+	go func() { released <- h.Release(ctx) }()
+	for end := time.Now().Add(10 * time.Second); ; {
+		var n int
+		if err := admin.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'WITH g AS (UPDATE%'").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 1 {
+			break
+		}
+		if time.Now().After(end) {
+			rows, _ := admin.Query(ctx, "SELECT coalesce(wait_event_type,''), left(query, 60) FROM pg_stat_activity WHERE datname = current_database()")
+			for rows.Next() {
+				var w, q string
+				_ = rows.Scan(&w, &q)
+				t.Logf("%s %q", w, q)
+			}
+			t.Fatal("the handoff statement was not seen waiting for the row")
+		}
+		time.Sleep(time.Millisecond) // polling the server's view
+	}
+	cancel()
+	r := within(t, head, 2*time.Second, "the head whose context ended during the handoff")
+	if r.l != nil || !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.Canceled) {
+		t.Fatalf("the head whose context ended: %v, %v; want ErrHeld and context.Canceled, at once", r.l, r.err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-released; err != nil {
+		t.Fatalf("the release that granted to a head that had gone: %v", err)
+	}
+	n := within(t, next, 10*time.Second, "the next waiter (a handed grant of a head that had gone was not given back: it holds the row for its ttl)")
+	if n.err != nil {
+		t.Fatal(n.err)
+	}
+	defer n.l.Release(ctx)
+	info, err := check.Inspect(ctx, name)
+	if err != nil || !info.Held || info.Token != n.l.Token() {
+		t.Fatalf("the row: %+v, %v; want held by the next waiter's token %d", info, err, n.l.Token())
+	}
+}
+
+// TestHandoffLostReplies: every reply to the handoff statement and to the
+// reads that look for its grant is lost (the release returns ErrUnknown),
+// though the first one granted to the head. The head, told the handoff made
+// no grant it knows of, is granted at once: its own attempt recognises the
+// handoff's grant (it runs as the handoff's owner) instead of finding the
+// row held by nobody for a ttl.
+func TestHandoffLostReplies(t *testing.T) {
+	ctx := context.Background()
+	px := faultnet.Start(t, pgTarget(t))
+	owner := "handoff-" + fencetest.Name("o")
+	a := newAcquirerOn(t, sqlfence.Pgx(proxiedPool(t, px, 0)), &sqlfence.AcquirerOptions{Owner: owner,
+		Backoff: idleHead, DisableNotify: true})
+	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
+	name := fencetest.Name("handoff-lost")
+	h, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	head := goAcquire(ctx, a, name, time.Minute)
+	waitLine(t, a, name, 1)
+	waitHeadIdle(t, a, name)
+	// 4 handoff statements and the 3 reads after the 2nd to 4th.
+	for range 7 {
+		px.LoseReply(carrying(name))
+	}
+	err = h.Release(ctx)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("Release with its replies lost: %v, want ErrUnknown (the test did not test it)", err)
+	}
+	released := time.Now()
+	r := within(t, head, 40*time.Second, "the head")
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	defer r.l.Release(ctx)
+	if took := r.at.Sub(released); took > time.Second {
+		t.Fatalf("the head was granted %v after a handoff whose replies were lost: it did not recognise the handoff's grant", took.Round(time.Millisecond))
+	}
+	info, err := check.Inspect(ctx, name)
+	if err != nil || !info.Held || info.Token != r.l.Token() || r.l.Token() <= h.Token() {
+		t.Fatalf("the row: %+v, %v; want held by the head's token %d (above %d)", info, err, r.l.Token(), h.Token())
+	}
+}
+
+// TestHandoffChainLetsOthersIn: three workers of one Acquirer take the lock
+// in turn without end, each release handing it to the next of them; an
+// Acquire call of another Acquirer (another process) is still granted while
+// they go on, after a bounded chain of handoffs. The workers' heads try only
+// when they join, are handed the lock or poked (idleHead, no notifications),
+// and the other Acquirer polls: without the bound every release finds a head
+// to hand the lock to, and the other Acquirer never finds it free.
+func TestHandoffChainLetsOthersIn(t *testing.T) {
+	ctx, stopAll := context.WithCancel(context.Background())
+	defer stopAll()
+	a := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	b := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: 2 * time.Millisecond, Max: 5 * time.Millisecond}})
+	name := fencetest.Name("handoff-chain")
+	stop := make(chan struct{})
+	var (
+		wg     sync.WaitGroup
+		grants atomic.Int64
+		errs   = make(chan error, 3)
+	)
+	for range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				l, err := a.Acquire(ctx, name, time.Minute)
+				if err != nil {
+					if ctx.Err() == nil {
+						errs <- err
+					}
+					return
+				}
+				grants.Add(1)
+				time.Sleep(200 * time.Microsecond) // the work under the lock
+				if err := l.Release(context.Background()); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	defer func() {
+		close(stop)
+		stopAll() // a worker may wait on in the line, for its backoff
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Error(err)
+		}
+	}()
+	for grants.Load() < 1 {
+		time.Sleep(time.Millisecond) // the workers are handing the lock round
+	}
+	bctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	l, err := b.Acquire(bctx, name, time.Minute)
+	if err != nil {
+		t.Fatalf("another Acquirer's Acquire, while one Acquirer's workers hand the lock round (%d grants): %v", grants.Load(), err)
+	}
+	t.Logf("granted to the other Acquirer after %d grants of the workers", grants.Load())
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
