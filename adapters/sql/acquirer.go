@@ -301,22 +301,23 @@ func (a *Acquirer) Owner() string { return a.opts.Owner }
 // which is neither ErrHeld nor ErrUnknown: nothing was granted. Acquire waits
 // on instead, within its context.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
-	return a.tryAcquire(ctx, name, ttl, maxAmbiguousRetries, "")
+	return a.tryAcquire(ctx, name, ttl, maxAmbiguousRetries, handHint{})
 }
 
 // tryAcquire is TryAcquire, running an ambiguous grant at most attempts times
-// in all (0: until ctx ends). owner, when not empty, is the owner (with its
-// nonce) of a handoff whose outcome was lost (see transfer): the grant runs
-// as that owner and recognises the handoff's grant if it landed.
-func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duration, attempts int, owner string) (fence.Lease, error) {
+// in all (0: until ctx ends). hint, when not zero, is a handoff whose outcome
+// was lost (see transfer): the grant runs as its owner and recognises the
+// handoff's grant if it landed, whose local deadline counts from when the
+// handoff was sent.
+func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duration, attempts int, hint handHint) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	uncertain := owner != "" // an earlier attempt may hold the lease
+	owner, sent := hint.owner, hint.sent // sent: the first attempt's, the earliest a grant can have been made
+	uncertain := owner != ""             // an earlier attempt may hold the lease
 	if owner == "" {
-		owner = a.opts.Owner + nonceSep + nonce()
+		owner, sent = a.opts.Owner+nonceSep+nonce(), time.Now()
 	}
-	sent := time.Now() // the first attempt's: the earliest a grant can have been made
 	var (
 		tok int64
 		err error
@@ -521,6 +522,16 @@ func (e *guardStmtError) Unwrap() error { return e.err }
 // (the others then ask too) or a grant goes elsewhere: to another Acquirer or
 // process (no order is kept between them, on any dialect), or to a TryAcquire,
 // which never waits in the line.
+//
+// On PostgreSQL a release through this Acquirer, run as its own transaction
+// and without AdvanceGuards, hands the lock to the head of the line in its
+// own statement (a new, larger token; the head's ttl, counted from before the
+// statement was sent): the head returns that lease without a statement of
+// its own, and the released lease's context ends before. At most 8 handoffs
+// run in a row; the next release releases, and with notifications leaves the
+// head to hear of it from the server with the waiters of other processes. A
+// head whose ctx ends while a handoff to it runs returns at once, and what
+// the handoff grants is given back.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
 		if ctx != nil && ctx.Err() != nil && errors.Is(err, ctx.Err()) {
@@ -539,8 +550,8 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		req = &handReq{ttl: ttl}
 	}
 	return a.line.AcquireHanded(ctx, a.opts.Backoff, name, req, listen, func(ctx context.Context, hint any) (fence.Lease, error) {
-		owner, _ := hint.(string)
-		l, err := a.tryAcquire(ctx, name, ttl, 0, owner)
+		h, _ := hint.(handHint)
+		l, err := a.tryAcquire(ctx, name, ttl, 0, h)
 		switch {
 		case err == nil || ctx.Err() != nil:
 		case a.db.d == sqliteDialect && isSQLiteBusy(err):
@@ -562,7 +573,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 			}
 		}
 		return l, err
-	})
+	}, func(h wakeup.Handoff) { a.abandon(ctx, name, ttl, h) })
 }
 
 // ended returns ctx's cause when ctx is done or its deadline has passed (a
@@ -733,6 +744,12 @@ func (l *lease) releaseOnly(ctx context.Context) error {
 			// wake-up costs one grant statement).
 			l.a.line.Poke(l.Name())
 			return l.a.wrap("release", l.a.db.unknown(err))
+		}
+		if err != nil && uncertain {
+			// A definite error now (a refused connection) says nothing of
+			// the earlier attempt whose reply was lost (HAZARDS 3).
+			l.a.line.Poke(l.Name())
+			return l.a.wrap("release", fmt.Errorf("%w: an earlier attempt whose reply was lost may have released it: %w", fence.ErrUnknown, err))
 		}
 		if err != nil {
 			return l.a.wrap("release", l.a.db.unknown(err))

@@ -258,6 +258,14 @@ func isGrant(sql string) bool {
 }
 
 func (lt *lateTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(d.SQL, "WITH g AS (UPDATE") && len(d.Args) == 4 {
+		// A handoff grants the head with its ttl, the 4th argument: as
+		// slow as the head's own grants.
+		if ms, ok := d.Args[3].(int64); ok && lt.delayTTL != 0 && ms == lt.delayTTL {
+			time.Sleep(lt.delay)
+		}
+		return ctx
+	}
 	if !isGrant(d.SQL) || len(d.Args) < 3 {
 		return ctx
 	}
@@ -341,9 +349,10 @@ func TestRevLate2LateGrantAfterTakeover(t *testing.T) {
 
 // TestRevLate2LateHeadKeepsFreeLockFromLine (HAZARDS 6: one slow participant
 // must not keep a free lock from the others): in one acquirer's line on
-// PostgreSQL, the head asks for a 100ms lease and each of its grants is sent
-// 150ms late (a slow path: every one comes back past its local deadline and
-// is given back), so it can never be granted; the waiter behind it asks for
+// PostgreSQL, the head asks for a 100ms lease and each of its grants (its
+// own, and the handoffs of releases through the acquirer) is sent 150ms late
+// (a slow path: every one comes back past its local deadline and is given
+// back), so it can never be granted; the waiter behind it asks for
 // a 1-minute lease on the same name, which nobody holds. The waiter must be
 // granted well before the head gives up (head's wait 6s, waiter's 4s):
 // the head's attempts never stall for the line's 1s, and the name is free

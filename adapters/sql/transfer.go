@@ -25,30 +25,35 @@ import (
 // caller's transaction, whose rollback would take the grant back after the
 // head was told), without AdvanceGuards (whose guard advance the grant
 // statement carries), and for at most maxChain handoffs in a row: then the
-// lock is released as usual without poking this Acquirer's head: the
-// notification (or the backoff, without notifications) wakes the waiters of
-// other processes and this Acquirer's head alike, so that they can be
-// granted before this Acquirer's next waiter. Without notifications that
-// costs this Acquirer's line up to one backoff delay every maxChain + 1
-// grants.
+// lock is released as usual, and with notifications this Acquirer's head is
+// not poked: the notification wakes the waiters of other processes and this
+// Acquirer's head alike, so that they can be granted before this Acquirer's
+// next waiter. (Without notifications the head is poked, as after any
+// release: the waiters of other processes poll.)
 // Within one Acquirer the line keeps its order: the head is granted first.
 //
 // Every outcome is settled: a grant whose reply was lost is recognised by
 // its owner (the release retries, and the head's own next attempt runs as
-// that owner); a head that gave up while the statement ran gets nothing and
-// the releaser gives the grant back at once; a grant that came back past the
-// head's local deadline is given back (see giveBackLate); a released lease
-// that was already lost hands nothing, and the head tries on its own.
+// that owner, its local deadline counting from the handoff's first send); a
+// head that gave up while the statement ran gets nothing, and the releaser
+// gives the grant back at once (also one whose reply was lost, if a read
+// finds it); a grant that came back past the head's local deadline is given
+// back (see giveBackLate); a released lease that was already lost hands
+// nothing, and the head tries on its own. The released lease's context ends
+// before the head is handed the new one.
 
 // maxChain is the number of handoffs in a row within one Acquirer after
 // which a release lets the waiters of other processes try (see above).
 const maxChain = 8
 
-// endsChain reports whether l's release ends a chain of maxChain handoffs:
-// the head of this Acquirer's line is then not poked, and learns of the
-// release as the waiters of other processes do, from the server's
-// notification or at its next backoff delay.
-func (l *lease) endsChain() bool { return l.chain >= maxChain && l.a.transfer != "" }
+// endsChain reports whether l's release ends a chain of maxChain handoffs
+// and is announced to every waiter by a notification: the head of this
+// Acquirer's line is then not poked, and hears of the release with the
+// waiters of other processes. Without notifications it is poked as after
+// any release (other processes' waiters poll, as they always do then).
+func (l *lease) endsChain() bool {
+	return l.chain >= maxChain && l.a.transfer != "" && l.a.db.listen != nil && !l.a.opts.DisableNotify
+}
 
 // handReq is a waiter's request, which the releaser reads to grant it.
 type handReq struct{ ttl time.Duration }
@@ -69,23 +74,63 @@ func (a *Acquirer) transferStatement(t, next string) {
 		t, next, d.nowMs, d.nowMs, durable)
 }
 
+// handHint is what the head of a line needs to settle a handoff whose
+// outcome was lost: the owner the grant would hold the row as, and when the
+// handoff was first sent (the earliest the grant can have been made, where
+// its local deadline counts from).
+type handHint struct {
+	owner string
+	sent  time.Time
+}
+
+// abandon settles a handoff made to a waiter of name whose context ended
+// before it received it: a handed lease is released, and a grant its hint
+// says may have landed is looked for and released (giveBack), so that
+// nobody waits out its ttl.
+func (a *Acquirer) abandon(ctx context.Context, name string, ttl time.Duration, h wakeup.Handoff) {
+	if h.Lease != nil {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		_ = h.Lease.Release(rctx)
+		return
+	}
+	if hint, ok := h.Hint.(handHint); ok && hint.owner != "" {
+		a.giveBack(ctx, name, hint.owner, ttl)
+	}
+}
+
 // transfer releases l by granting the lock to p, the head of its line (see
 // above), and hands the new lease to it. It returns what Release returns
 // for l.
 func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error {
 	a, name := l.a, l.Name()
-	owner := a.opts.Owner + nonceSep + nonce()
-	args := []any{a.db.text(name), int64(l.Token()), a.db.text(owner), ttlMs(r.ttl)}
-	sent := time.Now() // the earliest the grant can have been made
+	hint := handHint{owner: a.opts.Owner + nonceSep + nonce(), sent: time.Now()}
+	args := []any{a.db.text(name), int64(l.Token()), a.db.text(hint.owner), ttlMs(r.ttl)}
 	uncertain := false
 	var (
 		tok int64
 		err error
 	)
+	// hand ends the offer; a head that left meanwhile is settled here, as
+	// its own leaving would have (abandon).
+	hand := func(h wakeup.Handoff) {
+		if !a.line.Hand(p, h) {
+			a.abandon(ctx, name, r.ttl, h)
+		}
+	}
+	settled := false
+	defer func() {
+		if !settled {
+			// A panic (a driver's, a tracer's) on the way: the head must
+			// not wait on an offer that never ends. It tries on its own,
+			// as the owner of a grant that may have landed.
+			hand(wakeup.Handoff{Hint: hint})
+		}
+	}()
 	for i := 0; ; i++ {
 		err = a.db.queryRow(ctx, a.transfer, args, &tok)
 		if uncertain && (errors.Is(err, errNoRows) || a.db.ambiguous(err)) {
-			if t, rerr := a.held(ctx, name, owner); rerr == nil {
+			if t, rerr := a.held(ctx, name, hint.owner); rerr == nil {
 				tok, err = t, nil
 			}
 		}
@@ -97,55 +142,49 @@ func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error
 			break
 		}
 	}
+	settled = true
 	switch {
 	case err == nil:
-		nl := &lease{Base: leasekit.New(name, fence.Token(tok), r.ttl, a.opts.Drift, sent), a: a, chain: l.chain + 1}
+		// The released lease ends before the head can hold the new one.
+		l.End(context.Canceled)
+		nl := &lease{Base: leasekit.New(name, fence.Token(tok), r.ttl, a.opts.Drift, hint.sent), a: a, chain: l.chain + 1}
 		if nl.Context().Err() != nil {
 			// Past the head's local deadline already: it holds nothing.
 			_ = a.giveBackLate(ctx, nl)
-			a.line.Hand(p, wakeup.Handoff{})
+			hand(wakeup.Handoff{})
 			return nil
 		}
-		if !a.line.Hand(p, wakeup.Handoff{Lease: nl}) {
-			// The head gave up while the statement ran: given back, to
-			// the next waiter or to everyone.
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
-			defer cancel()
-			_ = nl.Release(rctx)
-		}
+		hand(wakeup.Handoff{Lease: nl})
 		return nil
 	case a.db.ambiguous(err):
 		// The grant may have landed: the head's next attempt runs as its
-		// owner and finds it.
-		a.line.Hand(p, wakeup.Handoff{Hint: owner})
+		// owner and finds it (or, if the head has gone, it is looked for
+		// and given back here).
+		hand(wakeup.Handoff{Hint: hint})
 		return a.wrap("release", a.db.unknown(err))
 	case errors.Is(err, errNoRows) && uncertain:
-		a.line.Hand(p, wakeup.Handoff{Hint: owner})
+		hand(wakeup.Handoff{Hint: hint})
 		return l.released(ctx)
 	case errors.Is(err, errNoRows):
 		// Not held by l (expired, or granted again): nothing changed.
-		a.line.Hand(p, wakeup.Handoff{})
+		hand(wakeup.Handoff{})
 		return l.lost()
 	case a.db.d.checkViolation(err):
 		// The counter is at MaxToken: the grant was refused, and the
 		// release is made without it; the head then learns of the
 		// exhausted counter from its own attempt.
 		rerr := l.releaseOnly(ctx)
-		a.line.Hand(p, wakeup.Handoff{})
+		hand(wakeup.Handoff{})
 		return rerr
+	case uncertain:
+		// A definite error now (a refused connection) says nothing of an
+		// earlier attempt whose reply was lost (HAZARDS 3).
+		hand(wakeup.Handoff{Hint: hint})
+		return a.wrap("release", fmt.Errorf("%w: an earlier attempt whose reply was lost may have handed the lock on: %w", fence.ErrUnknown, err))
 	default:
 		// Refused as a whole (a missing table, a connection that could not
 		// be had): nothing changed, l still holds.
-		a.line.Hand(p, wakeup.Handoff{Hint: ownerIf(uncertain, owner)})
+		hand(wakeup.Handoff{})
 		return a.wrap("release", err)
 	}
-}
-
-// ownerIf returns owner when an attempt whose reply was lost may have made
-// its grant, "" otherwise.
-func ownerIf(uncertain bool, owner string) string {
-	if uncertain {
-		return owner
-	}
-	return ""
 }

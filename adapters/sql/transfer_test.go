@@ -6,18 +6,20 @@ package sqlfence_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/internal/testenv"
 )
 
 // stmtCounter counts the grant statements (INSERT … RETURNING token) and
@@ -224,71 +226,144 @@ func TestHandoffLostReplies(t *testing.T) {
 	}
 }
 
-// TestHandoffChainLetsOthersIn: three workers of one Acquirer take the lock
-// in turn without end, each release handing it to the next of them; an
-// Acquire call of another Acquirer (another process) is still granted while
-// they go on, after a bounded chain of handoffs. The workers' heads try only
-// when they join, are handed the lock or poked (idleHead, no notifications),
-// and the other Acquirer polls: without the bound every release finds a head
-// to hand the lock to, and the other Acquirer never finds it free.
-func TestHandoffChainLetsOthersIn(t *testing.T) {
-	ctx, stopAll := context.WithCancel(context.Background())
-	defer stopAll()
-	a := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
-	b := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: 2 * time.Millisecond, Max: 5 * time.Millisecond}})
-	name := fencetest.Name("handoff-chain")
-	stop := make(chan struct{})
-	var (
-		wg     sync.WaitGroup
-		grants atomic.Int64
-		errs   = make(chan error, 3)
-	)
-	for range 3 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				l, err := a.Acquire(ctx, name, time.Minute)
+// TestHandoffChainBound: of the releases through one Acquirer, each with
+// one waiter of that Acquirer in line, at most 8 in a row hand the lock
+// over; the 9th releases it (with notifications, the waiters of other
+// processes hear of it with this Acquirer's head, which is not poked first),
+// and the head is still granted, at once: by the release's notification, or
+// by a poke without notifications.
+func TestHandoffChainBound(t *testing.T) {
+	for _, notify := range []bool{true, false} {
+		t.Run(fmt.Sprintf("notify=%v", notify), func(t *testing.T) {
+			ctx := context.Background()
+			c := &stmtCounter{}
+			a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, c)), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: !notify})
+			name := fencetest.Name("handoff-chain")
+			if notify {
+				// The listener runs while someone waits, and wakes every
+				// waiter when it starts: a waiter on another name keeps
+				// it running, so that each round's head is not woken by
+				// a start (it would be trying when the release comes).
+				other := fencetest.Name("handoff-chain-other")
+				ol, err := a.TryAcquire(ctx, other, time.Minute)
 				if err != nil {
-					if ctx.Err() == nil {
-						errs <- err
-					}
-					return
+					t.Fatal(err)
 				}
-				grants.Add(1)
-				time.Sleep(200 * time.Microsecond) // the work under the lock
-				if err := l.Release(context.Background()); err != nil {
-					errs <- err
-					return
+				octx, ocancel := context.WithCancel(ctx)
+				sentinel := goAcquire(octx, a, other, time.Minute)
+				defer func() {
+					ocancel()
+					<-sentinel
+					_ = ol.Release(ctx)
+				}()
+				waitLine(t, a, other, 1)
+				waitHeadIdle(t, a, other)
+			}
+			l, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var kinds []string
+			for range 19 {
+				head := goAcquire(ctx, a, name, time.Minute)
+				waitLine(t, a, name, 1)
+				waitHeadIdle(t, a, name)
+				before := c.handoffs.Load()
+				if err := l.Release(ctx); err != nil {
+					t.Fatal(err)
 				}
+				r := within(t, head, 10*time.Second, "the head (a plain release did not wake it)")
+				if r.err != nil {
+					t.Fatal(r.err)
+				}
+				if r.l.Token() <= l.Token() {
+					t.Fatalf("token %d after %d", r.l.Token(), l.Token())
+				}
+				kind := "handoff"
+				if c.handoffs.Load() == before {
+					kind = "release"
+				}
+				kinds = append(kinds, kind)
+				l = r.l
+			}
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			want := strings.Repeat("handoff ", 8) + "release " + strings.Repeat("handoff ", 8) + "release handoff"
+			if got := strings.Join(kinds, " "); got != want {
+				t.Fatalf("releases: %s\nwant:     %s", got, want)
+			}
+		})
+	}
+}
+
+// handoffPanicker is a pgx tracer that panics in the first handoff
+// statement started after arm, and counts grant statements.
+type handoffPanicker struct {
+	armed  atomic.Bool
+	grants atomic.Int64
+}
+
+func (p *handoffPanicker) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(d.SQL, "WITH g AS (UPDATE") && p.armed.CompareAndSwap(true, false) {
+		panic("review: the driver panics in the handoff")
+	}
+	if strings.Contains(d.SQL, "INSERT INTO") && strings.Contains(d.SQL, "RETURNING token") {
+		p.grants.Add(1)
+	}
+	return ctx
+}
+
+func (p *handoffPanicker) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestHandoffPanicFreesHead: the handoff statement panics (a driver or a
+// hook) and the releaser's caller recovers. The head is not left waiting on
+// an offer that never ends: it tries on its own at once (a grant statement),
+// and is free to be offered again.
+func TestHandoffPanicFreesHead(t *testing.T) {
+	ctx := context.Background()
+	pk := &handoffPanicker{}
+	pgPool(t, pgOpts{}) // the default tables
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Tracer = pk
+	// Not closed: pgxpool's Close waits for the connection the panic leaked.
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	name := fencetest.Name("handoff-panic")
+	h, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	head := goAcquire(hctx, a, name, time.Minute)
+	waitLine(t, a, name, 1)
+	waitHeadIdle(t, a, name)
+	grants := pk.grants.Load()
+	pk.armed.Store(true)
+	func() {
+		defer func() {
+			if r := recover(); r == nil {
+				t.Fatal("the release did not panic: the test did not test it")
 			}
 		}()
-	}
-	defer func() {
-		close(stop)
-		stopAll() // a worker may wait on in the line, for its backoff
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			t.Error(err)
-		}
+		_ = h.Release(ctx)
 	}()
-	for grants.Load() < 1 {
-		time.Sleep(time.Millisecond) // the workers are handing the lock round
+	for end := time.Now().Add(5 * time.Second); pk.grants.Load() == grants; {
+		if time.Now().After(end) {
+			t.Fatal("the head made no attempt of its own within 5s of a handoff that panicked: it waits on an offer that never ended")
+		}
+		time.Sleep(time.Millisecond) // polling the statement count
 	}
-	bctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	l, err := b.Acquire(bctx, name, time.Minute)
-	if err != nil {
-		t.Fatalf("another Acquirer's Acquire, while one Acquirer's workers hand the lock round (%d grants): %v", grants.Load(), err)
-	}
-	t.Logf("granted to the other Acquirer after %d grants of the workers", grants.Load())
-	if err := l.Release(ctx); err != nil {
-		t.Fatal(err)
+	waitHeadIdle(t, a, name) // the row is still held (the release never ran): the head waits again
+	cancel()
+	if r := within(t, head, 5*time.Second, "the head"); r.l != nil || !errors.Is(r.err, fence.ErrHeld) {
+		t.Fatalf("the head after its context ended: %v, %v; want ErrHeld", r.l, r.err)
 	}
 }

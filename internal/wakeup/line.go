@@ -128,22 +128,21 @@ func (l *Line) HeadWaiting(name string) bool {
 	return h.attempts > 0 && !h.trying && !h.offered
 }
 
-// leaving marks p's waiter as gone while an offer is in flight, so that the
-// releaser gives back what it granted; it returns a lease already handed to
-// it and not yet received, which the caller gives back.
-func (p *Place) leaving() fence.Lease {
+// leaving marks p's waiter as gone, so that the releaser of an offer in
+// flight gives back what it granted; it returns a handoff already made to
+// it and not yet received (ok), which the caller settles.
+func (p *Place) leaving() (h Handoff, ok bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.offered {
-		p.gone = true
-		return nil
-	}
 	p.gone = true
+	if p.offered {
+		return Handoff{}, false
+	}
 	select {
 	case h := <-p.handed:
-		return h.Lease
+		return h, true
 	default:
-		return nil
+		return Handoff{}, false
 	}
 }
 
@@ -311,7 +310,7 @@ func (l *Line) stall() time.Duration {
 // returns an error matching fence.ErrHeld and ctx's cause; try decides what
 // an attempt that fails as ctx ends returns.
 func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen func(wake chan struct{}) func(), try func(context.Context) (fence.Lease, error)) (fence.Lease, error) {
-	return l.AcquireHanded(ctx, b, name, nil, listen, func(ctx context.Context, _ any) (fence.Lease, error) { return try(ctx) })
+	return l.AcquireHanded(ctx, b, name, nil, listen, func(ctx context.Context, _ any) (fence.Lease, error) { return try(ctx) }, nil)
 }
 
 // AcquireHanded is Acquire for an acquirer whose releases can grant the lock
@@ -320,8 +319,10 @@ func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen
 // that made no grant (nil otherwise). A handed lease is returned as try's
 // would be. A waiter whose ctx ends while an offer to it is in flight
 // returns at once; the releaser gives back what it grants (Hand reports
-// false), and a lease handed just as ctx ended is given back here.
-func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, req any, listen func(wake chan struct{}) func(), try func(context.Context, any) (fence.Lease, error)) (fence.Lease, error) {
+// false). A handoff made just as ctx ended, not yet received, goes to
+// abandon (when not nil) before AcquireHanded returns: the acquirer gives
+// back its lease, or settles what its Hint says may have been granted.
+func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, req any, listen func(wake chan struct{}) func(), try func(context.Context, any) (fence.Lease, error), abandon func(Handoff)) (fence.Lease, error) {
 	b = b.WithDefaults()
 	ctx, cancel := leasekit.WithMaxWait(ctx, b)
 	defer cancel()
@@ -342,11 +343,9 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 		return lease, err
 	}
 	gaveUp := func() (fence.Lease, error) {
-		if lease := p.leaving(); lease != nil {
-			// Handed as ctx ended: given back, so nobody waits out its ttl.
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
-			defer cancel()
-			_ = lease.Release(rctx)
+		if h, ok := p.leaving(); ok && abandon != nil {
+			// Handed as ctx ended: settled, so nobody waits out a ttl.
+			abandon(h)
 		}
 		return nil, GaveUp(ctx)
 	}
