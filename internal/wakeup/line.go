@@ -41,6 +41,7 @@ type Place struct {
 
 	head      chan struct{} // closed when this place becomes the head
 	req       any           // the waiter's request, for a handoff (AcquireHanded); nil: never offered
+	abandon   func(Handoff) // settles a handoff the waiter will not take (AcquireHanded's)
 	handed    chan Handoff  // the outcome of an offer (buffer of one: one offer at a time)
 	mu        sync.Mutex
 	tryingFor time.Time // when the head's current attempt or the offer to it began; zero between them
@@ -62,11 +63,15 @@ type Handoff struct {
 // Offer reserves the head of name's line for a handoff: the releaser of the
 // lock grants it straight to that waiter, then calls Hand with the outcome.
 // It returns the head's place and its request, or nil when the line is
-// empty, its head has no request (it did not join through AcquireHanded),
-// is inside an attempt of its own, or is already offered. Until Hand, the
-// head makes no attempt of its own, and the time counts as an attempt for
-// the waiters behind it (they try after the stall limit, so a releaser
-// stuck on a dead connection does not hold them up for ever).
+// empty, its head has no request (it did not join through AcquireHanded) or
+// is already offered, or is stuck in an attempt of its own for longer than
+// the stall limit. A head inside a younger attempt is offered too:
+// that attempt finds the lock held (the releaser holds it until its
+// statement grants it to the head), and the head then waits for the offer's
+// outcome. Until Hand, the head makes no new attempt of its own, and the
+// time counts as an attempt for the waiters behind it (they try after the
+// stall limit, so a releaser stuck on a dead connection does not hold them
+// up for ever).
 func (l *Line) Offer(name string) (*Place, any) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -77,25 +82,47 @@ func (l *Line) Offer(name string) (*Place, any) {
 	p := list[0]
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.trying || p.offered || p.gone {
+	if p.offered || p.gone || p.trying && time.Since(p.tryingFor) > l.stall() {
+		// A head stuck in its attempt is passed over, as the waiters
+		// behind it pass it over: a handoff would wait for that attempt.
 		return nil, nil
 	}
-	p.offered, p.tryingFor = true, time.Now()
+	p.offered = true
+	if !p.trying {
+		p.tryingFor = time.Now()
+	}
 	return p, p.req
 }
 
 // Hand ends the offer made to p: h.Lease is the lease granted to its waiter,
 // or nil when the releaser made no grant (the waiter then tries at once, with
 // h.Hint). It reports false when the waiter left while the offer was in
-// flight: the caller then gives the lease back.
+// flight (it gave up, or its own attempt ended the wait): the caller then
+// gives the lease back, or settles what the Hint says may have been granted.
 func (l *Line) Hand(p *Place, h Handoff) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.offered, p.tryingFor = false, time.Time{}
+	p.offered = false
+	if !p.trying {
+		p.tryingFor = time.Time{}
+	}
 	if p.gone {
 		return false
 	}
 	p.handed <- h // never blocks: one offer at a time, and each outcome is received before the next offer
+	if p.trying && (h.Lease != nil || h.Hint != nil) && p.abandon != nil {
+		// The waiter is inside an attempt of its own and takes the handoff
+		// when that ends. An attempt stuck longer than the stall limit (a
+		// dead connection) must not keep the lock from the waiters behind
+		// it: the handoff is then taken back and settled.
+		time.AfterFunc(l.stall(), func() {
+			select {
+			case h := <-p.handed:
+				p.abandon(h)
+			default: // taken
+			}
+		})
+	}
 	return true
 }
 
@@ -149,11 +176,11 @@ func (p *Place) leaving() (h Handoff, ok bool) {
 // Join adds a waiter for name at the back of the line and returns its place.
 // A place that joins an empty line is the head at once.
 func (l *Line) Join(name string) *Place {
-	return l.join(name, nil)
+	return l.join(name, nil, nil)
 }
 
-func (l *Line) join(name string, req any) *Place {
-	p := &Place{Wake: make(chan struct{}, 1), head: make(chan struct{}), req: req, handed: make(chan Handoff, 1)}
+func (l *Line) join(name string, req any, abandon func(Handoff)) *Place {
+	p := &Place{Wake: make(chan struct{}, 1), head: make(chan struct{}), req: req, abandon: abandon, handed: make(chan Handoff, 1)}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.names == nil {
@@ -214,7 +241,7 @@ func (p *Place) Trying(on bool) {
 	p.trying = on
 	if on {
 		p.tryingFor = time.Now()
-	} else {
+	} else if !p.offered {
 		p.tryingFor = time.Time{}
 	}
 }
@@ -231,6 +258,9 @@ func (l *Line) Leave(name string, p *Place, granted bool) {
 			continue
 		}
 		list = append(list[:i:i], list[i+1:]...)
+		p.mu.Lock()
+		p.gone = true // an offer in flight is settled by its releaser (Hand reports false)
+		p.mu.Unlock()
 		if i == 0 && len(list) > 0 {
 			close(list[0].head)
 			if !granted {
@@ -326,7 +356,7 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 	b = b.WithDefaults()
 	ctx, cancel := leasekit.WithMaxWait(ctx, b)
 	defer cancel()
-	p := l.join(name, req)
+	p := l.join(name, req, abandon)
 	granted := false
 	defer func() { l.Leave(name, p, granted) }()
 	var hint any // the hint of the last handoff that made no grant, for the next attempt
