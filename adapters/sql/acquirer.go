@@ -385,7 +385,7 @@ var errLate = fmt.Errorf("%w (granted past its local deadline)", fence.ErrLost)
 func (a *Acquirer) giveBackLate(ctx context.Context, l *lease) error {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 	defer cancel()
-	if err := l.Release(rctx); err != nil && !errors.Is(err, fence.ErrLost) {
+	if err := l.giveBackRelease(rctx); err != nil && !errors.Is(err, fence.ErrLost) {
 		return fmt.Errorf("sqlfence: acquire %q: token %d given back (its release: %v; the row frees itself after the ttl): %w", l.Name(), l.Token(), err, errLate)
 	}
 	return fmt.Errorf("sqlfence: acquire %q: token %d given back: %w", l.Name(), l.Token(), errLate)
@@ -416,7 +416,20 @@ func (a *Acquirer) giveBack(ctx context.Context, name, owner string, ttl time.Du
 		return false
 	}
 	l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, time.Now()), a: a}
-	return l.Release(bctx) == nil
+	return l.giveBackRelease(bctx) == nil
+}
+
+// giveBackRelease releases l, a grant its caller gives back (it came back
+// late, or its Acquire gave up): a release only, never a handoff, which
+// would hand the lock to the head of the line, the very waiter giving it
+// back from inside its attempt (review 8), or to a waiter behind it before
+// the yield that lets it go first.
+func (l *lease) giveBackRelease(ctx context.Context) error {
+	if err := checkLive("release", ctx); err != nil {
+		return err
+	}
+	defer l.End(context.Canceled)
+	return l.releaseOnly(ctx)
 }
 
 // nonceSep separates the acquirer's owner from a grant's nonce in the lease

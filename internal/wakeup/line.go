@@ -82,7 +82,8 @@ func (l *Line) Offer(name string) (*Place, any) {
 	p := list[0]
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.offered || p.gone || p.trying && time.Since(p.tryingFor) > l.stall() {
+	if p.offered || p.gone || len(p.handed) > 0 || p.trying && time.Since(p.tryingFor) > l.stall() {
+		// (An outcome of an earlier offer not yet taken: one at a time.)
 		// A head stuck in its attempt is passed over, as the waiters
 		// behind it pass it over: a handoff would wait for that attempt.
 		return nil, nil
@@ -109,7 +110,11 @@ func (l *Line) Hand(p *Place, h Handoff) bool {
 	if p.gone {
 		return false
 	}
-	p.handed <- h // never blocks: one offer at a time, and each outcome is received before the next offer
+	select {
+	case p.handed <- h: // one offer at a time, each outcome taken before the next offer (Offer checks)
+	default:
+		return false // not reached; were it, the caller settles h rather than block
+	}
 	if p.trying && (h.Lease != nil || h.Hint != nil) && p.abandon != nil {
 		// The waiter is inside an attempt of its own and takes the handoff
 		// when that ends. An attempt stuck longer than the stall limit (a
