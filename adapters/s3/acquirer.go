@@ -129,11 +129,11 @@ type AcquirerOptions struct {
 // lock is granted at once. An expired one is granted again 0 to 2s + 2 x
 // DateLag after its ttl ran out on S3's clock, counted from when the grant's
 // or renewal's PUT was sent (6s with the default DateLag), plus a round trip
-// and the waiter's poll: up to 1s + DateLag later when the
-// writer's Date was fresh (its expiry is set for a Date as old as can be), and
-// up to 1s + DateLag more when the reader's Date is as old as can be; 0 when
-// the writer's Date was that old and the reader's fresh. From a server that
-// sets Date from its clock on every response it is DateLag to 2s + DateLag.
+// and the waiter's poll: up to 1s + DateLag later when the writer's Date was
+// fresh (its expiry is set for a Date as old as can be), and up to 1s +
+// DateLag more when the reader's Date is as old as can be; 0 when the
+// writer's Date was that old and the reader's fresh. From a server that sets
+// Date from its clock on every response it is DateLag to 2s + DateLag.
 // The holder's local deadline is measured from before the request that set
 // the lease, less Drift; this tolerates clock rates differing by up to Drift
 // over a ttl, and no clock offset at all. A read whose answer has no Date
