@@ -34,6 +34,16 @@ const MinAcquirerTTL = time.Second
 // in the year 2300 or so fits the lock object's milliseconds).
 const MaxAcquirerTTL = time.Duration(math.MaxInt64)
 
+// DefaultDateLag is AcquirerOptions.DateLag when it is zero: it covers a
+// server that caches its Date header and refreshes it once a second (a Date
+// up to a second older than its truncation alone makes it), even when the
+// refresh runs up to a second late.
+const DefaultDateLag = 2 * time.Second
+
+// MaxDateLag is the largest AcquirerOptions.DateLag NewAcquirer accepts: a
+// Date further behind than that is a broken clock, not a cached header.
+const MaxDateLag = time.Hour
+
 // AcquirerOptions configures an Acquirer. A nil *AcquirerOptions means the defaults.
 type AcquirerOptions struct {
 	// Prefix starts the key of every lock object. Default: "fencekit-locks/".
@@ -51,6 +61,20 @@ type AcquirerOptions struct {
 	// MaxAttempts bounds how often one TryAcquire, Renew or Release reads and
 	// writes again after a conflict or an ambiguous answer. Default: 8.
 	MaxAttempts int
+	// DateLag is how far the Date header of a response may be behind S3's
+	// clock beyond its truncation to whole seconds, as for a server that
+	// caches its Date header (see "Time" at Acquirer). Every expiry the
+	// acquirer writes is that much later, an expired lock is granted again
+	// up to twice that much later, and a new lock object's first grant
+	// waits that much longer. Default (zero): DefaultDateLag, 2s. A Date
+	// further behind than DateLag can let a lock be granted while its
+	// holder's context is still live, by as much as the excess (the fence
+	// still refuses the old holder's writes). Any tiny value, such as
+	// time.Nanosecond, asks for no lag beyond whole seconds: only for a
+	// server known to set Date from its clock on every response. Negative,
+	// or above MaxDateLag: NewAcquirer returns an error matching
+	// fence.ErrInvalid naming DateLag.
+	DateLag time.Duration
 }
 
 // Acquirer grants leases from lock objects in an S3 bucket, with conditional
@@ -71,32 +95,56 @@ type AcquirerOptions struct {
 // Someone else may delete a lock object (a lifecycle rule, an operator, a
 // bucket cleanup) while its holder still runs. The next grant then creates a
 // new object, free and marked new (If-None-Match: *), reads it again, and
-// takes its counter from S3's clock instead of 1: at the second after the Date
-// of that read, in microseconds (about 1.7e15 today; below 2^53 until the year
-// 2255), and waits until S3's time has reached that second before it writes
-// the grant, conditional on the new object's ETag. The token never comes from
-// a read that found no object: a creating PUT may land long after that read,
-// after another object's whole life. So a name's first grant, and the first
-// after a deletion, take about a second and two requests longer. Its token is
-// above every token the deleted object handed out, provided (a) S3's clock, as its Date headers tell
-// it, does not go back between the two objects, and (b) the old object saw
-// fewer than a million grants per second of its life (S3 accepts far fewer
-// writes to one object). A stalled holder's write is then refused by the fence.
+// takes its counter from S3's clock instead of 1: S3's latest possible time at
+// that read (the second after its Date, plus DateLag), in microseconds (about
+// 1.7e15 today; below 2^53 until the year 2255), and waits until S3's time has
+// certainly reached it before it writes the grant, conditional on the new
+// object's ETag. The token never comes from a read that found no object: a
+// creating PUT may land long after that read, after another object's whole
+// life. So a name's first grant, and the first after a deletion, take about
+// a second plus DateLag (3s by default) and two requests longer. Its token is
+// above every token the deleted object handed out, provided (a) S3's clock
+// does not go back between the two objects and its Date headers are no
+// further behind it than DateLag beyond whole seconds, and (b) the old object
+// saw fewer than a million grants per second of its life (S3 accepts far
+// fewer writes to one object). A stalled holder's write is then refused by
+// the fence.
 //
 // # Time
 //
 // Expiry is decided on S3's clock, read from the Date header of its own
 // responses, never on the client's: the client's wall clock may be off by any
-// amount (only its monotonic clock measures the time since a response). S3's
-// Date has whole seconds, so a writer records an expiry of at least S3's
-// latest possible time plus the ttl, and a reader takes a lock for expired only
-// when S3's earliest possible time has passed it: an expired lock is granted
-// again 0 to 2 seconds after its ttl ran out, and a released one at once. The
-// holder's local deadline is measured from before the request that set the
-// lease, less Drift; this tolerates clock rates differing by up to Drift over a
-// ttl, and no clock offset at all. A read whose answer has no Date header is
-// an error; a PUT whose answer has none (a proxy may drop it) computes the
-// next expiry from the last Date seen, which only makes it later.
+// amount (only its monotonic clock measures the time since a response). A Date
+// has whole seconds, and may be older still: a server that caches its Date
+// header and refreshes it about once a second (as servers built on fasthttp
+// do) sends a Date up to a second older than the truncation alone makes it,
+// more when the refresh runs late. DateLag bounds that extra age (2s by
+// default). So S3's time, when it answered, was at least the Date and less
+// than the Date plus 1s plus DateLag.
+//
+// A writer records an expiry of at least S3's latest possible time (the Date,
+// plus 1s, plus DateLag, plus the time since its request was sent) plus the
+// ttl, and a reader takes a lock for expired only when S3's earliest possible
+// time (the Date plus the time since its answer) has passed it. A released
+// lock is granted at once. An expired one is granted again 0 to 2s + 2 x
+// DateLag after its ttl ran out on S3's clock, counted from when the grant's
+// or renewal's PUT was sent (6s with the default DateLag), plus a round trip
+// and the waiter's poll: up to 1s + DateLag later when the writer's Date was
+// fresh (its expiry is set for a Date as old as can be), and up to 1s +
+// DateLag more when the reader's Date is as old as can be; 0 when the
+// writer's Date was that old and the reader's fresh. From a server that sets
+// Date from its clock on every response it is DateLag to 2s + DateLag.
+// The holder's local deadline is measured from before the request that set
+// the lease, less Drift; this tolerates clock rates differing by up to Drift
+// over a ttl, and no clock offset at all. A read whose answer has no Date
+// header is an error; a PUT whose answer has none (a proxy may drop it)
+// computes the next expiry from the last Date seen, which only makes it later.
+//
+// A Date further behind S3's clock than DateLag (beyond whole seconds), on the
+// answer a writer computes an expiry from, makes that expiry too early by the
+// excess: a reader with a fresher Date could then grant the lock while the
+// holder's context is still live (its writes are still refused by the fence
+// once the next holder has written).
 //
 // Every client of a lock must see S3's own Date header. A proxy or gateway
 // that sets Date from its own clock (or a client whose transport rewrites it)
@@ -140,6 +188,9 @@ func NewAcquirer(api API, bucket string, opts *AcquirerOptions) (*Acquirer, erro
 	if o.Drift < 0 || o.MaxAttempts < 0 {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "options", Reason: "Drift and MaxAttempts may not be negative"}
 	}
+	if o.DateLag < 0 || o.DateLag > MaxDateLag {
+		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "DateLag", Reason: fmt.Sprintf("%v is outside 0 to %v", o.DateLag, MaxDateLag)}
+	}
 	if err := leasekit.CheckBackoff("new acquirer", o.Backoff); err != nil {
 		return nil, err
 	}
@@ -158,6 +209,9 @@ func NewAcquirer(api API, bucket string, opts *AcquirerOptions) (*Acquirer, erro
 	}
 	if o.MaxAttempts == 0 {
 		o.MaxAttempts = 8
+	}
+	if o.DateLag == 0 {
+		o.DateLag = DefaultDateLag
 	}
 	return &Acquirer{api: api, bucket: bucket, o: o}, nil
 }
@@ -180,18 +234,25 @@ type lockState struct {
 const lockFormat = "lock-v1"
 
 // s3Clock is what one S3 response told about S3's time: its Date (whole
-// seconds) and when the request was sent and its answer received, on the
-// local monotonic clock.
+// seconds, and up to lag behind beyond that) and when the request was sent
+// and its answer received, on the local monotonic clock.
 type s3Clock struct {
 	date       time.Time
 	sent, recv time.Time
+	lag        time.Duration // the acquirer's DateLag
 }
 
-// earliest is S3's earliest possible time now.
+// earliest is S3's earliest possible time now: the Date was set at or before
+// the answer was received, and is never ahead of S3's clock. A stale Date
+// only makes it earlier.
 func (c s3Clock) earliest() time.Time { return c.date.Add(time.Since(c.recv)) }
 
-// latest is S3's latest possible time now.
-func (c s3Clock) latest() time.Time { return c.date.Add(time.Second + time.Since(c.sent)) }
+// latest is S3's latest possible time now: the Date was set at or after the
+// request was sent, and is less than a second (its truncation) plus lag
+// behind S3's clock.
+func (c s3Clock) latest() time.Time {
+	return c.date.Add(time.Second + c.lag + time.Since(c.sent))
+}
 
 // observed is one read of a lock object.
 type observed struct {
@@ -258,7 +319,7 @@ func (a *Acquirer) read(ctx context.Context, name string) (observed, error) {
 	if !ok {
 		return observed{}, errors.New("s3fence: the server's response has no Date header, and leases need S3's clock")
 	}
-	o := observed{clock: s3Clock{date: date, sent: sent, recv: recv}}
+	o := observed{clock: s3Clock{date: date, sent: sent, recv: recv, lag: a.o.DateLag}}
 	if err != nil {
 		return o, nil // no such lock object yet
 	}
@@ -299,7 +360,7 @@ func (a *Acquirer) write(ctx context.Context, name, etag string, st lockState, p
 	}
 	sent := time.Now()
 	out, err := a.api.PutObject(ctx, in, noRetries)
-	clock := s3Clock{sent: sent, recv: time.Now()}
+	clock := s3Clock{sent: sent, recv: time.Now(), lag: a.o.DateLag}
 	var md *middleware.Metadata
 	if out != nil {
 		md = &out.ResultMetadata
@@ -326,8 +387,8 @@ func newLockNonce() string {
 // the prefix at most 1024 bytes), compared byte for byte. A counter at
 // fence.MaxToken returns fence.ErrTokensExhausted. A grant that creates the
 // lock object (a name's first, or the first after its object was deleted)
-// waits about a second for S3's clock: see "Tokens when the lock object is
-// deleted". A grant whose answer was lost is recognised and returned; one
+// waits about a second plus DateLag for S3's clock: see "Tokens when the
+// lock object is deleted". A grant whose answer was lost is recognised and returned; one
 // that cannot be confirmed before ctx ends returns an error and is released
 // in the background.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
@@ -423,17 +484,23 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	return nil, a.failed("acquire", name, fmt.Errorf("%d attempts: %w", a.o.MaxAttempts, ErrContention), ambiguous)
 }
 
-// creationToken is the token of a new lock object: the second after S3's Date
-// on a read that found it new, in microseconds. It first waits until S3's time
-// has certainly reached that second (about a second after the read), so the
-// PUT of the grant lands at or after the time its token stands for. Any later
-// read that finds a newer new object (created after this one was deleted) has
-// a Date at or past that second, and its token is at least a second (a
-// million) higher: above this object's tokens, which grow by one per grant.
-// An object deleted before this one was created made all its grants before
-// the read, so below the read's second plus one.
+// creationToken is the token of a new lock object: S3's latest possible time
+// when it answered a read that found the object new (the second after its
+// Date, plus DateLag), in microseconds, rounded up. It first waits until S3's
+// time has certainly reached that time (by its earliest possible time: about
+// a second plus DateLag after the read), so the PUT of the grant lands at or
+// after the time its token stands for, and this object's tokens, which grow
+// by one per grant (fewer than a million a second), stay below S3's time in
+// microseconds. An object deleted before this one was created made all its
+// grants before the read, so its tokens are below S3's time at the read, and
+// so below this token; and any later read that finds a newer new object
+// (created after this one was deleted) gives a token above S3's time at that
+// read: above this object's tokens.
 func (a *Acquirer) creationToken(ctx context.Context, c s3Clock) (uint64, error) {
-	floor := c.date.Truncate(time.Second).Add(time.Second)
+	floor := c.date.Truncate(time.Second).Add(time.Second + c.lag)
+	if r := floor.Sub(floor.Truncate(time.Microsecond)); r > 0 {
+		floor = floor.Add(time.Microsecond - r)
+	}
 	if wait := floor.Sub(c.earliest()); wait > 0 {
 		t := time.NewTimer(wait)
 		defer t.Stop()
@@ -541,7 +608,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 }
 
 // Inspect reads name's lock object: its holder (the owner recorded by the
-// grant), the time left on S3's clock (at least; up to a second more), and
+// grant), the time left on S3's clock (at least; up to 1s + DateLag more), and
 // its counter.
 func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, error) {
 	if err := a.check("inspect", ctx, name); err != nil {

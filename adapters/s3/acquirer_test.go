@@ -26,11 +26,12 @@ func newAcquirer(t testing.TB, e *s3env) *s3fence.Acquirer {
 }
 
 // TestAcquirerConformance runs the acquirer suite on gofakes3 and on the real
-// S3 server. S3 tells time in whole seconds, so an expired lease is granted
-// again up to 2s after its ttl (counted from the grant's answer; a name's
-// first grant also waits about a second for S3's clock before it answers),
-// which the suite's StaleRenewKeepsNewHolder waits ShortTTL/2 for: the short
-// ttl is 4s.
+// S3 server. S3 tells time in whole seconds, and a Date may be up to DateLag
+// (2s by default) older still, so an expired lease is granted again up to 2s
+// + 2 x DateLag = 6s after its ttl (counted from the grant's answer; a name's
+// first grant also waits about 1s + DateLag for S3's clock before it
+// answers), which the suite's StaleRenewKeepsNewHolder waits ShortTTL/2 for:
+// the short ttl is 12s.
 func TestAcquirerConformance(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		t.Parallel()
@@ -45,7 +46,7 @@ func TestAcquirerConformance(t *testing.T) {
 				return newAcquirer(t, &s3env{c: c, bucket: e.bucket})
 			},
 			Faulty:   faultyAcquirer(e),
-			ShortTTL: 4 * time.Second,
+			ShortTTL: 2 * (2*time.Second + 2*s3fence.DefaultDateLag),
 			// Renewals are conditional PUTs to a server process that
 			// shares the two CPUs: on versitygw in loaded run L7 a Hold
 			// lost its 5s lease, no renewal confirmed within two thirds
@@ -192,13 +193,14 @@ func testClockSkew(t *testing.T, e *s3env, f *faults) {
 		}
 		granted := time.Now()
 		// The renewal holds the lock for its ttl from when S3 received it
-		// (after renewSent), and S3's whole-second Date frees it at most 2s
-		// after its expiry; allow 1s more for the polls of a loaded machine.
+		// (after renewSent), and S3's Date (whole seconds, up to DateLag
+		// older still) frees it at most 2s + 2 x DateLag after its expiry;
+		// allow 1s more for the polls of a loaded machine.
 		if early := renewSent.Add(2 * time.Second); granted.Before(early) {
 			t.Errorf("server clock %v off: granted %v after the renewal was sent, within its 2s ttl", off, granted.Sub(renewSent))
 		}
-		if late := renewed.Add(2*time.Second + 2*time.Second + time.Second); granted.After(late) {
-			t.Errorf("server clock %v off: granted %v after the renewal's answer, over its 2s ttl plus S3's 2s plus 1s", off, granted.Sub(renewed))
+		if late := renewed.Add(2*time.Second + 2*time.Second + 2*s3fence.DefaultDateLag + time.Second); granted.After(late) {
+			t.Errorf("server clock %v off: granted %v after the renewal's answer, over its 2s ttl plus S3's 2s + 2 x DateLag plus 1s", off, granted.Sub(renewed))
 		}
 		if l2.Token() <= l1.Token() || l1.Context().Err() == nil {
 			t.Errorf("server clock %v off: token %d (first %d); the first lease's context done: %v",
@@ -306,14 +308,18 @@ func testLockObjectDeleted(t *testing.T, e *s3env) {
 // TestRenewAfterLocalDeadline (HAZARDS 6): a Renew sent once the lease's
 // context has ended returns ErrLost and must not hold the lock on S3 again:
 // another acquirer is granted when the original lease runs out on S3's clock
-// (up to 2s late, S3's Date having whole seconds), not a ttl after the renewal.
+// (up to 2s + 2 x DateLag late, S3's Date having whole seconds and being up to
+// DateLag older still), not a ttl after the renewal.
 func TestRenewAfterLocalDeadline(t *testing.T) { servers(t, testRenewAfterLocalDeadline) }
 
 func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
 	a := newAcquirer(t, e)
 	ctx := context.Background()
 	name := fencetest.Name("late-renew")
-	const ttl = 5 * time.Second
+	// Longer than 2s + 2 x DateLag and the 1.5s allowed for a loaded
+	// machine, so that a renewal that landed (holding the lock until about
+	// start+2*ttl) would be told from the original lease's expiry.
+	const ttl = 10 * time.Second
 	// The name's lock object exists before the timed grant.
 	l0, err := a.TryAcquire(ctx, name, ttl)
 	if err != nil {
@@ -329,14 +335,14 @@ func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
 	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
 		t.Fatalf("renew after the local deadline: %v, want ErrLost", err)
 	}
-	// The original lease ends on S3's clock by start+ttl; S3's whole-second
-	// Date grants it up to 2s later. A renewal that landed would hold it
-	// until about start+2*ttl.
-	wctx, cancel := context.WithDeadline(ctx, start.Add(ttl+3500*time.Millisecond))
+	// The original lease ends on S3's clock by start+ttl; S3's Date grants it
+	// up to 2s + 2 x DateLag later (allow 1.5s more for a loaded machine). A
+	// renewal that landed would hold it until about start+2*ttl.
+	wctx, cancel := context.WithDeadline(ctx, start.Add(ttl+2*time.Second+2*s3fence.DefaultDateLag+1500*time.Millisecond))
 	defer cancel()
 	l2, err := a.Acquire(wctx, name, ttl)
 	if err != nil {
-		t.Fatalf("another acquirer, within the original lease's ttl (and S3's 2s): %v", err)
+		t.Fatalf("another acquirer, within the original lease's ttl (and S3's 2s + 2 x DateLag): %v", err)
 	}
 	if l2.Token() <= l.Token() {
 		t.Errorf("token %d not above %d", l2.Token(), l.Token())
@@ -383,7 +389,9 @@ func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
 		f.release, f.landed, f.held = make(chan int), make(chan int, 1), make(chan struct{}, 1)
 		defer func() { f.held = nil }()
 		f.inject("", "hold") // the grant's PUT, after the one creating the object
-		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		// Long enough for the creation's wait for S3's clock (1s + DateLag)
+		// before the grant's PUT.
+		cctx, cancel := context.WithTimeout(ctx, 2*time.Second+s3fence.DefaultDateLag)
 		defer cancel()
 		granted := make(chan fence.Lease, 1)
 		go func() {

@@ -473,9 +473,9 @@ func TestLineReviewCauseStillMatches(t *testing.T) {
 }
 
 // TestLineReviewExpiry: a holder of another acquirer that never releases (ttl
-// 1s); the head of the line is granted within the ttl, S3's 2s of clock
-// uncertainty and one Backoff.Max (500ms) of it expiring, and so is each of
-// the next two waiters after the lease before it expires in turn.
+// 1s); the head of the line is granted within the ttl, S3's 2s + 2 x DateLag
+// of clock uncertainty and one Backoff.Max (500ms) of it expiring, and so is
+// each of the next two waiters after the lease before it expires in turn.
 func TestLineReviewExpiry(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
@@ -498,12 +498,12 @@ func TestLineReviewExpiry(t *testing.T) {
 			waitLine(t, a, name, i+1)
 		}
 		for i, w := range ws {
-			r := within(t, w, 10*time.Second, fmt.Sprintf("waiter %d", i))
+			r := within(t, w, 15*time.Second, fmt.Sprintf("waiter %d", i))
 			if r.err != nil {
 				t.Fatalf("waiter %d: %v", i, r.err)
 			}
-			if d := r.at.Sub(prev); d > time.Second+2*time.Second+500*time.Millisecond+500*time.Millisecond {
-				t.Errorf("waiter %d granted %v after the grant before it (ttl 1s, Backoff.Max 500ms)", i, d.Round(time.Millisecond))
+			if d := r.at.Sub(prev); d > time.Second+2*time.Second+2*s3fence.DefaultDateLag+500*time.Millisecond+500*time.Millisecond {
+				t.Errorf("waiter %d granted %v after the grant before it (ttl 1s, 2s + 2 x DateLag, Backoff.Max 500ms)", i, d.Round(time.Millisecond))
 			}
 			if r.l.Token() <= last {
 				t.Fatalf("waiter %d: token %v after %v", i, r.l.Token(), last)

@@ -46,6 +46,13 @@ type faults struct {
 	// clockOffset shifts the Date header of every response: the server's
 	// clock as the client sees it, off from the client's own.
 	clockOffset atomic.Int64
+	// dateLag makes the Date header of every response that much older than
+	// the proxy's clock (then truncated to whole seconds by its format), as
+	// from a server that caches its Date header; ownDate makes the proxy set
+	// every Date from its own clock even when it is not shifted, in place of
+	// the server's (versitygw caches its own, so it may be stale already).
+	dateLag atomic.Int64
+	ownDate atomic.Bool
 	// noDate drops the Date header from the answers to PUTs.
 	noDate atomic.Bool
 	// A "hold" PUT is read whole, then waits for a value on release before
@@ -95,7 +102,7 @@ func (f *faults) inject(kinds ...string) {
 
 func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	f.reqs.Add(1)
-	if off := time.Duration(f.clockOffset.Load()); off != 0 {
+	if off := time.Duration(f.clockOffset.Load() - f.dateLag.Load()); off != 0 || f.ownDate.Load() {
 		sd := &shiftedDate{ResponseWriter: w, offset: off}
 		// A handler that writes nothing still answers (200): with the date.
 		defer func() {

@@ -140,7 +140,7 @@ func TestDemoNATS(t *testing.T) {
 
 func TestDemoS3(t *testing.T) {
 	if testing.Short() {
-		t.Skip("the demo replays the lesson's timings (about 7s); skipped with -short")
+		t.Skip("the demo replays the lesson's timings (about a minute: S3 leases of whole seconds, and Dates up to DateLag old); skipped with -short")
 	}
 	var out, errOut bytes.Buffer
 	if code := run([]string{"demo", "-backend", "s3"}, &out, &errOut); code != 0 {

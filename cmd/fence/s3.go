@@ -24,9 +24,13 @@ import (
 )
 
 // s3Timing stretches the lesson for S3 leases: S3 tells time in whole
-// seconds, so an expired lease is granted again up to 2s after its ttl.
+// seconds, and a server that caches its Date header may tell it up to the
+// acquirer's DateLag (2s by default) later still, so an expired lease is
+// granted again up to 2s + 2 x DateLag (6s) after its ttl. The slow step
+// (stall) outlasts the 1s lease plus those 6s by 3s: without the watchdog's
+// renewals B would be granted during it.
 var s3Timing = timing{
-	lease: time.Second, stall: 6 * time.Second,
+	lease: time.Second, stall: time.Second + 2*time.Second + 2*s3fence.DefaultDateLag + 3*time.Second,
 	bugLease: time.Second,
 }
 
