@@ -445,6 +445,15 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 			return gaveUp()
 		case h := <-p.handed:
 			timer.Stop()
+			if ctx.Err() != nil {
+				// Both were ready: the wait ended, and the handoff is
+				// settled as one made just as it ended.
+				p.leaving()
+				if abandon != nil {
+					abandon(h)
+				}
+				return nil, GaveUp(ctx)
+			}
 			if h.Lease != nil {
 				granted = true
 				return h.Lease, nil
