@@ -34,7 +34,6 @@ func newAcquirer(t testing.TB, e *s3env) *s3fence.Acquirer {
 // the short ttl is 12s.
 func TestAcquirerConformance(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
-		t.Parallel()
 		a := newAcquirer(t, e)
 		fencetest.AcquirerSuite{Parallel: true,
 			New: func(*testing.T) fence.Acquirer { return a },
@@ -440,7 +439,6 @@ func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
 func TestNamesByteForByte(t *testing.T) { servers(t, testNamesByteForByte) }
 
 func testNamesByteForByte(t *testing.T, e *s3env) {
-	t.Parallel()
 	a := newAcquirer(t, e)
 	ctx := context.Background()
 	run := fencetest.Name("names") + "-"

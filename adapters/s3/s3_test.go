@@ -247,9 +247,13 @@ func realS3(t testing.TB) *s3env {
 }
 
 // servers runs fn on each S3 server: the in-process gofakes3, and a real one.
+//
+// The two servers' runs are parallel subtests: each case waits on leases and
+// S3's whole-second clock far more than it computes, and the package's time
+// is the sum of its cases (so fn must not call t.Parallel itself).
 func servers(t *testing.T, fn func(t *testing.T, e *s3env)) {
-	t.Run("gofakes3", func(t *testing.T) { fn(t, fakeS3(t)) })
-	t.Run("real", func(t *testing.T) { fn(t, realS3(t)) })
+	t.Run("gofakes3", func(t *testing.T) { t.Parallel(); fn(t, fakeS3(t)) })
+	t.Run("real", func(t *testing.T) { t.Parallel(); fn(t, realS3(t)) })
 }
 
 // faultServers runs fn, with the fault injector, on each S3 server that is
@@ -257,7 +261,8 @@ func servers(t *testing.T, fn func(t *testing.T, e *s3env)) {
 // external server (FENCEKIT_S3_ENDPOINT) has no injector, since a proxy would
 // change the Host its requests are signed for: fn is not run on it.
 func faultServers(t *testing.T, fn func(t *testing.T, e *s3env, f *faults)) {
-	t.Run("gofakes3", func(t *testing.T) { e := fakeS3(t); fn(t, e, e.f) })
+	// Parallel subtests, as in servers.
+	t.Run("gofakes3", func(t *testing.T) { t.Parallel(); e := fakeS3(t); fn(t, e, e.f) })
 	if testenv.ExternalS3() {
 		// The fault cases would silently not run on the real server: say so,
 		// and fail under CI, which must run them on a local one.
@@ -267,7 +272,7 @@ func faultServers(t *testing.T, fn func(t *testing.T, e *s3env, f *faults)) {
 		})
 		return
 	}
-	t.Run("real", func(t *testing.T) { e := realS3(t); fn(t, e, e.f) })
+	t.Run("real", func(t *testing.T) { t.Parallel(); e := realS3(t); fn(t, e, e.f) })
 }
 
 func newWriter(t testing.TB, e *s3env, o *s3fence.Options) *s3fence.Writer {
