@@ -553,23 +553,31 @@ func (p *panicker) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Trace
 
 func (p *panicker) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
+// panickyPool is a pgx pool on the test database whose connections run tr,
+// a tracer that panics in a statement. It is not closed: pgxpool's Close
+// waits for the connection the panic leaked.
+func panickyPool(t *testing.T, tr pgx.QueryTracer) *pgxpool.Pool {
+	t.Helper()
+	pgPool(t, pgOpts{}) // the default tables
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Tracer = tr
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pool
+}
+
 // TestLineReviewHeadPanics: the head's attempt panics and its caller recovers.
 // The head leaves the line, and the waiter behind it is granted at once (the
 // lock was just released); the line is empty afterwards.
 func TestLineReviewHeadPanics(t *testing.T) {
 	ctx := context.Background()
-	pgPool(t, pgOpts{}) // the default tables
 	pk := &panicker{}
-	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.Tracer = pk
-	// Not closed: pgxpool's Close waits for the connection the panic leaked.
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool := panickyPool(t, pk)
 	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{DisableNotify: true,
 		Backoff: fence.Backoff{Min: 20 * time.Second, Max: 20 * time.Second, MaxWait: time.Minute}})
 	// The head's own attempt panics: the release releases only (a panic in

@@ -13,13 +13,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
-	"github.com/fencekit/fencekit/internal/testenv"
 )
 
 // stmtCounter counts the grant statements (INSERT … RETURNING token) and
@@ -323,18 +321,7 @@ func (p *handoffPanicker) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQue
 func TestHandoffPanicFreesHead(t *testing.T) {
 	ctx := context.Background()
 	pk := &handoffPanicker{}
-	pgPool(t, pgOpts{}) // the default tables
-	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.Tracer = pk
-	// Not closed: pgxpool's Close waits for the connection the panic leaked.
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	a := newAcquirerOn(t, sqlfence.Pgx(panickyPool(t, pk)), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	name := fencetest.Name("handoff-panic")
 	h, err := a.TryAcquire(ctx, name, time.Minute)
 	if err != nil {
