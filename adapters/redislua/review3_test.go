@@ -173,7 +173,15 @@ func TestReview3WaitEndsAtItsDeadline(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := warm.TryAcquire(ctx, name, 5*time.Second)
+	// The warm-up opens each client's connection before nodes are paused;
+	// on a loaded machine five just-started servers may answer too late for
+	// one grant (CI run c4: 2 of 5 in time), so it is asked again.
+	// (On a name of its own, which a half-made grant cannot leave locked.)
+	l, err := warm.TryAcquire(ctx, fencetest.Name("review3warm"), 5*time.Second)
+	for try := 1; err != nil && try < 5; try++ {
+		t.Logf("warm-up grant: %v; again", err)
+		l, err = warm.TryAcquire(ctx, fencetest.Name("review3warm"), 5*time.Second)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
