@@ -234,11 +234,21 @@ func TestAdvanceOnGrant(t *testing.T) {
 				t.Fatal(err)
 			}
 			name := fencetest.Name("advance")
-			old := fencetest.TryLive(ctx, t, a, name, 100*time.Millisecond)
-			time.Sleep(200 * time.Millisecond)
-			newer, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
+			// A second's ttl: a grant on a loaded machine can take longer
+			// than 100ms (CI run d1: SQLite, three grants in a row came
+			// back past a 100ms lease's local deadline).
+			old := fencetest.TryLive(ctx, t, a, name, time.Second)
+			<-old.Context().Done()
+			var newer fence.Lease
+			for end := time.Now().Add(10 * time.Second); ; {
+				newer, err = a.TryAcquire(ctx, name, time.Minute)
+				if err == nil {
+					break
+				}
+				if !errors.Is(err, fence.ErrHeld) || time.Now().After(end) {
+					t.Fatal(err)
+				}
+				time.Sleep(20 * time.Millisecond) // until the row expires on the server's clock
 			}
 			defer newer.Release(ctx)
 			err = sqlfence.RunTx(ctx, c.db, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, old.Token()) })
