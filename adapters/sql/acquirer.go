@@ -124,7 +124,7 @@ type Acquirer struct {
 	grant, renew, release string
 	releaseAsync          string // PostgreSQL: the release, its commit not waiting for the disk (see pgNoFlush)
 	grantAsync            string // PostgreSQL with AsyncGrants: the grant, its commit not waiting for the disk when its token is at or below the clock
-	transfer              string // PostgreSQL: a release that grants the lock to a waiter of this acquirer (see transfer.go)
+	transfer              string // PostgreSQL and MySQL: a release that grants the lock to a waiter of this acquirer (see transfer.go)
 	inspect, bump         string
 	inspectLocked         string  // inspect, waiting for a statement that holds the row (not on SQLite)
 	advance               string  // SQLite and MySQL: the guard statement run with the grant
@@ -536,13 +536,15 @@ func (e *guardStmtError) Unwrap() error { return e.err }
 // process (no order is kept between them, on any dialect), or to a TryAcquire,
 // which never waits in the line.
 //
-// On PostgreSQL a release through this Acquirer, run as its own transaction
-// and without AdvanceGuards, hands the lock to the head of the line in its
+// On PostgreSQL and MySQL a release through this Acquirer, run as its own
+// transaction and without AdvanceGuards, hands the lock to the head of the line in its
 // own statement (a new, larger token; the head's ttl, counted from before the
 // statement was sent): the head returns that lease without a statement of
 // its own, and the released lease's context ends before. At most 8 handoffs
-// run in a row; the next release releases, and with notifications leaves the
-// head to hear of it from the server with the waiters of other processes. A
+// run in a row; the next release releases, and with PostgreSQL's
+// notifications leaves the head to hear of it from the server with the
+// waiters of other processes (on MySQL, whose other processes poll, it lets
+// the head try at once, as any release does). A
 // head whose ctx ends while a handoff to it runs returns at once, and what
 // the handoff grants is given back.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {

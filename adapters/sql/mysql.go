@@ -20,7 +20,9 @@ func MySQL(db *sql.DB) *DB {
 	if db == nil {
 		return &DB{d: mysqlDialect, nilHandle: true}
 	}
-	return &DB{c: stdConn{db}, d: mysqlDialect, sqlDB: db}
+	// A *sql.DB runs each statement on its own, in autocommit mode (the
+	// server's default, which this package needs).
+	return &DB{c: stdConn{db}, d: mysqlDialect, sqlDB: db, ownTx: func() bool { return true }}
 }
 
 // mysqlNowUs is the server's clock in microseconds since the Unix epoch, read

@@ -375,8 +375,18 @@ func TestReview7ReleasedEndsBeforeHanded(t *testing.T) {
 // and that the head learns of the exhausted counter (ErrTokensExhausted)
 // instead of waiting.
 func TestReview7HandoffMaxToken(t *testing.T) {
+	_, my := openMySQL(t, "")
+	for dialect, fdb := range map[string]*sqlfence.DB{"postgres": sqlfence.Pgx(pgPool(t, pgOpts{})), "mysql": my} {
+		t.Run(dialect, func(t *testing.T) { review7HandoffMaxToken(t, fdb) })
+	}
+}
+
+func review7HandoffMaxToken(t *testing.T, fdb *sqlfence.DB) {
 	ctx := context.Background()
-	a := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
 	name := fencetest.Name("review7-maxtoken")
 	if err := a.Bump(ctx, name, fence.MaxToken-1); err != nil {
 		t.Fatal(err)

@@ -11,12 +11,12 @@ import (
 	"github.com/fencekit/fencekit/internal/wakeup"
 )
 
-// A handoff: on PostgreSQL, a release through an Acquirer whose own Acquire
-// calls wait for the name grants the lock to the head of that line in the
-// release's statement, as a grant would (a new token, larger than the
-// released one and never below the server's clock in microseconds; the
-// head's owner, with a nonce of its own; the head's ttl from the server's
-// clock), and hands the lease to the head, which then holds without a
+// A handoff: on PostgreSQL and MySQL, a release through an Acquirer whose
+// own Acquire calls wait for the name grants the lock to the head of that
+// line in the release's statement, as a grant would (a new token, larger
+// than the released one, and on PostgreSQL never below the server's clock in
+// microseconds; the head's owner, with a nonce of its own; the head's ttl
+// from the server's clock), and hands the lease to the head, which then holds without a
 // statement of its own. It saves the head's grant statement and the wake-up
 // of a second backend: one statement and one commit per handoff, where a
 // release and a grant take two.
@@ -62,7 +62,18 @@ type handReq struct{ ttl time.Duration }
 // token expression over cur.
 func (a *Acquirer) transferStatement(t, next string) {
 	d := a.db.d
-	if d != postgresDialect || a.guards != nil {
+	if a.guards != nil {
+		return
+	}
+	if d == mysqlDialect {
+		// LAST_INSERT_ID reports the new token, 0 when no row matched (see
+		// execID); the grant's token is the counter + 1, as a grant's is on
+		// MySQL. Its arguments come in the order of transferArgs.
+		a.transfer = fmt.Sprintf("UPDATE %[1]s SET token = LAST_INSERT_ID(token + 1), owner = %[3]s, expires_at = %[2]s + ? "+
+			"WHERE name = %[4]s AND token = ? AND expires_at > %[2]s", t, mysqlDialect.nowMs, mysqlMaybeEmpty, mysqlText)
+		return
+	}
+	if d != postgresDialect {
 		return
 	}
 	durable := pgDurable
@@ -72,6 +83,31 @@ func (a *Acquirer) transferStatement(t, next string) {
 	a.transfer = fmt.Sprintf("WITH g AS (UPDATE %s AS cur SET token = %s, owner = $3, expires_at = %s + $4 "+
 		"WHERE cur.name = $1 AND cur.token = $2 AND cur.expires_at > %s RETURNING token) SELECT token FROM g WHERE %s",
 		t, next, d.nowMs, d.nowMs, durable)
+}
+
+// transferArgs are the handoff statement's arguments: name, the released
+// token, the new owner and the ttl, or on MySQL owner, ttl, name, token (the
+// order of its placeholders).
+func (a *Acquirer) transferArgs(name string, tok fence.Token, owner string, ttl time.Duration) []any {
+	if a.db.d == mysqlDialect {
+		return []any{a.db.text(owner), ttlMs(ttl), a.db.text(name), int64(tok)}
+	}
+	return []any{a.db.text(name), int64(tok), a.db.text(owner), ttlMs(ttl)}
+}
+
+// transferRow runs the handoff statement once and returns the new token;
+// errNoRows when the released lease no longer held the row.
+func (a *Acquirer) transferRow(ctx context.Context, args []any) (int64, error) {
+	if a.db.d == mysqlDialect {
+		tok, err := a.db.execID(ctx, a.transfer, args...)
+		if err == nil && tok == 0 {
+			err = errNoRows
+		}
+		return tok, err
+	}
+	var tok int64
+	err := a.db.queryRow(ctx, a.transfer, args, &tok)
+	return tok, err
 }
 
 // handHint is what the head of a line needs to settle a handoff whose
@@ -105,7 +141,7 @@ func (a *Acquirer) abandon(ctx context.Context, name string, ttl time.Duration, 
 func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error {
 	a, name := l.a, l.Name()
 	hint := handHint{owner: a.opts.Owner + nonceSep + nonce(), sent: time.Now()}
-	args := []any{a.db.text(name), int64(l.Token()), a.db.text(hint.owner), ttlMs(r.ttl)}
+	args := a.transferArgs(name, l.Token(), hint.owner, r.ttl)
 	uncertain := false
 	var (
 		tok int64
@@ -128,7 +164,7 @@ func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error
 		}
 	}()
 	for i := 0; ; i++ {
-		err = a.db.queryRow(ctx, a.transfer, args, &tok)
+		tok, err = a.transferRow(ctx, args)
 		if uncertain && (errors.Is(err, errNoRows) || a.db.ambiguous(err)) {
 			if t, rerr := a.held(ctx, name, hint.owner); rerr == nil {
 				tok, err = t, nil
