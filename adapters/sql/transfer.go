@@ -36,8 +36,13 @@ import (
 // its owner (the release retries, and the head's own next attempt runs as
 // that owner, its local deadline counting from the handoff's first send); a
 // head that gave up while the statement ran gets nothing, and the releaser
-// gives the grant back at once (also one whose reply was lost, if a read
-// finds it); a grant that came back past the head's local deadline is given
+// gives the grant back at once; when the handoff's outcome is unknown, the
+// row is watched until the handoff can no longer grant (see settleHandoff:
+// in the background after two seconds, for at most the released grant's
+// ttl and 2s), and whatever it granted is given back (review 10: on MySQL a
+// statement whose context ended runs on in the server, waiting for a row
+// another transaction holds, and landed seconds after the release had
+// returned ErrUnknown); a grant that came back past the head's local deadline is given
 // back (see giveBackLate); a released lease that was already lost hands
 // nothing, and the head tries on its own. The released lease's context ends
 // before the head is handed the new one.
@@ -113,16 +118,19 @@ func (a *Acquirer) transferRow(ctx context.Context, args []any) (int64, error) {
 // handHint is what the head of a line needs to settle a handoff whose
 // outcome was lost: the owner the grant would hold the row as, and when the
 // handoff was first sent (the earliest the grant can have been made, where
-// its local deadline counts from).
+// its local deadline counts from); and, to settle it when the head has
+// gone, the released grant's token and ttl.
 type handHint struct {
-	owner string
-	sent  time.Time
+	owner    string
+	sent     time.Time
+	released fence.Token
+	ttl      time.Duration // the released grant's
 }
 
 // abandon settles a handoff made to a waiter of name whose context ended
-// before it received it: a handed lease is released, and a grant its hint
-// says may have landed is looked for and released (giveBack), so that
-// nobody waits out its ttl.
+// before it received it: a handed lease is released, and a handoff whose
+// outcome is unknown is settled (settleHandoff), so that nobody waits out
+// its ttl.
 func (a *Acquirer) abandon(ctx context.Context, name string, ttl time.Duration, h wakeup.Handoff) {
 	if h.Lease != nil {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
@@ -130,8 +138,60 @@ func (a *Acquirer) abandon(ctx context.Context, name string, ttl time.Duration, 
 		_ = h.Lease.Release(rctx)
 		return
 	}
-	if hint, ok := h.Hint.(handHint); ok && hint.owner != "" {
-		a.giveBack(ctx, name, hint.owner, ttl)
+	hint, ok := h.Hint.(handHint)
+	if !ok || hint.owner == "" {
+		return
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	if a.settleHandoff(sctx, name, hint) {
+		return
+	}
+	// Not settled within two seconds (the row locked by another
+	// transaction, the server unreachable): on in the background, until
+	// the released grant would have expired on the server (its ttl from
+	// now, and 2s), after which the handoff can no longer land.
+	go func() {
+		bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), hint.ttl+2*time.Second)
+		defer cancel()
+		a.settleHandoff(bctx, name, hint)
+	}()
+}
+
+// settleHandoff makes sure that a handoff whose outcome is unknown, made
+// for a head that has gone, leaves no grant behind: it reports true once
+// the row shows that the handoff can no longer grant (the released grant
+// no longer holds the row) and that no grant of the hint's owner holds it.
+// The handoff statement can still be on its way, or waiting for the row on
+// the server (MySQL's driver only closes the connection when a context
+// ends; the server runs the statement on): while the released grant holds
+// the row it is released here, so that the handoff finds nothing to grant;
+// a grant the handoff made is released. It tries until ctx ends.
+func (a *Acquirer) settleHandoff(ctx context.Context, name string, hint handHint) bool {
+	for i := 0; ; i++ {
+		// The read takes the row lock, so it waits for a statement that
+		// holds or waits for the row before it and sees its outcome.
+		var r leaseRow
+		err := a.db.queryRow(ctx, a.inspectLocked, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
+		switch {
+		case errors.Is(err, errNoRows):
+			return true // no row: nothing can be granted on it
+		case err != nil:
+		case r.owner == hint.owner && r.left > 0:
+			// The handoff granted the head that left: give it back.
+			l := &lease{Base: leasekit.New(name, fence.Token(r.token), hint.ttl, a.opts.Drift, time.Now()), a: a}
+			_ = l.giveBackRelease(ctx)
+		case fence.Token(r.token) == hint.released && r.left > 0:
+			// The released grant still holds the row: the handoff may yet
+			// land. Release it, as Release was asked to.
+			l := &lease{Base: leasekit.New(name, hint.released, hint.ttl, a.opts.Drift, time.Now()), a: a}
+			_ = l.giveBackRelease(ctx)
+		default:
+			return true
+		}
+		if !retryPause(ctx, i) {
+			return false
+		}
 	}
 }
 
@@ -140,7 +200,7 @@ func (a *Acquirer) abandon(ctx context.Context, name string, ttl time.Duration, 
 // for l.
 func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error {
 	a, name := l.a, l.Name()
-	hint := handHint{owner: a.opts.Owner + nonceSep + nonce(), sent: time.Now()}
+	hint := handHint{owner: a.opts.Owner + nonceSep + nonce(), sent: time.Now(), released: l.Token(), ttl: l.TTL()}
 	args := a.transferArgs(name, l.Token(), hint.owner, r.ttl)
 	uncertain := false
 	var (

@@ -6,6 +6,7 @@ package sqlfence_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"strings"
 	"sync/atomic"
@@ -195,29 +196,10 @@ func TestHandoffMySQLHeadGivesUp(t *testing.T) {
 	next := goAcquire(ctx, c.a, name, time.Minute)
 	waitLine(t, c.a, name, 2)
 
-	tx, err := raw.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback()
-	if _, err := tx.ExecContext(ctx, "SELECT 1 FROM fence_leases WHERE name = CAST(? AS BINARY) FOR UPDATE", name); err != nil {
-		t.Fatal(err)
-	}
+	tx := lockRowMySQL(t, raw, name)
 	released := make(chan error, 1)
 	go func() { released <- h.Release(ctx) }()
-	for end := time.Now().Add(10 * time.Second); ; {
-		var n int
-		if err := raw.QueryRowContext(ctx, "SELECT count(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE '%LAST_INSERT_ID(token + 1), owner%' AND INFO NOT LIKE '%PROCESSLIST%'").Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		if n == 1 {
-			break
-		}
-		if time.Now().After(end) {
-			t.Fatal("the handoff statement was not seen waiting for the row")
-		}
-		time.Sleep(time.Millisecond) // polling the server's view
-	}
+	mysqlHandoffWaiting(t, raw)
 	cancel()
 	r := within(t, head, 2*time.Second, "the head whose context ended during the handoff")
 	if r.l != nil || !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.Canceled) {
@@ -281,5 +263,49 @@ func TestHandoffMySQLChainBound(t *testing.T) {
 	want := strings.Repeat("handoff ", 8) + "release " + strings.Repeat("handoff ", 8) + "release handoff"
 	if got := strings.Join(kinds, " "); got != want {
 		t.Fatalf("releases: %s\nwant:     %s", got, want)
+	}
+}
+
+// lockRowMySQL locks name's lease row in a transaction of its own on raw, as
+// an operator's SELECT ... FOR UPDATE would; the test ends it.
+func lockRowMySQL(t *testing.T, raw *sql.DB, name string) *sql.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := raw.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	if _, err := tx.ExecContext(ctx, "SELECT 1 FROM fence_leases WHERE name = CAST(? AS BINARY) FOR UPDATE", name); err != nil {
+		t.Fatal(err)
+	}
+	return tx
+}
+
+// mysqlHandoffWaiting waits until the server shows one handoff statement
+// running (waiting for a row lock) and returns its connection's id.
+func mysqlHandoffWaiting(t *testing.T, raw *sql.DB) int64 {
+	t.Helper()
+	for end := time.Now().Add(10 * time.Second); ; {
+		var ids []int64
+		rows, err := raw.Query("SELECT ID FROM information_schema.PROCESSLIST WHERE INFO LIKE '%LAST_INSERT_ID(token + 1), owner%' AND INFO NOT LIKE '%PROCESSLIST%'")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for rows.Next() {
+			var id int64
+			if err := rows.Scan(&id); err != nil {
+				t.Fatal(err)
+			}
+			ids = append(ids, id)
+		}
+		rows.Close()
+		if len(ids) == 1 {
+			return ids[0]
+		}
+		if time.Now().After(end) {
+			t.Fatalf("the handoff statement was not seen waiting for the row (%d seen)", len(ids))
+		}
+		time.Sleep(time.Millisecond) // polling the server's view
 	}
 }
