@@ -336,6 +336,11 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 		}
 		uncertain = true
 		if (attempts > 0 && i+1 >= attempts) || !retryPause(ctx, i) {
+			if ctx.Err() != nil && a.db.d != sqliteDialect {
+				// The statement may still run on the server after the
+				// read below (see watchGrant).
+				go a.watchGrant(name, owner, ttl)
+			}
 			if cerr := ctx.Err(); cerr != nil && a.giveBack(ctx, name, owner, ttl) {
 				// The context ended with a grant in flight, and the row
 				// shows this attempt holds nothing (any grant it made is
@@ -417,6 +422,49 @@ func (a *Acquirer) giveBack(ctx context.Context, name, owner string, ttl time.Du
 	}
 	l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, time.Now()), a: a}
 	return l.giveBackRelease(bctx) == nil
+}
+
+// grantWatch and grantWatchMax bound watchGrant: it watches for at least
+// grantWatch, and on until a read of the row completes (one that waited
+// for the row's lock sees the outcome of a statement queued before it), for
+// at most grantWatchMax (above MySQL's default innodb_lock_wait_timeout,
+// 50s, after which a statement waiting for the row gives up).
+const (
+	grantWatch    = 2 * time.Second
+	grantWatchMax = time.Minute
+)
+
+// watchGrant gives back, in the background, a grant of owner's that lands
+// after its Acquire's context ended with the statement in flight. giveBack's
+// read can run before the server runs the statement: MySQL's driver only
+// closes the connection when the context ends, and the server still runs a
+// statement it has received (or one waiting for the row's lock, once it
+// gets it); pgx asks the server to cancel it, which does nothing when the
+// request comes before the statement starts. Such a grant would hold the
+// row for its ttl with nobody to release it (HAZARDS 6,
+// TestLineReviewCancelAtGrant).
+func (a *Acquirer) watchGrant(name, owner string, ttl time.Duration) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), grantWatchMax)
+	defer cancel()
+	for i := 0; ; i++ {
+		rctx, rcancel := context.WithTimeout(ctx, 2*time.Second)
+		var r leaseRow
+		err := a.db.queryRow(rctx, a.inspectLocked, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
+		rcancel()
+		if err == nil && r.owner == owner && r.left > 0 {
+			l := &lease{Base: leasekit.New(name, fence.Token(r.token), ttl, a.opts.Drift, time.Now()), a: a}
+			_ = l.giveBackRelease(ctx)
+		} else if (err == nil || errors.Is(err, errNoRows)) && time.Since(start) >= grantWatch {
+			return
+		}
+		pause := min(10*time.Millisecond<<min(i, 6), 500*time.Millisecond)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(pause):
+		}
+	}
 }
 
 // giveBackRelease releases l, a grant its caller gives back (it came back

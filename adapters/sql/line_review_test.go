@@ -341,21 +341,6 @@ func TestLineReviewCancelAtGrant(t *testing.T) {
 	ctx := context.Background()
 	for dialect, fdb := range lineDialects(t) {
 		t.Run(dialect, func(t *testing.T) {
-			if dialect == "postgres" || dialect == "mysql" {
-				// Open defect (HAZARDS 6): a grant statement that the server
-				// runs only after giveBack's read (FOR UPDATE) holds the row
-				// for its ttl. Reading with FOR UPDATE made it rarer (it
-				// passed 2 idle runs of 40 iterations, where it failed about
-				// 1 iteration in 35 before), but it still failed in loaded
-				// full test runs: PostgreSQL, then MariaDB (run 35 of 40,
-				// the row held for the grant's whole 60s ttl). The driver
-				// closes the cancelled statement's connection (MySQL) or asks
-				// for a cancel (pgx); neither waits for the server to have
-				// dropped the statement. The fix needs the give-back to wait
-				// for the grant's session to end (CONNECTION_ID / backend PID)
-				// or the grant to be refused by a mark the give-back leaves.
-				t.Skipf("open defect on %s: a grant the server runs after giveBack's read holds the row for its ttl (HAZARDS 6)", dialect)
-			}
 			a := newAcquirerOn(t, fdb, nil)
 			if err := a.CreateTable(ctx); err != nil {
 				t.Fatal(err)

@@ -62,8 +62,8 @@ func TestAcquireLineWaiterGivesUp(t *testing.T) {
 			// pokes it, never on a timer: the cancel below then comes
 			// while it waits, not during a grant statement. (A grant
 			// statement cancelled in flight can land after the give-back's
-			// read and hold the row for its ttl: the open cancel-at-grant
-			// defect, TestLineReviewCancelAtGrant. Loaded run 6 on
+			// read: watchGrant gives it back, but within its polling, not
+			// at once; TestLineReviewCancelAtGrant. Loaded run 6 on
 			// fa779fc most likely hit it on MySQL here: the next waiter
 			// was not granted within 20s.)
 			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: time.Minute, Max: time.Minute}})

@@ -309,3 +309,51 @@ func mysqlHandoffWaiting(t *testing.T, raw *sql.DB) int64 {
 		time.Sleep(time.Millisecond) // polling the server's view
 	}
 }
+
+// TestCancelledGrantGivenBackMySQL (HAZARDS 6): a grant statement waiting on
+// the server for the row's lock (an operator's transaction holds it) when
+// its TryAcquire's context ends runs on in the server (the driver only
+// closes its connection) and grants once the lock is free, after the
+// give-back's own read has given up. The acquirer watches the row on and
+// gives that grant back: another acquirer is granted within seconds of the
+// lock's release, not after the grant's 1-minute ttl.
+func TestCancelledGrantGivenBackMySQL(t *testing.T) {
+	ctx := context.Background()
+	raw, direct := openMySQL(t, "")
+	a := newAcquirerOn(t, direct, nil)
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_, direct2 := openMySQL(t, "")
+	check := newAcquirerOn(t, direct2, &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 50 * time.Millisecond}})
+	name := fencetest.Name("cancel-grant-my")
+	l, err := a.TryAcquire(ctx, name, time.Minute) // the row exists, free
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tx := lockRowMySQL(t, raw, name)
+	gctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if _, err := a.TryAcquire(gctx, name, time.Minute); !errors.Is(err, fence.ErrUnknown) && !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("TryAcquire whose context ended while its grant waited for the row: %v, want ErrUnknown or ErrHeld", err)
+	}
+	var n int
+	if err := raw.QueryRowContext(ctx, "SELECT count(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE 'INSERT INTO%fence_leases%' AND INFO NOT LIKE '%PROCESSLIST%'").Scan(&n); err != nil || n != 1 {
+		t.Fatalf("%d grant statements still on the server (%v), want 1 (the test did not test it)", n, err)
+	}
+	if err := tx.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	unlocked := time.Now()
+	wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
+	defer wcancel()
+	g, err := check.Acquire(wctx, name, time.Minute)
+	if err != nil {
+		info, _ := check.Inspect(ctx, name)
+		t.Fatalf("another acquirer %v after the row's lock was released: %v; the row %+v (the cancelled grant landed and was not given back)", time.Since(unlocked).Round(time.Millisecond), err, info)
+	}
+	defer g.Release(ctx)
+}
