@@ -458,12 +458,24 @@ func (a *Acquirer) watchGrant(name, owner string, ttl time.Duration) {
 		} else if (err == nil || errors.Is(err, errNoRows)) && time.Since(start) >= grantWatch {
 			return
 		}
-		pause := min(10*time.Millisecond<<min(i, 6), 500*time.Millisecond)
-		select {
-		case <-ctx.Done():
+		if !watchPause(ctx, i) {
 			return
-		case <-time.After(pause):
 		}
+	}
+}
+
+// watchPause waits before a watcher's read number i+1 (watchGrant,
+// settleHandoff): 10ms, doubling up to 500ms, so that a watcher of an
+// unreachable server reads at most twice a second. It reports false when
+// ctx ended first.
+func watchPause(ctx context.Context, i int) bool {
+	t := time.NewTimer(min(10*time.Millisecond<<min(i, 6), 500*time.Millisecond))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
 	}
 }
 

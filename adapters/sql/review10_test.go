@@ -189,7 +189,7 @@ func TestReview10LateHandoffGivenBack(t *testing.T) {
 	released := make(chan error, 1)
 	start := time.Now()
 	go func() { released <- h.Release(ctx) }()
-	mysqlHandoffWaiting(t, raw)
+	mysqlHandoffWaiting(t, raw, tx)
 	time.Sleep(2*ttl - time.Since(start))
 	if err := tx.Rollback(); err != nil {
 		t.Fatal(err)
@@ -241,7 +241,7 @@ func TestReview10KilledHandoff(t *testing.T) {
 			tx := lockRowMySQL(t, raw, name)
 			released := make(chan error, 1)
 			go func() { released <- h.Release(ctx) }()
-			id := mysqlHandoffWaiting(t, raw)
+			id := mysqlHandoffWaiting(t, raw, tx)
 			if _, err := raw.ExecContext(ctx, fmt.Sprintf("%s %d", kill, id)); err != nil {
 				t.Fatal(err)
 			}
@@ -499,7 +499,7 @@ func TestReview10ReleaseCtxEndsMidHandoff(t *testing.T) {
 			defer rcancel()
 			released := make(chan error, 1)
 			go func() { released <- h.Release(rctx) }()
-			mysqlHandoffWaiting(t, raw)
+			mysqlHandoffWaiting(t, raw, tx)
 			if headGone {
 				hcancel()
 			}
@@ -582,7 +582,7 @@ func TestReview10GoneHeadLostReplies(t *testing.T) {
 	}
 	released := make(chan error, 1)
 	go func() { released <- h.Release(ctx) }()
-	mysqlHandoffWaiting(t, raw)
+	mysqlHandoffWaiting(t, raw, tx)
 	hcancel()
 	hr := within(t, head, 2*time.Second, "the head whose ctx ended during the handoff")
 	if hr.l != nil || !errors.Is(hr.err, fence.ErrHeld) {
@@ -707,7 +707,7 @@ func TestReview10OrphanHandoffOutlivesReleasedTTL(t *testing.T) {
 	defer rcancel()
 	released := make(chan error, 1)
 	go func() { released <- h.Release(rctx) }()
-	mysqlHandoffWaiting(t, raw)
+	mysqlHandoffWaiting(t, raw, tx)
 	hcancel()
 	if r := within(t, head, 2*time.Second, "the head whose ctx ended"); r.l != nil {
 		t.Fatalf("the head whose ctx ended got %d", r.l.Token())

@@ -189,7 +189,7 @@ func (a *Acquirer) settleHandoff(ctx context.Context, name string, hint handHint
 		default:
 			return true
 		}
-		if !retryPause(ctx, i) {
+		if !watchPause(ctx, i) {
 			return false
 		}
 	}
