@@ -389,15 +389,21 @@ func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
 		defer func() { f.held = nil }()
 		f.inject("", "hold") // the grant's PUT, after the one creating the object
 		// Long enough for the creation's wait for S3's clock (1s + DateLag)
-		// before the grant's PUT.
-		cctx, cancel := context.WithTimeout(ctx, 2*time.Second+s3fence.DefaultDateLag)
+		// before the grant's PUT, with 4s to spare for a loaded machine (CI
+		// run d5 hung here on versitygw: the context ended before the grant's
+		// PUT was sent, and nothing was ever held).
+		cctx, cancel := context.WithTimeout(ctx, 6*time.Second+s3fence.DefaultDateLag)
 		defer cancel()
 		granted := make(chan fence.Lease, 1)
 		go func() {
 			l, _ := a.TryAcquire(cctx, name, ttl)
 			granted <- l
 		}()
-		<-f.held
+		select {
+		case <-f.held:
+		case l := <-granted:
+			t.Fatalf("TryAcquire returned (lease %v) before its grant's PUT was sent: the test did not test it", l)
+		}
 		// The new lock object, free, as the held grant's PUT found it.
 		created, err := b.Inspect(ctx, name)
 		if err != nil || created.Held {
