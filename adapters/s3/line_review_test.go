@@ -303,7 +303,7 @@ func TestLineReviewStuckHead(t *testing.T) {
 // goroutine behind, and the next Acquire after a release through the
 // acquirer is granted at once.
 func TestLineReviewNoLeaks(t *testing.T) {
-	eachServer(t, func(t *testing.T, e *s3env) {
+	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
 		a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{
 			Backoff: fence.Backoff{Min: 10 * time.Millisecond, Max: 50 * time.Millisecond}})

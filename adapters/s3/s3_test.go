@@ -251,18 +251,7 @@ func realS3(t testing.TB) *s3env {
 // The two servers' runs are parallel subtests: each case waits on leases and
 // S3's whole-second clock far more than it computes, and the package's time
 // is the sum of its cases (so fn must not call t.Parallel itself).
-//
-// The test itself runs in parallel with the package's other such tests: most
-// of their time is spent waiting for leases, the S3 acquirer's DateLag and
-// ttls (the package took 373s with its tests in sequence). A test that counts
-// goroutines uses eachServer and stays sequential.
 func servers(t *testing.T, fn func(t *testing.T, e *s3env)) {
-	t.Parallel()
-	eachServer(t, fn)
-}
-
-// eachServer is servers without t.Parallel.
-func eachServer(t *testing.T, fn func(t *testing.T, e *s3env)) {
 	t.Run("gofakes3", func(t *testing.T) { t.Parallel(); fn(t, fakeS3(t)) })
 	t.Run("real", func(t *testing.T) { t.Parallel(); fn(t, realS3(t)) })
 }
@@ -272,8 +261,7 @@ func eachServer(t *testing.T, fn func(t *testing.T, e *s3env)) {
 // external server (FENCEKIT_S3_ENDPOINT) has no injector, since a proxy would
 // change the Host its requests are signed for: fn is not run on it.
 func faultServers(t *testing.T, fn func(t *testing.T, e *s3env, f *faults)) {
-	// A parallel test, with parallel subtests, as in servers.
-	t.Parallel()
+	// Parallel subtests, as in servers.
 	t.Run("gofakes3", func(t *testing.T) { t.Parallel(); e := fakeS3(t); fn(t, e, e.f) })
 	if testenv.ExternalS3() {
 		// The fault cases would silently not run on the real server: say so,
