@@ -408,9 +408,7 @@ func (a *Acquirer) giveBack(ctx context.Context, name, owner string, ttl time.Du
 	// The read takes the row lock, so it waits for a grant statement that
 	// already holds or waits for the row (one queued behind a release that
 	// committed as the context ended) and sees its outcome.
-	var r leaseRow
-	err := a.db.queryRow(bctx, a.inspectLocked, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
-	tok := r.token
+	r, err := a.rowLocked(bctx, name)
 	if err == nil && (r.owner != owner || r.left <= 0) {
 		err = errNoRows
 	}
@@ -420,8 +418,14 @@ func (a *Acquirer) giveBack(ctx context.Context, name, owner string, ttl time.Du
 	if err != nil {
 		return false
 	}
-	l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, time.Now()), a: a}
-	return l.giveBackRelease(bctx) == nil
+	return a.giveBackToken(bctx, name, fence.Token(r.token), ttl) == nil
+}
+
+// giveBackToken releases name's grant of token tok (ttl: the grant's) with
+// giveBackRelease: a release only, never a handoff.
+func (a *Acquirer) giveBackToken(ctx context.Context, name string, tok fence.Token, ttl time.Duration) error {
+	l := &lease{Base: leasekit.New(name, tok, ttl, a.opts.Drift, time.Now()), a: a}
+	return l.giveBackRelease(ctx)
 }
 
 // grantWatch and grantWatchMax bound watchGrant: it watches for at least
@@ -449,12 +453,10 @@ func (a *Acquirer) watchGrant(name, owner string, ttl time.Duration) {
 	defer cancel()
 	for i := 0; ; i++ {
 		rctx, rcancel := context.WithTimeout(ctx, 2*time.Second)
-		var r leaseRow
-		err := a.db.queryRow(rctx, a.inspectLocked, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
+		r, err := a.rowLocked(rctx, name)
 		rcancel()
 		if err == nil && r.owner == owner && r.left > 0 {
-			l := &lease{Base: leasekit.New(name, fence.Token(r.token), ttl, a.opts.Drift, time.Now()), a: a}
-			_ = l.giveBackRelease(ctx)
+			_ = a.giveBackToken(ctx, name, fence.Token(r.token), ttl)
 		} else if (err == nil || errors.Is(err, errNoRows)) && time.Since(start) >= grantWatch {
 			return
 		}
@@ -537,8 +539,18 @@ type leaseRow struct {
 
 // row reads name's lease row; errNoRows when there is none.
 func (a *Acquirer) row(ctx context.Context, name string) (leaseRow, error) {
+	return a.readRow(ctx, a.inspect, name)
+}
+
+// rowLocked is row, read with the row's lock (not on SQLite): it waits for
+// a statement that holds or waits for the row, and sees its outcome.
+func (a *Acquirer) rowLocked(ctx context.Context, name string) (leaseRow, error) {
+	return a.readRow(ctx, a.inspectLocked, name)
+}
+
+func (a *Acquirer) readRow(ctx context.Context, q, name string) (leaseRow, error) {
 	var r leaseRow
-	err := a.db.queryRow(ctx, a.inspect, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
+	err := a.db.queryRow(ctx, q, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
 	return r, err
 }
 

@@ -171,21 +171,18 @@ func (a *Acquirer) settleHandoff(ctx context.Context, name string, hint handHint
 	for i := 0; ; i++ {
 		// The read takes the row lock, so it waits for a statement that
 		// holds or waits for the row before it and sees its outcome.
-		var r leaseRow
-		err := a.db.queryRow(ctx, a.inspectLocked, []any{a.db.text(name)}, &r.token, &r.owner, &r.left, &r.expires)
+		r, err := a.rowLocked(ctx, name)
 		switch {
 		case errors.Is(err, errNoRows):
 			return true // no row: nothing can be granted on it
 		case err != nil:
 		case r.owner == hint.owner && r.left > 0:
 			// The handoff granted the head that left: give it back.
-			l := &lease{Base: leasekit.New(name, fence.Token(r.token), hint.ttl, a.opts.Drift, time.Now()), a: a}
-			_ = l.giveBackRelease(ctx)
+			_ = a.giveBackToken(ctx, name, fence.Token(r.token), hint.ttl)
 		case fence.Token(r.token) == hint.released && r.left > 0:
 			// The released grant still holds the row: the handoff may yet
 			// land. Release it, as Release was asked to.
-			l := &lease{Base: leasekit.New(name, hint.released, hint.ttl, a.opts.Drift, time.Now()), a: a}
-			_ = l.giveBackRelease(ctx)
+			_ = a.giveBackToken(ctx, name, hint.released, hint.ttl)
 		default:
 			return true
 		}
