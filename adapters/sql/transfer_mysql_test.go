@@ -8,7 +8,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -234,36 +233,7 @@ func TestHandoffMySQLChainBound(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var kinds []string
-	for range 19 {
-		head := goAcquire(ctx, c.a, name, time.Minute)
-		waitLine(t, c.a, name, 1)
-		waitHeadIdle(t, c.a, name)
-		before := c.handoffs.Load()
-		if err := l.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
-		r := within(t, head, 10*time.Second, "the head (a plain release did not poke it)")
-		if r.err != nil {
-			t.Fatal(r.err)
-		}
-		if r.l.Token() <= l.Token() {
-			t.Fatalf("token %d after %d", r.l.Token(), l.Token())
-		}
-		kind := "handoff"
-		if c.handoffs.Load() == before {
-			kind = "release"
-		}
-		kinds = append(kinds, kind)
-		l = r.l
-	}
-	if err := l.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	want := strings.Repeat("handoff ", 8) + "release " + strings.Repeat("handoff ", 8) + "release handoff"
-	if got := strings.Join(kinds, " "); got != want {
-		t.Fatalf("releases: %s\nwant:     %s", got, want)
-	}
+	checkChainBound(t, c.a, name, l, c.handoffs.Load)
 }
 
 // lockRowMySQL locks name's lease row in a transaction of its own on raw, as

@@ -261,37 +261,47 @@ func TestHandoffChainBound(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var kinds []string
-			for range 19 {
-				head := goAcquire(ctx, a, name, time.Minute)
-				waitLine(t, a, name, 1)
-				waitHeadIdle(t, a, name)
-				before := c.handoffs.Load()
-				if err := l.Release(ctx); err != nil {
-					t.Fatal(err)
-				}
-				r := within(t, head, 10*time.Second, "the head (a plain release did not wake it)")
-				if r.err != nil {
-					t.Fatal(r.err)
-				}
-				if r.l.Token() <= l.Token() {
-					t.Fatalf("token %d after %d", r.l.Token(), l.Token())
-				}
-				kind := "handoff"
-				if c.handoffs.Load() == before {
-					kind = "release"
-				}
-				kinds = append(kinds, kind)
-				l = r.l
-			}
-			if err := l.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			want := strings.Repeat("handoff ", 8) + "release " + strings.Repeat("handoff ", 8) + "release handoff"
-			if got := strings.Join(kinds, " "); got != want {
-				t.Fatalf("releases: %s\nwant:     %s", got, want)
-			}
+			checkChainBound(t, a, name, l, c.handoffs.Load)
 		})
+	}
+}
+
+// checkChainBound releases l, held through a, 19 times, each with one
+// waiter of a in line, and checks that the releases hand the lock over 8
+// times in a row, then release it (the head still granted, and with a
+// larger token), and so on; handoffs counts the handoff statements sent.
+func checkChainBound(t *testing.T, a *sqlfence.Acquirer, name string, l fence.Lease, handoffs func() int64) {
+	t.Helper()
+	ctx := context.Background()
+	var kinds []string
+	for range 19 {
+		head := goAcquire(ctx, a, name, time.Minute)
+		waitLine(t, a, name, 1)
+		waitHeadIdle(t, a, name)
+		before := handoffs()
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		r := within(t, head, 10*time.Second, "the head (a plain release did not wake or poke it)")
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		if r.l.Token() <= l.Token() {
+			t.Fatalf("token %d after %d", r.l.Token(), l.Token())
+		}
+		kind := "handoff"
+		if handoffs() == before {
+			kind = "release"
+		}
+		kinds = append(kinds, kind)
+		l = r.l
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	want := strings.Repeat("handoff ", 8) + "release " + strings.Repeat("handoff ", 8) + "release handoff"
+	if got := strings.Join(kinds, " "); got != want {
+		t.Fatalf("releases: %s\nwant:     %s", got, want)
 	}
 }
 
