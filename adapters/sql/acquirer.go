@@ -3,11 +3,13 @@ package sqlfence
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
@@ -125,6 +127,9 @@ type Acquirer struct {
 	releaseAsync          string // PostgreSQL: the release, its commit not waiting for the disk (see pgNoFlush)
 	grantAsync            string // PostgreSQL with AsyncGrants: the grant, its commit not waiting for the disk when its token is at or below the clock
 	transfer              string // PostgreSQL and MySQL: a release that grants the lock to a waiter of this acquirer (see transfer.go)
+	grantBell             string // MySQL: the grant, taking the bell (see bell.go)
+	releaseBell           string // MySQL: the release, letting the bell go
+	bells                 *bells // MySQL: the bells of this acquirer's names; nil without
 	inspect, bump         string
 	inspectLocked         string  // inspect, waiting for a statement that holds the row (not on SQLite)
 	advance               string  // SQLite and MySQL: the guard statement run with the grant
@@ -260,6 +265,9 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		a.grantAsync = strings.Replace(a.grant, pgDurable, pgNoFlushUpToClock, 1)
 	}
 	a.transferStatement(t, next)
+	if d == mysqlDialect && !o.DisableNotify && o.AdvanceGuards == nil && db.sqlDB != nil {
+		a.bells = newBells(db.sqlDB, t)
+	}
 	return a, nil
 }
 
@@ -320,10 +328,11 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 	}
 	var (
 		tok int64
+		c   *sql.Conn // the grant's pinned connection (see bell.go), nil unless granted
 		err error
 	)
 	for i := 0; ; i++ {
-		tok, err = a.grantRow(ctx, name, owner, ttl)
+		tok, c, err = a.grantRow(ctx, name, owner, ttl)
 		if uncertain && (errors.Is(err, errNoRows) || a.db.ambiguous(err)) {
 			if t, rerr := a.held(ctx, name, owner); rerr == nil {
 				tok, err = t, nil
@@ -373,6 +382,7 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 		return nil, a.wrap("acquire", err)
 	}
 	l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, sent), a: a}
+	l.keepConn(c)
 	if l.Context().Err() != nil {
 		return nil, a.giveBackLate(ctx, l)
 	}
@@ -556,11 +566,11 @@ func (a *Acquirer) readRow(ctx context.Context, q, name string) (leaseRow, error
 
 // grantRow runs the grant statement (with the guard advance on SQLite, in one
 // transaction) and returns the new token; errNoRows when the lease is held.
-func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Duration) (int64, error) {
+func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Duration) (int64, *sql.Conn, error) {
 	args := []any{a.db.text(name), a.db.text(owner), ttlMs(ttl)}
 	var tok int64
 	if a.db.d == mysqlDialect {
-		return a.grantMySQL(ctx, args)
+		return a.grantMySQL(ctx, name, args)
 	}
 	if a.advance == "" {
 		q := a.grant
@@ -569,7 +579,7 @@ func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Du
 			q = a.grantAsync
 		}
 		err := a.db.queryRow(ctx, q, args, &tok)
-		return tok, err
+		return tok, nil, err
 	}
 	err := a.db.inTx(ctx, func(c conn) error {
 		if err := c.queryRow(ctx, a.grant, args, &tok); err != nil {
@@ -580,7 +590,7 @@ func (a *Acquirer) grantRow(ctx context.Context, name, owner string, ttl time.Du
 		}
 		return nil
 	})
-	return tok, err
+	return tok, nil, err
 }
 
 // guardStmtError is an error of the AdvanceGuards statement that a grant
@@ -631,6 +641,8 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	var listen func(chan struct{}) func()
 	if a.db.listen != nil && !a.opts.DisableNotify {
 		listen = func(wake chan struct{}) func() { return a.db.listen.SubscribeChan(nameHash(name), wake) }
+	} else if a.bells != nil {
+		listen = func(wake chan struct{}) func() { return a.bells.subscribe(name, wake) }
 	}
 	var req any
 	if a.transfer != "" {
@@ -727,6 +739,24 @@ type lease struct {
 	*leasekit.Base
 	a     *Acquirer
 	chain int // how many handoffs in a row, within this acquirer, led to this grant (see transfer)
+	// conn is the connection the grant pinned (MySQL, see bell.go), which
+	// may hold the bell; whoever swaps it out owns it.
+	conn atomic.Pointer[sql.Conn]
+}
+
+// keepConn gives l its grant's pinned connection c (nil: none). When l's
+// context ends and no release or handoff took c, c is closed: its server
+// session ends, and with it the bell it may hold.
+func (l *lease) keepConn(c *sql.Conn) {
+	if c == nil {
+		return
+	}
+	l.conn.Store(c)
+	context.AfterFunc(l.Context(), func() {
+		if c := l.conn.Swap(nil); c != nil {
+			l.a.bells.unpin(c, false)
+		}
+	})
 }
 
 // Renew extends the lease by its ttl on the server's clock, if this grant still
@@ -816,12 +846,33 @@ func (l *lease) releaseRow(ctx context.Context) error {
 // releaseOnly is releaseRow without a handoff.
 func (l *lease) releaseOnly(ctx context.Context) error {
 	uncertain := false
+	c := l.conn.Swap(nil)
+	defer func() {
+		if c != nil {
+			l.a.bells.unpin(c, false) // it may still hold the bell
+		}
+	}()
 	for i := 0; ; i++ {
 		q := l.a.release
 		if l.a.releaseAsync != "" && l.a.db.autocommit() {
 			q = l.a.releaseAsync
 		}
-		n, err := l.a.db.change(ctx, q, l.a.db.text(l.Name()), int64(l.Token()))
+		var (
+			n   int64
+			err error
+		)
+		if c != nil {
+			// On the bell's connection: the release lets the bell go.
+			n, err = l.a.db.execIDOn(ctx, stdConn{c}, l.a.releaseBell, l.a.db.text(l.Name()), int64(l.Token()))
+			if err == nil && n > 0 {
+				l.a.bells.unpin(c, true)
+			} else {
+				l.a.bells.unpin(c, false)
+			}
+			c = nil
+		} else {
+			n, err = l.a.db.change(ctx, q, l.a.db.text(l.Name()), int64(l.Token()))
+		}
 		if l.a.db.ambiguous(err) {
 			uncertain = true
 			if i+1 < maxAmbiguousRetries && retryPause(ctx, i) {

@@ -20,3 +20,14 @@ func DisableHandoff(a *Acquirer) { a.transfer = "" }
 // LineHeadWaiting reports whether the head of a's line for name has made an
 // attempt and now waits between attempts (wakeup.Line.HeadWaiting).
 func LineHeadWaiting(a *Acquirer, name string) bool { return a.line.HeadWaiting(name) }
+
+// BellPinned returns how many connections a has pinned for bells (MySQL);
+// -1 when a has no bells.
+func BellPinned(a *Acquirer) int {
+	if a.bells == nil {
+		return -1
+	}
+	a.bells.mu.Lock()
+	defer a.bells.mu.Unlock()
+	return a.bells.pinned
+}

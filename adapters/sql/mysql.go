@@ -109,8 +109,13 @@ func execID(ctx context.Context, c conn, q string, args ...any) (int64, error) {
 // execID runs one of the package's MySQL statements (see execID), retrying
 // deadlocks.
 func (db *DB) execID(ctx context.Context, q string, args ...any) (int64, error) {
+	return db.execIDOn(ctx, db.c, q, args...)
+}
+
+// execIDOn is execID on c (a pinned connection, see bell.go).
+func (db *DB) execIDOn(ctx context.Context, c conn, q string, args ...any) (int64, error) {
 	for i := 0; ; i++ {
-		id, err := execID(ctx, db.c, q, args...)
+		id, err := execID(ctx, c, q, args...)
 		if err == nil || i == maxStatementRetries || !db.d.serializationFailed(err) || !retryPause(ctx, i) {
 			return id, err
 		}
@@ -134,13 +139,23 @@ func (db *DB) change(ctx context.Context, q string, args ...any) (int64, error) 
 func (a *Acquirer) mysqlStatements(t string) {
 	now := mysqlDialect.nowMs
 	expired := "expires_at <= " + now
-	a.grant = fmt.Sprintf("INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[4]s, LAST_INSERT_ID(%[6]s), %[5]s, %[2]s + ?) "+
-		"ON DUPLICATE KEY UPDATE token = IF(%[3]s, LAST_INSERT_ID(token + 1), LAST_INSERT_ID(0) + token), "+
-		"owner = IF(%[3]s, VALUES(owner), owner), expires_at = IF(%[3]s, VALUES(expires_at), expires_at)", t, now, expired, mysqlText, mysqlMaybeEmpty, mysqlNowUs)
+	// %[7]s is the new owner: with the bell (grantBell, see bell.go) it also
+	// takes the bell, whose key is the statement's last argument; IF
+	// evaluates it only when the grant takes over an expired row (a new
+	// row's grant takes no bell: nobody waited for it).
+	grant := "INSERT INTO %[1]s (name, token, owner, expires_at) VALUES (%[4]s, LAST_INSERT_ID(%[6]s), %[5]s, %[2]s + ?) " +
+		"ON DUPLICATE KEY UPDATE token = IF(%[3]s, LAST_INSERT_ID(token + 1), LAST_INSERT_ID(0) + token), " +
+		"owner = IF(%[3]s, %[7]s, owner), expires_at = IF(%[3]s, VALUES(expires_at), expires_at)"
+	a.grant = fmt.Sprintf(grant, t, now, expired, mysqlText, mysqlMaybeEmpty, mysqlNowUs, "VALUES(owner)")
+	a.grantBell = fmt.Sprintf(grant, t, now, expired, mysqlText, mysqlMaybeEmpty, mysqlNowUs, "IF(GET_LOCK(?, 0) IS NULL, VALUES(owner), VALUES(owner))")
 	// Renew's arguments come in the order ttl, name, token (see renewArgs).
 	a.renew = fmt.Sprintf("UPDATE %[1]s SET token = LAST_INSERT_ID(token), expires_at = %[2]s + ? "+
 		"WHERE name = %[3]s AND token = ? AND expires_at > %[2]s", t, now, mysqlText)
-	a.release = fmt.Sprintf("UPDATE %s SET token = LAST_INSERT_ID(token), expires_at = 0 WHERE name = %s AND token = ? AND expires_at > %s", t, mysqlText, now)
+	// releaseBell also lets go of the bell (see bell.go): RELEASE_ALL_LOCKS
+	// returns how many it let go, and 0 times that is the expiry.
+	release := "UPDATE %s SET token = LAST_INSERT_ID(token), expires_at = %s WHERE name = %s AND token = ? AND expires_at > %s"
+	a.release = fmt.Sprintf(release, t, "0", mysqlText, now)
+	a.releaseBell = fmt.Sprintf(release, t, "0 * RELEASE_ALL_LOCKS()", mysqlText, now)
 	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = %s", now, t, mysqlText)
 	// Bump's arguments: name, to, to, to (a new row starts at the larger of
 	// to and the clock, see Acquirer.Bump).
@@ -150,8 +165,9 @@ func (a *Acquirer) mysqlStatements(t string) {
 
 // grantMySQL runs the grant (with the guard advance, in one transaction, when
 // AdvanceGuards is set) and returns the new token; errNoRows when the lease
-// is held.
-func (a *Acquirer) grantMySQL(ctx context.Context, args []any) (int64, error) {
+// is held. With bells (see bell.go) it runs on a pinned connection, taking
+// the bell, and returns that connection when it granted.
+func (a *Acquirer) grantMySQL(ctx context.Context, name string, args []any) (int64, *sql.Conn, error) {
 	// The grant's LAST_INSERT_ID is its token, 0 when the lease is held.
 	granted := func(tok int64, err error) (int64, error) {
 		if err == nil && tok == 0 {
@@ -160,7 +176,30 @@ func (a *Acquirer) grantMySQL(ctx context.Context, args []any) (int64, error) {
 		return tok, err
 	}
 	if a.advance == "" {
-		return granted(a.db.execID(ctx, a.grant, args...))
+		if a.bells != nil {
+			if c, free := a.bells.take(ctx, name); c != nil {
+				tok, err := granted(a.db.execIDOn(ctx, stdConn{c}, a.grantBell, append(args, a.bells.key(name))...))
+				switch {
+				case err == nil:
+					return tok, c, nil
+				case errors.Is(err, errNoRows) && free:
+					a.bells.putBack(name, c)
+					return 0, nil, err
+				case errors.Is(err, errNoRows):
+					a.bells.unpin(c, true)
+					return 0, nil, err
+				}
+				a.bells.unpin(c, false)
+				var me *mysql.MySQLError
+				if !errors.As(err, &me) || a.db.d.missingTable(err) || a.db.d.checkViolation(err) || a.db.d.serializationFailed(err) {
+					return 0, nil, err
+				}
+				// The server refused GET_LOCK: grants go without bells.
+				a.bells.off.Store(true)
+			}
+		}
+		tok, err := granted(a.db.execID(ctx, a.grant, args...))
+		return tok, nil, err
 	}
 	var tok int64
 	err := a.db.inTx(ctx, func(c conn) error {
@@ -173,7 +212,7 @@ func (a *Acquirer) grantMySQL(ctx context.Context, args []any) (int64, error) {
 		}
 		return nil
 	})
-	return tok, err
+	return tok, nil, err
 }
 
 // mysqlStatements replaces the store's statements with MySQL's. The claim

@@ -2,6 +2,7 @@ package sqlfence
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"time"
@@ -102,9 +103,13 @@ func (a *Acquirer) transferArgs(name string, tok fence.Token, owner string, ttl 
 
 // transferRow runs the handoff statement once and returns the new token;
 // errNoRows when the released lease no longer held the row.
-func (a *Acquirer) transferRow(ctx context.Context, args []any) (int64, error) {
+func (a *Acquirer) transferRow(ctx context.Context, c *sql.Conn, args []any) (int64, error) {
 	if a.db.d == mysqlDialect {
-		tok, err := a.db.execID(ctx, a.transfer, args...)
+		var cn conn = a.db.c
+		if c != nil {
+			cn = stdConn{c}
+		}
+		tok, err := a.db.execIDOn(ctx, cn, a.transfer, args...)
 		if err == nil && tok == 0 {
 			err = errNoRows
 		}
@@ -211,6 +216,14 @@ func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error
 			a.abandon(ctx, name, r.ttl, h)
 		}
 	}
+	// The released lease's pinned connection, holding the bell if it
+	// does (see bell.go), goes to the new lease with the handoff.
+	c := l.conn.Swap(nil)
+	defer func() {
+		if c != nil {
+			a.bells.unpin(c, false) // not handed on: its session ends, and the bell with it
+		}
+	}()
 	settled := false
 	defer func() {
 		if !settled {
@@ -221,7 +234,11 @@ func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error
 		}
 	}()
 	for i := 0; ; i++ {
-		tok, err = a.transferRow(ctx, args)
+		tok, err = a.transferRow(ctx, c, args)
+		if err != nil && c != nil {
+			a.bells.unpin(c, false)
+			c = nil
+		}
 		if uncertain && (errors.Is(err, errNoRows) || a.db.ambiguous(err)) {
 			if t, rerr := a.held(ctx, name, hint.owner); rerr == nil {
 				tok, err = t, nil
@@ -241,6 +258,8 @@ func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error
 		// The released lease ends before the head can hold the new one.
 		l.End(context.Canceled)
 		nl := &lease{Base: leasekit.New(name, fence.Token(tok), r.ttl, a.opts.Drift, hint.sent), a: a, chain: l.chain + 1}
+		nl.keepConn(c)
+		c = nil
 		if nl.Context().Err() != nil {
 			// Past the head's local deadline already: it holds nothing.
 			_ = a.giveBackLate(ctx, nl)
