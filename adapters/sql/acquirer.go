@@ -847,6 +847,7 @@ func (l *lease) releaseRow(ctx context.Context) error {
 func (l *lease) releaseOnly(ctx context.Context) error {
 	uncertain := false
 	c := l.conn.Swap(nil)
+	rang := false // the release let a bell go
 	defer func() {
 		if c != nil {
 			l.a.bells.unpin(c, false) // it may still hold the bell
@@ -864,6 +865,7 @@ func (l *lease) releaseOnly(ctx context.Context) error {
 		if c != nil {
 			// On the bell's connection: the release lets the bell go.
 			n, err = l.a.db.execIDOn(ctx, stdConn{c}, l.a.releaseBell, l.a.db.text(l.Name()), int64(l.Token()))
+			rang = err == nil && n > 1
 			if err == nil && n > 0 {
 				l.a.bells.unpin(c, true)
 			} else {
@@ -897,7 +899,7 @@ func (l *lease) releaseOnly(ctx context.Context) error {
 		} else if n == 0 {
 			err = l.lost()
 		}
-		if !l.endsChain() {
+		if !l.endsChain(rang) {
 			l.a.line.Poke(l.Name())
 		}
 		return err

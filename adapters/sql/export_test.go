@@ -31,3 +31,19 @@ func BellPinned(a *Acquirer) int {
 	defer a.bells.mu.Unlock()
 	return a.bells.pinned
 }
+
+// BellKey returns the GET_LOCK name of name's bell for a (MySQL).
+func BellKey(a *Acquirer, name string) string { return a.bells.key(name) }
+
+// BellFree reports whether a's ringer for name keeps a connection that holds
+// the bell, for its head's next grant (bell.go's ringer.free).
+func BellFree(a *Acquirer, name string) bool {
+	a.bells.mu.Lock()
+	defer a.bells.mu.Unlock()
+	r := a.bells.names[name]
+	return r != nil && r.free != nil
+}
+
+// BellOff reports whether a's bells were turned off (the server refused
+// GET_LOCK).
+func BellOff(a *Acquirer) bool { return a.bells.off.Load() }

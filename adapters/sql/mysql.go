@@ -151,11 +151,12 @@ func (a *Acquirer) mysqlStatements(t string) {
 	// Renew's arguments come in the order ttl, name, token (see renewArgs).
 	a.renew = fmt.Sprintf("UPDATE %[1]s SET token = LAST_INSERT_ID(token), expires_at = %[2]s + ? "+
 		"WHERE name = %[3]s AND token = ? AND expires_at > %[2]s", t, now, mysqlText)
-	// releaseBell also lets go of the bell (see bell.go): RELEASE_ALL_LOCKS
-	// returns how many it let go, and 0 times that is the expiry.
+	// releaseBell also lets go of the bell (see bell.go): its
+	// LAST_INSERT_ID is 1 + the number of user locks it let go (1 when the
+	// lease held no bell), still 0 when it released nothing.
 	release := "UPDATE %s SET token = LAST_INSERT_ID(token), expires_at = %s WHERE name = %s AND token = ? AND expires_at > %s"
 	a.release = fmt.Sprintf(release, t, "0", mysqlText, now)
-	a.releaseBell = fmt.Sprintf(release, t, "0 * RELEASE_ALL_LOCKS()", mysqlText, now)
+	a.releaseBell = fmt.Sprintf(release, t, "0 * LAST_INSERT_ID(1 + RELEASE_ALL_LOCKS())", mysqlText, now)
 	a.inspect = fmt.Sprintf("SELECT token, owner, expires_at - %s, expires_at FROM %s WHERE name = %s", now, t, mysqlText)
 	// Bump's arguments: name, to, to, to (a new row starts at the larger of
 	// to and the clock, see Acquirer.Bump).

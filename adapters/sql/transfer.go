@@ -53,12 +53,16 @@ import (
 const maxChain = 8
 
 // endsChain reports whether l's release ends a chain of maxChain handoffs
-// and is announced to every waiter by a notification: the head of this
-// Acquirer's line is then not poked, and hears of the release with the
-// waiters of other processes. Without notifications it is poked as after
-// any release (other processes' waiters poll, as they always do then).
-func (l *lease) endsChain() bool {
-	return l.chain >= maxChain && l.a.transfer != "" && l.a.db.listen != nil && !l.a.opts.DisableNotify
+// and is announced to every waiter, by a notification or (MySQL) by the
+// bell the release let go (rang; see bell.go): the head of this Acquirer's
+// line is then not poked, and hears of the release with the waiters of
+// other processes, in the order the server serves them. Otherwise it is
+// poked as after any release (other processes' waiters poll).
+func (l *lease) endsChain(rang bool) bool {
+	if l.chain < maxChain || l.a.transfer == "" {
+		return false
+	}
+	return l.a.db.listen != nil && !l.a.opts.DisableNotify || rang
 }
 
 // handReq is a waiter's request, which the releaser reads to grant it.
