@@ -38,9 +38,18 @@ type AcquirerOptions struct {
 	// TryAcquire or Acquire whose ttl is not longer than a Drift set here
 	// returns an error matching fence.ErrInvalid naming the ttl.
 	Drift time.Duration
-	// DisableNotify turns off release notifications on PostgreSQL, so waiters
-	// only poll with Backoff. Default: false (a release runs pg_notify, and
-	// waiting Acquire calls wake on it through LISTEN).
+	// DisableNotify turns off release notifications, so waiters of other
+	// Acquirers only poll with Backoff. Default: false. On PostgreSQL a
+	// release runs pg_notify, and waiting Acquire calls wake on it through
+	// LISTEN. On MySQL (without AdvanceGuards) a grant also takes a
+	// user-level lock named for the lease row, GET_LOCK(key, 0), on a
+	// connection the lease keeps from the pool, and its release lets it go
+	// in the same statement; while Acquire calls of this Acquirer wait for a
+	// name, one goroutine waits for that lock in GET_LOCK on a connection of
+	// its own and wakes the head of the line. The lock only wakes: a grant
+	// never waits for it, is made whether or not it got it, and a release
+	// that had none wakes nobody (waiters then poll). It pins at most 16
+	// connections of the pool, a quarter of SetMaxOpenConns when that is set.
 	DisableNotify bool
 	// AdvanceGuards, when set, advances the guard row of the lock name (see
 	// Guards) to the new token in the same atomic step as every grant, so a

@@ -13,7 +13,11 @@ import (
 // the "mysql" driver of github.com/go-sql-driver/mysql. The DSN's
 // clientFoundRows setting does not matter: the statements do not rely on the
 // rows-affected count (see the package documentation). MySQL has no
-// notifications, so waiters poll with the acquirer's Backoff.
+// notifications: a release wakes the waiters of other Acquirers (other
+// processes) through a user-level lock, GET_LOCK, that the grant takes and
+// the release lets go (the bell, see AcquirerOptions.DisableNotify); the
+// lease row stays the only truth, and waiters also poll with the
+// acquirer's Backoff.
 //
 // A nil db gives a *DB whose every use returns an error matching fence.ErrInvalid.
 func MySQL(db *sql.DB) *DB {
