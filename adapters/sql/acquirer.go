@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"database/sql"
+	"database/sql/driver"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -881,6 +882,11 @@ func (l *lease) releaseOnly(ctx context.Context) error {
 				l.a.bells.unpin(c, false)
 			}
 			c = nil
+			if errors.Is(err, driver.ErrBadConn) {
+				// Not sent (the pinned connection's session had ended,
+				// and the bell with it): on a connection of the pool.
+				n, err = l.a.db.change(ctx, q, l.a.db.text(l.Name()), int64(l.Token()))
+			}
 		} else {
 			n, err = l.a.db.change(ctx, q, l.a.db.text(l.Name()), int64(l.Token()))
 		}

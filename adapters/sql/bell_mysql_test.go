@@ -2,6 +2,8 @@ package sqlfence_test
 
 import (
 	"context"
+	"database/sql"
+	"fmt"
 	"testing"
 	"time"
 
@@ -79,4 +81,62 @@ func TestMySQLBellWakesOtherAcquirer(t *testing.T) {
 	}
 	waitPinned(t, holder, 0)
 	waitPinned(t, waiter, 0)
+}
+
+// TestMySQLBellKilledSession: the session of a lease's pinned connection
+// ends (an operator's KILL, a server-side timeout): the bell goes with it,
+// and the release still releases, on a connection of the pool, as it would
+// without the bell; nothing stays pinned.
+func TestMySQLBellKilledSession(t *testing.T) {
+	raw, fdb := openMySQL(t, "")
+	ctx := context.Background()
+	a := newAcquirerOn(t, fdb, nil)
+	other := newAcquirerOn(t, fdb, nil)
+	if err := a.CreateTable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("bell-killed")
+	l0, err := a.TryAcquire(ctx, name, time.Minute) // creates the row: no bell
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l0.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l, err := a.TryAcquire(ctx, name, time.Minute) // takes over the row, and the bell
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := sqlfence.BellKey(a, name)
+	var id sql.NullInt64
+	if err := raw.QueryRowContext(ctx, "SELECT IS_USED_LOCK(?)", key).Scan(&id); err != nil || !id.Valid {
+		t.Fatalf("the grant's bell is not held: %v, %v", id, err)
+	}
+	if _, err := raw.ExecContext(ctx, fmt.Sprintf("KILL %d", id.Int64)); err != nil {
+		t.Fatal(err)
+	}
+	for end := time.Now().Add(10 * time.Second); id.Valid; {
+		if time.Now().After(end) {
+			t.Fatal("the killed session still holds the bell after 10s")
+		}
+		time.Sleep(5 * time.Millisecond) // polling the server's state
+		if err := raw.QueryRowContext(ctx, "SELECT IS_USED_LOCK(?)", key).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatalf("release after the lease's session was killed: %v", err)
+	}
+	nl, err := other.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatalf("the lock is not free after the release: %v", err)
+	}
+	if nl.Token() <= l.Token() {
+		t.Fatalf("token %d after %d", nl.Token(), l.Token())
+	}
+	if err := nl.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitPinned(t, a, 0)
+	waitPinned(t, other, 0)
 }

@@ -3,6 +3,7 @@ package sqlfence
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 
@@ -196,11 +197,16 @@ func (a *Acquirer) grantMySQL(ctx context.Context, name string, args []any) (int
 				}
 				a.bells.unpin(c, false)
 				var me *mysql.MySQLError
-				if !errors.As(err, &me) || a.db.d.missingTable(err) || a.db.d.checkViolation(err) || a.db.d.serializationFailed(err) {
+				switch {
+				case errors.Is(err, driver.ErrBadConn):
+					// Not sent (the pinned connection's session had
+					// ended): on a connection of the pool, as without bells.
+				case !errors.As(err, &me) || a.db.d.missingTable(err) || a.db.d.checkViolation(err) || a.db.d.serializationFailed(err):
 					return 0, nil, err
+				default:
+					// The server refused GET_LOCK: grants go without bells.
+					a.bells.off.Store(true)
 				}
-				// The server refused GET_LOCK: grants go without bells.
-				a.bells.off.Store(true)
 			}
 		}
 		tok, err := granted(a.db.execID(ctx, a.grant, args...))

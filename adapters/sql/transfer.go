@@ -3,6 +3,7 @@ package sqlfence
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"time"
@@ -242,6 +243,11 @@ func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error
 		if err != nil && c != nil {
 			a.bells.unpin(c, false)
 			c = nil
+			if errors.Is(err, driver.ErrBadConn) {
+				// Not sent (the pinned connection's session had
+				// ended): on a connection of the pool, as without bells.
+				tok, err = a.transferRow(ctx, nil, args)
+			}
 		}
 		if uncertain && (errors.Is(err, errNoRows) || a.db.ambiguous(err)) {
 			if t, rerr := a.held(ctx, name, hint.owner); rerr == nil {
