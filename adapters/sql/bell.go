@@ -7,12 +7,12 @@ import (
 	"database/sql/driver"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/fencekit/fencekit/internal/wakeup"
-	"github.com/go-sql-driver/mysql"
 )
 
 // A bell: MySQL has no notifications, so the waiters of other processes
@@ -55,19 +55,39 @@ const bellWait = 1
 type bells struct {
 	db     *sql.DB
 	table  string
+	watchQ string // a ringer's read of the row's time left, in ms (see watch)
 	hub    wakeup.Hub
 	off    atomic.Bool // the server refused GET_LOCK: no bells from now on
 	mu     sync.Mutex
 	names  map[string]*ringer
 	pinned int
+	// refusedCode and refusals count the grants in a row whose statement
+	// with the bell failed with the same MySQL error while the same grant
+	// without it did not: the server refuses GET_LOCK (see refused).
+	refusedCode uint16
+	refusals    int
 }
+
+// pinBudget counts the connections pinned for bells per pool, by all the
+// Acquirers that share it: together they pin at most bellCap, a quarter of
+// its SetMaxOpenConns when set. A pool's entry lives while it has pins.
+var pinBudget = struct {
+	sync.Mutex
+	n map[*sql.DB]int
+}{n: map[*sql.DB]int{}}
 
 // ringer is the bell state of one name with waiters.
 type ringer struct {
 	subs    int       // waiters subscribed
 	running bool      // its goroutine runs
 	free    *sql.Conn // a connection holding the bell, for the next grant
-	changed chan struct{}
+	// held is a connection holding the bell that a woken head's grant gave
+	// back because the row was held (by a grant without the bell): the
+	// ringer keeps the bell and watches the row until it is free.
+	held     *sql.Conn
+	taken    bool // a grant runs on the connection that was free (see take)
+	watching bool // the ringer holds the bell and watches the row (see watch)
+	changed  chan struct{}
 }
 
 func (r *ringer) poke() {
@@ -78,7 +98,8 @@ func (r *ringer) poke() {
 }
 
 func newBells(db *sql.DB, table string) *bells {
-	return &bells{db: db, table: table, names: map[string]*ringer{}}
+	return &bells{db: db, table: table, names: map[string]*ringer{},
+		watchQ: fmt.Sprintf("SELECT GREATEST(expires_at - %s, 0) FROM %s WHERE name = %s LOCK IN SHARE MODE", mysqlDialect.nowMs, table, mysqlText)}
 }
 
 // key is the GET_LOCK name of name's bell (41 bytes, within MySQL's 64).
@@ -87,7 +108,7 @@ func (b *bells) key(name string) string {
 	return "fencekit:" + hex.EncodeToString(h[:16])
 }
 
-// limit is how many connections b may pin.
+// limit is how many connections the Acquirers on b's pool may pin together.
 func (b *bells) limit() int {
 	if m := b.db.Stats().MaxOpenConnections; m > 0 {
 		return min(bellCap, m/4)
@@ -95,14 +116,21 @@ func (b *bells) limit() int {
 	return bellCap
 }
 
-// pin takes a connection from the pool for a bell; nil when b is off, at
-// its limit, or the pool could not give one.
+// pin takes a connection from the pool for a bell; nil when b is off, the
+// pool's pin budget is spent, or the pool could not give one.
 func (b *bells) pin(ctx context.Context) *sql.Conn {
-	b.mu.Lock()
-	if b.off.Load() || b.pinned >= b.limit() {
-		b.mu.Unlock()
+	if b.off.Load() {
 		return nil
 	}
+	limit := b.limit()
+	pinBudget.Lock()
+	if pinBudget.n[b.db] >= limit {
+		pinBudget.Unlock()
+		return nil
+	}
+	pinBudget.n[b.db]++
+	pinBudget.Unlock()
+	b.mu.Lock()
 	b.pinned++
 	b.mu.Unlock()
 	c, err := b.db.Conn(ctx)
@@ -116,6 +144,33 @@ func (b *bells) pin(ctx context.Context) *sql.Conn {
 func (b *bells) unpinned() {
 	b.mu.Lock()
 	b.pinned--
+	b.mu.Unlock()
+	pinBudget.Lock()
+	if pinBudget.n[b.db]--; pinBudget.n[b.db] <= 0 {
+		delete(pinBudget.n, b.db)
+	}
+	pinBudget.Unlock()
+}
+
+// refused counts a grant whose statement with the bell failed with MySQL
+// error code while the same grant without it did not; after three in a row
+// with one code the server is taken to refuse GET_LOCK, and b is off: its
+// waiters poll, as without bells. A grant with the bell that the server
+// ran (granted or not) starts the count again (accepted).
+func (b *bells) refused(code uint16) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if code != b.refusedCode {
+		b.refusedCode, b.refusals = code, 0
+	}
+	if b.refusals++; b.refusals >= 3 {
+		b.off.Store(true)
+	}
+}
+
+func (b *bells) accepted() {
+	b.mu.Lock()
+	b.refusals = 0
 	b.mu.Unlock()
 }
 
@@ -143,23 +198,42 @@ func (b *bells) letGo(c *sql.Conn) {
 func (b *bells) take(ctx context.Context, name string) (c *sql.Conn, free bool) {
 	b.mu.Lock()
 	if r := b.names[name]; r != nil && r.free != nil {
-		c, r.free = r.free, nil
+		c, r.free, r.taken = r.free, nil, true
 		b.mu.Unlock()
-		r.poke()
 		return c, true
 	}
 	b.mu.Unlock()
 	return b.pin(ctx), false
 }
 
-// putBack returns a connection holding name's bell that a grant took and
-// did not use (the row was held): the ringer keeps it for the next grant
-// while anyone waits; otherwise the bell is let go.
+// settled ends a grant on the connection take returned as free: the ringer
+// goes on (waiting for the bell again, or watching the row when putBack
+// gave the bell back).
+func (b *bells) settled(name string) {
+	b.mu.Lock()
+	r := b.names[name]
+	if r != nil {
+		r.taken = false
+	}
+	b.mu.Unlock()
+	if r != nil {
+		r.poke()
+	}
+}
+
+// putBack returns a connection holding name's bell that a woken head's
+// grant took and did not use: the row was held, by a grant that did not
+// get the bell (the first grant of a new row, one whose reply was lost, one
+// made while this ringer held the bell), or by one whose connection ended
+// before its lease (the bell went with the session). That holder's release
+// will wake nobody: while anyone waits the ringer keeps the bell and
+// watches the row until it is free (see watch); otherwise the bell is let go.
 func (b *bells) putBack(name string, c *sql.Conn) {
 	b.mu.Lock()
-	if r := b.names[name]; r != nil && r.subs > 0 && r.free == nil {
-		r.free = c
+	if r := b.names[name]; r != nil && r.subs > 0 && r.free == nil && r.held == nil {
+		r.held = c
 		b.mu.Unlock()
+		r.poke()
 		return
 	}
 	b.mu.Unlock()
@@ -199,19 +273,22 @@ func (b *bells) subscribe(name string, wake chan struct{}) func() {
 		if free != nil {
 			go b.letGo(free)
 		}
+		// A connection in r.held is the ringer's: it lets it go when it
+		// sees nobody waits.
 	}
 }
 
 // forget drops name's ringer once nobody waits and its goroutine ended.
 // Called with b.mu held.
 func (b *bells) forget(name string, r *ringer) {
-	if r.subs == 0 && !r.running && r.free == nil && b.names[name] == r {
+	if r.subs == 0 && !r.running && r.free == nil && r.held == nil && b.names[name] == r {
 		delete(b.names, name)
 	}
 }
 
-// ring waits for name's bell while anyone waits for name, and wakes the
-// head of the line each time it gets it.
+// ring waits for name's bell while anyone waits for name, and each time it
+// gets it, once the row is free (see watch), wakes the head of the line,
+// whose grant then runs on the connection that holds the bell.
 func (b *bells) ring(name string, r *ringer) {
 	key := b.key(name)
 	var c *sql.Conn
@@ -223,59 +300,129 @@ func (b *bells) ring(name string, r *ringer) {
 	for fails := 0; ; {
 		b.mu.Lock()
 		if r.subs == 0 || b.off.Load() {
-			r.running = false
+			held := r.held
+			r.held, r.running = nil, false
 			b.forget(name, r)
 			b.mu.Unlock()
+			if held != nil {
+				b.letGo(held)
+			}
 			return
 		}
-		busy := r.free != nil
+		busy := r.free != nil || r.taken
+		var held *sql.Conn
+		if !busy {
+			held, r.held = r.held, nil
+		}
 		b.mu.Unlock()
 		if busy {
-			// This acquirer's head has the bell: wait until a grant takes
-			// it or nobody waits.
+			// This acquirer's head has the bell: wait until a grant on it
+			// is settled or nobody waits.
 			<-r.changed
 			continue
 		}
-		if c == nil {
-			pctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			c = b.pin(pctx)
-			cancel()
+		if held != nil {
+			if c != nil {
+				b.unpin(c, true) // holds no bell: held has it
+				c = nil
+			}
+		} else {
 			if c == nil {
+				pctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				c = b.pin(pctx)
+				cancel()
+				if c == nil {
+					b.pause(r, &fails)
+					continue
+				}
+			}
+			var got sql.NullInt64
+			ctx, cancel := context.WithTimeout(context.Background(), (bellWait+5)*time.Second)
+			err := c.QueryRowContext(ctx, "SELECT GET_LOCK(?, ?)", key, bellWait).Scan(&got)
+			cancel()
+			if err != nil {
+				// A server that refuses GET_LOCK turns bells off through
+				// the grants (see refused); until then, and for any other
+				// failure, the ringer tries again after a pause.
+				b.unpin(c, false)
+				c = nil
 				b.pause(r, &fails)
 				continue
 			}
-		}
-		var got sql.NullInt64
-		ctx, cancel := context.WithTimeout(context.Background(), (bellWait+5)*time.Second)
-		err := c.QueryRowContext(ctx, "SELECT GET_LOCK(?, ?)", key, bellWait).Scan(&got)
-		cancel()
-		if err != nil {
-			b.unpin(c, false)
-			c = nil
-			var me *mysql.MySQLError
-			if errors.As(err, &me) {
-				// The server refuses GET_LOCK (a cluster that does not
-				// replicate user locks): waiters poll, as without bells.
-				b.off.Store(true)
+			fails = 0
+			if got.Int64 != 1 {
+				continue // waited bellWait: look again whether anyone waits
 			}
-			b.pause(r, &fails)
-			continue
+			held, c = c, nil
 		}
-		fails = 0
-		if got.Int64 != 1 {
-			continue // waited bellWait: look again whether anyone waits
-		}
+		// held holds the bell. It was let go by a release, or by a lease
+		// whose session ended, or it was free: its holder, if any, did
+		// not have it. The head is woken only once the row is free, so
+		// that a bell never sends it to a row still held.
 		b.mu.Lock()
-		if r.subs > 0 && r.free == nil {
-			r.free, c = c, nil
+		r.watching = true
+		b.mu.Unlock()
+		free := b.watch(name, r, held)
+		b.mu.Lock()
+		r.watching = false
+		if free && r.subs > 0 && r.free == nil {
+			r.free, held = held, nil
 		}
 		b.mu.Unlock()
-		if c != nil {
-			b.letGo(c) // nobody waits any more
-			c = nil
-			continue
+		switch {
+		case !free:
+			b.unpin(held, false)
+			b.pause(r, &fails)
+		case held != nil:
+			b.letGo(held) // nobody waits any more
+		default:
+			b.hub.WakeOne(name)
 		}
-		b.hub.WakeOne(name)
+	}
+}
+
+// watchMin and watchMax bound a watching ringer's pause between reads of
+// the row (see watch): 2ms, doubling to 100ms, the zero Backoff's Max.
+const (
+	watchMin = 2 * time.Millisecond
+	watchMax = 100 * time.Millisecond
+)
+
+// watch reads name's lease row on c, which holds the bell, until the row is
+// free (expired, released, or gone), pausing up to the time it has left
+// (2ms, doubling to 100ms, at most the time left); it reports whether it
+// saw it free, false when nobody waits any more or a read failed (the
+// caller closes c then). The read takes the row's shared lock, so it waits
+// for the statement that let the bell go (a release lets it go before it
+// commits) and sees its outcome.
+func (b *bells) watch(name string, r *ringer, c *sql.Conn) bool {
+	pause := watchMin
+	for {
+		var left int64
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		err := c.QueryRowContext(ctx, b.watchQ, textArg(true, name)).Scan(&left)
+		cancel()
+		switch {
+		case errors.Is(err, sql.ErrNoRows):
+			return true
+		case err != nil:
+			return false
+		case left <= 0:
+			return true
+		}
+		t := time.NewTimer(min(pause, time.Duration(left)*time.Millisecond))
+		select {
+		case <-t.C:
+		case <-r.changed:
+			t.Stop()
+		}
+		b.mu.Lock()
+		subs := r.subs
+		b.mu.Unlock()
+		if subs == 0 {
+			return false
+		}
+		pause = min(2*pause, watchMax)
 	}
 }
 

@@ -36,12 +36,14 @@ func BellPinned(a *Acquirer) int {
 func BellKey(a *Acquirer, name string) string { return a.bells.key(name) }
 
 // BellFree reports whether a's ringer for name keeps a connection that holds
-// the bell, for its head's next grant (bell.go's ringer.free).
+// the bell: for its head's next grant (bell.go's ringer.free), or given back
+// by a woken head that found the row held (ringer.held, and the ringer
+// watching the row).
 func BellFree(a *Acquirer, name string) bool {
 	a.bells.mu.Lock()
 	defer a.bells.mu.Unlock()
 	r := a.bells.names[name]
-	return r != nil && r.free != nil
+	return r != nil && (r.free != nil || r.held != nil || r.watching)
 }
 
 // BellOff reports whether a's bells were turned off (the server refused

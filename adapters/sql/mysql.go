@@ -182,34 +182,47 @@ func (a *Acquirer) grantMySQL(ctx context.Context, name string, args []any) (int
 		return tok, err
 	}
 	if a.advance == "" {
+		var refused uint16 // the grant with the bell failed with this MySQL error
 		if a.bells != nil {
 			if c, free := a.bells.take(ctx, name); c != nil {
 				tok, err := granted(a.db.execIDOn(ctx, stdConn{c}, a.grantBell, append(args, a.bells.key(name))...))
+				if err == nil || errors.Is(err, errNoRows) {
+					a.bells.accepted()
+				}
+				switch {
+				case err == nil:
+				case errors.Is(err, errNoRows) && free:
+					a.bells.putBack(name, c)
+				case errors.Is(err, errNoRows):
+					a.bells.unpin(c, true)
+				default:
+					a.bells.unpin(c, false)
+				}
+				if free {
+					a.bells.settled(name)
+				}
+				var me *mysql.MySQLError
 				switch {
 				case err == nil:
 					return tok, c, nil
-				case errors.Is(err, errNoRows) && free:
-					a.bells.putBack(name, c)
-					return 0, nil, err
 				case errors.Is(err, errNoRows):
-					a.bells.unpin(c, true)
 					return 0, nil, err
-				}
-				a.bells.unpin(c, false)
-				var me *mysql.MySQLError
-				switch {
 				case errors.Is(err, driver.ErrBadConn):
 					// Not sent (the pinned connection's session had
 					// ended): on a connection of the pool, as without bells.
 				case !errors.As(err, &me) || a.db.d.missingTable(err) || a.db.d.checkViolation(err) || a.db.d.serializationFailed(err):
 					return 0, nil, err
 				default:
-					// The server refused GET_LOCK: grants go without bells.
-					a.bells.off.Store(true)
+					// Perhaps the server refuses GET_LOCK: the grant
+					// without it tells (see bells.refused).
+					refused = me.Number
 				}
 			}
 		}
 		tok, err := granted(a.db.execID(ctx, a.grant, args...))
+		if refused != 0 && (err == nil || errors.Is(err, errNoRows)) {
+			a.bells.refused(refused)
+		}
 		return tok, nil, err
 	}
 	var tok int64
