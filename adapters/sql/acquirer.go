@@ -47,10 +47,12 @@ type AcquirerOptions struct {
 	// connection the lease keeps from the pool, and its release lets it go
 	// in the same statement; while Acquire calls of this Acquirer wait for a
 	// name, one goroutine waits for that lock in GET_LOCK on a connection of
-	// its own and wakes the head of the line. The lock only wakes: a grant
-	// never waits for it, is made whether or not it got it, and a release
-	// that had none wakes nobody (waiters then poll). It pins at most 16
-	// connections of the pool, a quarter of SetMaxOpenConns when that is set.
+	// its own and, once a read of the row finds it free, wakes the head of
+	// the line. The lock only wakes: a grant never waits for it and is made
+	// whether or not it got it; while the holder has none, the goroutine
+	// that has it reads the row every 2ms doubling to 100ms until it is
+	// free. The Acquirers of a pool pin at most 16 of its connections
+	// together, a quarter of SetMaxOpenConns when that is set.
 	DisableNotify bool
 	// AdvanceGuards, when set, advances the guard row of the lock name (see
 	// Guards) to the new token in the same atomic step as every grant, so a

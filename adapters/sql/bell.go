@@ -28,22 +28,26 @@ import (
 //
 // The lease row stays the only truth: the bell only wakes. A grant that
 // could not take the bell (another session had it) holds the row all the
-// same; a ringer that gets a bell whose holder did not hold the row (it was
-// granted without the bell, or its lease ended without a release: its
-// connection is closed, and the server lets the bell go with the session)
-// wakes a head that finds the row held and waits with its Backoff, as
-// without the bell; a bell that nobody lets go only delays: every waiter
-// keeps polling with its Backoff. The bell is never needed for a grant.
+// same. A ringer that gets the bell reads the row (with its shared lock,
+// so it sees the release that let the bell go commit) and wakes its head
+// only once the row is free; when the holder has no bell (it was granted
+// without it, or its session ended before its lease: the server lets the
+// bell go with the session) the bell is free while the row is held, and
+// the ringer that takes it keeps reading the row until it is free (see
+// watch), rather than waking a head that would find it held. A bell that
+// nobody lets go only delays: every waiter keeps polling with its Backoff.
+// The bell is never needed for a grant.
 //
 // Costs: a pinned connection of the pool per lease that holds (or tried
-// for) the bell and per name that waiters of this Acquirer wait for, at most
-// bellCap in all (a quarter of SetMaxOpenConns when set: none below 4); no
-// statement of its own on a grant or a release. GET_LOCK names are per
-// server, not per database: the bell is named for the table and the lock
-// name, so two databases on one server with the same table and lock name
-// share a bell (a wake-up too many, or one too few, never a grant).
+// for) the bell and per name that waiters of an Acquirer wait for, at most
+// bellCap for all the Acquirers of a pool (a quarter of SetMaxOpenConns when
+// set: none below 4); no statement of its own on a grant or a release; a
+// locking read per wake-up. GET_LOCK names are per server, not per
+// database: the bell is named for the table and the lock name, so two
+// databases on one server with the same table and lock name share a bell
+// (a wake-up too many, or one too few, never a grant).
 
-// bellCap bounds the connections an Acquirer pins for bells.
+// bellCap bounds the connections the Acquirers of a pool pin for bells.
 const bellCap = 16
 
 // bellWait is how long, in seconds, a ringer's GET_LOCK waits before it
