@@ -121,12 +121,19 @@ func (b *bells) limit() int {
 }
 
 // pin takes a connection from the pool for a bell; nil when b is off, the
-// pool's pin budget is spent, or the pool could not give one.
-func (b *bells) pin(ctx context.Context) *sql.Conn {
+// pool's pin budget is spent, or the pool could not give one. A grant
+// (forGrant) pins only while less than half the budget is pinned, so that
+// held leases, which keep their grant's connection, leave the other half to
+// the ringers: without a ringer, a name's waiters are woken by nothing but
+// their Backoff.
+func (b *bells) pin(ctx context.Context, forGrant bool) *sql.Conn {
 	if b.off.Load() {
 		return nil
 	}
 	limit := b.limit()
+	if forGrant {
+		limit = (limit + 1) / 2
+	}
 	pinBudget.Lock()
 	if pinBudget.n[b.db] >= limit {
 		pinBudget.Unlock()
@@ -207,7 +214,7 @@ func (b *bells) take(ctx context.Context, name string) (c *sql.Conn, free bool) 
 		return c, true
 	}
 	b.mu.Unlock()
-	return b.pin(ctx), false
+	return b.pin(ctx, true), false
 }
 
 // settled ends a grant on the connection take returned as free: the ringer
@@ -333,7 +340,7 @@ func (b *bells) ring(name string, r *ringer) {
 		} else {
 			if c == nil {
 				pctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				c = b.pin(pctx)
+				c = b.pin(pctx, false)
 				cancel()
 				if c == nil {
 					b.pause(r, &fails)
@@ -353,9 +360,15 @@ func (b *bells) ring(name string, r *ringer) {
 				b.pause(r, &fails)
 				continue
 			}
-			fails = 0
 			if got.Int64 != 1 {
-				continue // waited bellWait: look again whether anyone waits
+				// Waited bellWait without the bell. Whoever has it may
+				// never let it go (a process paused, or cut off, while its
+				// session stays open): when the row is free all the same,
+				// the head is woken to grant without the bell.
+				if b.rowFree(name, c) {
+					b.hub.WakeOne(name)
+				}
+				continue
 			}
 			held, c = c, nil
 		}
@@ -373,6 +386,12 @@ func (b *bells) ring(name string, r *ringer) {
 			r.free, held = held, nil
 		}
 		b.mu.Unlock()
+		if free {
+			// Only a watch that read the row ends a run of failures: a
+			// read that keeps failing (the table dropped) must not have
+			// the ringer take the free bell again and again at once.
+			fails = 0
+		}
 		switch {
 		case !free:
 			b.unpin(held, false)
@@ -383,6 +402,16 @@ func (b *bells) ring(name string, r *ringer) {
 			b.hub.WakeOne(name)
 		}
 	}
+}
+
+// rowFree reports whether a read of name's row on c (with its shared lock,
+// see watch) finds it free; false when the read fails.
+func (b *bells) rowFree(name string, c *sql.Conn) bool {
+	var left int64
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := c.QueryRowContext(ctx, b.watchQ, textArg(true, name)).Scan(&left)
+	return errors.Is(err, sql.ErrNoRows) || err == nil && left <= 0
 }
 
 // watchMin and watchMax bound a watching ringer's pause between reads of
