@@ -112,9 +112,17 @@ mysql_tz_tables() {
   { mariadb-tzinfo-to-sql /usr/share/zoneinfo 2>/dev/null | as_root mariadb mysql >/dev/null 2>&1; } ||
     say "could not load MariaDB's time zone tables: the MySQL time zone test will skip (or fail under CI)"
 }
+# The MySQL tests run many acquirers at once (8 parallel tests, and each
+# acquirer pins connections for its bells): the default 151 connections ran
+# out in a run beside other work, so the server the tests start, or find, gets
+# more (not saved: a restart goes back to the server's own setting).
+mysql_max_connections() {
+  as_root mariadb -e "SET GLOBAL max_connections = GREATEST(@@max_connections, 1000)" >/dev/null 2>&1 ||
+    say "could not raise MariaDB's max_connections (the MySQL tests may run out of connections)"
+}
 start_mysql() {
   [ -n "${FENCEKIT_MYSQL_DSN:-}" ] && return 0
-  mysql_up && { mysql_tz_tables; return 0; }
+  mysql_up && { mysql_tz_tables; mysql_max_connections; return 0; }
   if ! command -v mariadbd >/dev/null && ! [ -x /usr/sbin/mariadbd ]; then
     say "MariaDB is not installed: installing it with apt-get"
     apt_install mariadb-server mariadb-client || { say "could not install MariaDB: the MySQL tests will skip (or fail under CI)"; return 0; }
@@ -132,6 +140,7 @@ start_mysql() {
     GRANT ALL ON test.* TO 'fencekit'@'127.0.0.1';
     GRANT ALL ON test.* TO 'fencekit'@'localhost';" || say "could not create the MariaDB test user"
   mysql_tz_tables
+  mysql_max_connections
 }
 
 # versitygw, the real S3-compatible server of the S3 tests (they start it
