@@ -247,14 +247,7 @@ func TestBellReview2OperatorTxDuringWatch(t *testing.T) {
 	ch := goAcquire(wctx, b, name, time.Minute)
 	waitHeadIdle(t, b, name)
 	bell2Watching(t, b, name)
-	tx, err := dbA.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback()
-	if _, err := tx.Exec("SELECT token FROM fence_leases WHERE name = CAST(? AS BINARY) FOR UPDATE", []byte(name)); err != nil {
-		t.Fatal(err)
-	}
+	tx := lockRowMySQL(t, dbA, name) // an operator's SELECT ... FOR UPDATE
 	rel := make(chan error, 1)
 	go func() { rel <- la.Release(ctx) }()
 	time.Sleep(5500 * time.Millisecond) // the operator holds the row past the watch read's 5s timeout
@@ -467,14 +460,7 @@ func TestBellReview2CancelWhileWatchBlocked(t *testing.T) {
 	ch := goAcquire(wctx, b, name, time.Minute)
 	waitHeadIdle(t, b, name)
 	bell2Watching(t, b, name)
-	tx, err := dbA.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback()
-	if _, err := tx.Exec("SELECT token FROM fence_leases WHERE name = CAST(? AS BINARY) FOR UPDATE", []byte(name)); err != nil {
-		t.Fatal(err)
-	}
+	tx := lockRowMySQL(t, dbA, name) // an operator's SELECT ... FOR UPDATE
 	bellWaitFor(t, 5*time.Second, "the ringer's read waiting for the row", func() bool {
 		var n int
 		_ = dbA.QueryRow("SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE 'SELECT GREATEST(expires_at%' AND time_ms > 50").Scan(&n)
