@@ -41,8 +41,9 @@ import (
 // Costs: a pinned connection of the pool per lease that holds (or tried
 // for) the bell and per name that waiters of an Acquirer wait for, at most
 // bellCap for all the Acquirers of a pool (a quarter of SetMaxOpenConns when
-// set: none below 4); no statement of its own on a grant or a release; a
-// locking read per wake-up. GET_LOCK names are per server, not per
+// set: none below 4; grants at most half of it, see pin); no statement of
+// its own on a grant or a release; a locking read per wake-up, and one a
+// second per ringer while it waits (see ring). GET_LOCK names are per server, not per
 // database: the bell is named for the table and the lock name, so two
 // databases on one server with the same table and lock name share a bell
 // (a wake-up too many, or one too few, never a grant).
