@@ -209,7 +209,6 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	case w := <-wt.ready:
 		wt.took(w)
 	case <-t.C:
-		fmt.Fprintf(os.Stderr, "DBG %s watch not ready after Timeout\n", name)
 	case <-ctx.Done():
 		return nil, a.fail(ctx, name, ctx.Err(), true)
 	}
@@ -352,12 +351,9 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 		drift = leasekit.DefaultDrift(ttl)
 	}
 	late := 0
-	tr := &dbgTrace{start: time.Now()}
-	defer tr.dump(wt != nil)
 	for {
 		sent := time.Now()
 		rev, err := a.grant(ctx, key, value, ttl)
-		tr.add("grant rev=%d err=%v", rev, err)
 		if err == nil {
 			l, err := a.lease(ctx, name, key, value, ttl, sent, rev)
 			if err != nil {
@@ -419,7 +415,6 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 		}
 		w := *wt
 		updates := w.updates()
-		tr.add("wait: w=%p taken=%v", w, w.w != nil)
 		if h := waitingHook.Load(); h != nil {
 			(*h)(key)
 		}
@@ -430,19 +425,12 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			case <-ctx.Done():
 				return nil, a.fail(ctx, name, ctx.Err(), true)
 			case <-recheck.C:
-				tr.add("recheck")
 				recheck.Reset(a.o.Recheck)
 				break wait
 			case nw := <-w.pending():
-				tr.add("took pending")
 				w.took(nw)
 				break wait // a release before the watch began is not missed
 			case e, ok := <-updates:
-				if e != nil {
-					tr.add("event ok=%v rev=%d op=%v", ok, e.Revision(), e.Operation())
-				} else {
-					tr.add("event ok=%v nil", ok)
-				}
 				if ok {
 					if e != nil && e.Operation() != jetstream.KeyValuePut {
 						break wait
@@ -452,7 +440,6 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 				// The watch ended (the client could not make its
 				// consumer again after a gap): watch anew.
 			case <-w.broke.Done():
-				tr.add("broke")
 				// The connection broke after the watch was asked for:
 				// a release sent meanwhile may be lost with it (the
 				// client's consumer notices a gap only at its next
@@ -824,20 +811,4 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 	_, owner, _ := strings.Cut(string(m.Data), " ")
 	li.Held, li.Token, li.Owner, li.TimeLeft = true, fence.Token(created+grant), owner, left
 	return li, nil
-}
-
-type dbgTrace struct {
-	start time.Time
-	lines []string
-}
-
-func (t *dbgTrace) add(f string, args ...any) {
-	t.lines = append(t.lines, fmt.Sprintf("%8.3fs ", time.Since(t.start).Seconds())+fmt.Sprintf(f, args...))
-}
-
-func (t *dbgTrace) dump(waiting bool) {
-	if !waiting || time.Since(t.start) < 8*time.Second {
-		return
-	}
-	fmt.Fprintf(os.Stderr, "DBG slow acquire %v:\n  %s\n", time.Since(t.start), strings.Join(t.lines, "\n  "))
 }
