@@ -238,9 +238,25 @@ func (a *Acquirer) watch(ctx context.Context, key string) *keyWatch {
 	wctx, stop := context.WithCancel(ctx)
 	wt.stop = stop
 	go func() {
-		w, err := a.kv.Watch(wctx, key)
-		if err != nil {
-			return
+		// A request that fails (the consumer refused under load, no
+		// responders just after a reconnect) is asked again: a waiter
+		// without its watch would only try every Recheck, and on a busy
+		// lock keep finding it held.
+		var w jetstream.KeyWatcher
+		for i := 0; ; i++ {
+			var err error
+			if h := watchErrHook.Load(); h != nil {
+				err = (*h)(key)
+			}
+			if err == nil {
+				w, err = a.kv.Watch(wctx, key)
+			}
+			if err == nil {
+				break
+			}
+			if (fence.Backoff{Min: 10 * time.Millisecond, Max: time.Second}).Sleep(wctx, i) != nil {
+				return // the wait ended
+			}
 		}
 		wt.mu.Lock()
 		defer wt.mu.Unlock()
@@ -456,6 +472,10 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 		}
 	}
 }
+
+// watchErrHook, set by tests only, makes a watch request fail with the
+// error it returns for the key (nil: the request is made).
+var watchErrHook atomic.Pointer[func(key string) error]
 
 // waitingHook, set by tests only, is called with the lock key each time a
 // waiting Acquire's try found the name held and it begins to wait.

@@ -9,3 +9,14 @@ func SetWaitingHook(f func(key string)) {
 	}
 	waitingHook.Store(&f)
 }
+
+// SetWatchErrHook makes each watch request of a waiting Acquire first call
+// f with the lock key and fail with the error it returns (nil f, or a nil
+// error: the request is made).
+func SetWatchErrHook(f func(key string) error) {
+	if f == nil {
+		watchErrHook.Store(nil)
+		return
+	}
+	watchErrHook.Store(&f)
+}
