@@ -697,10 +697,12 @@ func acquirerGoroutines() (int, string) {
 // node) then releases, and the waiter must be granted promptly, not after
 // its Recheck (a minute).
 func TestReviewWaiterAcrossLeaderLoss(t *testing.T) {
-	// Open defect: a watch whose creation fails during the election (not a
-	// break) is not made again, so the waiter has only its Recheck; this
-	// failed 4 of 6 runs on the reviewer's branch and 1 of 3 on main.
-	t.Skip("open defect: a waiter whose watch could not be made during a leader election waits for its Recheck")
+	// Open defect: the waiter can be left without a working watch across
+	// the election, with only its Recheck. This failed 4 of 6 runs on the
+	// reviewer's branch and 1 of 3 on main; since a failed watch request
+	// is made again (a361218) it still failed 1 of 4 ("it had no watch"):
+	// another way to lose the watch remains, not yet found.
+	t.Skip("open defect: a waiter can be left without its watch across a leader election, and waits for its Recheck")
 	if testing.Short() {
 		t.Skip("a 3-node cluster")
 	}
