@@ -405,14 +405,25 @@ func (b *bells) ring(name string, r *ringer) {
 	}
 }
 
-// rowFree reports whether a read of name's row on c (with its shared lock,
-// see watch) finds it free; false when the read fails.
-func (b *bells) rowFree(name string, c *sql.Conn) bool {
+// timeLeft reads, on c, how long name's row is still held, in ms (0 when
+// it is free, and when there is no row), with the row's shared lock (see
+// watch).
+func (b *bells) timeLeft(name string, c *sql.Conn) (int64, error) {
 	var left int64
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	err := c.QueryRowContext(ctx, b.watchQ, textArg(true, name)).Scan(&left)
-	return errors.Is(err, sql.ErrNoRows) || err == nil && left <= 0
+	if errors.Is(err, sql.ErrNoRows) {
+		return 0, nil
+	}
+	return left, err
+}
+
+// rowFree reports whether a read of name's row on c finds it free; false
+// when the read fails.
+func (b *bells) rowFree(name string, c *sql.Conn) bool {
+	left, err := b.timeLeft(name, c)
+	return err == nil && left <= 0
 }
 
 // watchMin and watchMax bound a watching ringer's pause between reads of
@@ -432,17 +443,9 @@ const (
 func (b *bells) watch(name string, r *ringer, c *sql.Conn) bool {
 	pause := watchMin
 	for {
-		var left int64
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		err := c.QueryRowContext(ctx, b.watchQ, textArg(true, name)).Scan(&left)
-		cancel()
-		switch {
-		case errors.Is(err, sql.ErrNoRows):
-			return true
-		case err != nil:
-			return false
-		case left <= 0:
-			return true
+		left, err := b.timeLeft(name, c)
+		if err != nil || left <= 0 {
+			return err == nil
 		}
 		t := time.NewTimer(min(pause, time.Duration(left)*time.Millisecond))
 		select {
