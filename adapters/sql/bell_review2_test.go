@@ -84,15 +84,10 @@ func TestBellReview2HeldLeasesStarveRingers(t *testing.T) {
 	if err := la.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case r := <-ch:
-		if r.err != nil {
-			t.Fatal(r.err)
-		}
-		_ = r.l.Release(ctx)
-	case <-time.After(5 * time.Second):
-		t.Fatalf("B's waiter (Backoff of an hour) not granted within 5s of the release of a free name: B's 16 held leases pin the pool's whole bell budget (%d pinned by B), so its ringer pins no connection and hears no bell", sqlfence.BellPinned(b))
-	}
+	nl := bellGranted(t, ch, 5*time.Second, "B's waiter, after the release of a free name", func() string {
+		return fmt.Sprintf("B's 16 held leases may pin the pool's whole bell budget (%d pinned by B), leaving its ringer no connection", sqlfence.BellPinned(b))
+	})
+	_ = nl.Release(ctx)
 }
 
 // TestBellReview2DroppedTableRingerSpins: the lease table is dropped while

@@ -85,7 +85,8 @@ func bellParked(t *testing.T, b *sqlfence.Acquirer, name string, grants *atomic.
 }
 
 // bellGranted waits for the waiter's outcome within d of now.
-func bellGranted(t *testing.T, ch <-chan acquired, d time.Duration, what string) fence.Lease {
+// state, if given, describes on a timeout what the test saw then.
+func bellGranted(t *testing.T, ch <-chan acquired, d time.Duration, what string, state ...func() string) fence.Lease {
 	t.Helper()
 	select {
 	case r := <-ch:
@@ -94,7 +95,11 @@ func bellGranted(t *testing.T, ch <-chan acquired, d time.Duration, what string)
 		}
 		return r.l
 	case <-time.After(d):
-		t.Fatalf("%s: the waiter of the other Acquirer (Backoff of an hour) was not granted within %v: no bell woke it", what, d)
+		seen := ""
+		for _, f := range state {
+			seen += "; " + f()
+		}
+		t.Fatalf("%s: the waiter of the other Acquirer (Backoff of an hour) was not granted within %v: no bell woke it%s", what, d, seen)
 		return nil
 	}
 }
