@@ -699,8 +699,12 @@ func TestBellReviewNoLeakCancels(t *testing.T) {
 						}
 					}
 				default:
-					if err := l.Release(ctx); err != nil {
-						t.Errorf("release: %v", err)
+					// A lease of 300ms can be past its local deadline here
+					// on a loaded machine (CI run c5): then, and only then,
+					// its release may report it lost.
+					expired := l.Context().Err() != nil
+					if err := l.Release(ctx); err != nil && !(expired && errors.Is(err, fence.ErrLost)) {
+						t.Errorf("release (lease expired before it: %v): %v", expired, err)
 					}
 				}
 			}
