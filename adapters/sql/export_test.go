@@ -49,3 +49,7 @@ func BellFree(a *Acquirer, name string) bool {
 // BellOff reports whether a's bells were turned off (the server refused
 // GET_LOCK).
 func BellOff(a *Acquirer) bool { return a.bells.off.Load() }
+
+// GrantWatchMax is how long watchGrant may run: it keeps reading the row
+// (each read bounded by its own timeout) for as long as reads fail.
+const GrantWatchMax = grantWatchMax
