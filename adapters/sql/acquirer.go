@@ -876,7 +876,7 @@ func (l *lease) releaseOnly(ctx context.Context) error {
 		)
 		if c != nil {
 			// On the bell's connection: the release lets the bell go.
-			n, err = l.a.db.execIDOn(ctx, stdConn{c}, l.a.releaseBell, l.a.db.text(l.Name()), int64(l.Token()))
+			n, err = l.a.db.execIDOn(ctx, l.a.db.on(c), l.a.releaseBell, l.a.db.text(l.Name()), int64(l.Token()))
 			rang = err == nil && n > 1
 			if err == nil && n > 0 {
 				l.a.bells.unpin(c, true)

@@ -350,7 +350,8 @@ func (b *bells) ring(name string, r *ringer) {
 			}
 			var got sql.NullInt64
 			ctx, cancel := context.WithTimeout(context.Background(), (bellWait+5)*time.Second)
-			err := c.QueryRowContext(ctx, "SELECT GET_LOCK(?, ?)", key, bellWait).Scan(&got)
+			q, args := mysqlInline("SELECT GET_LOCK(?, ?)", []any{key, bellWait})
+			err := c.QueryRowContext(ctx, q, args...).Scan(&got)
 			cancel()
 			if err != nil {
 				// A server that refuses GET_LOCK turns bells off through
@@ -412,7 +413,8 @@ func (b *bells) timeLeft(name string, c *sql.Conn) (int64, error) {
 	var left int64
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	err := c.QueryRowContext(ctx, b.watchQ, textArg(true, name)).Scan(&left)
+	q, args := mysqlInline(b.watchQ, []any{textArg(true, name)})
+	err := c.QueryRowContext(ctx, q, args...).Scan(&left)
 	if errors.Is(err, sql.ErrNoRows) {
 		return 0, nil
 	}

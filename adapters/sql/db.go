@@ -34,7 +34,7 @@ func (db *DB) autocommit() bool { return db.ownTx != nil && db.ownTx() }
 // modernc.org/sqlite (see [OpenSQLite]).
 // A nil db gives a *DB whose every use returns an error matching fence.ErrInvalid.
 func SQLite(db *sql.DB) *DB {
-	return &DB{c: stdConn{db}, d: sqliteDialect, sqlDB: db, nilHandle: db == nil}
+	return &DB{c: stdConn{q: db}, d: sqliteDialect, sqlDB: db, nilHandle: db == nil}
 }
 
 // Dialect returns "sqlite", "postgres" or "mysql".
@@ -87,9 +87,20 @@ type stdQuerier interface {
 	QueryRowContext(ctx context.Context, q string, args ...any) *sql.Row
 }
 
-type stdConn struct{ q stdQuerier }
+// stdConn runs statements on a database/sql handle; inline (MySQL) sends
+// their arguments as literals in the statement (see mysqlInline).
+type stdConn struct {
+	q      stdQuerier
+	inline bool
+}
+
+// on wraps q, a handle on db's database, as db's dialect needs.
+func (db *DB) on(q stdQuerier) stdConn { return stdConn{q: q, inline: db.d == mysqlDialect} }
 
 func (s stdConn) exec(ctx context.Context, q string, args ...any) (int64, error) {
+	if s.inline {
+		q, args = mysqlInline(q, args)
+	}
 	r, err := s.q.ExecContext(ctx, q, args...)
 	if err != nil {
 		return 0, err
@@ -98,6 +109,9 @@ func (s stdConn) exec(ctx context.Context, q string, args ...any) (int64, error)
 }
 
 func (s stdConn) queryRow(ctx context.Context, q string, args []any, dest ...any) error {
+	if s.inline {
+		q, args = mysqlInline(q, args)
+	}
 	err := s.q.QueryRowContext(ctx, q, args...).Scan(dest...)
 	if errors.Is(err, sql.ErrNoRows) {
 		return errNoRows
@@ -174,7 +188,7 @@ func (db *DB) inTx(ctx context.Context, f func(conn) error) error {
 	if err != nil {
 		return err
 	}
-	if err := f(stdConn{tx}); err != nil {
+	if err := f(db.on(tx)); err != nil {
 		return errors.Join(err, tx.Rollback())
 	}
 	return tx.Commit()

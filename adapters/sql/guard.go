@@ -191,7 +191,7 @@ func stdTxConn(op string, tx *sql.Tx) (conn, error) {
 	if tx == nil {
 		return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: "nil *sql.Tx"}
 	}
-	return stdConn{tx}, nil
+	return stdConn{q: tx}, nil
 }
 
 // pgxTxConn wraps the caller's pgx transaction on a database of dialect d;

@@ -1,7 +1,6 @@
 package sqlfence_test
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"errors"
@@ -465,7 +464,7 @@ func TestRevLate2LateGrantThroughPartitionMySQL(t *testing.T) {
 func nthCarrying(s string, n int64) func([]byte) bool {
 	var seen atomic.Int64
 	return func(b []byte) bool {
-		return bytes.Contains(b, []byte(s)) && seen.Add(1) == n
+		return faultnet.Carries(b, s) && seen.Add(1) == n
 	}
 }
 
@@ -523,7 +522,7 @@ func TestRevLate2GiveBackReleaseFails(t *testing.T) {
 			var dropped atomic.Int64
 			for i := 0; i < 20; i++ {
 				p.proxy.DropRequest(func(b []byte) bool {
-					if bytes.Contains(b, []byte(name)) && !bytes.Contains(b, []byte(owner)) {
+					if faultnet.Carries(b, name) && !faultnet.Carries(b, owner) {
 						dropped.Add(1)
 						return true
 					}

@@ -5,7 +5,6 @@ package sqlfence_test
 // against the real servers.
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -59,7 +58,7 @@ func within(t *testing.T, ch <-chan acquired, d time.Duration, what string) acqu
 func observe(p *faultnet.Proxy, s string) *atomic.Int64 {
 	var n atomic.Int64
 	p.DropRequest(func(b []byte) bool {
-		if bytes.Contains(b, []byte(s)) {
+		if faultnet.Carries(b, s) {
 			n.Add(1)
 		}
 		return false

@@ -169,7 +169,7 @@ func lostReplyTargets(t *testing.T) []proxied {
 // carrying matches the request that carries s (a key's bytes are in the
 // request that executes the statement, not in a prepare).
 func carrying(s string) func([]byte) bool {
-	return func(b []byte) bool { return bytes.Contains(b, []byte(s)) }
+	return func(b []byte) bool { return faultnet.Carries(b, s) }
 }
 
 // committing matches the request that commits a transaction; not a

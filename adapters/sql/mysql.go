@@ -4,8 +4,11 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 
 	"github.com/go-sql-driver/mysql"
 )
@@ -27,7 +30,7 @@ func MySQL(db *sql.DB) *DB {
 	}
 	// A *sql.DB runs each statement on its own, in autocommit mode (the
 	// server's default, which this package needs).
-	return &DB{c: stdConn{db}, d: mysqlDialect, sqlDB: db, ownTx: func() bool { return true }}
+	return &DB{c: stdConn{q: db, inline: true}, d: mysqlDialect, sqlDB: db, ownTx: func() bool { return true }}
 }
 
 // mysqlNowUs is the server's clock in microseconds since the Unix epoch, read
@@ -76,6 +79,85 @@ func textArg(mysql bool, s string) any {
 	return s
 }
 
+// mysqlInlineMax bounds the bytes of a []byte argument that mysqlInline
+// writes into a statement (as hex, twice its size): larger values are sent
+// as parameters, as the driver sends them (in parts when they are large).
+const mysqlInlineMax = 4096
+
+// mysqlInline returns q with its ? placeholders replaced by its arguments
+// written as literals, and no arguments: the driver then sends it in one
+// round trip (COM_QUERY), where a statement with arguments takes two (it is
+// prepared, then executed) unless the DSN sets interpolateParams. The
+// literals mean the same whatever the session's character set, sql_mode or
+// NO_BACKSLASH_ESCAPES: integers in decimal, []byte as a hex literal (X'…',
+// a binary string; a nil one as NULL, as the driver sends it), and strings
+// only when made of ASCII letters, digits and ':' '_' '-' '.', in single
+// quotes. With any other argument (type, size), or a count of placeholders
+// that differs from the arguments', q and args come back as they were. q
+// must be one of this package's statements: it has no ? other than its
+// placeholders (its identifiers are letters, digits and underscores, see
+// quoteIdent).
+func mysqlInline(q string, args []any) (string, []any) {
+	if len(args) == 0 {
+		return q, args
+	}
+	var b strings.Builder
+	b.Grow(len(q) + 24*len(args))
+	n := 0
+	for i := 0; i < len(q); i++ {
+		if q[i] != '?' {
+			b.WriteByte(q[i])
+			continue
+		}
+		if n == len(args) {
+			return q, args
+		}
+		switch v := args[n].(type) {
+		case int64:
+			b.WriteString(strconv.FormatInt(v, 10))
+		case int:
+			b.WriteString(strconv.Itoa(v))
+		case []byte:
+			if len(v) > mysqlInlineMax {
+				return q, args
+			}
+			if v == nil { // the driver sends a nil []byte as NULL
+				b.WriteString("NULL")
+				break
+			}
+			b.WriteString("X'")
+			b.WriteString(hex.EncodeToString(v))
+			b.WriteByte('\'')
+		case string:
+			if !plainASCII(v) {
+				return q, args
+			}
+			b.WriteByte('\'')
+			b.WriteString(v)
+			b.WriteByte('\'')
+		default:
+			return q, args
+		}
+		n++
+	}
+	if n != len(args) {
+		return q, args
+	}
+	return b.String(), nil
+}
+
+// plainASCII reports whether s is made of ASCII letters, digits and
+// ':' '_' '-' '.' only (nothing a MySQL string literal escapes).
+func plainASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == ':' || c == '_' || c == '-' || c == '.') {
+			return false
+		}
+	}
+	return true
+}
+
 // text is textArg for db's dialect.
 func (db *DB) text(s string) any { return textArg(db.d == mysqlDialect, s) }
 
@@ -103,6 +185,9 @@ func execID(ctx context.Context, c conn, q string, args ...any) (int64, error) {
 	s, ok := c.(stdConn)
 	if !ok {
 		return 0, errors.New("sqlfence: MySQL statements need a database/sql handle")
+	}
+	if s.inline {
+		q, args = mysqlInline(q, args)
 	}
 	r, err := s.q.ExecContext(ctx, q, args...)
 	if err != nil {
@@ -185,7 +270,7 @@ func (a *Acquirer) grantMySQL(ctx context.Context, name string, args []any) (int
 		var refused uint16 // the grant with the bell failed with this MySQL error
 		if a.bells != nil {
 			if c, free := a.bells.take(ctx, name); c != nil {
-				tok, err := granted(a.db.execIDOn(ctx, stdConn{c}, a.grantBell, append(args, a.bells.key(name))...))
+				tok, err := granted(a.db.execIDOn(ctx, a.db.on(c), a.grantBell, append(args, a.bells.key(name))...))
 				if err == nil || errors.Is(err, errNoRows) {
 					a.bells.accepted()
 				}

@@ -148,11 +148,14 @@ func faultyMySQL(t *testing.T, params string) (idempotency.Store, *faultnet.Prox
 }
 
 // questions returns the statements the session of db (one connection) has sent.
-func questions(t *testing.T, db *sql.DB) int64 {
+func questions(t *testing.T, db *sql.DB) int64 { t.Helper(); return sessionStatus(t, db, "Questions") }
+
+// sessionStatus reads one of the session's status counters.
+func sessionStatus(t *testing.T, db *sql.DB, counter string) int64 {
 	t.Helper()
 	var name string
 	var n int64
-	if err := db.QueryRow("SHOW SESSION STATUS LIKE 'Questions'").Scan(&name, &n); err != nil {
+	if err := db.QueryRow("SHOW SESSION STATUS LIKE '"+counter+"'").Scan(&name, &n); err != nil {
 		t.Fatal(err)
 	}
 	return n
@@ -171,12 +174,18 @@ func TestMySQLRoundTrips(t *testing.T) {
 		t.Helper()
 		idle := questions(t, db)
 		idle = questions(t, db) - idle // the SHOW itself
+		prepared := sessionStatus(t, db, "Com_stmt_prepare")
 		before := questions(t, db)
 		if err := f(); err != nil {
 			t.Fatal(err)
 		}
 		if n := questions(t, db) - before - idle; n != want {
 			t.Errorf("%s sent %d statements, want %d", what, n, want)
+		}
+		// Each in one round trip: its arguments written into it (see
+		// mysqlInline), not prepared first.
+		if n := sessionStatus(t, db, "Com_stmt_prepare") - prepared; n != 0 {
+			t.Errorf("%s prepared %d statements, want 0 (a round trip each)", what, n)
 		}
 	}
 	name := fencetest.Name("rt")

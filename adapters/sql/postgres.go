@@ -111,7 +111,7 @@ func Postgres(db *sql.DB) *DB {
 	if db == nil {
 		return &DB{d: postgresDialect, nilHandle: true}
 	}
-	return &DB{c: stdConn{db}, d: postgresDialect, listen: newListener(stdlibConn(db)), ownTx: func() bool { return true }}
+	return &DB{c: stdConn{q: db}, d: postgresDialect, listen: newListener(stdlibConn(db)), ownTx: func() bool { return true }}
 }
 
 // isNilPgx reports a nil handle, also one of the pgx types in an interface.

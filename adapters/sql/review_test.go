@@ -1,7 +1,6 @@
 package sqlfence_test
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"errors"
@@ -14,6 +13,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/go-sql-driver/mysql"
@@ -73,7 +73,7 @@ func TestRenewReplyLostPastLocalDeadline(t *testing.T) {
 			// deadline (300ms after the grant) has passed, then reaches the
 			// server (which holds the lease for 10s) and its reply is lost.
 			err = lose(t, p.proxy, func(b []byte) bool {
-				if !bytes.Contains(b, []byte(name)) {
+				if !faultnet.Carries(b, name) {
 					return false
 				}
 				<-l.Context().Done()
@@ -193,7 +193,7 @@ func TestReleaseReplyLostThenRegranted(t *testing.T) {
 			// retry: before it is forwarded, the other acquirer takes the
 			// name.
 			p.proxy.DropRequest(func(b []byte) bool {
-				if bytes.Contains(b, []byte(name)) {
+				if faultnet.Carries(b, name) {
 					if seen++; seen == 2 {
 						l2, otherErr = other.TryAcquire(ctx, name, time.Minute)
 					}

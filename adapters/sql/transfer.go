@@ -112,7 +112,7 @@ func (a *Acquirer) transferRow(ctx context.Context, c *sql.Conn, args []any) (in
 	if a.db.d == mysqlDialect {
 		var cn conn = a.db.c
 		if c != nil {
-			cn = stdConn{c}
+			cn = a.db.on(c)
 		}
 		tok, err := a.db.execIDOn(ctx, cn, a.transfer, args...)
 		if err == nil && tok == 0 {

@@ -1,7 +1,6 @@
 package idempotencytest
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -39,7 +38,7 @@ func (s Suite) faulty(t *testing.T) (faulty idempotency.Store, px *faultnet.Prox
 // store acts on it, the client's connection is cut before the reply arrives.
 // Keys are random, so only the requests of the step under test carry k.
 func loseReplyTo(px *faultnet.Proxy, k string) {
-	px.LoseReply(func(b []byte) bool { return bytes.Contains(b, []byte(k)) })
+	px.LoseReply(func(b []byte) bool { return faultnet.Carries(b, k) })
 }
 
 // ambiguous checks the outcome of a step whose reply was lost: the fault must

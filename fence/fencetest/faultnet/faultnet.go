@@ -13,6 +13,8 @@
 package faultnet
 
 import (
+	"bytes"
+	"encoding/hex"
 	"errors"
 	"io"
 	"math/rand/v2"
@@ -458,4 +460,11 @@ func (p *Proxy) downstream(pr *pair, lost <-chan struct{}) {
 			return
 		}
 	}
+}
+
+// Carries reports whether request carries s: its bytes as they are, or
+// written in hexadecimal (lower case), as a SQL hex literal carries a value
+// (sqlfence's MySQL statements send their text arguments as X'…').
+func Carries(request []byte, s string) bool {
+	return bytes.Contains(request, []byte(s)) || bytes.Contains(request, []byte(hex.EncodeToString([]byte(s))))
 }
