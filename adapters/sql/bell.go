@@ -350,8 +350,9 @@ func (b *bells) ring(name string, r *ringer) {
 			}
 			var got sql.NullInt64
 			ctx, cancel := context.WithTimeout(context.Background(), (bellWait+5)*time.Second)
-			q, args := mysqlInline("SELECT GET_LOCK(?, ?)", []any{key, bellWait})
-			err := c.QueryRowContext(ctx, q, args...).Scan(&got)
+			err := runInline(true, "SELECT GET_LOCK(?, ?)", []any{key, bellWait}, func(q string, args []any) error {
+				return c.QueryRowContext(ctx, q, args...).Scan(&got)
+			})
 			cancel()
 			if err != nil {
 				// A server that refuses GET_LOCK turns bells off through
@@ -413,8 +414,9 @@ func (b *bells) timeLeft(name string, c *sql.Conn) (int64, error) {
 	var left int64
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	q, args := mysqlInline(b.watchQ, []any{textArg(true, name)})
-	err := c.QueryRowContext(ctx, q, args...).Scan(&left)
+	err := runInline(true, b.watchQ, []any{textArg(true, name)}, func(q string, args []any) error {
+		return c.QueryRowContext(ctx, q, args...).Scan(&left)
+	})
 	if errors.Is(err, sql.ErrNoRows) {
 		return 0, nil
 	}

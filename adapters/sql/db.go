@@ -98,10 +98,11 @@ type stdConn struct {
 func (db *DB) on(q stdQuerier) stdConn { return stdConn{q: q, inline: db.d == mysqlDialect} }
 
 func (s stdConn) exec(ctx context.Context, q string, args ...any) (int64, error) {
-	if s.inline {
-		q, args = mysqlInline(q, args)
-	}
-	r, err := s.q.ExecContext(ctx, q, args...)
+	var r sql.Result
+	err := runInline(s.inline, q, args, func(q string, args []any) (err error) {
+		r, err = s.q.ExecContext(ctx, q, args...)
+		return err
+	})
 	if err != nil {
 		return 0, err
 	}
@@ -109,10 +110,9 @@ func (s stdConn) exec(ctx context.Context, q string, args ...any) (int64, error)
 }
 
 func (s stdConn) queryRow(ctx context.Context, q string, args []any, dest ...any) error {
-	if s.inline {
-		q, args = mysqlInline(q, args)
-	}
-	err := s.q.QueryRowContext(ctx, q, args...).Scan(dest...)
+	err := runInline(s.inline, q, args, func(q string, args []any) error {
+		return s.q.QueryRowContext(ctx, q, args...).Scan(dest...)
+	})
 	if errors.Is(err, sql.ErrNoRows) {
 		return errNoRows
 	}

@@ -81,8 +81,26 @@ func textArg(mysql bool, s string) any {
 
 // mysqlInlineMax bounds the bytes of a []byte argument that mysqlInline
 // writes into a statement (as hex, twice its size): larger values are sent
-// as parameters, as the driver sends them (in parts when they are large).
+// as parameters, which the driver sends in parts when they are large.
 const mysqlInlineMax = 4096
+
+// runInline runs f with q's arguments written into it when inline is set
+// (see mysqlInline), else with q and args as they are. A statement that the
+// inlining made larger than the connection's packet limit (the DSN's
+// maxAllowedPacket, or the server's max_allowed_packet) is refused by the
+// driver before it sends anything (mysql.ErrPktTooLarge): f then runs again
+// with the parameters, which the driver splits as the limit needs.
+func runInline(inline bool, q string, args []any, f func(q string, args []any) error) error {
+	if !inline {
+		return f(q, args)
+	}
+	iq, iargs := mysqlInline(q, args)
+	err := f(iq, iargs)
+	if len(iargs) == 0 && len(args) > 0 && errors.Is(err, mysql.ErrPktTooLarge) {
+		return f(q, args)
+	}
+	return err
+}
 
 // mysqlInline returns q with its ? placeholders replaced by its arguments
 // written as literals, and no arguments: the driver then sends it in one
@@ -186,10 +204,11 @@ func execID(ctx context.Context, c conn, q string, args ...any) (int64, error) {
 	if !ok {
 		return 0, errors.New("sqlfence: MySQL statements need a database/sql handle")
 	}
-	if s.inline {
-		q, args = mysqlInline(q, args)
-	}
-	r, err := s.q.ExecContext(ctx, q, args...)
+	var r sql.Result
+	err := runInline(s.inline, q, args, func(q string, args []any) (err error) {
+		r, err = s.q.ExecContext(ctx, q, args...)
+		return err
+	})
 	if err != nil {
 		return 0, err
 	}

@@ -27,7 +27,8 @@ const maxAmbiguousRetries = 4
 // pgx.ErrTxCommitRollback), an SQLite error (the database is in the
 // process), and an error the driver reports for a request it did not send
 // (driver.ErrBadConn, which database/sql retries on its own; pgconn's
-// SafeToRetry) are definite. With notSent false, the drivers' "not sent"
+// SafeToRetry; the MySQL driver's ErrPktTooLarge, checked before it writes
+// the packet) are definite. With notSent false, the drivers' "not sent"
 // signals are not trusted (for a commit, whose outcome the caller needs).
 func ambiguous(err error, notSent bool) bool {
 	if err == nil || errors.Is(err, errNoRows) || errors.Is(err, fence.ErrUnknown) {
@@ -43,7 +44,7 @@ func ambiguous(err error, notSent bool) bool {
 		errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, pgx.ErrTxCommitRollback) || notConnected(err) {
 		return false
 	}
-	return !notSent || !(errors.Is(err, driver.ErrBadConn) || pgconn.SafeToRetry(err))
+	return !notSent || !(errors.Is(err, driver.ErrBadConn) || errors.Is(err, mysql.ErrPktTooLarge) || pgconn.SafeToRetry(err))
 }
 
 // unknownIfAmbiguous wraps err in fence.ErrUnknown when the statement that

@@ -5,7 +5,6 @@ package sqlfence_test
 // (settleHandoff), against the real PostgreSQL and MySQL/MariaDB servers.
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"errors"
@@ -21,6 +20,7 @@ import (
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -54,7 +54,7 @@ type slowDialer struct {
 }
 
 func (c *slowConn) Write(b []byte) (int, error) {
-	if c.pend() == nil && c.d.armed.Load() && bytes.Contains(b, c.d.match) && c.d.armed.CompareAndSwap(true, false) {
+	if c.pend() == nil && c.d.armed.Load() && faultnet.Carries(b, string(c.d.match)) && c.d.armed.CompareAndSwap(true, false) {
 		c.d.fired.Add(1)
 		ch := make(chan struct{})
 		c.mu.Lock()
