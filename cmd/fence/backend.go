@@ -43,6 +43,7 @@ type backend struct {
 	redis        *redis.Client // the Redis backend's client, for Redis-only measurements
 	timing       *timing       // the demo's durations, when the lesson's do not fit
 	idem         idempotency.Store
+	peer         *peerLock // the server's own lock, fence bench's baseline (PostgreSQL, MySQL); nil elsewhere
 }
 
 var backendNames = []string{"sqlite", "postgres", "mysql", "redis", "etcd", "s3", "nats", "gcs", "azure"}
@@ -357,6 +358,7 @@ func openPostgresBackend(ctx context.Context, url string) (*backend, error) {
 		p.Close()
 		return nil, err
 	}
+	b.peer = postgresPeer(p)
 	return b, nil
 }
 
@@ -415,6 +417,7 @@ func openMySQLBackend(ctx context.Context, dsn string) (*backend, error) {
 		db.Close()
 		return nil, err
 	}
+	b.peer = mysqlPeer(db)
 	return b, nil
 }
 

@@ -21,9 +21,11 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 			"measured alongside it: a fenced write against a plain write of the same size,\n"+
 			"an uncontended acquire + release, and the lesson's locked increments. On Redis\n"+
 			"also the increments against the round-trip floor (4 PINGs per increment) and\n"+
-			"the lesson's exercise: a lock around a read-modify-write against one Lua script.", false, stdout, stderr)
+			"the lesson's exercise: a lock around a read-modify-write against one Lua script.\n"+
+			"On PostgreSQL and MySQL also against the server's own lock (pg_advisory_lock,\n"+
+			"GET_LOCK; no token, no ttl): an uncontended lock + unlock, and the increments.", false, stdout, stderr)
 	ops := fs.Int("n", 5000, "fenced and plain writes each, interleaved in random order")
-	rounds := fs.Int("rounds", 3, "rounds of the locked increments (alternating with the round-trip floor on Redis)")
+	rounds := fs.Int("rounds", 3, "rounds of the locked increments (alternating with the round-trip floor on Redis, with the server's own lock on PostgreSQL and MySQL)")
 	workers := fs.Int("workers", 20, "workers in the contention run")
 	each := fs.Int("each", 50, "locked increments per worker in the contention run")
 	exerciseEach := fs.Int("exercise-each", 500, "updates per worker in the Redis lock-versus-Lua exercise")
@@ -57,13 +59,18 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	acq, err := acquireRelease(ctx, b, *ops/5+1)
+	var acq, peerAcq time.Duration
+	if b.peer != nil {
+		acq, peerAcq, err = acquireReleasePair(ctx, b, *ops/5+1)
+	} else {
+		acq, err = acquireRelease(ctx, b, *ops/5+1)
+	}
 	if err != nil {
 		return err
 	}
 	var (
-		incr, floor time.Duration
-		sent        int64
+		incr, floor, peerIncr time.Duration
+		sent                  int64
 	)
 	for r := 0; r < *rounds; r++ {
 		// Alternate which goes first, so that drift hits both alike.
@@ -94,6 +101,18 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 					return err
 				}
 				floor += d
+			} else if b.peer != nil {
+				// The peer's workers in this process, a session each (a
+				// session lock is the connection's, so it cannot be shared
+				// across processes the way fencekit's Acquirers are).
+				n, took, err := peerIncrements(ctx, b, "bench-peer", *workers, *each)
+				if err != nil {
+					return fmt.Errorf("peer-locked increments: %w", err)
+				}
+				if n != *workers**each {
+					return fmt.Errorf("peer-locked increments ended at %d, want %d: lost updates", n, *workers**each)
+				}
+				peerIncr += took
 			}
 		}
 	}
@@ -113,6 +132,12 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	}
 	fmt.Fprintf(stdout, "\n%d workers%s x %d locked increments -> %d each time, %.3fs on average over %d rounds\n",
 		*workers, where, *each, *workers**each, (incr / time.Duration(*rounds)).Seconds(), *rounds)
+	if b.peer != nil {
+		fmt.Fprintf(stdout, "against the server's own lock (%s on a session of its own: no token, no ttl), in the same run:\n", b.peer.name)
+		fmt.Fprintf(stdout, "  uncontended lock + unlock: %v; acquire + release took %.2fx that\n", peerAcq.Round(100*time.Nanosecond), float64(acq)/float64(peerAcq))
+		fmt.Fprintf(stdout, "  %d workers x %d increments under its lock (the same read and write, a session per worker, in this process): %.3fs on average; the locked increments above took %.2fx that\n",
+			*workers, *each, (peerIncr / time.Duration(*rounds)).Seconds(), float64(incr)/float64(peerIncr))
+	}
 	if *processes > 1 && b.redis != nil {
 		fmt.Fprintf(stdout, "Redis commands sent per increment (a script counts once; the workload's GET and SET are 2): %.2f\n",
 			float64(sent)/float64(*rounds**workers**each))

@@ -323,3 +323,35 @@ func TestBenchSweep(t *testing.T) {
 		t.Errorf("-points 4y5 exited %d, want 2 (usage)", code)
 	}
 }
+
+// TestBenchPeers: on PostgreSQL and MySQL, fence bench also measures the
+// server's own lock on the same workload, and its increments end exact.
+func TestBenchPeers(t *testing.T) {
+	for _, c := range []struct {
+		backend, flag, url, peer string
+	}{
+		{"postgres", "-postgres-url", testenv.PostgresURL(), "pg_advisory_lock"},
+		{"mysql", "-mysql-dsn", testenv.MySQLDSN(), "GET_LOCK"},
+	} {
+		t.Run(c.backend, func(t *testing.T) {
+			if c.backend == "postgres" {
+				if err := testenv.PingPostgres(c.url); err != nil {
+					testenv.Missing(t, "PostgreSQL at "+c.url, err)
+				}
+			}
+			var out, errOut bytes.Buffer
+			code := run([]string{"bench", "-backend", c.backend, c.flag, c.url, "-n", "20", "-rounds", "1", "-workers", "4", "-each", "5"}, &out, &errOut)
+			if code != 0 && c.backend == "mysql" && strings.Contains(errOut.String(), "mysql at") {
+				testenv.Missing(t, "MySQL or MariaDB at "+c.url, errors.New(errOut.String()))
+			}
+			if code != 0 {
+				t.Fatalf("fence bench -backend %s exited %d\n%s%s", c.backend, code, out.String(), errOut.String())
+			}
+			for _, want := range []string{"against the server's own lock (" + c.peer, "uncontended lock + unlock: ", "4 workers x 5 increments under its lock"} {
+				if !strings.Contains(out.String(), want) {
+					t.Errorf("bench output lacks %q\n%s", want, out.String())
+				}
+			}
+		})
+	}
+}
