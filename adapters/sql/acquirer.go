@@ -440,7 +440,11 @@ func (a *Acquirer) giveBack(ctx context.Context, name, owner string, ttl time.Du
 	if err != nil {
 		return false
 	}
-	return a.giveBackToken(bctx, name, fence.Token(r.token), ttl) == nil
+	// A release that finds the grant no longer live (ErrLost: released by
+	// watchGrant, which runs beside this and may read the row first, or
+	// expired) leaves it holding nothing all the same.
+	err = a.giveBackToken(bctx, name, fence.Token(r.token), ttl)
+	return err == nil || errors.Is(err, fence.ErrLost)
 }
 
 // giveBackToken releases name's grant of token tok (ttl: the grant's) with
