@@ -211,14 +211,21 @@ func lockedIncrement(ctx context.Context, b *backend, key string) error {
 	if err != nil {
 		return err
 	}
+	return errors.Join(incrementPlain(ctx, b, key), l.Release(ctx))
+}
+
+// incrementPlain is the locked increments' read-modify-write of key's
+// counter in b's plain store.
+func incrementPlain(ctx context.Context, b *backend, key string) error {
 	v, err := b.plainGet(ctx, key)
-	if err == nil {
-		var n int
-		if n, err = strconv.Atoi(string(v)); err == nil {
-			err = b.plainPut(ctx, key, []byte(strconv.Itoa(n+1)))
-		}
+	if err != nil {
+		return err
 	}
-	return errors.Join(err, l.Release(ctx))
+	n, err := strconv.Atoi(string(v))
+	if err != nil {
+		return err
+	}
+	return b.plainPut(ctx, key, []byte(strconv.Itoa(n+1)))
 }
 
 // clientTimes are one client's moments in the paused-holder scenario, from its start.

@@ -186,12 +186,5 @@ func peerIncrement(ctx context.Context, b *backend, s *peerSession, key string) 
 	if err := s.lock(ctx); err != nil {
 		return err
 	}
-	v, err := b.plainGet(ctx, key)
-	if err == nil {
-		var n int
-		if n, err = strconv.Atoi(string(v)); err == nil {
-			err = b.plainPut(ctx, key, []byte(strconv.Itoa(n+1)))
-		}
-	}
-	return errors.Join(err, s.unlock(ctx))
+	return errors.Join(incrementPlain(ctx, b, key), s.unlock(ctx))
 }
