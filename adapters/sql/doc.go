@@ -35,6 +35,10 @@
 // connection character set and sql_mode the driver can be given (utf8mb3,
 // latin1, a non-strict mode, interpolateParams, MariaDB's
 // EMPTY_STRING_IS_NULL): every text argument reaches the statements as bytes.
+// On MySQL the package's own statements carry their arguments as literals
+// (bytes as X'…' hex, integers in decimal), one round trip each, where the
+// driver would prepare them first without interpolateParams; a value over 4
+// KiB, or a statement over the connection's packet limit, goes as parameters.
 // A table of your own given to [NewWriter] on MySQL must have a binary key
 // column (VARBINARY, or a _bin collation): a case-insensitive or PAD SPACE
 // collation makes two keys one row.
