@@ -427,24 +427,32 @@ func (a *Acquirer) giveBackLate(ctx context.Context, l *lease) error {
 func (a *Acquirer) giveBack(ctx context.Context, name, owner string, ttl time.Duration) bool {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 	defer cancel()
-	// The read takes the row lock, so it waits for a grant statement that
-	// already holds or waits for the row (one queued behind a release that
-	// committed as the context ended) and sees its outcome.
-	r, err := a.rowLocked(bctx, name)
-	if err == nil && (r.owner != owner || r.left <= 0) {
-		err = errNoRows
+	// Until a read shows no live grant of owner's: one attempt can have more
+	// than one grant statement in flight under its owner (each try after a
+	// lost reply sends it again), and watchGrant, beside this, releases what
+	// it finds too; so a release, whether it released the grant it read or
+	// found it no longer live (fence.ErrLost), is followed by another read
+	// (review of dd1aefe: a second grant of the attempt landed between the
+	// read and the release, which found the first already released).
+	for i := 0; i < maxAmbiguousRetries*2; i++ {
+		// The read takes the row lock, so it waits for a grant statement
+		// that already holds or waits for the row (one queued behind a
+		// release that committed as the context ended) and sees its outcome.
+		r, err := a.rowLocked(bctx, name)
+		if err == nil && (r.owner != owner || r.left <= 0) {
+			err = errNoRows
+		}
+		if errors.Is(err, errNoRows) {
+			return true
+		}
+		if err != nil {
+			return false
+		}
+		if err := a.giveBackToken(bctx, name, fence.Token(r.token), ttl); err != nil && !errors.Is(err, fence.ErrLost) {
+			return false
+		}
 	}
-	if errors.Is(err, errNoRows) {
-		return true
-	}
-	if err != nil {
-		return false
-	}
-	// A release that finds the grant no longer live (ErrLost: released by
-	// watchGrant, which runs beside this and may read the row first, or
-	// expired) leaves it holding nothing all the same.
-	err = a.giveBackToken(bctx, name, fence.Token(r.token), ttl)
-	return err == nil || errors.Is(err, fence.ErrLost)
+	return false
 }
 
 // giveBackToken releases name's grant of token tok (ttl: the grant's) with
