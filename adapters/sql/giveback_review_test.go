@@ -118,7 +118,6 @@ type gbDialer struct {
 	armed  atomic.Bool
 
 	grants      atomic.Int64
-	aBuf        []byte
 	deliverA    chan struct{}
 	aWritten    chan struct{}
 	gbRead      chan struct{}
