@@ -350,9 +350,7 @@ func (b *bells) ring(name string, r *ringer) {
 			}
 			var got sql.NullInt64
 			ctx, cancel := context.WithTimeout(context.Background(), (bellWait+5)*time.Second)
-			err := runInline(true, "SELECT GET_LOCK(?, ?)", []any{key, bellWait}, func(q string, args []any) error {
-				return c.QueryRowContext(ctx, q, args...).Scan(&got)
-			})
+			err := stdConn{q: c, inline: true}.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{key, bellWait}, &got)
 			cancel()
 			if err != nil {
 				// A server that refuses GET_LOCK turns bells off through
@@ -414,10 +412,8 @@ func (b *bells) timeLeft(name string, c *sql.Conn) (int64, error) {
 	var left int64
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	err := runInline(true, b.watchQ, []any{textArg(true, name)}, func(q string, args []any) error {
-		return c.QueryRowContext(ctx, q, args...).Scan(&left)
-	})
-	if errors.Is(err, sql.ErrNoRows) {
+	err := stdConn{q: c, inline: true}.queryRow(ctx, b.watchQ, []any{textArg(true, name)}, &left)
+	if errors.Is(err, errNoRows) {
 		return 0, nil
 	}
 	return left, err

@@ -98,15 +98,20 @@ type stdConn struct {
 func (db *DB) on(q stdQuerier) stdConn { return stdConn{q: q, inline: db.d == mysqlDialect} }
 
 func (s stdConn) exec(ctx context.Context, q string, args ...any) (int64, error) {
-	var r sql.Result
-	err := runInline(s.inline, q, args, func(q string, args []any) (err error) {
-		r, err = s.q.ExecContext(ctx, q, args...)
-		return err
-	})
+	r, err := s.result(ctx, q, args)
 	if err != nil {
 		return 0, err
 	}
 	return r.RowsAffected()
+}
+
+// result runs q as an ExecContext (see runInline) and returns its result.
+func (s stdConn) result(ctx context.Context, q string, args []any) (r sql.Result, err error) {
+	err = runInline(s.inline, q, args, func(q string, args []any) (err error) {
+		r, err = s.q.ExecContext(ctx, q, args...)
+		return err
+	})
+	return r, err
 }
 
 func (s stdConn) queryRow(ctx context.Context, q string, args []any, dest ...any) error {

@@ -204,11 +204,7 @@ func execID(ctx context.Context, c conn, q string, args ...any) (int64, error) {
 	if !ok {
 		return 0, errors.New("sqlfence: MySQL statements need a database/sql handle")
 	}
-	var r sql.Result
-	err := runInline(s.inline, q, args, func(q string, args []any) (err error) {
-		r, err = s.q.ExecContext(ctx, q, args...)
-		return err
-	})
+	r, err := s.result(ctx, q, args)
 	if err != nil {
 		return 0, err
 	}
