@@ -23,27 +23,35 @@ import (
 // handoff within the acquirer keeps it. While Acquire calls of an Acquirer
 // wait for a name, one goroutine of that Acquirer (its ringer) waits for
 // the bell in GET_LOCK; the server gives the bell to one waiting session
-// when it is let go, and that wakes the head of the ringer's line, whose
-// grant then runs on the ringer's connection and so keeps the bell.
+// when it is let go. The ringer then grants the lease to the head of its
+// line itself, on the connection that holds the bell, at once, and hands
+// the head the lease, which keeps that connection and so the bell (see
+// handOn and Acquirer.ringGrant: a release's handoff within an Acquirer
+// works the same way). The releasing statement lets the bell go before it
+// commits and holds the row's lock until then, so the ringer's grant waits
+// for the release to commit and sees its outcome; the head is not woken to
+// send a grant of its own, which saves a round trip, a read and two
+// goroutine wake-ups on every handoff between processes.
 //
 // The lease row stays the only truth: the bell only wakes. A grant that
 // could not take the bell (another session had it) holds the row all the
-// same. A ringer that gets the bell reads the row (with its shared lock,
-// so it sees the release that let the bell go commit) and wakes its head
-// only once the row is free; when the holder has no bell (it was granted
-// without it, or its session ended before its lease: the server lets the
-// bell go with the session) the bell is free while the row is held, and
-// the ringer that takes it keeps reading the row until it is free (see
-// watch), rather than waking a head that would find it held. A bell that
-// nobody lets go only delays: every waiter keeps polling with its Backoff.
-// The bell is never needed for a grant.
+// same. When the ringer's grant finds the row held (its holder had no bell:
+// it was granted without it, or its session ended before its lease, and
+// the server let the bell go with the session), the ringer keeps the bell
+// and reads the row (with its shared lock) until it is free (see watch),
+// then grants. Where it cannot hand the head a grant (the head is inside a
+// stuck attempt of its own, or already offered a handoff), it wakes the head
+// once the row is free, and the head's grant runs on the ringer's
+// connection. A bell that nobody lets go only delays: every waiter keeps
+// polling with its Backoff. The bell is never needed for a grant.
 //
 // Costs: a pinned connection of the pool per lease that holds (or tried
 // for) the bell and per name that waiters of an Acquirer wait for, at most
 // bellCap for all the Acquirers of a pool (a quarter of SetMaxOpenConns when
 // set: none below 4; grants at most half of it, see pin); no statement of
-// its own on a grant or a release; a locking read per wake-up, and one a
-// second per ringer while it waits (see ring). GET_LOCK names are per server, not per
+// its own on a grant or a release; one GET_LOCK a second per ringer while
+// it waits (see ring), and a locking read every 2-100ms while it watches a
+// row held without the bell (see watch). GET_LOCK names are per server, not per
 // database: the bell is named for the table and the lock name, so two
 // databases on one server with the same table and lock name share a bell
 // (a wake-up too many, or one too few, never a grant).
@@ -62,10 +70,13 @@ type bells struct {
 	table  string
 	watchQ string // a ringer's read of the row's time left, in ms (see watch)
 	hub    wakeup.Hub
-	off    atomic.Bool // the server refused GET_LOCK: no bells from now on
-	mu     sync.Mutex
-	names  map[string]*ringer
-	pinned int
+	// grantHead grants name on c, which holds its bell, to the head of the
+	// Acquirer's line and hands it the lease (see Acquirer.ringGrant).
+	grantHead func(name string, c *sql.Conn) ringOutcome
+	off       atomic.Bool // the server refused GET_LOCK: no bells from now on
+	mu        sync.Mutex
+	names     map[string]*ringer
+	pinned    int
 	// refusedCode and refusals count the grants in a row whose statement
 	// with the bell failed with the same MySQL error while the same grant
 	// without it did not: the server refuses GET_LOCK (see refused).
@@ -84,6 +95,7 @@ var pinBudget = struct {
 // ringer is the bell state of one name with waiters.
 type ringer struct {
 	subs    int       // waiters subscribed
+	gen     int       // subscriptions made: a new head subscribed when it grows
 	running bool      // its goroutine runs
 	free    *sql.Conn // a connection holding the bell, for the next grant
 	// held is a connection holding the bell that a woken head's grant gave
@@ -91,7 +103,7 @@ type ringer struct {
 	// ringer keeps the bell and watches the row until it is free.
 	held     *sql.Conn
 	taken    bool // a grant runs on the connection that was free (see take)
-	watching bool // the ringer holds the bell and watches the row (see watch)
+	watching bool // the ringer holds the bell itself, granting or watching the row (see handOn)
 	changed  chan struct{}
 }
 
@@ -266,11 +278,13 @@ func (b *bells) subscribe(name string, wake chan struct{}) func() {
 		b.names[name] = r
 	}
 	r.subs++
+	r.gen++
 	if !r.running {
 		r.running = true
 		go b.ring(name, r)
 	}
 	b.mu.Unlock()
+	r.poke()
 	return func() {
 		unsub()
 		b.mu.Lock()
@@ -299,8 +313,8 @@ func (b *bells) forget(name string, r *ringer) {
 }
 
 // ring waits for name's bell while anyone waits for name, and each time it
-// gets it, once the row is free (see watch), wakes the head of the line,
-// whose grant then runs on the connection that holds the bell.
+// gets it grants the lock to the head of the line on the connection that
+// holds it (see handOn).
 func (b *bells) ring(name string, r *ringer) {
 	key := b.key(name)
 	var c *sql.Conn
@@ -333,6 +347,7 @@ func (b *bells) ring(name string, r *ringer) {
 			<-r.changed
 			continue
 		}
+		watchFirst := held != nil // given back by a head's grant that found the row held
 		if held != nil {
 			if c != nil {
 				b.unpin(c, true) // holds no bell: held has it
@@ -348,9 +363,11 @@ func (b *bells) ring(name string, r *ringer) {
 					continue
 				}
 			}
-			var got sql.NullInt64
+			// wasFree: the bell was free when asked for (IS_FREE_LOCK runs
+			// first), so no release let it go: its holder, if any, has none.
+			var wasFree, got sql.NullInt64
 			ctx, cancel := context.WithTimeout(context.Background(), (bellWait+5)*time.Second)
-			err := stdConn{q: c, inline: true}.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{key, bellWait}, &got)
+			err := stdConn{q: c, inline: true}.queryRow(ctx, "SELECT IS_FREE_LOCK(?), GET_LOCK(?, ?)", []any{key, key, bellWait}, &wasFree, &got)
 			cancel()
 			if err != nil {
 				// A server that refuses GET_LOCK turns bells off through
@@ -372,38 +389,134 @@ func (b *bells) ring(name string, r *ringer) {
 				continue
 			}
 			held, c = c, nil
+			// A bell that was free says nothing of the row: read it first.
+			watchFirst = wasFree.Int64 == 1
 		}
-		// held holds the bell. It was let go by a release, or by a lease
-		// whose session ended, or it was free: its holder, if any, did
-		// not have it. The head is woken only once the row is free, so
-		// that a bell never sends it to a row still held.
 		b.mu.Lock()
-		r.watching = true
+		gen := r.gen
 		b.mu.Unlock()
-		free := b.watch(name, r, held)
+		if b.handOn(name, r, held, watchFirst, &fails) != ringHanded {
+			continue
+		}
+		// The head just handed the lease leaves, and unsubscribes: until
+		// another head subscribes (the next waiter of the line, once it is
+		// the head, or a new Acquire), nobody waits here, and a GET_LOCK
+		// now would take the bell the handed lease's release lets go from
+		// the next grant of any process, which would then hold without it
+		// (its release would wake nobody). At most bellWait: a head that
+		// stays (a handoff taken back from a head stuck in an attempt of
+		// its own) must not be left without a ringer.
+		park := time.NewTimer(bellWait * time.Second)
+		for parked := true; parked; {
+			b.mu.Lock()
+			parked = r.subs > 0 && r.gen == gen
+			b.mu.Unlock()
+			if parked {
+				select {
+				case <-r.changed:
+				case <-park.C:
+					parked = false
+				}
+			}
+		}
+		park.Stop()
+	}
+}
+
+// handOn settles held, a connection holding name's bell, which it consumes.
+// The bell was let go by a release, or by a lease whose session ended, or it
+// was free (its holder, if any, did not have it). It grants the lock to the
+// head of the line on held (grantHead, whose grant waits for the row lock
+// the releasing statement holds until it commits) and hands the lease over;
+// where the row is still held (by a holder without the bell) it watches the
+// row until it is free and grants then. Where no head can be handed the
+// lock (see wakeup.Line.Offer), held is kept for the head's own grant
+// (ringer.free) and the head is woken, once the row is free, so that a bell
+// never sends the head to a row still held. watchFirst: no release let the
+// bell go (it was free when the ringer asked for it, or a head's grant gave
+// it back having found the row held), so the row is read first: a grant
+// now would most likely find it held, and would keep the head offered
+// from a release's handoff within the Acquirer.
+func (b *bells) handOn(name string, r *ringer, held *sql.Conn, watchFirst bool, fails *int) ringOutcome {
+	b.mu.Lock()
+	r.watching = true
+	b.mu.Unlock()
+	defer func() {
 		b.mu.Lock()
 		r.watching = false
-		if free && r.subs > 0 && r.free == nil {
-			r.free, held = held, nil
-		}
 		b.mu.Unlock()
-		if free {
+	}()
+	for {
+		watched := false
+		if watchFirst {
+			if !b.watch(name, r, held) {
+				// Nobody waits any more, or a read failed: the session
+				// ends, and the bell with it.
+				b.unpin(held, false)
+				b.pause(r, fails)
+				return ringFailed
+			}
 			// Only a watch that read the row ends a run of failures: a
 			// read that keeps failing (the table dropped) must not have
 			// the ringer take the free bell again and again at once.
-			fails = 0
+			*fails = 0
+			watched = true
 		}
-		switch {
-		case !free:
-			b.unpin(held, false)
-			b.pause(r, &fails)
-		case held != nil:
+		out := ringNoHead
+		if b.grantHead != nil {
+			out = b.grantHead(name, held)
+		}
+		switch out {
+		case ringHanded, ringGaveBack:
+			*fails = 0
+			return out
+		case ringFailed:
+			b.pause(r, fails)
+			return out
+		case ringHeld:
+			watchFirst = true
+			continue
+		}
+		if !watched {
+			watchFirst = true
+			continue
+		}
+		b.mu.Lock()
+		if r.subs > 0 && r.free == nil {
+			r.free, held = held, nil
+		}
+		b.mu.Unlock()
+		if held != nil {
 			b.letGo(held) // nobody waits any more
-		default:
-			b.hub.WakeOne(name)
+			return ringNoHead
 		}
+		b.hub.WakeOne(name)
+		return ringNoHead
 	}
 }
+
+// ringOutcome is what a ringer's grant for the head of its line (see
+// bells.grantHead) did with the connection holding the bell.
+type ringOutcome int
+
+const (
+	// ringNoHead: no head could be offered the lock; nothing was sent, and
+	// the connection is the ringer's still.
+	ringNoHead ringOutcome = iota
+	// ringHanded: granted, and the lease (with the connection, and the
+	// bell) handed to the head, or given back when the head had left.
+	ringHanded
+	// ringGaveBack: granted, but the grant was given back (it came back past
+	// the head's local deadline, or the head had left): the connection went
+	// with it, and the head, if still there, tries on its own.
+	ringGaveBack
+	// ringHeld: the row is held; the connection is the ringer's still,
+	// holding the bell, and the head waits on at its own pace.
+	ringHeld
+	// ringFailed: the grant failed; the connection was closed (its
+	// session ended, and the bell with it), and the head tries on its own.
+	ringFailed
+)
 
 // timeLeft reads, on c, how long name's row is still held, in ms (0 when
 // it is free, and when there is no row), with the row's shared lock (see

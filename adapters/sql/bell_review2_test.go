@@ -115,7 +115,7 @@ func TestBellReview2DroppedTableRingerSpins(t *testing.T) {
 	ch := goAcquire(wctx, b, name, time.Minute)
 	waitHeadIdle(t, b, name)
 	bell2Watching(t, b, name)
-	getLocks := observe(p, "SELECT GET_LOCK")
+	getLocks := observe(p, "SELECT IS_FREE_LOCK")
 	reads := observe(p, "LOCK IN SHARE MODE")
 	if _, err := dbA.Exec("DROP TABLE " + table); err != nil {
 		t.Fatal(err)
@@ -159,7 +159,7 @@ func TestBellReview2WatchCost(t *testing.T) {
 	)
 	for i := 0; i < 3; i++ {
 		db, fdb, p, _ := bellProxied(t)
-		gl, rd := observe(p, "SELECT GET_LOCK"), observe(p, "LOCK IN SHARE MODE")
+		gl, rd := observe(p, "SELECT IS_FREE_LOCK"), observe(p, "LOCK IN SHARE MODE")
 		dbs = append(dbs, db)
 		as = append(as, newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: idleHead}))
 		counts = append(counts, func() int64 { return gl.Load() + rd.Load() })

@@ -251,7 +251,7 @@ func TestBellReviewTryAcquireWhileRingerHoldsBell(t *testing.T) {
 		// B's ringer waits in GET_LOCK (1s at a time): wait for a fresh one.
 		bellWaitFor(t, 5*time.Second, "B's ringer in a fresh GET_LOCK", func() bool {
 			var n int
-			_ = dbA.QueryRow("SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE 'SELECT GET_LOCK%' AND time_ms < 300").Scan(&n)
+			_ = dbA.QueryRow("SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE 'SELECT IS_FREE_LOCK%' AND time_ms < 300").Scan(&n)
 			return n > 0
 		})
 		p.Partition()
@@ -440,7 +440,7 @@ func TestBellReviewKilledRinger(t *testing.T) {
 	bellWaitFor(t, 5*time.Second, "B's ringer waiting in GET_LOCK", func() bool {
 		// B's pinned ringer is the session of B's pool in GET_LOCK; with
 		// other tests on the server, take the one opened after mine.
-		return dbA.QueryRow("SELECT id FROM information_schema.processlist WHERE info LIKE 'SELECT GET_LOCK%' AND id >= ? ORDER BY id LIMIT 1", mine).Scan(&rid) == nil
+		return dbA.QueryRow("SELECT id FROM information_schema.processlist WHERE info LIKE 'SELECT IS_FREE_LOCK%' AND id >= ? ORDER BY id LIMIT 1", mine).Scan(&rid) == nil
 	})
 	if _, err := dbA.Exec(fmt.Sprintf("KILL %d", rid)); err != nil {
 		t.Fatal(err)
@@ -448,7 +448,7 @@ func TestBellReviewKilledRinger(t *testing.T) {
 	// The ringer pins a new connection and waits again.
 	bellWaitFor(t, 5*time.Second, "B's ringer back in GET_LOCK", func() bool {
 		var n int
-		_ = dbA.QueryRow("SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE 'SELECT GET_LOCK%' AND id > ?", rid).Scan(&n)
+		_ = dbA.QueryRow("SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE 'SELECT IS_FREE_LOCK%' AND id > ?", rid).Scan(&n)
 		return n > 0 || sqlfence.BellOff(b)
 	})
 	if sqlfence.BellOff(b) {

@@ -341,10 +341,18 @@ WHERE name = 'i' AND expires_at <= `+pgNowUs+` RETURNING token`, fmt.Sprint(w)).
 //     its own statement and lets the bell (a GET_LOCK) go in it; the waiter,
 //     woken by the bell, reads the row with its shared lock (which waits for
 //     the commit) and finds it holds: one commit;
-//   - bell-read-grant: today's path at its floor (bell.go): the release
+//   - bell-read-grant: the bell's first path at its floor: the release
 //     lets the bell go, the waiter reads the row, then makes its own grant:
 //     two commits;
+//   - bell-grant: the ringer's grant (bell.go's handOn) at its floor: the
+//     waiter woken by the bell grants at once, its grant waiting for the
+//     release's row lock: two commits, no read;
 //   - durable-commit: one commit alone.
+//
+// /handoff-cold: the same, each release after the idle pause that
+// BenchmarkMySQLHandoff's releases follow (benchutil.Handoff: 0-19ms with
+// the waiter parked), instead of right after the busy wait for the waiter's
+// GET_LOCK: the figures to hold the library's handoff against.
 //
 // /uncontended: GET_LOCK + RELEASE_LOCK, against a lease row's grant and
 // release (two commits, the least a lease row can do).
@@ -370,78 +378,104 @@ func BenchmarkMySQLFloor(b *testing.B) {
 	b.Cleanup(func() { _, _ = R.ExecContext(ctx, `DROP TABLE IF EXISTS floor_lease, floor_queue, floor_counter`) })
 	floorMust(b)(R.ExecContext(ctx, `INSERT INTO floor_lease VALUES ('h', 1, 'r', 0), ('i', 1, '', 0)`))
 
-	b.Run("handoff", func(b *testing.B) {
-		W := conn()
-		// waitLock starts the waiter's GET_LOCK and returns once the server
-		// shows it waiting.
-		waitLock := func() chan time.Time {
-			var id int64
-			floorMust(b)(nil, W.QueryRowContext(ctx, `SELECT CONNECTION_ID()`).Scan(&id))
-			done := make(chan time.Time, 1)
-			go func() {
-				var got int
-				if err := W.QueryRowContext(ctx, `SELECT GET_LOCK('floor_bell', 10)`).Scan(&got); err != nil || got != 1 {
-					b.Errorf("GET_LOCK: %v %d", err, got)
+	// handoff runs the handoff designs; cold: each release starts after the
+	// idle pause benchutil.Handoff leaves before its release (0-19ms, the
+	// waiter parked), where the CPUs and the server's threads have gone
+	// idle, rather than right after the busy wait for the waiter's GET_LOCK.
+	handoff := func(cold bool) func(b *testing.B) {
+		return func(b *testing.B) {
+			W := conn()
+			n := 0
+			idle := func() {
+				if cold {
+					time.Sleep(time.Duration(n%20) * time.Millisecond) // the workload's idle pause, not a synchronisation
+					n++
 				}
-				done <- time.Now()
-			}()
-			for waiting := false; !waiting; {
-				floorMust(b)(nil, R.QueryRowContext(ctx, `SELECT COUNT(*) > 0 FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE 'SELECT GET_LOCK%'`, id).Scan(&waiting))
 			}
-			return done
-		}
-		bell := func(queue bool) func() time.Duration {
-			return func() time.Duration {
-				floorMust(b)(R.ExecContext(ctx, `UPDATE floor_lease SET owner = 'r', expires_at = `+myNowMs+` + 10000 WHERE name = 'h'`))
-				floorMust(b)(R.ExecContext(ctx, `DO GET_LOCK('floor_bell', 1)`))
-				if queue {
-					floorMust(b)(W.ExecContext(ctx, `INSERT INTO floor_queue (name, owner, ttl_ms) VALUES ('h', 'w', 10000)`))
-				}
-				done := waitLock()
-				t0 := time.Now()
-				if queue {
-					floorMust(b)(R.ExecContext(ctx, `UPDATE floor_lease l JOIN floor_queue q ON q.name = l.name AND q.granted = 0
-SET l.owner = q.owner, l.token = l.token + 1, l.expires_at = `+myNowMs+` + q.ttl_ms * RELEASE_ALL_LOCKS(), q.granted = 1 WHERE l.name = 'h' AND l.owner = 'r'`))
-				} else {
-					floorMust(b)(R.ExecContext(ctx, `UPDATE floor_lease SET expires_at = 0 * RELEASE_ALL_LOCKS() WHERE name = 'h' AND owner = 'r'`))
-				}
-				<-done
-				var owner string
-				floorMust(b)(nil, W.QueryRowContext(ctx, `SELECT owner FROM floor_lease WHERE name = 'h' LOCK IN SHARE MODE`).Scan(&owner))
-				if !queue {
-					res, err := W.ExecContext(ctx, `UPDATE floor_lease SET token = token + 1, owner = 'w', expires_at = `+myNowMs+` + 10000 WHERE name = 'h' AND expires_at <= `+myNowMs)
-					floorMust(b)(nil, err)
-					if n, _ := res.RowsAffected(); n != 1 {
-						b.Fatal("the waiter's grant found the row held")
+			// waitLock starts the waiter's GET_LOCK and returns once the server
+			// shows it waiting.
+			waitLock := func() chan time.Time {
+				var id int64
+				floorMust(b)(nil, W.QueryRowContext(ctx, `SELECT CONNECTION_ID()`).Scan(&id))
+				done := make(chan time.Time, 1)
+				go func() {
+					var got int
+					if err := W.QueryRowContext(ctx, `SELECT GET_LOCK('floor_bell', 10)`).Scan(&got); err != nil || got != 1 {
+						b.Errorf("GET_LOCK: %v %d", err, got)
 					}
-				} else if owner != "w" {
-					b.Fatalf("the queue's head does not hold: owner %q", owner)
+					done <- time.Now()
+				}()
+				for waiting := false; !waiting; {
+					floorMust(b)(nil, R.QueryRowContext(ctx, `SELECT COUNT(*) > 0 FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE 'SELECT GET_LOCK%'`, id).Scan(&waiting))
 				}
-				d := time.Since(t0)
-				floorMust(b)(W.ExecContext(ctx, `DO RELEASE_ALL_LOCKS()`))
-				floorMust(b)(W.ExecContext(ctx, `DELETE FROM floor_queue`))
-				return d
+				return done
 			}
+			// bell: the release lets the bell go; queue: it grants the head of
+			// a waiter queue in its statement, and the woken waiter reads the
+			// row; otherwise the woken waiter grants itself, after a read of
+			// the row (read) or at once, its grant waiting for the release's
+			// row lock (the ringer's grant of bell.go).
+			bell := func(queue, read bool) func() time.Duration {
+				return func() time.Duration {
+					floorMust(b)(R.ExecContext(ctx, `UPDATE floor_lease SET owner = 'r', expires_at = `+myNowMs+` + 10000 WHERE name = 'h'`))
+					floorMust(b)(R.ExecContext(ctx, `DO GET_LOCK('floor_bell', 1)`))
+					if queue {
+						floorMust(b)(W.ExecContext(ctx, `INSERT INTO floor_queue (name, owner, ttl_ms) VALUES ('h', 'w', 10000)`))
+					}
+					done := waitLock()
+					idle()
+					t0 := time.Now()
+					if queue {
+						floorMust(b)(R.ExecContext(ctx, `UPDATE floor_lease l JOIN floor_queue q ON q.name = l.name AND q.granted = 0
+SET l.owner = q.owner, l.token = l.token + 1, l.expires_at = `+myNowMs+` + q.ttl_ms * RELEASE_ALL_LOCKS(), q.granted = 1 WHERE l.name = 'h' AND l.owner = 'r'`))
+					} else {
+						floorMust(b)(R.ExecContext(ctx, `UPDATE floor_lease SET expires_at = 0 * RELEASE_ALL_LOCKS() WHERE name = 'h' AND owner = 'r'`))
+					}
+					<-done
+					var owner string
+					if queue || read {
+						floorMust(b)(nil, W.QueryRowContext(ctx, `SELECT owner FROM floor_lease WHERE name = 'h' LOCK IN SHARE MODE`).Scan(&owner))
+					}
+					if !queue {
+						res, err := W.ExecContext(ctx, `UPDATE floor_lease SET token = token + 1, owner = 'w', expires_at = `+myNowMs+` + 10000 WHERE name = 'h' AND expires_at <= `+myNowMs)
+						floorMust(b)(nil, err)
+						if n, _ := res.RowsAffected(); n != 1 {
+							b.Fatal("the waiter's grant found the row held")
+						}
+					} else if owner != "w" {
+						b.Fatalf("the queue's head does not hold: owner %q", owner)
+					}
+					d := time.Since(t0)
+					floorMust(b)(W.ExecContext(ctx, `DO RELEASE_ALL_LOCKS()`))
+					floorMust(b)(W.ExecContext(ctx, `DELETE FROM floor_queue`))
+					return d
+				}
+			}
+			floorRun(b, "getlock", []floorMode{
+				{"getlock", func() time.Duration {
+					floorMust(b)(R.ExecContext(ctx, `DO GET_LOCK('floor_bell', 1)`))
+					done := waitLock()
+					idle()
+					t0 := time.Now()
+					floorMust(b)(R.ExecContext(ctx, `DO RELEASE_LOCK('floor_bell')`))
+					d := (<-done).Sub(t0)
+					floorMust(b)(W.ExecContext(ctx, `DO RELEASE_LOCK('floor_bell')`))
+					return d
+				}},
+				{"queue-bell-read", bell(true, true)},
+				{"bell-read-grant", bell(false, true)},
+				{"bell-grant", bell(false, false)},
+				{"durable-commit", func() time.Duration {
+					idle()
+					t0 := time.Now()
+					floorMust(b)(R.ExecContext(ctx, `UPDATE floor_lease SET token = token + 1 WHERE name = 'h'`))
+					return time.Since(t0)
+				}},
+			})
 		}
-		floorRun(b, "getlock", []floorMode{
-			{"getlock", func() time.Duration {
-				floorMust(b)(R.ExecContext(ctx, `DO GET_LOCK('floor_bell', 1)`))
-				done := waitLock()
-				t0 := time.Now()
-				floorMust(b)(R.ExecContext(ctx, `DO RELEASE_LOCK('floor_bell')`))
-				d := (<-done).Sub(t0)
-				floorMust(b)(W.ExecContext(ctx, `DO RELEASE_LOCK('floor_bell')`))
-				return d
-			}},
-			{"queue-bell-read", bell(true)},
-			{"bell-read-grant", bell(false)},
-			{"durable-commit", func() time.Duration {
-				t0 := time.Now()
-				floorMust(b)(R.ExecContext(ctx, `UPDATE floor_lease SET token = token + 1 WHERE name = 'h'`))
-				return time.Since(t0)
-			}},
-		})
-	})
+	}
+	b.Run("handoff", handoff(false))
+	b.Run("handoff-cold", handoff(true))
 
 	b.Run("uncontended", func(b *testing.B) {
 		floorRun(b, "getlock", []floorMode{

@@ -9,7 +9,11 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/internal/wakeup"
 	"github.com/go-sql-driver/mysql"
 )
 
@@ -369,4 +373,78 @@ ON DUPLICATE KEY UPDATE
   expires_at = IF(? > 0, %[2]s + ?, NULL),
   result = ?, result_dropped = ?
 WHERE `+"`key`"+` = %[3]s AND state = %[3]s AND fence = ?`, t, now, mysqlText, mysqlMaybeEmpty)
+}
+
+// ringGrantTimeout bounds a ringer's grant for the head of its line.
+const ringGrantTimeout = 5 * time.Second
+
+// ringGrant is the ringer's grant (see bells.handOn): it offers name's lock
+// to the head of a's line and grants it on c, which holds name's bell, as
+// the head's own grant would (its ttl, an owner with a nonce of its own, the
+// local deadline counted from before the statement was sent), then hands the
+// head the lease, which keeps c and the bell. It runs as soon as the ringer
+// has the bell: the grant waits for the row's lock, which the statement
+// that let the bell go holds until it commits, and so sees its outcome. A
+// grant whose reply was lost is handed as a hint, with which the head's next
+// attempt runs as its owner and recognises it (as after a lost handoff; when
+// the head has left, watchGrant gives back what it granted); a head that
+// left is handed nothing and a lease granted for it is released.
+func (a *Acquirer) ringGrant(name string, c *sql.Conn) ringOutcome {
+	p, req := a.line.Offer(name)
+	if p == nil {
+		return ringNoHead
+	}
+	ttl := req.(*handReq).ttl
+	hint := handHint{owner: a.opts.Owner + nonceSep + nonce(), sent: time.Now(), ttl: ttl}
+	ctx, cancel := context.WithTimeout(context.Background(), ringGrantTimeout)
+	defer cancel()
+	tok, err := a.db.execIDOn(ctx, a.db.on(c), a.grantBell, a.db.text(name), a.db.text(hint.owner), ttlMs(ttl), a.bells.key(name))
+	if err == nil && tok == 0 {
+		err = errNoRows
+	}
+	switch {
+	case err == nil:
+		a.bells.accepted()
+		l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, hint.sent), a: a}
+		l.keepConn(c)
+		if l.Context().Err() != nil {
+			// Past the head's local deadline already: it holds nothing,
+			// and tries on its own; the give-back's release lets the bell
+			// go, for the ringer's next GET_LOCK.
+			_ = a.giveBackLate(ctx, l)
+			a.line.Hand(p, wakeup.Handoff{})
+			return ringGaveBack
+		}
+		if h := (wakeup.Handoff{Lease: l}); !a.line.Hand(p, h) {
+			// The head left meanwhile: released, as it would have.
+			a.abandon(ctx, name, ttl, h)
+			return ringGaveBack
+		}
+		return ringHanded
+	case errors.Is(err, errNoRows):
+		a.bells.accepted()
+		a.line.Withdraw(p)
+		return ringHeld
+	case a.db.ambiguous(err):
+		a.bells.unpin(c, false)
+		if !a.line.Hand(p, wakeup.Handoff{Hint: hint}) {
+			go a.watchGrant(name, hint.owner, ttl)
+		}
+		return ringFailed
+	case a.db.d.missingTable(err) || a.db.d.serializationFailed(err):
+		// Nothing granted, and nothing the head's own attempt should end
+		// its wait with while the ringer can try again (a dropped table,
+		// as a failed read of the row in watch; a lock wait timeout or a
+		// deadlock): the head waits on at its own pace, and the ringer
+		// tries again after a pause.
+		a.bells.unpin(c, false)
+		a.line.Withdraw(p)
+		return ringFailed
+	default:
+		// A definite error (the counter exhausted, the session ended): the
+		// head meets it, or is granted, in its own attempt, at once.
+		a.bells.unpin(c, false)
+		a.line.Hand(p, wakeup.Handoff{})
+		return ringFailed
+	}
 }

@@ -131,6 +131,18 @@ func (l *Line) Hand(p *Place, h Handoff) bool {
 	return true
 }
 
+// Withdraw ends the offer made to p with no outcome: the offerer sent
+// nothing that could grant, and the waiter goes on as before the offer, at
+// its own pace (no attempt at once, unlike Hand with an empty Handoff).
+func (l *Line) Withdraw(p *Place) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.offered = false
+	if !p.trying {
+		p.tryingFor = time.Time{}
+	}
+}
+
 // beginTry marks the start of one attempt by p's waiter; false when an offer
 // to it is in flight (the waiter then waits for its outcome instead).
 func (p *Place) beginTry() bool {
@@ -453,6 +465,15 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 					abandon(h)
 				}
 				return nil, GaveUp(ctx)
+			}
+			if h.Lease != nil && h.Lease.Context().Err() != nil {
+				// Taken late (after an attempt of the waiter's own):
+				// already past its local deadline, or ended. Never
+				// returned as held: settled, and the waiter tries now.
+				if abandon != nil {
+					abandon(h)
+				}
+				h = Handoff{}
 			}
 			if h.Lease != nil {
 				granted = true
