@@ -104,6 +104,7 @@ type ringer struct {
 	held     *sql.Conn
 	taken    bool // a grant runs on the connection that was free (see take)
 	watching bool // the ringer holds the bell itself, granting or watching the row (see handOn)
+	lates    int  // the ringer's grants in a row that came back late (see handOn; the ringer's goroutine only)
 	changed  chan struct{}
 }
 
@@ -469,6 +470,14 @@ func (b *bells) handOn(name string, r *ringer, held *sql.Conn, watchFirst bool, 
 		switch out {
 		case ringHanded, ringGaveBack:
 			*fails = 0
+			r.lates = 0
+			return out
+		case ringLate:
+			// Grants that all come back late must not follow each other
+			// at the pace of GET_LOCK (the give-back lets the bell go at
+			// once): 10ms doubling to 1s, which a watch that reads the row
+			// free does not reset.
+			b.pause(r, &r.lates)
 			return out
 		case ringFailed:
 			b.pause(r, fails)
@@ -506,10 +515,13 @@ const (
 	// ringHanded: granted, and the lease (with the connection, and the
 	// bell) handed to the head, or given back when the head had left.
 	ringHanded
-	// ringGaveBack: granted, but the grant was given back (it came back past
-	// the head's local deadline, or the head had left): the connection went
-	// with it, and the head, if still there, tries on its own.
+	// ringGaveBack: granted, but the head had left: the grant was given
+	// back, and the connection went with it.
 	ringGaveBack
+	// ringLate: granted, but the grant came back past the head's local
+	// deadline and was given back, with the connection; the head waits on,
+	// and the ringer pauses before it grants again (ringer.lates).
+	ringLate
 	// ringHeld: the row is held; the connection is the ringer's still,
 	// holding the bell, and the head waits on at its own pace.
 	ringHeld

@@ -408,12 +408,13 @@ func (a *Acquirer) ringGrant(name string, c *sql.Conn) ringOutcome {
 		l := &lease{Base: leasekit.New(name, fence.Token(tok), ttl, a.opts.Drift, hint.sent), a: a}
 		l.keepConn(c)
 		if l.Context().Err() != nil {
-			// Past the head's local deadline already: it holds nothing,
-			// and tries on its own; the give-back's release lets the bell
-			// go, for the ringer's next GET_LOCK.
+			// Past the head's local deadline already: it holds nothing.
+			// The head waits on at its own pace (its own attempts pace
+			// late grants, see wakeup.ErrYield), and the ringer pauses
+			// before it grants again (ringLate).
 			_ = a.giveBackLate(ctx, l)
-			a.line.Hand(p, wakeup.Handoff{})
-			return ringGaveBack
+			a.line.Withdraw(p)
+			return ringLate
 		}
 		if h := (wakeup.Handoff{Lease: l}); !a.line.Hand(p, h) {
 			// The head left meanwhile: released, as it would have.
