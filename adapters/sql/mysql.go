@@ -390,7 +390,9 @@ const ringGrantTimeout = 5 * time.Second
 // the head has left, watchGrant gives back what it granted); a head that
 // left is handed nothing and a lease granted for it is released.
 func (a *Acquirer) ringGrant(name string, c *sql.Conn) ringOutcome {
-	p, req := a.line.Offer(name)
+	// Only a head between attempts: one inside its own could be granted
+	// too, and the ringer's grant would then land after the head had left.
+	p, req := a.line.OfferIdle(name)
 	if p == nil {
 		return ringNoHead
 	}

@@ -72,7 +72,17 @@ type Handoff struct {
 // time counts as an attempt for the waiters behind it (they try after the
 // stall limit, so a releaser stuck on a dead connection does not hold them
 // up for ever).
-func (l *Line) Offer(name string) (*Place, any) {
+func (l *Line) Offer(name string) (*Place, any) { return l.offer(name, false) }
+
+// OfferIdle is Offer for an offerer that does not hold the lock, whose grant
+// could succeed beside an attempt of the head's own (a waiter of another
+// kind that was woken for the head): it offers only a head that is between
+// attempts, which then makes none until Hand or Withdraw, so that the head
+// is never granted twice. It returns nil for a head inside an attempt, and
+// for one whose attempt was granted (it is leaving the line).
+func (l *Line) OfferIdle(name string) (*Place, any) { return l.offer(name, true) }
+
+func (l *Line) offer(name string, idle bool) (*Place, any) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	list := l.names[name]
@@ -82,7 +92,7 @@ func (l *Line) Offer(name string) (*Place, any) {
 	p := list[0]
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.offered || p.gone || len(p.handed) > 0 || p.trying && time.Since(p.tryingFor) > l.stall() {
+	if p.offered || p.gone || len(p.handed) > 0 || p.trying && (idle || time.Since(p.tryingFor) > l.stall()) {
 		// (An outcome of an earlier offer not yet taken: one at a time.)
 		// A head stuck in its attempt is passed over, as the waiters
 		// behind it pass it over: a handoff would wait for that attempt.
@@ -387,6 +397,13 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 		hint = nil
 		lease, err := try(ctx, h)
 		granted = err == nil
+		if granted {
+			// Leaving with the lock: no offer from here on (OfferIdle
+			// checks gone), before the attempt ends (Trying(false)).
+			p.mu.Lock()
+			p.gone = true
+			p.mu.Unlock()
+		}
 		return lease, err
 	}
 	gaveUp := func() (fence.Lease, error) {

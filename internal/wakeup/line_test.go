@@ -115,3 +115,53 @@ func TestHandedLeaseAlreadyEnded(t *testing.T) {
 		t.Fatalf("abandon got %v, want the ended lease", abandoned)
 	}
 }
+
+// TestOfferIdle: OfferIdle passes over a head inside an attempt of its own
+// (whose attempt could be granted beside the offerer's grant), and offers
+// it once the attempt ended in ErrHeld; Offer offers it during the attempt
+// (the releaser holds the lock, so the attempt cannot be granted).
+func TestOfferIdle(t *testing.T) {
+	var l Line
+	name := "idle"
+	hour := fence.Backoff{Min: time.Hour, Max: time.Hour, MaxWait: 2 * time.Hour}
+	inside, finish := make(chan struct{}), make(chan struct{})
+	var attempts atomic.Int32
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		_, err := l.AcquireHanded(ctx, hour, name, struct{}{}, nil, func(context.Context, any) (fence.Lease, error) {
+			if attempts.Add(1) == 1 {
+				close(inside)
+				<-finish
+			}
+			return nil, fence.ErrHeld
+		}, nil)
+		done <- err
+	}()
+	<-inside
+	if p, _ := l.OfferIdle(name); p != nil {
+		t.Fatal("OfferIdle offered a head inside an attempt of its own")
+	}
+	p, _ := l.Offer(name)
+	if p == nil {
+		t.Fatal("Offer passed over a head inside a young attempt")
+	}
+	l.Withdraw(p)
+	close(finish)
+	for end := time.Now().Add(10 * time.Second); !l.HeadWaiting(name); {
+		if time.Now().After(end) {
+			t.Fatal("the head's attempt did not end within 10s")
+		}
+		time.Sleep(time.Millisecond) // polling the line's state
+	}
+	if p, _ := l.OfferIdle(name); p == nil {
+		t.Fatal("OfferIdle passed over a head between attempts")
+	} else {
+		l.Withdraw(p)
+	}
+	cancel()
+	if err := <-done; err == nil {
+		t.Fatal("AcquireHanded returned no error after its context ended")
+	}
+}
