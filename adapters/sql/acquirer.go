@@ -332,6 +332,18 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 // handoff was sent.
 func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duration, attempts int, hint handHint) (fence.Lease, error) {
 	if err := a.checkLease("acquire", ctx, name, ttl); err != nil {
+		if hint.owner != "" && ctx != nil && ctx.Err() != nil {
+			// The head was handed a hint (a handoff or a ringer's grant
+			// whose reply was lost, which may have granted hint.owner)
+			// and its context ended before this attempt could look:
+			// settled in the background, so that nobody waits out the
+			// grant's ttl (review 2 of the ringer's grant).
+			if hint.released != 0 {
+				go a.abandon(context.Background(), name, ttl, wakeup.Handoff{Hint: hint})
+			} else {
+				go a.watchGrant(name, hint.owner, ttl)
+			}
+		}
 		return nil, err
 	}
 	owner, sent := hint.owner, hint.sent // sent: the first attempt's, the earliest a grant can have been made

@@ -1,6 +1,11 @@
 package sqlfence
 
-import "time"
+import (
+	"context"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+)
 
 // LineLen returns how many Acquire calls of a wait in name's line.
 func LineLen(a *Acquirer, name string) int { return a.line.Len(name) }
@@ -53,3 +58,22 @@ func BellOff(a *Acquirer) bool { return a.bells.off.Load() }
 // GrantWatchMax is how long watchGrant may run: it keeps reading the row
 // (each read bounded by its own timeout) for as long as reads fail.
 const GrantWatchMax = grantWatchMax
+
+// HintOwner returns a grant owner of a's, as a handoff's hint carries.
+func HintOwner(a *Acquirer) string { return a.opts.Owner + nonceSep + nonce() }
+
+// GrantAs grants name as owner (what a handoff or a ringer's grant whose
+// reply was lost may have done), keeping no connection.
+func GrantAs(ctx context.Context, a *Acquirer, name, owner string, ttl time.Duration) error {
+	_, c, err := a.grantRow(ctx, name, owner, ttl)
+	if c != nil {
+		a.bells.unpin(c, false)
+	}
+	return err
+}
+
+// AcquireHinted runs one attempt of a's Acquire with the hint of a ringer's
+// grant of owner whose reply was lost, as the head runs it.
+func AcquireHinted(ctx context.Context, a *Acquirer, name, owner string, ttl time.Duration) (fence.Lease, error) {
+	return a.tryAcquire(ctx, name, ttl, 0, handHint{owner: owner, sent: time.Now(), ttl: ttl})
+}

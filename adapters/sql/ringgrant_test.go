@@ -177,3 +177,35 @@ func mustTryAcquire(t *testing.T, a *sqlfence.Acquirer, name string) {
 		t.Fatal(err)
 	}
 }
+
+// TestRingGrantHintAfterContextEnded: the head was handed the hint of a
+// grant whose reply was lost (it may have granted the hint's owner), and its
+// context ended before its next attempt could look. The grant that did land
+// is given back within seconds, not held for its ttl (a minute) with nobody
+// to release it (review 2 of the ringer's grant; HAZARDS 6).
+func TestRingGrantHintAfterContextEnded(t *testing.T) {
+	for dname, db := range lateDialects(t) {
+		t.Run(dname, func(t *testing.T) {
+			ctx := context.Background()
+			a := newAcquirerOn(t, db, nil)
+			name := fencetest.Name("ringgrant-hint")
+			owner := sqlfence.HintOwner(a)
+			if err := sqlfence.GrantAs(ctx, a, name, owner, time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			if info, err := a.Inspect(ctx, name); err != nil || !info.Held {
+				t.Fatalf("the landed grant: %+v, %v; want the name held", info, err)
+			}
+			ended, cancel := context.WithCancel(ctx)
+			cancel()
+			if l, err := sqlfence.AcquireHinted(ended, a, name, owner, time.Minute); err == nil {
+				t.Fatalf("an attempt whose context had ended returned a lease (token %d)", l.Token())
+			}
+			bellWaitFor(t, 10*time.Second, "the grant of the hint's owner given back", func() bool {
+				info, err := a.Inspect(ctx, name)
+				return err == nil && !info.Held
+			})
+			mustTryAcquire(t, a, name)
+		})
+	}
+}

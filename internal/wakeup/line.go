@@ -487,8 +487,18 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 				// Taken late (after an attempt of the waiter's own):
 				// already past its local deadline, or ended. Never
 				// returned as held: settled, and the waiter tries now.
+				// While it is settled nobody may offer this waiter the
+				// lock: the release that gives the lease back would hand
+				// it straight back to the waiter (review 2 of the ringer's
+				// grant), again and again.
 				if abandon != nil {
+					p.mu.Lock()
+					p.offered = true
+					p.mu.Unlock()
 					abandon(h)
+					p.mu.Lock()
+					p.offered = false
+					p.mu.Unlock()
 				}
 				h = Handoff{}
 			}
