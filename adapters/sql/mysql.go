@@ -414,8 +414,10 @@ func (a *Acquirer) ringGrant(name string, c *sql.Conn) ringOutcome {
 			// The head waits on at its own pace (its own attempts pace
 			// late grants, see wakeup.ErrYield), and the ringer pauses
 			// before it grants again (ringLate).
-			_ = a.giveBackLate(ctx, l)
+			// Withdrawn before the give-back, whose release pokes the
+			// head: a poke while the offer stood would be lost (review 2).
 			a.line.Withdraw(p)
+			_ = a.giveBackLate(ctx, l)
 			return ringLate
 		}
 		if h := (wakeup.Handoff{Lease: l}); !a.line.Hand(p, h) {
