@@ -47,11 +47,12 @@ type AcquirerOptions struct {
 	// connection the lease keeps from the pool, and its release lets it go
 	// in the same statement; while Acquire calls of this Acquirer wait for a
 	// name, one goroutine waits for that lock in GET_LOCK on a connection of
-	// its own and, once a read of the row finds it free, wakes the head of
-	// the line. The lock only wakes: a grant never waits for it and is made
-	// whether or not it got it; while the holder has none, the goroutine
-	// that has it reads the row every 2ms doubling to 100ms until it is
-	// free. The Acquirers of a pool pin at most 16 of its connections
+	// its own and, when a release lets it go, grants the lease to the head
+	// of the line on that connection and hands it over (the head sends no
+	// statement of its own). The lock only wakes: a grant never waits for
+	// it and is made whether or not it got it; while the holder has none,
+	// the goroutine that has it reads the row every 2ms doubling to 100ms
+	// until it is free. The Acquirers of a pool pin at most 16 of its connections
 	// together, a quarter of SetMaxOpenConns when that is set.
 	DisableNotify bool
 	// AdvanceGuards, when set, advances the guard row of the lock name (see
