@@ -85,11 +85,45 @@ func startOwnPostgres(t *testing.T, settings ...string) *ownPostgres {
 	if err != nil {
 		skip("postgresql.conf", err)
 	}
-	if out, err := pg.start(); err != nil {
-		skip("pg_ctl start: "+out, err)
+	// The free port is only free when it was read: a test running beside
+	// this one can take it before the server binds it (CI run e5 of stop
+	// 41: the server exited at once). Each retry appends a new port, which
+	// overrides the earlier lines.
+	for try := 1; ; try++ {
+		out, err := pg.start()
+		if err == nil {
+			break
+		}
+		logText, _ := os.ReadFile(filepath.Join(dir, "log"))
+		if try == 3 || !strings.Contains(string(logText), "could not bind") {
+			skip("pg_ctl start: "+out+"\n"+string(logText), err)
+		}
+		t.Logf("the server could not bind port %s (taken since it was read), trying another:\n%s", pg.port, logText)
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			skip("free port", err)
+		}
+		pg.port = strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
+		l.Close()
+		if err := appendConf(filepath.Join(pg.dir, "postgresql.conf"), "port = "+pg.port); err != nil {
+			skip("postgresql.conf", err)
+		}
 	}
 	t.Cleanup(func() { _, _ = pg.run("pg_ctl", "-D", pg.dir, "-m", "immediate", "-w", "stop") })
 	return pg
+}
+
+// appendConf appends line to the server's configuration file at path.
+func appendConf(path, line string) error {
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString(line + "\n")
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // startQuietPostgres starts a server of the test's own (startOwnPostgres)
