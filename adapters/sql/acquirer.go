@@ -279,8 +279,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 	}
 	a.transferStatement(t, next)
 	if d == mysqlDialect && !o.DisableNotify && o.AdvanceGuards == nil && db.sqlDB != nil {
-		a.bells = newBells(db.sqlDB, t)
-		a.bells.grantHead = a.ringGrant
+		a.bells = newBells(db.sqlDB, t, a.ringGrant)
 	}
 	return a, nil
 }

@@ -115,8 +115,8 @@ func (r *ringer) poke() {
 	}
 }
 
-func newBells(db *sql.DB, table string) *bells {
-	return &bells{db: db, table: table, names: map[string]*ringer{},
+func newBells(db *sql.DB, table string, grantHead func(name string, c *sql.Conn) ringOutcome) *bells {
+	return &bells{db: db, table: table, names: map[string]*ringer{}, grantHead: grantHead,
 		watchQ: fmt.Sprintf("SELECT GREATEST(expires_at - %s, 0) FROM %s WHERE name = %s LOCK IN SHARE MODE", mysqlDialect.nowMs, table, mysqlText)}
 }
 
@@ -463,11 +463,7 @@ func (b *bells) handOn(name string, r *ringer, held *sql.Conn, watchFirst bool, 
 			*fails = 0
 			watched = true
 		}
-		out := ringNoHead
-		if b.grantHead != nil {
-			out = b.grantHead(name, held)
-		}
-		switch out {
+		switch out := b.grantHead(name, held); out {
 		case ringHanded, ringGaveBack:
 			*fails = 0
 			r.lates = 0
@@ -513,7 +509,7 @@ const (
 	// the connection is the ringer's still.
 	ringNoHead ringOutcome = iota
 	// ringHanded: granted, and the lease (with the connection, and the
-	// bell) handed to the head, or given back when the head had left.
+	// bell) handed to the head.
 	ringHanded
 	// ringGaveBack: granted, but the head had left: the grant was given
 	// back, and the connection went with it.
@@ -526,7 +522,9 @@ const (
 	// holding the bell, and the head waits on at its own pace.
 	ringHeld
 	// ringFailed: the grant failed; the connection was closed (its
-	// session ended, and the bell with it), and the head tries on its own.
+	// session ended, and the bell with it), and the head tries on its own
+	// at once, or, where its attempt would end its wait for nothing (a
+	// missing table, a deadlock), at its own pace.
 	ringFailed
 )
 

@@ -2,6 +2,7 @@ package sqlfence_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"sync/atomic"
 	"testing"
@@ -19,26 +20,48 @@ import (
 // has a holder A whose lease holds the bell, and a waiter B, behind a fault
 // proxy, whose backoff is an hour: only B's ringer grants within the test.
 
+// ringPair is A, on its own pool, holding name with its bell (checked on
+// the server), and B, behind a fault proxy, whose backoff is an hour, with
+// that proxy and the count of B's grant statements; dbA is A's pool.
+type ringPair struct {
+	dbA    *sql.DB
+	a, b   *sqlfence.Acquirer
+	la     fence.Lease
+	pb     *faultnet.Proxy
+	grants *atomic.Int64
+}
+
+func newRingPair(t *testing.T, name string) ringPair {
+	t.Helper()
+	var rp ringPair
+	var fdbA, fdbB *sqlfence.DB
+	rp.dbA, fdbA = openMySQL(t, "")
+	_, fdbB, rp.pb, rp.grants = bellProxied(t)
+	rp.a = newAcquirerOn(t, fdbA, nil)
+	rp.b = newAcquirerOn(t, fdbB, &sqlfence.AcquirerOptions{Backoff: idleHead})
+	bellFreshRow(t, rp.a, name) // the next grant takes over the row, and the bell
+	var err error
+	if rp.la, err = rp.a.TryAcquire(context.Background(), name, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if sqlfence.BellPinned(rp.a) != 1 {
+		t.Fatalf("A's grant pinned %d connections, want 1 (the bell's)", sqlfence.BellPinned(rp.a))
+	}
+	if bellHolderID(t, rp.dbA, sqlfence.BellKey(rp.a, name)) == 0 {
+		t.Fatal("A's takeover grant took no bell")
+	}
+	return rp
+}
+
 // ringSetup returns A (holding name, with its bell) and B's Acquire, already
 // waiting, with B's proxy and the count of B's grant statements.
 func ringSetup(t *testing.T, name string, bctx context.Context) (fence.Lease, *sqlfence.Acquirer, *sqlfence.Acquirer, <-chan acquired, *faultnet.Proxy, *atomic.Int64) {
 	t.Helper()
-	_, fdbA := openMySQL(t, "")
-	_, fdbB, pb, grants := bellProxied(t)
-	a := newAcquirerOn(t, fdbA, nil)
-	b := newAcquirerOn(t, fdbB, &sqlfence.AcquirerOptions{Backoff: idleHead})
-	bellFreshRow(t, a, name) // the next grant takes over the row, and the bell
-	la, err := a.TryAcquire(context.Background(), name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if sqlfence.BellPinned(a) != 1 {
-		t.Fatalf("A's grant pinned %d connections, want 1 (the bell's)", sqlfence.BellPinned(a))
-	}
-	ch := goAcquire(bctx, b, name, time.Minute)
-	waitHeadIdle(t, b, name)
-	waitPinned(t, b, 1) // B's ringer
-	return la, a, b, ch, pb, grants
+	rp := newRingPair(t, name)
+	ch := goAcquire(bctx, rp.b, name, time.Minute)
+	waitHeadIdle(t, rp.b, name)
+	waitPinned(t, rp.b, 1) // B's ringer
+	return rp.la, rp.a, rp.b, ch, rp.pb, rp.grants
 }
 
 // ringGrantStatement matches the grant statement that takes the bell.

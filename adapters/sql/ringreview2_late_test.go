@@ -27,20 +27,9 @@ import (
 // (beginTry refuses, errOffered), and W1 then does not try.
 func TestRingReview2LateHeadStarvesLine(t *testing.T) {
 	ctx := context.Background()
-	dbA, fdbA := openMySQL(t, "")
-	_, fdbB, pb, grants := bellProxied(t)
-	a := newAcquirerOn(t, fdbA, nil)
-	b := newAcquirerOn(t, fdbB, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("rr2-latehead")
-	key := sqlfence.BellKey(a, name)
-	bellFreshRow(t, a, name)
-	la, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if bellHolderID(t, dbA, key) == 0 {
-		t.Fatal("A's takeover grant took no bell")
-	}
+	rp := newRingPair(t, name)
+	a, b, la, pb, grants := rp.a, rp.b, rp.la, rp.pb, rp.grants
 	wctx, cancel := context.WithTimeout(ctx, 40*time.Second)
 	defer cancel()
 	ch1 := goAcquire(wctx, b, name, 150*time.Millisecond)

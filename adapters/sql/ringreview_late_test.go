@@ -24,20 +24,10 @@ import (
 // release wakes nobody and B (Backoff of an hour) is never granted.
 func TestRingReviewLateGrantParksRinger(t *testing.T) {
 	ctx := context.Background()
-	dbA, fdbA := openMySQL(t, "")
-	_, fdbB, pb, grants := bellProxied(t)
-	a := newAcquirerOn(t, fdbA, nil)
-	b := newAcquirerOn(t, fdbB, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("ringrev-late")
+	rp := newRingPair(t, name)
+	dbA, a, b, la, pb, grants := rp.dbA, rp.a, rp.b, rp.la, rp.pb, rp.grants
 	key := sqlfence.BellKey(a, name)
-	bellFreshRow(t, a, name)
-	la, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if bellHolderID(t, dbA, key) == 0 {
-		t.Fatal("A's takeover grant took no bell")
-	}
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	ttl := 150 * time.Millisecond
