@@ -33,6 +33,7 @@ func newAcquirer(t testing.TB, e *s3env) *s3fence.Acquirer {
 // answers), which the suite's StaleRenewKeepsNewHolder waits ShortTTL/2 for:
 // the short ttl is 12s.
 func TestAcquirerConformance(t *testing.T) {
+	t.Parallel() // a server or bucket of its own
 	servers(t, func(t *testing.T, e *s3env) {
 		a := newAcquirer(t, e)
 		fencetest.AcquirerSuite{Parallel: true,
@@ -69,7 +70,10 @@ func TestAcquirerConformance(t *testing.T) {
 // TestAcquirerFaults: a grant whose answer was lost is recognised as ours by
 // its nonce; 409, 412 and 500 on the grant's PUT make it read and try again;
 // a renewal and a release whose answers were lost are recognised too.
-func TestAcquirerFaults(t *testing.T) { faultServers(t, testAcquirerFaults) }
+func TestAcquirerFaults(t *testing.T) {
+	t.Parallel() // a server or bucket of its own
+	faultServers(t, testAcquirerFaults)
+}
 
 func testAcquirerFaults(t *testing.T, e *s3env, f *faults) {
 	a := newAcquirer(t, e)
@@ -162,7 +166,10 @@ func testLockObjectABA(t *testing.T, e *s3env) {
 // minutes off from the client's. Expiry is decided on the server's clock and
 // the time since its answers, never on the client's wall clock: a lease is
 // neither taken over early nor held for minutes.
-func TestAcquirerClockSkew(t *testing.T) { faultServers(t, testClockSkew) }
+func TestAcquirerClockSkew(t *testing.T) {
+	t.Parallel() // a server or bucket of its own
+	faultServers(t, testClockSkew)
+}
 
 func testClockSkew(t *testing.T, e *s3env, f *faults) {
 	a := newAcquirer(t, e)
@@ -309,7 +316,10 @@ func testLockObjectDeleted(t *testing.T, e *s3env) {
 // another acquirer is granted when the original lease runs out on S3's clock
 // (up to 2s + 2 x DateLag late, S3's Date having whole seconds and being up to
 // DateLag older still), not a ttl after the renewal.
-func TestRenewAfterLocalDeadline(t *testing.T) { servers(t, testRenewAfterLocalDeadline) }
+func TestRenewAfterLocalDeadline(t *testing.T) {
+	t.Parallel() // a server or bucket of its own
+	servers(t, testRenewAfterLocalDeadline)
+}
 
 func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
 	a := newAcquirer(t, e)
@@ -355,7 +365,10 @@ func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
 // grant is released in the background; when the PUT is still on its way and
 // lands only after the caller gave up, it is refused, since the cleanup wrote
 // over the ETag (here: the absence) it was conditional on.
-func TestAbandonedGrant(t *testing.T) { faultServers(t, testAbandonedGrant) }
+func TestAbandonedGrant(t *testing.T) {
+	t.Parallel() // a server or bucket of its own
+	faultServers(t, testAbandonedGrant)
+}
 
 func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
 	a, b := newAcquirer(t, e), newAcquirer(t, e)
@@ -442,7 +455,10 @@ func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
 // TestNamesByteForByte (HAZARDS 4): lock names that differ only in a trailing
 // space, case, a 4-byte character or the last byte of the longest key are
 // separate lock objects, each exclusive with itself.
-func TestNamesByteForByte(t *testing.T) { servers(t, testNamesByteForByte) }
+func TestNamesByteForByte(t *testing.T) {
+	t.Parallel() // a server or bucket of its own
+	servers(t, testNamesByteForByte)
+}
 
 func testNamesByteForByte(t *testing.T, e *s3env) {
 	a := newAcquirer(t, e)

@@ -37,6 +37,7 @@ func openSQLiteAt(t *testing.T, path string) *sqlfence.DB {
 // holder is handed a lease already lost while the row keeps the name from
 // everyone else for the ttl.
 func TestReviewSQLiteAcquireAfterALockIsNotAlreadyLost(t *testing.T) {
+	t.Parallel() // a SQLite file of its own; it waits out a file lock held for seconds
 	if testing.Short() {
 		t.Skip("holds a file lock for seconds")
 	}
@@ -106,6 +107,7 @@ func TestReviewSQLiteAcquireAfterALockIsNotAlreadyLost(t *testing.T) {
 // (The review asked for an answer within 2s; the wait for the file's lock
 // was kept and documented, as PostgreSQL's TryAcquire waits for a row lock.)
 func TestReviewSQLiteTryAcquireOnALockedFileBounded(t *testing.T) {
+	t.Parallel() // a SQLite file of its own; it waits out a file lock held for seconds
 	if testing.Short() {
 		t.Skip("holds a file lock for seconds")
 	}
@@ -299,6 +301,7 @@ func TestReviewSQLiteDeadlinesOnALockedFile(t *testing.T) {
 // waiter is granted in turn, never two at once, with tokens that grow in grant
 // order, and no lease handed out already lost.
 func TestReviewSQLiteWaitersAcrossHandlesOnALockedFile(t *testing.T) {
+	t.Parallel() // a SQLite file of its own; it waits out a file lock held for seconds
 	if testing.Short() {
 		t.Skip("holds a file lock for seconds")
 	}

@@ -15,6 +15,7 @@ import (
 // gone, instead of answering SQLITE_BUSY (a test sharing one file among 30
 // handles on a loaded machine got "database is locked" from OpenSQLite).
 func TestOpenSQLiteWaitsOutALongLock(t *testing.T) {
+	t.Parallel() // a SQLite file of its own; it waits out a file lock held for seconds
 	if testing.Short() {
 		t.Skip("holds a lock for 11s; skipped with -short")
 	}

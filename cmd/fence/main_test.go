@@ -124,6 +124,7 @@ func TestDemoEtcd(t *testing.T) {
 }
 
 func TestDemoNATS(t *testing.T) {
+	t.Parallel() // an in-process server of its own
 	if testing.Short() {
 		t.Skip("the NATS demo stretches the lesson's timings to whole-second leases (about 30s); skipped with -short")
 	}
@@ -139,6 +140,7 @@ func TestDemoNATS(t *testing.T) {
 }
 
 func TestDemoS3(t *testing.T) {
+	t.Parallel() // an in-process server of its own
 	if testing.Short() {
 		t.Skip("the demo replays the lesson's timings (about a minute: S3 leases of whole seconds, and Dates up to DateLag old); skipped with -short")
 	}
@@ -154,6 +156,7 @@ func TestDemoS3(t *testing.T) {
 }
 
 func TestDemoGCS(t *testing.T) {
+	t.Parallel() // an in-process server of its own
 	if testing.Short() {
 		t.Skip("the demo replays the lesson's timings (about 10s); skipped with -short")
 	}
