@@ -375,7 +375,6 @@ func TestLineReviewNoLeaks(t *testing.T) {
 // name (MaxAttempts 2, so contention is frequent): every Acquire is granted,
 // no two holds overlap, and tokens grow in grant order.
 func TestLineReviewTwoAcquirers(t *testing.T) {
-	t.Parallel() // a server or bucket of its own
 	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
 		var as []*s3fence.Acquirer
@@ -478,7 +477,6 @@ func TestLineReviewCauseStillMatches(t *testing.T) {
 // of clock uncertainty and one Backoff.Max (500ms) of it expiring, and so is
 // each of the next two waiters after the lease before it expires in turn.
 func TestLineReviewExpiry(t *testing.T) {
-	t.Parallel() // a server or bucket of its own
 	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
 		a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{
@@ -520,7 +518,6 @@ func TestLineReviewExpiry(t *testing.T) {
 // grantee releases at once: every name's waiters are granted in arrival
 // order, and every line empties.
 func TestLineReviewManyNames(t *testing.T) {
-	t.Parallel() // a server or bucket of its own
 	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
 		a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{
