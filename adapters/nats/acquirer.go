@@ -200,7 +200,8 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	// Watch before the first try, so a release between the try and the
 	// watch is not missed. Creating the watch (a consumer) can stall during
 	// a leader election: wait for it at most Timeout, then go on with
-	// Recheck alone until it arrives.
+	// Recheck alone until it arrives (a request unanswered for Timeout is
+	// asked again).
 	wt := a.watch(ctx, EncodeKey(name))
 	defer func() { wt.close() }() // the last one: a break replaces it
 	t := time.NewTimer(a.o.Timeout)
@@ -239,7 +240,8 @@ func (a *Acquirer) watch(ctx context.Context, key string) *keyWatch {
 	wt.stop = stop
 	go func() {
 		// A request that fails (the consumer refused under load, no
-		// responders just after a reconnect) is asked again: a waiter
+		// responders just after a reconnect), or that no answer came to
+		// within Timeout (watchOnce), is asked again: a waiter
 		// without its watch would only try every Recheck, and on a busy
 		// lock keep finding it held.
 		var w jetstream.KeyWatcher
@@ -249,7 +251,7 @@ func (a *Acquirer) watch(ctx context.Context, key string) *keyWatch {
 				err = (*h)(key)
 			}
 			if err == nil {
-				w, err = a.kv.Watch(wctx, key)
+				w, err = a.watchOnce(wctx, key)
 			}
 			if err == nil {
 				break
@@ -267,6 +269,36 @@ func (a *Acquirer) watch(ctx context.Context, key string) *keyWatch {
 		wt.ready <- w
 	}()
 	return wt
+}
+
+// watchOnce makes one watch request on key, and gives it up when no answer
+// came within Timeout (the caller asks again).
+//
+// The client waits for the answer until ctx's deadline, a waiting Acquire's
+// whole wait, and a request can go unanswered: one made while the node that
+// was the JetStream meta leader stops (the node the request reached hands it
+// on to the leader that is gone, and nobody answers it), which left the
+// waiter with no watch, trying only every Recheck, after its node, leading
+// the meta group and the bucket's stream, stopped
+// (TestReviewWaiterAcrossLeaderLoss). The watch's subscription lasts as
+// long as the ctx it was made with, so the bound is not a deadline on that
+// ctx but a cancel that fires only while the request is unanswered; once
+// made, the watch ends with ctx (the keyWatch's stop).
+func (a *Acquirer) watchOnce(ctx context.Context, key string) (jetstream.KeyWatcher, error) {
+	wctx, cancel := context.WithCancel(ctx)
+	cut := time.AfterFunc(a.o.Timeout, cancel)
+	w, err := a.kv.Watch(wctx, key)
+	if cut.Stop() {
+		if err != nil {
+			cancel()
+		}
+		return w, err
+	}
+	cancel()
+	if err == nil {
+		stopWatch(w) // made as the time ran out: its ctx is gone
+	}
+	return nil, fmt.Errorf("natsfence: watch %q: no answer within %v", key, a.o.Timeout)
 }
 
 // took records w, taken from ready.
