@@ -13,7 +13,10 @@ const releaseTimeout = 5 * time.Second
 // Hold acquires name with a for ttl, runs work, and releases the lease afterwards,
 // also when work panics or its context is cancelled.
 //
-// While work runs, Hold renews the lease every ttl/3. The context passed to work is
+// While work runs, Hold renews the lease every ttl/3 (the first time sooner,
+// at once, when the lease's local deadline is nearer than 2ttl/3 away: a
+// grant that answered late; the lease tells its deadline when it is built on
+// leasekit.Base). The context passed to work is
 // cancelled, with cause ErrLost, as soon as a renewal returns ErrLost or the lease's
 // local deadline passes without a confirmed renewal; transient renewal errors are
 // retried until then. It is also cancelled when ctx is.
@@ -89,6 +92,28 @@ func runWork(ctx context.Context, l Lease, work func(context.Context, Lease) err
 	return work(ctx, l)
 }
 
+// localDeadliner is a lease that tells its local deadline (leasekit.Base
+// does, and so do the leases of every acquirer built on it).
+type localDeadliner interface{ LocalDeadline() time.Time }
+
+// firstRenewal is how long after Hold got l its first renewal is due: a third
+// of the ttl (interval), or at once when l's local deadline is nearer than
+// two intervals away. A grant whose answer came back late (a loaded machine,
+// a retried request) has used part of its lease already; renewing a third of
+// the ttl after the answer could then come after the local deadline, and the
+// work would be cancelled with nothing failed.
+func firstRenewal(l Lease, interval time.Duration) time.Duration {
+	d, ok := l.(localDeadliner)
+	if !ok {
+		return interval
+	}
+	dl := d.LocalDeadline()
+	if dl.IsZero() {
+		return interval
+	}
+	return min(interval, max(0, time.Until(dl)-2*interval))
+}
+
 // renewLoop renews l every ttl/3 until done is closed or the lease ends. A renewal
 // that fails with a transient error is retried sooner; the lease's own local
 // deadline ends it if no renewal is confirmed in time.
@@ -101,7 +126,7 @@ func renewLoop(ctx context.Context, l Lease, ttl time.Duration, done <-chan stru
 	if retry <= 0 {
 		retry = interval
 	}
-	timer := time.NewTimer(interval)
+	timer := time.NewTimer(firstRenewal(l, interval))
 	defer timer.Stop()
 	for {
 		select {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
+	"log/slog"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -54,6 +56,9 @@ type faulty struct {
 	renewed   atomic.Int32
 	renewLost atomic.Int32
 	releases  atomic.Int32
+	// lateBy holds back Acquire's answer after the grant, as a reply that
+	// came back late would.
+	lateBy time.Duration
 }
 
 type faultyLease struct {
@@ -66,7 +71,14 @@ func (f *faulty) Acquire(ctx context.Context, name string, ttl time.Duration) (f
 	if err != nil {
 		return nil, err
 	}
+	time.Sleep(f.lateBy) // the answer on its way back, not a synchronisation
 	return &faultyLease{l, f}, nil
+}
+
+// LocalDeadline is the wrapped lease's: a wrapper that hid it would leave
+// Hold to renew a late grant a third of the ttl after it got it.
+func (l *faultyLease) LocalDeadline() time.Time {
+	return l.Lease.(interface{ LocalDeadline() time.Time }).LocalDeadline()
 }
 
 func (l *faultyLease) Renew(ctx context.Context) error {
@@ -371,5 +383,37 @@ func TestBackoffDelay(t *testing.T) {
 	}
 	if low < 300 || low > 700 {
 		t.Errorf("%d of 1000 delays below half the cap; want about half (full jitter)", low)
+	}
+}
+
+// TestHoldRenewsALateGrantInTime: the grant's answer comes back 1.05s into a
+// 1.5s lease (a loaded machine, a retried request). Hold's first renewal must
+// come before the lease's local deadline (1.485s after the grant was sent),
+// not a third of the ttl after Hold got the lease (1.55s): the work runs on
+// through three confirmed renewals, its context never cancelled. Also through
+// fence.Observe, whose leases wrap the acquirer's.
+func TestHoldRenewsALateGrantInTime(t *testing.T) {
+	const ttl = 1500 * time.Millisecond
+	for _, observed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("observed=%v", observed), func(t *testing.T) {
+			f := &faulty{Acquirer: sqliteAcquirer(t), lateBy: 1050 * time.Millisecond}
+			var a fence.Acquirer = f
+			if observed {
+				a = fence.Observe(f, "sqlite", fence.SlogObserver(slog.New(slog.DiscardHandler)))
+			}
+			err := fence.Hold(context.Background(), a, "late", ttl, func(ctx context.Context, l fence.Lease) error {
+				for f.renewed.Load() < 3 {
+					select {
+					case <-ctx.Done():
+						return fmt.Errorf("work cancelled after %d confirmed renewals: %w", f.renewed.Load(), context.Cause(ctx))
+					case <-time.After(5 * time.Millisecond): // a poll, not a synchronisation
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatalf("Hold of a grant that answered late: %v, want the work to run through its renewals", err)
+			}
+		})
 	}
 }

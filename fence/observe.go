@@ -103,6 +103,15 @@ type observedLease struct {
 	x *observedAcquirer
 }
 
+// LocalDeadline is the wrapped lease's, when it tells it (for Hold's first
+// renewal); the zero time otherwise.
+func (l *observedLease) LocalDeadline() time.Time {
+	if d, ok := l.Lease.(localDeadliner); ok {
+		return d.LocalDeadline()
+	}
+	return time.Time{}
+}
+
 func (l *observedLease) Renew(ctx context.Context) error {
 	if err := checkContext("renew", ctx); err != nil {
 		return err

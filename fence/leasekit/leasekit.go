@@ -142,6 +142,16 @@ func (b *Base) TTL() time.Duration { return b.ttl }
 // end through Done, so the timer's delay applies to it.
 func (b *Base) Context() context.Context { return leaseContext{b.ctx, b} }
 
+// LocalDeadline returns the lease's local deadline: when its context ends
+// unless a renewal is confirmed first (the zero time for a lease that ended at
+// New). fence.Hold reads it to renew a lease whose grant answered late before
+// that deadline, rather than a third of the ttl after it got the lease.
+func (b *Base) LocalDeadline() time.Time {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.deadline
+}
+
 // leaseContext is a lease's context whose Err reads the clock.
 type leaseContext struct {
 	context.Context
