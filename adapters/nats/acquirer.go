@@ -241,17 +241,24 @@ func (a *Acquirer) watch(ctx context.Context, key string) *keyWatch {
 	go func() {
 		// A request that fails (the consumer refused under load, no
 		// responders just after a reconnect), or that no answer came to
-		// within Timeout (watchOnce), is asked again: a waiter
+		// within its time (watchOnce), is asked again: a waiter
 		// without its watch would only try every Recheck, and on a busy
-		// lock keep finding it held.
+		// lock keep finding it held. Each unanswered request gives the
+		// next twice the time (Timeout, 2 Timeout, ... up to 32 Timeout),
+		// so a server that answers every request, but later than
+		// Timeout, still makes the watch.
 		var w jetstream.KeyWatcher
+		unanswered := 0
 		for i := 0; ; i++ {
 			var err error
 			if h := watchErrHook.Load(); h != nil {
 				err = (*h)(key)
 			}
 			if err == nil {
-				w, err = a.watchOnce(wctx, key)
+				w, err = a.watchOnce(wctx, key, a.o.Timeout<<min(unanswered, 5))
+				if errors.Is(err, errWatchUnanswered) {
+					unanswered++
+				}
 			}
 			if err == nil {
 				break
@@ -271,22 +278,27 @@ func (a *Acquirer) watch(ctx context.Context, key string) *keyWatch {
 	return wt
 }
 
+// errWatchUnanswered is watchOnce's error for a request given up unanswered.
+var errWatchUnanswered = errors.New("no answer")
+
 // watchOnce makes one watch request on key, and gives it up when no answer
-// came within Timeout (the caller asks again).
+// came within wait (the caller asks again, with a longer wait).
 //
 // The client waits for the answer until ctx's deadline, a waiting Acquire's
 // whole wait, and a request can go unanswered: one made while the node that
 // was the JetStream meta leader stops (the node the request reached hands it
 // on to the leader that is gone, and nobody answers it), which left the
 // waiter with no watch, trying only every Recheck, after its node, leading
-// the meta group and the bucket's stream, stopped
-// (TestReviewWaiterAcrossLeaderLoss). The watch's subscription lasts as
-// long as the ctx it was made with, so the bound is not a deadline on that
-// ctx but a cancel that fires only while the request is unanswered; once
-// made, the watch ends with ctx (the keyWatch's stop).
-func (a *Acquirer) watchOnce(ctx context.Context, key string) (jetstream.KeyWatcher, error) {
+// the meta group, stopped (TestReviewWaiterAcrossLeaderLoss,
+// TestWatchReviewLeaderLossVariants). The watch's subscription lasts as long
+// as the ctx it was made with, so the bound is not a deadline on that ctx but
+// a cancel that fires only while the request is unanswered; once made, the
+// watch ends with ctx (the keyWatch's stop). A request given up may still
+// make its consumer on the server; nobody subscribes to it, and the server
+// removes it after its inactivity threshold (about 5s).
+func (a *Acquirer) watchOnce(ctx context.Context, key string, wait time.Duration) (jetstream.KeyWatcher, error) {
 	wctx, cancel := context.WithCancel(ctx)
-	cut := time.AfterFunc(a.o.Timeout, cancel)
+	cut := time.AfterFunc(wait, cancel)
 	w, err := a.kv.Watch(wctx, key)
 	if cut.Stop() {
 		if err != nil {
@@ -298,7 +310,7 @@ func (a *Acquirer) watchOnce(ctx context.Context, key string) (jetstream.KeyWatc
 	if err == nil {
 		stopWatch(w) // made as the time ran out: its ctx is gone
 	}
-	return nil, fmt.Errorf("natsfence: watch %q: no answer within %v", key, a.o.Timeout)
+	return nil, fmt.Errorf("natsfence: watch %q: %w within %v", key, errWatchUnanswered, wait)
 }
 
 // took records w, taken from ready.
