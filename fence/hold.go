@@ -13,10 +13,11 @@ const releaseTimeout = 5 * time.Second
 // Hold acquires name with a for ttl, runs work, and releases the lease afterwards,
 // also when work panics or its context is cancelled.
 //
-// While work runs, Hold renews the lease every ttl/3 (the first time sooner,
-// at once, when the lease's local deadline is nearer than 2ttl/3 away: a
-// grant that answered late; the lease tells its deadline when it is built on
-// leasekit.Base). The context passed to work is
+// While work runs, Hold renews the lease every ttl/3. When the lease tells its
+// local deadline (leases built on leasekit.Base do), the first renewal comes
+// at once if that deadline is nearer than 2ttl/3 away (a grant that answered
+// late), and the next ones within a third of the time left before it (a
+// drift margin over a third of the ttl), never less than ttl/12 apart. The context passed to work is
 // cancelled, with cause ErrLost, as soon as a renewal returns ErrLost or the lease's
 // local deadline passes without a confirmed renewal; transient renewal errors are
 // retried until then. It is also cancelled when ctx is.
@@ -96,6 +97,16 @@ func runWork(ctx context.Context, l Lease, work func(context.Context, Lease) err
 // does, and so do the leases of every acquirer built on it).
 type localDeadliner interface{ LocalDeadline() time.Time }
 
+// localDeadline returns l's local deadline, when l tells it.
+func localDeadline(l Lease) (time.Time, bool) {
+	d, ok := l.(localDeadliner)
+	if !ok {
+		return time.Time{}, false
+	}
+	dl := d.LocalDeadline()
+	return dl, !dl.IsZero()
+}
+
 // firstRenewal is how long after Hold got l its first renewal is due: a third
 // of the ttl (interval), or at once when l's local deadline is nearer than
 // two intervals away. A grant whose answer came back late (a loaded machine,
@@ -103,15 +114,28 @@ type localDeadliner interface{ LocalDeadline() time.Time }
 // the ttl after the answer could then come after the local deadline, and the
 // work would be cancelled with nothing failed.
 func firstRenewal(l Lease, interval time.Duration) time.Duration {
-	d, ok := l.(localDeadliner)
+	dl, ok := localDeadline(l)
 	if !ok {
 		return interval
 	}
-	dl := d.LocalDeadline()
-	if dl.IsZero() {
+	left := time.Until(dl)
+	if left <= 2*interval {
+		return 0
+	}
+	return interval
+}
+
+// nextRenewal is how long after a confirmed renewal the next is due: a
+// third of the ttl (interval), or a third of the time left before l's local
+// deadline when that is less (a drift margin over a third of the ttl leaves
+// less than two intervals after each renewal), but never sooner than retry,
+// so a renewal that is confirmed without moving the deadline does not spin.
+func nextRenewal(l Lease, interval, retry time.Duration) time.Duration {
+	dl, ok := localDeadline(l)
+	if !ok {
 		return interval
 	}
-	return min(interval, max(0, time.Until(dl)-2*interval))
+	return min(interval, max(retry, time.Until(dl)/3))
 }
 
 // renewLoop renews l every ttl/3 until done is closed or the lease ends. A renewal
@@ -136,12 +160,23 @@ func renewLoop(ctx context.Context, l Lease, ttl time.Duration, done <-chan stru
 			return
 		case <-timer.C:
 		}
+		// A lease that ended as the timer fired (both ready, select picked
+		// the timer: a first renewal due at once for a grant that answered
+		// after its lease was over) is not renewed.
+		if l.Context().Err() != nil {
+			return
+		}
+		select {
+		case <-done:
+			return
+		default:
+		}
 		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), interval)
 		err := l.Renew(rctx)
 		rcancel()
 		switch {
 		case err == nil:
-			timer.Reset(interval)
+			timer.Reset(nextRenewal(l, interval, retry))
 		case errors.Is(err, ErrLost):
 			cancel(lostError(l))
 			return
