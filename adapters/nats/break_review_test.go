@@ -71,6 +71,29 @@ func goAcquire(ctx context.Context, a *natsfence.Acquirer, name string, ttl time
 	return res
 }
 
+// grantedAfterRelease waits up to within for the waiter's result after the
+// holder h released, just before the call: a grant, with a token above h's, which it
+// releases. after says what happened to the waiter before the release (it
+// ends both failure messages); a waiter not granted in time had no watch and
+// waited for its Recheck.
+func grantedAfterRelease(t *testing.T, res <-chan acquired, h fence.Lease, within time.Duration, after string) {
+	t.Helper()
+	released := time.Now()
+	select {
+	case r := <-res:
+		if r.err != nil {
+			t.Fatalf("the waiter %s and the release: %v", after, r.err)
+		}
+		t.Logf("granted %v after the release", r.at.Sub(released))
+		if r.l.Token() <= h.Token() {
+			t.Fatalf("token %d after the holder's %d", r.l.Token(), h.Token())
+		}
+		_ = r.l.Release(context.Background())
+	case <-time.After(within):
+		t.Fatalf("the waiter was not granted within %v of the release %s (Recheck 1m): it had no watch", within, after)
+	}
+}
+
 // waitKeyA is waitKey for an Acquire reporting on an acquired channel.
 func waitKeyA(t *testing.T, waiting <-chan string, key string, res <-chan acquired, msg string) {
 	t.Helper()
@@ -520,20 +543,7 @@ func TestReviewWaiterAcrossServerRestart(t *testing.T) {
 	if rerr != nil {
 		t.Fatalf("the holder's release after the restart: %v", rerr)
 	}
-	released := time.Now()
-	select {
-	case r := <-res:
-		if r.err != nil {
-			t.Fatalf("the waiter after the restart and the release: %v", r.err)
-		}
-		t.Logf("granted %v after the release", r.at.Sub(released))
-		if r.l.Token() <= h.Token() {
-			t.Fatalf("token %d after the holder's %d", r.l.Token(), h.Token())
-		}
-		_ = r.l.Release(ctx)
-	case <-time.After(20 * time.Second):
-		t.Fatal("the waiter was not granted within 20s of the release after a server restart (Recheck 1m): it had no watch")
-	}
+	grantedAfterRelease(t, res, h, 20*time.Second, "after a server restart")
 }
 
 var _ = jetstream.KeyValuePut
@@ -763,20 +773,7 @@ func TestReviewWaiterAcrossLeaderLoss(t *testing.T) {
 	if rerr != nil {
 		t.Fatalf("the holder's release after the leader's loss: %v", rerr)
 	}
-	released := time.Now()
-	select {
-	case r := <-res:
-		if r.err != nil {
-			t.Fatalf("the waiter after the leader's loss and the release: %v", r.err)
-		}
-		t.Logf("granted %v after the release", r.at.Sub(released))
-		if r.l.Token() <= h.Token() {
-			t.Fatalf("token %d after the holder's %d", r.l.Token(), h.Token())
-		}
-		_ = r.l.Release(ctx)
-	case <-time.After(20 * time.Second):
-		t.Fatal("the waiter was not granted within 20s of the release after its node, the stream leader, stopped (Recheck 1m): it had no watch")
-	}
+	grantedAfterRelease(t, res, h, 20*time.Second, "after its node, the stream leader, stopped")
 }
 
 // TestReviewLateWatchStopped: an Acquire whose ctx ends while its watch's

@@ -520,20 +520,7 @@ func TestWatchReviewLeaderLossVariants(t *testing.T) {
 			if rerr != nil {
 				t.Fatalf("the holder's release after n%d stopped: %v", stop, rerr)
 			}
-			released := time.Now()
-			select {
-			case r := <-res:
-				if r.err != nil {
-					t.Fatalf("the waiter after n%d stopped and the release: %v", stop, r.err)
-				}
-				t.Logf("granted %v after the release", r.at.Sub(released))
-				if r.l.Token() <= h.Token() {
-					t.Fatalf("token %d after the holder's %d", r.l.Token(), h.Token())
-				}
-				_ = r.l.Release(ctx)
-			case <-time.After(15 * time.Second):
-				t.Fatalf("the waiter was not granted within 15s of the release after its node n%d (%s) stopped (Recheck 1m): it had no watch", stop, variant)
-			}
+			grantedAfterRelease(t, res, h, 15*time.Second, fmt.Sprintf("after its node n%d (%s) stopped", stop, variant))
 		})
 	}
 }
