@@ -87,8 +87,9 @@ type stdQuerier interface {
 	QueryRowContext(ctx context.Context, q string, args ...any) *sql.Row
 }
 
-// stdConn runs statements on a database/sql handle; inline (MySQL) sends
-// their arguments as literals in the statement (see mysqlInline).
+// stdConn runs statements on a database/sql handle; inline (set on every
+// MySQL handle) sends their arguments as literals in the statement, or as
+// parameters that no character set converts (see mysqlInline).
 type stdConn struct {
 	q      stdQuerier
 	inline bool

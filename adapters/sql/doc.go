@@ -38,7 +38,11 @@
 // On MySQL the package's own statements carry their arguments as literals
 // (bytes as X'…' hex, integers in decimal), one round trip each, where the
 // driver would prepare them first without interpolateParams; a value over 4
-// KiB, or a statement over the connection's packet limit, goes as parameters.
+// KiB, or the bytes of a statement over the connection's packet limit, go as
+// parameters in base64 that the server decodes (a text parameter would be
+// converted to the connection's character set), so a parameter takes 4/3 of
+// its size out of max_allowed_packet. Guard and CompleteTx send theirs the
+// same way in the caller's transaction.
 // A table of your own given to [NewWriter] on MySQL must have a binary key
 // column (VARBINARY, or a _bin collation): a case-insensitive or PAD SPACE
 // collation makes two keys one row.

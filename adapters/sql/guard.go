@@ -123,7 +123,7 @@ func (g *Guards) Guard(ctx context.Context, tx *sql.Tx, name string, token fence
 	if err := g.checkGuard("guard", ctx, name, token); err != nil {
 		return err
 	}
-	c, err := stdTxConn("guard", tx)
+	c, err := stdTxConn("guard", g.db.d, tx)
 	if err != nil {
 		return err
 	}
@@ -185,13 +185,15 @@ func (g *Guards) guardOn(ctx context.Context, c conn, name string, token fence.T
 	return &fence.StaleError{Key: name, Offered: token, Current: fence.Token(cur)}
 }
 
-// stdTxConn wraps the caller's database/sql transaction; a nil tx returns an
-// error matching fence.ErrInvalid.
-func stdTxConn(op string, tx *sql.Tx) (conn, error) {
+// stdTxConn wraps the caller's database/sql transaction on a database of
+// dialect d; a nil tx returns an error matching fence.ErrInvalid. On MySQL
+// its statements carry their arguments as the package's other statements
+// do (see mysqlInline), so that a name reaches the same row in both.
+func stdTxConn(op string, d *dialect, tx *sql.Tx) (conn, error) {
 	if tx == nil {
 		return nil, &fence.InvalidError{Op: op, Arg: "tx", Reason: "nil *sql.Tx"}
 	}
-	return stdConn{q: tx}, nil
+	return stdConn{q: tx, inline: d == mysqlDialect}, nil
 }
 
 // pgxTxConn wraps the caller's pgx transaction on a database of dialect d;

@@ -265,7 +265,7 @@ func (s *IdempotencyStore) CompleteTx(ctx context.Context, tx *sql.Tx, key strin
 	if err := s.checkUpdate("complete", ctx, key, idempotency.Change{}); err != nil {
 		return err
 	}
-	c, err := stdTxConn("complete", tx)
+	c, err := stdTxConn("complete", s.db.d, tx)
 	if err != nil {
 		return err
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"encoding/base64"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -93,38 +94,53 @@ const mysqlInlineMax = 4096
 // inlining made larger than the connection's packet limit (the DSN's
 // maxAllowedPacket, or the server's max_allowed_packet) is refused by the
 // driver before it sends anything (mysql.ErrPktTooLarge): f then runs again
-// with the parameters, which the driver splits as the limit needs.
+// with every non-empty text or bytes argument as a parameter, which the
+// driver splits as the limit needs.
 func runInline(inline bool, q string, args []any, f func(q string, args []any) error) error {
 	if !inline {
 		return f(q, args)
 	}
-	iq, iargs := mysqlInline(q, args)
+	iq, iargs := mysqlInline(q, args, mysqlInlineMax)
 	err := f(iq, iargs)
-	if len(iargs) == 0 && len(args) > 0 && errors.Is(err, mysql.ErrPktTooLarge) {
-		return f(q, args)
+	if errors.Is(err, mysql.ErrPktTooLarge) {
+		if pq, pargs := mysqlInline(q, args, 0); pq != iq {
+			return f(pq, pargs)
+		}
 	}
 	return err
 }
 
 // mysqlInline returns q with its ? placeholders replaced by its arguments
-// written as literals, and no arguments: the driver then sends it in one
-// round trip (COM_QUERY), where a statement with arguments takes two (it is
-// prepared, then executed) unless the DSN sets interpolateParams. The
-// literals mean the same whatever the session's character set, sql_mode or
-// NO_BACKSLASH_ESCAPES: integers in decimal, []byte as a hex literal (X'…',
-// a binary string; a nil one as NULL, as the driver sends it), and strings
-// only when made of ASCII letters, digits and ':' '_' '-' '.', in single
-// quotes. With any other argument (type, size), or a count of placeholders
-// that differs from the arguments', q and args come back as they were. q
-// must be one of this package's statements: it has no ? other than its
-// placeholders (its identifiers are letters, digits and underscores, see
-// quoteIdent).
-func mysqlInline(q string, args []any) (string, []any) {
+// written as literals, and the arguments that remain parameters: with none,
+// the driver sends it in one round trip (COM_QUERY), where a statement with
+// arguments takes two (it is prepared, then executed) unless the DSN sets
+// interpolateParams. The literals mean the same whatever the session's
+// character set, sql_mode or NO_BACKSLASH_ESCAPES: integers in decimal,
+// []byte of at most max bytes (and an empty one) as a hex literal (X'…', a
+// binary string; a nil one as NULL, as the driver sends it), and strings
+// made of ASCII letters, digits and ':' '_' '-' '.' in single quotes.
+//
+// A longer []byte, or another string, stays a parameter, sent as base64
+// text and decoded by the server (FROM_BASE64(?)): the server converts a
+// text parameter from the client's character set to the connection's, which
+// would change the bytes of a key or value (and send it to another row than
+// the same key inlined). Base64 is ASCII, which no conversion changes, and
+// FROM_BASE64 returns a binary string. Any other argument (nil, a float)
+// stays a parameter as it is. q must be one of this package's statements: it
+// has no ? other than its placeholders (its identifiers are letters, digits
+// and underscores, see quoteIdent); with a count of placeholders that
+// differs from the arguments', q and args come back as they were.
+func mysqlInline(q string, args []any, max int) (string, []any) {
 	if len(args) == 0 {
 		return q, args
 	}
 	var b strings.Builder
 	b.Grow(len(q) + 24*len(args))
+	var params []any
+	param := func(v []byte) {
+		b.WriteString("FROM_BASE64(?)")
+		params = append(params, base64.StdEncoding.EncodeToString(v))
+	}
 	n := 0
 	for i := 0; i < len(q); i++ {
 		if q[i] != '?' {
@@ -140,32 +156,37 @@ func mysqlInline(q string, args []any) (string, []any) {
 		case int:
 			b.WriteString(strconv.Itoa(v))
 		case []byte:
-			if len(v) > mysqlInlineMax {
-				return q, args
-			}
-			if v == nil { // the driver sends a nil []byte as NULL
+			switch {
+			case v == nil: // the driver sends a nil []byte as NULL
 				b.WriteString("NULL")
-				break
+			case len(v) <= max || len(v) == 0:
+				b.WriteString("X'")
+				b.WriteString(hex.EncodeToString(v))
+				b.WriteByte('\'')
+			default:
+				param(v)
 			}
-			b.WriteString("X'")
-			b.WriteString(hex.EncodeToString(v))
-			b.WriteByte('\'')
 		case string:
-			if !plainASCII(v) {
-				return q, args
+			switch {
+			case v == "":
+				b.WriteString("X''")
+			case plainASCII(v):
+				b.WriteByte('\'')
+				b.WriteString(v)
+				b.WriteByte('\'')
+			default:
+				param([]byte(v))
 			}
-			b.WriteByte('\'')
-			b.WriteString(v)
-			b.WriteByte('\'')
 		default:
-			return q, args
+			b.WriteByte('?')
+			params = append(params, v)
 		}
 		n++
 	}
 	if n != len(args) {
 		return q, args
 	}
-	return b.String(), nil
+	return b.String(), params
 }
 
 // plainASCII reports whether s is made of ASCII letters, digits and
