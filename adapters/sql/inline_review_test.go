@@ -13,8 +13,8 @@ package sqlfence_test
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
 	"database/sql"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"net/url"
