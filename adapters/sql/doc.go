@@ -43,9 +43,12 @@
 // converted to the connection's character set), so a parameter takes 4/3 of
 // its size out of max_allowed_packet. Guard and CompleteTx send theirs the
 // same way in the caller's transaction.
-// A table of your own given to [NewWriter] on MySQL must have a binary key
-// column (VARBINARY, or a _bin collation): a case-insensitive or PAD SPACE
-// collation makes two keys one row.
+// A table of your own given to [NewWriter] or [NewGuards] on MySQL must have
+// a key column that compares bytes: VARBINARY, or VARCHAR with a NO PAD
+// binary collation (utf8mb4_nopad_bin, or utf8mb4_0900_bin on MySQL 8). A
+// case-insensitive or PAD SPACE collation (utf8mb4_bin among them), CHAR or
+// BINARY would make two keys one row: the first statement on such a table
+// returns an error matching fence.ErrInvalid that names the column.
 //
 // # Lost replies
 //

@@ -16,7 +16,9 @@ import (
 // GuardOptions configures Guards. A nil *GuardOptions means the defaults.
 type GuardOptions struct {
 	// Table holds one fence row per lock name; it may be schema-qualified.
-	// Default: "fence_guards".
+	// On MySQL its name column must compare bytes, as WriterOptions.KeyColumn
+	// says; otherwise Guard (and a grant that advances the guards) returns an
+	// error matching fence.ErrInvalid. Default: "fence_guards".
 	Table string
 }
 
@@ -51,6 +53,7 @@ type Guards struct {
 	// the offered token as the SQL expression v.
 	mysql      bool
 	advanceSQL func(v string) string
+	keys       *keyColumn // MySQL: the name column must compare bytes
 }
 
 // NewGuards returns Guards whose table is on db, in db's dialect. It does not
@@ -72,6 +75,7 @@ func NewGuards(db *DB, opts *GuardOptions) (*Guards, error) {
 	}
 	g := &Guards{db: db, table: table, mysql: d == mysqlDialect}
 	if g.mysql {
+		g.keys = newKeyColumn("table", table, "name")
 		g.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  fence BIGINT NOT NULL CHECK (fence BETWEEN 1 AND %d)\n)", t, d.keyType, uint64(fence.MaxToken))
 		// LAST_INSERT_ID is the token when the fence was advanced or equal,
 		// 0 when it holds a larger one (see execID). v is the offered token.
@@ -158,6 +162,9 @@ func (g *Guards) checkGuard(op string, ctx context.Context, name string, token f
 
 // guardOn runs the guard statement on c, the caller's transaction.
 func (g *Guards) guardOn(ctx context.Context, c conn, name string, token fence.Token) error {
+	if err := g.keys.check(ctx, c, "guard"); err != nil {
+		return err
+	}
 	if g.mysql {
 		id, err := execID(ctx, c, g.guard, textArg(true, name), int64(token))
 		if err != nil {

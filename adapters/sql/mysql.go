@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
@@ -350,6 +351,9 @@ func (a *Acquirer) grantMySQL(ctx context.Context, name string, args []any) (int
 		}
 		return tok, nil, err
 	}
+	if err := a.guards.keys.check(ctx, a.db.c, "acquire"); err != nil {
+		return 0, nil, err
+	}
 	var tok int64
 	err := a.db.inTx(ctx, func(c conn) error {
 		var err error
@@ -473,4 +477,70 @@ func (a *Acquirer) ringGrant(name string, c *sql.Conn) ringOutcome {
 		a.line.Hand(p, wakeup.Handoff{})
 		return ringFailed
 	}
+}
+
+// keyColumn checks that a MySQL table's key or name column compares keys
+// byte for byte, once per table and column: a PAD SPACE collation (such as
+// utf8mb4_bin) makes "acct" and "acct " one row, CHAR drops trailing
+// spaces, BINARY pads with NUL bytes, and other collations fold case.
+type keyColumn struct {
+	arg, table, column string // for the error: the option, and what it names
+	q                  string // reads the column's type from information_schema
+	ok                 atomic.Bool
+}
+
+// newKeyColumn returns the check of column in table (as quoteIdent
+// accepted them, so both are plain identifiers; table may be schema.table).
+func newKeyColumn(arg, table, column string) *keyColumn {
+	schema, name := "DATABASE()", table
+	if i := strings.IndexByte(table, '.'); i >= 0 {
+		schema, name = "'"+table[:i]+"'", table[i+1:]
+	}
+	return &keyColumn{arg: arg, table: table, column: column, q: fmt.Sprintf(
+		"SELECT DATA_TYPE, COLLATION_NAME FROM information_schema.COLUMNS "+
+			"WHERE TABLE_SCHEMA = %s AND TABLE_NAME = '%s' AND COLUMN_NAME = '%s' ORDER BY BINARY TABLE_NAME = '%s' DESC LIMIT 1",
+		schema, name, column, name)}
+}
+
+// check returns an error matching fence.ErrInvalid when the column does not
+// compare bytes. A table not found (not created yet) passes, unremembered:
+// the statement then reports the missing table.
+func (k *keyColumn) check(ctx context.Context, c conn, op string) error {
+	if k == nil || k.ok.Load() {
+		return nil
+	}
+	var typ string
+	var nullColl sql.NullString // NULL for a binary type
+	err := c.queryRow(ctx, k.q, nil, &typ, &nullColl)
+	if errors.Is(err, errNoRows) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("sqlfence: %s: reading the type of column %s of table %s: %w", op, k.column, k.table, err)
+	}
+	typ, coll := strings.ToLower(typ), strings.ToLower(nullColl.String)
+	var why string
+	switch {
+	case typ == "varbinary":
+	case typ == "varchar" && (coll == "utf8mb4_nopad_bin" || coll == "utf8mb4_0900_bin"):
+	case typ == "char":
+		why = "CHAR drops trailing spaces"
+	case typ == "binary":
+		why = "BINARY pads keys with NUL bytes"
+	case typ == "varchar" && strings.HasSuffix(coll, "_bin") && !strings.Contains(coll, "nopad"):
+		why = "a PAD SPACE collation ignores trailing spaces"
+	case typ == "varchar" && strings.HasSuffix(coll, "_bin"):
+		why = "its character set cannot hold every key"
+	case typ == "varchar":
+		why = "its collation folds case or accents"
+	default:
+		why = "it does not compare keys byte for byte"
+	}
+	if why != "" {
+		return &fence.InvalidError{Op: op, Arg: k.arg, Reason: fmt.Sprintf(
+			"column %s of table %s is %s: %s, so two keys would share one row; use VARBINARY(%d), or VARCHAR with a binary NO PAD collation (utf8mb4_nopad_bin on MariaDB, utf8mb4_0900_bin on MySQL 8)",
+			k.column, k.table, strings.TrimSpace(strings.ToUpper(typ)+" "+coll), why, MaxKeyBytes)}
+	}
+	k.ok.Store(true)
+	return nil
 }

@@ -163,7 +163,8 @@ func sessionStatus(t *testing.T, db *sql.DB, counter string) int64 {
 
 // TestMySQLRoundTrips counts the statements the server received (its session
 // counter, on one connection): acquire + release are 2, a write to an existing
-// key is 1, to a new key 2; idempotency.Do is 5 on a fresh key, 2 on a replay.
+// key is 1, to a new key 2 (3 for a writer's first, which reads the type of
+// its key column); idempotency.Do is 5 on a fresh key, 2 on a replay.
 func TestMySQLRoundTrips(t *testing.T) {
 	db, fdb := openMySQL(t, "")
 	db.SetMaxOpenConns(1)
@@ -196,6 +197,8 @@ func TestMySQLRoundTrips(t *testing.T) {
 		}
 		return l.Release(ctx)
 	})
+	count("a writer's first write, to a new key (its key column's type, read once; UPDATE; the upsert)", 3,
+		func() error { return w.Write(ctx, fencetest.Name("rt"), []byte("v"), 1) })
 	key := fencetest.Name("rt")
 	count("a write to a new key (UPDATE, then the upsert)", 2, func() error { return w.Write(ctx, key, []byte("v"), 1) })
 	count("a write to an existing key", 1, func() error { return w.Write(ctx, key, []byte("v2"), 2) })

@@ -16,9 +16,12 @@ type WriterOptions struct {
 	// Table holds one row per key; it may be schema-qualified. Default: "fence_values".
 	Table string
 	// KeyColumn is the table's primary key (or a unique column). Default: "key".
-	// On MySQL it must compare bytes (VARBINARY, or a _bin collation): under
-	// a case-insensitive or PAD SPACE collation two keys share one row. The
-	// same holds elsewhere: no citext or nondeterministic collation on
+	// On MySQL it must compare bytes: VARBINARY, or VARCHAR with a NO PAD
+	// binary collation (utf8mb4_nopad_bin, utf8mb4_0900_bin). Under a
+	// case-insensitive or PAD SPACE collation (utf8mb4_bin), CHAR or BINARY,
+	// two keys share one row, so the Writer's first Write, Delete or Read
+	// returns an error matching fence.ErrInvalid instead. The same holds
+	// elsewhere, unchecked: no citext or nondeterministic collation on
 	// PostgreSQL, no COLLATE NOCASE or RTRIM on SQLite.
 	KeyColumn string
 	// ValueColumn holds the value; it must be nullable, since a fenced delete
@@ -43,6 +46,7 @@ type Writer struct {
 	ddl   string
 
 	update, upsert, tombstone, read, current string
+	keys                                     *keyColumn // MySQL: the key column must compare bytes
 }
 
 var (
@@ -90,6 +94,7 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 	w.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  %s %s PRIMARY KEY,\n  %s %s,\n  %s %s NOT NULL CHECK (%s BETWEEN 1 AND %d)\n)",
 		t, k, d.keyType, v, d.blobType, f, d.intType, f, uint64(fence.MaxToken))
 	if d == mysqlDialect {
+		w.keys = newKeyColumn("key column", o.Table, o.KeyColumn)
 		// One upsert per write. The value is assigned before the fence, so its
 		// condition sees the old fence. LAST_INSERT_ID is the token when the
 		// write was made (also when it changed nothing, an equal token writing
@@ -185,7 +190,10 @@ func (w *Writer) checkWrite(op string, ctx context.Context, key string, token fe
 	if err := checkText(op, "key", key); err != nil {
 		return err
 	}
-	return leasekit.CheckToken(op, token)
+	if err := leasekit.CheckToken(op, token); err != nil {
+		return err
+	}
+	return w.keys.check(ctx, w.db.c, op)
 }
 
 // fenced runs a fenced upsert. When it changes no row, the key holds a larger
@@ -216,6 +224,9 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 		return nil, 0, err
 	}
 	if err := checkText("read", "key", key); err != nil {
+		return nil, 0, err
+	}
+	if err := w.keys.check(ctx, w.db.c, "read"); err != nil {
 		return nil, 0, err
 	}
 	var (
