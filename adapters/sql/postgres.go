@@ -82,6 +82,14 @@ type PgxQuerier interface {
 // waiters then wake on LISTEN/NOTIFY), a *pgx.Conn, or a pgx.Tx (every statement
 // then runs inside that transaction).
 //
+// On a pool, while any Acquire waits, the *DB listens on one connection of
+// its own, opened with the pool's configuration outside the pool (one more
+// server session per *DB, not counted in MaxConns): waiting never takes a
+// pool connection from a holder's Renew or Release or a Write, whatever the
+// pool's size. A statement whose context ends while it waits for a pool
+// connection was not sent, and its error is the context's, never
+// fence.ErrUnknown.
+//
 // A nil q gives a *DB whose every use returns an error matching fence.ErrInvalid.
 func Pgx(q PgxQuerier) *DB {
 	db := &DB{c: pgxConn{q}, d: postgresDialect, nilHandle: isNilPgx(q)}
@@ -96,15 +104,16 @@ func Pgx(q PgxQuerier) *DB {
 		db.ownTx = func() bool { return h.PgConn().TxStatus() == 'I' }
 	}
 	if p, ok := q.(*pgxpool.Pool); ok {
-		db.listen = newListener(func(ctx context.Context, f func(*pgx.Conn) error) error {
-			return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error { return f(c.Conn()) })
-		})
+		db.listen = newListener(poolConn(p))
 	}
 	return db
 }
 
 // Postgres wraps a database/sql handle on PostgreSQL opened with the "pgx" driver
-// of github.com/jackc/pgx/v5/stdlib. Waiters wake on LISTEN/NOTIFY.
+// of github.com/jackc/pgx/v5/stdlib. Waiters wake on LISTEN/NOTIFY, on one
+// connection of the *DB's own opened with the configuration of db's
+// connections, outside db's pool (not counted in SetMaxOpenConns), as [Pgx]
+// does on a pool.
 //
 // A nil db gives a *DB whose every use returns an error matching fence.ErrInvalid.
 func Postgres(db *sql.DB) *DB {
