@@ -138,7 +138,26 @@ func isNilPgx(q PgxQuerier) bool {
 
 type pgxConn struct{ q PgxQuerier }
 
+// onPoolConn runs f on a connection acquired from pool for it, so that a
+// failure to acquire one is known to have sent nothing (notSentError).
+func onPoolConn(ctx context.Context, pool *pgxpool.Pool, f func(pgxConn) error) error {
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return &notSentError{err}
+	}
+	defer c.Release()
+	return f(pgxConn{c})
+}
+
 func (p pgxConn) exec(ctx context.Context, q string, args ...any) (int64, error) {
+	if pool, ok := p.q.(*pgxpool.Pool); ok {
+		var n int64
+		err := onPoolConn(ctx, pool, func(c pgxConn) (err error) {
+			n, err = c.exec(ctx, q, args...)
+			return err
+		})
+		return n, err
+	}
 	tag, err := p.q.Exec(ctx, q, args...)
 	if err != nil {
 		return 0, err
@@ -147,6 +166,9 @@ func (p pgxConn) exec(ctx context.Context, q string, args ...any) (int64, error)
 }
 
 func (p pgxConn) queryRow(ctx context.Context, q string, args []any, dest ...any) error {
+	if pool, ok := p.q.(*pgxpool.Pool); ok {
+		return onPoolConn(ctx, pool, func(c pgxConn) error { return c.queryRow(ctx, q, args, dest...) })
+	}
 	err := p.q.QueryRow(ctx, q, args...).Scan(dest...)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return errNoRows
