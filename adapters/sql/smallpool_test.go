@@ -145,62 +145,110 @@ func TestWaitersLeaveSmallPoolToHolder(t *testing.T) {
 		for _, size := range []int{1, 2, 3} {
 			t.Run(fmt.Sprintf("%s/%d", style, size), func(t *testing.T) {
 				sp := smallPgPool(t, style, size)
-				hdb := sp.newDB()
-				ha := newAcquirerOn(t, hdb, nil)
-				w, err := sqlfence.NewWriter(hdb, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				name := "smallpool-" + randomSuffix()
-				ctx := context.Background()
-				l, err := ha.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
-				const waiters = 3
-				type result struct {
-					l   fence.Lease
-					err error
-				}
-				got := make(chan result, waiters)
-				wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-				defer cancel()
-				for range waiters {
-					wa := newAcquirerOn(t, sp.newDB(), nil)
-					go func() {
-						l, err := wa.Acquire(wctx, name, time.Minute)
-						got <- result{l, err}
-					}()
-				}
-				// Every handle that can listen on this pool does (before,
-				// each took a connection of the pool to listen on).
-				waitListening(t, sp.app, min(waiters, size))
-
-				step := func(what string, f func(ctx context.Context) error) {
-					t.Helper()
-					sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-					defer cancel()
-					if err := f(sctx); err != nil {
-						t.Fatalf("%s while %d waiters wait on a pool of %d: %v", what, waiters, size, err)
-					}
-				}
-				step("renew", l.Renew)
-				step("write", func(ctx context.Context) error { return w.Write(ctx, name, []byte("v"), l.Token()) })
-				step("release", l.Release)
-				last := l.Token()
-				for i := range waiters {
-					r := <-got
-					if r.err != nil {
-						t.Fatalf("waiter %d: %v", i, r.err)
-					}
-					if r.l.Token() <= last {
-						t.Fatalf("waiter %d granted token %d, not above %d", i, r.l.Token(), last)
-					}
-					last = r.l.Token()
-					step("waiter's release", r.l.Release)
-				}
+				holdWhileWaiting(t, size, sp.newDB, func(*testing.T, []*sqlfence.Acquirer, string) {
+					// Every handle that can listen on this pool does (before,
+					// each took a connection of the pool to listen on).
+					waitListening(t, sp.app, min(smallPoolWaiters, size))
+				})
 			})
 		}
+	}
+}
+
+// TestMySQLWaitersLeaveSmallPoolToHolder is TestWaitersLeaveSmallPoolToHolder
+// on MariaDB, whose waiters pin connections for their bells: at most a
+// quarter of SetMaxOpenConns, none below 4, so never all of them.
+func TestMySQLWaitersLeaveSmallPoolToHolder(t *testing.T) {
+	for _, size := range []int{1, 3, 4, 8} {
+		t.Run(fmt.Sprint(size), func(t *testing.T) {
+			db, _ := openMySQL(t, "")
+			db.SetMaxOpenConns(size)
+			holdWhileWaiting(t, size, func() *sqlfence.DB { return sqlfence.MySQL(db) }, func(t *testing.T, waiters []*sqlfence.Acquirer, name string) {
+				// Each waiter is in its line, and on a pool with room for
+				// bells (the holder's grant took the first pin) a ringer
+				// holds a pinned connection.
+				wantPins := 0
+				if size/4 > 1 {
+					wantPins = 1
+				}
+				for deadline := time.Now().Add(30 * time.Second); ; {
+					pins, lined := 0, 0
+					for _, wa := range waiters {
+						pins += sqlfence.BellPinned(wa)
+						lined += sqlfence.LineLen(wa, name)
+					}
+					if lined == len(waiters) && pins >= wantPins {
+						return
+					}
+					if time.Now().After(deadline) {
+						t.Fatalf("after 30s %d waiters in line with %d pins, want %d with %d", lined, pins, len(waiters), wantPins)
+					}
+					time.Sleep(10 * time.Millisecond) // polling the waiters' state; nothing waits on this loop
+				}
+			})
+		})
+	}
+}
+
+const smallPoolWaiters = 3
+
+// holdWhileWaiting holds a lease on a handle of newDB while three waiters,
+// each on a handle of its own, wait for it; once ready says they all wait,
+// the holder renews, writes and releases, each within a generous bound, and
+// each waiter is then granted in turn with a larger token.
+func holdWhileWaiting(t *testing.T, size int, newDB func() *sqlfence.DB, ready func(t *testing.T, waiters []*sqlfence.Acquirer, name string)) {
+	hdb := newDB()
+	ha := newAcquirerOn(t, hdb, nil)
+	w, err := sqlfence.NewWriter(hdb, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := "smallpool-" + randomSuffix()
+	ctx := context.Background()
+	l, err := ha.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	got := make(chan result, smallPoolWaiters)
+	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	var waiters []*sqlfence.Acquirer
+	for range smallPoolWaiters {
+		wa := newAcquirerOn(t, newDB(), nil)
+		waiters = append(waiters, wa)
+		go func() {
+			l, err := wa.Acquire(wctx, name, time.Minute)
+			got <- result{l, err}
+		}()
+	}
+	ready(t, waiters, name)
+
+	step := func(what string, f func(ctx context.Context) error) {
+		t.Helper()
+		sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		if err := f(sctx); err != nil {
+			t.Fatalf("%s while %d waiters wait on a pool of %d: %v", what, smallPoolWaiters, size, err)
+		}
+	}
+	step("renew", l.Renew)
+	step("write", func(ctx context.Context) error { return w.Write(ctx, name, []byte("v"), l.Token()) })
+	step("release", l.Release)
+	last := l.Token()
+	for i := range smallPoolWaiters {
+		r := <-got
+		if r.err != nil {
+			t.Fatalf("waiter %d: %v", i, r.err)
+		}
+		if r.l.Token() <= last {
+			t.Fatalf("waiter %d granted token %d, not above %d", i, r.l.Token(), last)
+		}
+		last = r.l.Token()
+		step("waiter's release", r.l.Release)
 	}
 }
 
