@@ -84,8 +84,9 @@ func dedicated(ctx context.Context, cc *pgx.ConnConfig, f func(*pgx.Conn) error)
 }
 
 // listener keeps one connection of its own (see withConn) listening on
-// releaseChannel while at least one Acquire waits, and passes each release to one waiter of that name. A missed
-// notification costs a waiter only its next backoff interval.
+// releaseChannel while at least one Acquire waits, and passes each release
+// to one waiter of that name. A missed notification costs a waiter only its
+// next backoff interval.
 type listener struct {
 	wakeup.Hub // keyed by md5(name), the notification payload
 	conn       withConn
