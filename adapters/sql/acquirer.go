@@ -384,7 +384,7 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 			return nil, a.wrap("acquire", a.db.unknown(err))
 		}
 	}
-	if cerr := ctx.Err(); cerr != nil && err != nil && !errors.Is(err, errNoRows) && a.db.d == sqliteDialect {
+	if cerr := ctx.Err(); cerr != nil && err != nil && !errors.Is(err, errNoRows) && !notSent(err) && a.db.d == sqliteDialect {
 		// SQLite runs the statement in this process, so it has ended when
 		// the call returns; but an error after the context ended does not
 		// say whether it committed first. The row says.
@@ -860,7 +860,9 @@ func (l *lease) giveUp(ctx context.Context) {
 // A release whose reply was lost is run again, and one that finds its own
 // release applied returns nil; when it cannot know it returns an error
 // matching fence.ErrUnknown (the lease then ends on the server by its ttl at
-// the latest).
+// the latest). A release whose context ended before it got a connection of
+// the pool sent nothing: it returns the context's error, and the lease ends
+// on the server by its ttl.
 func (l *lease) Release(ctx context.Context) error {
 	if err := checkLive("release", ctx); err != nil {
 		return err // nothing sent: the lease is still held

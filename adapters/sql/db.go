@@ -3,6 +3,7 @@ package sqlfence
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"strings"
@@ -98,6 +99,41 @@ type stdConn struct {
 // on wraps q, a handle on db's database, as db's dialect needs.
 func (db *DB) on(q stdQuerier) stdConn { return stdConn{q: q, inline: db.d == mysqlDialect} }
 
+// notSentError is the error of a statement that never left the client: no
+// connection could be had for it (the context ended while it waited for a
+// free one, the pool was closed, a dial failed). It is definite (see
+// ambiguous), and the cause stays in the chain.
+type notSentError struct{ err error }
+
+func (e *notSentError) Error() string {
+	return "sqlfence: not sent (no connection for it): " + e.err.Error()
+}
+
+func (e *notSentError) Unwrap() error { return e.err }
+
+// badConnTries bounds how often a statement on a *sql.DB is run again on
+// another connection after the driver refused it unsent (driver.ErrBadConn),
+// as database/sql itself would.
+const badConnTries = 3
+
+// onConn runs f on a connection taken from db for it, so that a failure to
+// get one is known to have sent nothing (notSentError); database/sql's own
+// methods report it as the bare context error that a statement cut short
+// while it ran returns too.
+func (s stdConn) onConn(ctx context.Context, db *sql.DB, f func(stdConn) error) error {
+	for i := 0; ; i++ {
+		c, err := db.Conn(ctx)
+		if err != nil {
+			return &notSentError{err}
+		}
+		err = f(stdConn{q: c, inline: s.inline})
+		_ = c.Close()
+		if !errors.Is(err, driver.ErrBadConn) || i+1 == badConnTries {
+			return err
+		}
+	}
+}
+
 func (s stdConn) exec(ctx context.Context, q string, args ...any) (int64, error) {
 	r, err := s.result(ctx, q, args)
 	if err != nil {
@@ -108,6 +144,13 @@ func (s stdConn) exec(ctx context.Context, q string, args ...any) (int64, error)
 
 // result runs q as an ExecContext (see runInline) and returns its result.
 func (s stdConn) result(ctx context.Context, q string, args []any) (r sql.Result, err error) {
+	if db, ok := s.q.(*sql.DB); ok {
+		err = s.onConn(ctx, db, func(c stdConn) (err error) {
+			r, err = c.result(ctx, q, args)
+			return err
+		})
+		return r, err
+	}
 	err = runInline(s.inline, q, args, func(q string, args []any) (err error) {
 		r, err = s.q.ExecContext(ctx, q, args...)
 		return err
@@ -116,6 +159,9 @@ func (s stdConn) result(ctx context.Context, q string, args []any) (r sql.Result
 }
 
 func (s stdConn) queryRow(ctx context.Context, q string, args []any, dest ...any) error {
+	if db, ok := s.q.(*sql.DB); ok {
+		return s.onConn(ctx, db, func(c stdConn) error { return c.queryRow(ctx, q, args, dest...) })
+	}
 	err := runInline(s.inline, q, args, func(q string, args []any) error {
 		return s.q.QueryRowContext(ctx, q, args...).Scan(dest...)
 	})
@@ -192,7 +238,7 @@ func (db *DB) inTx(ctx context.Context, f func(conn) error) error {
 	}
 	tx, err := db.sqlDB.BeginTx(ctx, nil)
 	if err != nil {
-		return err
+		return &notSentError{err} // no statement of f's was sent
 	}
 	if err := f(db.on(tx)); err != nil {
 		return errors.Join(err, tx.Rollback())

@@ -61,9 +61,11 @@
 // applied release; only when they cannot know after a few attempts do they
 // return fence.ErrUnknown (Acquire keeps trying until its context ends).
 // An error the server sent, an SQLite error, a connection that could not be
-// opened (a refused dial, pgconn's ConnectError), and a driver error for a
-// request that was not sent (database/sql retries driver.ErrBadConn on its
-// own) are reported as they are.
+// opened (a refused dial, pgconn's ConnectError), a call whose context ended
+// while it waited for a connection of the pool (its error matches the
+// context's), and a driver error for a request that was not sent
+// (driver.ErrBadConn, run again on another connection) are reported as they
+// are.
 //
 // # SQLite
 //

@@ -25,7 +25,9 @@ const maxAmbiguousRetries = 4
 // (EOF, a reset or closed connection, a timeout or cancellation while it
 // ran). An error the server sent (also a COMMIT answered with ROLLBACK,
 // pgx.ErrTxCommitRollback), an SQLite error (the database is in the
-// process), and an error the driver reports for a request it did not send
+// process), a statement that got no connection (notSentError: the context
+// ended while it waited for one of the pool), and an error the driver
+// reports for a request it did not send
 // (driver.ErrBadConn, which database/sql retries on its own; pgconn's
 // SafeToRetry; the MySQL driver's ErrPktTooLarge, checked before it writes
 // the packet) are definite. With notSent false, the drivers' "not sent"
@@ -39,8 +41,9 @@ func ambiguous(err error, notSent bool) bool {
 		me *mysql.MySQLError
 		se *sqlite.Error
 		ie *fence.InvalidError
+		ns *notSentError
 	)
-	if errors.As(err, &pe) || errors.As(err, &me) || errors.As(err, &se) || errors.As(err, &ie) ||
+	if errors.As(err, &pe) || errors.As(err, &me) || errors.As(err, &se) || errors.As(err, &ie) || errors.As(err, &ns) ||
 		errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, pgx.ErrTxCommitRollback) || notConnected(err) {
 		return false
 	}
@@ -62,7 +65,7 @@ func unknownIfAmbiguous(err error, notSent bool) error {
 // definite, but the context's error, returned when the context ended while the
 // statement ran, may come after the statement committed.
 func (db *DB) unknown(err error) error {
-	if db.d == sqliteDialect {
+	if db.d == sqliteDialect && !notSent(err) {
 		if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 			// The driver reports the context's end even when the statement
 			// committed before it noticed (the review's Bump, Release and
@@ -86,4 +89,10 @@ func notConnected(err error) bool {
 		oe *net.OpError
 	)
 	return errors.As(err, &ce) || (errors.As(err, &oe) && oe.Op == "dial")
+}
+
+// notSent reports a statement that got no connection (notSentError).
+func notSent(err error) bool {
+	var ns *notSentError
+	return errors.As(err, &ns)
 }

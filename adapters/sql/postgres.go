@@ -82,6 +82,14 @@ type PgxQuerier interface {
 // waiters then wake on LISTEN/NOTIFY), a *pgx.Conn, or a pgx.Tx (every statement
 // then runs inside that transaction).
 //
+// On a pool, while any Acquire waits, the *DB listens on one connection of
+// its own, opened with the pool's configuration outside the pool (one more
+// server session per *DB, not counted in MaxConns): waiting never takes a
+// pool connection from a holder's Renew or Release or a Write, whatever the
+// pool's size. A statement whose context ends while it waits for a pool
+// connection was not sent, and its error is the context's, never
+// fence.ErrUnknown.
+//
 // A nil q gives a *DB whose every use returns an error matching fence.ErrInvalid.
 func Pgx(q PgxQuerier) *DB {
 	db := &DB{c: pgxConn{q}, d: postgresDialect, nilHandle: isNilPgx(q)}
@@ -96,15 +104,16 @@ func Pgx(q PgxQuerier) *DB {
 		db.ownTx = func() bool { return h.PgConn().TxStatus() == 'I' }
 	}
 	if p, ok := q.(*pgxpool.Pool); ok {
-		db.listen = newListener(func(ctx context.Context, f func(*pgx.Conn) error) error {
-			return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error { return f(c.Conn()) })
-		})
+		db.listen = newListener(poolConn(p))
 	}
 	return db
 }
 
 // Postgres wraps a database/sql handle on PostgreSQL opened with the "pgx" driver
-// of github.com/jackc/pgx/v5/stdlib. Waiters wake on LISTEN/NOTIFY.
+// of github.com/jackc/pgx/v5/stdlib. Waiters wake on LISTEN/NOTIFY, on one
+// connection of the *DB's own opened with the configuration of db's
+// connections, outside db's pool (not counted in SetMaxOpenConns), as [Pgx]
+// does on a pool.
 //
 // A nil db gives a *DB whose every use returns an error matching fence.ErrInvalid.
 func Postgres(db *sql.DB) *DB {
@@ -129,7 +138,26 @@ func isNilPgx(q PgxQuerier) bool {
 
 type pgxConn struct{ q PgxQuerier }
 
+// onPoolConn runs f on a connection acquired from pool for it, so that a
+// failure to acquire one is known to have sent nothing (notSentError).
+func onPoolConn(ctx context.Context, pool *pgxpool.Pool, f func(pgxConn) error) error {
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return &notSentError{err}
+	}
+	defer c.Release()
+	return f(pgxConn{c})
+}
+
 func (p pgxConn) exec(ctx context.Context, q string, args ...any) (int64, error) {
+	if pool, ok := p.q.(*pgxpool.Pool); ok {
+		var n int64
+		err := onPoolConn(ctx, pool, func(c pgxConn) (err error) {
+			n, err = c.exec(ctx, q, args...)
+			return err
+		})
+		return n, err
+	}
 	tag, err := p.q.Exec(ctx, q, args...)
 	if err != nil {
 		return 0, err
@@ -138,6 +166,9 @@ func (p pgxConn) exec(ctx context.Context, q string, args ...any) (int64, error)
 }
 
 func (p pgxConn) queryRow(ctx context.Context, q string, args []any, dest ...any) error {
+	if pool, ok := p.q.(*pgxpool.Pool); ok {
+		return onPoolConn(ctx, pool, func(c pgxConn) error { return c.queryRow(ctx, q, args, dest...) })
+	}
 	err := p.q.QueryRow(ctx, q, args...).Scan(dest...)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return errNoRows
