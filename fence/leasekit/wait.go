@@ -9,18 +9,16 @@ import (
 	"github.com/fencekit/fencekit/fence"
 )
 
-// CheckBackoff returns a *fence.InvalidError, for op, when a field of b is
-// negative.
+// CheckBackoff returns b.Validate's *fence.InvalidError, for op, naming the
+// field of b that is not valid. Call it in every constructor whose options
+// hold a fence.Backoff.
 func CheckBackoff(op string, b fence.Backoff) error {
-	for _, f := range []struct {
-		name string
-		d    time.Duration
-	}{{"Backoff.Min", b.Min}, {"Backoff.Max", b.Max}, {"Backoff.MaxWait", b.MaxWait}} {
-		if f.d < 0 {
-			return &fence.InvalidError{Op: op, Arg: f.name, Reason: fmt.Sprintf("%v is negative", f.d)}
-		}
+	err := b.Validate()
+	var ie *fence.InvalidError
+	if errors.As(err, &ie) {
+		return &fence.InvalidError{Op: op, Arg: ie.Arg, Reason: ie.Reason}
 	}
-	return nil
+	return err
 }
 
 // Acquire is the waiting loop that acquirers share, paced by b. It calls try
