@@ -259,8 +259,9 @@ func (s WriterSuite) testLostReplyDelete(t *testing.T, w fence.FencedWriter, p *
 	expectStale(t, check.Write(ctxT(t), key, []byte("zombie"), 5), key, 5, 6)
 }
 
-// testLostReplyRenewThenRenew (HAZARDS 3): a Renew's reply is lost, the
-// holder waits half a ttl and renews again. Whatever the second Renew
+// testLostReplyRenewThenRenew (HAZARDS 3): a Renew's reply is lost (and the
+// backend unreachable for the rest of that call), the holder waits half a ttl
+// and renews again. Whatever the second Renew
 // returns, the lease's context must end no later than the backend's expiry
 // counted from the earliest send that may have renewed it (the first Renew's,
 // when the second only recognises the first one's effect): another acquirer,
@@ -272,10 +273,17 @@ func (s AcquirerSuite) testLostReplyRenewThenRenew(t *testing.T, a fence.Acquire
 	name := Name("lostrenew2")
 	l := mustTry(t, a, name, ttl)
 	defer func() { _ = l.Release(context.Background()) }()
+	// The reply is lost and the connection cut; new connections are refused
+	// for a quarter of the ttl, so that a client that sends the Renew again
+	// on its own cannot settle it within this call.
 	fired := armLoseReply(t, p)
+	p.Refuse(true)
 	sent := time.Now()
-	err := l.Renew(ctxT(t))
+	ctx, cancel := context.WithTimeout(ctxT(t), ttl/4)
+	err := l.Renew(ctx)
+	cancel()
 	fired()
+	p.Refuse(false)
 	switch {
 	case err == nil, errors.Is(err, fence.ErrUnknown):
 		t.Logf("Renew with a lost reply: %v", err)
