@@ -2,6 +2,7 @@ package fence
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"time"
 )
@@ -40,17 +41,36 @@ func (b Backoff) WithDefaults() Backoff {
 	return b
 }
 
-// Delay returns the pause before retry number attempt (0-based): a uniformly random
-// duration in [0, min(Max, Min*2^attempt)] ("full jitter").
+// Validate returns an *InvalidError (matching ErrInvalid) naming the first
+// negative field of b. Every other Backoff, up to math.MaxInt64 in each
+// field, is valid: Delay and Sleep cannot overflow.
+func (b Backoff) Validate() error {
+	for _, f := range []struct {
+		name string
+		d    time.Duration
+	}{{"Backoff.Min", b.Min}, {"Backoff.Max", b.Max}, {"Backoff.MaxWait", b.MaxWait}} {
+		if f.d < 0 {
+			return &InvalidError{Op: "backoff", Arg: f.name, Reason: fmt.Sprintf("%v is negative", f.d)}
+		}
+	}
+	return nil
+}
+
+// Delay returns the pause before retry number attempt (0-based; a negative
+// attempt counts as 0): a uniformly random duration in
+// [0, min(Max, Min*2^attempt)] ("full jitter"), without overflow for any
+// field up to math.MaxInt64.
 func (b Backoff) Delay(attempt int) time.Duration {
 	b = b.WithDefaults()
 	ceil := b.Max
-	if attempt < 30 {
-		if d := b.Min << attempt; d > 0 && d < ceil {
-			ceil = d
-		}
+	attempt = max(attempt, 0)
+	// Min<<attempt <= ceil exactly when Min <= ceil>>attempt: shifting ceil
+	// down cannot overflow, shifting Min up can.
+	if attempt < 63 && b.Min <= ceil>>attempt {
+		ceil = b.Min << attempt
 	}
-	return rand.N(ceil + 1)
+	// ceil+1 overflows for math.MaxInt64; as a uint64 it does not.
+	return time.Duration(rand.Uint64N(uint64(ceil) + 1))
 }
 
 // Sleep waits Delay(attempt), or until ctx is done: then it returns ctx's

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -20,12 +22,14 @@ const releaseTimeout = 5 * time.Second
 // drift margin over a third of the ttl), never less than ttl/12 apart. The context passed to work is
 // cancelled, with cause ErrLost, as soon as a renewal returns ErrLost or the lease's
 // local deadline passes without a confirmed renewal; transient renewal errors are
-// retried until then. It is also cancelled when ctx is.
+// retried until then. It is also cancelled when ctx is. The renewals stop
+// when work returns or panics, before the release, whatever Release returns.
 //
 // Hold returns the error of Acquire if the lease was never granted. Otherwise it
-// returns work's error, joined with an error matching ErrLost when the lease was
+// returns work's error, joined with an error matching ErrLost when this lease was
 // lost while work ran (or Release found it already lost), and with any other
-// Release error. Work should pass l.Token() to every fenced write: Hold cannot
+// Release error. A ctx cancelled with cause ErrLost (an outer Hold's lease
+// lost) cancels work but does not make this lease's result ErrLost. Work should pass l.Token() to every fenced write: Hold cannot
 // stop a process that pauses between checking ctx and writing, the fence can.
 func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work func(ctx context.Context, l Lease) error) error {
 	if err := checkContext("hold", ctx); err != nil {
@@ -47,21 +51,34 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 
 	workCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	stopLoss := context.AfterFunc(l.Context(), func() { cancel(lostError(l)) })
+	// ownLost records the loss of this lease alone: a ctx that ended with
+	// ErrLost as its cause (an outer Hold's lease lost) says nothing of it.
+	var ownLost atomic.Bool
+	markLost := func() {
+		ownLost.Store(true)
+		cancel(lostError(l))
+	}
+	stopLoss := context.AfterFunc(l.Context(), markLost)
 
 	done := make(chan struct{})
 	watchdog := make(chan struct{})
 	go func() {
 		defer close(watchdog)
-		renewLoop(ctx, l, ttl, done, cancel)
+		renewLoop(ctx, l, ttl, done, markLost)
 	}()
+	// The renewals stop when work returns or panics, before the release, so
+	// a release that fails cannot leave them running.
+	stopRenewals := sync.OnceFunc(func() {
+		close(done)
+		<-watchdog
+		stopLoss()
+	})
+	defer stopRenewals()
 
-	workErr := runWork(workCtx, l, work)
-	close(done)
-	<-watchdog
-	stopLoss()
+	workErr := runWork(workCtx, l, work, stopRenewals)
+	stopRenewals()
 
-	lost := errors.Is(context.Cause(workCtx), ErrLost)
+	lost := ownLost.Load()
 	rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 	relErr := l.Release(rctx)
 	rcancel()
@@ -79,11 +96,12 @@ func lostError(l Lease) error {
 	return fmt.Errorf("fence: lease %q (token %d): %w", l.Name(), l.Token(), ErrLost)
 }
 
-// runWork calls work and turns a panic into an error after the lease is released
-// by the caller; the panic is re-raised so that it is not swallowed.
-func runWork(ctx context.Context, l Lease, work func(context.Context, Lease) error) (err error) {
+// runWork calls work. When work panics, it stops the renewals, releases the
+// lease and re-raises the panic, so that it is not swallowed.
+func runWork(ctx context.Context, l Lease, work func(context.Context, Lease) error, stopRenewals func()) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
+			stopRenewals()
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 			_ = l.Release(rctx)
 			cancel()
@@ -141,7 +159,7 @@ func nextRenewal(l Lease, interval, retry time.Duration) time.Duration {
 // renewLoop renews l every ttl/3 until done is closed or the lease ends. A renewal
 // that fails with a transient error is retried sooner; the lease's own local
 // deadline ends it if no renewal is confirmed in time.
-func renewLoop(ctx context.Context, l Lease, ttl time.Duration, done <-chan struct{}, cancel context.CancelCauseFunc) {
+func renewLoop(ctx context.Context, l Lease, ttl time.Duration, done <-chan struct{}, lost func()) {
 	interval := ttl / 3
 	if interval <= 0 {
 		interval = ttl
@@ -178,7 +196,7 @@ func renewLoop(ctx context.Context, l Lease, ttl time.Duration, done <-chan stru
 		case err == nil:
 			timer.Reset(nextRenewal(l, interval, retry))
 		case errors.Is(err, ErrLost):
-			cancel(lostError(l))
+			lost()
 			return
 		default:
 			timer.Reset(retry)

@@ -56,6 +56,8 @@ type faulty struct {
 	renewed   atomic.Int32
 	renewLost atomic.Int32
 	releases  atomic.Int32
+	// releaseErr, when set, is what Release returns, without releasing.
+	releaseErr error
 	// lateBy holds back Acquire's answer after the grant, as a reply that
 	// came back late would.
 	lateBy time.Duration
@@ -98,6 +100,9 @@ func (l *faultyLease) Renew(ctx context.Context) error {
 
 func (l *faultyLease) Release(ctx context.Context) error {
 	l.f.releases.Add(1)
+	if l.f.releaseErr != nil {
+		return l.f.releaseErr
+	}
 	return l.Lease.Release(ctx)
 }
 

@@ -118,6 +118,9 @@ func NewRedlock(nodes []Client, opts *RedlockOptions) (*Redlock, error) {
 	if o.Drift < 0 || o.NodeTimeout < 0 {
 		return nil, &fence.InvalidError{Op: "new redlock", Arg: "options", Reason: "Drift and NodeTimeout may not be negative"}
 	}
+	if err := leasekit.CheckBackoff("new redlock", o.Backoff); err != nil {
+		return nil, err
+	}
 	return &Redlock{nodes: nodes, quorum: len(nodes)/2 + 1, o: o}, nil
 }
 

@@ -168,9 +168,11 @@ func (s AcquirerSuite) Run(t *testing.T) {
 		{"NoGrantWhileHolderContextLive", s.testNoGrantWhileLive},
 		{"TokensExhausted", s.testTokensExhausted},
 		{"TokensSurviveDeletedState", s.testDeletedState},
+		{"RenewLostAfterDeletedState", s.testRenewAfterDeletedState},
 		{"LostReplyTryAcquire", s.lostReply(s.testLostReplyGrant(false))},
 		{"LostReplyAcquire", s.lostReply(s.testLostReplyGrant(true))},
 		{"LostReplyRenew", s.lostReply(s.testLostReplyRenew)},
+		{"LostReplyRenewThenRenew", s.lostReply(s.testLostReplyRenewThenRenew)},
 		{"LostReplyRelease", s.lostReply(s.testLostReplyRelease)},
 	}
 	if only := os.Getenv(CasesEnv); only != "" {

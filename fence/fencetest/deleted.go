@@ -112,3 +112,41 @@ func (s AcquirerSuite) testDeletedState(t *testing.T) {
 	l, err = a.TryAcquire(ctxT(t), name, longTTL)
 	deletedGrant(t, "TryAcquire", l, err, top, "after a deletion while nobody held the name")
 }
+
+// testRenewAfterDeletedState (HAZARDS 1 and 3): A holds the name, its
+// state is deleted behind the acquirers' backs, and B is granted it with a
+// short lease. A's Renew must return ErrLost: the name is B's. A Renew that
+// checks the lease's expiry but not its holder finds B's live lease, extends
+// it by A's ttl and returns nil, and A goes on believing it holds the name.
+// Nor may A's Renew extend B's lease: once B's lease has run out unrenewed,
+// a third client is granted the name.
+func (s AcquirerSuite) testRenewAfterDeletedState(t *testing.T) {
+	if s.DeleteState == nil {
+		t.Skip("fencetest: the harness has no DeleteState: a Renew after the name's state is deleted is not tested")
+	}
+	a, b := s.New(t), s.NewOther(t)
+	name := Name("delrenew")
+	la := mustTry(t, a, name, longTTL)
+	defer func() { _ = la.Release(context.Background()) }()
+	s.DeleteState(t, name)
+	l, err := b.TryAcquire(ctxT(t), name, s.ShortTTL)
+	lb := deletedGrant(t, "TryAcquire", l, err, la.Token(), "after the state was deleted under A's lease")
+	if lb == nil {
+		return
+	}
+	granted := time.Now()
+	if err := la.Renew(ctxT(t)); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("A's Renew (token %d) after its state was deleted and B was granted token %d: %v, want ErrLost", la.Token(), lb.Token(), err)
+	}
+	if err := la.Context().Err(); err == nil {
+		t.Errorf("A's context is live after its state was deleted and B was granted the name")
+	}
+	// B does not renew: its lease ends on the backend by pastExpiry, unless
+	// A's Renew extended it.
+	time.Sleep(time.Until(s.pastExpiry(granted)))
+	lc, err := s.NewOther(t).TryAcquire(ctxT(t), name, longTTL)
+	if err != nil {
+		t.Fatalf("%v after B was granted a %v lease that nobody renewed, a third client got %v, want a grant: A's Renew extended B's lease", time.Since(granted), s.ShortTTL, err)
+	}
+	release(t, lc)
+}

@@ -258,3 +258,74 @@ func (s WriterSuite) testLostReplyDelete(t *testing.T, w fence.FencedWriter, p *
 	}
 	expectStale(t, check.Write(ctxT(t), key, []byte("zombie"), 5), key, 5, 6)
 }
+
+// testLostReplyRenewThenRenew (HAZARDS 3): a Renew's reply is lost (and the
+// backend unreachable for the rest of that call), the holder waits half a ttl
+// and renews again. Whatever the second Renew
+// returns, the lease's context must end no later than the backend's expiry
+// counted from the earliest send that may have renewed it (the first Renew's,
+// when the second only recognises the first one's effect): another acquirer,
+// polling from the second Renew on, is never granted the name while the
+// lease's context is live. A backend that counts the local deadline from the
+// second Renew's send lets the two overlap for up to half a ttl.
+func (s AcquirerSuite) testLostReplyRenewThenRenew(t *testing.T, a fence.Acquirer, p *faultnet.Proxy) {
+	ttl := s.renewTTL()
+	name := Name("lostrenew2")
+	l := mustTry(t, a, name, ttl)
+	defer func() { _ = l.Release(context.Background()) }()
+	// The reply is lost and the connection cut; new connections are refused
+	// for a quarter of the ttl, so that a client that sends the Renew again
+	// on its own cannot settle it within this call.
+	fired := armLoseReply(t, p)
+	p.Refuse(true)
+	sent := time.Now()
+	ctx, cancel := context.WithTimeout(ctxT(t), ttl/4)
+	err := l.Renew(ctx)
+	cancel()
+	fired()
+	p.Refuse(false)
+	switch {
+	case err == nil, errors.Is(err, fence.ErrUnknown):
+		t.Logf("Renew with a lost reply: %v", err)
+	case errors.Is(err, fence.ErrLost):
+		t.Logf("Renew with a lost reply: %v: nothing more to check", err)
+		return
+	default:
+		t.Fatalf("Renew with a lost reply: err = %v, want nil, ErrLost or ErrUnknown (not a bare transport error)", err)
+	}
+	// A good part of the ttl, so that a deadline counted from the next
+	// send rather than this one outlasts the backend's expiry by as much.
+	time.Sleep(time.Until(sent.Add(ttl / 2)))
+	sent2 := time.Now()
+	err = l.Renew(ctxT(t))
+	t.Logf("the next Renew, %v after the lost one: %v", sent2.Sub(sent), err)
+	if err != nil && !errors.Is(err, fence.ErrLost) && !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("the next Renew: err = %v, want nil, ErrLost or ErrUnknown (not a bare transport error)", err)
+	}
+	b := s.NewOther(t)
+	giveUp := sent2.Add(ttl + 10*time.Second + s.ExpiryLag)
+	for l.Context().Err() == nil {
+		if time.Now().After(giveUp) {
+			t.Fatalf("the context of a %v lease is not done %v after its last Renew was sent", ttl, time.Since(sent2))
+		}
+		lb, err := b.TryAcquire(ctxT(t), name, longTTL)
+		// ErrLost: a grant confirmed after its own local deadline and
+		// given back; still a grant, made no later than now.
+		if late := errors.Is(err, fence.ErrLost); err == nil || late {
+			// The lease's Context().Err() reads the clock: live now means
+			// its holder still believes it holds the name.
+			live := l.Context().Err() == nil
+			if !late {
+				_ = lb.Release(context.Background())
+			}
+			if live {
+				t.Fatalf("another acquirer was granted %q (%s) %v after the lost Renew was sent and %v after the next one, while the holder's context was live: the local deadline counts from a later send than the one that renewed the lease on the backend", name, grantOf(lb, err), time.Since(sent), time.Since(sent2))
+			}
+			return
+		}
+		if !errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("TryAcquire while the lease is held: %v, want ErrHeld", err)
+		}
+		time.Sleep(max(2*time.Millisecond, ttl/200)) // paces the polling; not a synchronisation
+	}
+}

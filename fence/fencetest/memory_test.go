@@ -15,6 +15,7 @@ import (
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
@@ -31,6 +32,8 @@ var mutants = []struct {
 	name, suite, kill, what string
 }{
 	{"renew-no-token", "Acquirer", "StaleRenewKeepsNewHolder", "Renew checks the expiry but not the holder's token"},
+	{"renew-no-holder", "Acquirer", "RenewLostAfterDeletedState", "Renew checks the expiry but not the holder's token, sent only while the lease is live"},
+	{"renew-recognised-late", "Acquirer", "LostReplyRenewThenRenew", "a Renew after one whose reply was lost finds the lease still its own and counts the local deadline from its own send, not the lost one's"},
 	{"late-renew", "Acquirer", "LateRenewHoldsNothing", "Renew is sent after the lease's local deadline and extends it on the server"},
 	{"ttl-round-down", "Acquirer", "NoGrantWhileHolderContextLive", "the server keeps a lease for 2/3 of its ttl (600ms becomes 400ms)"},
 	{"late-after-deadline", "Acquirer", "AcquireGivesUpAtDeadline", "Acquire sleeps between tries until 500ms past its deadline"},
@@ -164,7 +167,7 @@ func (s *memServer) extend(name string, tok fence.Token, ttl time.Duration) bool
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	l, now := s.lock(name), s.now()
-	if !now.Before(l.expires) || (l.holder != tok && s.bug != "renew-no-token") {
+	if !now.Before(l.expires) || (l.holder != tok && s.bug != "renew-no-token" && s.bug != "renew-no-holder") {
 		return false
 	}
 	if ttl == 0 {
@@ -185,15 +188,20 @@ func (s *memServer) setCounter(name string, tok fence.Token) {
 	l.counter, l.holder = tok, 0
 }
 
-// memAcquirer is a fence.Acquirer on memServer and leasekit.
+// memAcquirer is a fence.Acquirer on memServer and leasekit: it calls the
+// server directly, or through via (over TCP, for the Faulty harness).
 type memAcquirer struct {
 	s       *memServer
+	via     *memClient
 	maxWait time.Duration
 }
 
 type memLease struct {
 	*leasekit.Base
-	s *memServer
+	s   *memServer
+	via *memClient
+	// unknown: the last Renew's outcome is unknown (its reply was lost).
+	unknown bool
 }
 
 func (a memAcquirer) check(ctx context.Context, name string, ttl time.Duration) error {
@@ -211,7 +219,7 @@ func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Durat
 	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	l, err := a.try(name, ttl)
+	l, err := a.try(ctx, name, ttl)
 	if errors.Is(err, fence.ErrHeld) && a.s.bug == "try-waits" {
 		time.Sleep(time.Second)
 	}
@@ -221,16 +229,24 @@ func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Durat
 	return l, err
 }
 
-func (a memAcquirer) try(name string, ttl time.Duration) (fence.Lease, error) {
+func (a memAcquirer) try(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	sent := time.Now() // before the request: the local deadline counts from here
-	tok, err := a.s.grant(name, ttl)
+	var (
+		tok fence.Token
+		err error
+	)
+	if a.via != nil {
+		tok, err = a.via.grant(ctx, name, ttl)
+	} else {
+		tok, err = a.s.grant(name, ttl)
+	}
 	if err != nil {
 		return nil, err
 	}
 	// A wide drift margin (a quarter of the ttl) keeps the lease live on the
 	// server for a while after its local deadline, so a Renew sent late
 	// (the late-renew mutant) always lands inside that window.
-	return &memLease{Base: leasekit.New(name, tok, ttl, ttl/4, sent), s: a.s}, nil
+	return &memLease{Base: leasekit.New(name, tok, ttl, ttl/4, sent), s: a.s, via: a.via}, nil
 }
 
 // Acquire waits for name until ctx is done or the maximum wait passed.
@@ -241,7 +257,7 @@ func (a memAcquirer) Acquire(ctx context.Context, name string, ttl time.Duration
 	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	try := func(context.Context) (fence.Lease, error) { return a.try(name, ttl) }
+	try := func(ctx context.Context) (fence.Lease, error) { return a.try(ctx, name, ttl) }
 	if err := ctx.Err(); err != nil && a.s.bug == "done-ctx-bare" {
 		return nil, fmt.Errorf("mem: acquire %q: %w", name, err)
 	}
@@ -294,7 +310,25 @@ func (l *memLease) extend(op string, ctx context.Context, ttl time.Duration) err
 		return fence.ErrLost
 	}
 	sent := time.Now()
-	ok := l.s.extend(l.Name(), l.Token(), ttl)
+	var ok bool
+	if l.via == nil {
+		ok = l.s.extend(l.Name(), l.Token(), ttl)
+	} else {
+		recognised, err := l.recognise(ctx, ttl)
+		if recognised {
+			return err
+		}
+		ok, err = l.via.extend(ctx, l.Name(), l.Token(), ttl)
+		if err != nil {
+			if ttl == 0 {
+				l.End(context.Canceled)
+			} else {
+				l.unknown = true
+			}
+			return fmt.Errorf("mem: %s %q: %w: %v", op, l.Name(), fence.ErrUnknown, err)
+		}
+		l.unknown = false
+	}
 	switch {
 	case ttl == 0:
 		l.End(context.Canceled)
@@ -307,6 +341,26 @@ func (l *memLease) extend(op string, ctx context.Context, ttl time.Duration) err
 		return fence.ErrLost
 	}
 	return nil
+}
+
+// recognise is the renew-recognised-late mutant's Renew after one whose reply
+// was lost: it asks whether the lease is still its own on the server and, if
+// so, takes the lost Renew as done, counting the local deadline from its own
+// send (the lost one's was earlier). The correct lease renews again instead.
+func (l *memLease) recognise(ctx context.Context, ttl time.Duration) (bool, error) {
+	if l.s.bug != "renew-recognised-late" || ttl == 0 || !l.unknown {
+		return false, nil
+	}
+	sent := time.Now()
+	held, err := l.via.holds(ctx, l.Name(), l.Token())
+	if err != nil || !held {
+		return false, nil
+	}
+	l.unknown = false
+	if !l.Extend(sent) {
+		return true, fence.ErrLost
+	}
+	return true, nil
 }
 
 // memWriter is a fence.FencedWriter with Read and Delete on memServer.
@@ -411,6 +465,10 @@ func TestMemoryAcquirer(t *testing.T) {
 		RenewTTL:    3 * time.Second,
 		SetCounter:  func(_ *testing.T, name string, tok fence.Token) { srv.setCounter(name, tok) },
 		DeleteState: func(_ *testing.T, name string) { srv.deleteState(name) },
+		Faulty: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
+			p := faultnet.Start(t, serveMem(t, srv))
+			return memAcquirer{s: srv, via: &memClient{addr: p.Addr()}, maxWait: 3 * time.Second}, p
+		},
 	}.Run(t)
 }
 

@@ -9,18 +9,16 @@ import (
 	"github.com/fencekit/fencekit/fence"
 )
 
-// CheckBackoff returns a *fence.InvalidError, for op, when a field of b is
-// negative.
+// CheckBackoff returns b.Validate's *fence.InvalidError, for op, naming the
+// field of b that is not valid. Call it in every constructor whose options
+// hold a fence.Backoff.
 func CheckBackoff(op string, b fence.Backoff) error {
-	for _, f := range []struct {
-		name string
-		d    time.Duration
-	}{{"Backoff.Min", b.Min}, {"Backoff.Max", b.Max}, {"Backoff.MaxWait", b.MaxWait}} {
-		if f.d < 0 {
-			return &fence.InvalidError{Op: op, Arg: f.name, Reason: fmt.Sprintf("%v is negative", f.d)}
-		}
+	err := b.Validate()
+	var ie *fence.InvalidError
+	if errors.As(err, &ie) {
+		return &fence.InvalidError{Op: op, Arg: ie.Arg, Reason: ie.Reason}
 	}
-	return nil
+	return err
 }
 
 // Acquire is the waiting loop that acquirers share, paced by b. It calls try
@@ -28,7 +26,8 @@ func CheckBackoff(op string, b fence.Backoff) error {
 // Between calls it sleeps for b.Delay(attempt), or less when wake receives (a
 // release notification; wake may be nil). It gives up at ctx's deadline, or
 // after b.MaxWait when ctx has none, with an error matching fence.ErrHeld and
-// the context error. A ctx already done gives up before the first call, so
+// the context error; or, when a try's error matched fence.ErrUnknown (a grant
+// that may have landed), with that error joined with the context error. A ctx already done gives up before the first call, so
 // check the name and ttl before calling Acquire: bad input must be
 // fence.ErrInvalid whatever the context (the suite's BadInput case checks).
 func Acquire(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(context.Context) (fence.Lease, error)) (fence.Lease, error) {
@@ -64,15 +63,27 @@ func loop(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(c
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
+	// unknown is the first try's error that matched fence.ErrUnknown: that
+	// grant may have landed, and no later refusal tells that it did not.
+	var unknown error
+	gaveUp := func() error {
+		if unknown != nil {
+			return errors.Join(unknown, context.Cause(ctx))
+		}
+		return errors.Join(fence.ErrHeld, context.Cause(ctx))
+	}
 	for attempt := 0; ; attempt++ {
 		if tryFirst || attempt > 0 {
 			l, err := try(ctx)
 			if err == nil {
 				return l, nil
 			}
+			if unknown == nil && errors.Is(err, fence.ErrUnknown) {
+				unknown = err
+			}
 			if !errors.Is(err, fence.ErrHeld) {
 				if ctx.Err() != nil {
-					return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
+					return nil, gaveUp()
 				}
 				return nil, err
 			}
@@ -80,7 +91,7 @@ func loop(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(c
 		timer.Reset(b.Delay(attempt))
 		select {
 		case <-ctx.Done():
-			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
+			return nil, gaveUp()
 		case <-wake:
 			timer.Stop()
 		case <-timer.C:

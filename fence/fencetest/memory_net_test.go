@@ -1,0 +1,204 @@
+package fencetest_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+// The in-memory server over TCP, one request line and one reply line at a
+// time, so that a faultnet proxy between it and a memClient can lose a reply
+// (the AcquirerSuite's Faulty harness). Requests:
+//
+//	G <name> <ttl>        grant:   OK <token> | HELD | EXHAUSTED
+//	E <name> <token> <ttl> extend (ttl 0: release): OK | NO
+//	H <name>              holder:  <token> <1 if live, else 0>
+//
+// Names travel hex-encoded, durations in nanoseconds.
+
+// serveMem serves s on a loopback port until t ends and returns its address.
+func serveMem(t *testing.T, s *memServer) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		conns []net.Conn
+	)
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				sc := bufio.NewScanner(c)
+				for sc.Scan() {
+					if _, err := fmt.Fprintln(c, s.answer(sc.Text())); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// answer runs one request line on s.
+func (s *memServer) answer(req string) string {
+	f := strings.Fields(req)
+	if len(f) < 2 {
+		return "ERR malformed"
+	}
+	nb, err := hex.DecodeString(f[1])
+	if err != nil {
+		return "ERR name"
+	}
+	name := string(nb)
+	num := func(i int) int64 {
+		if i >= len(f) {
+			return -1
+		}
+		n, err := strconv.ParseInt(f[i], 10, 64)
+		if err != nil {
+			return -1
+		}
+		return n
+	}
+	switch f[0] {
+	case "G":
+		tok, err := s.grant(name, time.Duration(num(2)))
+		switch {
+		case err == nil:
+			return "OK " + strconv.FormatUint(uint64(tok), 10)
+		case errors.Is(err, fence.ErrHeld):
+			return "HELD"
+		case errors.Is(err, fence.ErrTokensExhausted):
+			return "EXHAUSTED"
+		}
+		return "ERR " + err.Error()
+	case "E":
+		if s.extend(name, fence.Token(num(2)), time.Duration(num(3))) {
+			return "OK"
+		}
+		return "NO"
+	case "H":
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		l := s.lock(name)
+		live := 0
+		if l.holder != 0 && s.now().Before(l.expires) {
+			live = 1
+		}
+		return fmt.Sprintf("%d %d", l.holder, live)
+	}
+	return "ERR unknown request"
+}
+
+// memClient reaches a memServer over TCP, on one connection that it dials
+// again after an error.
+type memClient struct {
+	addr string
+
+	mu   sync.Mutex
+	conn net.Conn
+	r    *bufio.Reader
+}
+
+// call sends one request line and returns the reply line. An error means the
+// request may have been acted on.
+func (c *memClient) call(ctx context.Context, format string, args ...any) (string, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.conn == nil {
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, "tcp", c.addr)
+		if err != nil {
+			return "", err
+		}
+		c.conn, c.r = conn, bufio.NewReader(conn)
+	}
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		deadline = time.Now().Add(10 * time.Second)
+	}
+	_ = c.conn.SetDeadline(deadline)
+	line, err := func() (string, error) {
+		if _, err := fmt.Fprintf(c.conn, format+"\n", args...); err != nil {
+			return "", err
+		}
+		return c.r.ReadString('\n')
+	}()
+	if err != nil {
+		c.conn.Close()
+		c.conn = nil
+		return "", err
+	}
+	return strings.TrimSpace(line), nil
+}
+
+func (c *memClient) grant(ctx context.Context, name string, ttl time.Duration) (fence.Token, error) {
+	r, err := c.call(ctx, "G %x %d", name, int64(ttl))
+	switch {
+	case err != nil:
+		return 0, fmt.Errorf("mem: acquire %q: %w: %v", name, fence.ErrUnknown, err)
+	case r == "HELD":
+		return 0, fence.ErrHeld
+	case r == "EXHAUSTED":
+		return 0, fmt.Errorf("mem: acquire %q: %w", name, fence.ErrTokensExhausted)
+	case strings.HasPrefix(r, "OK "):
+		tok, err := strconv.ParseUint(strings.TrimPrefix(r, "OK "), 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("mem: acquire %q: reply %q", name, r)
+		}
+		return fence.Token(tok), nil
+	}
+	return 0, fmt.Errorf("mem: acquire %q: reply %q", name, r)
+}
+
+func (c *memClient) extend(ctx context.Context, name string, tok fence.Token, ttl time.Duration) (bool, error) {
+	r, err := c.call(ctx, "E %x %d %d", name, uint64(tok), int64(ttl))
+	if err != nil {
+		return false, err
+	}
+	return r == "OK", nil
+}
+
+// holds reports whether tok holds name, live, on the server.
+func (c *memClient) holds(ctx context.Context, name string, tok fence.Token) (bool, error) {
+	r, err := c.call(ctx, "H %x", name)
+	if err != nil {
+		return false, err
+	}
+	return r == fmt.Sprintf("%d 1", uint64(tok)), nil
+}
