@@ -423,6 +423,12 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 //   - The line itself expires an hour after the last poll of any waiter (so
 //     only when every waiter stopped polling); a waiter whose line expired
 //     joins the new one at the end.
+//   - The line needs the Redis user's ACL to allow the channels
+//     Prefix+"grant:*" (new Redis 7 users have none). When Redis refuses the
+//     subscription (NOPERM), the waiter does not queue and polls, paced by
+//     Backoff, as with DisableNotify (no order); a wait that ends says so in
+//     its error. A release by such a user cannot tell a waiter in line of
+//     another user, which finds its grant at its next poll.
 //
 // A network error while waiting (a lost reply, a failed dial) does not end
 // the wait: the next poll, with the same nonce, adopts a grant a lost request
@@ -443,7 +449,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		return leasekit.Acquire(ctx, a.o.Backoff, nil, try)
 	}
 	nonce := newNonce()
-	w, ready := a.grants.join(nonce)
+	w, sub := a.grants.join(nonce)
 	ch := w.grant
 	defer a.grants.leave(nonce)
 	if _, ok := ctx.Deadline(); !ok {
@@ -453,11 +459,13 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 			fmt.Errorf("redislua: gave up after the maximum wait %v: %w", maxWait, context.DeadlineExceeded))
 		defer cancel()
 	}
+	tried := false
 	select {
-	case <-ready:
+	case <-sub.ready:
 	default:
 		// Not yet listening for grants: try once meanwhile, then wait for the
 		// subscription, since a grant published before it would be missed.
+		tried = true
 		if l, err := try(ctx); err == nil || !errors.Is(err, fence.ErrHeld) {
 			if errors.Is(err, ErrNotRun) {
 				// Redis did not run the try before ctx ended: a wait that ran out.
@@ -466,10 +474,23 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 			return l, err
 		}
 		select {
-		case <-ready:
+		case <-sub.ready:
 		case <-ctx.Done():
 			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
 		}
+	}
+	if sub.err != nil {
+		// Redis refused the subscription: a waiter in line would never hear
+		// its grant, so this one polls, as with DisableNotify.
+		wait := leasekit.Acquire
+		if tried {
+			wait = leasekit.Retry
+		}
+		l, err := wait(ctx, a.o.Backoff, nil, try)
+		if err != nil && errors.Is(err, fence.ErrHeld) {
+			err = errors.Join(err, fmt.Errorf("waited by polling, not in line: %w", sub.err))
+		}
+		return l, err
 	}
 	// inLine: a request of this waiter may have queued it (or been granted);
 	// ran: Redis may have run one (not every request was refused unrun).
