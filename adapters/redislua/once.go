@@ -51,8 +51,12 @@ func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []stri
 	}
 	args = append([]any{"evalsha", s.Hash(), len(keys)}, append(anys(keys), args...)...)
 	loaded := false
+	var refused error // the last reply that said the script did not run
 	for unsent, notRuns := 0, 0; ; {
 		if err := ctx.Err(); err != nil {
+			if refused != nil {
+				return nil, notRunError(ctx, refused)
+			}
 			return nil, err // not sent
 		}
 		cmd := onceCmd{redis.NewCmd(ctx, args...)}
@@ -63,7 +67,7 @@ func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []stri
 			return cmd.Err()
 		})
 		if errors.Is(err, errNoReply) {
-			return nil, ambiguous(err)
+			return nil, inFlight(ambiguous(err), refused)
 		}
 		switch {
 		case err == nil || errors.Is(err, redis.Nil):
@@ -76,6 +80,7 @@ func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []stri
 		case notSent(err) && unsent < maxUnsent:
 			unsent++
 		case notRun(err):
+			refused = err
 			if notRunDelay.Sleep(ctx, notRuns) != nil {
 				return nil, notRunError(ctx, err)
 			}
@@ -197,15 +202,30 @@ var notRunDelay = fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Milli
 // is sent again, paced by notRunDelay, while ctx lasts. When ctx ends first,
 // the error matches ErrNotRun and ctx's cause. step must return when ctx ends.
 func retryNotRun(ctx context.Context, step func() error) error {
+	var refused error
 	for attempt := 0; ; attempt++ {
 		err := step()
+		if errors.Is(err, errNoReply) {
+			return inFlight(err, refused)
+		}
 		if !notRun(err) {
 			return err
 		}
+		refused = err
 		if notRunDelay.Sleep(ctx, attempt) != nil {
 			return notRunError(ctx, err)
 		}
 	}
+}
+
+// inFlight is the error of a step whose context ended while it was sent
+// again after Redis had not run it: err (that send may still land), holding
+// the earlier reply too.
+func inFlight(err, refused error) error {
+	if refused == nil {
+		return err
+	}
+	return fmt.Errorf("%w (sent again after %w)", err, refused)
 }
 
 // notRunError is the error of a step that Redis did not run before ctx ended.
