@@ -269,9 +269,13 @@ func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Dur
 			got     any
 			gotReps int64
 		)
-		err = bounded(ctx, func() (err error) {
-			got, gotReps, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
-			return err
+		// A reply that says the script did not run is no answer: it is sent
+		// again within ctx.
+		err = retryNotRun(ctx, func() error {
+			return bounded(ctx, func() (err error) {
+				got, gotReps, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+				return err
+			})
 		})
 		if !errors.Is(err, errNoReply) {
 			res, replicas = got, gotReps
@@ -330,8 +334,13 @@ func (a *Acquirer) grant(ctx context.Context, name string, ttl time.Duration) (*
 	nonce := newNonce()
 	sent := time.Now()
 	r, err := a.lockOp(ctx, name, "try", nonce, ttl, "0")
+	lost := errors.Is(err, fence.ErrUnknown)
 	for i := 0; i < maxAmbiguous && errors.Is(err, fence.ErrUnknown) && ctx.Err() == nil; i++ {
 		r, err = a.lockOp(ctx, name, "try", nonce, ttl, "0")
+	}
+	if err != nil && lost && !errors.Is(err, fence.ErrUnknown) && notRun(err) {
+		// A try that was not run again says nothing of the lost one before it.
+		err = fmt.Errorf("%w (applied or not), then: %w", fence.ErrUnknown, err)
 	}
 	if err != nil {
 		return nil, a.giveUp(ctx, name, nonce, ttl, err)
@@ -414,6 +423,12 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 //   - The line itself expires an hour after the last poll of any waiter (so
 //     only when every waiter stopped polling); a waiter whose line expired
 //     joins the new one at the end.
+//   - The line needs the Redis user's ACL to allow the channels
+//     Prefix+"grant:*" (new Redis 7 users have none). When Redis refuses the
+//     subscription (NOPERM), the waiter does not queue and polls, paced by
+//     Backoff, as with DisableNotify (no order); a wait that ends says so in
+//     its error. A release by such a user cannot tell a waiter in line of
+//     another user, which finds its grant at its next poll.
 //
 // A network error while waiting (a lost reply, a failed dial) does not end
 // the wait: the next poll, with the same nonce, adopts a grant a lost request
@@ -434,7 +449,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		return leasekit.Acquire(ctx, a.o.Backoff, nil, try)
 	}
 	nonce := newNonce()
-	w, ready := a.grants.join(nonce)
+	w, sub := a.grants.join(nonce)
 	ch := w.grant
 	defer a.grants.leave(nonce)
 	if _, ok := ctx.Deadline(); !ok {
@@ -444,23 +459,44 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 			fmt.Errorf("redislua: gave up after the maximum wait %v: %w", maxWait, context.DeadlineExceeded))
 		defer cancel()
 	}
+	tried := false
 	select {
-	case <-ready:
+	case <-sub.ready:
 	default:
 		// Not yet listening for grants: try once meanwhile, then wait for the
 		// subscription, since a grant published before it would be missed.
+		tried = true
 		if l, err := try(ctx); err == nil || !errors.Is(err, fence.ErrHeld) {
+			if errors.Is(err, ErrNotRun) {
+				// Redis did not run the try before ctx ended: a wait that ran out.
+				return nil, errors.Join(fence.ErrHeld, err)
+			}
 			return l, err
 		}
 		select {
-		case <-ready:
+		case <-sub.ready:
 		case <-ctx.Done():
 			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
 		}
 	}
-	inLine := false
+	if sub.err != nil {
+		// Redis refused the subscription: a waiter in line would never hear
+		// its grant, so this one polls, as with DisableNotify.
+		wait := leasekit.Acquire
+		if tried {
+			wait = leasekit.Retry
+		}
+		l, err := wait(ctx, a.o.Backoff, nil, try)
+		if err != nil && errors.Is(err, fence.ErrHeld) {
+			err = errors.Join(err, fmt.Errorf("waited by polling, not in line: %w", sub.err))
+		}
+		return l, err
+	}
+	// inLine: a request of this waiter may have queued it (or been granted);
+	// ran: Redis may have run one (not every request was refused unrun).
+	inLine, ran := false, false
 	defer func() {
-		if inLine && !a.leaveLine(ctx, name, nonce, ttl) && err != nil && !errors.Is(err, fence.ErrUnknown) {
+		if inLine && !a.leaveLine(ctx, name, nonce, ttl) && ran && err != nil && !errors.Is(err, fence.ErrUnknown) {
 			err = fmt.Errorf("%w: leaving the line got no answer (it is sent again in the background for up to the ttl, releasing a grant to this waiter if one lands): %w", fence.ErrUnknown, err)
 		}
 	}()
@@ -473,8 +509,12 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		sent := time.Now()
 		inLine = true
 		r, err := a.lockOp(ctx, name, "wait", nonce, ttl, a.grants.stamp(sent, a.o.HeadSpin > 0))
+		ran = ran || !errors.Is(err, ErrNotRun) || errors.Is(err, fence.ErrUnknown)
 		switch {
 		case err != nil && ctx.Err() != nil:
+			if errors.Is(err, ErrNotRun) {
+				return nil, errors.Join(fence.ErrHeld, err)
+			}
 			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
 		case errors.Is(err, fence.ErrUnknown) || notSent(err):
 			// A network error: the next "wait" (same nonce) adopts a grant a
@@ -657,9 +697,11 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 		res      any
 		replicas int64
 	)
-	err := bounded(ctx, func() (err error) {
-		res, replicas, err = a.run(ctx, renewScript, keys, args, true)
-		return err
+	err := retryNotRun(ctx, func() error {
+		return bounded(ctx, func() (err error) {
+			res, replicas, err = a.run(ctx, renewScript, keys, args, true)
+			return err
+		})
 	})
 	if err != nil {
 		return nil, fmt.Errorf("redislua: acquire %q: confirming a grant: %w", name, err)
@@ -676,7 +718,14 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 // longer matches fence.ErrUnknown; otherwise it does, and the leave goes on
 // in the background (leaveLine).
 func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, ttl time.Duration, err error) error {
-	if errors.Is(err, fence.ErrUnknown) && a.leaveLine(ctx, name, nonce, ttl) {
+	// A request go-redis sent again after a network error and that Redis then
+	// did not run may hide a first one that ran: leave, as for a lost reply.
+	if (errors.Is(err, fence.ErrUnknown) || notRun(err)) && a.leaveLine(ctx, name, nonce, ttl) {
+		if errors.Is(err, ErrNotRun) && !errors.Is(err, fence.ErrUnknown) {
+			// Redis ran neither the try nor anything before it: not
+			// granted, and whether the name is held is not known.
+			return fmt.Errorf("redislua: acquire %q: not granted: %w", name, err)
+		}
 		if cerr := ctx.Err(); cerr != nil {
 			// The context ended while a request was in flight: not
 			// granted, as any wait that ran out (fence.ErrHeld and the
@@ -733,7 +782,7 @@ func (a *Acquirer) leave(ctx context.Context, name, nonce string, ttl time.Durat
 	if err == nil {
 		a.handOver(r, sent)
 	}
-	return err == nil || errors.Is(err, redis.ErrClosed) || !(errors.Is(err, fence.ErrUnknown) || notSent(err))
+	return err == nil || errors.Is(err, redis.ErrClosed) || !(errors.Is(err, fence.ErrUnknown) || notSent(err) || notRun(err))
 }
 
 // lOrNil keeps a nil *lease from becoming a non-nil fence.Lease.
@@ -825,9 +874,11 @@ func (l *lease) Renew(ctx context.Context) error {
 	// Sent again by go-redis after a network error, a renewal only extends
 	// this grant again.
 	var n int64
-	err := bounded(ctx, func() (err error) {
-		n, err = renewScript.Run(ctx, l.a.c, []string{l.lock}, l.value, ttlMs(l.TTL())).Int64()
-		return err
+	err := retryNotRun(ctx, func() error {
+		return bounded(ctx, func() (err error) {
+			n, err = renewScript.Run(ctx, l.a.c, []string{l.lock}, l.value, ttlMs(l.TTL())).Int64()
+			return err
+		})
 	})
 	if err != nil {
 		return fmt.Errorf("redislua: renew %q: %w", l.Name(), ambiguous(err))
@@ -876,6 +927,15 @@ func (l *lease) release(ctx context.Context) error {
 		if r, err = l.a.lockOp(ctx, l.Name(), "release", l.value, l.TTL(), "0"); err == nil && r.code == 0 {
 			return fmt.Errorf("redislua: release %q: the lock is free, released by a request whose reply was lost or expired before it: %w", l.Name(), fence.ErrUnknown)
 		}
+		if notRun(err) {
+			err = fmt.Errorf("%w (released or not), then: %w", fence.ErrUnknown, err)
+		}
+	}
+	if notRun(err) {
+		// Redis has not run it yet: the lock stays held until it does, so
+		// the release goes on in the background.
+		go l.a.releaseLater(context.WithoutCancel(ctx), l.Name(), l.value, l.TTL())
+		return fmt.Errorf("redislua: release %q (sent again in the background until Redis runs it, for up to the ttl): %w", l.Name(), err)
 	}
 	if err != nil {
 		return fmt.Errorf("redislua: release %q: %w", l.Name(), err)
@@ -885,6 +945,28 @@ func (l *lease) release(ctx context.Context) error {
 		return l.lost()
 	}
 	return nil
+}
+
+// releaseLater sends a release that Redis did not run again, paced by
+// leaveDelay, until Redis runs it or ttl has passed.
+func (a *Acquirer) releaseLater(ctx context.Context, name, value string, ttl time.Duration) {
+	bctx, cancel := context.WithTimeout(ctx, ttl+time.Second)
+	defer cancel()
+	for attempt := 0; ; attempt++ {
+		if leaveDelay.Sleep(bctx, attempt) != nil {
+			return
+		}
+		actx, cancel := context.WithTimeout(bctx, time.Second)
+		sent := time.Now()
+		r, err := a.lockOp(actx, name, "release", value, ttl, "0")
+		cancel()
+		if err == nil {
+			a.handOver(r, sent)
+		}
+		if err == nil || errors.Is(err, redis.ErrClosed) || !(errors.Is(err, fence.ErrUnknown) || notSent(err) || notRun(err)) {
+			return
+		}
+	}
 }
 
 func (l *lease) lost() error {

@@ -15,6 +15,18 @@
 // keys of one lock name, or of one protected key, share a hash tag, so each
 // script touches one slot.
 //
+// # Replies that say a step did not run
+//
+// Redis refuses a command without running it while another client's script
+// runs past busy-reply-threshold (BUSY), while it loads its data (LOADING),
+// and with OOM, READONLY, MASTERDOWN, TRYAGAIN, CLUSTERDOWN, NOREPLICAS or
+// MISCONF. Every step of the Acquirer, Writer, FencedScript and
+// IdempotencyStore sends such a step again, paced, until Redis runs it or the
+// caller's context ends; then the error matches ErrNotRun and the context's
+// error (a waiting Acquire's also fence.ErrHeld). A Release or a waiter's
+// leave that Redis did not run is sent again in the background for up to the
+// ttl. A FencedScript body should not return error replies with these codes.
+//
 // # Token durability
 //
 // The token counter is an ordinary Redis key, and it can be lost: a DEL or

@@ -139,7 +139,11 @@ func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Rec
 	if err := checkTagged(ctx, "idempotency get", "key", key); err != nil {
 		return idempotency.Record{}, err
 	}
-	res, err := idemGetScript.Run(ctx, s.c, []string{s.key(key)}).Slice()
+	var res []any
+	err := retryNotRun(ctx, func() (err error) {
+		res, err = idemGetScript.Run(ctx, s.c, []string{s.key(key)}).Slice()
+		return err
+	})
 	if err != nil {
 		return idempotency.Record{}, fmt.Errorf("redislua: idempotency get %q: %w", key, err)
 	}

@@ -33,7 +33,11 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 		return fence.LockInfo{}, err
 	}
 	lock, counter := lockKeys(a.o.Prefix, name)
-	res, err := inspectScript.Run(ctx, a.c, []string{lock, counter}).Slice()
+	var res []any
+	err := retryNotRun(ctx, func() (err error) {
+		res, err = inspectScript.Run(ctx, a.c, []string{lock, counter}).Slice()
+		return err
+	})
 	if err != nil {
 		return fence.LockInfo{}, fmt.Errorf("redislua: inspect %q: %w", name, err)
 	}

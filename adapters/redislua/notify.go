@@ -27,21 +27,27 @@ func (l *listener) run(ctx context.Context) {
 	receive(ctx, l.c, l.channel,
 		l.WakeAll, // (re)subscribed: a release may have happened before
 		l.WakeOne,
-		l.WakeAll) // a broken connection may have lost messages
+		l.WakeAll, // a broken connection may have lost messages
+		nil)       // refused: waiters still wake at their backoff
 }
 
 // receive subscribes to channel and, until ctx ends, calls subscribed on each
 // (re)subscription, message with each message's payload, and broken after a
-// receive error. go-redis reconnects a broken subscription by itself; a
+// receive error. When Redis refuses the subscription (NOPERM: the user's ACL
+// has no such channel) and refused is set, it calls refused and returns. go-redis reconnects a broken subscription by itself; a
 // message sent while it was down is lost. Receiving here rather than through
 // ps.Channel() saves a goroutine hop per message.
-func receive(ctx context.Context, c Client, channel string, subscribed func(), message func(payload string), broken func()) {
+func receive(ctx context.Context, c Client, channel string, subscribed func(), message func(payload string), broken func(), refused func(error)) {
 	ps := c.Subscribe(ctx, channel)
 	defer ps.Close()
 	for ctx.Err() == nil {
 		msg, err := ps.Receive(ctx)
 		if err != nil {
 			if ctx.Err() != nil {
+				return
+			}
+			if refused != nil && redis.HasErrorPrefix(err, "NOPERM") {
+				refused(err)
 				return
 			}
 			broken()

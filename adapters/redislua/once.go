@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
+	"strings"
+	"time"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/redis/go-redis/v9"
@@ -36,7 +39,9 @@ var errNoProcess = errors.New("client has no Process or Pipelined method to send
 
 // runOnce runs s with keys and args, and sends it at most once: a NOSCRIPT
 // reply (the script did not run) loads it and sends it again; a request that
-// was never sent (a failed dial, a pool timeout) is sent again within ctx.
+// was never sent (a failed dial, a pool timeout) is sent again within ctx, and
+// one that Redis refused without running it (see notRun) is sent again, paced,
+// until it runs or ctx ends (then the error matches ErrNotRun).
 // A network error after the request may have reached Redis is returned
 // matching fence.ErrUnknown.
 func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []string, args ...any) (any, error) {
@@ -46,8 +51,12 @@ func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []stri
 	}
 	args = append([]any{"evalsha", s.Hash(), len(keys)}, append(anys(keys), args...)...)
 	loaded := false
-	for unsent := 0; ; {
+	var refused error // the last reply that said the script did not run
+	for unsent, notRuns := 0, 0; ; {
 		if err := ctx.Err(); err != nil {
+			if refused != nil {
+				return nil, notRunError(ctx, refused)
+			}
 			return nil, err // not sent
 		}
 		cmd := onceCmd{redis.NewCmd(ctx, args...)}
@@ -58,7 +67,7 @@ func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []stri
 			return cmd.Err()
 		})
 		if errors.Is(err, errNoReply) {
-			return nil, ambiguous(err)
+			return nil, inFlight(ambiguous(err), refused)
 		}
 		switch {
 		case err == nil || errors.Is(err, redis.Nil):
@@ -70,6 +79,12 @@ func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []stri
 			loaded = true
 		case notSent(err) && unsent < maxUnsent:
 			unsent++
+		case notRun(err):
+			refused = err
+			if notRunDelay.Sleep(ctx, notRuns) != nil {
+				return nil, notRunError(ctx, err)
+			}
+			notRuns++
 		default:
 			return nil, ambiguous(err)
 		}
@@ -156,6 +171,69 @@ func isReply(err error) bool {
 func notSent(err error) bool {
 	var op *net.OpError
 	return errors.Is(err, redis.ErrPoolTimeout) || (errors.As(err, &op) && op.Op == "dial")
+}
+
+// ErrNotRun is matched by the error of a step that Redis refused without
+// running it (BUSY while another client's script runs, LOADING, OOM,
+// READONLY, MASTERDOWN, TRYAGAIN, CLUSTERDOWN, NOREPLICAS, MISCONF) every time
+// it was sent until the caller's context ended: that step changed nothing.
+// The error also matches the context's error and holds Redis's reply.
+var ErrNotRun = errors.New("redislua: Redis did not run the step")
+
+// notRunCodes are the error codes with which Redis refuses a command, or a
+// script's first write, before it changed anything.
+var notRunCodes = []string{"BUSY", "LOADING", "OOM", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY", "NOREPLICAS", "MISCONF"}
+
+// notRun reports whether err holds a reply of Redis that says the step did not
+// run: it changed nothing and is safe to send again.
+func notRun(err error) bool {
+	var re redis.Error
+	if !errors.As(err, &re) {
+		return false
+	}
+	code, _, _ := strings.Cut(strings.TrimPrefix(re.Error(), "ERR "), " ")
+	return slices.Contains(notRunCodes, code)
+}
+
+// notRunDelay paces a step sent again after Redis did not run it.
+var notRunDelay = fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}
+
+// retryNotRun calls step until Redis runs it: a reply that says it did not run
+// is sent again, paced by notRunDelay, while ctx lasts. When ctx ends first,
+// the error matches ErrNotRun and ctx's cause. step must return when ctx ends.
+func retryNotRun(ctx context.Context, step func() error) error {
+	var refused error
+	for attempt := 0; ; attempt++ {
+		err := step()
+		if errors.Is(err, errNoReply) {
+			return inFlight(err, refused)
+		}
+		if !notRun(err) {
+			return err
+		}
+		refused = err
+		if notRunDelay.Sleep(ctx, attempt) != nil {
+			return notRunError(ctx, err)
+		}
+	}
+}
+
+// inFlight is the error of a step whose context ended while it was sent
+// again after Redis had not run it: err (that send may still land), holding
+// the earlier reply too.
+func inFlight(err, refused error) error {
+	if refused == nil {
+		return err
+	}
+	return fmt.Errorf("%w (sent again after %w)", err, refused)
+}
+
+// notRunError is the error of a step that Redis did not run before ctx ended.
+func notRunError(ctx context.Context, reply error) error {
+	if errors.Is(reply, ErrNotRun) {
+		return reply
+	}
+	return fmt.Errorf("%w (%w) before the context ended: %w", ErrNotRun, reply, context.Cause(ctx))
 }
 
 // ambiguous wraps err so that it matches fence.ErrUnknown when it is not a

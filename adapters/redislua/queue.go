@@ -2,6 +2,7 @@ package redislua
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"strings"
 	"sync"
@@ -31,7 +32,7 @@ type grants struct {
 
 	mu      sync.Mutex
 	waiters map[string]*waiter
-	ready   chan struct{} // closed once the current subscription is confirmed
+	sub     *subscription // the current subscription, nil when none
 	stop    context.CancelFunc
 	idle    *time.Timer // ends the subscription after a spell with no waiter
 }
@@ -72,10 +73,18 @@ func (g *grants) sentAt(stamp string) time.Time {
 	return g.epoch.Add(time.Duration(n))
 }
 
-// join registers a waiter and returns its channel and the subscription's
-// ready channel: until that is closed a grant published to this acquirer may
-// find no receiver, and the script would skip the waiter.
-func (g *grants) join(nonce string) (*waiter, <-chan struct{}) {
+// subscription is one subscription to the grant channel. ready is closed once
+// Redis confirmed it, or refused it: then err says why (the Redis user may not
+// subscribe to the channel), and the waiters poll instead.
+type subscription struct {
+	ready chan struct{}
+	err   error
+}
+
+// join registers a waiter and returns its channel and the subscription: until
+// its ready is closed a grant published to this acquirer may find no receiver,
+// and the script would skip the waiter.
+func (g *grants) join(nonce string) (*waiter, *subscription) {
 	w := &waiter{grant: make(chan grantMsg, 1), next: make(chan struct{}, 1)}
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -86,10 +95,10 @@ func (g *grants) join(nonce string) (*waiter, <-chan struct{}) {
 	}
 	if g.stop == nil {
 		ctx, cancel := context.WithCancel(context.Background())
-		g.stop, g.ready = cancel, make(chan struct{})
-		go g.run(ctx, g.ready)
+		g.stop, g.sub = cancel, &subscription{ready: make(chan struct{})}
+		go g.run(ctx, g.sub)
 	}
-	return w, g.ready
+	return w, g.sub
 }
 
 // leave unregisters a waiter; a grant for it from then on is dropped (the
@@ -104,7 +113,7 @@ func (g *grants) leave(nonce string) {
 			defer g.mu.Unlock()
 			if len(g.waiters) == 0 && g.stop != nil {
 				g.stop()
-				g.stop, g.ready, g.idle = nil, nil, nil
+				g.stop, g.sub, g.idle = nil, nil, nil
 			}
 		})
 	}
@@ -125,15 +134,32 @@ func (g *grants) deliver(nonce string, m grantMsg) bool {
 	return true
 }
 
-func (g *grants) run(ctx context.Context, ready chan struct{}) {
+func (g *grants) run(ctx context.Context, sub *subscription) {
 	var once sync.Once
 	receive(ctx, g.c, g.channel,
-		func() { once.Do(func() { close(ready) }) },
+		func() { once.Do(func() { close(sub.ready) }) },
 		g.message,
 		// A grant published while the subscription was down found no
 		// receiver and skipped its waiter, which finds itself out of line at
 		// its next poll and queues again.
-		func() {})
+		func() {},
+		func(err error) {
+			once.Do(func() {
+				sub.err = fmt.Errorf("redislua: subscribing to grant channel %s: %w", g.channel, err)
+				close(sub.ready)
+			})
+			// The next waiter to join asks again (permissions may change).
+			g.mu.Lock()
+			defer g.mu.Unlock()
+			if g.sub == sub {
+				g.stop()
+				g.stop, g.sub = nil, nil
+				if g.idle != nil {
+					g.idle.Stop()
+					g.idle = nil
+				}
+			}
+		})
 }
 
 // message passes a published grant ("nonce token stamp name") to its waiter,

@@ -409,15 +409,7 @@ func releaseAnswered(err error) bool {
 	if err == nil || errors.Is(err, redis.ErrClosed) {
 		return true
 	}
-	if !isReply(err) {
-		return false
-	}
-	for _, p := range []string{"LOADING", "BUSY", "OOM", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY", "NOREPLICAS", "MISCONF"} {
-		if redis.HasErrorPrefix(err, p) {
-			return false
-		}
-	}
-	return true
+	return isReply(err) && !notRun(err)
 }
 
 type redlockLease struct {

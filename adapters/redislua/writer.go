@@ -117,9 +117,11 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 		return nil, 0, err
 	}
 	var res []any
-	err := bounded(ctx, func() (err error) {
-		res, err = readScript.Run(ctx, w.c, []string{w.Key(key)}).Slice()
-		return err
+	err := retryNotRun(ctx, func() error {
+		return bounded(ctx, func() (err error) {
+			res, err = readScript.Run(ctx, w.c, []string{w.Key(key)}).Slice()
+			return err
+		})
 	})
 	if err != nil {
 		return nil, 0, fmt.Errorf("redislua: read %q: %w", key, err)

@@ -1,0 +1,145 @@
+package redislua_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
+)
+
+// noChannelUser starts a redis-server of the test's own with a user that may
+// run every command on every key but use no pub/sub channel (resetchannels,
+// the default for a new Redis 7 user), and returns a client of that user and
+// one of the default user.
+func noChannelUser(t *testing.T) (nochan, admin *redis.Client) {
+	t.Helper()
+	srv := testenv.StartRedis(t)
+	admin = srv.Client(t)
+	ctx := context.Background()
+	if err := admin.Do(ctx, "ACL", "SETUSER", "nochan", "on", ">pw", "~*", "+@all", "resetchannels").Err(); err != nil {
+		t.Fatal(err)
+	}
+	nochan = redis.NewClient(&redis.Options{Addr: srv.Addr, Username: "nochan", Password: "pw"})
+	t.Cleanup(func() { nochan.Close() })
+	if n, err := nochan.Publish(ctx, "probe", "x").Result(); err == nil {
+		t.Fatalf("the user may publish (%d receivers): the ACL did not apply", n)
+	}
+	return nochan, admin
+}
+
+// TestAcquireWithoutChannelPermissionPolls: a Redis user that may not
+// subscribe to the grant channel gets no line; its Acquire polls instead,
+// and is granted a name soon after the holder's lease expires, not at the
+// end of its wait.
+func TestAcquireWithoutChannelPermissionPolls(t *testing.T) {
+	nochan, _ := noChannelUser(t)
+	ctx := context.Background()
+	a, err := redislua.NewAcquirer(nochan, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("nochan")
+	h, err := a.TryAcquire(ctx, name, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	l, err := a.Acquire(wctx, name, time.Minute)
+	if err != nil {
+		t.Fatalf("Acquire of a name whose 2s lease expired, within 60s: %v", err)
+	}
+	defer l.Release(ctx)
+	if wctx.Err() != nil {
+		t.Fatalf("granted only once its wait had ended")
+	}
+	if l.Token() <= h.Token() {
+		t.Errorf("token %d after the holder's %d", l.Token(), h.Token())
+	}
+}
+
+// TestWaitWithoutChannelPermissionSaysWhy: a wait of such a user that ends
+// while the name is held matches fence.ErrHeld and the context's error, and
+// says that Redis refused the grant channel (NOPERM).
+func TestWaitWithoutChannelPermissionSaysWhy(t *testing.T) {
+	nochan, _ := noChannelUser(t)
+	ctx := context.Background()
+	a, err := redislua.NewAcquirer(nochan, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("nochan-why")
+	h, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Release(ctx)
+	wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel()
+	_, err = a.Acquire(wctx, name, time.Minute)
+	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || err == nil || !strings.Contains(err.Error(), "NOPERM") {
+		t.Errorf("a wait that ended without channel permission: %v, want ErrHeld, DeadlineExceeded and Redis's NOPERM", err)
+	}
+}
+
+// TestReleaseWithoutChannelPermissionToWaiterInLine: a holder whose Redis
+// user may not publish releases while a waiter of a user that may is in
+// line: the release succeeds (it cannot tell the waiter, which finds the
+// name on its next poll) and the waiter is granted the name.
+func TestReleaseWithoutChannelPermissionToWaiterInLine(t *testing.T) {
+	nochan, admin := noChannelUser(t)
+	ctx := context.Background()
+	ha, err := redislua.NewAcquirer(nochan, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wa, err := redislua.NewAcquirer(admin, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("nochan-release")
+	h, err := ha.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		l, err := wa.Acquire(wctx, name, time.Minute)
+		done <- result{l, err}
+	}()
+	line := "fence:{" + name + "}:line"
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if n, _ := admin.LLen(ctx, line).Result(); n > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the waiter never joined the line")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := h.Release(ctx); err != nil {
+		t.Errorf("release by a user without channel permission, a waiter in line: %v", err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("the waiter after the release: %v", r.err)
+	}
+	defer r.l.Release(ctx)
+	if r.l.Token() <= h.Token() {
+		t.Errorf("token %d after the holder's %d", r.l.Token(), h.Token())
+	}
+}
