@@ -62,8 +62,10 @@ func Definitive(err error) error { return &classified{err: err, definitive: true
 type Options struct {
 	// Owner identifies this caller in the record. Default: a random id.
 	Owner string
-	// Lease is how long a claim lasts without renewal; Do renews it every
-	// Lease/3 while the effect runs. At least MinLease. Default: 30s.
+	// Lease is how long a claim lasts without renewal; while the effect runs,
+	// Do renews it a third of the lease after the request that set it was sent
+	// (at once when its reply came later), then at least every Lease/3.
+	// At least MinLease. Default: 30s.
 	Lease time.Duration
 	// InProgressCeiling bounds how long one owner may keep a key in progress by
 	// renewing; past it, Do stops renewing and cancels the effect's context.
@@ -584,8 +586,11 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 	}
 }
 
-// renew keeps the armed record's lease: it renews every Lease/3, and retries a
-// renewal that failed for a transient reason sooner, until stopped. The effect's
+// renew keeps the armed record's lease: the first renewal is due a third of
+// the lease after sent (at once when the arm's reply came later than that),
+// each next one within a third of the time left before the local deadline,
+// never less than Lease/12 apart, and one that failed for a transient reason
+// is retried sooner, until stopped. The effect's
 // context is cancelled with fence.ErrLost when the record was taken over, when
 // the in-progress ceiling passes, or when the local deadline passes without a
 // confirmed renewal. The local deadline is measured from before the request that
@@ -618,17 +623,28 @@ func renew(s Store, rec Record, o Options, sent time.Time, cancel context.Cancel
 	rctx, rcancel := context.WithCancel(local.Context())
 	done := make(chan struct{})
 	finished := make(chan struct{})
+	interval := max(o.Lease/3, time.Millisecond)
+	spacing := max(o.Lease/12, time.Millisecond)
+	start := sent
 	go func() {
 		defer close(finished)
-		start := time.Now()
-		wait := o.Lease / 3
+		// The first renewal is due a third of the lease after the arm was
+		// sent, not after its reply: a late reply has used part of the lease.
+		wait := min(interval, max(0, time.Until(local.LocalDeadline())-2*interval))
 		for {
 			t := time.NewTimer(wait)
 			select {
 			case <-done:
 				t.Stop()
 				return
+			case <-local.Context().Done():
+				t.Stop()
+				return
 			case <-t.C:
+			}
+			// A lease that ended as the timer fired is not renewed.
+			if local.Context().Err() != nil {
+				return
 			}
 			if time.Since(start) > o.InProgressCeiling {
 				cancel(fmt.Errorf("idempotency: key %q in progress longer than %v: %w", rec.Key, o.InProgressCeiling, fence.ErrLost))
@@ -639,7 +655,9 @@ func renew(s Store, rec Record, o Options, sent time.Time, cancel context.Cancel
 			switch {
 			case err == nil:
 				local.Extend(sent)
-				wait = o.Lease / 3
+				// Within a third of the time left: a drift margin or a slow
+				// confirmation leaves less than two intervals after it.
+				wait = min(interval, max(spacing, time.Until(local.LocalDeadline())/3))
 			case errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) || errors.Is(err, fence.ErrNotFound):
 				cancel(fmt.Errorf("idempotency: key %q taken over: %w", rec.Key, fence.ErrLost))
 				return

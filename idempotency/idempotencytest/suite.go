@@ -79,6 +79,8 @@ func (s Suite) Run(t *testing.T) {
 		{"StaleOwnerCannotTouchTakenOverArmed", s.testStaleOwnerOnArmedTakeover},
 		{"PurgeKeepsLiveRecords", s.testPurgeKeeps},
 		{"RenewalKeepsKeyPastLease", s.testRenewalKeepsKey},
+		{"LateArmReplyRenewsInTime", s.testLateArmReplyRenewsInTime},
+		{"PanicStopsRenewals", s.testPanicStopsRenewals},
 		{"TakeoverKeepsFingerprint", s.testTakeoverFingerprint},
 		{"GetMatchesWholeKey", s.testWholeKey},
 		{"BeginAfterRetentionWithoutPurge", s.testBeginAfterRetention},
