@@ -620,6 +620,14 @@ func refused(err error) bool {
 // sent again. If ctx has ended by then, the key is released instead: the
 // effect never ran. Anything else is another owner's.
 func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time, error) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
+	defer cancel()
+	if ctx.Err() != nil {
+		// The caller left while the claim was answered: never arm, and free
+		// the key, whether or not the store would still take the arm.
+		releaseClaim(cctx, s, rec)
+		return Record{}, time.Time{}, fmt.Errorf("idempotency: key %q: not started: %w", rec.Key, context.Cause(ctx))
+	}
 	sent := time.Now() // the arm's lease starts no earlier than this
 	ch := Change{State: Armed, Fence: rec.Fence, Owner: rec.Owner, Lease: o.Lease}
 	armed, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, ch)
@@ -627,8 +635,6 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 		return armed, sent, err
 	}
 	first := err
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
-	defer cancel()
 	for attempt := 0; ; attempt++ {
 		got, gerr := read(cctx, s, rec.Key)
 		if gerr != nil {

@@ -100,8 +100,9 @@ func (s Suite) testCancelledDuringClaim(t *testing.T, takeover bool) {
 }
 
 // testSlowNetworkCancelledClaim: over a network with 150ms latency each way,
-// a caller with a 220ms deadline sends its claim, which lands (at 150ms), and
-// gives up before the reply (at 300ms). The key must not stay claimed by
+// a caller whose deadline ends after its claim landed and before the reply
+// came back (220ms for a claim of one round trip: it lands at 150ms, its
+// reply comes at 300ms) gets an error, and the key does not stay claimed by
 // nobody for the claim's lease: the next caller runs its effect.
 func (s Suite) testSlowNetworkCancelledClaim(t *testing.T) {
 	fs, px, st := s.faulty(t)
@@ -116,11 +117,21 @@ func (s Suite) testSlowNetworkCancelledClaim(t *testing.T) {
 	if _, err := fs.Get(ctxT(t), key()); !errors.Is(err, fence.ErrNotFound) {
 		t.Fatalf("Get of a missing key: %v, want fence.ErrNotFound", err)
 	}
-	px.Latency(150*time.Millisecond, 150*time.Millisecond)
+	const oneWay = 150 * time.Millisecond
+	px.Latency(oneWay, oneWay)
 	t.Cleanup(func() { px.Latency(0, 0) })
+	// A store whose claim takes several round trips sends its last request
+	// a round trip before the answer: the deadline falls between that
+	// request's arrival and its reply.
+	begun := time.Now()
+	if _, _, err := fs.Begin(ctxT(t), key(), "fp", "warm-up", time.Second); err != nil {
+		t.Fatalf("Begin of a new key over the slow network: %v", err)
+	}
+	claim := time.Since(begun)
+	deadline := max(claim-80*time.Millisecond, 220*time.Millisecond) // 220ms for one round trip of 300ms
 	for try := 1; ; try++ {
 		k := key()
-		ctx, cancel := context.WithTimeout(context.Background(), 220*time.Millisecond)
+		ctx, cancel := context.WithTimeout(context.Background(), deadline)
 		ran := false
 		_, err := idempotency.Do(ctx, fs, k, "fp", func(context.Context, string) ([]byte, error) {
 			ran = true
@@ -142,9 +153,9 @@ func (s Suite) testSlowNetworkCancelledClaim(t *testing.T) {
 			continue
 		}
 		if !landed {
-			t.Fatalf("in 3 tries the claim never landed before the caller's deadline: %+v, %v", rec, gerr)
+			t.Fatalf("in 3 tries the claim never landed before the caller's deadline (%v; a claim took %v): %+v, %v", deadline, claim, rec, gerr)
 		}
-		t.Logf("Do with a 220ms deadline: %v", err)
+		t.Logf("Do with a %v deadline (a claim took %v): %v", deadline, claim, err)
 		keyFreed(t, st, k, opts)
 		return
 	}
