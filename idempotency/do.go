@@ -62,8 +62,10 @@ func Definitive(err error) error { return &classified{err: err, definitive: true
 type Options struct {
 	// Owner identifies this caller in the record. Default: a random id.
 	Owner string
-	// Lease is how long a claim lasts without renewal; Do renews it every
-	// Lease/3 while the effect runs. At least MinLease. Default: 30s.
+	// Lease is how long a claim lasts without renewal; while the effect runs,
+	// Do renews it a third of the lease after the request that set it was sent
+	// (at once when its reply came later), then at least every Lease/3.
+	// At least MinLease. Default: 30s.
 	Lease time.Duration
 	// InProgressCeiling bounds how long one owner may keep a key in progress by
 	// renewing; past it, Do stops renewing and cancels the effect's context.
@@ -246,7 +248,12 @@ func claimOwner(o Options) string {
 // a takeover, which only its effect key (a new one per takeover) lets a
 // provider tell apart.
 // An effect that panics leaves the key armed (it may have happened) and the
-// panic goes on unrecovered, with its stack.
+// panic goes on unrecovered, with its stack; renewals stop.
+//
+// When ctx ends while a claim's (or takeover's) reply is outstanding, Do
+// returns at once and releases that claim in the background, within
+// CompleteTimeout, if it landed, so that the key does not stay claimed by
+// nobody for a whole lease.
 //
 // Errors: ErrFingerprintMismatch; an *InProgressError (ErrInProgress) while
 // another owner holds the key; a *FailedError (ErrFailed) replaying a definitive
@@ -317,10 +324,13 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 // or the client library sent it again), it reads the record: claimed under
 // this claim's owner is this claim, which landed; another record is answered
 // as Begin would have; no record means it did not land, and it is sent again
-// (three tries in all).
+// (three tries in all). When it gives up on a claim that may have landed (ctx
+// ended, the last try, the read failed), the claim is settled in the
+// background (see settleClaim), so that it does not hold the key for a lease.
 func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Record, bool, error) {
 	owner := claimOwner(o)
 	for try := 1; ; try++ {
+		sent := time.Now()
 		rec, created, err := s.Begin(ctx, key, fingerprint, owner, o.Lease)
 		if err == nil && !created && rec.Owner == owner && rec.State == Claimed {
 			return rec, true, nil // the client library's resend of this claim
@@ -329,8 +339,10 @@ func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Re
 		case err == nil || refused(err):
 			return rec, created, err
 		case ctx.Err() != nil:
+			go settleClaim(ctx, s, key, owner, o, time.Since(sent))
 			return rec, created, fmt.Errorf("%w (%w)", err, context.Cause(ctx))
 		case try == 3:
+			go settleClaim(ctx, s, key, owner, o, time.Since(sent))
 			return rec, created, fmt.Errorf("%w (the claim was sent 3 times; the record was not found after the first 2)", err)
 		}
 		rctx, cancel := context.WithTimeout(ctx, o.CompleteTimeout)
@@ -340,7 +352,57 @@ func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Re
 		case gerr == nil:
 			return got, got.Owner == owner && got.State == Claimed, nil
 		case !errors.Is(gerr, fence.ErrNotFound):
+			go settleClaim(ctx, s, key, owner, o, time.Since(sent))
 			return rec, created, fmt.Errorf("%w (reading the record to tell: %v)", err, gerr)
+		}
+	}
+}
+
+// settleClaim releases key if it is claimed by owner: a claim (or takeover)
+// whose outcome Do gave up learning, so that it does not keep the key from
+// every other caller for its whole lease. The owner is unique to the claim,
+// so a record claimed under it can only be that claim. It runs detached from
+// ctx, bounded by Options.CompleteTimeout. A claim still on its way when the
+// record is read is looked for once more, after as long again as it was
+// outstanding; one that lands later still holds the key until its lease ends.
+func settleClaim(ctx context.Context, s Store, key, owner string, o Options, outstanding time.Duration) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
+	defer cancel()
+	for look := 0; ; look++ {
+		got, err := read(cctx, s, key)
+		if err != nil && !errors.Is(err, fence.ErrNotFound) {
+			return
+		}
+		if err == nil && got.Owner == owner {
+			if got.State == Claimed {
+				releaseClaim(cctx, s, got)
+			}
+			return
+		}
+		if look == 1 {
+			return
+		}
+		t := time.NewTimer(max(outstanding, time.Millisecond))
+		select {
+		case <-cctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// releaseClaim moves rec, claimed and never armed, to released, retrying
+// errors that are not an answer until ctx ends.
+func releaseClaim(ctx context.Context, s Store, rec Record) {
+	ch := Change{State: Released, Fence: rec.Fence, Owner: rec.Owner}
+	for attempt := 0; ; attempt++ {
+		_, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, ch)
+		if err == nil || refused(err) || errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) {
+			return
+		}
+		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(ctx, attempt) != nil {
+			return
 		}
 	}
 }
@@ -405,13 +467,20 @@ func decide(ctx context.Context, s Store, rec Record, fingerprint string, o Opti
 // was refused, the record tells: claimed under the takeover's fence and owner
 // is this caller's own claim.
 func takeOver(ctx context.Context, s Store, rec Record, takeover Change, o Options) (Result, *Record, error) {
+	sent := time.Now()
 	owned, err := s.Update(ctx, rec.Key, rec.State, rec.Fence, takeover)
 	if err != nil && !refused(err) {
-		rctx, cancel := context.WithTimeout(ctx, o.CompleteTimeout)
+		// Detached: a takeover that landed as ctx ended is recognised, and
+		// the arm step then releases it.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
 		got, gerr := read(rctx, s, rec.Key)
 		cancel()
 		if gerr == nil && got.State == Claimed && got.Fence == takeover.Fence && got.Owner == takeover.Owner {
 			return Result{}, &got, nil
+		}
+		if gerr != nil || !(errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged)) {
+			// Not an answer, and not found yet: it may still land.
+			go settleClaim(ctx, s, rec.Key, takeover.Owner, o, time.Since(sent))
 		}
 	}
 	if err != nil {
@@ -551,6 +620,14 @@ func refused(err error) bool {
 // sent again. If ctx has ended by then, the key is released instead: the
 // effect never ran. Anything else is another owner's.
 func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time, error) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
+	defer cancel()
+	if ctx.Err() != nil {
+		// The caller left while the claim was answered: never arm, and free
+		// the key, whether or not the store would still take the arm.
+		releaseClaim(cctx, s, rec)
+		return Record{}, time.Time{}, fmt.Errorf("idempotency: key %q: not started: %w", rec.Key, context.Cause(ctx))
+	}
 	sent := time.Now() // the arm's lease starts no earlier than this
 	ch := Change{State: Armed, Fence: rec.Fence, Owner: rec.Owner, Lease: o.Lease}
 	armed, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, ch)
@@ -558,8 +635,6 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 		return armed, sent, err
 	}
 	first := err
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
-	defer cancel()
 	for attempt := 0; ; attempt++ {
 		got, gerr := read(cctx, s, rec.Key)
 		if gerr != nil {
@@ -584,8 +659,11 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 	}
 }
 
-// renew keeps the armed record's lease: it renews every Lease/3, and retries a
-// renewal that failed for a transient reason sooner, until stopped. The effect's
+// renew keeps the armed record's lease: the first renewal is due a third of
+// the lease after sent (at once when the arm's reply came later than that),
+// each next one within a third of the time left before the local deadline,
+// never less than Lease/12 apart, and one that failed for a transient reason
+// is retried sooner, until stopped. The effect's
 // context is cancelled with fence.ErrLost when the record was taken over, when
 // the in-progress ceiling passes, or when the local deadline passes without a
 // confirmed renewal. The local deadline is measured from before the request that
@@ -618,17 +696,28 @@ func renew(s Store, rec Record, o Options, sent time.Time, cancel context.Cancel
 	rctx, rcancel := context.WithCancel(local.Context())
 	done := make(chan struct{})
 	finished := make(chan struct{})
+	interval := max(o.Lease/3, time.Millisecond)
+	spacing := max(o.Lease/12, time.Millisecond)
+	start := sent
 	go func() {
 		defer close(finished)
-		start := time.Now()
-		wait := o.Lease / 3
+		// The first renewal is due a third of the lease after the arm was
+		// sent, not after its reply: a late reply has used part of the lease.
+		wait := min(interval, max(0, time.Until(local.LocalDeadline())-2*interval))
 		for {
 			t := time.NewTimer(wait)
 			select {
 			case <-done:
 				t.Stop()
 				return
+			case <-local.Context().Done():
+				t.Stop()
+				return
 			case <-t.C:
+			}
+			// A lease that ended as the timer fired is not renewed.
+			if local.Context().Err() != nil {
+				return
 			}
 			if time.Since(start) > o.InProgressCeiling {
 				cancel(fmt.Errorf("idempotency: key %q in progress longer than %v: %w", rec.Key, o.InProgressCeiling, fence.ErrLost))
@@ -639,7 +728,9 @@ func renew(s Store, rec Record, o Options, sent time.Time, cancel context.Cancel
 			switch {
 			case err == nil:
 				local.Extend(sent)
-				wait = o.Lease / 3
+				// Within a third of the time left: a drift margin or a slow
+				// confirmation leaves less than two intervals after it.
+				wait = min(interval, max(spacing, time.Until(local.LocalDeadline())/3))
 			case errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) || errors.Is(err, fence.ErrNotFound):
 				cancel(fmt.Errorf("idempotency: key %q taken over: %w", rec.Key, fence.ErrLost))
 				return

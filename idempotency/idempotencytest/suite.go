@@ -79,6 +79,8 @@ func (s Suite) Run(t *testing.T) {
 		{"StaleOwnerCannotTouchTakenOverArmed", s.testStaleOwnerOnArmedTakeover},
 		{"PurgeKeepsLiveRecords", s.testPurgeKeeps},
 		{"RenewalKeepsKeyPastLease", s.testRenewalKeepsKey},
+		{"LateArmReplyRenewsInTime", s.testLateArmReplyRenewsInTime},
+		{"PanicStopsRenewals", s.testPanicStopsRenewals},
 		{"TakeoverKeepsFingerprint", s.testTakeoverFingerprint},
 		{"GetMatchesWholeKey", s.testWholeKey},
 		{"BeginAfterRetentionWithoutPurge", s.testBeginAfterRetention},
@@ -90,6 +92,9 @@ func (s Suite) Run(t *testing.T) {
 		{"LostReplyComplete", func(t *testing.T) { s.testLostReplyStep(t, stepComplete) }},
 		{"LostReplyRelease", func(t *testing.T) { s.testLostReplyStep(t, stepRelease) }},
 		{"LostRepliesDoAtMostOnce", s.testLostRepliesDo},
+		{"CancelledDuringClaimFreesKey", func(t *testing.T) { s.testCancelledDuringClaim(t, false) }},
+		{"CancelledDuringTakeoverFreesKey", func(t *testing.T) { s.testCancelledDuringClaim(t, true) }},
+		{"SlowNetworkCancelledClaimFreesKey", s.testSlowNetworkCancelledClaim},
 	} {
 		t.Run(tc.name, tc.fn)
 	}

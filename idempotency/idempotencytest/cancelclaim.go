@@ -1,0 +1,162 @@
+package idempotencytest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/idempotency"
+)
+
+// claimLongLease is the lease of the claims these cases abandon: far longer
+// than they wait for the key, so only a release can free it in time.
+const claimLongLease = time.Minute
+
+// claimFreedWithin bounds the wait for an abandoned claim to be freed.
+const claimFreedWithin = 20 * time.Second
+
+// cancelAfterClaim is a store whose claim lands, after which the caller's
+// context ends before the reply arrives, as when a deadline passes while the
+// reply is in flight: Begin then returns the context's error.
+type cancelAfterClaim struct {
+	idempotency.Store
+	cancel  context.CancelFunc
+	created *atomic.Bool
+}
+
+func (f cancelAfterClaim) Begin(ctx context.Context, key, fp, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	rec, created, err := f.Store.Begin(context.WithoutCancel(ctx), key, fp, owner, lease)
+	if err != nil || !created {
+		return rec, created, err
+	}
+	f.created.Store(true)
+	f.cancel()
+	<-ctx.Done()
+	return idempotency.Record{}, false, fmt.Errorf("injected: the claim's reply was in flight: %w", ctx.Err())
+}
+
+// Update does the same to a takeover (an Update with Restart).
+func (f cancelAfterClaim) Update(ctx context.Context, k string, from idempotency.State, ff fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	if !ch.Restart {
+		return f.Store.Update(ctx, k, from, ff, ch)
+	}
+	if _, err := f.Store.Update(context.WithoutCancel(ctx), k, from, ff, ch); err != nil {
+		return idempotency.Record{}, err
+	}
+	f.created.Store(true)
+	f.cancel()
+	<-ctx.Done()
+	return idempotency.Record{}, fmt.Errorf("injected: the takeover's reply was in flight: %w", ctx.Err())
+}
+
+// keyFreed asserts that another caller can run k's effect before the
+// abandoned claim's lease would have ended: Do, waiting while the key is in
+// progress, completes it within claimFreedWithin.
+func keyFreed(t *testing.T, st idempotency.Store, k string, opts *idempotency.Options) {
+	t.Helper()
+	o := *opts
+	o.Wait = true
+	ctx, cancel := context.WithTimeout(context.Background(), claimFreedWithin)
+	defer cancel()
+	begun := time.Now()
+	r, err := idempotency.Do(ctx, st, k, "fp", func(context.Context, string) ([]byte, error) { return []byte("next"), nil }, &o)
+	if err != nil || string(r.Value) != "next" || r.Replayed {
+		t.Fatalf("the next caller, after %v, with the abandoned claim's lease (%v) not over: %+v, %v; want its own result",
+			time.Since(begun).Round(time.Millisecond), claimLongLease, r, err)
+	}
+}
+
+// testCancelledDuringClaim: a caller whose context ends while its claim's
+// reply is in flight (the claim, or the takeover of a crashed owner's claim,
+// landed) gets the context's error, its effect never runs, and the key is
+// not left claimed by nobody for the claim's lease: the next caller runs its
+// effect.
+func (s Suite) testCancelledDuringClaim(t *testing.T, takeover bool) {
+	st := s.New(t)
+	k := key()
+	if takeover {
+		s.crashedOwner(t, st, k, false)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var created atomic.Bool
+	opts := s.opts(func(o *idempotency.Options) { o.Lease = claimLongLease })
+	ran := false
+	_, err := idempotency.Do(ctx, cancelAfterClaim{st, cancel, &created}, k, "fp", func(context.Context, string) ([]byte, error) {
+		ran = true
+		return nil, nil
+	}, opts)
+	if !errors.Is(err, context.Canceled) || ran {
+		t.Fatalf("Do cancelled during its claim: %v, effect ran %v; want context.Canceled and no effect", err, ran)
+	}
+	if !created.Load() {
+		t.Fatal("the claim did not land; the case proves nothing")
+	}
+	keyFreed(t, st, k, opts)
+}
+
+// testSlowNetworkCancelledClaim: over a network with 150ms latency each way,
+// a caller whose deadline ends after its claim landed and before the reply
+// came back (220ms for a claim of one round trip: it lands at 150ms, its
+// reply comes at 300ms) gets an error, and the key does not stay claimed by
+// nobody for the claim's lease: the next caller runs its effect.
+func (s Suite) testSlowNetworkCancelledClaim(t *testing.T) {
+	fs, px, st := s.faulty(t)
+	opts := s.opts(func(o *idempotency.Options) { o.Lease = claimLongLease })
+	// A connection opened, and a claim prepared on it, now: under the
+	// latency, opening one or preparing a statement (a round trip for some
+	// clients) would take longer than the caller's deadline, and the claim
+	// would never be sent.
+	if _, _, err := fs.Begin(ctxT(t), key(), "fp", "warm-up", time.Second); err != nil {
+		t.Fatalf("Begin of a new key: %v", err)
+	}
+	if _, err := fs.Get(ctxT(t), key()); !errors.Is(err, fence.ErrNotFound) {
+		t.Fatalf("Get of a missing key: %v, want fence.ErrNotFound", err)
+	}
+	const oneWay = 150 * time.Millisecond
+	px.Latency(oneWay, oneWay)
+	t.Cleanup(func() { px.Latency(0, 0) })
+	// A store whose claim takes several round trips sends its last request
+	// a round trip before the answer: the deadline falls between that
+	// request's arrival and its reply.
+	begun := time.Now()
+	if _, _, err := fs.Begin(ctxT(t), key(), "fp", "warm-up", time.Second); err != nil {
+		t.Fatalf("Begin of a new key over the slow network: %v", err)
+	}
+	claim := time.Since(begun)
+	deadline := max(claim-80*time.Millisecond, 220*time.Millisecond) // 220ms for one round trip of 300ms
+	for try := 1; ; try++ {
+		k := key()
+		ctx, cancel := context.WithTimeout(context.Background(), deadline)
+		ran := false
+		_, err := idempotency.Do(ctx, fs, k, "fp", func(context.Context, string) ([]byte, error) {
+			ran = true
+			return nil, nil
+		}, opts)
+		cancel()
+		if ran {
+			t.Fatalf("the effect ran although the caller's deadline ended before the claim's reply (%v)", err)
+		}
+		if err == nil {
+			t.Fatal("Do returned nil with its deadline over before the claim's reply")
+		}
+		rec, gerr := st.Get(ctxT(t), k)
+		landed := gerr == nil && (rec.State == idempotency.Claimed || rec.State == idempotency.Released)
+		if !landed && try < 3 {
+			// The claim was not sent before the deadline (a loaded
+			// machine): nothing to free; try again with a new key.
+			t.Logf("try %d: the claim did not land (%+v, %v); again", try, rec, gerr)
+			continue
+		}
+		if !landed {
+			t.Fatalf("in 3 tries the claim never landed before the caller's deadline (%v; a claim took %v): %+v, %v", deadline, claim, rec, gerr)
+		}
+		t.Logf("Do with a %v deadline (a claim took %v): %v", deadline, claim, err)
+		keyFreed(t, st, k, opts)
+		return
+	}
+}
