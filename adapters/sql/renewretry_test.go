@@ -152,4 +152,3 @@ func pgURLVia(t *testing.T, px *faultnet.Proxy) string {
 	}
 	return u
 }
-
