@@ -828,6 +828,13 @@ func (l *lease) Renew(ctx context.Context) error {
 			}
 			return l.a.wrap("renew", l.a.db.unknown(err))
 		}
+		if err != nil && uncertain {
+			// A definite error now (a refused connection, the context
+			// ended while it waited for a connection of the pool) says
+			// nothing of the earlier attempt whose reply was lost, which
+			// may have extended the row (HAZARDS 3).
+			return l.a.wrap("renew", fmt.Errorf("%w: an earlier attempt whose reply was lost may have renewed it: %w", fence.ErrUnknown, err))
+		}
 		if err != nil {
 			return l.a.wrap("renew", l.a.db.unknown(err))
 		}

@@ -329,6 +329,11 @@ func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, fro
 			// The change was made; a failed read of it leaves the caller
 			// not knowing the record.
 			rec, err := s.getOn(ctx, c, key)
+			if notSent(err) || notConnected(err) {
+				// The read got no connection, which says nothing of the
+				// change: it was made (HAZARDS 3).
+				err = fmt.Errorf("%w: the change was made, and the read of the record it wrote was not sent: %w", fence.ErrUnknown, err)
+			}
 			return rec, unknown(err)
 		}
 	} else {
