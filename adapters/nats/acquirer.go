@@ -69,7 +69,10 @@ type Options struct {
 //
 // The token is the bucket stream's creation time in microseconds (on the
 // server's clock, read after each grant) plus the grant's revision (the
-// stream sequence of the create). Within one bucket the revision only grows,
+// stream sequence of the create). A grant during which the creation time
+// changed (the bucket deleted and re-created between the create and that
+// read) is given back and made again: a revision counts only with the
+// creation time of its own bucket. Within one bucket the revision only grows,
 // across leader changes and purges, so tokens grow. Deleting and re-creating
 // the bucket restarts the revisions at 1 but moves the creation time on; a
 // token from the new bucket is larger than every token of the old one as long
@@ -95,6 +98,9 @@ type Acquirer struct {
 	subj       string
 	marker     time.Duration
 	o          Options
+	// created is the bucket's creation time (Unix µs) last read: a grant
+	// compares it, read before its create, with the one read after.
+	created atomic.Int64
 }
 
 var (
@@ -149,7 +155,9 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q expires entries after %v, which would end a renewed lease early", bucket, cfg.MaxAge)}
 	}
 	connBroke(js) // follow the connection's breaks from now on
-	return &Acquirer{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}, nil
+	a := &Acquirer{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}
+	a.created.Store(stream.CachedInfo().Created.UnixMicro())
+	return a, nil
 }
 
 func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) error {
@@ -410,13 +418,37 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 	if drift <= 0 {
 		drift = leasekit.DefaultDrift(ttl)
 	}
-	late := 0
+	late, recreated := 0, 0
 	for {
+		before := a.created.Load() // read before the create is sent
 		sent := time.Now()
 		rev, err := a.grant(ctx, key, value, ttl)
 		if err == nil {
-			l, err := a.lease(ctx, name, key, value, ttl, sent, rev)
+			l, err := a.lease(ctx, name, key, value, ttl, sent, rev, before)
+			if errors.Is(err, errRecreated) && recreated < 3 && ctx.Err() == nil {
+				// The create may have landed in the bucket that is gone:
+				// its revision does not count in the new one. Give it
+				// back (it may be in the new one) and grant afresh.
+				recreated++
+				gave := make(chan struct{})
+				go func(value []byte) {
+					defer close(gave)
+					a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
+				}(value)
+				select {
+				case <-gave:
+				case <-ctx.Done():
+				}
+				if _, err := rand.Read(nb[:]); err != nil {
+					return nil, err
+				}
+				value = []byte(hex.EncodeToString(nb[:]) + " " + a.o.Owner)
+				continue
+			}
 			if err != nil {
+				if errors.Is(err, errRecreated) {
+					go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
+				}
 				if ctx.Err() != nil {
 					return nil, a.fail(ctx, name, err, wt != nil)
 				}
@@ -643,10 +675,16 @@ func isWrongLastSeq(err error) bool {
 	return errors.As(err, &api) && (api.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence || api.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant)
 }
 
+// errRecreated is a grant during which the bucket was deleted and re-created.
+var errRecreated = errors.New("the bucket was deleted and re-created during the grant")
+
 // lease computes the token of a grant at revision rev and returns the lease.
-// The bucket's creation time is read after the grant, so a bucket re-created
-// meanwhile only makes the token larger.
-func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, ttl time.Duration, sent time.Time, rev uint64) (fence.Lease, error) {
+// The bucket's creation time is read after the grant and compared with
+// before, the one read before the create was sent: a revision is a token
+// only with the creation time of the bucket it was made in, and a bucket
+// re-created in between (a new creation time) may hold the grant or not
+// (errRecreated).
+func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, ttl time.Duration, sent time.Time, rev uint64, before int64) (fence.Lease, error) {
 	var created time.Time
 	giveUp := time.Now().Add(a.o.RetryFor)
 	for {
@@ -663,6 +701,10 @@ func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, tt
 			go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
 			return nil, fmt.Errorf("natsfence: acquire %q: the bucket's creation time for the token: %w", name, err)
 		}
+	}
+	if c := created.UnixMicro(); c != before {
+		a.created.CompareAndSwap(before, c)
+		return nil, fmt.Errorf("natsfence: acquire %q: %w", name, errRecreated)
 	}
 	tok := fence.Token(uint64(created.UnixMicro()) + rev)
 	if created.UnixMicro() <= 0 || !tok.Valid() {
