@@ -762,13 +762,19 @@ type lease struct {
 
 	mu  sync.Mutex // serialises Renew and Release
 	rev uint64     // the revision the lease last wrote
+	// unsure is the send of the earliest renewal since rev whose outcome is
+	// unknown (zero: none): a later renewal that finds its entry counts the
+	// deadline from it, as the server counts the entry's TTL from its landing.
+	unsure time.Time
 }
 
 // Renew republishes the lock key with a fresh TTL, expecting the revision the
 // lease last wrote. fence.ErrLost when the key expired or another grant owns
 // it, or when the local deadline has passed (nothing is sent then); an error
 // matching fence.ErrUnknown when retries within RetryFor could not tell
-// whether the renewal landed.
+// whether the renewal landed. A renewal that finds the entry of an earlier
+// one that returned ErrUnknown counts the local deadline from that earlier
+// renewal's send, since the server counts the entry's TTL from its landing.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
@@ -779,12 +785,17 @@ func (l *lease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	sent := time.Now()
+	from := sent // the earliest send that may have written an entry found
+	if !l.unsure.IsZero() {
+		from = l.unsure
+	}
 	giveUp := sent.Add(l.a.o.RetryFor)
 	var lastErr error
 	for {
 		rev, err := l.a.publish(ctx, l.key, l.value, l.rev, l.TTL(), l.grant)
 		if err == nil {
-			l.rev = rev
+			// It expected rev: no earlier renewal landed, nor can now.
+			l.rev, l.unsure = rev, time.Time{}
 			if !l.Extend(sent) {
 				return l.undo(ctx)
 			}
@@ -795,8 +806,10 @@ func (l *lease) Renew(ctx context.Context) error {
 			m, gerr := lastMsg(ctx, l.a.js, l.a.streamName, l.a.subj+l.key, l.a.o.Timeout)
 			if gerr == nil {
 				if m != nil && !isMarker(m) && string(m.Data) == string(l.value) {
-					l.rev = m.Sequence
-					if !l.Extend(sent) {
+					// Written by this call or by an earlier one that
+					// returned without knowing: count from the earliest.
+					l.rev, l.unsure = m.Sequence, time.Time{}
+					if !l.Extend(from) {
 						return l.undo(ctx)
 					}
 					return nil
@@ -808,6 +821,9 @@ func (l *lease) Renew(ctx context.Context) error {
 		}
 		if !ambiguous(err) {
 			return fmt.Errorf("natsfence: renew %q: %w", l.Name(), err)
+		}
+		if l.unsure.IsZero() {
+			l.unsure = sent
 		}
 		lastErr = err
 		if l.Context().Err() != nil {
