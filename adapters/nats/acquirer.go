@@ -37,14 +37,18 @@ func LockBucket(name string) jetstream.KeyValueConfig {
 
 // Options configures an Acquirer. A nil *Options means the defaults.
 type Options struct {
-	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
-	// An acquire with a ttl not above Drift is refused (fence.ErrInvalid).
+	// Drift is taken off each lease's local deadline: below MaxTTL.
+	// Default: 1% of the ttl plus 2ms. An acquire with a ttl not above
+	// Drift is refused (fence.ErrInvalid).
 	Drift time.Duration
-	// MaxWait bounds Acquire's wait when ctx has no deadline. Default: 30s.
+	// MaxWait bounds Acquire's wait when ctx has no deadline: at least
+	// MinTimeout. Default: 30s.
 	MaxWait time.Duration
-	// Owner is stored in the lock key's entry, for operators. Default: host name and process id.
+	// Owner is stored in the lock key's entry, for operators: at most
+	// MaxOwnerBytes. Default: host name and process id.
 	Owner string
-	// Timeout bounds each request to the server. Default: 2s.
+	// Timeout bounds each request to the server: at least MinTimeout.
+	// Default: 2s.
 	Timeout time.Duration
 	// RetryFor bounds how long a request whose reply was lost (a timeout, a
 	// dropped connection, a leader election) is retried. Default: 10s.
@@ -52,9 +56,13 @@ type Options struct {
 	// Recheck is how often a waiting Acquire tries again when no watch event
 	// woke it (a watch that lost events in a way the client could not see).
 	// A break of the connection does not wait for it: the waiter watches
-	// anew and tries again once connected. Default: 5s.
+	// anew and tries again once connected. At least MinTimeout. Default: 5s.
 	Recheck time.Duration
 }
+
+// MaxOwnerBytes is the longest Options.Owner: it travels in every grant and
+// renewal, and a message over the server's max_payload would fail each one.
+const MaxOwnerBytes = 1024
 
 // Acquirer grants leases from a JetStream KV bucket made with LockBucket. It is
 // safe for concurrent use.
@@ -112,7 +120,10 @@ var (
 // refuses, with an error matching fence.ErrInvalid naming the bucket, one
 // without limit markers (LimitMarkerTTL: no per-key TTLs, and an expiry would
 // wake no waiter), with a bucket TTL (it would expire a renewed lease early),
-// or a mirror or a bucket with sources.
+// or a mirror or a bucket with sources. It refuses a negative option, a
+// Timeout, MaxWait or Recheck under MinTimeout (2 meant as seconds is 2ns,
+// which would end every request, wait or pause at once), a Drift not below
+// MaxTTL and an Owner over MaxOwnerBytes, naming the option.
 func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Options) (*Acquirer, error) {
 	const op = "new acquirer"
 	var o Options
@@ -126,6 +137,15 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 		if d.v < 0 {
 			return nil, &fence.InvalidError{Op: op, Arg: d.name, Reason: "negative"}
 		}
+		if d.name != "Drift" && d.name != "RetryFor" && d.v > 0 && d.v < MinTimeout {
+			return nil, &fence.InvalidError{Op: op, Arg: d.name, Reason: fmt.Sprintf("%v is under MinTimeout (%v)", d.v, MinTimeout)}
+		}
+	}
+	if o.Drift >= MaxTTL {
+		return nil, &fence.InvalidError{Op: op, Arg: "Drift", Reason: fmt.Sprintf("%v is not below MaxTTL (%v): no ttl would be above it", o.Drift, MaxTTL)}
+	}
+	if len(o.Owner) > MaxOwnerBytes {
+		return nil, &fence.InvalidError{Op: op, Arg: "Owner", Reason: fmt.Sprintf("%d bytes, over MaxOwnerBytes (%d)", len(o.Owner), MaxOwnerBytes)}
 	}
 	if o.MaxWait == 0 {
 		o.MaxWait = fence.DefaultMaxWait
