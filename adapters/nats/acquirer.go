@@ -201,6 +201,8 @@ func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) er
 // within RetryFor cannot tell whether it landed, the error matches
 // fence.ErrUnknown; the acquirer then removes its entry in the background
 // once it can tell it landed (within the ttl), so the name is not blocked.
+// A create held in the network longer than that (a partition that delivers
+// it later) is not removed: it holds the name for a ttl from its arrival.
 // A grant confirmed only after its local deadline (a slow link) is given
 // back (its purge sent again after a lost reply, for up to the ttl) and
 // tried again, 3 times at most; then the error matches fence.ErrLost.
