@@ -105,7 +105,12 @@ type Acquirer struct {
 	streamName string
 	subj       string
 	marker     time.Duration
-	o          Options
+	// reserve is the longest life of a marker a grant's create expects:
+	// the bucket's LimitMarkerTTL or Timeout, whichever is longer, in whole
+	// seconds. A create held in the network lands within it of its send,
+	// or never.
+	reserve time.Duration
+	o       Options
 	// created is the bucket's creation time (Unix µs) last read: a grant
 	// compares it, read before its create, with the one read after.
 	created atomic.Int64
@@ -176,6 +181,7 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 	}
 	connBroke(js) // follow the connection's breaks from now on
 	a := &Acquirer{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}
+	a.reserve = time.Duration(leasekit.CeilDiv(max(a.marker, o.Timeout), time.Second)) * time.Second
 	a.created.Store(stream.CachedInfo().Created.UnixMicro())
 	return a, nil
 }
@@ -575,6 +581,10 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 // error it returns for the key (nil: the request is made).
 var watchErrHook atomic.Pointer[func(key string) error]
 
+// createHook, set by tests only, is called with the lock key just before a
+// grant's create is sent.
+var createHook atomic.Pointer[func(key string)]
+
 // waitingHook, set by tests only, is called with the lock key each time a
 // waiting Acquire's try found the name held and it begins to wait.
 var waitingHook atomic.Pointer[func(key string)]
@@ -582,34 +592,50 @@ var waitingHook atomic.Pointer[func(key string)]
 // grant creates key with value and a TTL; it returns the create's revision,
 // or fence.ErrHeld. A create whose reply was lost is sent again; one that
 // landed is recognised by value (its nonce).
+//
+// The create never expects "no entry", which would stay true for as long as
+// nobody writes the key: it expects a marker that lives at most a.reserve,
+// and writes one first when the key has none (or one that lives longer), so
+// a create held in the network lands within a.reserve of its send, or never.
 func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time.Duration) (uint64, error) {
 	giveUp := time.Now().Add(a.o.RetryFor)
 	var lastErr error
 	wrote := false // a create whose outcome is unknown was sent
 	for {
+		var expect uint64
 		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
 		if err == nil {
-			var expect uint64
-			if m != nil {
-				if !isMarker(m) {
-					if string(m.Data) == string(value) {
-						return m.Sequence, nil // an earlier attempt landed
-					}
-					return 0, fence.ErrHeld
+			switch {
+			case m != nil && !isMarker(m):
+				if string(m.Data) == string(value) {
+					return m.Sequence, nil // an earlier attempt landed
 				}
+				return 0, fence.ErrHeld
+			case m != nil && markerLife(m) <= a.reserve:
 				expect = m.Sequence
+			default:
+				var prev uint64
+				if m != nil {
+					prev = m.Sequence
+				}
+				expect, err = a.reserveKey(ctx, key, prev)
+			}
+		}
+		if err == nil {
+			if h := createHook.Load(); h != nil {
+				(*h)(key)
 			}
 			var rev uint64
 			rev, err = a.publish(ctx, key, value, expect, ttl, 0)
 			if err == nil {
 				return rev, nil
 			}
-			if revisionMismatch(err) {
-				continue // changed meanwhile: look again
-			}
 			if ambiguous(err) {
 				wrote = true
 			}
+		}
+		if revisionMismatch(err) {
+			continue // changed meanwhile: look again
 		}
 		if !ambiguous(err) {
 			return 0, err
@@ -617,8 +643,9 @@ func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time
 		lastErr = err
 		if werr := retryWaitUntil(ctx, a.js, giveUp); werr != nil {
 			if !wrote {
-				// Only reads failed: nothing was written, nothing to
-				// clean up; as any wait that ran out when ctx ended.
+				// No create was sent (only reads, or a marker, failed):
+				// nothing to clean up; as any wait that ran out when
+				// ctx ended.
 				return 0, errors.Join(lastErr, werr)
 			}
 			return 0, fmt.Errorf("%w: %w", fence.ErrUnknown, errors.Join(lastErr, werr))
@@ -630,33 +657,29 @@ func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time
 // returned ErrUnknown), retrying ambiguous failures until it can tell, for at
 // most ttl: by then the server has expired the entry anyway.
 //
-// No entry, before it has seen one, does not end it at once: the create may
-// still be on its way, or not yet stored, and land afterwards. It looks
-// again, pausing 50ms doubling to 1s, until a request timeout
-// (Options.Timeout) has passed since it began.
+// A create of ours not landed yet (on its way, or not yet stored) expects
+// the marker the key holds: cleanup replaces that marker, so it cannot land
+// afterwards. At most one create of a grant lands (each expects the revision
+// last read, and none expects "no entry"): once it was removed, or another
+// grant's entry or no message at all is found, none can land any more.
 func (a *Acquirer) cleanup(ctx context.Context, key string, value []byte, ttl time.Duration) {
 	ctx, cancel := context.WithTimeout(ctx, ttl)
 	defer cancel()
-	absentUntil := time.Now().Add(a.o.Timeout)
-	seen := false // the entry was there once: it has landed
-	for absent := 0; ; {
+	for {
 		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
 		if err == nil {
-			if m != nil {
-				seen = true
+			switch {
+			case m == nil || !isMarker(m) && string(m.Data) != string(value):
+				return // not ours, and none of ours can land over it
+			case isMarker(m):
+				_, err = a.reserveKey(ctx, key, m.Sequence)
+			default:
+				err = a.purge(ctx, key, m.Sequence)
 			}
-			if m == nil && !seen && time.Now().Before(absentUntil) {
-				if (fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}).Sleep(ctx, absent) != nil {
-					return
-				}
-				absent++
-				continue
+			if err == nil {
+				return
 			}
-			if m == nil || isMarker(m) || string(m.Data) != string(value) {
-				return // not ours: nothing to clean up
-			}
-			err = a.purge(ctx, key, m.Sequence)
-			if err == nil || revisionMismatch(err) {
+			if revisionMismatch(err) {
 				continue // look again
 			}
 		}
@@ -664,6 +687,41 @@ func (a *Acquirer) cleanup(ctx context.Context, key string, value []byte, ttl ti
 			return
 		}
 	}
+}
+
+// reserveKey writes a purge marker on key that lives a.reserve, expecting
+// revision prev (0: no message), and returns its revision. A grant's create
+// expects it, so that a create held in the network cannot land once it aged
+// out; a purge marker's expiry leaves no further marker on the server.
+func (a *Acquirer) reserveKey(ctx context.Context, key string, prev uint64) (uint64, error) {
+	m := nats.NewMsg(a.subj + key)
+	m.Header.Set("KV-Operation", "PURGE")
+	m.Header.Set(jetstream.MsgRollup, jetstream.MsgRollupSubject)
+	m.Header.Set(jetstream.MsgTTLHeader, ttlSeconds(a.reserve))
+	actx, cancel := attemptCtx(ctx, a.js, a.o.Timeout)
+	defer cancel()
+	pa, err := a.js.PublishMsg(actx, m, jetstream.WithExpectLastSequencePerSubject(prev))
+	if err != nil {
+		if isWrongLastSeq(err) {
+			return 0, fmt.Errorf("%w: %w", err, jetstream.ErrKeyRevisionMismatch)
+		}
+		return 0, err
+	}
+	return pa.Sequence, nil
+}
+
+// markerLife is how long marker m lives on the server: its TTL header, in
+// whole seconds or as a duration; MaxTTL when it has none (it stays until
+// the key is written again).
+func markerLife(m *storedMsg) time.Duration {
+	v := header(m, jetstream.MsgTTLHeader)
+	if s, err := strconv.ParseInt(v, 10, 64); err == nil && s > 0 {
+		return time.Duration(s) * time.Second
+	}
+	if d, err := time.ParseDuration(v); err == nil && d > 0 {
+		return d
+	}
+	return MaxTTL
 }
 
 // grantHeader names the header of a renewal that holds the revision of the
