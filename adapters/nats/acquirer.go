@@ -69,7 +69,10 @@ const MaxOwnerBytes = 1024
 //
 // A grant creates the lock key EncodeKey(name) if it is absent, with a per-key
 // TTL of the lease's ttl rounded up to whole seconds, so the lease expires on
-// the server's clock. Renew republishes the entry with a fresh TTL, expecting
+// the server's clock. The create expects the revision of a marker on the key
+// (a release's or an expiry's, or one the grant writes first) that the
+// server expires within Timeout or LimitMarkerTTL, whichever is longer, so a
+// create delivered later than that is refused. Renew republishes the entry with a fresh TTL, expecting
 // the revision the lease last wrote; Release purges it expecting the same
 // revision; neither touches a key another grant owns.
 //
@@ -202,13 +205,19 @@ func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) er
 }
 
 // TryAcquire grants the lease on name for ttl (at least MinTTL), or returns
-// fence.ErrHeld at once. Two round trips: the create, and the bucket's
-// creation time for the token. When the create's reply is lost and retries
-// within RetryFor cannot tell whether it landed, the error matches
-// fence.ErrUnknown; the acquirer then removes its entry in the background
-// once it can tell it landed (within the ttl), so the name is not blocked.
-// A create held in the network longer than that (a partition that delivers
-// it later) is not removed: it holds the name for a ttl from its arrival.
+// fence.ErrHeld at once. Three round trips: the key's read, the create, and
+// the bucket's creation time for the token; a fourth, a marker written
+// before the create, on a key that holds none (not released or expired
+// within the bucket's LimitMarkerTTL). When the create's reply is lost and
+// retries within RetryFor cannot tell whether it landed, the error matches
+// fence.ErrUnknown; the acquirer then, in the background for up to the
+// ttl, removes the entry if it landed or makes sure it cannot land. A
+// create lands within Timeout or LimitMarkerTTL, whichever is longer (in
+// whole seconds), of its send, or never: it expects a marker the server
+// expires by then. So a create held in the network (a partition that
+// delivers it later) while that cleanup cannot reach the server holds the
+// name at most that long plus the ttl (in whole seconds) after TryAcquire
+// returned, plus however late the server expires the marker.
 // A grant confirmed only after its local deadline (a slow link) is given
 // back (its purge sent again after a lost reply, for up to the ttl) and
 // tried again, 3 times at most; then the error matches fence.ErrLost.
