@@ -37,14 +37,18 @@ func LockBucket(name string) jetstream.KeyValueConfig {
 
 // Options configures an Acquirer. A nil *Options means the defaults.
 type Options struct {
-	// Drift is taken off each lease's local deadline. Default: 1% of the ttl plus 2ms.
-	// An acquire with a ttl not above Drift is refused (fence.ErrInvalid).
+	// Drift is taken off each lease's local deadline: below MaxTTL.
+	// Default: 1% of the ttl plus 2ms. An acquire with a ttl not above
+	// Drift is refused (fence.ErrInvalid).
 	Drift time.Duration
-	// MaxWait bounds Acquire's wait when ctx has no deadline. Default: 30s.
+	// MaxWait bounds Acquire's wait when ctx has no deadline: at least
+	// MinTimeout. Default: 30s.
 	MaxWait time.Duration
-	// Owner is stored in the lock key's entry, for operators. Default: host name and process id.
+	// Owner is stored in the lock key's entry, for operators: at most
+	// MaxOwnerBytes. Default: host name and process id.
 	Owner string
-	// Timeout bounds each request to the server. Default: 2s.
+	// Timeout bounds each request to the server: at least MinTimeout.
+	// Default: 2s.
 	Timeout time.Duration
 	// RetryFor bounds how long a request whose reply was lost (a timeout, a
 	// dropped connection, a leader election) is retried. Default: 10s.
@@ -52,16 +56,23 @@ type Options struct {
 	// Recheck is how often a waiting Acquire tries again when no watch event
 	// woke it (a watch that lost events in a way the client could not see).
 	// A break of the connection does not wait for it: the waiter watches
-	// anew and tries again once connected. Default: 5s.
+	// anew and tries again once connected. At least MinTimeout. Default: 5s.
 	Recheck time.Duration
 }
+
+// MaxOwnerBytes is the longest Options.Owner: it travels in every grant and
+// renewal, and a message over the server's max_payload would fail each one.
+const MaxOwnerBytes = 1024
 
 // Acquirer grants leases from a JetStream KV bucket made with LockBucket. It is
 // safe for concurrent use.
 //
 // A grant creates the lock key EncodeKey(name) if it is absent, with a per-key
 // TTL of the lease's ttl rounded up to whole seconds, so the lease expires on
-// the server's clock. Renew republishes the entry with a fresh TTL, expecting
+// the server's clock. The create expects the revision of a marker on the key
+// (a release's or an expiry's, or one the grant writes first) that the
+// server expires within Timeout or LimitMarkerTTL, whichever is longer, so a
+// create delivered later than that is refused. Renew republishes the entry with a fresh TTL, expecting
 // the revision the lease last wrote; Release purges it expecting the same
 // revision; neither touches a key another grant owns.
 //
@@ -69,7 +80,10 @@ type Options struct {
 //
 // The token is the bucket stream's creation time in microseconds (on the
 // server's clock, read after each grant) plus the grant's revision (the
-// stream sequence of the create). Within one bucket the revision only grows,
+// stream sequence of the create). A grant during which the creation time
+// changed (the bucket deleted and re-created between the create and that
+// read) is given back and made again: a revision counts only with the
+// creation time of its own bucket. Within one bucket the revision only grows,
 // across leader changes and purges, so tokens grow. Deleting and re-creating
 // the bucket restarts the revisions at 1 but moves the creation time on; a
 // token from the new bucket is larger than every token of the old one as long
@@ -94,7 +108,15 @@ type Acquirer struct {
 	streamName string
 	subj       string
 	marker     time.Duration
-	o          Options
+	// reserve is the longest life of a marker a grant's create expects:
+	// the bucket's LimitMarkerTTL or Timeout, whichever is longer, in whole
+	// seconds. A create held in the network lands within it of its send,
+	// or never.
+	reserve time.Duration
+	o       Options
+	// created is the bucket's creation time (Unix µs) last read: a grant
+	// compares it, read before its create, with the one read after.
+	created atomic.Int64
 }
 
 var (
@@ -106,7 +128,10 @@ var (
 // refuses, with an error matching fence.ErrInvalid naming the bucket, one
 // without limit markers (LimitMarkerTTL: no per-key TTLs, and an expiry would
 // wake no waiter), with a bucket TTL (it would expire a renewed lease early),
-// or a mirror or a bucket with sources.
+// or a mirror or a bucket with sources. It refuses a negative option, a
+// Timeout, MaxWait or Recheck under MinTimeout (2 meant as seconds is 2ns,
+// which would end every request, wait or pause at once), a Drift not below
+// MaxTTL and an Owner over MaxOwnerBytes, naming the option.
 func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Options) (*Acquirer, error) {
 	const op = "new acquirer"
 	var o Options
@@ -120,6 +145,15 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 		if d.v < 0 {
 			return nil, &fence.InvalidError{Op: op, Arg: d.name, Reason: "negative"}
 		}
+		if d.name != "Drift" && d.name != "RetryFor" && d.v > 0 && d.v < MinTimeout {
+			return nil, &fence.InvalidError{Op: op, Arg: d.name, Reason: fmt.Sprintf("%v is under MinTimeout (%v)", d.v, MinTimeout)}
+		}
+	}
+	if o.Drift >= MaxTTL {
+		return nil, &fence.InvalidError{Op: op, Arg: "Drift", Reason: fmt.Sprintf("%v is not below MaxTTL (%v): no ttl would be above it", o.Drift, MaxTTL)}
+	}
+	if len(o.Owner) > MaxOwnerBytes {
+		return nil, &fence.InvalidError{Op: op, Arg: "Owner", Reason: fmt.Sprintf("%d bytes, over MaxOwnerBytes (%d)", len(o.Owner), MaxOwnerBytes)}
 	}
 	if o.MaxWait == 0 {
 		o.MaxWait = fence.DefaultMaxWait
@@ -149,7 +183,10 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q expires entries after %v, which would end a renewed lease early", bucket, cfg.MaxAge)}
 	}
 	connBroke(js) // follow the connection's breaks from now on
-	return &Acquirer{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}, nil
+	a := &Acquirer{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", marker: cfg.SubjectDeleteMarkerTTL, o: o}
+	a.reserve = time.Duration(leasekit.CeilDiv(max(a.marker, o.Timeout), time.Second)) * time.Second
+	a.created.Store(stream.CachedInfo().Created.UnixMicro())
+	return a, nil
 }
 
 func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) error {
@@ -168,11 +205,19 @@ func (a *Acquirer) check(ctx context.Context, name string, ttl time.Duration) er
 }
 
 // TryAcquire grants the lease on name for ttl (at least MinTTL), or returns
-// fence.ErrHeld at once. Two round trips: the create, and the bucket's
-// creation time for the token. When the create's reply is lost and retries
-// within RetryFor cannot tell whether it landed, the error matches
-// fence.ErrUnknown; the acquirer then removes its entry in the background
-// once it can tell it landed (within the ttl), so the name is not blocked.
+// fence.ErrHeld at once. Three round trips: the key's read, the create, and
+// the bucket's creation time for the token; a fourth, a marker written
+// before the create, on a key that holds none (not released or expired
+// within the bucket's LimitMarkerTTL). When the create's reply is lost and
+// retries within RetryFor cannot tell whether it landed, the error matches
+// fence.ErrUnknown; the acquirer then, in the background for up to the
+// ttl, removes the entry if it landed or makes sure it cannot land. A
+// create lands within Timeout or LimitMarkerTTL, whichever is longer (in
+// whole seconds), of its send, or never: it expects a marker the server
+// expires by then. So a create held in the network (a partition that
+// delivers it later) while that cleanup cannot reach the server holds the
+// name at most that long plus the ttl (in whole seconds) after TryAcquire
+// returned, plus however late the server expires the marker.
 // A grant confirmed only after its local deadline (a slow link) is given
 // back (its purge sent again after a lost reply, for up to the ttl) and
 // tried again, 3 times at most; then the error matches fence.ErrLost.
@@ -410,13 +455,37 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 	if drift <= 0 {
 		drift = leasekit.DefaultDrift(ttl)
 	}
-	late := 0
+	late, recreated := 0, 0
 	for {
+		before := a.created.Load() // read before the create is sent
 		sent := time.Now()
 		rev, err := a.grant(ctx, key, value, ttl)
 		if err == nil {
-			l, err := a.lease(ctx, name, key, value, ttl, sent, rev)
+			l, err := a.lease(ctx, name, key, value, ttl, sent, rev, before)
+			if errors.Is(err, errRecreated) && recreated < 3 && ctx.Err() == nil {
+				// The create may have landed in the bucket that is gone:
+				// its revision does not count in the new one. Give it
+				// back (it may be in the new one) and grant afresh.
+				recreated++
+				gave := make(chan struct{})
+				go func(value []byte) {
+					defer close(gave)
+					a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
+				}(value)
+				select {
+				case <-gave:
+				case <-ctx.Done():
+				}
+				if _, err := rand.Read(nb[:]); err != nil {
+					return nil, err
+				}
+				value = []byte(hex.EncodeToString(nb[:]) + " " + a.o.Owner)
+				continue
+			}
 			if err != nil {
+				if errors.Is(err, errRecreated) {
+					go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
+				}
 				if ctx.Err() != nil {
 					return nil, a.fail(ctx, name, err, wt != nil)
 				}
@@ -521,6 +590,10 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 // error it returns for the key (nil: the request is made).
 var watchErrHook atomic.Pointer[func(key string) error]
 
+// createHook, set by tests only, is called with the lock key just before a
+// grant's create is sent.
+var createHook atomic.Pointer[func(key string)]
+
 // waitingHook, set by tests only, is called with the lock key each time a
 // waiting Acquire's try found the name held and it begins to wait.
 var waitingHook atomic.Pointer[func(key string)]
@@ -528,34 +601,50 @@ var waitingHook atomic.Pointer[func(key string)]
 // grant creates key with value and a TTL; it returns the create's revision,
 // or fence.ErrHeld. A create whose reply was lost is sent again; one that
 // landed is recognised by value (its nonce).
+//
+// The create never expects "no entry", which would stay true for as long as
+// nobody writes the key: it expects a marker that lives at most a.reserve,
+// and writes one first when the key has none (or one that lives longer), so
+// a create held in the network lands within a.reserve of its send, or never.
 func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time.Duration) (uint64, error) {
 	giveUp := time.Now().Add(a.o.RetryFor)
 	var lastErr error
 	wrote := false // a create whose outcome is unknown was sent
 	for {
+		var expect uint64
 		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
 		if err == nil {
-			var expect uint64
-			if m != nil {
-				if !isMarker(m) {
-					if string(m.Data) == string(value) {
-						return m.Sequence, nil // an earlier attempt landed
-					}
-					return 0, fence.ErrHeld
+			switch {
+			case m != nil && !isMarker(m):
+				if string(m.Data) == string(value) {
+					return m.Sequence, nil // an earlier attempt landed
 				}
+				return 0, fence.ErrHeld
+			case m != nil && markerLife(m) <= a.reserve:
 				expect = m.Sequence
+			default:
+				var prev uint64
+				if m != nil {
+					prev = m.Sequence
+				}
+				expect, err = a.reserveKey(ctx, key, prev)
+			}
+		}
+		if err == nil {
+			if h := createHook.Load(); h != nil {
+				(*h)(key)
 			}
 			var rev uint64
 			rev, err = a.publish(ctx, key, value, expect, ttl, 0)
 			if err == nil {
 				return rev, nil
 			}
-			if revisionMismatch(err) {
-				continue // changed meanwhile: look again
-			}
 			if ambiguous(err) {
 				wrote = true
 			}
+		}
+		if revisionMismatch(err) {
+			continue // changed meanwhile: look again
 		}
 		if !ambiguous(err) {
 			return 0, err
@@ -563,8 +652,9 @@ func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time
 		lastErr = err
 		if werr := retryWaitUntil(ctx, a.js, giveUp); werr != nil {
 			if !wrote {
-				// Only reads failed: nothing was written, nothing to
-				// clean up; as any wait that ran out when ctx ended.
+				// No create was sent (only reads, or a marker, failed):
+				// nothing to clean up; as any wait that ran out when
+				// ctx ended.
 				return 0, errors.Join(lastErr, werr)
 			}
 			return 0, fmt.Errorf("%w: %w", fence.ErrUnknown, errors.Join(lastErr, werr))
@@ -576,33 +666,29 @@ func (a *Acquirer) grant(ctx context.Context, key string, value []byte, ttl time
 // returned ErrUnknown), retrying ambiguous failures until it can tell, for at
 // most ttl: by then the server has expired the entry anyway.
 //
-// No entry, before it has seen one, does not end it at once: the create may
-// still be on its way, or not yet stored, and land afterwards. It looks
-// again, pausing 50ms doubling to 1s, until a request timeout
-// (Options.Timeout) has passed since it began.
+// A create of ours not landed yet (on its way, or not yet stored) expects
+// the marker the key holds: cleanup replaces that marker, so it cannot land
+// afterwards. At most one create of a grant lands (each expects the revision
+// last read, and none expects "no entry"): once it was removed, or another
+// grant's entry or no message at all is found, none can land any more.
 func (a *Acquirer) cleanup(ctx context.Context, key string, value []byte, ttl time.Duration) {
 	ctx, cancel := context.WithTimeout(ctx, ttl)
 	defer cancel()
-	absentUntil := time.Now().Add(a.o.Timeout)
-	seen := false // the entry was there once: it has landed
-	for absent := 0; ; {
+	for {
 		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
 		if err == nil {
-			if m != nil {
-				seen = true
+			switch {
+			case m == nil || !isMarker(m) && string(m.Data) != string(value):
+				return // not ours, and none of ours can land over it
+			case isMarker(m):
+				_, err = a.reserveKey(ctx, key, m.Sequence)
+			default:
+				err = a.purge(ctx, key, m.Sequence)
 			}
-			if m == nil && !seen && time.Now().Before(absentUntil) {
-				if (fence.Backoff{Min: 50 * time.Millisecond, Max: time.Second}).Sleep(ctx, absent) != nil {
-					return
-				}
-				absent++
-				continue
+			if err == nil {
+				return
 			}
-			if m == nil || isMarker(m) || string(m.Data) != string(value) {
-				return // not ours: nothing to clean up
-			}
-			err = a.purge(ctx, key, m.Sequence)
-			if err == nil || revisionMismatch(err) {
+			if revisionMismatch(err) {
 				continue // look again
 			}
 		}
@@ -610,6 +696,41 @@ func (a *Acquirer) cleanup(ctx context.Context, key string, value []byte, ttl ti
 			return
 		}
 	}
+}
+
+// reserveKey writes a purge marker on key that lives a.reserve, expecting
+// revision prev (0: no message), and returns its revision. A grant's create
+// expects it, so that a create held in the network cannot land once it aged
+// out; a purge marker's expiry leaves no further marker on the server.
+func (a *Acquirer) reserveKey(ctx context.Context, key string, prev uint64) (uint64, error) {
+	m := nats.NewMsg(a.subj + key)
+	m.Header.Set("KV-Operation", "PURGE")
+	m.Header.Set(jetstream.MsgRollup, jetstream.MsgRollupSubject)
+	m.Header.Set(jetstream.MsgTTLHeader, ttlSeconds(a.reserve))
+	actx, cancel := attemptCtx(ctx, a.js, a.o.Timeout)
+	defer cancel()
+	pa, err := a.js.PublishMsg(actx, m, jetstream.WithExpectLastSequencePerSubject(prev))
+	if err != nil {
+		if isWrongLastSeq(err) {
+			return 0, fmt.Errorf("%w: %w", err, jetstream.ErrKeyRevisionMismatch)
+		}
+		return 0, err
+	}
+	return pa.Sequence, nil
+}
+
+// markerLife is how long marker m lives on the server: its TTL header, in
+// whole seconds or as a duration; MaxTTL when it has none (it stays until
+// the key is written again).
+func markerLife(m *storedMsg) time.Duration {
+	v := header(m, jetstream.MsgTTLHeader)
+	if s, err := strconv.ParseInt(v, 10, 64); err == nil && s > 0 {
+		return time.Duration(s) * time.Second
+	}
+	if d, err := time.ParseDuration(v); err == nil && d > 0 {
+		return d
+	}
+	return MaxTTL
 }
 
 // grantHeader names the header of a renewal that holds the revision of the
@@ -643,10 +764,16 @@ func isWrongLastSeq(err error) bool {
 	return errors.As(err, &api) && (api.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence || api.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant)
 }
 
+// errRecreated is a grant during which the bucket was deleted and re-created.
+var errRecreated = errors.New("the bucket was deleted and re-created during the grant")
+
 // lease computes the token of a grant at revision rev and returns the lease.
-// The bucket's creation time is read after the grant, so a bucket re-created
-// meanwhile only makes the token larger.
-func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, ttl time.Duration, sent time.Time, rev uint64) (fence.Lease, error) {
+// The bucket's creation time is read after the grant and compared with
+// before, the one read before the create was sent: a revision is a token
+// only with the creation time of the bucket it was made in, and a bucket
+// re-created in between (a new creation time) may hold the grant or not
+// (errRecreated).
+func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, ttl time.Duration, sent time.Time, rev uint64, before int64) (fence.Lease, error) {
 	var created time.Time
 	giveUp := time.Now().Add(a.o.RetryFor)
 	for {
@@ -663,6 +790,10 @@ func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, tt
 			go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
 			return nil, fmt.Errorf("natsfence: acquire %q: the bucket's creation time for the token: %w", name, err)
 		}
+	}
+	if c := created.UnixMicro(); c != before {
+		a.created.CompareAndSwap(before, c)
+		return nil, fmt.Errorf("natsfence: acquire %q: %w", name, errRecreated)
 	}
 	tok := fence.Token(uint64(created.UnixMicro()) + rev)
 	if created.UnixMicro() <= 0 || !tok.Valid() {
@@ -720,13 +851,19 @@ type lease struct {
 
 	mu  sync.Mutex // serialises Renew and Release
 	rev uint64     // the revision the lease last wrote
+	// unsure is the send of the earliest renewal since rev whose outcome is
+	// unknown (zero: none): a later renewal that finds its entry counts the
+	// deadline from it, as the server counts the entry's TTL from its landing.
+	unsure time.Time
 }
 
 // Renew republishes the lock key with a fresh TTL, expecting the revision the
 // lease last wrote. fence.ErrLost when the key expired or another grant owns
 // it, or when the local deadline has passed (nothing is sent then); an error
 // matching fence.ErrUnknown when retries within RetryFor could not tell
-// whether the renewal landed.
+// whether the renewal landed. A renewal that finds the entry of an earlier
+// one that returned ErrUnknown counts the local deadline from that earlier
+// renewal's send, since the server counts the entry's TTL from its landing.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
@@ -737,12 +874,17 @@ func (l *lease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	sent := time.Now()
+	from := sent // the earliest send that may have written an entry found
+	if !l.unsure.IsZero() {
+		from = l.unsure
+	}
 	giveUp := sent.Add(l.a.o.RetryFor)
 	var lastErr error
 	for {
 		rev, err := l.a.publish(ctx, l.key, l.value, l.rev, l.TTL(), l.grant)
 		if err == nil {
-			l.rev = rev
+			// It expected rev: no earlier renewal landed, nor can now.
+			l.rev, l.unsure = rev, time.Time{}
 			if !l.Extend(sent) {
 				return l.undo(ctx)
 			}
@@ -753,8 +895,10 @@ func (l *lease) Renew(ctx context.Context) error {
 			m, gerr := lastMsg(ctx, l.a.js, l.a.streamName, l.a.subj+l.key, l.a.o.Timeout)
 			if gerr == nil {
 				if m != nil && !isMarker(m) && string(m.Data) == string(l.value) {
-					l.rev = m.Sequence
-					if !l.Extend(sent) {
+					// Written by this call or by an earlier one that
+					// returned without knowing: count from the earliest.
+					l.rev, l.unsure = m.Sequence, time.Time{}
+					if !l.Extend(from) {
 						return l.undo(ctx)
 					}
 					return nil
@@ -766,6 +910,9 @@ func (l *lease) Renew(ctx context.Context) error {
 		}
 		if !ambiguous(err) {
 			return fmt.Errorf("natsfence: renew %q: %w", l.Name(), err)
+		}
+		if l.unsure.IsZero() {
+			l.unsure = sent
 		}
 		lastErr = err
 		if l.Context().Err() != nil {

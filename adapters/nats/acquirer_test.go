@@ -209,9 +209,11 @@ func TestFractionalTTLRoundedUp(t *testing.T) {
 // purges it whole.
 var exhaustBucket = natsfence.LockBucket("locks_exhausted")
 
-// setCounter makes the next grant of any name in exhaustBucket carry tok+1:
+// setCounter makes the next grant of a new name in exhaustBucket carry tok+1:
 // a stream purge up to a sequence beyond the last moves the stream's next
 // sequence there (it removes every entry: only for this test's own bucket).
+// Such a grant writes a marker first (a key without one), which takes the
+// sequence before its create's.
 func setCounter(t *testing.T, j jetstream.JetStream, tok fence.Token) {
 	t.Helper()
 	ctx := context.Background()
@@ -220,7 +222,7 @@ func setCounter(t *testing.T, j jetstream.JetStream, tok fence.Token) {
 		t.Fatal(err)
 	}
 	created := uint64(st.CachedInfo().Created.UnixMicro())
-	if err := st.Purge(ctx, jetstream.WithPurgeSequence(uint64(tok)+1-created)); err != nil {
-		t.Fatalf("purge to sequence %d: %v", uint64(tok)+1-created, err)
+	if err := st.Purge(ctx, jetstream.WithPurgeSequence(uint64(tok)-created)); err != nil {
+		t.Fatalf("purge to sequence %d: %v", uint64(tok)-created, err)
 	}
 }

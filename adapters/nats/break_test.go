@@ -63,7 +63,7 @@ func TestLostReplyEndsAtTheBreak(t *testing.T) {
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	name := fencetest.Name("break")
 	before = p.Stats().LostReplies
-	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.LoseReply(createTo(lockBucket.Bucket))
 	start = time.Now()
 	l, err := a.TryAcquire(ctx, name, 10*time.Second)
 	took = time.Since(start)

@@ -20,3 +20,13 @@ func SetWatchErrHook(f func(key string) error) {
 	}
 	watchErrHook.Store(&f)
 }
+
+// SetCreateHook makes f be called with the lock key just before each grant's
+// create is sent (nil: no call).
+func SetCreateHook(f func(key string)) {
+	if f == nil {
+		createHook.Store(nil)
+		return
+	}
+	createHook.Store(&f)
+}

@@ -18,6 +18,14 @@ func publishTo(bucket string) func([]byte) bool {
 	return func(b []byte) bool { return bytes.Contains(b, []byte("PUB $KV."+bucket+".")) }
 }
 
+// createTo matches a client chunk that publishes a grant's create to a key of
+// bucket: a publish that is not a marker (a grant on a key without one writes
+// a marker first).
+func createTo(bucket string) func([]byte) bool {
+	pub := publishTo(bucket)
+	return func(b []byte) bool { return pub(b) && !bytes.Contains(b, []byte("KV-Operation")) }
+}
+
 // waitLost waits until p has thrown away a reply, after a call that armed it.
 func waitLost(t *testing.T, p *faultnet.Proxy, before int64) {
 	t.Helper()
@@ -179,7 +187,7 @@ func TestGrantLostAck(t *testing.T) {
 	_ = warm.Release(ctx)
 	name := fencetest.Name("lostgrant")
 	before := p.Stats().LostReplies
-	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.LoseReply(createTo(lockBucket.Bucket))
 	l, err := a.TryAcquire(ctx, name, 20*time.Second)
 	waitLost(t, p, before)
 	if err != nil {

@@ -119,7 +119,11 @@ func TestReviewNatsLateAcquireCancelledDuringCreate(t *testing.T) {
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var once sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(*nats.Msg) { once.Do(cancel) })
+	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+		if m.Header.Get("KV-Operation") == "" { // the create, not a marker before it
+			once.Do(cancel)
+		}
+	})
 	p.Latency(300*time.Millisecond, 300*time.Millisecond)
 	l, err := a.Acquire(actx, name, 20*time.Second)
 	if err == nil {
@@ -367,7 +371,11 @@ func TestReviewNatsTryAcquireCancelledDuringCreateNotHeld(t *testing.T) {
 	tctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var once sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(*nats.Msg) { once.Do(cancel) })
+	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+		if m.Header.Get("KV-Operation") == "" { // the create, not a marker before it
+			once.Do(cancel)
+		}
+	})
 	p.Latency(300*time.Millisecond, 300*time.Millisecond)
 	l, err := a.TryAcquire(tctx, name, 20*time.Second)
 	p.Latency(0, 0)

@@ -27,7 +27,7 @@ func TestGrantUnknownDoesNotBlockName(t *testing.T) {
 	}
 	_ = warm.Release(ctx)
 	name := fencetest.Name("unknowngrant")
-	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.LoseReply(createTo(lockBucket.Bucket))
 	p.Refuse(true)
 	_, err = a.TryAcquire(ctx, name, time.Minute)
 	if !errors.Is(err, fence.ErrUnknown) {
@@ -215,7 +215,7 @@ func TestGrantConfirmedAfterLocalDeadline(t *testing.T) {
 	_ = warm.Release(ctx)
 	name := fencetest.Name("lateconfirm")
 	before := p.Stats().LostReplies
-	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.LoseReply(createTo(lockBucket.Bucket))
 	p.Refuse(true)
 	type res struct {
 		l   fence.Lease
@@ -266,7 +266,7 @@ func TestCancelledAcquireDoesNotBlockName(t *testing.T) {
 	_ = warm.Release(ctx)
 	name := fencetest.Name("cancelled")
 	before := p.Stats().LostReplies
-	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.LoseReply(createTo(lockBucket.Bucket))
 	p.Refuse(true)
 	actx, cancel := context.WithCancel(ctx)
 	got := make(chan error, 1)
