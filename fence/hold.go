@@ -13,7 +13,7 @@ import (
 const releaseTimeout = 5 * time.Second
 
 // Hold acquires name with a for ttl, runs work, and releases the lease afterwards,
-// also when work panics or its context is cancelled.
+// also when work panics, calls runtime.Goexit, or its context is cancelled.
 //
 // While work runs, Hold renews the lease every ttl/3. When the lease tells its
 // local deadline (leases built on leasekit.Base do), the first renewal comes
@@ -97,18 +97,27 @@ func lostError(l Lease) error {
 }
 
 // runWork calls work. When work panics, it stops the renewals, releases the
-// lease and re-raises the panic, so that it is not swallowed.
+// lease and re-raises the panic, so that it is not swallowed. When work ends
+// its goroutine with runtime.Goexit (t.FailNow in a test), it stops the
+// renewals and releases the lease too, and the goroutine goes on exiting.
 func runWork(ctx context.Context, l Lease, work func(context.Context, Lease) error, stopRenewals func()) (err error) {
+	returned := false
 	defer func() {
-		if p := recover(); p != nil {
-			stopRenewals()
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
-			_ = l.Release(rctx)
-			cancel()
+		if returned {
+			return
+		}
+		p := recover() // nil for runtime.Goexit
+		stopRenewals()
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		_ = l.Release(rctx)
+		cancel()
+		if p != nil {
 			panic(p)
 		}
 	}()
-	return work(ctx, l)
+	err = work(ctx, l)
+	returned = true
+	return err
 }
 
 // localDeadliner is a lease that tells its local deadline (leasekit.Base

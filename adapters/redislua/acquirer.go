@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"runtime"
 	"strconv"
@@ -161,7 +162,9 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	}
 	// A line entry lives five polls, and at least a second, without a refresh.
 	a.poll = o.Backoff.WithDefaults().Max
-	a.life = max(time.Second, 5*a.poll)
+	// Five polls saturate rather than overflow: Backoff.Max may be as large
+	// as math.MaxInt64, and a wrapped product made a place live 1s.
+	a.life = max(time.Second, min(a.poll, math.MaxInt64/5)*5)
 	if !o.DisableNotify {
 		a.grants = newGrants(c, a.grantChannel()+a.id)
 	}

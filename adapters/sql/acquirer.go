@@ -836,7 +836,13 @@ func (l *lease) Renew(ctx context.Context) error {
 			return l.a.wrap("renew", fmt.Errorf("%w: an earlier attempt whose reply was lost may have renewed it: %w", fence.ErrUnknown, err))
 		}
 		if err != nil {
-			return l.a.wrap("renew", l.a.db.unknown(err))
+			err = l.a.db.unknown(err)
+			if uncertain && !errors.Is(err, fence.ErrUnknown) {
+				// This attempt was not run (a failed dial), but an earlier
+				// one whose reply was lost may have renewed the row.
+				err = fmt.Errorf("%w (an earlier attempt's reply was lost; it may have renewed the lease): %w", fence.ErrUnknown, err)
+			}
+			return l.a.wrap("renew", err)
 		}
 		if n == 0 {
 			l.End(fence.ErrLost)

@@ -63,3 +63,47 @@ func TestAcquireKeepsAnEarlierUnknownOutcome(t *testing.T) {
 		t.Errorf("Acquire granted after an unknown try = %v, %v; want the lease", l, err)
 	}
 }
+
+// TestAcquireKeepsAnEarlierUnknownOutcomeWhenALaterTryFails: the first try's
+// grant reply was lost (its error matches ErrUnknown, and ErrHeld, so the
+// wait goes on); the next try fails outright (the connection refused). The
+// first grant may still have landed and hold the lock for its ttl: Acquire's
+// error must still match ErrUnknown, not only the last try's failure.
+func TestAcquireKeepsAnEarlierUnknownOutcomeWhenALaterTryFails(t *testing.T) {
+	ambiguous := fmt.Errorf("grant reply lost, lock found held: %w", errors.Join(fence.ErrHeld, fence.ErrUnknown))
+	refused := errors.New("dial tcp 127.0.0.1:6379: connection refused")
+	b := fence.Backoff{Min: time.Millisecond, Max: 5 * time.Millisecond, MaxWait: time.Minute}
+	tries := 0
+	_, err := leasekit.Acquire(context.Background(), b, nil, func(context.Context) (fence.Lease, error) {
+		tries++
+		if tries == 1 {
+			return nil, ambiguous
+		}
+		return nil, refused
+	})
+	if tries != 2 {
+		t.Fatalf("%d tries, want 2", tries)
+	}
+	if !errors.Is(err, refused) || !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("Acquire after an unknown try then a failed one = %v, want the failure and ErrUnknown", err)
+	}
+}
+
+// TestAcquireWithADoneContextMakesNoTry: Acquire's documentation says a ctx
+// already done gives up before the first call to try, with ErrHeld and the
+// context's error.
+func TestAcquireWithADoneContextMakesNoTry(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	tries := 0
+	_, err := leasekit.Acquire(ctx, fence.Backoff{}, nil, func(context.Context) (fence.Lease, error) {
+		tries++
+		return nil, fence.ErrHeld
+	})
+	if tries != 0 {
+		t.Errorf("%d calls to try with a ctx already done, want none", tries)
+	}
+	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
+		t.Errorf("Acquire with a ctx already done = %v, want ErrHeld and context.Canceled", err)
+	}
+}

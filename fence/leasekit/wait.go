@@ -27,7 +27,9 @@ func CheckBackoff(op string, b fence.Backoff) error {
 // release notification; wake may be nil). It gives up at ctx's deadline, or
 // after b.MaxWait when ctx has none, with an error matching fence.ErrHeld and
 // the context error; or, when a try's error matched fence.ErrUnknown (a grant
-// that may have landed), with that error joined with the context error. A ctx already done gives up before the first call, so
+// that may have landed), with that error joined with the context error. A try
+// that fails with an error other than fence.ErrHeld ends the wait with that
+// error, which also matches fence.ErrUnknown when an earlier try's did. A ctx already done gives up before the first call, so
 // check the name and ttl before calling Acquire: bad input must be
 // fence.ErrInvalid whatever the context (the suite's BadInput case checks).
 func Acquire(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(context.Context) (fence.Lease, error)) (fence.Lease, error) {
@@ -72,6 +74,9 @@ func loop(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(c
 		}
 		return errors.Join(fence.ErrHeld, context.Cause(ctx))
 	}
+	if ctx.Err() != nil {
+		return nil, gaveUp()
+	}
 	for attempt := 0; ; attempt++ {
 		if tryFirst || attempt > 0 {
 			l, err := try(ctx)
@@ -84,6 +89,10 @@ func loop(ctx context.Context, b fence.Backoff, wake <-chan struct{}, try func(c
 			if !errors.Is(err, fence.ErrHeld) {
 				if ctx.Err() != nil {
 					return nil, gaveUp()
+				}
+				if unknown != nil && !errors.Is(err, fence.ErrUnknown) {
+					// This try failed, but an earlier one may have been granted.
+					return nil, fmt.Errorf("%w (an earlier try's outcome is unknown: %w)", err, unknown)
 				}
 				return nil, err
 			}
