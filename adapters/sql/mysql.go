@@ -374,14 +374,16 @@ func (a *Acquirer) grantMySQL(ctx context.Context, name string, args []any) (int
 // upsert sees the columns assigned before it; it sets LAST_INSERT_ID to the
 // new fence when it claimed, 0 when not (see execID). The compare-and-set sets
 // LAST_INSERT_ID to the new fence when it matched; its arguments come in the
-// order of updateArgs.
+// order of updateArgs. The state names are binary literals: a plain literal
+// is in the connection's character set, whose bytes in ucs2, utf16 or utf32
+// would be another state in the BLOB column.
 func (s *IdempotencyStore) mysqlStatements(t, cols string) {
 	now, nowUs := mysqlDialect.nowMs, mysqlDialect.nowUs
 	claim := "@fencekit_claim"
 	s.begin = fmt.Sprintf(`INSERT INTO %[1]s (`+"`key`"+`, fingerprint, state, fence, owner, lease_until, started_at, expires_at, result, result_dropped)
-VALUES (%[5]s, %[6]s, 'claimed', LAST_INSERT_ID(%[3]s), %[6]s, %[2]s + ?, %[2]s, NULL, NULL, 0)
+VALUES (%[5]s, %[6]s, _binary'claimed', LAST_INSERT_ID(%[3]s), %[6]s, %[2]s + ?, %[2]s, NULL, NULL, 0)
 ON DUPLICATE KEY UPDATE
-  fence = IF(%[4]s := (state = 'released' OR (expires_at IS NOT NULL AND expires_at <= %[2]s)),
+  fence = IF(%[4]s := (state = _binary'released' OR (expires_at IS NOT NULL AND expires_at <= %[2]s)),
     LAST_INSERT_ID(GREATEST(fence + 1, VALUES(fence))), LAST_INSERT_ID(0) + fence),
   fingerprint = IF(%[4]s, VALUES(fingerprint), fingerprint),
   owner = IF(%[4]s, VALUES(owner), owner),
@@ -390,9 +392,10 @@ ON DUPLICATE KEY UPDATE
   result = IF(%[4]s, NULL, result),
   result_dropped = IF(%[4]s, 0, result_dropped),
   expires_at = IF(%[4]s, NULL, expires_at),
-  state = IF(%[4]s, 'claimed', state)`, t, now, nowUs, claim, mysqlText, mysqlMaybeEmpty)
+  state = IF(%[4]s, _binary'claimed', state)`, t, now, nowUs, claim, mysqlText, mysqlMaybeEmpty)
 	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE `key` = %s", cols, t, mysqlText)
 	s.getLatest = s.get + " FOR UPDATE"
+	s.purge = fmt.Sprintf("DELETE FROM %s WHERE state = _binary'released' OR (expires_at IS NOT NULL AND expires_at <= %s)", t, now)
 	s.update = fmt.Sprintf(`UPDATE %[1]s SET fence = LAST_INSERT_ID(?), state = %[3]s, owner = %[4]s, lease_until = %[2]s + ?,
   started_at = IF(? = 1, %[2]s, started_at),
   expires_at = IF(? > 0, %[2]s + ?, NULL),
