@@ -270,3 +270,31 @@ func TestMySQLAcquirerRefusesPaddingNameColumn(t *testing.T) {
 		})
 	}
 }
+
+// TestMySQLKeyColumnCheckedAfterTableRecreated: a Writer whose table was
+// dropped and created again (a migration that re-creates it) with a key
+// column that does not compare bytes refuses it, as it refuses such a table
+// on first use, rather than trusting the check of the old table.
+func TestMySQLKeyColumnCheckedAfterTableRecreated(t *testing.T) {
+	ctx := context.Background()
+	raw, fdb := openMySQL(t, "")
+	const rest = ", v LONGBLOB, f BIGINT NOT NULL"
+	table := userTable(t, raw, "k", "VARBINARY(255)", rest)
+	w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, "acct", []byte("a"), 1); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{"DROP TABLE " + table, "CREATE TABLE " + table + " (k VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin PRIMARY KEY" + rest + ")"} {
+		if _, err := raw.ExecContext(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	errA := w.Write(ctx, "acct", []byte("a"), 100)
+	errB := w.Write(ctx, "acct ", []byte("b"), 50)
+	if !errors.Is(errA, fence.ErrInvalid) && errB != nil {
+		t.Errorf("Write of \"acct \" at 50 after \"acct\" at 100 (%v) on the re-created utf8mb4_bin table: %v, want its own row or ErrInvalid", errA, errB)
+	}
+}
