@@ -144,9 +144,10 @@ type Acquirer struct {
 	releaseBell           string // MySQL: the release, letting the bell go
 	bells                 *bells // MySQL: the bells of this acquirer's names; nil without
 	inspect, bump         string
-	inspectLocked         string  // inspect, waiting for a statement that holds the row (not on SQLite)
-	advance               string  // SQLite and MySQL: the guard statement run with the grant
-	guards                *Guards // AdvanceGuards, whose table a grant also writes
+	inspectLocked         string     // inspect, waiting for a statement that holds the row (not on SQLite)
+	advance               string     // SQLite and MySQL: the guard statement run with the grant
+	guards                *Guards    // AdvanceGuards, whose table a grant also writes
+	keys                  *keyColumn // MySQL: the name column must compare bytes
 
 	line wakeup.Line // this acquirer's waiting Acquire calls, per name
 }
@@ -237,6 +238,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		a.bump = pgDurableChange(a.bump)
 	}
 	if d == mysqlDialect {
+		a.keys = newKeyColumn("table", o.Table, "name", "name")
 		a.mysqlStatements(t)
 	}
 	a.inspectLocked = a.inspect
@@ -757,6 +759,7 @@ func ttlMs(ttl time.Duration) int64 { return leasekit.CeilDiv(ttl, time.Millisec
 
 func (a *Acquirer) wrap(op string, err error) error {
 	if a.db.d.missingTable(err) {
+		a.keys.forget() // it may be created again with another name column
 		// With AdvanceGuards a grant writes two tables: name the one the
 		// database says is missing. On SQLite and MySQL the guard's is a
 		// statement of its own; PostgreSQL's one statement names the
@@ -767,6 +770,9 @@ func (a *Acquirer) wrap(op string, err error) error {
 			return &TableError{Table: a.guards.table, DDL: a.guards.ddl, Err: err}
 		}
 		return &TableError{Table: a.table, DDL: a.ddl, Err: err}
+	}
+	if a.db.d == mysqlDialect {
+		err = invalidTooLong(a.keys, err)
 	}
 	return fmt.Errorf("sqlfence: %s: %w", op, err)
 }
@@ -991,6 +997,9 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 	if err := checkText("inspect", "name", name); err != nil {
 		return fence.LockInfo{}, err
 	}
+	if err := a.keys.check(ctx, a.db.c, "inspect", name); err != nil {
+		return fence.LockInfo{}, err
+	}
 	r, err := a.row(ctx, name)
 	if errors.Is(err, errNoRows) {
 		return fence.LockInfo{}, fmt.Errorf("sqlfence: inspect %q: %w", name, fence.ErrNotFound)
@@ -1020,6 +1029,9 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 		return err
 	}
 	if err := leasekit.CheckToken("bump", to); err != nil {
+		return err
+	}
+	if err := a.keys.check(ctx, a.db.c, "bump", name); err != nil {
 		return err
 	}
 	args := []any{a.db.text(name), int64(to)}

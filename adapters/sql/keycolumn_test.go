@@ -273,8 +273,10 @@ func TestMySQLAcquirerRefusesPaddingNameColumn(t *testing.T) {
 
 // TestMySQLKeyColumnCheckedAfterTableRecreated: a Writer whose table was
 // dropped and created again (a migration that re-creates it) with a key
-// column that does not compare bytes refuses it, as it refuses such a table
-// on first use, rather than trusting the check of the old table.
+// column that does not compare bytes refuses it from the first write that
+// shows two keys in one row, at a lower or a higher token, as it refuses such
+// a table on first use, rather than trusting the check of the old table; the
+// other key's row is left as it was, and every later write is refused.
 func TestMySQLKeyColumnCheckedAfterTableRecreated(t *testing.T) {
 	ctx := context.Background()
 	raw, fdb := openMySQL(t, "")
@@ -293,8 +295,26 @@ func TestMySQLKeyColumnCheckedAfterTableRecreated(t *testing.T) {
 		}
 	}
 	errA := w.Write(ctx, "acct", []byte("a"), 100)
-	errB := w.Write(ctx, "acct ", []byte("b"), 50)
-	if !errors.Is(errA, fence.ErrInvalid) && errB != nil {
-		t.Errorf("Write of \"acct \" at 50 after \"acct\" at 100 (%v) on the re-created utf8mb4_bin table: %v, want its own row or ErrInvalid", errA, errB)
+	if errA != nil && !errors.Is(errA, fence.ErrInvalid) {
+		t.Fatalf("Write of \"acct\" at 100 on the re-created table: %v, want nil or ErrInvalid", errA)
+	}
+	for _, tok := range []fence.Token{50, 200} {
+		if err := w.Write(ctx, "acct ", []byte("b"), tok); !errors.Is(err, fence.ErrInvalid) ||
+			!strings.Contains(err.Error(), "column k") || !strings.Contains(err.Error(), "VARBINARY") {
+			t.Errorf("Write of \"acct \" at %d after \"acct\" at 100 (%v) on the re-created utf8mb4_bin table: %v, want ErrInvalid naming column k",
+				tok, errA, err)
+		}
+	}
+	if err := w.Write(ctx, "acct", []byte("c"), 300); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Write of \"acct\" after the table was refused: %v, want ErrInvalid", err)
+	}
+	var v []byte
+	var f sql.NullInt64
+	var n int
+	if err := raw.QueryRowContext(ctx, "SELECT COUNT(*), MAX(v), MAX(f) FROM "+table).Scan(&n, &v, &f); err != nil {
+		t.Fatal(err)
+	}
+	if want := (errA == nil); (n == 1) != want || want && (string(v) != "a" || f.Int64 != 100) {
+		t.Errorf("rows after the refusals: %d, value %q at %v; want only \"acct\"'s own write (a at 100) if it was accepted", n, v, f)
 	}
 }
