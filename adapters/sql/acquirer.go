@@ -21,7 +21,10 @@ import (
 // AcquirerOptions configures an Acquirer. A nil *AcquirerOptions means the defaults.
 type AcquirerOptions struct {
 	// Table is the lease table, one row per lock name; it may be
-	// schema-qualified. Default: "fence_leases".
+	// schema-qualified. On MySQL its name column must compare bytes and hold
+	// every name, as WriterOptions.KeyColumn says; otherwise a grant,
+	// Inspect or Bump returns an error matching fence.ErrInvalid.
+	// Default: "fence_leases".
 	Table string
 	// Owner is recorded with each grant, for operators. Default: host name,
 	// process id and a random suffix. Like a name, it must be valid UTF-8

@@ -20,7 +20,10 @@ type WriterOptions struct {
 	// binary collation (utf8mb4_nopad_bin, utf8mb4_0900_bin). Under a
 	// case-insensitive or PAD SPACE collation (utf8mb4_bin), CHAR or BINARY,
 	// two keys share one row, so the Writer's first Write, Delete or Read
-	// returns an error matching fence.ErrInvalid instead. The same holds
+	// returns an error matching fence.ErrInvalid instead; so does a key
+	// longer than the column holds (a non-strict sql_mode would cut it).
+	// The column is read on first use, and again when the table was found
+	// missing or a write met a row that is not its key's own. The same holds
 	// elsewhere, unchecked: no citext or nondeterministic collation on
 	// PostgreSQL, no COLLATE NOCASE or RTRIM on SQLite.
 	KeyColumn string
