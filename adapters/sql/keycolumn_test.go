@@ -318,3 +318,67 @@ func TestMySQLKeyColumnCheckedAfterTableRecreated(t *testing.T) {
 		t.Errorf("rows after the refusals: %d, value %q at %v; want only \"acct\"'s own write (a at 100) if it was accepted", n, v, f)
 	}
 }
+
+// TestMySQLNameLongerThanUserLeaseAndIdempotencyColumns: a lease table and
+// an idempotency table of the user's own whose VARBINARY(16) key column is
+// shorter than MaxKeyBytes refuse a longer name or key with an error
+// matching fence.ErrInvalid, outside strict mode too, and write nothing: two
+// names with the same first 16 bytes would otherwise share one lock, and two
+// keys one request.
+func TestMySQLNameLongerThanUserLeaseAndIdempotencyColumns(t *testing.T) {
+	ctx := context.Background()
+	raw, fdb := openMySQL(t, "sql_mode="+url.QueryEscape("''"))
+	leases := userTable(t, raw, "name", "VARBINARY(16)", ", token BIGINT NOT NULL, owner BLOB NOT NULL, expires_at BIGINT NOT NULL")
+	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Table: leases})
+	for _, name := range []string{"0123456789abcdef-job-a", "0123456789abcdef-job-b"} {
+		l, err := a.TryAcquire(ctx, name, time.Minute)
+		if err == nil {
+			t.Cleanup(func() { _ = l.Release(context.Background()) })
+		}
+		if !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("TryAcquire(%q) on a VARBINARY(16) name column: %v, want ErrInvalid", name, err)
+		}
+	}
+	idem := userTable(t, raw, "key", "VARBINARY(16)", idempotencyColumns)
+	s, err := sqlfence.NewIdempotencyStore(fdb, &sqlfence.IdempotencyOptions{Table: idem})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{"0123456789abcdef-pay-a", "0123456789abcdef-pay-b"} {
+		_, err := idempotency.Do(ctx, s, key, "fp", func(context.Context, string) ([]byte, error) { return []byte(key), nil }, nil)
+		if !errors.Is(err, fence.ErrInvalid) {
+			t.Errorf("Do(%q) on a VARBINARY(16) key column: %v, want ErrInvalid", key, err)
+		}
+	}
+	for _, table := range []string{leases, idem} {
+		var n int
+		if err := raw.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+table).Scan(&n); err != nil || n != 0 {
+			t.Errorf("rows in %s after the refusals: %d, %v; want none", table, n, err)
+		}
+	}
+	if l, err := a.TryAcquire(ctx, "0123456789abcdef", time.Minute); err != nil {
+		t.Errorf("TryAcquire of a name that fits the column: %v", err)
+	} else {
+		_ = l.Release(ctx)
+	}
+}
+
+// TestMySQLDataTooLongIsInvalid: under a strict sql_mode, a value the
+// server refuses as too long for a column of the user's table ("Data too
+// long", 1406; here the lease table's owner column) is reported as an error
+// matching fence.ErrInvalid, with the server's error in the chain, and
+// grants nothing.
+func TestMySQLDataTooLongIsInvalid(t *testing.T) {
+	ctx := context.Background()
+	raw, fdb := openMySQL(t, "sql_mode="+url.QueryEscape("'STRICT_ALL_TABLES'"))
+	leases := userTable(t, raw, "name", "VARBINARY(1024)", ", token BIGINT NOT NULL, owner VARBINARY(8) NOT NULL, expires_at BIGINT NOT NULL")
+	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Table: leases, Owner: "an-owner-longer-than-8-bytes"})
+	l, err := a.TryAcquire(ctx, "job", time.Minute)
+	if err == nil {
+		_ = l.Release(ctx)
+	}
+	var me *mysql.MySQLError
+	if !errors.Is(err, fence.ErrInvalid) || !errors.As(err, &me) || me.Number != 1406 {
+		t.Errorf("TryAcquire with an owner longer than its column: %v, want ErrInvalid carrying MySQL error 1406", err)
+	}
+}
