@@ -21,7 +21,10 @@ import (
 // AcquirerOptions configures an Acquirer. A nil *AcquirerOptions means the defaults.
 type AcquirerOptions struct {
 	// Table is the lease table, one row per lock name; it may be
-	// schema-qualified. Default: "fence_leases".
+	// schema-qualified. On MySQL its name column must compare bytes and hold
+	// every name, as WriterOptions.KeyColumn says; otherwise a grant,
+	// Inspect or Bump returns an error matching fence.ErrInvalid.
+	// Default: "fence_leases".
 	Table string
 	// Owner is recorded with each grant, for operators. Default: host name,
 	// process id and a random suffix. Like a name, it must be valid UTF-8
@@ -144,9 +147,10 @@ type Acquirer struct {
 	releaseBell           string // MySQL: the release, letting the bell go
 	bells                 *bells // MySQL: the bells of this acquirer's names; nil without
 	inspect, bump         string
-	inspectLocked         string  // inspect, waiting for a statement that holds the row (not on SQLite)
-	advance               string  // SQLite and MySQL: the guard statement run with the grant
-	guards                *Guards // AdvanceGuards, whose table a grant also writes
+	inspectLocked         string     // inspect, waiting for a statement that holds the row (not on SQLite)
+	advance               string     // SQLite and MySQL: the guard statement run with the grant
+	guards                *Guards    // AdvanceGuards, whose table a grant also writes
+	keys                  *keyColumn // MySQL: the name column must compare bytes
 
 	line wakeup.Line // this acquirer's waiting Acquire calls, per name
 }
@@ -237,6 +241,7 @@ func NewAcquirer(db *DB, opts *AcquirerOptions) (*Acquirer, error) {
 		a.bump = pgDurableChange(a.bump)
 	}
 	if d == mysqlDialect {
+		a.keys = newKeyColumn("table", o.Table, "name", "name")
 		a.mysqlStatements(t)
 	}
 	a.inspectLocked = a.inspect
@@ -757,6 +762,7 @@ func ttlMs(ttl time.Duration) int64 { return leasekit.CeilDiv(ttl, time.Millisec
 
 func (a *Acquirer) wrap(op string, err error) error {
 	if a.db.d.missingTable(err) {
+		a.keys.forget() // it may be created again with another name column
 		// With AdvanceGuards a grant writes two tables: name the one the
 		// database says is missing. On SQLite and MySQL the guard's is a
 		// statement of its own; PostgreSQL's one statement names the
@@ -767,6 +773,9 @@ func (a *Acquirer) wrap(op string, err error) error {
 			return &TableError{Table: a.guards.table, DDL: a.guards.ddl, Err: err}
 		}
 		return &TableError{Table: a.table, DDL: a.ddl, Err: err}
+	}
+	if a.db.d == mysqlDialect {
+		err = invalidTooLong(a.keys, err)
 	}
 	return fmt.Errorf("sqlfence: %s: %w", op, err)
 }
@@ -1006,6 +1015,9 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 	if err := checkText("inspect", "name", name); err != nil {
 		return fence.LockInfo{}, err
 	}
+	if err := a.keys.check(ctx, a.db.c, "inspect", name); err != nil {
+		return fence.LockInfo{}, err
+	}
 	r, err := a.row(ctx, name)
 	if errors.Is(err, errNoRows) {
 		return fence.LockInfo{}, fmt.Errorf("sqlfence: inspect %q: %w", name, fence.ErrNotFound)
@@ -1035,6 +1047,9 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 		return err
 	}
 	if err := leasekit.CheckToken("bump", to); err != nil {
+		return err
+	}
+	if err := a.keys.check(ctx, a.db.c, "bump", name); err != nil {
 		return err
 	}
 	args := []any{a.db.text(name), int64(to)}

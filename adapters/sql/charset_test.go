@@ -173,3 +173,61 @@ func TestMySQLCompleteTxSameRowAsBegin(t *testing.T) {
 		})
 	}
 }
+
+// wideConnections are connection character sets MariaDB and MySQL accept for
+// character_set_connection (not for the client) in which every character,
+// ASCII included, takes two or four bytes: a string literal in a statement,
+// such as a state name, reaches a BLOB column or a binary comparison as
+// those wide bytes.
+var wideConnections = []string{
+	"character_set_connection=ucs2",
+	"character_set_connection=utf16",
+	"character_set_connection=utf32&maxAllowedPacket=4096",
+}
+
+// TestMySQLWideConnectionCharset: under a wide connection character set the
+// writer, the acquirer with guards and the idempotency store (Do, CompleteTx)
+// keep every key, name and value exact, as under the session matrix.
+func TestMySQLWideConnectionCharset(t *testing.T) {
+	for _, params := range wideConnections {
+		t.Run(params, func(t *testing.T) {
+			raw, fdb := openMySQL(t, params)
+			w, err := sqlfence.NewWriter(fdb, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Run("Writer", func(t *testing.T) { matrixWriterSizes(t, w) })
+			t.Run("AcquirerAndGuards", func(t *testing.T) { matrixAcquirer(t, raw, fdb) })
+			t.Run("Idempotency", func(t *testing.T) { matrixIdempotency(t, raw, fdb) })
+		})
+	}
+}
+
+// TestMySQLIdempotencyStateSharedAcrossConnectionCharsets: a record claimed
+// and released on a session with a wide connection character set is seen,
+// and claimed again, by a session with the default one, and the other way
+// round: the state is the same bytes whichever session wrote it.
+func TestMySQLIdempotencyStateSharedAcrossConnectionCharsets(t *testing.T) {
+	ctx := context.Background()
+	_, plainDB := openMySQL(t, "")
+	_, wideDB := openMySQL(t, "character_set_connection=utf32")
+	plain, wide := mustStore(t, plainDB), mustStore(t, wideDB)
+	for _, order := range [][2]*sqlfence.IdempotencyStore{{wide, plain}, {plain, wide}} {
+		first, second := order[0], order[1]
+		key := fencetest.Name("wide-state")
+		rec, _, err := first.Begin(ctx, key, "fp", "me", time.Minute)
+		if err != nil {
+			t.Fatalf("Begin: %v", err)
+		}
+		if got, err := second.Get(ctx, key); err != nil || got.State != idempotency.Claimed || got.Fence != rec.Fence {
+			t.Errorf("the other session's Get of a claimed record: %+v, %v; want claimed at %d", got, err, rec.Fence)
+		}
+		if _, err := first.Update(ctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Released, Fence: rec.Fence}); err != nil {
+			t.Fatalf("release: %v", err)
+		}
+		again, _, err := second.Begin(ctx, key, "fp", "you", time.Minute)
+		if err != nil || again.State != idempotency.Claimed || again.Owner != "you" || again.Fence <= rec.Fence {
+			t.Errorf("the other session's Begin after a release: %+v, %v; want claimed by you above %d", again, err, rec.Fence)
+		}
+	}
+}

@@ -43,12 +43,17 @@
 // converted to the connection's character set), so a parameter takes 4/3 of
 // its size out of max_allowed_packet. Guard and CompleteTx send theirs the
 // same way in the caller's transaction.
-// A table of your own given to [NewWriter] or [NewGuards] on MySQL must have
-// a key column that compares bytes: VARBINARY, or VARCHAR with a NO PAD
-// binary collation (utf8mb4_nopad_bin, or utf8mb4_0900_bin on MySQL 8). A
-// case-insensitive or PAD SPACE collation (utf8mb4_bin among them), CHAR or
-// BINARY would make two keys one row: the first statement on such a table
-// returns an error matching fence.ErrInvalid that names the column.
+// A table of your own given to [NewWriter], [NewGuards], [NewAcquirer] or
+// [NewIdempotencyStore] on MySQL must have a key column that compares bytes:
+// VARBINARY, or VARCHAR with a NO PAD binary collation (utf8mb4_nopad_bin, or
+// utf8mb4_0900_bin on MySQL 8). A case-insensitive or PAD SPACE collation
+// (utf8mb4_bin among them), CHAR or BINARY would make two keys one row: the
+// first statement on such a table returns an error matching fence.ErrInvalid
+// that names the column. A key longer than the column holds (which a
+// non-strict sql_mode would cut) is refused the same way. The column is read
+// on first use, and again after the table was found missing or a write or
+// guard met a row that is not its key's own; a table re-created with another
+// column is refused from that write on.
 //
 // # Lost replies
 //

@@ -75,13 +75,15 @@ func NewGuards(db *DB, opts *GuardOptions) (*Guards, error) {
 	}
 	g := &Guards{db: db, table: table, mysql: d == mysqlDialect}
 	if g.mysql {
-		g.keys = newKeyColumn("table", table, "name")
+		g.keys = newKeyColumn("table", table, "name", "name")
 		g.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  fence BIGINT NOT NULL CHECK (fence BETWEEN 1 AND %d)\n)", t, d.keyType, uint64(fence.MaxToken))
 		// LAST_INSERT_ID is the token when the fence was advanced or equal,
-		// 0 when it holds a larger one (see execID). v is the offered token.
+		// 0 when it holds a larger one (see execID), or when the row found
+		// is another name's (a name column that merges names). v is the
+		// offered token.
 		g.advanceSQL = func(v string) string {
 			return fmt.Sprintf("INSERT INTO %s (name, fence) VALUES (%s, LAST_INSERT_ID(%s)) ON DUPLICATE KEY UPDATE "+
-				"fence = IF(fence <= VALUES(fence), LAST_INSERT_ID(VALUES(fence)), LAST_INSERT_ID(0) + fence)", t, mysqlText, v)
+				"fence = IF(fence <= VALUES(fence) AND %s, LAST_INSERT_ID(VALUES(fence)), LAST_INSERT_ID(0) + fence)", t, mysqlText, v, sameKey("name"))
 		}
 		g.guard = g.advanceSQL("?")
 		// A locking read: the latest committed fence, whatever the isolation.
@@ -162,7 +164,7 @@ func (g *Guards) checkGuard(op string, ctx context.Context, name string, token f
 
 // guardOn runs the guard statement on c, the caller's transaction.
 func (g *Guards) guardOn(ctx context.Context, c conn, name string, token fence.Token) error {
-	if err := g.keys.check(ctx, c, "guard"); err != nil {
+	if err := g.keys.check(ctx, c, "guard", name); err != nil {
 		return err
 	}
 	if g.mysql {
@@ -184,6 +186,13 @@ func (g *Guards) guardOn(ctx context.Context, c conn, name string, token fence.T
 	}
 	var cur int64
 	if err := c.queryRow(ctx, g.current, []any{textArg(g.mysql, name)}, &cur); err != nil {
+		if errors.Is(err, errNoRows) {
+			// Refused by a row that is not the name's own: the name
+			// column merges names (see keyColumn).
+			if cerr := g.keys.recheck(ctx, c, "guard", name); cerr != nil {
+				return cerr
+			}
+		}
 		return g.wrap(err)
 	}
 	if fence.Token(cur) <= token {
@@ -218,7 +227,11 @@ func pgxTxConn(op string, d *dialect, tx pgx.Tx) (conn, error) {
 
 func (g *Guards) wrap(err error) error {
 	if sqliteDialect.missingTable(err) || postgresDialect.missingTable(err) || mysqlDialect.missingTable(err) {
+		g.keys.forget() // it may be created again with another name column
 		return &TableError{Table: g.table, DDL: g.ddl, Err: err}
+	}
+	if g.mysql {
+		err = invalidTooLong(g.keys, err)
 	}
 	return fmt.Errorf("sqlfence: guard: %w", err)
 }

@@ -16,6 +16,9 @@ import (
 // IdempotencyOptions configures an IdempotencyStore. A nil pointer means the defaults.
 type IdempotencyOptions struct {
 	// Table holds one row per key; it may be schema-qualified.
+	// On MySQL its key column must compare bytes and hold every key, as
+	// WriterOptions.KeyColumn says; otherwise the store's first Begin, Get
+	// or Update returns an error matching fence.ErrInvalid.
 	// Default: "fence_idempotency".
 	Table string
 }
@@ -40,6 +43,7 @@ type IdempotencyStore struct {
 	// under REPEATABLE READ a plain read returns the transaction's snapshot,
 	// which can predate the change that made a compare-and-set fail.
 	getLatest string
+	keys      *keyColumn // MySQL: the key column must compare bytes
 }
 
 var _ idempotency.Store = (*IdempotencyStore)(nil)
@@ -105,6 +109,7 @@ SELECT u.* FROM u LEFT JOIN LATERAL (
 	}
 	s.purge = fmt.Sprintf("DELETE FROM %s WHERE state = 'released' OR (expires_at IS NOT NULL AND expires_at <= %s)", t, now)
 	if d == mysqlDialect {
+		s.keys = newKeyColumn("table", table, "key", "key")
 		s.mysqlStatements(t, cols)
 	}
 	return s, nil
@@ -120,7 +125,11 @@ func (s *IdempotencyStore) CreateTable(ctx context.Context) error {
 
 func (s *IdempotencyStore) wrap(op string, err error) error {
 	if s.db.d.missingTable(err) {
+		s.keys.forget() // it may be created again with another key column
 		return &TableError{Table: s.table, DDL: s.ddl, Err: err}
+	}
+	if s.db.d == mysqlDialect {
+		err = invalidTooLong(s.keys, err)
 	}
 	return fmt.Errorf("sqlfence: idempotency %s: %w", op, err)
 }
@@ -181,6 +190,9 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 	if lease <= 0 {
 		return idempotency.Record{}, false, &fence.InvalidError{Op: "idempotency begin", Arg: "lease", Reason: fmt.Sprintf("%v is not positive", lease)}
 	}
+	if err := s.keys.check(ctx, s.db.c, "idempotency begin", key); err != nil {
+		return idempotency.Record{}, false, err
+	}
 	var f int64
 	var err error
 	if s.db.d == mysqlDialect {
@@ -224,6 +236,9 @@ func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Rec
 	if err := checkText("idempotency get", "key", key); err != nil {
 		return idempotency.Record{}, err
 	}
+	if err := s.keys.check(ctx, s.db.c, "idempotency get", key); err != nil {
+		return idempotency.Record{}, err
+	}
 	return s.getOn(ctx, s.db.c, key)
 }
 
@@ -248,6 +263,9 @@ func (s *IdempotencyStore) readOn(ctx context.Context, c conn, q, key string) (i
 // read the record to know. See idempotency.Store.
 func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
 	if err := s.checkUpdate("idempotency update", ctx, key, ch); err != nil {
+		return idempotency.Record{}, err
+	}
+	if err := s.keys.check(ctx, s.db.c, "idempotency update", key); err != nil {
 		return idempotency.Record{}, err
 	}
 	return s.updateOn(ctx, s.db.c, key, from, fromFence, ch, s.db.unknown)
@@ -288,6 +306,9 @@ func (s *IdempotencyStore) CompletePgxTx(ctx context.Context, tx pgx.Tx, key str
 
 // completeOn runs CompleteTx's compare-and-set on c, the caller's transaction.
 func (s *IdempotencyStore) completeOn(ctx context.Context, c conn, key string, f fence.Token, result []byte, retention time.Duration) error {
+	if err := s.keys.check(ctx, c, "complete", key); err != nil {
+		return err
+	}
 	if retention <= 0 {
 		retention = 24 * time.Hour
 	}

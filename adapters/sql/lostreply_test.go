@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -371,6 +373,56 @@ func TestRenewConfirmedAfterLocalDeadline(t *testing.T) {
 				}
 				_ = l2.Release(ctx)
 				return
+			}
+		})
+	}
+}
+
+// TestMySQLLostReplyOfParameterPath (HAZARDS 3): on MySQL a value over the
+// inline limit goes as a base64 parameter of a prepared statement (prepare,
+// then execute); with a small packet limit every argument does. The execute
+// reaches the server, is applied, and its reply is lost: Write says
+// fence.ErrUnknown, and the value landed.
+func TestMySQLLostReplyOfParameterPath(t *testing.T) {
+	for _, params := range []string{"", "maxAllowedPacket=4096"} {
+		t.Run("params="+params, func(t *testing.T) {
+			ctx := context.Background()
+			_, direct := openMySQL(t, params)
+			px := faultnet.Start(t, mysqlAddr(t))
+			cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.Addr = px.Addr()
+			dsn := cfg.FormatDSN()
+			if params != "" {
+				dsn += "&" + params
+				if !strings.Contains(cfg.FormatDSN(), "?") {
+					dsn = cfg.FormatDSN() + "?" + params
+				}
+			}
+			my, err := sql.Open("mysql", dsn)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { my.Close() })
+			w, _ := sqlfence.NewWriter(sqlfence.MySQL(my), nil)
+			check, _ := sqlfence.NewWriter(direct, nil)
+			for _, existing := range []bool{false, true} {
+				key := fencetest.Name("lost-param")
+				if existing {
+					if err := w.Write(ctx, key, []byte("old"), 1); err != nil {
+						t.Fatal(err)
+					}
+				}
+				v := inlinePattern(6000)
+				b64 := base64.StdEncoding.EncodeToString(v)
+				err := lose(t, px, func(b []byte) bool { return bytes.Contains(b, []byte(b64[:64])) }, func() error { return w.Write(ctx, key, v, 5) })
+				got, tok, rerr := check.Read(ctx, key)
+				landed := rerr == nil && tok == 5 && bytes.Equal(got, v)
+				if !errors.Is(err, fence.ErrUnknown) && !(err == nil && landed) {
+					t.Errorf("Write (existing %v) whose execute reply was lost: %v (the value landed: %v), want ErrUnknown", existing, err, landed)
+				}
 			}
 		})
 	}

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
@@ -307,6 +308,9 @@ func (a *Acquirer) grantMySQL(ctx context.Context, name string, args []any) (int
 		}
 		return tok, err
 	}
+	if err := a.keys.check(ctx, a.db.c, "acquire", name); err != nil {
+		return 0, nil, err
+	}
 	if a.advance == "" {
 		var refused uint16 // the grant with the bell failed with this MySQL error
 		if a.bells != nil {
@@ -351,7 +355,7 @@ func (a *Acquirer) grantMySQL(ctx context.Context, name string, args []any) (int
 		}
 		return tok, nil, err
 	}
-	if err := a.guards.keys.check(ctx, a.db.c, "acquire"); err != nil {
+	if err := a.guards.keys.check(ctx, a.db.c, "acquire", name); err != nil {
 		return 0, nil, err
 	}
 	var tok int64
@@ -374,14 +378,16 @@ func (a *Acquirer) grantMySQL(ctx context.Context, name string, args []any) (int
 // upsert sees the columns assigned before it; it sets LAST_INSERT_ID to the
 // new fence when it claimed, 0 when not (see execID). The compare-and-set sets
 // LAST_INSERT_ID to the new fence when it matched; its arguments come in the
-// order of updateArgs.
+// order of updateArgs. The state names are binary literals: a plain literal
+// is in the connection's character set, whose bytes in ucs2, utf16 or utf32
+// would be another state in the BLOB column.
 func (s *IdempotencyStore) mysqlStatements(t, cols string) {
 	now, nowUs := mysqlDialect.nowMs, mysqlDialect.nowUs
 	claim := "@fencekit_claim"
 	s.begin = fmt.Sprintf(`INSERT INTO %[1]s (`+"`key`"+`, fingerprint, state, fence, owner, lease_until, started_at, expires_at, result, result_dropped)
-VALUES (%[5]s, %[6]s, 'claimed', LAST_INSERT_ID(%[3]s), %[6]s, %[2]s + ?, %[2]s, NULL, NULL, 0)
+VALUES (%[5]s, %[6]s, _binary'claimed', LAST_INSERT_ID(%[3]s), %[6]s, %[2]s + ?, %[2]s, NULL, NULL, 0)
 ON DUPLICATE KEY UPDATE
-  fence = IF(%[4]s := (state = 'released' OR (expires_at IS NOT NULL AND expires_at <= %[2]s)),
+  fence = IF(%[4]s := (state = _binary'released' OR (expires_at IS NOT NULL AND expires_at <= %[2]s)),
     LAST_INSERT_ID(GREATEST(fence + 1, VALUES(fence))), LAST_INSERT_ID(0) + fence),
   fingerprint = IF(%[4]s, VALUES(fingerprint), fingerprint),
   owner = IF(%[4]s, VALUES(owner), owner),
@@ -390,9 +396,10 @@ ON DUPLICATE KEY UPDATE
   result = IF(%[4]s, NULL, result),
   result_dropped = IF(%[4]s, 0, result_dropped),
   expires_at = IF(%[4]s, NULL, expires_at),
-  state = IF(%[4]s, 'claimed', state)`, t, now, nowUs, claim, mysqlText, mysqlMaybeEmpty)
+  state = IF(%[4]s, _binary'claimed', state)`, t, now, nowUs, claim, mysqlText, mysqlMaybeEmpty)
 	s.get = fmt.Sprintf("SELECT %s FROM %s WHERE `key` = %s", cols, t, mysqlText)
 	s.getLatest = s.get + " FOR UPDATE"
+	s.purge = fmt.Sprintf("DELETE FROM %s WHERE state = _binary'released' OR (expires_at IS NOT NULL AND expires_at <= %s)", t, now)
 	s.update = fmt.Sprintf(`UPDATE %[1]s SET fence = LAST_INSERT_ID(?), state = %[3]s, owner = %[4]s, lease_until = %[2]s + ?,
   started_at = IF(? = 1, %[2]s, started_at),
   expires_at = IF(? > 0, %[2]s + ?, NULL),
@@ -480,49 +487,102 @@ func (a *Acquirer) ringGrant(name string, c *sql.Conn) ringOutcome {
 }
 
 // keyColumn checks that a MySQL table's key or name column compares keys
-// byte for byte, once per table and column: a PAD SPACE collation (such as
-// utf8mb4_bin) makes "acct" and "acct " one row, CHAR drops trailing
-// spaces, BINARY pads with NUL bytes, and other collations fold case.
+// byte for byte and is long enough for the key: a PAD SPACE collation (such
+// as utf8mb4_bin) makes "acct" and "acct " one row, CHAR drops trailing
+// spaces, BINARY pads with NUL bytes, other collations fold case, and
+// outside strict mode the server cuts a key longer than the column, so two
+// keys with the same first bytes share one row.
+//
+// The column's type is read on first use and remembered; it is read again
+// after a statement finds the table missing or a key too long for its
+// column, and when a write or guard finds no row under its own key right
+// after the key's row refused it (two keys in one row: the table was
+// re-created since it was read). A table re-created in place with another
+// key column is therefore refused from the first statement that shows it.
 type keyColumn struct {
 	arg, table, column string // for the error: the option, and what it names
+	keyArg             string // the argument the column stores: "key" or "name"
 	q                  string // reads the column's type from information_schema
-	ok                 atomic.Bool
+	fit                atomic.Pointer[columnFit]
+}
+
+// columnFit is what a key column that compares bytes holds.
+type columnFit struct {
+	typ      string // as the column was declared, for the error
+	maxBytes int64  // the longest key in bytes (0: no limit known)
+	maxChars int64  // the longest key in characters (0: no limit known)
 }
 
 // newKeyColumn returns the check of column in table (as quoteIdent
 // accepted them, so both are plain identifiers; table may be schema.table).
-func newKeyColumn(arg, table, column string) *keyColumn {
+func newKeyColumn(arg, table, column, keyArg string) *keyColumn {
 	schema, name := "DATABASE()", table
 	if i := strings.IndexByte(table, '.'); i >= 0 {
 		schema, name = "'"+table[:i]+"'", table[i+1:]
 	}
-	return &keyColumn{arg: arg, table: table, column: column, q: fmt.Sprintf(
-		"SELECT DATA_TYPE, COLLATION_NAME FROM information_schema.COLUMNS "+
+	return &keyColumn{arg: arg, table: table, column: column, keyArg: keyArg, q: fmt.Sprintf(
+		"SELECT DATA_TYPE, COLLATION_NAME, COLUMN_TYPE, CHARACTER_MAXIMUM_LENGTH, CHARACTER_OCTET_LENGTH FROM information_schema.COLUMNS "+
 			"WHERE TABLE_SCHEMA = %s AND TABLE_NAME = '%s' AND COLUMN_NAME = '%s' ORDER BY BINARY TABLE_NAME = '%s' DESC LIMIT 1",
 		schema, name, column, name)}
 }
 
+// forget drops the remembered column type, so that the next check reads it again.
+func (k *keyColumn) forget() {
+	if k != nil {
+		k.fit.Store(nil)
+	}
+}
+
 // check returns an error matching fence.ErrInvalid when the column does not
-// compare bytes. A table not found (not created yet) passes, unremembered:
-// the statement then reports the missing table.
-func (k *keyColumn) check(ctx context.Context, c conn, op string) error {
-	if k == nil || k.ok.Load() {
+// compare bytes, or cannot hold key. A table not found (not created yet)
+// passes, unremembered: the statement then reports the missing table.
+func (k *keyColumn) check(ctx context.Context, c conn, op, key string) error {
+	if k == nil {
 		return nil
 	}
-	var typ string
-	var nullColl sql.NullString // NULL for a binary type
-	err := c.queryRow(ctx, k.q, nil, &typ, &nullColl)
-	if errors.Is(err, errNoRows) {
+	f := k.fit.Load()
+	if f == nil {
+		var err error
+		if f, err = k.read(ctx, c, op); f == nil {
+			return err
+		}
+	}
+	var n, max int64
+	var unit string
+	switch {
+	case f.maxBytes > 0 && int64(len(key)) > f.maxBytes:
+		n, max, unit = int64(len(key)), f.maxBytes, "bytes"
+	case f.maxChars > 0 && int64(utf8.RuneCountInString(key)) > f.maxChars:
+		n, max, unit = int64(utf8.RuneCountInString(key)), f.maxChars, "characters"
+	default:
 		return nil
+	}
+	return &fence.InvalidError{Op: op, Arg: k.keyArg, Reason: fmt.Sprintf(
+		"%d %s long, and column %s of table %s (%s) holds at most %d: the server would cut it, or refuse it",
+		n, unit, k.column, k.table, f.typ, max)}
+}
+
+// read reads the column's type and remembers it when it compares bytes; nil
+// when the table was not found or the column is refused.
+func (k *keyColumn) read(ctx context.Context, c conn, op string) (*columnFit, error) {
+	var typ, colType string
+	var nullColl sql.NullString // NULL for a binary type
+	var chars, octets sql.NullInt64
+	err := c.queryRow(ctx, k.q, nil, &typ, &nullColl, &colType, &chars, &octets)
+	if errors.Is(err, errNoRows) {
+		return nil, nil
 	}
 	if err != nil {
-		return fmt.Errorf("sqlfence: %s: reading the type of column %s of table %s: %w", op, k.column, k.table, err)
+		return nil, fmt.Errorf("sqlfence: %s: reading the type of column %s of table %s: %w", op, k.column, k.table, err)
 	}
 	typ, coll := strings.ToLower(typ), strings.ToLower(nullColl.String)
 	var why string
+	f := &columnFit{typ: strings.TrimSpace(colType + " " + nullColl.String)}
 	switch {
 	case typ == "varbinary":
+		f.maxBytes = octets.Int64
 	case typ == "varchar" && (coll == "utf8mb4_nopad_bin" || coll == "utf8mb4_0900_bin"):
+		f.maxBytes, f.maxChars = octets.Int64, chars.Int64
 	case typ == "char":
 		why = "CHAR drops trailing spaces"
 	case typ == "binary":
@@ -537,10 +597,38 @@ func (k *keyColumn) check(ctx context.Context, c conn, op string) error {
 		why = "it does not compare keys byte for byte"
 	}
 	if why != "" {
-		return &fence.InvalidError{Op: op, Arg: k.arg, Reason: fmt.Sprintf(
+		return nil, &fence.InvalidError{Op: op, Arg: k.arg, Reason: fmt.Sprintf(
 			"column %s of table %s is %s: %s, so two keys would share one row; use VARBINARY(%d), or VARCHAR with a binary NO PAD collation (utf8mb4_nopad_bin on MariaDB, utf8mb4_0900_bin on MySQL 8)",
 			k.column, k.table, strings.TrimSpace(strings.ToUpper(typ)+" "+coll), why, MaxKeyBytes)}
 	}
-	k.ok.Store(true)
-	return nil
+	k.fit.Store(f)
+	return f, nil
+}
+
+// recheck is check after the column's type may have changed (see keyColumn).
+func (k *keyColumn) recheck(ctx context.Context, c conn, op, key string) error {
+	k.forget()
+	return k.check(ctx, c, op, key)
+}
+
+// sameKey is true in an upsert's ON DUPLICATE KEY UPDATE when the row found
+// holds the very bytes of the key inserted (col is the quoted key column):
+// false when the column merged two keys.
+func sameKey(col string) string {
+	return fmt.Sprintf("CAST(%[1]s AS BINARY) = CAST(VALUES(%[1]s) AS BINARY)", col)
+}
+
+// mysqlTooLong reports MySQL's "Data too long for column" (1406): under a
+// strict sql_mode a key, name or value longer than its column.
+func mysqlTooLong(err error) bool { return mysqlCode(err) == 1406 }
+
+// invalidTooLong turns MySQL's "Data too long" into an error that also
+// matches fence.ErrInvalid (nothing was written), and forgets k's remembered
+// column type, which it contradicts; other errors are returned as they are.
+func invalidTooLong(k *keyColumn, err error) error {
+	if !mysqlTooLong(err) {
+		return err
+	}
+	k.forget()
+	return fmt.Errorf("%w: %w", fence.ErrInvalid, err)
 }

@@ -189,14 +189,17 @@ func TestMySQLRoundTrips(t *testing.T) {
 			t.Errorf("%s prepared %d statements, want 0 (a round trip each)", what, n)
 		}
 	}
-	name := fencetest.Name("rt")
-	count("acquire + release", 2, func() error {
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			return err
+	acquireRelease := func(name string) func() error {
+		return func() error {
+			l, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				return err
+			}
+			return l.Release(ctx)
 		}
-		return l.Release(ctx)
-	})
+	}
+	count("an acquirer's first acquire + release (its name column's type, read once; the grant; the release)", 3, acquireRelease(fencetest.Name("rt")))
+	count("acquire + release", 2, acquireRelease(fencetest.Name("rt")))
 	count("a writer's first write, to a new key (its key column's type, read once; UPDATE; the upsert)", 3,
 		func() error { return w.Write(ctx, fencetest.Name("rt"), []byte("v"), 1) })
 	key := fencetest.Name("rt")
@@ -209,6 +212,10 @@ func TestMySQLRoundTrips(t *testing.T) {
 	s, _ := sqlfence.NewIdempotencyStore(fdb, nil)
 	ik := fencetest.Name("rt")
 	effect := func(context.Context, string) ([]byte, error) { return []byte("ok"), nil }
+	count("a store's first idempotency.Do, on a fresh key (its key column's type, read once; then as below)", 6, func() error {
+		_, err := idempotency.Do(ctx, s, fencetest.Name("rt"), "fp", effect, nil)
+		return err
+	})
 	count("idempotency.Do on a fresh key", 5, func() error { _, err := idempotency.Do(ctx, s, ik, "fp", effect, nil); return err })
 	count("idempotency.Do on a replay", 2, func() error { _, err := idempotency.Do(ctx, s, ik, "fp", effect, nil); return err })
 }

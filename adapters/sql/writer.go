@@ -20,7 +20,10 @@ type WriterOptions struct {
 	// binary collation (utf8mb4_nopad_bin, utf8mb4_0900_bin). Under a
 	// case-insensitive or PAD SPACE collation (utf8mb4_bin), CHAR or BINARY,
 	// two keys share one row, so the Writer's first Write, Delete or Read
-	// returns an error matching fence.ErrInvalid instead. The same holds
+	// returns an error matching fence.ErrInvalid instead; so does a key
+	// longer than the column holds (a non-strict sql_mode would cut it).
+	// The column is read on first use, and again when the table was found
+	// missing or a write met a row that is not its key's own. The same holds
 	// elsewhere, unchecked: no citext or nondeterministic collation on
 	// PostgreSQL, no COLLATE NOCASE or RTRIM on SQLite.
 	KeyColumn string
@@ -94,17 +97,19 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 	w.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  %s %s PRIMARY KEY,\n  %s %s,\n  %s %s NOT NULL CHECK (%s BETWEEN 1 AND %d)\n)",
 		t, k, d.keyType, v, d.blobType, f, d.intType, f, uint64(fence.MaxToken))
 	if d == mysqlDialect {
-		w.keys = newKeyColumn("key column", o.Table, o.KeyColumn)
+		w.keys = newKeyColumn("key column", o.Table, o.KeyColumn, "key")
 		// One upsert per write. The value is assigned before the fence, so its
-		// condition sees the old fence. LAST_INSERT_ID is the token when the
+		// condition sees the old fence. A row whose key is not the key's own
+		// bytes (a key column that pads or folds case) is left alone, and the
+		// write is refused as stale, which fenced then finds out. LAST_INSERT_ID is the token when the
 		// write was made (also when it changed nothing, an equal token writing
 		// equal bytes), 0 when the key holds a larger token (see execID).
 		w.upsert = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (%[5]s, %[6]s, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
-			"%[3]s = IF(%[4]s <= VALUES(%[4]s), VALUES(%[3]s), %[3]s), "+
-			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f, mysqlText, mysqlMaybeEmpty)
+			"%[3]s = IF(%[4]s <= VALUES(%[4]s) AND %[7]s, VALUES(%[3]s), %[3]s), "+
+			"%[4]s = IF(%[4]s <= VALUES(%[4]s) AND %[7]s, LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f, mysqlText, mysqlMaybeEmpty, sameKey(k))
 		w.tombstone = fmt.Sprintf("INSERT INTO %[1]s (%[2]s, %[3]s, %[4]s) VALUES (%[5]s, NULL, LAST_INSERT_ID(?)) ON DUPLICATE KEY UPDATE "+
-			"%[3]s = IF(%[4]s <= VALUES(%[4]s), NULL, %[3]s), "+
-			"%[4]s = IF(%[4]s <= VALUES(%[4]s), LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f, mysqlText)
+			"%[3]s = IF(%[4]s <= VALUES(%[4]s) AND %[6]s, NULL, %[3]s), "+
+			"%[4]s = IF(%[4]s <= VALUES(%[4]s) AND %[6]s, LAST_INSERT_ID(VALUES(%[4]s)), LAST_INSERT_ID(0) + %[4]s)", t, k, v, f, mysqlText, sameKey(k))
 		// An existing key, the common case, takes a fenced UPDATE alone (its
 		// arguments: value, token, key, token); the upsert covers a new key.
 		w.update = fmt.Sprintf("UPDATE %[1]s SET %[3]s = %[6]s, %[4]s = LAST_INSERT_ID(?) WHERE %[2]s = %[5]s AND %[4]s <= ?", t, k, v, f, mysqlText, mysqlMaybeEmpty)
@@ -193,7 +198,7 @@ func (w *Writer) checkWrite(op string, ctx context.Context, key string, token fe
 	if err := leasekit.CheckToken(op, token); err != nil {
 		return err
 	}
-	return w.keys.check(ctx, w.db.c, op)
+	return w.keys.check(ctx, w.db.c, op, key)
 }
 
 // fenced runs a fenced upsert. When it changes no row, the key holds a larger
@@ -208,6 +213,13 @@ func (w *Writer) fenced(ctx context.Context, op, key string, token fence.Token, 
 	}
 	var cur int64
 	if err := w.db.queryRow(ctx, w.current, []any{w.db.text(key)}, &cur); err != nil {
+		if errors.Is(err, errNoRows) {
+			// Refused by a row that is not the key's own: the key column
+			// merges keys (see keyColumn).
+			if cerr := w.keys.recheck(ctx, w.db.c, op, key); cerr != nil {
+				return cerr
+			}
+		}
 		return w.wrap(op, fmt.Errorf("reading the fence of a rejected %s: %w", op, err))
 	}
 	if fence.Token(cur) <= token {
@@ -226,7 +238,7 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 	if err := checkText("read", "key", key); err != nil {
 		return nil, 0, err
 	}
-	if err := w.keys.check(ctx, w.db.c, "read"); err != nil {
+	if err := w.keys.check(ctx, w.db.c, "read", key); err != nil {
 		return nil, 0, err
 	}
 	var (
@@ -252,7 +264,8 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 
 func (w *Writer) wrap(op string, err error) error {
 	if w.db.d.missingTable(err) {
+		w.keys.forget() // it may be created again with another key column
 		return &TableError{Table: w.table, DDL: w.ddl, Err: err}
 	}
-	return fmt.Errorf("sqlfence: %s: %w", op, err)
+	return fmt.Errorf("sqlfence: %s: %w", op, invalidTooLong(w.keys, err))
 }
