@@ -29,7 +29,9 @@ func TestHoldLeavesNoGoroutineBehind(t *testing.T) {
 		panic bool
 	}{
 		{name: "returns nil", f: func(*faulty, context.Context, context.CancelFunc, fence.Lease) error { return nil }},
-		{name: "returns an error", f: func(*faulty, context.Context, context.CancelFunc, fence.Lease) error { return errors.New("work failed") }},
+		{name: "returns an error", f: func(*faulty, context.Context, context.CancelFunc, fence.Lease) error {
+			return errors.New("work failed")
+		}},
 		{name: "panics", panic: true, f: func(*faulty, context.Context, context.CancelFunc, fence.Lease) error { panic("boom") }},
 		{name: "panics with nil", panic: true, f: func(*faulty, context.Context, context.CancelFunc, fence.Lease) error { panic(nil) }},
 		{name: "panics with ErrLost", panic: true, f: func(*faulty, context.Context, context.CancelFunc, fence.Lease) error { panic(lostErr) }},
