@@ -828,6 +828,11 @@ func (l *lease) Renew(ctx context.Context) error {
 			}
 			return l.a.wrap("renew", l.a.db.unknown(err))
 		}
+		if err != nil && uncertain {
+			// A definite error now (no connection, a refused dial) says
+			// nothing of the earlier attempt whose reply was lost.
+			return l.a.wrap("renew", fmt.Errorf("%w: an earlier attempt whose reply was lost may have renewed it: %w", fence.ErrUnknown, err))
+		}
 		if err != nil {
 			return l.a.wrap("renew", l.a.db.unknown(err))
 		}
