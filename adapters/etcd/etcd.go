@@ -35,12 +35,13 @@
 //
 // Tokens are revisions of the whole cluster: deleting the lock keys (or the
 // whole prefix) does not restart them. It does free the names, though: the
-// next TryAcquire or waiter is granted while the holder is not told (its
-// context stays live and its Renew succeeds until its etcd lease ends), and
-// only the fence, the new token being larger, refuses the old holder's
-// writes. To take a lock away, revoke the holder's etcd lease (the key's
-// lease): its next Renew returns fence.ErrLost, but its context stays live
-// until then, and the next grant does not wait for it. Restoring a cluster from a snapshot
+// next TryAcquire or waiter is granted while the holder is not told until
+// its next Renew, which finds its key gone, returns fence.ErrLost and ends
+// its context (fence.Hold renews every ttl/3); until then only the fence, the
+// new token being larger, refuses the old holder's writes. To take a lock
+// away, revoke the holder's etcd lease (the key's lease) or delete its key:
+// its next Renew returns fence.ErrLost, but its context stays live until
+// then, and the next grant does not wait for it. Restoring a cluster from a snapshot
 // does set the revision back to the snapshot's: restore with etcdutl snapshot
 // restore --bump-revision (by more than the revisions since the snapshot) and
 // --mark-compacted, or tokens granted after the snapshot are handed out again.
@@ -923,8 +924,11 @@ type lease struct {
 	releasing bool      // Release was called: no more requests
 }
 
-// Renew sends one keep-alive for the etcd lease. A lease etcd no longer has
-// returns fence.ErrLost. A lease whose context is done (released, lost, or
+// Renew sends one keep-alive for the etcd lease, then reads the lock key. A
+// lease etcd no longer has, or whose key is gone (deleted, so the name may be
+// another's), returns fence.ErrLost and ends the lease's context; a read that
+// fails returns an error matching fence.ErrUnknown and does not extend the
+// local deadline. A lease whose context is done (released, lost, or
 // past its local deadline) returns fence.ErrLost without a keep-alive, so a
 // late Renew never holds the lock on etcd again; a keep-alive confirmed only
 // after the local deadline passed is undone by revoking the etcd lease. A
@@ -973,6 +977,22 @@ func (l *lease) Renew(ctx context.Context) error {
 		l.dirty = true
 		l.mu.Unlock()
 		return fmt.Errorf("etcdfence: renew %q: %w: %w", l.Name(), fence.ErrUnknown, err)
+	}
+	// The keep-alive renews the etcd lease, not the lock: the key may have
+	// been deleted (by an operator) and the name granted to another.
+	held, err := l.holds(ctx)
+	if err != nil {
+		// The etcd lease was renewed, but whether it still holds the lock
+		// is not known: the local deadline is not extended.
+		return fmt.Errorf("etcdfence: renew %q: %w: reading its key after the keep-alive: %w", l.Name(), fence.ErrUnknown, err)
+	}
+	if !held {
+		l.End(fence.ErrLost)
+		l.mu.Lock()
+		l.dirty = true
+		l.mu.Unlock()
+		l.a.revoke(l.id, l.TTL())
+		return fmt.Errorf("etcdfence: renew %q token %d: its key is gone (deleted, or expired): %w", l.Name(), l.Token(), fence.ErrLost)
 	}
 	if !l.Extend(sent) {
 		l.mu.Lock()
@@ -1058,6 +1078,22 @@ func (l *lease) Release(ctx context.Context) error {
 		l.a.revoke(l.id, l.TTL())
 		return fmt.Errorf("etcdfence: release %q: %w: %w", l.Name(), fence.ErrUnknown, err)
 	}
+}
+
+// holds reports whether the lease's key exists with the grant's create
+// revision (its token) on the lease's etcd lease: only then does the name
+// belong to this grant. The read is linearizable, so it sees a deletion
+// made before it was sent.
+func (l *lease) holds(ctx context.Context) (bool, error) {
+	resp, err := l.a.c.Get(ctx, l.key)
+	if err != nil {
+		return false, err
+	}
+	if len(resp.Kvs) != 1 {
+		return false, nil
+	}
+	kv := resp.Kvs[0]
+	return kv.CreateRevision == int64(l.Token()) && clientv3.LeaseID(kv.Lease) == l.id, nil
 }
 
 func (l *lease) lost() error {

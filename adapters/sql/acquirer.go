@@ -838,20 +838,12 @@ func (l *lease) Renew(ctx context.Context) error {
 			return l.a.wrap("renew", l.a.db.unknown(err))
 		}
 		if err != nil && uncertain {
-			// A definite error now (a refused connection, the context
-			// ended while it waited for a connection of the pool) says
-			// nothing of the earlier attempt whose reply was lost, which
-			// may have extended the row (HAZARDS 3).
+			// A definite error now (no connection, a refused dial) says
+			// nothing of the earlier attempt whose reply was lost.
 			return l.a.wrap("renew", fmt.Errorf("%w: an earlier attempt whose reply was lost may have renewed it: %w", fence.ErrUnknown, err))
 		}
 		if err != nil {
-			err = l.a.db.unknown(err)
-			if uncertain && !errors.Is(err, fence.ErrUnknown) {
-				// This attempt was not run (a failed dial), but an earlier
-				// one whose reply was lost may have renewed the row.
-				err = fmt.Errorf("%w (an earlier attempt's reply was lost; it may have renewed the lease): %w", fence.ErrUnknown, err)
-			}
-			return l.a.wrap("renew", err)
+			return l.a.wrap("renew", l.a.db.unknown(err))
 		}
 		if n == 0 {
 			l.End(fence.ErrLost)

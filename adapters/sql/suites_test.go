@@ -1,6 +1,7 @@
 package sqlfence_test
 
 import (
+	"context"
 	"database/sql"
 	"strings"
 	"testing"
@@ -56,6 +57,21 @@ func mysqlOpener(params string) opener {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { db.Close() })
+		// Two idle connections, dialled before any fault is armed: a grant
+		// pins one (see the bell), and a renewal runs on the other, so an
+		// armed fault takes the renewal's statement, not a new handshake.
+		ctx := context.Background()
+		var cs []*sql.Conn
+		for range 2 {
+			c, err := db.Conn(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cs = append(cs, c)
+		}
+		for _, c := range cs {
+			_ = c.Close()
+		}
 		return sqlfence.MySQL(db)
 	}
 }
