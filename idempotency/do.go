@@ -395,14 +395,28 @@ func settleClaim(ctx context.Context, s Store, key, owner string, o Options, out
 // releaseClaim moves rec, claimed and never armed, to released, retrying
 // errors that are not an answer until ctx ends.
 func releaseClaim(ctx context.Context, s Store, rec Record) {
+	_ = release(ctx, s, rec, Claimed)
+}
+
+// release moves rec, in state from (claimed, or armed with an effect that
+// never started), to released, retrying errors that are not an answer until
+// ctx ends. A refusal is checked against the record: this caller's own
+// release, landed by a try whose reply was lost, is success.
+func release(ctx context.Context, s Store, rec Record, from State) error {
 	ch := Change{State: Released, Fence: rec.Fence, Owner: rec.Owner}
 	for attempt := 0; ; attempt++ {
-		_, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, ch)
-		if err == nil || refused(err) || errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) {
-			return
+		_, err := s.Update(ctx, rec.Key, from, rec.Fence, ch)
+		if err == nil {
+			return nil
+		}
+		if refused(err) || errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) {
+			if applied(ctx, s, rec, ch, err) {
+				return nil
+			}
+			return err
 		}
 		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(ctx, attempt) != nil {
-			return
+			return err
 		}
 	}
 }
@@ -645,7 +659,7 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 		}
 		if ctx.Err() != nil {
 			// The caller is gone: do not start the effect; free the key.
-			_, rerr := s.Update(cctx, rec.Key, got.State, rec.Fence, Change{State: Released, Fence: rec.Fence, Owner: rec.Owner})
+			rerr := release(cctx, s, rec, got.State)
 			return Record{}, sent, errors.Join(fmt.Errorf("idempotency: key %q: not started: %w", rec.Key, context.Cause(ctx)), rerr)
 		}
 		sent = time.Now()
