@@ -305,3 +305,93 @@ func (s Suite) testLostArmReplyThenCancel(t *testing.T) {
 		t.Fatalf("the next caller, whose effect never ran before (the record was %+v, %v): %+v, %v; want its own result", rec, gerr, r, err)
 	}
 }
+
+// unreachable is a store whose claim is still on its way when the caller's
+// context ends, after which the store stops answering: every Get of the key
+// hangs until its context ends (or the case is over). It records the claim's
+// send, the Gets whose context could outlive bound after it, and the Gets made
+// with a context that had already ended; returned is closed when the first
+// Get returns.
+type unreachable struct {
+	idempotency.Store
+	key      string
+	cancel   context.CancelFunc
+	bound    time.Duration
+	sent     *atomic.Int64 // the claim's send, in Unix nanoseconds
+	gets     *atomic.Int32
+	unbound  *atomic.Int32
+	afterEnd *atomic.Int32
+	returned chan struct{}
+	once     *sync.Once
+	over     chan struct{} // closed when the case is over
+}
+
+func (f unreachable) Begin(ctx context.Context, key, fp, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	if key != f.key {
+		return f.Store.Begin(ctx, key, fp, owner, lease)
+	}
+	f.sent.CompareAndSwap(0, time.Now().UnixNano())
+	f.cancel()
+	<-ctx.Done()
+	return idempotency.Record{}, false, fmt.Errorf("injected: the claim is still on its way: %w", ctx.Err())
+}
+
+func (f unreachable) Get(ctx context.Context, key string) (idempotency.Record, error) {
+	if key != f.key {
+		return f.Store.Get(ctx, key)
+	}
+	f.gets.Add(1)
+	if ctx.Err() != nil {
+		f.afterEnd.Add(1)
+	}
+	if d, ok := ctx.Deadline(); !ok || d.After(time.Unix(0, f.sent.Load()).Add(f.bound)) {
+		f.unbound.Add(1)
+	}
+	select {
+	case <-ctx.Done():
+	case <-f.over:
+	}
+	f.once.Do(func() { close(f.returned) })
+	return idempotency.Record{}, fmt.Errorf("injected: the store does not answer: %w", context.DeadlineExceeded)
+}
+
+// testSettleEndsWhenStoreUnreachable: a caller whose context ended while its
+// claim was on its way leaves a background settle that looks for the claim.
+// When the store stops answering, every read of that settle is bounded by
+// CompleteTimeout counted from the claim's send, and the settle then ends:
+// it neither hangs on a read nor goes on retrying.
+func (s Suite) testSettleEndsWhenStoreUnreachable(t *testing.T) {
+	st := s.New(t)
+	k := key()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	const completeTimeout = 200 * time.Millisecond
+	f := unreachable{st, k, cancel, completeTimeout, &atomic.Int64{}, &atomic.Int32{}, &atomic.Int32{}, &atomic.Int32{},
+		make(chan struct{}), &sync.Once{}, make(chan struct{})}
+	defer close(f.over)
+	opts := s.opts(func(o *idempotency.Options) { o.CompleteTimeout = completeTimeout })
+	_, err := idempotency.Do(ctx, f, k, "fp", func(context.Context, string) ([]byte, error) { return nil, nil }, opts)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("Do cancelled while its claim was on its way: %v, want context.Canceled", err)
+	}
+	select {
+	case <-f.returned:
+	case <-time.After(settleWait):
+		t.Fatalf("the settle's read (%d reads, %d without a deadline by CompleteTimeout after the claim's send) did not end within %v",
+			f.gets.Load(), f.unbound.Load(), settleWait)
+	}
+	if n := f.unbound.Load(); n > 0 {
+		t.Errorf("%d reads of the settle could outlive CompleteTimeout (%v) after the claim's send", n, completeTimeout)
+	}
+	// The first read ended at the settle's deadline; a settle that ends
+	// reads no more (bar one read whose context ended as it was made).
+	// Reads going on after that are a settle that never ends.
+	ended := f.gets.Load()
+	quiet := time.NewTimer(time.Second)
+	defer quiet.Stop()
+	<-quiet.C
+	if n := f.gets.Load() - ended; n > 1 || f.afterEnd.Load() > 2 {
+		t.Errorf("the settle read the record %d more times in the second after its deadline (%d reads with its context already ended): it does not end",
+			n, f.afterEnd.Load())
+	}
+}

@@ -97,6 +97,7 @@ func (s Suite) Run(t *testing.T) {
 		{"SlowNetworkCancelledClaimFreesKey", s.testSlowNetworkCancelledClaim},
 		{"SettleNeverFreesTakenOverClaim", s.testSettleNeverFreesTakenOverClaim},
 		{"LateClaimAfterSettleFreesKey", s.testLateClaimAfterSettle},
+		{"SettleEndsWhenStoreUnreachable", s.testSettleEndsWhenStoreUnreachable},
 		{"LostArmReplyThenCancelFreesKey", s.testLostArmReplyThenCancel},
 	} {
 		t.Run(tc.name, tc.fn)
