@@ -251,9 +251,12 @@ func claimOwner(o Options) string {
 // panic goes on unrecovered, with its stack; renewals stop.
 //
 // When ctx ends while a claim's (or takeover's) reply is outstanding, Do
-// returns at once and releases that claim in the background, within
-// CompleteTimeout, if it landed, so that the key does not stay claimed by
-// nobody for a whole lease.
+// returns at once and, in the background, keeps looking for that claim until
+// CompleteTimeout after it was sent, releasing it if it landed, so that the
+// key does not stay claimed by nobody for a whole lease. A claim that lands
+// later than that, or that the store could not be reached to release by
+// then, keeps the key until its lease ends: other callers get ErrInProgress
+// meanwhile.
 //
 // Errors: ErrFingerprintMismatch; an *InProgressError (ErrInProgress) while
 // another owner holds the key; a *FailedError (ErrFailed) replaying a definitive
@@ -339,10 +342,10 @@ func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Re
 		case err == nil || refused(err):
 			return rec, created, err
 		case ctx.Err() != nil:
-			go settleClaim(ctx, s, key, owner, o, time.Since(sent))
+			go settleClaim(ctx, s, key, owner, o, sent)
 			return rec, created, fmt.Errorf("%w (%w)", err, context.Cause(ctx))
 		case try == 3:
-			go settleClaim(ctx, s, key, owner, o, time.Since(sent))
+			go settleClaim(ctx, s, key, owner, o, sent)
 			return rec, created, fmt.Errorf("%w (the claim was sent 3 times; the record was not found after the first 2)", err)
 		}
 		rctx, cancel := context.WithTimeout(ctx, o.CompleteTimeout)
@@ -352,7 +355,7 @@ func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Re
 		case gerr == nil:
 			return got, got.Owner == owner && got.State == Claimed, nil
 		case !errors.Is(gerr, fence.ErrNotFound):
-			go settleClaim(ctx, s, key, owner, o, time.Since(sent))
+			go settleClaim(ctx, s, key, owner, o, sent)
 			return rec, created, fmt.Errorf("%w (reading the record to tell: %v)", err, gerr)
 		}
 	}
@@ -361,17 +364,19 @@ func begin(ctx context.Context, s Store, key, fingerprint string, o Options) (Re
 // settleClaim releases key if it is claimed by owner: a claim (or takeover)
 // whose outcome Do gave up learning, so that it does not keep the key from
 // every other caller for its whole lease. The owner is unique to the claim,
-// so a record claimed under it can only be that claim. It runs detached from
-// ctx, bounded by Options.CompleteTimeout. A claim still on its way when the
-// record is read is looked for once more, after as long again as it was
-// outstanding; one that lands later still holds the key until its lease ends.
-func settleClaim(ctx context.Context, s Store, key, owner string, o Options, outstanding time.Duration) {
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
+// so a record claimed under it can only be that claim, and the release is a
+// compare-and-set on its fence: a takeover is never freed. It runs detached
+// from ctx and looks for the claim, with a doubling pause, until
+// Options.CompleteTimeout after sent (the claim's send), which also bounds
+// every read and release: a store that keeps failing ends it then. A claim
+// that lands later than that holds the key until its lease ends.
+func settleClaim(ctx context.Context, s Store, key, owner string, o Options, sent time.Time) {
+	cctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), sent.Add(o.CompleteTimeout))
 	defer cancel()
 	for look := 0; ; look++ {
 		got, err := read(cctx, s, key)
 		if err != nil && !errors.Is(err, fence.ErrNotFound) {
-			return
+			return // the deadline passed, or the key is invalid
 		}
 		if err == nil && got.Owner == owner {
 			if got.State == Claimed {
@@ -379,10 +384,9 @@ func settleClaim(ctx context.Context, s Store, key, owner string, o Options, out
 			}
 			return
 		}
-		if look == 1 {
-			return
-		}
-		t := time.NewTimer(max(outstanding, time.Millisecond))
+		// Not landed yet (or another's record, which a late claim may
+		// still replace once it is released): look again.
+		t := time.NewTimer(settlePause(look))
 		select {
 		case <-cctx.Done():
 			t.Stop()
@@ -392,17 +396,41 @@ func settleClaim(ctx context.Context, s Store, key, owner string, o Options, out
 	}
 }
 
+// settlePause is the pause after settleClaim's look number look (0-based):
+// 5ms, doubling up to a second.
+func settlePause(look int) time.Duration {
+	const first, most = 5 * time.Millisecond, time.Second
+	if look >= 8 {
+		return most
+	}
+	return min(first<<look, most)
+}
+
 // releaseClaim moves rec, claimed and never armed, to released, retrying
 // errors that are not an answer until ctx ends.
 func releaseClaim(ctx context.Context, s Store, rec Record) {
+	_ = release(ctx, s, rec, Claimed)
+}
+
+// release moves rec, in state from (claimed, or armed with an effect that
+// never started), to released, retrying errors that are not an answer until
+// ctx ends. A refusal is checked against the record: this caller's own
+// release, landed by a try whose reply was lost, is success.
+func release(ctx context.Context, s Store, rec Record, from State) error {
 	ch := Change{State: Released, Fence: rec.Fence, Owner: rec.Owner}
 	for attempt := 0; ; attempt++ {
-		_, err := s.Update(ctx, rec.Key, Claimed, rec.Fence, ch)
-		if err == nil || refused(err) || errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) {
-			return
+		_, err := s.Update(ctx, rec.Key, from, rec.Fence, ch)
+		if err == nil {
+			return nil
+		}
+		if refused(err) || errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged) {
+			if applied(ctx, s, rec, ch, err) {
+				return nil
+			}
+			return err
 		}
 		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(ctx, attempt) != nil {
-			return
+			return err
 		}
 	}
 }
@@ -480,7 +508,7 @@ func takeOver(ctx context.Context, s Store, rec Record, takeover Change, o Optio
 		}
 		if gerr != nil || !(errors.Is(err, fence.ErrStale) || errors.Is(err, ErrStateChanged)) {
 			// Not an answer, and not found yet: it may still land.
-			go settleClaim(ctx, s, rec.Key, takeover.Owner, o, time.Since(sent))
+			go settleClaim(ctx, s, rec.Key, takeover.Owner, o, sent)
 		}
 	}
 	if err != nil {
@@ -645,7 +673,7 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 		}
 		if ctx.Err() != nil {
 			// The caller is gone: do not start the effect; free the key.
-			_, rerr := s.Update(cctx, rec.Key, got.State, rec.Fence, Change{State: Released, Fence: rec.Fence, Owner: rec.Owner})
+			rerr := release(cctx, s, rec, got.State)
 			return Record{}, sent, errors.Join(fmt.Errorf("idempotency: key %q: not started: %w", rec.Key, context.Cause(ctx)), rerr)
 		}
 		sent = time.Now()

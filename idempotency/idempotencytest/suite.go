@@ -95,6 +95,10 @@ func (s Suite) Run(t *testing.T) {
 		{"CancelledDuringClaimFreesKey", func(t *testing.T) { s.testCancelledDuringClaim(t, false) }},
 		{"CancelledDuringTakeoverFreesKey", func(t *testing.T) { s.testCancelledDuringClaim(t, true) }},
 		{"SlowNetworkCancelledClaimFreesKey", s.testSlowNetworkCancelledClaim},
+		{"SettleNeverFreesTakenOverClaim", s.testSettleNeverFreesTakenOverClaim},
+		{"LateClaimAfterSettleFreesKey", s.testLateClaimAfterSettle},
+		{"SettleEndsWhenStoreUnreachable", s.testSettleEndsWhenStoreUnreachable},
+		{"LostArmReplyThenCancelFreesKey", s.testLostArmReplyThenCancel},
 	} {
 		t.Run(tc.name, tc.fn)
 	}
