@@ -61,6 +61,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/internal/objenvelope"
+	"github.com/fencekit/fencekit/internal/objkey"
 )
 
 // Metadata keys stored with every blob this package writes (x-ms-meta-*;
@@ -158,29 +159,19 @@ func checkName(op, arg, s string, max int) error {
 
 // checkPrefix refuses a Prefix that makes every blob name one Azure would
 // change: a whole path segment (every segment but the last, which the name
-// continues) that is "." or "..".
+// continues) that is empty, "." or "..".
 func checkPrefix(op, prefix string) error {
-	segs := strings.Split(prefix, "/")
-	for _, seg := range segs[:len(segs)-1] {
-		if seg == "." || seg == ".." {
-			return &fence.InvalidError{Op: op, Arg: "Prefix", Reason: "a path segment . or .., which Azure resolves"}
-		}
-	}
-	return nil
+	return objkey.CheckPrefix(op, "Prefix", prefix)
 }
 
 // checkBlobName refuses a whole blob name Azure would change: one ending in a
-// dot or a slash (dropped), or with a path segment that is "." or "..".
+// dot or a slash (dropped), or with a path segment that is empty, "." or
+// "..".
 func checkBlobName(op, arg, name string) error {
 	if strings.HasSuffix(name, ".") || strings.HasSuffix(name, "/") {
 		return &fence.InvalidError{Op: op, Arg: arg, Reason: "ends in a dot or slash, which Azure drops"}
 	}
-	for _, seg := range strings.Split(name, "/") {
-		if seg == "." || seg == ".." {
-			return &fence.InvalidError{Op: op, Arg: arg, Reason: "a path segment . or .., which Azure resolves"}
-		}
-	}
-	return nil
+	return objkey.CheckPath(op, arg, name)
 }
 
 // state is what a blob's properties tell.

@@ -60,6 +60,7 @@ import (
 	"cloud.google.com/go/storage"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/internal/objkey"
 	"google.golang.org/api/googleapi"
 )
 
@@ -142,6 +143,9 @@ func New(bucket *storage.BucketHandle, opts *Options) (*Writer, error) {
 		if err := checkName("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 			return nil, err
 		}
+		if err := objkey.CheckPrefix("new writer", "Prefix", o.Prefix); err != nil {
+			return nil, err
+		}
 	}
 	return &Writer{b: bucket, o: o, last: map[string]state{}}, nil
 }
@@ -214,7 +218,8 @@ func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 // checkObjectName refuses a nil ctx, and a key or name (arg) that GCS cannot
 // store as the object prefix + s: s must be UTF-8 without NUL, the whole name
 // at most MaxKeyBytes bytes, without CR or LF, not "." or "..", not under the
-// ACME path.
+// ACME path, and without an empty, "." or ".." path segment (which servers
+// storing objects as files resolve).
 func checkObjectName(op string, ctx context.Context, arg, prefix, s string) error {
 	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
@@ -222,7 +227,10 @@ func checkObjectName(op string, ctx context.Context, arg, prefix, s string) erro
 	if err := leasekit.CheckText(op, arg, s, MaxKeyBytes-len(prefix)); err != nil {
 		return err
 	}
-	return checkName(op, arg, prefix+s, MaxKeyBytes)
+	if err := checkName(op, arg, prefix+s, MaxKeyBytes); err != nil {
+		return err
+	}
+	return objkey.CheckPath(op, arg, prefix+s)
 }
 
 // stateOf reads the fence from an object's attributes.

@@ -47,6 +47,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/internal/objenvelope"
+	"github.com/fencekit/fencekit/internal/objkey"
 )
 
 // Metadata keys (x-amz-meta-*) stored with every object this package writes.
@@ -129,6 +130,9 @@ func New(api API, bucket string, opts *Options) (*Writer, error) {
 		if err := leasekit.CheckText("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 			return nil, err
 		}
+		if err := objkey.CheckPrefix("new writer", "Prefix", o.Prefix); err != nil {
+			return nil, err
+		}
 	}
 	return &Writer{api: api, bucket: bucket, o: o, last: map[string]state{}}, nil
 }
@@ -173,8 +177,9 @@ func (w *Writer) objectKey(key string) string { return w.o.Prefix + key }
 const MaxKeyBytes = 1024
 
 // checkKey refuses a nil ctx, and keys S3 cannot store: the object key
-// (Prefix + key) must be UTF-8 of at most MaxKeyBytes bytes, and without NUL
-// (which the XML of S3's listings cannot carry).
+// (Prefix + key) must be UTF-8 of at most MaxKeyBytes bytes, without NUL
+// (which the XML of S3's listings cannot carry), and without an empty, "."
+// or ".." path segment (which servers storing objects as files resolve).
 func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
@@ -182,7 +187,7 @@ func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 	if err := leasekit.CheckText(op, "key", key, MaxKeyBytes-len(w.o.Prefix)); err != nil {
 		return err
 	}
-	return nil
+	return objkey.CheckPath(op, "key", w.objectKey(key))
 }
 
 // head reads the object's state; a missing object is exists=false.
