@@ -29,9 +29,10 @@
 //     succeeded. If a newer token is stored instead, or the write ends for any
 //     other reason, the error matches fence.ErrUnknown, never fence.ErrStale.
 //   - Blobs written by other tools have no token: they count as token 0, or
-//     are refused with RefuseUnfenced. A fenced blob whose metadata was
-//     replaced (Set Blob Metadata by another tool) keeps the token of the
-//     envelope in its body, which the writer then reads.
+//     are refused with RefuseUnfenced. A write also reads the envelope at
+//     the start of the body and takes the larger of its token and the
+//     metadata's, so metadata replaced (Set Blob Metadata by another tool,
+//     dropping or lowering the token) never lowers the fence.
 //
 // Errors are told apart by Azure's error codes and HTTP status, never by
 // their messages. Errors returned by this package show a SAS token's
@@ -181,6 +182,23 @@ type state struct {
 	token    fence.Token
 	unfenced bool
 	writeID  string
+	// envWriteID is the write id of the body's envelope: metadata replaced
+	// by another tool may have lost or changed the one in writeID.
+	envWriteID string
+}
+
+// tagWriteID is the write id the blob's TagWriteID tag holds: the
+// envelope's, which metadata replaced by another tool does not change.
+func (st state) tagWriteID() string {
+	if st.envWriteID != "" {
+		return st.envWriteID
+	}
+	return st.writeID
+}
+
+// wrote reports whether the blob is the write with write id id.
+func (st state) wrote(id string) bool {
+	return st.exists && (st.writeID == id || st.envWriteID == id)
 }
 
 func (w *Writer) blobName(key string) string { return w.o.Prefix + key }
@@ -230,27 +248,27 @@ func (w *Writer) head(ctx context.Context, key string) (state, error) {
 				return state{}, fmt.Errorf("azfence: blob %q has a malformed %s %q", key, MetaToken, t)
 			}
 			st.token = fence.Token(n)
-			return st, nil
-		}
-		// No token in the metadata: another tool's blob, or a fenced blob
-		// whose metadata was replaced (Set Blob Metadata replaces all of it).
-		// The envelope in the body still holds the fence.
-		if p.ContentLength == nil || *p.ContentLength < int64(len("fencekit-v1 1 x\n")) {
+		} else {
 			st.unfenced = true
+		}
+		// The metadata alone is not the fence: Set Blob Metadata by another
+		// tool replaces all of it, and may drop or lower the token. The
+		// envelope in the body still holds it: the token is the larger.
+		if p.ContentLength == nil || *p.ContentLength < int64(len("fencekit-v1 1 x\n")) {
 			return st, nil
 		}
 		e, same, err := w.bodyHeader(ctx, bc, st.etag)
 		switch {
 		case err != nil:
 			return state{}, err
-		case !same && attempt < 2:
+		case !same && attempt < 8:
 			continue // written in between: read again
 		case !same:
 			return state{}, ErrContention
-		case e == nil:
-			st.unfenced = true
-		default:
-			st.token, st.writeID = e.Token, e.WriteID
+		case e != nil:
+			st.unfenced = false
+			st.token = max(st.token, e.Token)
+			st.envWriteID = e.WriteID
 		}
 		return st, nil
 	}
@@ -341,7 +359,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 			if st, err = w.head(ctx, key); err != nil {
 				return w.failed(op, key, err, ambiguous)
 			}
-			if ambiguous != nil && st.exists && st.writeID == e.WriteID {
+			if ambiguous != nil && st.wrote(e.WriteID) {
 				return nil // an earlier attempt landed
 			}
 		}
@@ -361,7 +379,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 			if !st.unfenced {
 				// ETag and write id: a write in between changed the tag
 				// even if its ETag equals the one read.
-				cond := fmt.Sprintf("%q = '%s'", TagWriteID, st.writeID)
+				cond := fmt.Sprintf("%q = '%s'", TagWriteID, st.tagWriteID())
 				mac.IfTags = &cond
 			}
 		} else {
@@ -381,7 +399,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 			if herr != nil {
 				return w.failed(op, key, herr, ambiguous)
 			}
-			if cur.exists && cur.writeID == e.WriteID {
+			if cur.wrote(e.WriteID) {
 				return nil
 			}
 			st, haveState = cur, true
