@@ -40,6 +40,12 @@
 //     Keep lifecycle deletes off the keys you fence.
 //   - Objects written by other tools have no token: they count as token 0 (any
 //     fenced write may replace them), or are refused with RefuseUnfenced.
+//   - Metadata changed after the upload (objects.patch by another tool keeps
+//     the body and generation) could drop or lower the token. Every upload
+//     also stores a seal (MetaSeal) over its token, write id and body
+//     checksum; an object whose token does not match its seal, or that has
+//     no seal and a metageneration above 1, is refused with
+//     ErrMetadataChanged, and nothing is written.
 //
 // Errors are told apart by their HTTP status (googleapi.Error), never by
 // their messages.
@@ -48,9 +54,11 @@ package gcsfence
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"strconv"
 	"strings"
@@ -69,7 +77,24 @@ const (
 	MetaToken   = "fence-token"
 	MetaWriteID = "fence-write-id"
 	MetaDeleted = "fence-deleted"
+	// MetaSeal binds the token, write id, tombstone mark and body checksum
+	// of one upload: metadata changed after the upload no longer matches it.
+	MetaSeal = "fence-seal"
 )
+
+// ErrMetadataChanged is returned by Write, Delete and Read for an object
+// whose metadata was changed after its upload (an objects.patch by another
+// tool): its token no longer matches its seal, or the object has no sealed
+// token and a metageneration above 1. Its fence cannot be known, so nothing
+// is written; a write after the object's metadata was rewritten by hand
+// could otherwise take a lowered or removed token for the fence.
+var ErrMetadataChanged = errors.New("gcsfence: the object's metadata was changed after its upload; its token cannot be trusted")
+
+// seal is MetaSeal's value for an upload.
+func seal(token fence.Token, writeID string, deleted bool, crc uint32) string {
+	sum := sha256.Sum256(fmt.Appendf(nil, "fencekit-seal-v1 %d %s %t %d", uint64(token), writeID, deleted, crc))
+	return hex.EncodeToString(sum[:16])
+}
 
 // MaxKeyBytes is GCS's limit on an object name, in bytes. The Prefix counts
 // towards it.
@@ -239,16 +264,31 @@ func stateOf(key string, a *storage.ObjectAttrs) (state, error) {
 		return state{}, fmt.Errorf("object %q (%s %q): %w", key, metaFormat, f, ErrLockObject)
 	}
 	st := state{exists: true, gen: a.Generation, writeID: a.Metadata[MetaWriteID], deleted: a.Metadata[MetaDeleted] == "1"}
+	sl, sealed := a.Metadata[MetaSeal]
 	t, ok := a.Metadata[MetaToken]
+	if !sealed && a.Metageneration > 1 {
+		// Patched since the upload, and nothing tells whether the token
+		// (or its absence) is the upload's.
+		return state{}, fmt.Errorf("object %q (metageneration %d): %w", key, a.Metageneration, ErrMetadataChanged)
+	}
 	if !ok {
+		if sealed {
+			return state{}, fmt.Errorf("object %q has a %s but no %s: %w", key, MetaSeal, MetaToken, ErrMetadataChanged)
+		}
 		st.unfenced = true
 		return st, nil
 	}
 	n, err := strconv.ParseUint(t, 10, 64)
 	if err != nil || !fence.Token(n).Valid() || strconv.FormatUint(n, 10) != t {
+		if sealed {
+			return state{}, fmt.Errorf("object %q has a malformed %s %q: %w", key, MetaToken, t, ErrMetadataChanged)
+		}
 		return state{}, fmt.Errorf("gcsfence: object %q has a malformed %s %q", key, MetaToken, t)
 	}
 	st.token = fence.Token(n)
+	if sealed && sl != seal(st.token, st.writeID, st.deleted, a.CRC32C) {
+		return state{}, fmt.Errorf("object %q: %s %d does not match its %s: %w", key, MetaToken, n, MetaSeal, ErrMetadataChanged)
+	}
 	return st, nil
 }
 
@@ -321,10 +361,13 @@ func (w *Writer) put(ctx context.Context, op, key string, value []byte, token fe
 		return err
 	}
 	writeID := newID()
-	meta := map[string]string{MetaToken: strconv.FormatUint(uint64(token), 10), MetaWriteID: writeID}
+	if deleted {
+		value = nil
+	}
+	meta := map[string]string{MetaToken: strconv.FormatUint(uint64(token), 10), MetaWriteID: writeID,
+		MetaSeal: seal(token, writeID, deleted, crc32.Checksum(value, crc32.MakeTable(crc32.Castagnoli)))}
 	if deleted {
 		meta[MetaDeleted] = "1"
-		value = nil
 	}
 	var st state
 	haveState := false
