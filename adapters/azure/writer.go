@@ -34,6 +34,13 @@
 //     metadata's, so metadata replaced (Set Blob Metadata by another tool,
 //     dropping or lowering the token) never lowers the fence.
 //
+// Keys and lock names map to blob names byte for byte (Prefix + key). A
+// key or name whose blob name has an empty path segment ("a//b", a slash at
+// either end) or a "." or ".." segment, a trailing dot or a backslash, is
+// refused with fence.ErrInvalid before any request, rather than encoded:
+// Azure changes such names, and servers that store blobs as files resolve
+// the path segments, so two keys would share one blob.
+//
 // Errors are told apart by Azure's error codes and HTTP status, never by
 // their messages. Errors returned by this package show a SAS token's
 // signature (the URL's sig parameter) as REDACTED.

@@ -47,6 +47,12 @@
 //     no seal and a metageneration above 1, is refused with
 //     ErrMetadataChanged, and nothing is written.
 //
+// Keys and lock names map to object names byte for byte (Prefix + key). A
+// key or name whose object name has an empty path segment ("a//b", a slash
+// at either end) or a "." or ".." segment is refused with fence.ErrInvalid
+// before any request, rather than encoded: servers that store objects as
+// files resolve such names, so two keys would share one object.
+//
 // Errors are told apart by their HTTP status (googleapi.Error), never by
 // their messages.
 package gcsfence

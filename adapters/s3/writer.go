@@ -21,6 +21,12 @@
 //   - Objects written by other tools have no token: they count as token 0 (any
 //     fenced write may replace them), or are refused with RefuseUnfenced.
 //
+// Keys and lock names map to object names byte for byte (Prefix + key). A
+// key or name whose object name has an empty path segment ("a//b", a slash
+// at either end) or a "." or ".." segment is refused with fence.ErrInvalid
+// before any request, rather than encoded: servers that store objects as
+// files resolve such names, so two keys would share one object.
+//
 // Writer detects S3 errors by their codes (smithy.APIError) and HTTP status,
 // never by their messages.
 package s3fence
