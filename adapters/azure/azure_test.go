@@ -147,7 +147,7 @@ func TestWriterConformance(t *testing.T) {
 	w := newWriter(t, e.c, nil)
 	s := fencetest.WriterSuite{
 		New:     func(*testing.T) fence.FencedWriter { return w },
-		BadKeys: []string{"nul\x00", "bad \xff", "dot.", "slash/", "back\\slash", "a/../b", strings.Repeat("k", azfence.MaxKeyBytes+1)},
+		BadKeys: []string{"nul\x00", "bad \xff", "dot.", "slash/", "back\\slash", "a/../b", "a//b", "./a", "/a", strings.Repeat("k", azfence.MaxKeyBytes+1)},
 		// 8 writers, as on S3 and GCS: with the default 16 on one blob, a
 		// write lost its conditional put 8 times in a row (MaxAttempts,
 		// ErrContention) on a loaded machine.
@@ -171,7 +171,7 @@ func TestAcquirerConformance(t *testing.T) {
 		NewOther: func(t *testing.T) fence.Acquirer { return newAcquirer(t, e.other(t)) },
 		ShortTTL: azfence.MinLeaseDuration,
 		MaxTTL:   azfence.MaxAcquirerTTL,
-		BadNames: []string{"nul\x00", "bad \xff", "dot.", "slash/", "back\\slash", "a/./b", strings.Repeat("n", azfence.MaxKeyBytes)},
+		BadNames: []string{"nul\x00", "bad \xff", "dot.", "slash/", "back\\slash", "a/./b", "a//b", "x/../b", "/a", strings.Repeat("n", azfence.MaxKeyBytes)},
 		Parallel: true,
 		// The lock blob deleted while a lease may be held on it: its lease
 		// broken first (Azure refuses to delete a leased blob otherwise).

@@ -29,9 +29,17 @@
 //     succeeded. If a newer token is stored instead, or the write ends for any
 //     other reason, the error matches fence.ErrUnknown, never fence.ErrStale.
 //   - Blobs written by other tools have no token: they count as token 0, or
-//     are refused with RefuseUnfenced. A fenced blob whose metadata was
-//     replaced (Set Blob Metadata by another tool) keeps the token of the
-//     envelope in its body, which the writer then reads.
+//     are refused with RefuseUnfenced. A write also reads the envelope at
+//     the start of the body and takes the larger of its token and the
+//     metadata's, so metadata replaced (Set Blob Metadata by another tool,
+//     dropping or lowering the token) never lowers the fence.
+//
+// Keys and lock names map to blob names byte for byte (Prefix + key). A
+// key or name whose blob name has an empty path segment ("a//b", a slash at
+// either end) or a "." or ".." segment, a trailing dot or a backslash, is
+// refused with fence.ErrInvalid before any request, rather than encoded:
+// Azure changes such names, and servers that store blobs as files resolve
+// the path segments, so two keys would share one blob.
 //
 // Errors are told apart by Azure's error codes and HTTP status, never by
 // their messages. Errors returned by this package show a SAS token's
@@ -61,6 +69,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/internal/objenvelope"
+	"github.com/fencekit/fencekit/internal/objkey"
 )
 
 // Metadata keys stored with every blob this package writes (x-ms-meta-*;
@@ -158,29 +167,19 @@ func checkName(op, arg, s string, max int) error {
 
 // checkPrefix refuses a Prefix that makes every blob name one Azure would
 // change: a whole path segment (every segment but the last, which the name
-// continues) that is "." or "..".
+// continues) that is empty, "." or "..".
 func checkPrefix(op, prefix string) error {
-	segs := strings.Split(prefix, "/")
-	for _, seg := range segs[:len(segs)-1] {
-		if seg == "." || seg == ".." {
-			return &fence.InvalidError{Op: op, Arg: "Prefix", Reason: "a path segment . or .., which Azure resolves"}
-		}
-	}
-	return nil
+	return objkey.CheckPrefix(op, "Prefix", prefix)
 }
 
 // checkBlobName refuses a whole blob name Azure would change: one ending in a
-// dot or a slash (dropped), or with a path segment that is "." or "..".
+// dot or a slash (dropped), or with a path segment that is empty, "." or
+// "..".
 func checkBlobName(op, arg, name string) error {
 	if strings.HasSuffix(name, ".") || strings.HasSuffix(name, "/") {
 		return &fence.InvalidError{Op: op, Arg: arg, Reason: "ends in a dot or slash, which Azure drops"}
 	}
-	for _, seg := range strings.Split(name, "/") {
-		if seg == "." || seg == ".." {
-			return &fence.InvalidError{Op: op, Arg: arg, Reason: "a path segment . or .., which Azure resolves"}
-		}
-	}
-	return nil
+	return objkey.CheckPath(op, arg, name)
 }
 
 // state is what a blob's properties tell.
@@ -190,6 +189,23 @@ type state struct {
 	token    fence.Token
 	unfenced bool
 	writeID  string
+	// envWriteID is the write id of the body's envelope: metadata replaced
+	// by another tool may have lost or changed the one in writeID.
+	envWriteID string
+}
+
+// tagWriteID is the write id the blob's TagWriteID tag holds: the
+// envelope's, which metadata replaced by another tool does not change.
+func (st state) tagWriteID() string {
+	if st.envWriteID != "" {
+		return st.envWriteID
+	}
+	return st.writeID
+}
+
+// wrote reports whether the blob is the write with write id id.
+func (st state) wrote(id string) bool {
+	return st.exists && (st.writeID == id || st.envWriteID == id)
 }
 
 func (w *Writer) blobName(key string) string { return w.o.Prefix + key }
@@ -239,27 +255,27 @@ func (w *Writer) head(ctx context.Context, key string) (state, error) {
 				return state{}, fmt.Errorf("azfence: blob %q has a malformed %s %q", key, MetaToken, t)
 			}
 			st.token = fence.Token(n)
-			return st, nil
-		}
-		// No token in the metadata: another tool's blob, or a fenced blob
-		// whose metadata was replaced (Set Blob Metadata replaces all of it).
-		// The envelope in the body still holds the fence.
-		if p.ContentLength == nil || *p.ContentLength < int64(len("fencekit-v1 1 x\n")) {
+		} else {
 			st.unfenced = true
+		}
+		// The metadata alone is not the fence: Set Blob Metadata by another
+		// tool replaces all of it, and may drop or lower the token. The
+		// envelope in the body still holds it: the token is the larger.
+		if p.ContentLength == nil || *p.ContentLength < int64(len("fencekit-v1 1 x\n")) {
 			return st, nil
 		}
 		e, same, err := w.bodyHeader(ctx, bc, st.etag)
 		switch {
 		case err != nil:
 			return state{}, err
-		case !same && attempt < 2:
+		case !same && attempt < 8:
 			continue // written in between: read again
 		case !same:
 			return state{}, ErrContention
-		case e == nil:
-			st.unfenced = true
-		default:
-			st.token, st.writeID = e.Token, e.WriteID
+		case e != nil:
+			st.unfenced = false
+			st.token = max(st.token, e.Token)
+			st.envWriteID = e.WriteID
 		}
 		return st, nil
 	}
@@ -350,7 +366,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 			if st, err = w.head(ctx, key); err != nil {
 				return w.failed(op, key, err, ambiguous)
 			}
-			if ambiguous != nil && st.exists && st.writeID == e.WriteID {
+			if ambiguous != nil && st.wrote(e.WriteID) {
 				return nil // an earlier attempt landed
 			}
 		}
@@ -370,7 +386,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 			if !st.unfenced {
 				// ETag and write id: a write in between changed the tag
 				// even if its ETag equals the one read.
-				cond := fmt.Sprintf("%q = '%s'", TagWriteID, st.writeID)
+				cond := fmt.Sprintf("%q = '%s'", TagWriteID, st.tagWriteID())
 				mac.IfTags = &cond
 			}
 		} else {
@@ -390,7 +406,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 			if herr != nil {
 				return w.failed(op, key, herr, ambiguous)
 			}
-			if cur.exists && cur.writeID == e.WriteID {
+			if cur.wrote(e.WriteID) {
 				return nil
 			}
 			st, haveState = cur, true

@@ -2,6 +2,8 @@ package gcsfence
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
@@ -14,6 +16,7 @@ import (
 	"cloud.google.com/go/storage"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/internal/objkey"
 	"github.com/fencekit/fencekit/internal/wakeup"
 )
 
@@ -48,6 +51,7 @@ const (
 	metaOwner   = "fence-owner"
 	metaTTL     = "fence-ttl-ns"
 	metaNew     = "fence-new"
+	metaSeal    = "fence-seal"
 	lockFormat  = "lock-v1"
 	clockFormat = "clock-v1"
 )
@@ -187,10 +191,16 @@ func NewAcquirer(bucket *storage.BucketHandle, opts *AcquirerOptions) (*Acquirer
 	if err := checkName(op, "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 		return nil, err
 	}
+	if err := objkey.CheckPrefix(op, "Prefix", o.Prefix); err != nil {
+		return nil, err
+	}
 	if o.ClockObject == "" {
 		o.ClockObject = "fencekit-clock"
 	}
 	if err := checkName(op, "ClockObject", o.ClockObject, MaxKeyBytes); err != nil {
+		return nil, err
+	}
+	if err := objkey.CheckPath(op, "ClockObject", o.ClockObject); err != nil {
 		return nil, err
 	}
 	if strings.HasPrefix(o.ClockObject, o.Prefix) {
@@ -231,7 +241,19 @@ func (s lockState) metadata() map[string]string {
 	if s.new {
 		m[metaNew] = "1"
 	}
+	m[metaSeal] = lockSeal(m)
 	return m
+}
+
+// lockSeal hashes a lock object's state keys: metadata changed after the
+// upload (objects.patch by another tool) no longer matches its seal.
+func lockSeal(m map[string]string) string {
+	h := sha256.New()
+	for _, k := range []string{metaFormat, metaToken, metaHolder, metaOwner, metaTTL, metaNew} {
+		v, ok := m[k]
+		fmt.Fprintf(h, "%s %t %d %s\n", k, ok, len(v), v)
+	}
+	return hex.EncodeToString(h.Sum(nil)[:16])
 }
 
 func parseLock(m map[string]string) (lockState, bool) {
@@ -301,6 +323,12 @@ func (a *Acquirer) read(ctx context.Context, name string) (observed, error) {
 	}
 	if err != nil {
 		return observed{}, err
+	}
+	if sl, sealed := attrs.Metadata[metaSeal]; (sealed && sl != lockSeal(attrs.Metadata)) || (!sealed && attrs.Metageneration > 1) {
+		// A lowered token would be granted again: refuse instead. Deleting
+		// the lock object makes the next grant take a token from GCS's
+		// clock, above every earlier one.
+		return observed{}, fmt.Errorf("gcsfence: lock object %q: %w (delete it to start its tokens again from GCS's clock)", a.o.Prefix+name, ErrMetadataChanged)
 	}
 	st, ok := parseLock(attrs.Metadata)
 	if !ok || attrs.Updated.IsZero() {

@@ -40,6 +40,18 @@
 //     Keep lifecycle deletes off the keys you fence.
 //   - Objects written by other tools have no token: they count as token 0 (any
 //     fenced write may replace them), or are refused with RefuseUnfenced.
+//   - Metadata changed after the upload (objects.patch by another tool keeps
+//     the body and generation) could drop or lower the token. Every upload
+//     also stores a seal (MetaSeal) over its token, write id and body
+//     checksum; an object whose token does not match its seal, or that has
+//     no seal and a metageneration above 1, is refused with
+//     ErrMetadataChanged, and nothing is written.
+//
+// Keys and lock names map to object names byte for byte (Prefix + key). A
+// key or name whose object name has an empty path segment ("a//b", a slash
+// at either end) or a "." or ".." segment is refused with fence.ErrInvalid
+// before any request, rather than encoded: servers that store objects as
+// files resolve such names, so two keys would share one object.
 //
 // Errors are told apart by their HTTP status (googleapi.Error), never by
 // their messages.
@@ -48,9 +60,11 @@ package gcsfence
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"strconv"
 	"strings"
@@ -60,6 +74,7 @@ import (
 	"cloud.google.com/go/storage"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/internal/objkey"
 	"google.golang.org/api/googleapi"
 )
 
@@ -68,7 +83,24 @@ const (
 	MetaToken   = "fence-token"
 	MetaWriteID = "fence-write-id"
 	MetaDeleted = "fence-deleted"
+	// MetaSeal binds the token, write id, tombstone mark and body checksum
+	// of one upload: metadata changed after the upload no longer matches it.
+	MetaSeal = "fence-seal"
 )
+
+// ErrMetadataChanged is returned by Write, Delete and Read for an object,
+// and by an Acquirer for a lock object, whose metadata was changed after its
+// upload (an objects.patch by another tool): its token no longer matches its
+// seal, or it has no seal and a metageneration above 1. Its token cannot be
+// trusted, so nothing is written or granted: a lowered or removed token
+// would otherwise let a lower token through.
+var ErrMetadataChanged = errors.New("gcsfence: the object's metadata was changed after its upload; its token cannot be trusted")
+
+// seal is MetaSeal's value for an upload.
+func seal(token fence.Token, writeID string, deleted bool, crc uint32) string {
+	sum := sha256.Sum256(fmt.Appendf(nil, "fencekit-seal-v1 %d %s %t %d", uint64(token), writeID, deleted, crc))
+	return hex.EncodeToString(sum[:16])
+}
 
 // MaxKeyBytes is GCS's limit on an object name, in bytes. The Prefix counts
 // towards it.
@@ -140,6 +172,9 @@ func New(bucket *storage.BucketHandle, opts *Options) (*Writer, error) {
 	}
 	if o.Prefix != "" {
 		if err := checkName("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
+			return nil, err
+		}
+		if err := objkey.CheckPrefix("new writer", "Prefix", o.Prefix); err != nil {
 			return nil, err
 		}
 	}
@@ -214,7 +249,8 @@ func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 // checkObjectName refuses a nil ctx, and a key or name (arg) that GCS cannot
 // store as the object prefix + s: s must be UTF-8 without NUL, the whole name
 // at most MaxKeyBytes bytes, without CR or LF, not "." or "..", not under the
-// ACME path.
+// ACME path, and without an empty, "." or ".." path segment (which servers
+// storing objects as files resolve).
 func checkObjectName(op string, ctx context.Context, arg, prefix, s string) error {
 	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
@@ -222,7 +258,10 @@ func checkObjectName(op string, ctx context.Context, arg, prefix, s string) erro
 	if err := leasekit.CheckText(op, arg, s, MaxKeyBytes-len(prefix)); err != nil {
 		return err
 	}
-	return checkName(op, arg, prefix+s, MaxKeyBytes)
+	if err := checkName(op, arg, prefix+s, MaxKeyBytes); err != nil {
+		return err
+	}
+	return objkey.CheckPath(op, arg, prefix+s)
 }
 
 // stateOf reads the fence from an object's attributes.
@@ -231,16 +270,31 @@ func stateOf(key string, a *storage.ObjectAttrs) (state, error) {
 		return state{}, fmt.Errorf("object %q (%s %q): %w", key, metaFormat, f, ErrLockObject)
 	}
 	st := state{exists: true, gen: a.Generation, writeID: a.Metadata[MetaWriteID], deleted: a.Metadata[MetaDeleted] == "1"}
+	sl, sealed := a.Metadata[MetaSeal]
 	t, ok := a.Metadata[MetaToken]
+	if !sealed && a.Metageneration > 1 {
+		// Patched since the upload, and nothing tells whether the token
+		// (or its absence) is the upload's.
+		return state{}, fmt.Errorf("object %q (metageneration %d): %w", key, a.Metageneration, ErrMetadataChanged)
+	}
 	if !ok {
+		if sealed {
+			return state{}, fmt.Errorf("object %q has a %s but no %s: %w", key, MetaSeal, MetaToken, ErrMetadataChanged)
+		}
 		st.unfenced = true
 		return st, nil
 	}
 	n, err := strconv.ParseUint(t, 10, 64)
 	if err != nil || !fence.Token(n).Valid() || strconv.FormatUint(n, 10) != t {
+		if sealed {
+			return state{}, fmt.Errorf("object %q has a malformed %s %q: %w", key, MetaToken, t, ErrMetadataChanged)
+		}
 		return state{}, fmt.Errorf("gcsfence: object %q has a malformed %s %q", key, MetaToken, t)
 	}
 	st.token = fence.Token(n)
+	if sealed && sl != seal(st.token, st.writeID, st.deleted, a.CRC32C) {
+		return state{}, fmt.Errorf("object %q: %s %d does not match its %s: %w", key, MetaToken, n, MetaSeal, ErrMetadataChanged)
+	}
 	return st, nil
 }
 
@@ -313,10 +367,13 @@ func (w *Writer) put(ctx context.Context, op, key string, value []byte, token fe
 		return err
 	}
 	writeID := newID()
-	meta := map[string]string{MetaToken: strconv.FormatUint(uint64(token), 10), MetaWriteID: writeID}
+	if deleted {
+		value = nil
+	}
+	meta := map[string]string{MetaToken: strconv.FormatUint(uint64(token), 10), MetaWriteID: writeID,
+		MetaSeal: seal(token, writeID, deleted, crc32.Checksum(value, crc32.MakeTable(crc32.Castagnoli)))}
 	if deleted {
 		meta[MetaDeleted] = "1"
-		value = nil
 	}
 	var st state
 	haveState := false

@@ -22,6 +22,7 @@ import (
 	smithyhttp "github.com/aws/smithy-go/transport/http"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/internal/objkey"
 	"github.com/fencekit/fencekit/internal/wakeup"
 )
 
@@ -200,6 +201,9 @@ func NewAcquirer(api API, bucket string, opts *AcquirerOptions) (*Acquirer, erro
 	if err := leasekit.CheckText("new acquirer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 		return nil, err
 	}
+	if err := objkey.CheckPrefix("new acquirer", "Prefix", o.Prefix); err != nil {
+		return nil, err
+	}
 	if o.Owner == "" {
 		host, _ := os.Hostname()
 		o.Owner = fmt.Sprintf("%s/%d", host, os.Getpid())
@@ -272,7 +276,10 @@ func (a *Acquirer) check(op string, ctx context.Context, name string) error {
 	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
 	}
-	return leasekit.CheckText(op, "name", name, MaxKeyBytes-len(a.o.Prefix))
+	if err := leasekit.CheckText(op, "name", name, MaxKeyBytes-len(a.o.Prefix)); err != nil {
+		return err
+	}
+	return objkey.CheckPath(op, "name", a.objectKey(name))
 }
 
 // checkTTL refuses a ttl outside the acquirer's bounds, or one not longer

@@ -53,7 +53,7 @@ func TestAcquirerConformance(t *testing.T) {
 			// of it. The renewing cases run on 10s leases.
 			RenewTTL: 10 * time.Second,
 			MaxTTL:   s3fence.MaxAcquirerTTL,
-			BadNames: []string{"nul\x00", "bad \xff"},
+			BadNames: []string{"nul\x00", "bad \xff", "a//b", "a/./b", "x/../b", "a/b/", "./a", "/a", ".."},
 			// Waiters poll: keep the contention test small.
 			Workers: 4, Increments: 5,
 			// The name's lock object deleted, as a lifecycle rule or an

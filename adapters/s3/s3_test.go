@@ -293,8 +293,10 @@ func testWriterConformance(t *testing.T, e *s3env) {
 		t.Run(o.name, func(t *testing.T) {
 			w := newWriter(t, e, &o.opts)
 			fencetest.WriterSuite{
-				New:        func(t *testing.T) fence.FencedWriter { return w },
-				BadKeys:    []string{strings.Repeat("k", s3fence.MaxKeyBytes+1), "nul\x00byte", "bad utf-8 \xff"},
+				New: func(t *testing.T) fence.FencedWriter { return w },
+				BadKeys: []string{strings.Repeat("k", s3fence.MaxKeyBytes+1), "nul\x00byte", "bad utf-8 \xff",
+					// Path spellings a server storing objects as files resolves.
+					"a//b", "a/./b", "x/../b", "a/b/", "./a", "/a", ".."},
 				Writers:    8,
 				WritesEach: 15,
 				Faulty:     faultyWriter(e, &o.opts),

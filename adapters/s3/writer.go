@@ -1,8 +1,10 @@
 // Package s3fence fences writes to S3 (and S3-compatible stores) with conditional
 // PUTs: If-Match on the ETag that was read, or If-None-Match: * for a new key.
 //
-// A write reads the object's current token and ETag (HEAD), refuses a stale
-// token, and PUTs with If-Match on that ETag: if anyone wrote in between, the PUT
+// A write reads the object's current token and ETag (HEAD, then the
+// envelope at the start of the body, conditional on that ETag: the token is
+// the larger of the metadata's and the envelope's, so metadata replaced in
+// place by CopyObject never lowers the fence), refuses a stale token, and PUTs with If-Match on that ETag: if anyone wrote in between, the PUT
 // fails with 412 (or 409 ConditionalRequestConflict) and the writer reads again
 // and decides again, a bounded number of times. Three corners are handled:
 //
@@ -18,6 +20,12 @@
 //     the value may have landed before it was replaced.
 //   - Objects written by other tools have no token: they count as token 0 (any
 //     fenced write may replace them), or are refused with RefuseUnfenced.
+//
+// Keys and lock names map to object names byte for byte (Prefix + key). A
+// key or name whose object name has an empty path segment ("a//b", a slash
+// at either end) or a "." or ".." segment is refused with fence.ErrInvalid
+// before any request, rather than encoded: servers that store objects as
+// files resolve such names, so two keys would share one object.
 //
 // Writer detects S3 errors by their codes (smithy.APIError) and HTTP status,
 // never by their messages.
@@ -45,6 +53,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/internal/objenvelope"
+	"github.com/fencekit/fencekit/internal/objkey"
 )
 
 // Metadata keys (x-amz-meta-*) stored with every object this package writes.
@@ -127,6 +136,9 @@ func New(api API, bucket string, opts *Options) (*Writer, error) {
 		if err := leasekit.CheckText("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 			return nil, err
 		}
+		if err := objkey.CheckPrefix("new writer", "Prefix", o.Prefix); err != nil {
+			return nil, err
+		}
 	}
 	return &Writer{api: api, bucket: bucket, o: o, last: map[string]state{}}, nil
 }
@@ -146,13 +158,22 @@ func checkTarget(op string, api API, bucket string) error {
 	return nil
 }
 
-// state is what a HEAD tells about an object.
+// state is what a HEAD (and the envelope at the start of the body) tells
+// about an object.
 type state struct {
 	exists   bool
 	etag     string
 	token    fence.Token
 	unfenced bool // exists, but written by another tool
 	writeID  string
+	// envWriteID is the write id of the body's envelope: metadata replaced
+	// in place (CopyObject) may have lost or changed the one in writeID.
+	envWriteID string
+}
+
+// wrote reports whether the object is the write with write id id.
+func (st state) wrote(id string) bool {
+	return st.exists && (st.writeID == id || st.envWriteID == id)
 }
 
 func (w *Writer) objectKey(key string) string { return w.o.Prefix + key }
@@ -162,8 +183,9 @@ func (w *Writer) objectKey(key string) string { return w.o.Prefix + key }
 const MaxKeyBytes = 1024
 
 // checkKey refuses a nil ctx, and keys S3 cannot store: the object key
-// (Prefix + key) must be UTF-8 of at most MaxKeyBytes bytes, and without NUL
-// (which the XML of S3's listings cannot carry).
+// (Prefix + key) must be UTF-8 of at most MaxKeyBytes bytes, without NUL
+// (which the XML of S3's listings cannot carry), and without an empty, "."
+// or ".." path segment (which servers storing objects as files resolve).
 func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
@@ -171,7 +193,7 @@ func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 	if err := leasekit.CheckText(op, "key", key, MaxKeyBytes-len(w.o.Prefix)); err != nil {
 		return err
 	}
-	return nil
+	return objkey.CheckPath(op, "key", w.objectKey(key))
 }
 
 // head reads the object's state; a missing object is exists=false.
@@ -186,19 +208,74 @@ func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 // MetaBodyMD5, a server whose ETag is no MD5) only when a second HEAD gives
 // the same ETag and write id: a version published before the first answer's
 // ETag was read is, by the second HEAD, also in its metadata.
+//
+// The metadata alone is not the fence: an in-place CopyObject with
+// MetadataDirective REPLACE (S3 and versitygw allow it) keeps the body and
+// replaces the metadata. So the token is the larger of the metadata's and the
+// body's envelope's, read conditional on the ETag the HEAD gave.
 func (w *Writer) head(ctx context.Context, key string) (state, error) {
 	var prev state
 	for i := range 9 {
 		st, md5hex, err := w.headOnce(ctx, key)
-		if err != nil || !st.exists || (md5hex != "" && trimETag(st.etag) == md5hex) {
+		if err != nil || !st.exists {
 			return st, err
 		}
-		if i > 0 && st.etag == prev.etag && st.writeID == prev.writeID && st.token == prev.token {
-			return st, nil
+		if (md5hex != "" && trimETag(st.etag) == md5hex) ||
+			(i > 0 && st.etag == prev.etag && st.writeID == prev.writeID && st.token == prev.token) {
+			changed, err := w.envelopeHead(ctx, key, &st)
+			if err != nil {
+				return state{}, err
+			}
+			if !changed {
+				return st, nil
+			}
+			// Written between the HEAD and the GET: read again.
+			prev = state{}
+			continue
 		}
 		prev = st
 	}
 	return state{}, fmt.Errorf("object %q: 9 HEADs in a row disagreed on its ETag or write id: %w", key, ErrContention)
+}
+
+// envelopeHeadBytes is how many bytes at the start of an object hold its
+// envelope's header line (about 60: magic, token, write id, "deleted").
+const envelopeHeadBytes = 128
+
+// envelopeHead reads the envelope header at the start of the object as it
+// is at st.etag, and raises st's token to the envelope's. It reports
+// changed when the object no longer has that ETag.
+func (w *Writer) envelopeHead(ctx context.Context, key string, st *state) (changed bool, err error) {
+	out, err := w.api.GetObject(ctx, &s3.GetObjectInput{Bucket: &w.bucket, Key: aws.String(w.objectKey(key)),
+		IfMatch: aws.String(st.etag), Range: aws.String(fmt.Sprintf("bytes=0-%d", envelopeHeadBytes-1))})
+	if err != nil {
+		switch {
+		case isNotFound(err) || isConflict(err):
+			return true, nil
+		case httpStatus(err) == 416:
+			return false, nil // an empty body: no envelope
+		}
+		return false, err
+	}
+	defer out.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(out.Body, envelopeHeadBytes))
+	if err != nil {
+		return false, err
+	}
+	if out.ETag != nil && aws.ToString(out.ETag) != st.etag {
+		return true, nil
+	}
+	if nl := bytes.IndexByte(b, '\n'); nl >= 0 {
+		b = b[:nl+1] // the header alone: a tombstone's, or a value's cut at the range
+	}
+	e, perr := objenvelope.Parse(b)
+	if perr != nil {
+		return false, nil // another tool's body: the metadata alone tells
+	}
+	st.unfenced = false
+	st.token = max(st.token, e.Token)
+	st.envWriteID = e.WriteID
+	return false, nil
 }
 
 // trimETag drops an ETag's quotes.
@@ -298,7 +375,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 			if st, err = w.head(ctx, key); err != nil {
 				return w.failed(op, key, err, ambiguous)
 			}
-			if ambiguous != nil && st.exists && st.writeID == e.WriteID {
+			if ambiguous != nil && st.wrote(e.WriteID) {
 				w.remember(key, st)
 				return nil // an earlier attempt landed
 			}
@@ -336,7 +413,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e objenvelope.Envelope
 			if herr != nil {
 				return w.failed(op, key, herr, ambiguous)
 			}
-			if cur.exists && cur.writeID == e.WriteID {
+			if cur.wrote(e.WriteID) {
 				w.remember(key, cur)
 				return nil
 			}

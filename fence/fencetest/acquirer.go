@@ -412,7 +412,9 @@ func (s AcquirerSuite) testTryAcquireHeld(t *testing.T) {
 // testNamesIndependent: names that differ in any byte are different locks,
 // also where a collation or a conversion would fold them into one (case, a
 // trailing space, 4-byte characters, Unicode normalisation, a tab, a long
-// name's last byte). Holding the first of a pair must not block the second.
+// name's last byte, a path a file system resolves). Holding the first of a
+// pair must not block the second. A name spelled as such a path may instead
+// be refused with ErrInvalid.
 func (s AcquirerSuite) testNamesIndependent(t *testing.T) {
 	a := s.New(t)
 	la := mustTry(t, a, Name("a"), longTTL)
@@ -437,6 +439,16 @@ func (s AcquirerSuite) testNamesIndependent(t *testing.T) {
 				_ = l2.Release(context.Background())
 			}
 			t.Errorf("%s: one name refused (%v), the other of the same length not (%v)", p.what, err, err2)
+			continue
+		}
+		if errors.Is(err, fence.ErrInvalid) && p.path {
+			// Refused rather than merged: the plain name must still work.
+			if l2, err2 := a.TryAcquire(ctxT(t), p.b, longTTL); err2 != nil {
+				t.Errorf("%s: %s refused (%v), and TryAcquire(%s): %v, want a grant", p.what, shortName(p.a), err, shortName(p.b), err2)
+			} else {
+				release(t, l2)
+			}
+			t.Logf("%s: name %s refused with ErrInvalid: %v", p.what, shortName(p.a), err)
 			continue
 		}
 		if err != nil {

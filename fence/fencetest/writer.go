@@ -207,7 +207,8 @@ func (s WriterSuite) testNotAliased(t *testing.T) {
 // testKeysIndependent: keys that differ in any byte are different keys, also
 // where a collation or a conversion would fold them into one (case, a
 // trailing space, 4-byte characters, Unicode normalisation, a tab, a long
-// key's last byte). A larger token on one key of a pair must not fence the
+// key's last byte, a path a file system resolves). A key spelled as such a
+// path may instead be refused with ErrInvalid. A larger token on one key of a pair must not fence the
 // other, and each keeps its own value.
 func (s WriterSuite) testKeysIndependent(t *testing.T) {
 	w := s.New(t)
@@ -223,6 +224,18 @@ func (s WriterSuite) testKeysIndependent(t *testing.T) {
 				continue
 			}
 			t.Errorf("%s: one key refused (%v), the other of the same length not (%v)", p.what, err, err2)
+			continue
+		}
+		if errors.Is(err, fence.ErrInvalid) && p.path {
+			// Refused rather than merged: the plain key must still work.
+			if err2 := w.Write(ctxT(t), p.b, []byte("second"), 5); err2 != nil {
+				t.Errorf("%s: %s refused (%v), and Write(%s, token 5): %v, want success", p.what, shortName(p.a), err, shortName(p.b), err2)
+			} else if r, ok := w.(fence.Reader); ok {
+				if v, tok, err := r.Read(ctxT(t), p.b); err != nil || string(v) != "second" || tok != 5 {
+					t.Errorf("%s: Read(%s) = %q token %d, %v; want \"second\" token 5", p.what, shortName(p.b), trim(v), tok, err)
+				}
+			}
+			t.Logf("%s: key %s refused with ErrInvalid: %v", p.what, shortName(p.a), err)
 			continue
 		}
 		if err != nil {

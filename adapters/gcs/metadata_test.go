@@ -1,0 +1,92 @@
+package gcsfence_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"testing"
+	"time"
+
+	"cloud.google.com/go/storage"
+	gcsfence "github.com/fencekit/fencekit/adapters/gcs"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+)
+
+// TestWriteRefusedAfterMetadataChanged: an object whose token metadata was
+// removed or lowered after its upload (objects.patch by another tool; the
+// body and generation unchanged) never lets a lower token through, and Read
+// does not report the changed token.
+func TestWriteRefusedAfterMetadataChanged(t *testing.T) {
+	servers(t, func(t *testing.T, e *gcsEnv) {
+		for _, c := range []struct{ name, token string }{{"removed", ""}, {"lowered", "1"}} {
+			t.Run(c.name, func(t *testing.T) {
+				ctx := context.Background()
+				w := newWriter(t, e, nil)
+				key := fencetest.Name("meta")
+				if err := w.Write(ctx, key, []byte("ten"), 10); err != nil {
+					t.Fatal(err)
+				}
+				// An empty value deletes the key on GCS (fake-gcs-server
+				// keeps it, empty).
+				if _, err := e.b().Object(key).Update(ctx, storage.ObjectAttrsToUpdate{Metadata: map[string]string{gcsfence.MetaToken: c.token}}); err != nil {
+					t.Fatal(err)
+				}
+				err := w.Write(ctx, key, []byte("five"), 5)
+				var se *fence.StaleError
+				if err == nil || (!errors.As(err, &se) && !errors.Is(err, gcsfence.ErrMetadataChanged)) {
+					t.Errorf("Write(token 5) after token 10 and the token metadata %s: %v, want a refusal (stale, or ErrMetadataChanged)", c.name, err)
+				}
+				r, err := e.b().Object(key).NewReader(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				body, _ := io.ReadAll(r)
+				r.Close()
+				if string(body) != "ten" {
+					t.Errorf("the object holds %q after the refused write, want \"ten\"", body)
+				}
+				if v, tok, err := w.Read(ctx, key); err == nil && tok < 10 {
+					t.Errorf("Read = %q token %d, want token 10 or an error", v, tok)
+				}
+			})
+		}
+	})
+}
+
+// TestLockNeverGrantsLowerAfterMetadataChanged: a lock object whose token
+// metadata was removed or lowered between grants never gives a grant a
+// token at or below an earlier grant's: the next grant is larger, or
+// refused with ErrMetadataChanged.
+func TestLockNeverGrantsLowerAfterMetadataChanged(t *testing.T) {
+	servers(t, func(t *testing.T, e *gcsEnv) {
+		for _, c := range []struct{ name, token string }{{"removed", ""}, {"lowered", "1"}} {
+			t.Run(c.name, func(t *testing.T) {
+				ctx := context.Background()
+				a := newAcquirer(t, e)
+				name := fencetest.Name("meta")
+				l, err := a.TryAcquire(ctx, name, time.Minute)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := l.Release(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := e.b().Object("fencekit-locks/"+name).Update(ctx, storage.ObjectAttrsToUpdate{Metadata: map[string]string{"fence-token": c.token}}); err != nil {
+					t.Fatal(err)
+				}
+				l2, err := a.TryAcquire(ctx, name, time.Minute)
+				if err != nil {
+					if !errors.Is(err, gcsfence.ErrMetadataChanged) {
+						t.Errorf("TryAcquire after the lock object's token metadata was %s: %v, want a grant above %d or ErrMetadataChanged", c.name, err, l.Token())
+					}
+					return
+				}
+				defer l2.Release(ctx)
+				if l2.Token() <= l.Token() {
+					t.Errorf("grant after the lock object's token metadata was %s: token %d, want above %d", c.name, l2.Token(), l.Token())
+				}
+			})
+		}
+	})
+}
