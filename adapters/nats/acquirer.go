@@ -47,8 +47,8 @@ type Options struct {
 	// Owner is stored in the lock key's entry, for operators: at most
 	// MaxOwnerBytes. Default: host name and process id.
 	Owner string
-	// Timeout bounds each request to the server: at least MinTimeout.
-	// Default: 2s.
+	// Timeout bounds each request to the server: at least MinTimeout,
+	// at most MaxTTL. Default: 2s.
 	Timeout time.Duration
 	// RetryFor bounds how long a request whose reply was lost (a timeout, a
 	// dropped connection, a leader election) is retried. Default: 10s.
@@ -130,7 +130,8 @@ var (
 // wake no waiter), with a bucket TTL (it would expire a renewed lease early),
 // or a mirror or a bucket with sources. It refuses a negative option, a
 // Timeout, MaxWait or Recheck under MinTimeout (2 meant as seconds is 2ns,
-// which would end every request, wait or pause at once), a Drift not below
+// which would end every request, wait or pause at once), a Timeout above
+// MaxTTL (it sets the life of a grant's marker), a Drift not below
 // MaxTTL and an Owner over MaxOwnerBytes, naming the option.
 func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Options) (*Acquirer, error) {
 	const op = "new acquirer"
@@ -148,6 +149,11 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 		if d.name != "Drift" && d.name != "RetryFor" && d.v > 0 && d.v < MinTimeout {
 			return nil, &fence.InvalidError{Op: op, Arg: d.name, Reason: fmt.Sprintf("%v is under MinTimeout (%v)", d.v, MinTimeout)}
 		}
+	}
+	if o.Timeout > MaxTTL {
+		// It sets the life of a grant's marker (in whole seconds): more
+		// overflows, and the server refuses every grant's marker.
+		return nil, &fence.InvalidError{Op: op, Arg: "Timeout", Reason: fmt.Sprintf("%v is above MaxTTL (%v)", o.Timeout, MaxTTL)}
 	}
 	if o.Drift >= MaxTTL {
 		return nil, &fence.InvalidError{Op: op, Arg: "Drift", Reason: fmt.Sprintf("%v is not below MaxTTL (%v): no ttl would be above it", o.Drift, MaxTTL)}
