@@ -47,8 +47,8 @@ type Options struct {
 	// Owner is stored in the lock key's entry, for operators: at most
 	// MaxOwnerBytes. Default: host name and process id.
 	Owner string
-	// Timeout bounds each request to the server: at least MinTimeout.
-	// Default: 2s.
+	// Timeout bounds each request to the server: at least MinTimeout,
+	// at most MaxTTL. Default: 2s.
 	Timeout time.Duration
 	// RetryFor bounds how long a request whose reply was lost (a timeout, a
 	// dropped connection, a leader election) is retried. Default: 10s.
@@ -74,7 +74,13 @@ const MaxOwnerBytes = 1024
 // server expires within Timeout or LimitMarkerTTL, whichever is longer, so a
 // create delivered later than that is refused. Renew republishes the entry with a fresh TTL, expecting
 // the revision the lease last wrote; Release purges it expecting the same
-// revision; neither touches a key another grant owns.
+// revision; neither touches a key another grant owns. Revisions restart at 1
+// in a bucket deleted and re-created, so both first read the bucket's
+// creation time (one more round trip) and report fence.ErrLost when it is
+// not the bucket the lease was granted in. A re-creation between that read
+// and the write, with another grant reaching the lease's revision in the
+// new bucket meanwhile, is not seen: the write then lands over that grant's
+// entry.
 //
 // # Tokens
 //
@@ -130,7 +136,8 @@ var (
 // wake no waiter), with a bucket TTL (it would expire a renewed lease early),
 // or a mirror or a bucket with sources. It refuses a negative option, a
 // Timeout, MaxWait or Recheck under MinTimeout (2 meant as seconds is 2ns,
-// which would end every request, wait or pause at once), a Drift not below
+// which would end every request, wait or pause at once), a Timeout above
+// MaxTTL (it sets the life of a grant's marker), a Drift not below
 // MaxTTL and an Owner over MaxOwnerBytes, naming the option.
 func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Options) (*Acquirer, error) {
 	const op = "new acquirer"
@@ -148,6 +155,11 @@ func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Optio
 		if d.name != "Drift" && d.name != "RetryFor" && d.v > 0 && d.v < MinTimeout {
 			return nil, &fence.InvalidError{Op: op, Arg: d.name, Reason: fmt.Sprintf("%v is under MinTimeout (%v)", d.v, MinTimeout)}
 		}
+	}
+	if o.Timeout > MaxTTL {
+		// It sets the life of a grant's marker (in whole seconds): more
+		// overflows, and the server refuses every grant's marker.
+		return nil, &fence.InvalidError{Op: op, Arg: "Timeout", Reason: fmt.Sprintf("%v is above MaxTTL (%v)", o.Timeout, MaxTTL)}
 	}
 	if o.Drift >= MaxTTL {
 		return nil, &fence.InvalidError{Op: op, Arg: "Drift", Reason: fmt.Sprintf("%v is not below MaxTTL (%v): no ttl would be above it", o.Drift, MaxTTL)}
@@ -800,7 +812,7 @@ func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, tt
 		go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
 		return nil, fmt.Errorf("natsfence: acquire %q: creation time %v, revision %d: %w", name, created, rev, fence.ErrTokensExhausted)
 	}
-	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, key: key, value: value, rev: rev, grant: rev}, nil
+	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, key: key, value: value, rev: rev, grant: rev, created: created.UnixMicro()}, nil
 }
 
 // purge removes key if it is still at rev, leaving a marker that wakes the
@@ -848,6 +860,9 @@ type lease struct {
 	key   string
 	value []byte
 	grant uint64 // the grant's revision
+	// created is the creation time (Unix µs) of the bucket the lease was
+	// granted in: its revisions are a compare only within that bucket.
+	created int64
 
 	mu  sync.Mutex // serialises Renew and Release
 	rev uint64     // the revision the lease last wrote
@@ -864,6 +879,9 @@ type lease struct {
 // whether the renewal landed. A renewal that finds the entry of an earlier
 // one that returned ErrUnknown counts the local deadline from that earlier
 // renewal's send, since the server counts the entry's TTL from its landing.
+// ErrLost, and the lease's context ends, when the bucket was deleted since
+// the grant (re-created or not), read before each send; a re-creation
+// between that read and the send is not seen (see Acquirer).
 func (l *lease) Renew(ctx context.Context) error {
 	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
@@ -880,7 +898,31 @@ func (l *lease) Renew(ctx context.Context) error {
 	}
 	giveUp := sent.Add(l.a.o.RetryFor)
 	var lastErr error
+	published := false // a renewal was sent by this call
 	for {
+		if err := l.sameBucket(ctx); errors.Is(err, errOtherBucket) {
+			l.End(fence.ErrLost)
+			return fmt.Errorf("natsfence: renew %q token %d: %w", l.Name(), l.Token(), err)
+		} else if err != nil {
+			if !ambiguous(err) {
+				return fmt.Errorf("natsfence: renew %q: %w", l.Name(), err)
+			}
+			lastErr = err
+			if l.Context().Err() != nil {
+				return l.lost()
+			}
+			if time.Now().After(giveUp) || retryWait(ctx, l.a.js) != nil {
+				err = fmt.Errorf("natsfence: renew %q: the bucket's creation time: %w", l.Name(), errors.Join(lastErr, context.Cause(ctx)))
+				if published || !l.unsure.IsZero() {
+					// A renewal of this call or an earlier one may have
+					// landed unseen.
+					err = fmt.Errorf("%w: %w", fence.ErrUnknown, err)
+				}
+				return err
+			}
+			continue
+		}
+		published = true
 		rev, err := l.a.publish(ctx, l.key, l.value, l.rev, l.TTL(), l.grant)
 		if err == nil {
 			// It expected rev: no earlier renewal landed, nor can now.
@@ -928,7 +970,10 @@ func (l *lease) Renew(ctx context.Context) error {
 // revision the lease last wrote, which wakes the waiters. fence.ErrLost when
 // the key had expired or another grant owns it. After a lost reply it is sent
 // again, and a key found gone or granted to another then counts as released
-// (nil): the purge may have landed and woken the grant.
+// (nil): the purge may have landed and woken the grant. ErrLost, and the key
+// left alone, when the bucket was deleted since the grant (re-created or
+// not), read before each send; a re-creation between that read and the send
+// is not seen (see Acquirer).
 func (l *lease) Release(ctx context.Context) error {
 	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
@@ -937,9 +982,29 @@ func (l *lease) Release(ctx context.Context) error {
 	defer l.mu.Unlock()
 	l.End(context.Canceled)
 	giveUp := time.Now().Add(l.a.o.RetryFor)
-	var lastErr error
+	var lastErr error // of a purge that may have landed
 	for {
-		err := l.a.purge(ctx, l.key, l.rev)
+		err := l.sameBucket(ctx)
+		if errors.Is(err, errOtherBucket) {
+			// The name is another grant's in the new bucket, if anyone's.
+			return fmt.Errorf("natsfence: release %q token %d: %w", l.Name(), l.Token(), err)
+		}
+		if err != nil {
+			if !ambiguous(err) {
+				return fmt.Errorf("natsfence: release %q: %w", l.Name(), err)
+			}
+			if time.Now().After(giveUp) || retryWait(ctx, l.a.js) != nil {
+				err = fmt.Errorf("natsfence: release %q: the bucket's creation time: %w", l.Name(), errors.Join(err, context.Cause(ctx)))
+				if lastErr != nil || !l.unsure.IsZero() {
+					// A purge of this call, or a renewal, may have
+					// landed unseen.
+					err = fmt.Errorf("%w: %w", fence.ErrUnknown, err)
+				}
+				return err
+			}
+			continue
+		}
+		err = l.a.purge(ctx, l.key, l.rev)
 		if err == nil {
 			return nil
 		}
@@ -979,6 +1044,33 @@ func (l *lease) undo(ctx context.Context) error {
 
 func (l *lease) lost() error {
 	return fmt.Errorf("natsfence: lease %q token %d: %w", l.Name(), l.Token(), fence.ErrLost)
+}
+
+// errOtherBucket is a lease whose bucket was deleted (and maybe re-created)
+// since its grant: the revision it expects may be another grant's entry in
+// the new bucket, whose revisions start again at 1.
+var errOtherBucket = errors.New("the bucket was deleted since the grant")
+
+// sameBucket reads the bucket's creation time and returns errOtherBucket,
+// with fence.ErrLost, when it is not the one the lease was granted in (or
+// the bucket is gone). JetStream's compare-and-set is the per-subject
+// sequence alone, which a re-created bucket reuses.
+func (l *lease) sameBucket(ctx context.Context) error {
+	actx, cancel := attemptCtx(ctx, l.a.js, l.a.o.Timeout)
+	info, err := l.a.stream.Info(actx)
+	cancel()
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return fmt.Errorf("%w: %w", errOtherBucket, fence.ErrLost)
+	case err != nil:
+		return err
+	}
+	if c := info.Created.UnixMicro(); c != l.created {
+		l.a.created.CompareAndSwap(l.created, c) // the next grant reads it anew
+		return fmt.Errorf("%w (created %v, granted under %v): %w", errOtherBucket,
+			info.Created.UTC(), time.UnixMicro(l.created).UTC(), fence.ErrLost)
+	}
+	return nil
 }
 
 // Inspect returns the lock on name as the stream leader holds it: whether a

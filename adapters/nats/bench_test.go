@@ -7,6 +7,7 @@ import (
 	"time"
 
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/idempotency"
@@ -102,4 +103,27 @@ func BenchmarkStoreDoVsPut(b *testing.B) {
 			return err
 		}, put)
 	})
+}
+
+// BenchmarkRenew: a held lease's Renew on NATS (subject), against a plain KV
+// put of the same entry on the same server (baseline, one round trip),
+// interleaved in one run.
+func BenchmarkRenew(b *testing.B) {
+	j := js(b)
+	a := newAcquirer(b, j, lockBucket, nil)
+	ctx := context.Background()
+	l, err := a.TryAcquire(ctx, fencetest.Name("renew"), time.Minute)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Release(ctx)
+	kv, err := j.KeyValue(ctx, lockBucket.Bucket)
+	if err != nil {
+		b.Fatal(err)
+	}
+	plain := fencetest.Name("plain")
+	value := []byte("0123456789abcdef0123456789abcdef host/1234")
+	benchutil.Pair(b,
+		func(int) error { return l.Renew(ctx) },
+		func(int) error { _, err := kv.Put(ctx, natsfence.EncodeKey(plain), value); return err })
 }

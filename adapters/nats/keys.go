@@ -61,17 +61,22 @@ func checkKey(ctx context.Context, op, arg, key string) error {
 	return nil
 }
 
-// ambiguous reports whether err from a publish may hide a request the server
+// ambiguous reports whether err from a request may hide one the server
 // applied: anything but a JetStream API error (a definite answer) or an
 // invalid request the client refused to send. A timeout, a closed or
-// reconnecting connection, no responders during a leader election all are.
+// reconnecting connection, no responders during a leader election all are,
+// and so is an API error 503 (the system temporarily unavailable, a stream
+// without a leader): a proposal forwarded before an election may still be
+// applied after that answer. Each caller waits it out within RetryFor, as a
+// lost reply, and reports fence.ErrUnknown, never a definite failure, when
+// a write may have landed.
 func ambiguous(err error) bool {
 	if err == nil {
 		return false
 	}
 	var api *jetstream.APIError
 	if errors.As(err, &api) {
-		return false
+		return api.Code == 503
 	}
 	switch {
 	case errors.Is(err, jetstream.ErrInvalidKey), errors.Is(err, nats.ErrMaxPayload),
@@ -79,18 +84,6 @@ func ambiguous(err error) bool {
 		return false
 	}
 	return true
-}
-
-// unavailable reports a JetStream API error 503 (the system temporarily
-// unavailable, a stream without a leader): an answer that comes during an
-// election and that the writer waits out, as it does a lost reply, rather
-// than fail a write a moment before the new leader takes it. The writer
-// counts it as ambiguous too (a proposal forwarded before the election may
-// still be applied), so it reports fence.ErrUnknown, never a definite
-// failure, when its RetryFor runs out.
-func unavailable(err error) bool {
-	var api *jetstream.APIError
-	return errors.As(err, &api) && api.Code == 503
 }
 
 // errNotConnected is a request not sent because the client was not connected.

@@ -61,3 +61,93 @@ func TestRenewalRecognisedLaterCountsFromItsSend(t *testing.T) {
 		t.Fatalf("two holders: B was granted while A's local deadline was still %v away (it counted from the later renewal's send)", deadline.Sub(granted))
 	}
 }
+
+// TestRenewalLostTwiceCountsFromTheFirstSend: a renewal lands but its reply
+// is lost (ErrUnknown); the next renewal, sent while the client is still cut
+// off, cannot tell either (ErrUnknown); a third finds the first one's entry.
+// The local deadline counts from the first renewal's send, the one that
+// wrote the entry the server expires, not from the second's.
+func TestRenewalLostTwiceCountsFromTheFirstSend(t *testing.T) {
+	ctx := context.Background()
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.Options{RetryFor: 300 * time.Millisecond, Timeout: 500 * time.Millisecond})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	name := fencetest.Name("renewtwice")
+	const ttl = 6 * time.Second
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.Refuse(true)
+	err = l.Renew(ctx)
+	waitLost(t, p, before)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("the first renewal, its reply lost: %v, want ErrUnknown", err)
+	}
+	// The gaps between the renewals are the case, not waits for events.
+	time.Sleep(time.Second)
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("the second renewal, still cut off: %v, want ErrUnknown", err)
+	}
+	time.Sleep(time.Second)
+	p.Refuse(false)
+	if err := l.Renew(ctx); err != nil {
+		t.Fatalf("the third renewal, which finds the first one's entry: %v", err)
+	}
+	deadline := l.(interface{ LocalDeadline() time.Time }).LocalDeadline()
+	var lb fence.Lease
+	for giveUp := time.Now().Add(60 * time.Second); ; {
+		lb, err = other.TryAcquire(ctx, name, ttl)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, fence.ErrHeld) || time.Now().After(giveUp) {
+			t.Fatalf("another acquirer after the server expired the entry: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond) // the pace of the tries
+	}
+	granted := time.Now()
+	defer lb.Release(ctx)
+	if deadline.After(granted) {
+		t.Fatalf("two holders: B was granted while A's local deadline was still %v away", deadline.Sub(granted))
+	}
+}
+
+// TestReleaseAfterLostRenewalFreesTheName: a renewal lands but its reply is
+// lost (ErrUnknown); the Release that follows finds the renewal's entry,
+// removes it and returns nil, and another acquirer is granted at once, not
+// a ttl later (HAZARDS 6).
+func TestReleaseAfterLostRenewalFreesTheName(t *testing.T) {
+	ctx := context.Background()
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.Options{RetryFor: 300 * time.Millisecond})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	name := fencetest.Name("renewrelease")
+	const ttl = 30 * time.Second
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.Refuse(true)
+	err = l.Renew(ctx)
+	waitLost(t, p, before)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("a renewal whose reply was lost: %v, want ErrUnknown", err)
+	}
+	p.Refuse(false)
+	if err := l.Release(ctx); err != nil {
+		t.Fatalf("the release after it: %v, want nil", err)
+	}
+	if l.Context().Err() == nil {
+		t.Fatal("the lease's context is live after its release")
+	}
+	lb, err := other.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatalf("another acquirer right after the release: %v, want a grant", err)
+	}
+	_ = lb.Release(ctx)
+}

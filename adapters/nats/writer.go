@@ -222,7 +222,7 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 			if err == nil {
 				return nil
 			}
-			if !ambiguous(err) && !unavailable(err) {
+			if !ambiguous(err) {
 				break
 			}
 			lastErr, sentRev = err, rev
@@ -258,7 +258,7 @@ func (w *Writer) get(ctx context.Context, op, key, kvKey string) (*entry, uint64
 			}
 			return &e, m.Sequence, nil
 		}
-		if !(ambiguous(err) || unavailable(err)) || time.Now().After(giveUp) || retryWait(ctx, w.js) != nil {
+		if !ambiguous(err) || time.Now().After(giveUp) || retryWait(ctx, w.js) != nil {
 			return nil, 0, fmt.Errorf("natsfence: %s %q: %w", op, key, errors.Join(err, context.Cause(ctx)))
 		}
 	}
