@@ -245,3 +245,76 @@ func TestIdempotencyCompletionWithoutChannelPermission(t *testing.T) {
 		})
 	}
 }
+
+// TestReleaseWithoutChannelPermissionPastDeadWaiter: a holder whose Redis
+// user may not publish releases while the waiter first in line is dead (its
+// client is closed, its place lives on for five polls). The name is held for
+// that waiter no longer than its place lives, not for the waiter's ttl, and
+// is then free for the others.
+func TestReleaseWithoutChannelPermissionPastDeadWaiter(t *testing.T) {
+	nochan, admin := noChannelUser(t)
+	ctx := context.Background()
+	ha, err := redislua.NewAcquirer(nochan, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wc := redis.NewClient(admin.Options())
+	t.Cleanup(func() { wc.Close() })
+	// Polls every 1-2s: the waiter's place lives 10s after its last poll.
+	wa, err := redislua.NewAcquirer(wc, &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: time.Second, Max: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("nochan-dead")
+	h, err := ha.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const waiterTTL = 10 * time.Minute
+	wctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		l, err := wa.Acquire(wctx, name, waiterTTL)
+		if l != nil {
+			err = errors.New("granted")
+		}
+		done <- err
+	}()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	line := "fence:{" + name + "}:line"
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if n, _ := admin.LLen(ctx, line).Result(); n > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the waiter never joined the line")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	wc.Close() // the waiter dies: it can neither poll nor leave
+	if n, _ := admin.LLen(ctx, line).Result(); n != 1 {
+		t.Fatalf("%d waiters in line after the waiter died, want its place still there", n)
+	}
+	if err := h.Release(ctx); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+	if pttl, err := admin.PTTL(ctx, "fence:{"+name+"}:lock").Result(); err != nil || pttl > 10*time.Second {
+		t.Errorf("after the release the name is held for %v (err %v), want at most the dead waiter's place life (10s), not its ttl %v", pttl, err, waiterTTL)
+	}
+	deadline = time.Now().Add(60 * time.Second)
+	for {
+		l, err := ha.TryAcquire(ctx, name, time.Minute)
+		if err == nil {
+			_ = l.Release(ctx)
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the name is still held 60s after its release, with the waiter first in line dead: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
