@@ -78,6 +78,12 @@ type AcquirerOptions struct {
 	// Default: 0, no spinning (see the README's Measured section for
 	// what it gained and cost on a 2-vCPU machine).
 	HeadSpin time.Duration
+	// NotRunWait bounds how long a step is sent again while Redis answers
+	// that it did not run it (BUSY, LOADING, READONLY, ...: see the package
+	// documentation); then the step returns an error matching ErrNotRun
+	// (and fence.ErrUnknown when an earlier send's reply was lost). A waiting Acquire
+	// ends then too. It may not be negative. Default: DefaultNotRunWait (5s).
+	NotRunWait time.Duration
 }
 
 // Acquirer grants leases from Redis. Every operation on a lock is one script
@@ -110,7 +116,8 @@ var notifiedBackoff = fence.Backoff{Min: 20 * time.Millisecond, Max: 200 * time.
 
 // NewAcquirer returns an Acquirer on c. It returns an error matching fence.ErrInvalid
 // for a nil client, a *redis.Ring (it routes the grant channel and the lock key
-// to different shards), a prefix with braces, negative options, TokenFloor with
+// to different shards), a prefix with braces, negative options (NotRunWait
+// included), TokenFloor with
 // CounterTokens, or WaitReplicas on a Cluster client.
 func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	if err := checkClient("new acquirer", c); err != nil {
@@ -133,6 +140,10 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "HeadSpin", Reason: fmt.Sprintf("%v is above %v: a waiter would burn a CPU that long", o.HeadSpin, maxHeadSpin)}
 	}
 	if err := leasekit.CheckBackoff("new acquirer", o.Backoff); err != nil {
+		return nil, err
+	}
+	var err error
+	if o.NotRunWait, err = checkNotRunWait("new acquirer", o.NotRunWait); err != nil {
 		return nil, err
 	}
 	if o.TokenFloor && o.CounterTokens {
@@ -254,36 +265,11 @@ func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Dur
 		spins = "1"
 	}
 	args := []any{op, me, ttlMs(ttl), floor, a.id, stamp, a.life.Milliseconds(), name, a.grantChannel(), a.heard, a.lineLife.Milliseconds(), spins}
-	var (
-		res      any
-		replicas int64 = -1
-		err      error
-	)
-	if op == "release" {
-		// A release sent again after it ran finds the lock gone and would
-		// report the lease lost: send it once.
-		res, err = runOnce(ctx, a.c, lockScript, keys, args...)
-	} else {
-		// A "try" or "wait" sent again finds its own grant and adopts it; a
-		// "leave" sent again finds nothing to do: go-redis may resend them.
-		// The call's results are read only once it returned: after
-		// errNoReply it goes on in the background and must not share them.
-		var (
-			got     any
-			gotReps int64
-		)
-		// A reply that says the script did not run is no answer: it is sent
-		// again within ctx.
-		err = retryNotRun(ctx, func() error {
-			return bounded(ctx, func() (err error) {
-				got, gotReps, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
-				return err
-			})
-		})
-		if !errors.Is(err, errNoReply) {
-			res, replicas = got, gotReps
-		}
-	}
+	// Every send is ours (see send): a "try" or "wait" whose reply was lost is
+	// sent again by grant or the next poll with the same nonce, and adopts
+	// its own grant; a release sent again after it ran would find the lock
+	// gone and report the lease lost.
+	res, replicas, err := a.send(ctx, lockScript, keys, args, op == "try" || op == "wait")
 	r := lockReply{replicas: replicas}
 	if err != nil {
 		return r, scriptError(ambiguous(err))
@@ -371,41 +357,89 @@ func (a *Acquirer) granted(ctx context.Context, name string, ttl time.Duration, 
 	return l, nil
 }
 
-// run runs a script. When wait is set and the acquirer has WaitReplicas, it
-// sends the script and WAIT in one pipeline on one connection, so that WAIT
-// covers the script's writes, and returns WAIT's count; otherwise the count
-// is -1.
-func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args []any, wait bool) (any, int64, error) {
+// send runs a script once: go-redis does not send it again after a network
+// error, so that a step that ends with Redis refusing it unrun is known not
+// to hide an earlier send that ran (a lost reply is fence.ErrUnknown, and the
+// caller decides whether to send again). A reply that says the script did not
+// run is sent again, paced, within ctx. When wait is set and the acquirer has
+// WaitReplicas, the script and WAIT go in one pipeline on one connection, so
+// that WAIT covers the script's writes, and send returns WAIT's count;
+// otherwise the count is -1.
+func (a *Acquirer) send(ctx context.Context, s *redis.Script, keys []string, args []any, wait bool) (any, int64, error) {
 	if !wait || a.o.WaitReplicas == 0 {
-		res, err := s.Run(ctx, a.c, keys, args...).Result()
+		res, err := runOnce(ctx, a.o.NotRunWait, a.c, s, keys, args...)
 		return res, -1, err
 	}
-	run := func() ([]redis.Cmder, error) {
-		return a.c.Pipelined(ctx, func(p redis.Pipeliner) error {
-			s.EvalSha(ctx, p, keys, args...)
+	// The results are read only once the call returned: after errNoReply it
+	// goes on in the background and must not share them.
+	var (
+		got      any
+		gotReps  int64
+		res      any
+		replicas int64 = -1
+	)
+	err := retryNotRun(ctx, a.o.NotRunWait, func() error {
+		return bounded(ctx, func() (err error) {
+			got, gotReps, err = a.runWait(ctx, s, keys, args)
+			return err
+		})
+	})
+	if !errors.Is(err, errNoReply) {
+		res, replicas = got, gotReps
+	}
+	return res, replicas, ambiguous(err)
+}
+
+// runWait sends s and WAIT in one pipeline, s marked for go-redis not to
+// send again, and returns s's result and WAIT's count.
+func (a *Acquirer) runWait(ctx context.Context, s *redis.Script, keys []string, args []any) (any, int64, error) {
+	run := func() (onceCmd, []redis.Cmder, error) {
+		cmd := onceCmd{redis.NewCmd(ctx, append([]any{"evalsha", s.Hash(), len(keys)}, append(anys(keys), args...)...)...)}
+		cmds, err := a.c.Pipelined(ctx, func(p redis.Pipeliner) error {
+			_ = p.Process(ctx, cmd)
 			p.Do(ctx, "WAIT", a.o.WaitReplicas, a.o.WaitTimeout.Milliseconds())
 			return nil
 		})
+		return cmd, cmds, err
 	}
-	cmds, err := run()
-	if err != nil && redis.HasErrorPrefix(cmds[0].Err(), "NOSCRIPT") {
+	cmd, cmds, err := run()
+	if err != nil && redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
 		if err := s.Load(ctx, a.c).Err(); err != nil {
 			return nil, 0, err
 		}
-		cmds, err = run()
+		cmd, cmds, err = run()
 	}
 	if err != nil {
-		if e := cmds[0].Err(); e != nil {
+		if e := cmd.Err(); e != nil {
 			return nil, 0, e
 		}
 		return nil, 0, err
 	}
-	res, _ := cmds[0].(*redis.Cmd).Result()
+	if len(cmds) != 2 {
+		return nil, 0, fmt.Errorf("unexpected pipeline reply of %d commands", len(cmds))
+	}
 	n, err := cmds[1].(*redis.Cmd).Int64()
 	if err != nil {
 		return nil, 0, fmt.Errorf("WAIT: %w", err)
 	}
-	return res, n, nil
+	return cmd.Val(), n, nil
+}
+
+// sendAgain runs a step that is safe to send again (a later send finds what
+// an earlier one did, as a renewal does) with send, and sends it again after
+// a lost reply, up to maxAmbiguous times, within ctx. A step that Redis then
+// did not run, after an earlier send's reply was lost, matches
+// fence.ErrUnknown too: that earlier send may have run.
+func (a *Acquirer) sendAgain(ctx context.Context, s *redis.Script, keys []string, args []any, wait bool) (any, int64, error) {
+	res, replicas, err := a.send(ctx, s, keys, args, wait)
+	lost := errors.Is(err, fence.ErrUnknown)
+	for i := 0; i < maxAmbiguous && errors.Is(err, fence.ErrUnknown) && ctx.Err() == nil; i++ {
+		res, replicas, err = a.send(ctx, s, keys, args, wait)
+	}
+	if err != nil && lost && !errors.Is(err, fence.ErrUnknown) {
+		err = fmt.Errorf("%w (an earlier send's reply was lost: applied or not), then: %w", fence.ErrUnknown, err)
+	}
+	return res, replicas, err
 }
 
 // Acquire waits until the lease on name is granted. A waiter that finds the
@@ -431,7 +465,10 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 //     subscription (NOPERM), the waiter does not queue and polls, paced by
 //     Backoff, as with DisableNotify (no order); a wait that ends says so in
 //     its error. A release by such a user cannot tell a waiter in line of
-//     another user, which finds its grant at its next poll.
+//     another user: the waiter is granted the name all the same and finds
+//     the grant at its next poll, which extends it to the ttl; until then
+//     the name is held for it only as long as its place lives, so a dead
+//     waiter does not keep it for a ttl.
 //
 // A network error while waiting (a lost reply, a failed dial) does not end
 // the wait: the next poll, with the same nonce, adopts a grant a lost request
@@ -470,7 +507,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		// subscription, since a grant published before it would be missed.
 		tried = true
 		if l, err := try(ctx); err == nil || !errors.Is(err, fence.ErrHeld) {
-			if errors.Is(err, ErrNotRun) {
+			if errors.Is(err, ErrNotRun) && ctx.Err() != nil {
 				// Redis did not run the try before ctx ended: a wait that ran out.
 				return nil, errors.Join(fence.ErrHeld, err)
 			}
@@ -696,16 +733,7 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 	value := nonce + ":" + strconv.FormatUint(m.token, 10)
 	keys, args := []string{lock}, []any{value, ttlMs(ttl)}
 	sent := time.Now()
-	var (
-		res      any
-		replicas int64
-	)
-	err := retryNotRun(ctx, func() error {
-		return bounded(ctx, func() (err error) {
-			res, replicas, err = a.run(ctx, renewScript, keys, args, true)
-			return err
-		})
-	})
+	res, replicas, err := a.sendAgain(ctx, renewScript, keys, args, true)
 	if err != nil {
 		return nil, fmt.Errorf("redislua: acquire %q: confirming a grant: %w", name, err)
 	}
@@ -721,14 +749,12 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 // longer matches fence.ErrUnknown; otherwise it does, and the leave goes on
 // in the background (leaveLine).
 func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, ttl time.Duration, err error) error {
-	// A request go-redis sent again after a network error and that Redis then
-	// did not run may hide a first one that ran: leave, as for a lost reply.
-	if (errors.Is(err, fence.ErrUnknown) || notRun(err)) && a.leaveLine(ctx, name, nonce, ttl) {
-		if errors.Is(err, ErrNotRun) && !errors.Is(err, fence.ErrUnknown) {
-			// Redis ran neither the try nor anything before it: not
-			// granted, and whether the name is held is not known.
-			return fmt.Errorf("redislua: acquire %q: not granted: %w", name, err)
-		}
+	if errors.Is(err, ErrNotRun) && !errors.Is(err, fence.ErrUnknown) {
+		// Redis ran no send of the step (every send is this package's, see
+		// send): not granted, and whether the name is held is not known.
+		return fmt.Errorf("redislua: acquire %q: not granted: %w", name, err)
+	}
+	if errors.Is(err, fence.ErrUnknown) && a.leaveLine(ctx, name, nonce, ttl) {
 		if cerr := ctx.Err(); cerr != nil {
 			// The context ended while a request was in flight: not
 			// granted, as any wait that ran out (fence.ErrHeld and the
@@ -874,17 +900,15 @@ func (l *lease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	sent := time.Now()
-	// Sent again by go-redis after a network error, a renewal only extends
-	// this grant again.
-	var n int64
-	err := retryNotRun(ctx, func() error {
-		return bounded(ctx, func() (err error) {
-			n, err = renewScript.Run(ctx, l.a.c, []string{l.lock}, l.value, ttlMs(l.TTL())).Int64()
-			return err
-		})
-	})
+	// Sent again after a lost reply, a renewal only extends this grant
+	// again; the local deadline counts from the first send.
+	res, _, err := l.a.sendAgain(ctx, renewScript, []string{l.lock}, []any{l.value, ttlMs(l.TTL())}, false)
 	if err != nil {
 		return fmt.Errorf("redislua: renew %q: %w", l.Name(), ambiguous(err))
+	}
+	n, ok := res.(int64)
+	if !ok {
+		return fmt.Errorf("redislua: renew %q: unexpected script reply %v", l.Name(), res)
 	}
 	if n == 0 {
 		l.End(fence.ErrLost)

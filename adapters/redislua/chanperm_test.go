@@ -10,6 +10,7 @@ import (
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/redis/go-redis/v9"
 )
@@ -141,5 +142,179 @@ func TestReleaseWithoutChannelPermissionToWaiterInLine(t *testing.T) {
 	defer r.l.Release(ctx)
 	if r.l.Token() <= h.Token() {
 		t.Errorf("token %d after the holder's %d", r.l.Token(), h.Token())
+	}
+}
+
+// TestReleaseWithoutChannelPermissionKeepsWaiterFirst: a holder whose Redis
+// user may not publish releases while a waiter of a user that may is in line.
+// The name belongs to that waiter, first in line ("finds its grant at its
+// next poll"): a TryAcquire right after the release, by the same holder's
+// acquirer, must not take it over the waiter's head.
+func TestReleaseWithoutChannelPermissionKeepsWaiterFirst(t *testing.T) {
+	nochan, admin := noChannelUser(t)
+	ctx := context.Background()
+	ha, err := redislua.NewAcquirer(nochan, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The waiter polls rarely, so that the try after the release comes
+	// before its next poll.
+	wa, err := redislua.NewAcquirer(admin, &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Second, Max: 20 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("nochan-first")
+	h, err := ha.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		l, err := wa.Acquire(wctx, name, time.Minute)
+		done <- result{l, err}
+	}()
+	line := "fence:{" + name + "}:line"
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if n, _ := admin.LLen(ctx, line).Result(); n > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the waiter never joined the line")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := h.Release(ctx); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+	jumped, err := ha.TryAcquire(ctx, name, time.Minute)
+	if err == nil {
+		t.Errorf("a TryAcquire right after the release took the name (token %d) over the head of a waiter in line: want ErrHeld (the waiter is first)", jumped.Token())
+		_ = jumped.Release(ctx)
+	} else if !errors.Is(err, fence.ErrHeld) {
+		t.Errorf("a TryAcquire right after the release: %v, want ErrHeld", err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("the waiter: %v", r.err)
+	}
+	_ = r.l.Release(ctx)
+}
+
+// TestIdempotencyCompletionWithoutChannelPermission: a store whose Redis user
+// may not publish completes a record. The completion either succeeds, or
+// its error says it did not happen: an error for a completion that Redis
+// kept would have the caller run the effect again, or report a failure for
+// work that is recorded as done.
+func TestIdempotencyCompletionWithoutChannelPermission(t *testing.T) {
+	nochan, admin := noChannelUser(t)
+	ctx := context.Background()
+	s, err := redislua.NewIdempotencyStore(nochan, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs, err := redislua.NewIdempotencyStore(admin, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, final := range []idempotency.State{idempotency.Completed, idempotency.Failed} {
+		t.Run(string(final), func(t *testing.T) {
+			key := fencetest.Name("nochan-idem")
+			rec, claimed, err := s.Begin(ctx, key, "fp", "me", time.Minute)
+			if err != nil || !claimed {
+				t.Fatalf("begin: claimed %v, %v", claimed, err)
+			}
+			_, err = s.Update(ctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{
+				State: final, Fence: rec.Fence, Owner: "me", Result: []byte("done"), Retention: time.Hour})
+			got, gerr := rs.Get(ctx, key)
+			if gerr != nil {
+				t.Fatal(gerr)
+			}
+			if err != nil && got.State == final {
+				t.Errorf("update to %s by a user without channel permission: %v; but the record is %s (Redis kept it)", final, err, got.State)
+			}
+			if err == nil && got.State != final {
+				t.Errorf("update to %s returned nil, record is %s", final, got.State)
+			}
+		})
+	}
+}
+
+// TestReleaseWithoutChannelPermissionPastDeadWaiter: a holder whose Redis
+// user may not publish releases while the waiter first in line is dead (its
+// client is closed, its place lives on for five polls). The name is held for
+// that waiter no longer than its place lives, not for the waiter's ttl, and
+// is then free for the others.
+func TestReleaseWithoutChannelPermissionPastDeadWaiter(t *testing.T) {
+	nochan, admin := noChannelUser(t)
+	ctx := context.Background()
+	ha, err := redislua.NewAcquirer(nochan, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wc := redis.NewClient(admin.Options())
+	t.Cleanup(func() { wc.Close() })
+	// Polls every 1-2s: the waiter's place lives 10s after its last poll.
+	wa, err := redislua.NewAcquirer(wc, &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: time.Second, Max: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("nochan-dead")
+	h, err := ha.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const waiterTTL = 10 * time.Minute
+	wctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		l, err := wa.Acquire(wctx, name, waiterTTL)
+		if l != nil {
+			err = errors.New("granted")
+		}
+		done <- err
+	}()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	line := "fence:{" + name + "}:line"
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if n, _ := admin.LLen(ctx, line).Result(); n > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the waiter never joined the line")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	wc.Close() // the waiter dies: it can neither poll nor leave
+	if n, _ := admin.LLen(ctx, line).Result(); n != 1 {
+		t.Fatalf("%d waiters in line after the waiter died, want its place still there", n)
+	}
+	if err := h.Release(ctx); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+	if pttl, err := admin.PTTL(ctx, "fence:{"+name+"}:lock").Result(); err != nil || pttl > 10*time.Second {
+		t.Errorf("after the release the name is held for %v (err %v), want at most the dead waiter's place life (10s), not its ttl %v", pttl, err, waiterTTL)
+	}
+	deadline = time.Now().Add(60 * time.Second)
+	for {
+		l, err := ha.TryAcquire(ctx, name, time.Minute)
+		if err == nil {
+			_ = l.Release(ctx)
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the name is still held 60s after its release, with the waiter first in line dead: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
