@@ -270,8 +270,8 @@ func (a *Acquirer) leaseClient(name, id string) *lease.BlobClient {
 // returns fence.ErrTokensExhausted. A name's first grant (and the first after
 // its blob was deleted) creates the blob and reads Azure's clock from a
 // snapshot (a few more requests): see "Tokens when the lock blob is deleted". A
-// grant that cannot be confirmed returns an error matching fence.ErrUnknown
-// and is released in the background (see abandon's bound in "Lost answers"); so is a grant confirmed
+// grant that cannot be confirmed returns an error and is released in the
+// background (see abandon's bound in "Lost answers"); so is a grant confirmed
 // only after its local deadline, which returns an error matching
 // fence.ErrLost (it holds nothing; Acquire tries again instead).
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
@@ -550,10 +550,6 @@ func (a *Acquirer) abandon(name, id string, ttl time.Duration, linger bool) {
 func (a *Acquirer) failed(op, name string, err, ambiguous error) error {
 	scrub(err)
 	scrub(ambiguous)
-	if ambiguous != nil && !errors.Is(err, fence.ErrHeld) {
-		// Not held by another: the grant may be this caller's.
-		return fmt.Errorf("azfence: %s %q: %w: %w (an earlier attempt may have been granted; it is being released: %v)", op, name, fence.ErrUnknown, err, ambiguous)
-	}
 	if ambiguous != nil {
 		return fmt.Errorf("azfence: %s %q: %w (an earlier attempt may have been granted; it is being released: %v)", op, name, err, ambiguous)
 	}
@@ -597,16 +593,14 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	late := 0 // late grants so far
 	return a.line.Acquire(ctx, a.o.Backoff, name, nil, func(ctx context.Context) (fence.Lease, error) {
 		l, err := a.TryAcquire(ctx, name, ttl)
-		if errors.Is(err, ErrContention) {
+		if errors.Is(err, ErrContention) && !errors.Is(err, fence.ErrUnknown) {
 			// Other contenders wrote the lock in between every attempt:
-			// not granted, as for a held lock; wait and try again. An
-			// earlier attempt that may have granted stays in the error
-			// (fence.ErrUnknown), for a wait that ends.
-			return nil, fmt.Errorf("%w (%w)", fence.ErrHeld, err)
+			// not granted, as for a held lock; wait and try again.
+			return nil, fmt.Errorf("%w (%v)", fence.ErrHeld, err)
 		}
 		if err != nil && !errors.Is(err, fence.ErrHeld) && ctx.Err() != nil {
-			// The wait ran out during an attempt (which may have granted).
-			return nil, wakeup.GaveUpAfter(ctx, err)
+			// The wait ran out during an attempt.
+			return nil, wakeup.GaveUp(ctx)
 		}
 		if errors.Is(err, errLate) {
 			// A grant confirmed past its local deadline holds nothing and

@@ -453,7 +453,7 @@ func (a *Acquirer) free(ctx context.Context, o observed) (bool, error) {
 // fence.ErrInvalid. A counter at fence.MaxToken returns
 // fence.ErrTokensExhausted. A grant whose answer was lost is recognised by
 // its nonce and returned; one that cannot be confirmed before ctx ends returns
-// an error matching fence.ErrUnknown and is released in the background.
+// an error and is released in the background.
 func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check("acquire", ctx, name); err != nil {
 		return nil, err
@@ -611,10 +611,6 @@ func (a *Acquirer) abandon(name, nonce string, p pendingGrant, ttl time.Duration
 // failed wraps err. After an ambiguous upload the grant may exist (under this
 // call's nonce): TryAcquire then frees it in the background (abandon).
 func (a *Acquirer) failed(op, name string, err, ambiguous error) error {
-	if ambiguous != nil && !errors.Is(err, fence.ErrHeld) {
-		// Not held by another: the grant may be this caller's.
-		return fmt.Errorf("gcsfence: %s %q: %w: %w (an earlier attempt may have been granted; it is being released: %v)", op, name, fence.ErrUnknown, err, ambiguous)
-	}
 	if ambiguous != nil {
 		return fmt.Errorf("gcsfence: %s %q: %w (an earlier attempt may have been granted; it is being released: %v)", op, name, err, ambiguous)
 	}
@@ -650,16 +646,14 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	}
 	return a.line.Acquire(ctx, a.o.Backoff, name, nil, func(ctx context.Context) (fence.Lease, error) {
 		l, err := a.TryAcquire(ctx, name, ttl)
-		if errors.Is(err, ErrContention) {
+		if errors.Is(err, ErrContention) && !errors.Is(err, fence.ErrUnknown) {
 			// Other contenders wrote the lock in between every attempt:
-			// not granted, as for a held lock; wait and try again. An
-			// earlier attempt that may have granted stays in the error
-			// (fence.ErrUnknown), for a wait that ends.
-			return nil, fmt.Errorf("%w (%w)", fence.ErrHeld, err)
+			// not granted, as for a held lock; wait and try again.
+			return nil, fmt.Errorf("%w (%v)", fence.ErrHeld, err)
 		}
 		if err != nil && !errors.Is(err, fence.ErrHeld) && ctx.Err() != nil {
-			// The wait ran out during an attempt (which may have granted).
-			return nil, wakeup.GaveUpAfter(ctx, err)
+			// The wait ran out during an attempt.
+			return nil, wakeup.GaveUp(ctx)
 		}
 		return l, err
 	})

@@ -364,10 +364,8 @@ func (l *Line) stall() time.Duration {
 // more than its stall limit (Stall by default) in one attempt. listen, when not nil, subscribes the head's
 // wake-up channel to the backend's release notifications and returns the
 // function that ends the subscription. When ctx ends while waiting it
-// returns an error matching fence.ErrHeld and ctx's cause, or, when a try's
-// error matched fence.ErrUnknown, that error joined with ctx's error and
-// cause (GaveUpAfter); try decides what an attempt that fails as ctx ends
-// returns.
+// returns an error matching fence.ErrHeld and ctx's cause; try decides what
+// an attempt that fails as ctx ends returns.
 func (l *Line) Acquire(ctx context.Context, b fence.Backoff, name string, listen func(wake chan struct{}) func(), try func(context.Context) (fence.Lease, error)) (fence.Lease, error) {
 	return l.AcquireHanded(ctx, b, name, nil, listen, func(ctx context.Context, _ any) (fence.Lease, error) { return try(ctx) }, nil)
 }
@@ -389,9 +387,6 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 	granted := false
 	defer func() { l.Leave(name, p, granted) }()
 	var hint any // the hint of the last handoff that made no grant, for the next attempt
-	// unknown is the first try's error that matched fence.ErrUnknown: that
-	// grant may have landed, and no later refusal tells that it did not.
-	var unknown error
 	errOffered := errors.New("offered")
 	attempt := func() (fence.Lease, error) {
 		if !p.beginTry() {
@@ -402,9 +397,6 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 		hint = nil
 		lease, err := try(ctx, h)
 		granted = err == nil
-		if unknown == nil && err != nil && errors.Is(err, fence.ErrUnknown) {
-			unknown = err
-		}
 		if granted {
 			// Leaving with the lock: no offer from here on (OfferIdle
 			// checks gone), before the attempt ends (Trying(false)).
@@ -419,7 +411,7 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 			// Handed as ctx ended: settled, so nobody waits out a ttl.
 			abandon(h)
 		}
-		return nil, GaveUpAfter(ctx, unknown)
+		return nil, GaveUp(ctx)
 	}
 	// Only the head hears of releases from the backend: a hub wakes its
 	// longest subscriber, which must not be a waiter behind the head.
@@ -489,7 +481,7 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 				if abandon != nil {
 					abandon(h)
 				}
-				return nil, GaveUpAfter(ctx, unknown)
+				return nil, GaveUp(ctx)
 			}
 			if h.Lease != nil && h.Lease.Context().Err() != nil {
 				// Taken late (after an attempt of the waiter's own):
@@ -538,23 +530,11 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 	}
 }
 
-// GaveUp is the error of a wait that ended with ctx after tries that made
-// no grant: it matches fence.ErrHeld, ctx.Err() and, when the caller gave
-// one, ctx's cause.
-func GaveUp(ctx context.Context) error { return GaveUpAfter(ctx, nil) }
-
-// GaveUpAfter is the error of a wait that ended with ctx after a try that
-// returned err. When err matches fence.ErrUnknown (a grant that may have
-// landed), it is err joined with ctx.Err() and ctx's cause, not
-// fence.ErrHeld: the name may be this caller's, not another's. Otherwise it
-// is GaveUp(ctx).
-func GaveUpAfter(ctx context.Context, err error) error {
-	first := fence.ErrHeld
-	if err != nil && errors.Is(err, fence.ErrUnknown) {
-		first = err
-	}
+// GaveUp is the error of a wait that ended with ctx: it matches
+// fence.ErrHeld, ctx.Err() and, when the caller gave one, ctx's cause.
+func GaveUp(ctx context.Context) error {
 	if cause := context.Cause(ctx); cause != nil && cause != ctx.Err() {
-		return errors.Join(first, ctx.Err(), cause)
+		return errors.Join(fence.ErrHeld, ctx.Err(), cause)
 	}
-	return errors.Join(first, ctx.Err())
+	return errors.Join(fence.ErrHeld, ctx.Err())
 }
