@@ -79,3 +79,45 @@ func TestLockSurvivesRemovedMetadata(t *testing.T) {
 		t.Errorf("grant after the lock blob's metadata was replaced: token %d, want above %d", l2.Token(), l.Token())
 	}
 }
+
+// TestLockSurvivesLoweredMetadata: a lock blob whose token metadata another
+// tool set lower (Set Blob Metadata, no lease held) between two grants still
+// gives the next grant a token above the first: a paused holder of the first
+// grant must not beat the new holder at a fenced writer.
+func TestLockSurvivesLoweredMetadata(t *testing.T) {
+	e := newEnv(t)
+	a := newAcquirer(t, e.c)
+	ctx := context.Background()
+	name := fencetest.Name("meta")
+	l, err := a.TryAcquire(ctx, name, 15*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	bc := e.c.NewBlobClient("fencekit-locks/" + name)
+	p, err := bc.GetProperties(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	md := map[string]*string{}
+	for k, v := range p.Metadata {
+		if !strings.EqualFold(k, azfence.MetaToken) {
+			md[k] = v
+		}
+	}
+	one := "1"
+	md[azfence.MetaToken] = &one
+	if _, err := bc.SetMetadata(ctx, md, nil); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := a.TryAcquire(ctx, name, 15*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Release(ctx)
+	if l2.Token() <= l.Token() {
+		t.Errorf("grant after the lock blob's token metadata was set to 1: token %d, want above the earlier grant's %d", l2.Token(), l.Token())
+	}
+}
