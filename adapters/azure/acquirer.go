@@ -3,6 +3,8 @@ package azfence
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"math"
 	"os"
@@ -394,13 +396,33 @@ func (a *Acquirer) stamp(ctx context.Context, name string) error {
 		return err
 	}
 	ts, owner, write := strconv.FormatUint(t-1, 10), a.o.Owner, newID()
-	_, err = bc.SetMetadata(noRetries(ctx), map[string]*string{MetaToken: &ts, MetaWriteID: &write, MetaOwner: &owner}, &blob.SetMetadataOptions{
+	sl := lockSeal(ts, write)
+	_, err = bc.SetMetadata(noRetries(ctx), map[string]*string{MetaToken: &ts, MetaWriteID: &write, MetaOwner: &owner, metaSeal: &sl}, &blob.SetMetadataOptions{
 		AccessConditions: &blob.AccessConditions{ModifiedAccessConditions: &blob.ModifiedAccessConditions{IfMatch: p.ETag}},
 	})
 	if err != nil && !isConflict(err) && !mayHaveApplied(err) {
 		return err
 	}
 	return nil
+}
+
+// metaSeal is the lock blob's metadata key holding lockSeal of its token
+// and write id: metadata another tool set (Set Blob Metadata needs no lease
+// when none is held) does not match it, and the next grant then floors its
+// token at Azure's clock instead of trusting a token that may be lower than
+// one already handed out.
+const metaSeal = "fenceseal"
+
+// lockSeal hashes a lock blob's token and write id.
+func lockSeal(token, write string) string {
+	h := sha256.Sum256([]byte(fmt.Sprintf("fencekit lock %d %s %d %s", len(token), token, len(write), write)))
+	return hex.EncodeToString(h[:16])
+}
+
+// sealed reports whether m's seal matches token and write.
+func sealed(m map[string]*string, token, write string) bool {
+	sl, ok := meta(m, metaSeal)
+	return ok && sl == lockSeal(token, write)
 }
 
 var errNoClock = errors.New("azfence: the server's snapshot has no time, and a new lock blob's token needs Azure's clock")
@@ -436,6 +458,18 @@ func (a *Acquirer) advance(ctx context.Context, name, id string, etag azcore.ETa
 					return 0, fmt.Errorf("lock blob %q has a malformed %s %q", a.blobName(name), MetaToken, t)
 				}
 				lw.token = n
+				if w, _ := meta(p.Metadata, MetaWriteID); !sealed(p.Metadata, t, w) {
+					// Not this package's write (another tool set the
+					// metadata, maybe lower, or an older fencekit
+					// wrote it): the token cannot be trusted to be
+					// the largest handed out. Take Azure's clock as
+					// a floor, as for a new blob.
+					c, err := creationToken(ctx, bc)
+					if err != nil {
+						return 0, err
+					}
+					lw.token = max(lw.token, c-1)
+				}
 			} else {
 				t, err := creationToken(ctx, bc)
 				if err != nil {
@@ -450,7 +484,8 @@ func (a *Acquirer) advance(ctx context.Context, name, id string, etag azcore.ETa
 			return 0, fence.ErrTokensExhausted
 		}
 		ts, owner := strconv.FormatUint(next, 10), a.o.Owner
-		out, err := bc.SetMetadata(noRetries(ctx), map[string]*string{MetaToken: &ts, MetaWriteID: &write, MetaOwner: &owner}, &blob.SetMetadataOptions{
+		sl := lockSeal(ts, write)
+		out, err := bc.SetMetadata(noRetries(ctx), map[string]*string{MetaToken: &ts, MetaWriteID: &write, MetaOwner: &owner, metaSeal: &sl}, &blob.SetMetadataOptions{
 			AccessConditions: &blob.AccessConditions{
 				LeaseAccessConditions:    &blob.LeaseAccessConditions{LeaseID: &id},
 				ModifiedAccessConditions: &blob.ModifiedAccessConditions{IfMatch: &lw.etag},
