@@ -78,12 +78,6 @@ type AcquirerOptions struct {
 	// Default: 0, no spinning (see the README's Measured section for
 	// what it gained and cost on a 2-vCPU machine).
 	HeadSpin time.Duration
-	// NotRunWait bounds how long a step is sent again while Redis answers
-	// that it did not run it (BUSY, LOADING, READONLY, ...: see the package
-	// documentation); then the step returns an error matching ErrNotRun
-	// (and fence.ErrUnknown when an earlier send's reply was lost). A waiting Acquire
-	// ends then too. It may not be negative. Default: DefaultNotRunWait (5s).
-	NotRunWait time.Duration
 }
 
 // Acquirer grants leases from Redis. Every operation on a lock is one script
@@ -116,8 +110,7 @@ var notifiedBackoff = fence.Backoff{Min: 20 * time.Millisecond, Max: 200 * time.
 
 // NewAcquirer returns an Acquirer on c. It returns an error matching fence.ErrInvalid
 // for a nil client, a *redis.Ring (it routes the grant channel and the lock key
-// to different shards), a prefix with braces, negative options (NotRunWait
-// included), TokenFloor with
+// to different shards), a prefix with braces, negative options, TokenFloor with
 // CounterTokens, or WaitReplicas on a Cluster client.
 func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 	if err := checkClient("new acquirer", c); err != nil {
@@ -140,10 +133,6 @@ func NewAcquirer(c Client, opts *AcquirerOptions) (*Acquirer, error) {
 		return nil, &fence.InvalidError{Op: "new acquirer", Arg: "HeadSpin", Reason: fmt.Sprintf("%v is above %v: a waiter would burn a CPU that long", o.HeadSpin, maxHeadSpin)}
 	}
 	if err := leasekit.CheckBackoff("new acquirer", o.Backoff); err != nil {
-		return nil, err
-	}
-	var err error
-	if o.NotRunWait, err = checkNotRunWait("new acquirer", o.NotRunWait); err != nil {
 		return nil, err
 	}
 	if o.TokenFloor && o.CounterTokens {
@@ -367,7 +356,7 @@ func (a *Acquirer) granted(ctx context.Context, name string, ttl time.Duration, 
 // otherwise the count is -1.
 func (a *Acquirer) send(ctx context.Context, s *redis.Script, keys []string, args []any, wait bool) (any, int64, error) {
 	if !wait || a.o.WaitReplicas == 0 {
-		res, err := runOnce(ctx, a.o.NotRunWait, a.c, s, keys, args...)
+		res, err := runOnce(ctx, a.c, s, keys, args...)
 		return res, -1, err
 	}
 	// The results are read only once the call returned: after errNoReply it
@@ -378,7 +367,7 @@ func (a *Acquirer) send(ctx context.Context, s *redis.Script, keys []string, arg
 		res      any
 		replicas int64 = -1
 	)
-	err := retryNotRun(ctx, a.o.NotRunWait, func() error {
+	err := retryNotRun(ctx, func() error {
 		return bounded(ctx, func() (err error) {
 			got, gotReps, err = a.runWait(ctx, s, keys, args)
 			return err
@@ -507,7 +496,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		// subscription, since a grant published before it would be missed.
 		tried = true
 		if l, err := try(ctx); err == nil || !errors.Is(err, fence.ErrHeld) {
-			if errors.Is(err, ErrNotRun) && ctx.Err() != nil {
+			if errors.Is(err, ErrNotRun) {
 				// Redis did not run the try before ctx ended: a wait that ran out.
 				return nil, errors.Join(fence.ErrHeld, err)
 			}
@@ -749,12 +738,14 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 // longer matches fence.ErrUnknown; otherwise it does, and the leave goes on
 // in the background (leaveLine).
 func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, ttl time.Duration, err error) error {
-	if errors.Is(err, ErrNotRun) && !errors.Is(err, fence.ErrUnknown) {
-		// Redis ran no send of the step (every send is this package's, see
-		// send): not granted, and whether the name is held is not known.
-		return fmt.Errorf("redislua: acquire %q: not granted: %w", name, err)
-	}
-	if errors.Is(err, fence.ErrUnknown) && a.leaveLine(ctx, name, nonce, ttl) {
+	// A request go-redis sent again after a network error and that Redis then
+	// did not run may hide a first one that ran: leave, as for a lost reply.
+	if (errors.Is(err, fence.ErrUnknown) || notRun(err)) && a.leaveLine(ctx, name, nonce, ttl) {
+		if errors.Is(err, ErrNotRun) && !errors.Is(err, fence.ErrUnknown) {
+			// Redis ran neither the try nor anything before it: not
+			// granted, and whether the name is held is not known.
+			return fmt.Errorf("redislua: acquire %q: not granted: %w", name, err)
+		}
 		if cerr := ctx.Err(); cerr != nil {
 			// The context ended while a request was in flight: not
 			// granted, as any wait that ran out (fence.ErrHeld and the

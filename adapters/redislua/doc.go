@@ -21,12 +21,9 @@
 // runs past busy-reply-threshold (BUSY), while it loads its data (LOADING),
 // and with OOM, READONLY, MASTERDOWN, TRYAGAIN, CLUSTERDOWN, NOREPLICAS or
 // MISCONF. Every step of the Acquirer, Writer, FencedScript and
-// IdempotencyStore sends such a step again, paced, until Redis runs it, the
-// caller's context ends, or Redis has refused it for NotRunWait (an option of
-// each, default DefaultNotRunWait, 5s; the FencedScript always uses the
-// default), so that a client pointed at a read-only replica returns; then the
-// error matches ErrNotRun, and the context's error when that ended it (a
-// waiting Acquire's also fence.ErrHeld). When an earlier send of
+// IdempotencyStore sends such a step again, paced, until Redis runs it or the
+// caller's context ends; then the error matches ErrNotRun and the context's
+// error (a waiting Acquire's also fence.ErrHeld). When an earlier send of
 // the step lost its reply (a network error), that send may have run, and the
 // error matches fence.ErrUnknown too. Steps that write are sent by this
 // package alone (go-redis is told not to send them again after a network

@@ -33,12 +33,6 @@ type IdempotencyOptions struct {
 	// ReleasedRetention is how long a released record (and its fence) is kept.
 	// Default: 24h.
 	ReleasedRetention time.Duration
-	// NotRunWait bounds how long a step is sent again while Redis answers
-	// that it did not run it (BUSY, LOADING, READONLY, ...: see the package
-	// documentation); then the step returns an error matching ErrNotRun
-	// (and fence.ErrUnknown when an earlier send's reply was lost). It may
-	// not be negative. Default: DefaultNotRunWait (5s).
-	NotRunWait time.Duration
 }
 
 // IdempotencyStore is an idempotency.Store in Redis: one hash per key,
@@ -85,10 +79,6 @@ func NewIdempotencyStore(c Client, opts *IdempotencyOptions) (*IdempotencyStore,
 	if o.ReleasedRetention == 0 {
 		o.ReleasedRetention = 24 * time.Hour
 	}
-	var err error
-	if o.NotRunWait, err = checkNotRunWait("new idempotency store", o.NotRunWait); err != nil {
-		return nil, err
-	}
 	s := &IdempotencyStore{c: c, o: o, channel: o.Prefix + "idem"}
 	s.notify = newListener(c, s.channel)
 	return s, nil
@@ -133,7 +123,7 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 	if lease <= 0 {
 		return idempotency.Record{}, false, &fence.InvalidError{Op: "idempotency begin", Arg: "lease", Reason: "not positive"}
 	}
-	res, err := runOnceSlice(ctx, s.o.NotRunWait, s.c, idemBeginScript, []string{s.key(key)}, fingerprint, owner, lease.Milliseconds())
+	res, err := runOnceSlice(ctx, s.c, idemBeginScript, []string{s.key(key)}, fingerprint, owner, lease.Milliseconds())
 	if err != nil {
 		return idempotency.Record{}, false, fmt.Errorf("redislua: idempotency begin %q: %w", key, err)
 	}
@@ -150,7 +140,7 @@ func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Rec
 		return idempotency.Record{}, err
 	}
 	var res []any
-	err := retryNotRun(ctx, s.o.NotRunWait, func() (err error) {
+	err := retryNotRun(ctx, func() (err error) {
 		res, err = idemGetScript.Run(ctx, s.c, []string{s.key(key)}).Slice()
 		return err
 	})
@@ -180,7 +170,7 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 		}
 		return "0"
 	}
-	res, err := runOnceSlice(ctx, s.o.NotRunWait, s.c, idemUpdateScript, []string{s.key(key)},
+	res, err := runOnceSlice(ctx, s.c, idemUpdateScript, []string{s.key(key)},
 		string(from), strconv.FormatUint(uint64(fromFence), 10), string(ch.State), strconv.FormatUint(uint64(ch.Fence), 10),
 		ch.Owner, ch.Lease.Milliseconds(), flag(ch.Restart), ch.Retention.Milliseconds(), ch.Result,
 		flag(ch.ResultDropped), flag(ch.Result != nil), s.channel, key, s.o.ReleasedRetention.Milliseconds())

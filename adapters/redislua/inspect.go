@@ -34,7 +34,7 @@ func (a *Acquirer) Inspect(ctx context.Context, name string) (fence.LockInfo, er
 	}
 	lock, counter := lockKeys(a.o.Prefix, name)
 	var res []any
-	err := retryNotRun(ctx, a.o.NotRunWait, func() (err error) {
+	err := retryNotRun(ctx, func() (err error) {
 		res, err = inspectScript.Run(ctx, a.c, []string{lock, counter}).Slice()
 		return err
 	})
@@ -78,7 +78,7 @@ func (a *Acquirer) Bump(ctx context.Context, name string, to fence.Token) error 
 	_, counter := lockKeys(a.o.Prefix, name)
 	// Sent once: sent again after it ran, it would find the counter at to
 	// and refuse.
-	res, err := runOnce(ctx, a.o.NotRunWait, a.c, bumpScript, []string{counter}, strconv.FormatUint(uint64(to), 10))
+	res, err := runOnce(ctx, a.c, bumpScript, []string{counter}, strconv.FormatUint(uint64(to), 10))
 	if err != nil {
 		return fmt.Errorf("redislua: bump %q: %w", name, scriptError(err))
 	}

@@ -44,19 +44,17 @@ var errNoProcess = errors.New("client has no Process or Pipelined method to send
 // reply (the script did not run) loads it and sends it again; a request that
 // was never sent (a failed dial, a pool timeout) is sent again within ctx, and
 // one that Redis refused without running it (see notRun) is sent again, paced,
-// until it runs, ctx ends or Redis has refused it for limit (then the error
-// matches ErrNotRun).
+// until it runs or ctx ends (then the error matches ErrNotRun).
 // A network error after the request may have reached Redis is returned
 // matching fence.ErrUnknown.
-func runOnce(ctx context.Context, limit time.Duration, c redis.Scripter, s *redis.Script, keys []string, args ...any) (any, error) {
+func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []string, args ...any) (any, error) {
 	send := sender(c)
 	if send == nil {
 		return nil, errNoProcess
 	}
 	args = append([]any{"evalsha", s.Hash(), len(keys)}, append(anys(keys), args...)...)
 	loaded := false
-	var refused error   // the last reply that said the script did not run
-	var since time.Time // when Redis first refused it
+	var refused error // the last reply that said the script did not run
 	for unsent, notRuns := 0, 0; ; {
 		if err := ctx.Err(); err != nil {
 			if refused != nil {
@@ -86,12 +84,6 @@ func runOnce(ctx context.Context, limit time.Duration, c redis.Scripter, s *redi
 			unsent++
 		case notRun(err):
 			refused = err
-			if since.IsZero() {
-				since = time.Now()
-			}
-			if time.Since(since) >= limit {
-				return nil, notRunFor(limit, err)
-			}
 			if notRunDelay.Sleep(ctx, notRuns) != nil {
 				return nil, notRunError(ctx, err)
 			}
@@ -107,8 +99,8 @@ func runOnce(ctx context.Context, limit time.Duration, c redis.Scripter, s *redi
 const maxUnsent = 3
 
 // runOnceSlice is runOnce for a script that returns an array.
-func runOnceSlice(ctx context.Context, limit time.Duration, c redis.Scripter, s *redis.Script, keys []string, args ...any) ([]any, error) {
-	res, err := runOnce(ctx, limit, c, s, keys, args...)
+func runOnceSlice(ctx context.Context, c redis.Scripter, s *redis.Script, keys []string, args ...any) ([]any, error) {
+	res, err := runOnce(ctx, c, s, keys, args...)
 	if err != nil {
 		return nil, err
 	}
@@ -187,9 +179,8 @@ func notSent(err error) bool {
 // ErrNotRun is matched by the error of a step that Redis refused without
 // running it (BUSY while another client's script runs, LOADING, OOM,
 // READONLY, MASTERDOWN, TRYAGAIN, CLUSTERDOWN, NOREPLICAS, MISCONF) every time
-// it was sent until the caller's context ended or the step's NotRunWait
-// passed: that step changed nothing.
-// The error holds Redis's reply, and the context's error when that ended it. When it
+// it was sent until the caller's context ended: that step changed nothing.
+// The error also matches the context's error and holds Redis's reply. When it
 // also matches fence.ErrUnknown, an earlier send of the step lost its reply
 // and may have run.
 var ErrNotRun = errors.New("redislua: Redis did not run the step")
@@ -212,33 +203,11 @@ func notRun(err error) bool {
 // notRunDelay paces a step sent again after Redis did not run it.
 var notRunDelay = fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}
 
-// DefaultNotRunWait is how long a step is sent again while Redis answers
-// that it did not run it, unless an option says otherwise.
-const DefaultNotRunWait = 5 * time.Second
-
-// checkNotRunWait validates a NotRunWait option and returns it with the default.
-func checkNotRunWait(op string, d time.Duration) (time.Duration, error) {
-	if d < 0 {
-		return 0, &fence.InvalidError{Op: op, Arg: "NotRunWait", Reason: "negative"}
-	}
-	if d == 0 {
-		d = DefaultNotRunWait
-	}
-	return d, nil
-}
-
-// notRunFor is the error of a step that Redis refused unrun for limit.
-func notRunFor(limit time.Duration, reply error) error {
-	return fmt.Errorf("%w (%w) for %v (NotRunWait)", ErrNotRun, reply, limit)
-}
-
 // retryNotRun calls step until Redis runs it: a reply that says it did not run
-// is sent again, paced by notRunDelay, while ctx lasts and for up to limit.
-// When ctx ends first, the error matches ErrNotRun and ctx's cause; when
-// limit passes, ErrNotRun. step must return when ctx ends.
-func retryNotRun(ctx context.Context, limit time.Duration, step func() error) error {
+// is sent again, paced by notRunDelay, while ctx lasts. When ctx ends first,
+// the error matches ErrNotRun and ctx's cause. step must return when ctx ends.
+func retryNotRun(ctx context.Context, step func() error) error {
 	var refused error
-	var since time.Time
 	for attempt := 0; ; attempt++ {
 		err := step()
 		if errors.Is(err, errNoReply) {
@@ -248,12 +217,6 @@ func retryNotRun(ctx context.Context, limit time.Duration, step func() error) er
 			return err
 		}
 		refused = err
-		if since.IsZero() {
-			since = time.Now()
-		}
-		if time.Since(since) >= limit {
-			return notRunFor(limit, err)
-		}
 		if notRunDelay.Sleep(ctx, attempt) != nil {
 			return notRunError(ctx, err)
 		}

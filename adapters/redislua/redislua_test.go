@@ -201,15 +201,6 @@ func TestNilClientsAndBadOptions(t *testing.T) {
 	if _, err := redislua.NewIdempotencyStore(c, &redislua.IdempotencyOptions{ReleasedRetention: -time.Second}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("NewIdempotencyStore with a negative ReleasedRetention: %v", err)
 	}
-	if _, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{NotRunWait: -time.Second}); !errors.Is(err, fence.ErrInvalid) {
-		t.Errorf("NewAcquirer with a negative NotRunWait: %v", err)
-	}
-	if _, err := redislua.NewWriter(c, &redislua.WriterOptions{NotRunWait: -time.Second}); !errors.Is(err, fence.ErrInvalid) {
-		t.Errorf("NewWriter with a negative NotRunWait: %v", err)
-	}
-	if _, err := redislua.NewIdempotencyStore(c, &redislua.IdempotencyOptions{NotRunWait: -time.Second}); !errors.Is(err, fence.ErrInvalid) {
-		t.Errorf("NewIdempotencyStore with a negative NotRunWait: %v", err)
-	}
 	var nilCtx context.Context
 	if _, err := redislua.NewFencedScript("return 1").Run(nilCtx, c, "f", 1, nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("FencedScript.Run with a nil context: %v", err)

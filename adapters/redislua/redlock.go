@@ -366,7 +366,7 @@ func (r *Redlock) releaseOn(ctx context.Context, timeout time.Duration, lock, no
 	res, errs := r.onNodes(ctx, timeout, true, nil, func(nctx context.Context, i int, c Client) (any, error) {
 		// Sent once: a release sent again after it ran finds the lock gone
 		// and would report the grant lost; a lost reply is an error.
-		res, err := runOnce(nctx, DefaultNotRunWait, c, redlockReleaseScript, keys, nodeValue(nonce, i), ttlMs(ttl))
+		res, err := runOnce(nctx, c, redlockReleaseScript, keys, nodeValue(nonce, i), ttlMs(ttl))
 		if !releaseAnswered(err) {
 			go releaseLater(context.WithoutCancel(ctx), c, keys, nodeValue(nonce, i), ttl, timeout)
 		}

@@ -66,7 +66,7 @@ func (f *FencedScript) Run(ctx context.Context, c redis.Scripter, fenceKey strin
 	}
 	allKeys := append([]string{fenceKey}, keys...)
 	allArgs := append([]any{strconv.FormatUint(uint64(token), 10)}, args...)
-	res, err := runOnceSlice(ctx, DefaultNotRunWait, c, f.s, allKeys, allArgs...)
+	res, err := runOnceSlice(ctx, c, f.s, allKeys, allArgs...)
 	if err != nil {
 		return nil, fmt.Errorf("redislua: fenced script: %w", scriptError(err))
 	}

@@ -1,8 +1,6 @@
 package redislua
 
 import (
-	"time"
-
 	"context"
 	"fmt"
 	"strconv"
@@ -16,12 +14,6 @@ import (
 type WriterOptions struct {
 	// Prefix starts every key, and may not contain braces. Default: "fence:".
 	Prefix string
-	// NotRunWait bounds how long a step is sent again while Redis answers
-	// that it did not run it (BUSY, LOADING, READONLY, ...: see the package
-	// documentation); then the step returns an error matching ErrNotRun
-	// (and fence.ErrUnknown when an earlier send's reply was lost). It may
-	// not be negative. Default: DefaultNotRunWait (5s).
-	NotRunWait time.Duration
 }
 
 // Writer is a fence.FencedWriter, fence.Reader and fence.Deleter on Redis. A key's
@@ -34,9 +26,8 @@ type WriterOptions struct {
 // keep "idem:k", and with one prefix the two would share a hash (a Begin
 // would wipe the Writer's fence, and a stale write would be accepted).
 type Writer struct {
-	c          Client
-	prefix     string
-	notRunWait time.Duration
+	c      Client
+	prefix string
 }
 
 var (
@@ -46,7 +37,7 @@ var (
 )
 
 // NewWriter returns a Writer on c, or an error matching fence.ErrInvalid for a
-// prefix with braces or a negative NotRunWait.
+// prefix with braces.
 func NewWriter(c Client, opts *WriterOptions) (*Writer, error) {
 	if err := checkClient("new writer", c); err != nil {
 		return nil, err
@@ -58,15 +49,7 @@ func NewWriter(c Client, opts *WriterOptions) (*Writer, error) {
 	if err := checkPrefix("new writer", prefix); err != nil {
 		return nil, err
 	}
-	var wait time.Duration
-	if opts != nil {
-		wait = opts.NotRunWait
-	}
-	wait, err := checkNotRunWait("new writer", wait)
-	if err != nil {
-		return nil, err
-	}
-	return &Writer{c: c, prefix: prefix, notRunWait: wait}, nil
+	return &Writer{c: c, prefix: prefix}, nil
 }
 
 // Key returns the Redis key that holds key's value and fence.
@@ -113,7 +96,7 @@ func (w *Writer) run(ctx context.Context, op, key string, value []byte, token fe
 	if value == nil {
 		value = []byte{}
 	}
-	res, err := runOnceSlice(ctx, w.notRunWait, w.c, writeScript, []string{w.Key(key)}, value, strconv.FormatUint(uint64(token), 10), del)
+	res, err := runOnceSlice(ctx, w.c, writeScript, []string{w.Key(key)}, value, strconv.FormatUint(uint64(token), 10), del)
 	if err != nil {
 		return fmt.Errorf("redislua: %s %q: %w", op, key, scriptError(err))
 	}
@@ -134,7 +117,7 @@ func (w *Writer) Read(ctx context.Context, key string) ([]byte, fence.Token, err
 		return nil, 0, err
 	}
 	var res []any
-	err := retryNotRun(ctx, w.notRunWait, func() error {
+	err := retryNotRun(ctx, func() error {
 		return bounded(ctx, func() (err error) {
 			res, err = readScript.Run(ctx, w.c, []string{w.Key(key)}).Slice()
 			return err
