@@ -454,10 +454,7 @@ func (a *Acquirer) sendAgain(ctx context.Context, s *redis.Script, keys []string
 //     subscription (NOPERM), the waiter does not queue and polls, paced by
 //     Backoff, as with DisableNotify (no order); a wait that ends says so in
 //     its error. A release by such a user cannot tell a waiter in line of
-//     another user: the waiter is granted the name all the same and finds
-//     the grant at its next poll, which extends it to the ttl; until then
-//     the name is held for it only as long as its place lives, so a dead
-//     waiter does not keep it for a ttl.
+//     another user, which finds its grant at its next poll.
 //
 // A network error while waiting (a lost reply, a failed dial) does not end
 // the wait: the next poll, with the same nonce, adopts a grant a lost request

@@ -28,9 +28,7 @@
 -- reply. A waiter whose entry expired is dropped from the line; one whose
 -- acquirer does not listen (ARGV[10]: its subscription is reconnecting, or
 -- its process died) misses this grant, which goes to the next waiter, but
--- keeps its place; a dead waiter's entry expires and it is dropped then. A
--- caller that may not PUBLISH grants the head anyway, for as long as its
--- entry lives; the head's next poll extends that grant to its ttl.
+-- keeps its place; a dead waiter's entry expires and it is dropped then.
 local lock, counter, line = KEYS[1], KEYS[2], KEYS[3]
 local op, me, acq = ARGV[1], ARGV[2], ARGV[5]
 local entry_base = string.sub(lock, 1, #lock - 5) .. ':w:'
@@ -79,23 +77,16 @@ local function grant_head()
         local tok
         tok, err = next_token(floor == '1' or ARGV[4] == '1')
         if not tok then break end
-        local heard, px = 1, ttl
+        local heard = 1
         if wacq ~= acq then
           -- pcall: a caller whose Redis user may not publish there (ACL
-          -- channels) does not fail half-way.
+          -- channels) counts the waiter unheard instead of failing half-way.
           heard = redis.pcall('PUBLISH', ARGV[9] .. wacq, n .. ' ' .. tok .. ' ' .. stamp .. ' ' .. ARGV[8])
-          if type(heard) ~= 'number' then
-            -- Not told: the waiter finds the grant at its next poll, which
-            -- extends it to the ttl. Until then it is held only as long as
-            -- the waiter's place lives, so a dead waiter frees it as soon.
-            heard = 1
-            local life = redis.call('PTTL', entry_base .. n)
-            if life > 0 and life < tonumber(ttl) then px = life end
-          end
+          if type(heard) ~= 'number' then heard = 0 end
         end
         if heard > 0 or ARGV[10] ~= '1' then
           redis.call('DEL', entry_base .. n)
-          set_lock(n, tok, px)
+          set_lock(n, tok, ttl)
           g = {n, tok, stamp, wacq}
           break
         end
