@@ -254,11 +254,36 @@ func (a *Acquirer) lockOp(ctx context.Context, name, op, me string, ttl time.Dur
 		spins = "1"
 	}
 	args := []any{op, me, ttlMs(ttl), floor, a.id, stamp, a.life.Milliseconds(), name, a.grantChannel(), a.heard, a.lineLife.Milliseconds(), spins}
-	// Every send is ours (see send): a "try" or "wait" whose reply was lost is
-	// sent again by grant or the next poll with the same nonce, and adopts
-	// its own grant; a release sent again after it ran would find the lock
-	// gone and report the lease lost.
-	res, replicas, err := a.send(ctx, lockScript, keys, args, op == "try" || op == "wait")
+	var (
+		res      any
+		replicas int64 = -1
+		err      error
+	)
+	if op == "release" {
+		// A release sent again after it ran finds the lock gone and would
+		// report the lease lost: send it once.
+		res, err = runOnce(ctx, a.c, lockScript, keys, args...)
+	} else {
+		// A "try" or "wait" sent again finds its own grant and adopts it; a
+		// "leave" sent again finds nothing to do: go-redis may resend them.
+		// The call's results are read only once it returned: after
+		// errNoReply it goes on in the background and must not share them.
+		var (
+			got     any
+			gotReps int64
+		)
+		// A reply that says the script did not run is no answer: it is sent
+		// again within ctx.
+		err = retryNotRun(ctx, func() error {
+			return bounded(ctx, func() (err error) {
+				got, gotReps, err = a.run(ctx, lockScript, keys, args, op == "try" || op == "wait")
+				return err
+			})
+		})
+		if !errors.Is(err, errNoReply) {
+			res, replicas = got, gotReps
+		}
+	}
 	r := lockReply{replicas: replicas}
 	if err != nil {
 		return r, scriptError(ambiguous(err))
@@ -346,89 +371,41 @@ func (a *Acquirer) granted(ctx context.Context, name string, ttl time.Duration, 
 	return l, nil
 }
 
-// send runs a script once: go-redis does not send it again after a network
-// error, so that a step that ends with Redis refusing it unrun is known not
-// to hide an earlier send that ran (a lost reply is fence.ErrUnknown, and the
-// caller decides whether to send again). A reply that says the script did not
-// run is sent again, paced, within ctx. When wait is set and the acquirer has
-// WaitReplicas, the script and WAIT go in one pipeline on one connection, so
-// that WAIT covers the script's writes, and send returns WAIT's count;
-// otherwise the count is -1.
-func (a *Acquirer) send(ctx context.Context, s *redis.Script, keys []string, args []any, wait bool) (any, int64, error) {
+// run runs a script. When wait is set and the acquirer has WaitReplicas, it
+// sends the script and WAIT in one pipeline on one connection, so that WAIT
+// covers the script's writes, and returns WAIT's count; otherwise the count
+// is -1.
+func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args []any, wait bool) (any, int64, error) {
 	if !wait || a.o.WaitReplicas == 0 {
-		res, err := runOnce(ctx, a.c, s, keys, args...)
+		res, err := s.Run(ctx, a.c, keys, args...).Result()
 		return res, -1, err
 	}
-	// The results are read only once the call returned: after errNoReply it
-	// goes on in the background and must not share them.
-	var (
-		got      any
-		gotReps  int64
-		res      any
-		replicas int64 = -1
-	)
-	err := retryNotRun(ctx, func() error {
-		return bounded(ctx, func() (err error) {
-			got, gotReps, err = a.runWait(ctx, s, keys, args)
-			return err
-		})
-	})
-	if !errors.Is(err, errNoReply) {
-		res, replicas = got, gotReps
-	}
-	return res, replicas, ambiguous(err)
-}
-
-// runWait sends s and WAIT in one pipeline, s marked for go-redis not to
-// send again, and returns s's result and WAIT's count.
-func (a *Acquirer) runWait(ctx context.Context, s *redis.Script, keys []string, args []any) (any, int64, error) {
-	run := func() (onceCmd, []redis.Cmder, error) {
-		cmd := onceCmd{redis.NewCmd(ctx, append([]any{"evalsha", s.Hash(), len(keys)}, append(anys(keys), args...)...)...)}
-		cmds, err := a.c.Pipelined(ctx, func(p redis.Pipeliner) error {
-			_ = p.Process(ctx, cmd)
+	run := func() ([]redis.Cmder, error) {
+		return a.c.Pipelined(ctx, func(p redis.Pipeliner) error {
+			s.EvalSha(ctx, p, keys, args...)
 			p.Do(ctx, "WAIT", a.o.WaitReplicas, a.o.WaitTimeout.Milliseconds())
 			return nil
 		})
-		return cmd, cmds, err
 	}
-	cmd, cmds, err := run()
-	if err != nil && redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+	cmds, err := run()
+	if err != nil && redis.HasErrorPrefix(cmds[0].Err(), "NOSCRIPT") {
 		if err := s.Load(ctx, a.c).Err(); err != nil {
 			return nil, 0, err
 		}
-		cmd, cmds, err = run()
+		cmds, err = run()
 	}
 	if err != nil {
-		if e := cmd.Err(); e != nil {
+		if e := cmds[0].Err(); e != nil {
 			return nil, 0, e
 		}
 		return nil, 0, err
 	}
-	if len(cmds) != 2 {
-		return nil, 0, fmt.Errorf("unexpected pipeline reply of %d commands", len(cmds))
-	}
+	res, _ := cmds[0].(*redis.Cmd).Result()
 	n, err := cmds[1].(*redis.Cmd).Int64()
 	if err != nil {
 		return nil, 0, fmt.Errorf("WAIT: %w", err)
 	}
-	return cmd.Val(), n, nil
-}
-
-// sendAgain runs a step that is safe to send again (a later send finds what
-// an earlier one did, as a renewal does) with send, and sends it again after
-// a lost reply, up to maxAmbiguous times, within ctx. A step that Redis then
-// did not run, after an earlier send's reply was lost, matches
-// fence.ErrUnknown too: that earlier send may have run.
-func (a *Acquirer) sendAgain(ctx context.Context, s *redis.Script, keys []string, args []any, wait bool) (any, int64, error) {
-	res, replicas, err := a.send(ctx, s, keys, args, wait)
-	lost := errors.Is(err, fence.ErrUnknown)
-	for i := 0; i < maxAmbiguous && errors.Is(err, fence.ErrUnknown) && ctx.Err() == nil; i++ {
-		res, replicas, err = a.send(ctx, s, keys, args, wait)
-	}
-	if err != nil && lost && !errors.Is(err, fence.ErrUnknown) {
-		err = fmt.Errorf("%w (an earlier send's reply was lost: applied or not), then: %w", fence.ErrUnknown, err)
-	}
-	return res, replicas, err
+	return res, n, nil
 }
 
 // Acquire waits until the lease on name is granted. A waiter that finds the
@@ -719,7 +696,16 @@ func (a *Acquirer) take(ctx context.Context, name string, ttl time.Duration, non
 	value := nonce + ":" + strconv.FormatUint(m.token, 10)
 	keys, args := []string{lock}, []any{value, ttlMs(ttl)}
 	sent := time.Now()
-	res, replicas, err := a.sendAgain(ctx, renewScript, keys, args, true)
+	var (
+		res      any
+		replicas int64
+	)
+	err := retryNotRun(ctx, func() error {
+		return bounded(ctx, func() (err error) {
+			res, replicas, err = a.run(ctx, renewScript, keys, args, true)
+			return err
+		})
+	})
 	if err != nil {
 		return nil, fmt.Errorf("redislua: acquire %q: confirming a grant: %w", name, err)
 	}
@@ -888,15 +874,17 @@ func (l *lease) Renew(ctx context.Context) error {
 		return l.lost()
 	}
 	sent := time.Now()
-	// Sent again after a lost reply, a renewal only extends this grant
-	// again; the local deadline counts from the first send.
-	res, _, err := l.a.sendAgain(ctx, renewScript, []string{l.lock}, []any{l.value, ttlMs(l.TTL())}, false)
+	// Sent again by go-redis after a network error, a renewal only extends
+	// this grant again.
+	var n int64
+	err := retryNotRun(ctx, func() error {
+		return bounded(ctx, func() (err error) {
+			n, err = renewScript.Run(ctx, l.a.c, []string{l.lock}, l.value, ttlMs(l.TTL())).Int64()
+			return err
+		})
+	})
 	if err != nil {
 		return fmt.Errorf("redislua: renew %q: %w", l.Name(), ambiguous(err))
-	}
-	n, ok := res.(int64)
-	if !ok {
-		return fmt.Errorf("redislua: renew %q: unexpected script reply %v", l.Name(), res)
 	}
 	if n == 0 {
 		l.End(fence.ErrLost)

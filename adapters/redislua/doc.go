@@ -23,12 +23,7 @@
 // MISCONF. Every step of the Acquirer, Writer, FencedScript and
 // IdempotencyStore sends such a step again, paced, until Redis runs it or the
 // caller's context ends; then the error matches ErrNotRun and the context's
-// error (a waiting Acquire's also fence.ErrHeld). When an earlier send of
-// the step lost its reply (a network error), that send may have run, and the
-// error matches fence.ErrUnknown too. Steps that write are sent by this
-// package alone (go-redis is told not to send them again after a network
-// error), so ErrNotRun without fence.ErrUnknown means no send of the step
-// ran. A Release or a waiter's
+// error (a waiting Acquire's also fence.ErrHeld). A Release or a waiter's
 // leave that Redis did not run is sent again in the background for up to the
 // ttl. A FencedScript body should not return error replies with these codes.
 //

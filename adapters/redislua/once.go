@@ -18,10 +18,7 @@ import (
 // a second time. Steps that are not safe to repeat (a fenced write, a fenced
 // script, an idempotency record's change, a release) are sent by runOnce,
 // which go-redis never resends, and a lost reply is reported as
-// fence.ErrUnknown. The Acquirer's other steps are sent the same way and
-// sent again by this package, which so knows when an earlier send may have
-// run: a resend hidden in go-redis that Redis refused unrun would make a
-// step that ran look as if it had not.
+// fence.ErrUnknown.
 
 // onceCmd is a command that go-redis must not send again after a network
 // error.
@@ -180,9 +177,7 @@ func notSent(err error) bool {
 // running it (BUSY while another client's script runs, LOADING, OOM,
 // READONLY, MASTERDOWN, TRYAGAIN, CLUSTERDOWN, NOREPLICAS, MISCONF) every time
 // it was sent until the caller's context ended: that step changed nothing.
-// The error also matches the context's error and holds Redis's reply. When it
-// also matches fence.ErrUnknown, an earlier send of the step lost its reply
-// and may have run.
+// The error also matches the context's error and holds Redis's reply.
 var ErrNotRun = errors.New("redislua: Redis did not run the step")
 
 // notRunCodes are the error codes with which Redis refuses a command, or a
