@@ -74,13 +74,7 @@ const MaxOwnerBytes = 1024
 // server expires within Timeout or LimitMarkerTTL, whichever is longer, so a
 // create delivered later than that is refused. Renew republishes the entry with a fresh TTL, expecting
 // the revision the lease last wrote; Release purges it expecting the same
-// revision; neither touches a key another grant owns. Revisions restart at 1
-// in a bucket deleted and re-created, so both first read the bucket's
-// creation time (one more round trip) and report fence.ErrLost when it is
-// not the bucket the lease was granted in. A re-creation between that read
-// and the write, with another grant reaching the lease's revision in the
-// new bucket meanwhile, is not seen: the write then lands over that grant's
-// entry.
+// revision; neither touches a key another grant owns.
 //
 // # Tokens
 //
@@ -812,7 +806,7 @@ func (a *Acquirer) lease(ctx context.Context, name, key string, value []byte, tt
 		go a.cleanup(context.WithoutCancel(ctx), key, value, ttl)
 		return nil, fmt.Errorf("natsfence: acquire %q: creation time %v, revision %d: %w", name, created, rev, fence.ErrTokensExhausted)
 	}
-	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, key: key, value: value, rev: rev, grant: rev, created: created.UnixMicro()}, nil
+	return &lease{Base: leasekit.New(name, tok, ttl, a.o.Drift, sent), a: a, key: key, value: value, rev: rev, grant: rev}, nil
 }
 
 // purge removes key if it is still at rev, leaving a marker that wakes the
@@ -860,9 +854,6 @@ type lease struct {
 	key   string
 	value []byte
 	grant uint64 // the grant's revision
-	// created is the creation time (Unix µs) of the bucket the lease was
-	// granted in: its revisions are a compare only within that bucket.
-	created int64
 
 	mu  sync.Mutex // serialises Renew and Release
 	rev uint64     // the revision the lease last wrote
@@ -879,9 +870,6 @@ type lease struct {
 // whether the renewal landed. A renewal that finds the entry of an earlier
 // one that returned ErrUnknown counts the local deadline from that earlier
 // renewal's send, since the server counts the entry's TTL from its landing.
-// ErrLost, and the lease's context ends, when the bucket was deleted since
-// the grant (re-created or not), read before each send; a re-creation
-// between that read and the send is not seen (see Acquirer).
 func (l *lease) Renew(ctx context.Context) error {
 	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
@@ -898,31 +886,7 @@ func (l *lease) Renew(ctx context.Context) error {
 	}
 	giveUp := sent.Add(l.a.o.RetryFor)
 	var lastErr error
-	published := false // a renewal was sent by this call
 	for {
-		if err := l.sameBucket(ctx); errors.Is(err, errOtherBucket) {
-			l.End(fence.ErrLost)
-			return fmt.Errorf("natsfence: renew %q token %d: %w", l.Name(), l.Token(), err)
-		} else if err != nil {
-			if !ambiguous(err) {
-				return fmt.Errorf("natsfence: renew %q: %w", l.Name(), err)
-			}
-			lastErr = err
-			if l.Context().Err() != nil {
-				return l.lost()
-			}
-			if time.Now().After(giveUp) || retryWait(ctx, l.a.js) != nil {
-				err = fmt.Errorf("natsfence: renew %q: the bucket's creation time: %w", l.Name(), errors.Join(lastErr, context.Cause(ctx)))
-				if published || !l.unsure.IsZero() {
-					// A renewal of this call or an earlier one may have
-					// landed unseen.
-					err = fmt.Errorf("%w: %w", fence.ErrUnknown, err)
-				}
-				return err
-			}
-			continue
-		}
-		published = true
 		rev, err := l.a.publish(ctx, l.key, l.value, l.rev, l.TTL(), l.grant)
 		if err == nil {
 			// It expected rev: no earlier renewal landed, nor can now.
@@ -970,10 +934,7 @@ func (l *lease) Renew(ctx context.Context) error {
 // revision the lease last wrote, which wakes the waiters. fence.ErrLost when
 // the key had expired or another grant owns it. After a lost reply it is sent
 // again, and a key found gone or granted to another then counts as released
-// (nil): the purge may have landed and woken the grant. ErrLost, and the key
-// left alone, when the bucket was deleted since the grant (re-created or
-// not), read before each send; a re-creation between that read and the send
-// is not seen (see Acquirer).
+// (nil): the purge may have landed and woken the grant.
 func (l *lease) Release(ctx context.Context) error {
 	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
@@ -982,29 +943,9 @@ func (l *lease) Release(ctx context.Context) error {
 	defer l.mu.Unlock()
 	l.End(context.Canceled)
 	giveUp := time.Now().Add(l.a.o.RetryFor)
-	var lastErr error // of a purge that may have landed
+	var lastErr error
 	for {
-		err := l.sameBucket(ctx)
-		if errors.Is(err, errOtherBucket) {
-			// The name is another grant's in the new bucket, if anyone's.
-			return fmt.Errorf("natsfence: release %q token %d: %w", l.Name(), l.Token(), err)
-		}
-		if err != nil {
-			if !ambiguous(err) {
-				return fmt.Errorf("natsfence: release %q: %w", l.Name(), err)
-			}
-			if time.Now().After(giveUp) || retryWait(ctx, l.a.js) != nil {
-				err = fmt.Errorf("natsfence: release %q: the bucket's creation time: %w", l.Name(), errors.Join(err, context.Cause(ctx)))
-				if lastErr != nil || !l.unsure.IsZero() {
-					// A purge of this call, or a renewal, may have
-					// landed unseen.
-					err = fmt.Errorf("%w: %w", fence.ErrUnknown, err)
-				}
-				return err
-			}
-			continue
-		}
-		err = l.a.purge(ctx, l.key, l.rev)
+		err := l.a.purge(ctx, l.key, l.rev)
 		if err == nil {
 			return nil
 		}
@@ -1044,33 +985,6 @@ func (l *lease) undo(ctx context.Context) error {
 
 func (l *lease) lost() error {
 	return fmt.Errorf("natsfence: lease %q token %d: %w", l.Name(), l.Token(), fence.ErrLost)
-}
-
-// errOtherBucket is a lease whose bucket was deleted (and maybe re-created)
-// since its grant: the revision it expects may be another grant's entry in
-// the new bucket, whose revisions start again at 1.
-var errOtherBucket = errors.New("the bucket was deleted since the grant")
-
-// sameBucket reads the bucket's creation time and returns errOtherBucket,
-// with fence.ErrLost, when it is not the one the lease was granted in (or
-// the bucket is gone). JetStream's compare-and-set is the per-subject
-// sequence alone, which a re-created bucket reuses.
-func (l *lease) sameBucket(ctx context.Context) error {
-	actx, cancel := attemptCtx(ctx, l.a.js, l.a.o.Timeout)
-	info, err := l.a.stream.Info(actx)
-	cancel()
-	switch {
-	case errors.Is(err, jetstream.ErrStreamNotFound):
-		return fmt.Errorf("%w: %w", errOtherBucket, fence.ErrLost)
-	case err != nil:
-		return err
-	}
-	if c := info.Created.UnixMicro(); c != l.created {
-		l.a.created.CompareAndSwap(l.created, c) // the next grant reads it anew
-		return fmt.Errorf("%w (created %v, granted under %v): %w", errOtherBucket,
-			info.Created.UTC(), time.UnixMicro(l.created).UTC(), fence.ErrLost)
-	}
-	return nil
 }
 
 // Inspect returns the lock on name as the stream leader holds it: whether a
