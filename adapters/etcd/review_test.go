@@ -177,7 +177,8 @@ func TestLateKeepAliveOfAPooledLease(t *testing.T) {
 	cl := c.Client(t)
 	r := startStrandRelay(t, c.ClientAddr(0))
 	direct := faultnet.Start(t, c.ClientAddr(0))
-	b, err := etcdfence.New(etcdtest.NewClient(t, r.Addr(), direct.Addr()), nil)
+	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
+	b, err := etcdfence.New(bc, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,6 +219,13 @@ func TestLateKeepAliveOfAPooledLease(t *testing.T) {
 			r.Deliver()
 			if err != nil {
 				t.Fatalf("renew: %v", err)
+			}
+			// The client takes the endpoints in turn, call by call, and a
+			// Renew makes two calls (the keep-alive, then the read of its
+			// key): one more call moves the next keep-alive to the other
+			// endpoint, or every keep-alive would go the direct way.
+			if _, err := bc.Get(ctx, "fencekit-turn"); err != nil {
+				t.Fatal(err)
 			}
 		}
 	}
@@ -472,7 +480,8 @@ func TestLateWaiterKeepAliveNotPooled(t *testing.T) {
 	a, _ := etcdfence.New(c.Client(t), nil)
 	r := startStrandRelay(t, c.ClientAddr(0))
 	direct := faultnet.Start(t, c.ClientAddr(0))
-	b, err := etcdfence.New(etcdtest.NewClient(t, r.Addr(), direct.Addr()), nil)
+	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
+	b, err := etcdfence.New(bc, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,7 +16,6 @@ import (
 	"cloud.google.com/go/storage"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
-	"github.com/fencekit/fencekit/internal/objkey"
 	"github.com/fencekit/fencekit/internal/wakeup"
 )
 
@@ -191,16 +190,10 @@ func NewAcquirer(bucket *storage.BucketHandle, opts *AcquirerOptions) (*Acquirer
 	if err := checkName(op, "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 		return nil, err
 	}
-	if err := objkey.CheckPrefix(op, "Prefix", o.Prefix); err != nil {
-		return nil, err
-	}
 	if o.ClockObject == "" {
 		o.ClockObject = "fencekit-clock"
 	}
 	if err := checkName(op, "ClockObject", o.ClockObject, MaxKeyBytes); err != nil {
-		return nil, err
-	}
-	if err := objkey.CheckPath(op, "ClockObject", o.ClockObject); err != nil {
 		return nil, err
 	}
 	if strings.HasPrefix(o.ClockObject, o.Prefix) {

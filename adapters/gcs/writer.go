@@ -47,11 +47,9 @@
 //     no seal and a metageneration above 1, is refused with
 //     ErrMetadataChanged, and nothing is written.
 //
-// Keys and lock names map to object names byte for byte (Prefix + key). A
-// key or name whose object name has an empty path segment ("a//b", a slash
-// at either end) or a "." or ".." segment is refused with fence.ErrInvalid
-// before any request, rather than encoded: servers that store objects as
-// files resolve such names, so two keys would share one object.
+// Keys and lock names map to object names byte for byte (Prefix + key). GCS
+// keeps "a//b", "a/./b" and "a/../b" apart from "a/b" (its names are flat
+// strings), so they are accepted; the suites check that they stay distinct.
 //
 // Errors are told apart by their HTTP status (googleapi.Error), never by
 // their messages.
@@ -74,7 +72,6 @@ import (
 	"cloud.google.com/go/storage"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
-	"github.com/fencekit/fencekit/internal/objkey"
 	"google.golang.org/api/googleapi"
 )
 
@@ -174,9 +171,6 @@ func New(bucket *storage.BucketHandle, opts *Options) (*Writer, error) {
 		if err := checkName("new writer", "Prefix", o.Prefix, MaxKeyBytes-1); err != nil {
 			return nil, err
 		}
-		if err := objkey.CheckPrefix("new writer", "Prefix", o.Prefix); err != nil {
-			return nil, err
-		}
 	}
 	return &Writer{b: bucket, o: o, last: map[string]state{}}, nil
 }
@@ -248,9 +242,8 @@ func (w *Writer) checkKey(op string, ctx context.Context, key string) error {
 
 // checkObjectName refuses a nil ctx, and a key or name (arg) that GCS cannot
 // store as the object prefix + s: s must be UTF-8 without NUL, the whole name
-// at most MaxKeyBytes bytes, without CR or LF, not "." or "..", not under the
-// ACME path, and without an empty, "." or ".." path segment (which servers
-// storing objects as files resolve).
+// at most MaxKeyBytes bytes, without CR or LF, not "." or "..", and not under
+// the ACME path.
 func checkObjectName(op string, ctx context.Context, arg, prefix, s string) error {
 	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return err
@@ -258,10 +251,7 @@ func checkObjectName(op string, ctx context.Context, arg, prefix, s string) erro
 	if err := leasekit.CheckText(op, arg, s, MaxKeyBytes-len(prefix)); err != nil {
 		return err
 	}
-	if err := checkName(op, arg, prefix+s, MaxKeyBytes); err != nil {
-		return err
-	}
-	return objkey.CheckPath(op, arg, prefix+s)
+	return checkName(op, arg, prefix+s, MaxKeyBytes)
 }
 
 // stateOf reads the fence from an object's attributes.

@@ -145,68 +145,6 @@ func TestReleaseWithoutChannelPermissionToWaiterInLine(t *testing.T) {
 	}
 }
 
-// TestReleaseWithoutChannelPermissionKeepsWaiterFirst: a holder whose Redis
-// user may not publish releases while a waiter of a user that may is in line.
-// The name belongs to that waiter, first in line ("finds its grant at its
-// next poll"): a TryAcquire right after the release, by the same holder's
-// acquirer, must not take it over the waiter's head.
-func TestReleaseWithoutChannelPermissionKeepsWaiterFirst(t *testing.T) {
-	nochan, admin := noChannelUser(t)
-	ctx := context.Background()
-	ha, err := redislua.NewAcquirer(nochan, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The waiter polls rarely, so that the try after the release comes
-	// before its next poll.
-	wa, err := redislua.NewAcquirer(admin, &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Second, Max: 20 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	name := fencetest.Name("nochan-first")
-	h, err := ha.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
-	defer cancel()
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		l, err := wa.Acquire(wctx, name, time.Minute)
-		done <- result{l, err}
-	}()
-	line := "fence:{" + name + "}:line"
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if n, _ := admin.LLen(ctx, line).Result(); n > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the waiter never joined the line")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	if err := h.Release(ctx); err != nil {
-		t.Fatalf("release: %v", err)
-	}
-	jumped, err := ha.TryAcquire(ctx, name, time.Minute)
-	if err == nil {
-		t.Errorf("a TryAcquire right after the release took the name (token %d) over the head of a waiter in line: want ErrHeld (the waiter is first)", jumped.Token())
-		_ = jumped.Release(ctx)
-	} else if !errors.Is(err, fence.ErrHeld) {
-		t.Errorf("a TryAcquire right after the release: %v, want ErrHeld", err)
-	}
-	r := <-done
-	if r.err != nil {
-		t.Fatalf("the waiter: %v", r.err)
-	}
-	_ = r.l.Release(ctx)
-}
-
 // TestIdempotencyCompletionWithoutChannelPermission: a store whose Redis user
 // may not publish completes a record. The completion either succeeds, or
 // its error says it did not happen: an error for a completion that Redis

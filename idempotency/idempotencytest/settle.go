@@ -249,16 +249,26 @@ type armThenCancel struct {
 	cancel   context.CancelFunc
 	armed    *atomic.Bool
 	releases *atomic.Int32
+	// known is set when the arm's Update returned the armed record although
+	// its reply was lost: the store recognised its own arm (by its write id)
+	// on a send of its own, so Do knew the arm's outcome.
+	known *atomic.Bool
 }
 
 func (f armThenCancel) Update(ctx context.Context, k string, from idempotency.State, ff fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	arm := false
 	switch {
 	case k == f.key && from == idempotency.Claimed && ch.State == idempotency.Armed && !f.armed.Swap(true):
+		arm = true
 		f.px.LoseReply(func(b []byte) bool { return faultnet.Carries(b, k) })
 	case k == f.key && ch.State == idempotency.Released && f.releases.Add(1) == 1:
 		f.px.DropRequest(func(b []byte) bool { return faultnet.Carries(b, k) })
 	}
-	return f.Store.Update(ctx, k, from, ff, ch)
+	rec, err := f.Store.Update(ctx, k, from, ff, ch)
+	if arm && err == nil {
+		f.known.Store(true)
+	}
+	return rec, err
 }
 
 func (f armThenCancel) Get(ctx context.Context, k string) (idempotency.Record, error) {
@@ -279,13 +289,22 @@ func (s Suite) testLostArmReplyThenCancel(t *testing.T) {
 	k := key()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	f := armThenCancel{fs, px, k, cancel, &atomic.Bool{}, &atomic.Int32{}}
+	f := armThenCancel{fs, px, k, cancel, &atomic.Bool{}, &atomic.Int32{}, &atomic.Bool{}}
 	opts := s.opts()
 	ran := false
 	_, err := idempotency.Do(ctx, f, k, "fp", func(context.Context, string) ([]byte, error) {
 		ran = true
 		return nil, nil
 	}, opts)
+	if f.known.Load() {
+		// The store's own resend recognised the arm: Do knew it was armed,
+		// never read the record, and the caller's context did not end.
+		if !ran || err != nil {
+			t.Errorf("the store reported its arm as landed, but Do = %v (effect ran: %v), want the effect's result", err, ran)
+		}
+		t.Logf("the store recognised its own arm after the lost reply: nothing to settle")
+		return
+	}
 	if ran {
 		t.Fatalf("the effect ran although the caller's context ended before the arm's outcome was known (%v)", err)
 	}
