@@ -58,7 +58,11 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 		ownLost.Store(true)
 		cancel(lostError(l))
 	}
-	stopLoss := context.AfterFunc(l.Context(), markLost)
+	lossSeen := make(chan struct{}) // closed once the loss hook has run
+	stopLoss := context.AfterFunc(l.Context(), func() {
+		defer close(lossSeen)
+		markLost()
+	})
 
 	done := make(chan struct{})
 	watchdog := make(chan struct{})
@@ -71,7 +75,11 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 	stopRenewals := sync.OnceFunc(func() {
 		close(done)
 		<-watchdog
-		stopLoss()
+		if !stopLoss() {
+			// The lease's context ended and its hook has started: wait
+			// for it, so that the loss is counted whatever the order.
+			<-lossSeen
+		}
 	})
 	defer stopRenewals()
 

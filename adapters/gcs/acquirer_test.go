@@ -63,7 +63,7 @@ func TestAcquirerConformance(t *testing.T) {
 			},
 			ShortTTL: short,
 			MaxTTL:   gcsfence.MaxAcquirerTTL,
-			BadNames: []string{"nul\x00", "bad \xff", "line\nfeed", "a//b", "a/./b", "x/../b", "a/b/", "./a", "/a", ".."},
+			BadNames: []string{"nul\x00", "bad \xff", "line\nfeed"},
 			Workers:  4, Increments: 5,
 		}.Run(t)
 	})
