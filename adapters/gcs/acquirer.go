@@ -2,8 +2,6 @@ package gcsfence
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
@@ -50,7 +48,6 @@ const (
 	metaOwner   = "fence-owner"
 	metaTTL     = "fence-ttl-ns"
 	metaNew     = "fence-new"
-	metaSeal    = "fence-seal"
 	lockFormat  = "lock-v1"
 	clockFormat = "clock-v1"
 )
@@ -234,19 +231,7 @@ func (s lockState) metadata() map[string]string {
 	if s.new {
 		m[metaNew] = "1"
 	}
-	m[metaSeal] = lockSeal(m)
 	return m
-}
-
-// lockSeal hashes a lock object's state keys: metadata changed after the
-// upload (objects.patch by another tool) no longer matches its seal.
-func lockSeal(m map[string]string) string {
-	h := sha256.New()
-	for _, k := range []string{metaFormat, metaToken, metaHolder, metaOwner, metaTTL, metaNew} {
-		v, ok := m[k]
-		fmt.Fprintf(h, "%s %t %d %s\n", k, ok, len(v), v)
-	}
-	return hex.EncodeToString(h.Sum(nil)[:16])
 }
 
 func parseLock(m map[string]string) (lockState, bool) {
@@ -316,12 +301,6 @@ func (a *Acquirer) read(ctx context.Context, name string) (observed, error) {
 	}
 	if err != nil {
 		return observed{}, err
-	}
-	if sl, sealed := attrs.Metadata[metaSeal]; (sealed && sl != lockSeal(attrs.Metadata)) || (!sealed && attrs.Metageneration > 1) {
-		// A lowered token would be granted again: refuse instead. Deleting
-		// the lock object makes the next grant take a token from GCS's
-		// clock, above every earlier one.
-		return observed{}, fmt.Errorf("gcsfence: lock object %q: %w (delete it to start its tokens again from GCS's clock)", a.o.Prefix+name, ErrMetadataChanged)
 	}
 	st, ok := parseLock(attrs.Metadata)
 	if !ok || attrs.Updated.IsZero() {

@@ -85,12 +85,12 @@ const (
 	MetaSeal = "fence-seal"
 )
 
-// ErrMetadataChanged is returned by Write, Delete and Read for an object,
-// and by an Acquirer for a lock object, whose metadata was changed after its
-// upload (an objects.patch by another tool): its token no longer matches its
-// seal, or it has no seal and a metageneration above 1. Its token cannot be
-// trusted, so nothing is written or granted: a lowered or removed token
-// would otherwise let a lower token through.
+// ErrMetadataChanged is returned by Write, Delete and Read for an object
+// whose metadata was changed after its upload (an objects.patch by another
+// tool): its token no longer matches its seal, or the object has no sealed
+// token and a metageneration above 1. Its fence cannot be known, so nothing
+// is written; a write after the object's metadata was rewritten by hand
+// could otherwise take a lowered or removed token for the fence.
 var ErrMetadataChanged = errors.New("gcsfence: the object's metadata was changed after its upload; its token cannot be trusted")
 
 // seal is MetaSeal's value for an upload.
