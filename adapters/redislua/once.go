@@ -60,6 +60,7 @@ func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []stri
 			return nil, err // not sent
 		}
 		cmd := onceCmd{redis.NewCmd(ctx, args...)}
+		start := time.Now()
 		err := bounded(ctx, func() error {
 			if err := send(ctx, cmd); err != nil {
 				return err
@@ -81,7 +82,7 @@ func runOnce(ctx context.Context, c redis.Scripter, s *redis.Script, keys []stri
 			unsent++
 		case notRun(err):
 			refused = err
-			if notRunDelay.Sleep(ctx, notRuns) != nil {
+			if !timeForAnother(ctx, time.Since(start)) || notRunDelay.Sleep(ctx, notRuns) != nil {
 				return nil, notRunError(ctx, err)
 			}
 			notRuns++
@@ -204,6 +205,7 @@ var notRunDelay = fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Milli
 func retryNotRun(ctx context.Context, step func() error) error {
 	var refused error
 	for attempt := 0; ; attempt++ {
+		start := time.Now()
 		err := step()
 		if errors.Is(err, errNoReply) {
 			return inFlight(err, refused)
@@ -212,10 +214,19 @@ func retryNotRun(ctx context.Context, step func() error) error {
 			return err
 		}
 		refused = err
-		if notRunDelay.Sleep(ctx, attempt) != nil {
+		if !timeForAnother(ctx, time.Since(start)) || notRunDelay.Sleep(ctx, attempt) != nil {
 			return notRunError(ctx, err)
 		}
 	}
+}
+
+// timeForAnother reports whether ctx leaves time for one more send, given
+// that the last one took took: a send cut off by the deadline may land, and
+// would turn a step Redis refused to run into an unknown outcome, so the
+// last send is one that has time to be answered.
+func timeForAnother(ctx context.Context, took time.Duration) bool {
+	d, ok := ctx.Deadline()
+	return !ok || time.Until(d) > 2*took+notRunDelay.Max
 }
 
 // inFlight is the error of a step whose context ended while it was sent
@@ -233,7 +244,12 @@ func notRunError(ctx context.Context, reply error) error {
 	if errors.Is(reply, ErrNotRun) {
 		return reply
 	}
-	return fmt.Errorf("%w (%w) before the context ended: %w", ErrNotRun, reply, context.Cause(ctx))
+	cause := context.Cause(ctx)
+	if cause == nil {
+		// Stopped with too little time left for another send's answer.
+		return fmt.Errorf("%w (%w) with too little time left for another send: %w", ErrNotRun, reply, context.DeadlineExceeded)
+	}
+	return fmt.Errorf("%w (%w) before the context ended: %w", ErrNotRun, reply, cause)
 }
 
 // ambiguous wraps err so that it matches fence.ErrUnknown when it is not a
