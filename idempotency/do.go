@@ -290,9 +290,14 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 		if err != nil {
 			return Result{}, err
 		}
-		if !created && rec.State == Released && attempt < 3 {
+		if !created && rec.State == Released && attempt < 10 {
 			// Released between the claim and the read of the record (a
-			// store that answers Begin in two statements): claim it again.
+			// store that answers Begin in two statements): claim it again,
+			// after a pause that lets a release still being committed on
+			// another connection land (a background settle's, say).
+			if (fence.Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}).Sleep(ctx, attempt) != nil {
+				return Result{}, fmt.Errorf("idempotency: key %q released while it was claimed: %w", key, context.Cause(ctx))
+			}
 			continue
 		}
 		if created {
