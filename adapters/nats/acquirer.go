@@ -515,12 +515,14 @@ func (a *Acquirer) acquire(ctx context.Context, name string, ttl time.Duration, 
 			// TryAcquire tries 3 times; a waiting Acquire tries on until
 			// its context ends, pausing between tries (a grant can be late
 			// at once: a Drift close to the ttl), and then gives up as a
-			// wait does, at once.
+			// wait does, at once. The last give-back is waited for too, so
+			// that a caller trying again at once does not find the name
+			// held by the grant just given back.
+			select {
+			case <-gave:
+			case <-ctx.Done():
+			}
 			if late++; (late < 3 || wt != nil) && ctx.Err() == nil {
-				select {
-				case <-gave:
-				case <-ctx.Done():
-				}
 				if wt != nil {
 					_ = pause(ctx, latePause(late))
 				}

@@ -234,14 +234,19 @@ func mustTry(t *testing.T, a fence.Acquirer, name string, ttl time.Duration) fen
 // TryLive is TryAcquire for a test that needs a live lease to go on: it fails
 // t on any error but ErrLost, and asks again, at most twice, on ErrLost (a
 // grant confirmed after the lease's local deadline and given back, which a
-// loaded machine produces with short leases). It also checks the lease's
-// token is valid and its name is the one asked for.
+// loaded machine produces with short leases). A try after ErrLost waits (an
+// Acquire of at most the ttl and 10s) rather than tries: a backend may give
+// the late grant back in the background, and until then the name is held by
+// it. It also checks the lease's token is valid and its name is the one
+// asked for.
 func TryLive(ctx context.Context, t testing.TB, a fence.Acquirer, name string, ttl time.Duration) fence.Lease {
 	t.Helper()
 	l, err := a.TryAcquire(ctx, name, ttl)
 	for try := 1; try < 3 && errors.Is(err, fence.ErrLost); try++ {
-		t.Logf("TryAcquire(%q, %v), try %d: %v: trying again", name, ttl, try, err)
-		l, err = a.TryAcquire(ctx, name, ttl)
+		t.Logf("TryAcquire(%q, %v), try %d: %v: waiting for the name", name, ttl, try, err)
+		wctx, cancel := context.WithTimeout(ctx, ttl+10*time.Second)
+		l, err = a.Acquire(wctx, name, ttl)
+		cancel()
 	}
 	if err != nil {
 		t.Fatalf("TryAcquire(%q, %v): %v", name, ttl, err)
