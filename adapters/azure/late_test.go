@@ -45,7 +45,9 @@ func waitLeased(t *testing.T, c *container.Client, name string, want bool, bound
 // that a later grant is one AcquireLease and one token write.
 func grantAndRelease(t *testing.T, c *container.Client, name string) fence.Token {
 	t.Helper()
-	l, err := newAcquirer(t, c).TryAcquire(context.Background(), name, azfence.MinAcquirerTTL)
+	// A lease of 10s, not the shortest: on a loaded machine a lease of
+	// MinAcquirerTTL can pass its local deadline before its Release.
+	l, err := newAcquirer(t, c).TryAcquire(context.Background(), name, 10*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
