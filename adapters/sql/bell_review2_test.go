@@ -19,9 +19,9 @@ import (
 // Second review of the MySQL bell (bell.go), after 6d273cd: the ringer's
 // watch of the row, the per-pool pin budget, and what they cost.
 
-// bell2NewRowHolder makes a hold name through a grant that creates its row:
+// bellNewRowHolder makes a hold name through a grant that creates its row:
 // a holder without the bell (bell.go: a new row's grant takes no bell).
-func bell2NewRowHolder(t *testing.T, a *sqlfence.Acquirer, name string, ttl time.Duration) fence.Lease {
+func bellNewRowHolder(t *testing.T, a *sqlfence.Acquirer, name string, ttl time.Duration) fence.Lease {
 	t.Helper()
 	l, err := a.TryAcquire(context.Background(), name, ttl)
 	if err != nil {
@@ -30,23 +30,23 @@ func bell2NewRowHolder(t *testing.T, a *sqlfence.Acquirer, name string, ttl time
 	return l
 }
 
-// bell2Watching waits until b's ringer for name holds the bell and watches
+// bellWatching waits until b's ringer for name holds the bell and watches
 // the row (or keeps it for the head).
-func bell2Watching(t *testing.T, b *sqlfence.Acquirer, name string) {
+func bellWatching(t *testing.T, b *sqlfence.Acquirer, name string) {
 	t.Helper()
 	bellWaitFor(t, 5*time.Second, "the waiter's ringer holding the bell", func() bool {
 		return sqlfence.LineHeadWaiting(b, name) && sqlfence.BellFree(b, name)
 	})
 }
 
-// TestBellReview2HeldLeasesStarveRingers: a process holds 16 leases on
+// TestBellHeldLeasesStarveRingers: a process holds 16 leases on
 // one pool (each takeover grant pins a connection for its bell: the pool's
 // whole pin budget, bellCap) and waits, with an hour's Backoff, for a 17th
 // name that another process holds. The other process releases: the waiter
 // must be granted within a few seconds. The pool has plenty of free
 // connections, but the ringer of the 17th name can pin none (the budget is
 // spent by the held leases), so no bell wakes the waiter.
-func TestBellReview2HeldLeasesStarveRingers(t *testing.T) {
+func TestBellHeldLeasesStarveRingers(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -90,14 +90,14 @@ func TestBellReview2HeldLeasesStarveRingers(t *testing.T) {
 	_ = nl.Release(ctx)
 }
 
-// TestBellReview2DroppedTableRingerSpins: the lease table is dropped while
+// TestBellDroppedTableRingerSpins: the lease table is dropped while
 // a ringer holds the bell and watches the row (its holder has no bell).
 // Each watch read fails, the ringer closes its connection, pins a new one,
 // takes the bell again at once (nobody else has it) and reads again: the
 // pause after a failure (10ms doubling to 1s, bell.go's pause) must grow,
 // not start again at 10ms each time. Once the table is back, the waiter
 // (Backoff of an hour) is granted, with a larger token, and nothing leaks.
-func TestBellReview2DroppedTableRingerSpins(t *testing.T) {
+func TestBellDroppedTableRingerSpins(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB, p, _ := bellProxied(t)
@@ -109,12 +109,12 @@ func TestBellReview2DroppedTableRingerSpins(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := fencetest.Name("bellrev2-drop")
-	la := bell2NewRowHolder(t, a, name, time.Minute)
+	la := bellNewRowHolder(t, a, name, time.Minute)
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	ch := goAcquire(wctx, b, name, time.Minute)
 	waitHeadIdle(t, b, name)
-	bell2Watching(t, b, name)
+	bellWatching(t, b, name)
 	getLocks := observe(p, "SELECT IS_FREE_LOCK")
 	reads := observe(p, "LOCK IN SHARE MODE")
 	if _, err := dbA.Exec("DROP TABLE " + table); err != nil {
@@ -140,14 +140,14 @@ func TestBellReview2DroppedTableRingerSpins(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{dbB}, []*sqlfence.Acquirer{b}, dbA, sqlfence.BellKey(b, name))
 }
 
-// TestBellReview2WatchCost: a name held for 2s by a holder without the
+// TestBellWatchCost: a name held for 2s by a holder without the
 // bell, waited for by three Acquirers (each on its own pool, an hour's
 // Backoff). One ringer holds the bell and watches the row (2ms doubling to
 // 100ms: about 10 reads a second after the ramp), the other two wait in
 // GET_LOCK (one a second): what the ringers send stays within that. After
 // the release every waiter is granted promptly, tokens grow, and nothing
 // leaks.
-func TestBellReview2WatchCost(t *testing.T) {
+func TestBellWatchCost(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	a := newAcquirerOn(t, fdbA, nil)
@@ -170,7 +170,7 @@ func TestBellReview2WatchCost(t *testing.T) {
 		}
 		return n
 	}
-	la := bell2NewRowHolder(t, a, name, time.Minute)
+	la := bellNewRowHolder(t, a, name, time.Minute)
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	var chs []<-chan acquired
@@ -222,13 +222,13 @@ func TestBellReview2WatchCost(t *testing.T) {
 	bellNoLeak(t, dbs, as, dbA, sqlfence.BellKey(a, name))
 }
 
-// TestBellReview2OperatorTxDuringWatch: the ringer watches a row held by a
+// TestBellOperatorTxDuringWatch: the ringer watches a row held by a
 // holder without the bell when an operator's transaction locks the row
 // (SELECT ... FOR UPDATE) for longer than the watch read's 5s timeout; the
 // holder's release waits behind it. Once the operator commits, the waiter
 // (an hour's Backoff) is granted within a few seconds, and no session
 // keeps the bell, no connection stays pinned or in use.
-func TestBellReview2OperatorTxDuringWatch(t *testing.T) {
+func TestBellOperatorTxDuringWatch(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -236,12 +236,12 @@ func TestBellReview2OperatorTxDuringWatch(t *testing.T) {
 	b := newAcquirerOn(t, fdbB, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("bellrev2-optx")
 	key := sqlfence.BellKey(a, name)
-	la := bell2NewRowHolder(t, a, name, time.Minute)
+	la := bellNewRowHolder(t, a, name, time.Minute)
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	ch := goAcquire(wctx, b, name, time.Minute)
 	waitHeadIdle(t, b, name)
-	bell2Watching(t, b, name)
+	bellWatching(t, b, name)
 	tx := lockRowMySQL(t, dbA, name) // an operator's SELECT ... FOR UPDATE
 	rel := make(chan error, 1)
 	go func() { rel <- la.Release(ctx) }()
@@ -269,13 +269,13 @@ func TestBellReview2OperatorTxDuringWatch(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{dbA, dbB}, []*sqlfence.Acquirer{a, b}, dbA, key)
 }
 
-// TestBellReview2DeletedRow: an operator deletes the row of a held name
+// TestBellDeletedRow: an operator deletes the row of a held name
 // (DELETE FROM fence_leases WHERE name = ...). Whether the holder had the
 // bell (the waiter's ringer waits in GET_LOCK) or not (the ringer watches
 // the row), the waiter of another Acquirer (an hour's Backoff) is granted
 // within a few seconds (of the deletion, or of the holder's release), and
 // never below the holder's token.
-func TestBellReview2DeletedRow(t *testing.T) {
+func TestBellDeletedRow(t *testing.T) {
 	for _, withBell := range []bool{false, true} {
 		t.Run(fmt.Sprint("holderBell=", withBell), func(t *testing.T) {
 			ctx := context.Background()
@@ -296,14 +296,14 @@ func TestBellReview2DeletedRow(t *testing.T) {
 					t.Fatal("the takeover grant took no bell")
 				}
 			} else {
-				la = bell2NewRowHolder(t, a, name, time.Minute)
+				la = bellNewRowHolder(t, a, name, time.Minute)
 			}
 			wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 			defer cancel()
 			ch := goAcquire(wctx, b, name, time.Minute)
 			waitHeadIdle(t, b, name)
 			if !withBell {
-				bell2Watching(t, b, name)
+				bellWatching(t, b, name)
 			}
 			if _, err := dbA.Exec("DELETE FROM fence_leases WHERE name = CAST(? AS BINARY)", []byte(name)); err != nil {
 				t.Fatal(err)
@@ -329,13 +329,13 @@ func TestBellReview2DeletedRow(t *testing.T) {
 	}
 }
 
-// TestBellReview2ManyNames: 40 names held by A (16 of the takeover grants
+// TestBellManyNames: 40 names held by A (16 of the takeover grants
 // get a bell, the pool's budget; the others none), each waited for by one
 // Acquire of B (its own pool, budget 16, an hour's Backoff). A releases
 // them all: every waiter is granted within seconds, and afterwards no
 // connection stays pinned or in use, no bell is held, and the goroutines
 // are back near where they started.
-func TestBellReview2ManyNames(t *testing.T) {
+func TestBellManyNames(t *testing.T) {
 	ctx := context.Background()
 	g0 := runtime.NumGoroutine()
 	dbA, fdbA := openMySQL(t, "")
@@ -436,11 +436,11 @@ func TestBellReview2ManyNames(t *testing.T) {
 		func() string { return fmt.Sprintf(" (%d, started with %d)", runtime.NumGoroutine(), g0) })
 }
 
-// TestBellReview2CancelWhileWatchBlocked: the ringer's watch read waits for
+// TestBellCancelWhileWatchBlocked: the ringer's watch read waits for
 // a row that an operator's transaction locks; the waiter's context ends:
 // Acquire returns within a second, and once the operator commits nothing
 // stays pinned, in use or holding the bell.
-func TestBellReview2CancelWhileWatchBlocked(t *testing.T) {
+func TestBellCancelWhileWatchBlocked(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -448,13 +448,13 @@ func TestBellReview2CancelWhileWatchBlocked(t *testing.T) {
 	b := newAcquirerOn(t, fdbB, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("bellrev2-cancel")
 	key := sqlfence.BellKey(a, name)
-	la := bell2NewRowHolder(t, a, name, time.Minute)
+	la := bellNewRowHolder(t, a, name, time.Minute)
 	defer la.Release(ctx)
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	ch := goAcquire(wctx, b, name, time.Minute)
 	waitHeadIdle(t, b, name)
-	bell2Watching(t, b, name)
+	bellWatching(t, b, name)
 	tx := lockRowMySQL(t, dbA, name) // an operator's SELECT ... FOR UPDATE
 	bellWaitFor(t, 5*time.Second, "the ringer's read waiting for the row", func() bool {
 		var n int
@@ -474,7 +474,7 @@ func TestBellReview2CancelWhileWatchBlocked(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{dbB}, []*sqlfence.Acquirer{b}, dbA, key)
 }
 
-// TestBellReview2PausedWaiterKeepsBell: B's ringer holds the bell and
+// TestBellPausedWaiterKeepsBell: B's ringer holds the bell and
 // watches a row held without it; then B's process stops answering (a
 // partition that holds every byte, as a paused or cut-off process: its
 // server session stays open, idle). A releases. C, a waiter of a third
@@ -483,7 +483,7 @@ func TestBellReview2CancelWhileWatchBlocked(t *testing.T) {
 // (HAZARDS 6: one dead or slow participant must not stall everyone. The
 // docs say a paused holder only delays; here it is a paused waiter, and
 // the delay is as long as it stays paused, not a ttl.)
-func TestBellReview2PausedWaiterKeepsBell(t *testing.T) {
+func TestBellPausedWaiterKeepsBell(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	_, fdbB, p, _ := bellProxied(t)
@@ -493,12 +493,12 @@ func TestBellReview2PausedWaiterKeepsBell(t *testing.T) {
 	c := newAcquirerOn(t, fdbC, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("bellrev2-paused")
 	key := sqlfence.BellKey(a, name)
-	la := bell2NewRowHolder(t, a, name, time.Minute)
+	la := bellNewRowHolder(t, a, name, time.Minute)
 	bctx, bcancel := context.WithTimeout(ctx, 30*time.Second)
 	defer bcancel()
 	bch := goAcquire(bctx, b, name, time.Minute)
 	waitHeadIdle(t, b, name)
-	bell2Watching(t, b, name)
+	bellWatching(t, b, name)
 	cctx, ccancel := context.WithTimeout(ctx, 30*time.Second)
 	defer ccancel()
 	cch := goAcquire(cctx, c, name, time.Minute)
@@ -525,13 +525,13 @@ func TestBellReview2PausedWaiterKeepsBell(t *testing.T) {
 	}
 }
 
-// TestBellReview2BellLessHolderExpires: a holder without the bell is never
+// TestBellHolderWithoutBellExpires: a holder without the bell is never
 // released (its process paused); the watching ringer of another Acquirer
 // reads the row's time left and, when it expires on the server, wakes its
 // head (an hour's Backoff), which is granted within a second of the expiry.
 // The holder's Renew while the ringer watches is not held up by the
 // ringer's locking reads.
-func TestBellReview2BellLessHolderExpires(t *testing.T) {
+func TestBellHolderWithoutBellExpires(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -540,12 +540,12 @@ func TestBellReview2BellLessHolderExpires(t *testing.T) {
 	name := fencetest.Name("bellrev2-expire")
 	key := sqlfence.BellKey(a, name)
 	ttl := 1500 * time.Millisecond
-	la := bell2NewRowHolder(t, a, name, ttl)
+	la := bellNewRowHolder(t, a, name, ttl)
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	ch := goAcquire(wctx, b, name, time.Minute)
 	waitHeadIdle(t, b, name)
-	bell2Watching(t, b, name)
+	bellWatching(t, b, name)
 	var worst time.Duration
 	for i := 0; i < 10; i++ {
 		t0 := time.Now()

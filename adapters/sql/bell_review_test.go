@@ -186,13 +186,13 @@ func bellDiagnose(check *sql.DB) string {
 	return out
 }
 
-// TestBellReviewNewRowHolderRelease: the first lease on a name creates its
+// TestBellNewRowHolderRelease: the first lease on a name creates its
 // row, and takes no bell (bell.go: "a new row's grant takes no bell").
 // The waiter of another Acquirer then finds the bell free: its ringer takes
 // it at once, wakes its head, which finds the row held and puts the bell
 // back; the ringer then keeps it and stops listening. The holder's release
 // lets go of no bell, and the waiter (Backoff of an hour) is never woken.
-func TestBellReviewNewRowHolderRelease(t *testing.T) {
+func TestBellNewRowHolderRelease(t *testing.T) {
 	ctx := context.Background()
 	_, fdbA := openMySQL(t, "")
 	_, fdbB, _, grants := bellProxied(t)
@@ -217,14 +217,14 @@ func TestBellReviewNewRowHolderRelease(t *testing.T) {
 	_ = nl.Release(ctx)
 }
 
-// TestBellReviewTryAcquireWhileRingerHoldsBell: A releases, B's ringer
+// TestBellTryAcquireWhileRingerHoldsBell: A releases, B's ringer
 // gets the bell, and before B's head grants, a third Acquirer C takes the
 // row with TryAcquire (its GET_LOCK fails: B's ringer holds the bell). B's
 // head finds the row held and its ringer keeps the bell. C's release then
 // rings nobody: B (Backoff of an hour) must still be granted promptly.
 // B's connections go through a proxy whose partition holds the ringer's
 // reply until C has the row.
-func TestBellReviewTryAcquireWhileRingerHoldsBell(t *testing.T) {
+func TestBellTryAcquireWhileRingerHoldsBell(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	_, fdbB, p, grants := bellProxied(t)
@@ -305,13 +305,13 @@ func TestBellReviewTryAcquireWhileRingerHoldsBell(t *testing.T) {
 	}
 }
 
-// TestBellReviewExpiredHolder: A's lease (it holds the bell) is never
+// TestBellExpiredHolder: A's lease (it holds the bell) is never
 // released. At its local deadline its connection is closed, which lets the
 // bell go a drift margin before the row expires on the server: B's ringer
 // gets it, B's head finds the row still held, and the ringer keeps the
 // bell. After the expiry, C takes the row and releases it: B (Backoff of an
 // hour) must be granted then.
-func TestBellReviewExpiredHolder(t *testing.T) {
+func TestBellExpiredHolder(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	_, fdbB, _, _ := bellProxied(t)
@@ -362,11 +362,11 @@ func TestBellReviewExpiredHolder(t *testing.T) {
 	_ = nl.Release(ctx)
 }
 
-// TestBellReviewKilledHolder: the connection of A's lease, which holds the
+// TestBellKilledHolder: the connection of A's lease, which holds the
 // bell, is killed (KILL from another session, as an operator or a proxy
 // would). A's Release must still release the row (the row is the truth),
 // and B (Backoff of an hour) must be granted promptly after it.
-func TestBellReviewKilledHolder(t *testing.T) {
+func TestBellKilledHolder(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	_, fdbB, _, _ := bellProxied(t)
@@ -410,11 +410,11 @@ func TestBellReviewKilledHolder(t *testing.T) {
 	_ = nl.Release(ctx)
 }
 
-// TestBellReviewKilledRinger: B's ringer connection is killed while it
+// TestBellKilledRinger: B's ringer connection is killed while it
 // waits in GET_LOCK. Bells must not be turned off for good by that (only
 // a server that refuses GET_LOCK turns them off), and the next release by A
 // must still wake B (Backoff of an hour).
-func TestBellReviewKilledRinger(t *testing.T) {
+func TestBellKilledRinger(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -461,12 +461,12 @@ func TestBellReviewKilledRinger(t *testing.T) {
 	_ = nl.Release(ctx)
 }
 
-// TestBellReviewChainsBothWaiting: A holds the name (with the bell); B has
+// TestBellChainsBothWaiting: A holds the name (with the bell); B has
 // a waiter, and A has ten, every one with a Backoff of an hour, each
 // releasing at once when granted. A's releases hand off 8 in a row, then
 // release. Every waiter of both must be granted, promptly, with growing
 // tokens, one at a time, and nothing stays pinned or held.
-func TestBellReviewChainsBothWaiting(t *testing.T) {
+func TestBellChainsBothWaiting(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -544,11 +544,11 @@ func TestBellReviewChainsBothWaiting(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{dbA, dbB}, []*sqlfence.Acquirer{a, b}, dbA, key)
 }
 
-// TestBellReviewSmallPools: two Acquirers on one pool of 1 to 5
+// TestBellSmallPools: two Acquirers on one pool of 1 to 5
 // connections, several waiters each with a deadline, short critical
 // sections: mutual exclusion, growing tokens, every Acquire returns by its
 // deadline, and nothing stays pinned or in use.
-func TestBellReviewSmallPools(t *testing.T) {
+func TestBellSmallPools(t *testing.T) {
 	for n := 1; n <= 5; n++ {
 		t.Run(fmt.Sprint("max=", n), func(t *testing.T) {
 			db, fdb := openMySQL(t, "")
@@ -620,12 +620,12 @@ func TestBellReviewSmallPools(t *testing.T) {
 	}
 }
 
-// TestBellReviewRingersTakeThePool: four Acquirers share a pool of 4
+// TestBellRingersTakeThePool: four Acquirers share a pool of 4
 // connections. A holds a name, the three others wait for it: each would pin
 // a connection for its ringer, a quarter of the pool each, and the pool
 // would be gone (it was, before the pin budget became one per pool). The holder's Renew (and any other statement on the pool) must not
 // be starved by connections pinned for bells.
-func TestBellReviewRingersTakeThePool(t *testing.T) {
+func TestBellRingersTakeThePool(t *testing.T) {
 	ctx := context.Background()
 	db, fdb := openMySQL(t, "")
 	db.SetMaxOpenConns(4)
@@ -688,12 +688,12 @@ func TestBellReviewRingersTakeThePool(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{db}, as, check, sqlfence.BellKey(as[0], name))
 }
 
-// TestBellReviewNoLeakCancels: waiters of two Acquirers on separate pools
+// TestBellNoLeakCancels: waiters of two Acquirers on separate pools
 // whose contexts end at random moments (while waiting, as the release
 // lands, during a handoff), holders that release, expire or are bumped
 // away: mutual exclusion and growing tokens hold, and at the end no
 // connection stays pinned or in use, and no session holds the bell.
-func TestBellReviewNoLeakCancels(t *testing.T) {
+func TestBellNoLeakCancels(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -770,12 +770,12 @@ func TestBellReviewNoLeakCancels(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{dbA, dbB}, as, dbA, key)
 }
 
-// TestBellReviewTransientErrorKeepsBells: one grant of B fails with a
+// TestBellTransientErrorKeepsBells: one grant of B fails with a
 // MySQL error that is not a refusal of GET_LOCK (its statement is killed
 // with KILL QUERY while it waits for the row, as an operator or
 // max_statement_time would). Bells must not be turned off for good by
 // that: A's next release must still wake B's waiter (Backoff of an hour).
-func TestBellReviewTransientErrorKeepsBells(t *testing.T) {
+func TestBellTransientErrorKeepsBells(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	_, fdbB := openMySQL(t, "")
@@ -830,12 +830,12 @@ func TestBellReviewTransientErrorKeepsBells(t *testing.T) {
 	_ = nl.Release(ctx)
 }
 
-// TestBellReviewInterruptedGetLock: B's sessions have a
+// TestBellInterruptedGetLock: B's sessions have a
 // max_statement_time of 0.2s, which interrupts its ringer's 1s GET_LOCK
 // (MariaDB returns NULL, as for KILL QUERY): grants still work, B's waiters
 // (a short Backoff) are granted after each release of A, with growing
 // tokens, and nothing stays pinned or held.
-func TestBellReviewInterruptedGetLock(t *testing.T) {
+func TestBellInterruptedGetLock(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "max_statement_time=0.2")
@@ -870,11 +870,11 @@ func TestBellReviewInterruptedGetLock(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{dbA, dbB}, []*sqlfence.Acquirer{a, b}, dbA, key)
 }
 
-// TestBellReviewLostGrantReply: A's takeover grant lands (and takes the
+// TestBellLostGrantReply: A's takeover grant lands (and takes the
 // bell) but its reply is lost (a proxy cuts the connection); A's retry
 // recognises its grant, on another connection, and the bell went with the
 // cut session. B (Backoff of an hour) then waits; A's release must wake it.
-func TestBellReviewLostGrantReply(t *testing.T) {
+func TestBellLostGrantReply(t *testing.T) {
 	ctx := context.Background()
 	pa := faultnet.Start(t, mysqlAddr(t))
 	cfg := mysqlConfig(t)

@@ -27,13 +27,13 @@ import (
 	"github.com/go-sql-driver/mysql"
 )
 
-// TestGiveBackReviewInFlightStress: TestAcquireEndsWithAGrantInFlight's
+// TestGiveBackInFlightStress: TestAcquireEndsWithAGrantInFlight's
 // scenario many times over, with latencies and waits that put the grant's
 // landing, giveBack's read and watchGrant's read in every order. After each
 // Acquire that says ErrHeld (not ErrUnknown), the name must be free for
 // another acquirer's TryAcquire at once, or, when a grant statement landed
 // after Acquire returned, once watchGrant gave it back (within 3s).
-func TestGiveBackReviewInFlightStress(t *testing.T) {
+func TestGiveBackInFlightStress(t *testing.T) {
 	ctx := context.Background()
 	for _, p := range lostReplyTargets(t) {
 		t.Run(p.name, func(t *testing.T) {
@@ -280,7 +280,7 @@ func (c *gbConn) Close() error {
 
 var gbNet atomic.Int64
 
-// TestGiveBackReviewSecondGrantOfTheAttempt: an attempt whose first grant
+// TestGiveBackSecondGrantOfTheAttempt: an attempt whose first grant
 // (A) had a lost reply runs it again (B) as the same owner. B lands (token
 // T) and the context ends before its reply. watchGrant releases T first;
 // A, delayed in the network, then lands on the free row and grants T+1 to
@@ -290,7 +290,7 @@ var gbNet atomic.Int64
 // reads are slow or its watch ended). Before dd1aefe it returned
 // ErrUnknown, which is true. The guarantee: ErrHeld means no grant of the
 // attempt is live.
-func TestGiveBackReviewSecondGrantOfTheAttempt(t *testing.T) {
+func TestGiveBackSecondGrantOfTheAttempt(t *testing.T) {
 	for _, bells := range []bool{false, true} {
 		t.Run(fmt.Sprintf("bells=%v", bells), func(t *testing.T) {
 			ctx := context.Background()

@@ -75,10 +75,10 @@ var inlineNames = []string{
 // inlineSizes straddle the 4096-byte inline limit.
 var inlineSizes = []int{0, 1, 4095, 4096, 4097, 9000}
 
-// TestInlineReviewRoundTrips: under every session setting, Writer values,
+// TestMySQLInlineRoundTrips: under every session setting, Writer values,
 // idempotency results, fingerprints and owners, and lease owners come back
 // byte for byte, and names and keys address their own rows.
-func TestInlineReviewRoundTrips(t *testing.T) {
+func TestMySQLInlineRoundTrips(t *testing.T) {
 	ctx := context.Background()
 	for _, params := range inlineSessions {
 		t.Run("params="+params, func(t *testing.T) {
@@ -269,9 +269,9 @@ func validUTF8NoNUL(s string) bool {
 	return strings.ToValidUTF8(s, "\ufffd") == s && !strings.ContainsRune(s, 0)
 }
 
-// TestInlineReviewTokensAtMax: fences at MaxToken through the Writer, the
+// TestMySQLInlineTokensAtMax: fences at MaxToken through the Writer, the
 // Bump of a new name at MaxToken, and an exhausted name.
-func TestInlineReviewTokensAtMax(t *testing.T) {
+func TestMySQLInlineTokensAtMax(t *testing.T) {
 	ctx := context.Background()
 	_, fdb := openMySQL(t, "")
 	w, _ := sqlfence.NewWriter(fdb, nil)
@@ -305,10 +305,10 @@ func TestInlineReviewTokensAtMax(t *testing.T) {
 	}
 }
 
-// TestInlineReviewAdvanceGuards: the grant and the guard advance run in the
+// TestMySQLInlineAdvanceGuards: the grant and the guard advance run in the
 // package's own transaction, inlined; the guard row holds the grant's token
 // under the exact name, in every session setting.
-func TestInlineReviewAdvanceGuards(t *testing.T) {
+func TestMySQLInlineAdvanceGuards(t *testing.T) {
 	ctx := context.Background()
 	for _, params := range inlineSessions {
 		t.Run("params="+params, func(t *testing.T) {
@@ -342,10 +342,10 @@ func TestInlineReviewAdvanceGuards(t *testing.T) {
 	}
 }
 
-// TestInlineReviewBellTaken: with bells, the grant's inlined GET_LOCK takes
+// TestMySQLInlineBellTaken: with bells, the grant's inlined GET_LOCK takes
 // the name's bell (held by a session other than ours), and the release lets
 // it go, under session settings that change how literals read.
-func TestInlineReviewBellTaken(t *testing.T) {
+func TestMySQLInlineBellTaken(t *testing.T) {
 	ctx := context.Background()
 	for _, params := range inlineSessions {
 		t.Run("params="+params, func(t *testing.T) {
@@ -398,13 +398,13 @@ func TestInlineReviewBellTaken(t *testing.T) {
 	}
 }
 
-// TestInlineReviewNoPrepare: the change's claim, each of the package's
+// TestMySQLInlineNoPrepare: the change's claim, each of the package's
 // statements with small arguments is one round trip (nothing prepared), for
 // every operation of the Writer, the Acquirer (with AdvanceGuards, in the
 // package's own transaction) and the idempotency store; a value over the
 // inline limit still goes as a parameter (prepared), which shows the
 // counter counts.
-func TestInlineReviewNoPrepare(t *testing.T) {
+func TestMySQLInlineNoPrepare(t *testing.T) {
 	ctx := context.Background()
 	db, fdb := openMySQL(t, "")
 	db.SetMaxOpenConns(1)
@@ -460,14 +460,14 @@ func TestInlineReviewNoPrepare(t *testing.T) {
 	prepared("Get", 0, func() error { _, err := s.Get(ctx, ik); return err })
 }
 
-// TestInlineReviewPacketLimit: the connection's max_allowed_packet
+// TestMySQLInlinePacketLimit: the connection's max_allowed_packet
 // (maxAllowedPacket in the DSN, or the server's when it is 0) bounds one
 // packet. A parameter the driver sends in parts (COM_STMT_SEND_LONG_DATA)
 // when it is large; a value inlined as hex doubles in size and must fit in
 // the one COM_QUERY packet. A write of 3000 bytes, a result of 3000 bytes
 // and a lock name of MaxKeyBytes all fit as parameters on a 4096-byte (and
 // 2048-byte) packet limit; they must still work once inlined.
-func TestInlineReviewPacketLimit(t *testing.T) {
+func TestMySQLInlinePacketLimit(t *testing.T) {
 	ctx := context.Background()
 	t.Run("writer-4096", func(t *testing.T) {
 		_, fdb := openMySQL(t, "maxAllowedPacket=4096")
@@ -508,13 +508,13 @@ func TestInlineReviewPacketLimit(t *testing.T) {
 	})
 }
 
-// TestInlineReviewLostReplyAtLimit: a Write whose reply is lost reports
+// TestMySQLInlineLostReplyAtLimit: a Write whose reply is lost reports
 // fence.ErrUnknown and landed, on both sides of the inline limit (4096
 // bytes: one inlined COM_QUERY; 4097: prepared with the key inlined, the
 // value in the execute), for a new key and an existing one; the lost reply
 // is the request that carries the value (in hex inlined, or in base64 as a
 // parameter), the one that runs the statement.
-func TestInlineReviewLostReplyAtLimit(t *testing.T) {
+func TestMySQLInlineLostReplyAtLimit(t *testing.T) {
 	ctx := context.Background()
 	_, direct := openMySQL(t, "")
 	px := faultnet.Start(t, mysqlAddr(t))

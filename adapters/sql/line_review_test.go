@@ -66,7 +66,7 @@ func observe(p *faultnet.Proxy, s string) *atomic.Int64 {
 	return &n
 }
 
-// TestLineReviewUnknownReleasePokesHead: a release through the acquirer
+// TestLineUnknownReleasePokesHead: a release through the acquirer
 // lands on the server but its replies are lost (4 times: Release returns
 // ErrUnknown). The lock is free; the head of the acquirer's line must try at
 // once (README: "a release through that acquirer lets the head try at once"),
@@ -74,7 +74,7 @@ func observe(p *faultnet.Proxy, s string) *atomic.Int64 {
 // was not poked waits a random 0-60 minutes: the 10s the test allows a
 // poked head (a loaded machine's grant statement can take over a second) is
 // met by an unpoked one in under 0.3% of runs.
-func TestLineReviewUnknownReleasePokesHead(t *testing.T) {
+func TestLineUnknownReleasePokesHead(t *testing.T) {
 	ctx := context.Background()
 	targets := map[string]func(t *testing.T, p *faultnet.Proxy) (*sqlfence.DB, *sqlfence.DB){
 		"mysql": func(t *testing.T, p *faultnet.Proxy) (*sqlfence.DB, *sqlfence.DB) {
@@ -179,11 +179,11 @@ func tracedPool(t *testing.T, tr pgx.QueryTracer) *pgxpool.Pool {
 	return p
 }
 
-// TestLineReviewStuckHead: the head's one attempt is stuck; a release through
+// TestLineStuckHead: the head's one attempt is stuck; a release through
 // the acquirer pokes only that head. The waiters behind it must be granted
 // within a few seconds, one after the other, and the head too once it is
 // unstuck; the line is empty at the end.
-func TestLineReviewStuckHead(t *testing.T) {
+func TestLineStuckHead(t *testing.T) {
 	for _, notify := range []bool{true, false} {
 		t.Run(fmt.Sprintf("notify=%v", notify), func(t *testing.T) {
 			ctx := context.Background()
@@ -249,10 +249,10 @@ func TestLineReviewStuckHead(t *testing.T) {
 	}
 }
 
-// TestLineReviewStuckHeadMaxWait: a head stuck in one attempt and the waiters
+// TestLineStuckHeadMaxWait: a head stuck in one attempt and the waiters
 // behind it give up at MaxWait with ErrHeld, DeadlineExceeded and the maximum
 // wait named.
-func TestLineReviewStuckHeadMaxWait(t *testing.T) {
+func TestLineStuckHeadMaxWait(t *testing.T) {
 	ctx := context.Background()
 	b := &blocker{started: make(chan struct{}), release: make(chan struct{})}
 	defer close(b.release)
@@ -287,10 +287,10 @@ func TestLineReviewStuckHeadMaxWait(t *testing.T) {
 	}
 }
 
-// TestLineReviewExpiry: holders that never release; each lease expires on the
+// TestLineExpiry: holders that never release; each lease expires on the
 // server. The waiters in line are each granted within about the acquirer's
 // Backoff.Max of the expiry, in arrival order.
-func TestLineReviewExpiry(t *testing.T) {
+func TestLineExpiry(t *testing.T) {
 	ctx := context.Background()
 	for dialect, fdb := range lineDialects(t) {
 		t.Run(dialect, func(t *testing.T) {
@@ -331,12 +331,12 @@ func TestLineReviewExpiry(t *testing.T) {
 	}
 }
 
-// TestLineReviewCancelAtGrant: the head's context is cancelled about when the
+// TestLineCancelAtGrant: the head's context is cancelled about when the
 // lock is released to it. Whatever the head gets (a lease, or ErrHeld with
 // context.Canceled), the next waiter is granted at once after the head's
 // lease is released or the head gave up: no grant is leaked, no waiter is
 // stuck.
-func TestLineReviewCancelAtGrant(t *testing.T) {
+func TestLineCancelAtGrant(t *testing.T) {
 	ctx := context.Background()
 	for dialect, fdb := range lineDialects(t) {
 		t.Run(dialect, func(t *testing.T) {
@@ -401,9 +401,9 @@ func TestLineReviewCancelAtGrant(t *testing.T) {
 	}
 }
 
-// TestLineReviewNoLeaks: many waits that give up (cancelled, or past their
+// TestLineNoLeaks: many waits that give up (cancelled, or past their
 // deadline, head or not) leave no place in the line and no goroutine behind.
-func TestLineReviewNoLeaks(t *testing.T) {
+func TestLineNoLeaks(t *testing.T) {
 	ctx := context.Background()
 	for dialect, fdb := range lineDialects(t) {
 		t.Run(dialect, func(t *testing.T) {
@@ -463,13 +463,13 @@ func TestLineReviewNoLeaks(t *testing.T) {
 	}
 }
 
-// TestLineReviewTwoAcquirersNotify: two acquirers on one PostgreSQL handle,
+// TestLineTwoAcquirersNotify: two acquirers on one PostgreSQL handle,
 // each with a line for one name, and a holder on another handle. Releases
 // wake the heads through LISTEN/NOTIFY; the Backoff is long, so a waiter that
 // hears nothing would sleep (up to an hour). Every waiter is granted within
 // 10s of the release before it (a loaded machine's statements can take over
 // a second each).
-func TestLineReviewTwoAcquirersNotify(t *testing.T) {
+func TestLineTwoAcquirersNotify(t *testing.T) {
 	ctx := context.Background()
 	shared := sqlfence.Pgx(pgPool(t, pgOpts{}))
 	other := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
@@ -554,10 +554,10 @@ func panickyPool(t *testing.T, tr pgx.QueryTracer) *pgxpool.Pool {
 	return pool
 }
 
-// TestLineReviewHeadPanics: the head's attempt panics and its caller recovers.
+// TestLineHeadPanics: the head's attempt panics and its caller recovers.
 // The head leaves the line, and the waiter behind it is granted at once (the
 // lock was just released); the line is empty afterwards.
-func TestLineReviewHeadPanics(t *testing.T) {
+func TestLineHeadPanics(t *testing.T) {
 	ctx := context.Background()
 	pk := &panicker{}
 	pool := panickyPool(t, pk)
@@ -612,11 +612,11 @@ func TestLineReviewHeadPanics(t *testing.T) {
 	}
 }
 
-// TestLineReviewManyNames: one acquirer, many names, each with a line of
+// TestLineManyNames: one acquirer, many names, each with a line of
 // waiters that release and ask again: every name's waiters are granted in
 // arrival order, and a release of one name never wakes another name's line
 // (the Backoff is long: a waiter that is not poked sleeps up to an hour).
-func TestLineReviewManyNames(t *testing.T) {
+func TestLineManyNames(t *testing.T) {
 	ctx := context.Background()
 	for dialect, fdb := range lineDialects(t) {
 		t.Run(dialect, func(t *testing.T) {
@@ -687,13 +687,13 @@ func TestLineReviewManyNames(t *testing.T) {
 	}
 }
 
-// TestLineReviewShortMaxWaitFreeLock (HAZARDS 3 and 6): Acquire of a free
+// TestLineShortMaxWaitFreeLock (HAZARDS 3 and 6): Acquire of a free
 // lock whose Backoff.MaxWait ends while its first grant statement is on its
 // way (a slow network). Acquire now runs that first attempt under MaxWait
 // (before the line it ran under the caller's context). When it gives up with
 // ErrHeld, no grant of its own may be left on the row: the lock must be free
 // for the next caller, not held by nobody for the ttl.
-func TestLineReviewShortMaxWaitFreeLock(t *testing.T) {
+func TestLineShortMaxWaitFreeLock(t *testing.T) {
 	ctx := context.Background()
 	px := faultnet.Start(t, pgTarget(t))
 	direct := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
@@ -741,12 +741,12 @@ func TestLineReviewShortMaxWaitFreeLock(t *testing.T) {
 	t.Logf("granted %d, gave up %d", granted, gaveUp)
 }
 
-// TestLineReviewRowLockedHead: an operator's transaction holds the lease
+// TestLineRowLockedHead: an operator's transaction holds the lease
 // row's lock (SELECT ... FOR UPDATE) while the lock is free, so the head's
 // grant waits on it, and the waiters behind it join in after a second. Once
 // the transaction ends, every waiter is granted within a couple of seconds of
 // the release before it, and the line empties.
-func TestLineReviewRowLockedHead(t *testing.T) {
+func TestLineRowLockedHead(t *testing.T) {
 	ctx := context.Background()
 	_, myFdb := openMySQL(t, "")
 	myRaw, _ := openMySQL(t, "")

@@ -63,7 +63,7 @@ func TestAcquireLineWaiterGivesUp(t *testing.T) {
 			// while it waits, not during a grant statement. (A grant
 			// statement cancelled in flight can land after the give-back's
 			// read: watchGrant gives it back, but within its polling, not
-			// at once; TestLineReviewCancelAtGrant. Loaded run 6 on
+			// at once; TestLineCancelAtGrant. Loaded run 6 on
 			// fa779fc most likely hit it on MySQL here: the next waiter
 			// was not granted within 20s.)
 			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: time.Minute, Max: time.Minute}})

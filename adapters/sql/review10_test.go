@@ -26,9 +26,9 @@ import (
 	"github.com/go-sql-driver/mysql"
 )
 
-// review10DB is a database/sql handle on the test MySQL server through px,
+// handoffMySQLDB is a database/sql handle on the test MySQL server through px,
 // with extra DSN parameters.
-func review10DB(t *testing.T, px *faultnet.Proxy, params string) *sql.DB {
+func handoffMySQLDB(t *testing.T, px *faultnet.Proxy, params string) *sql.DB {
 	t.Helper()
 	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
 	if err != nil {
@@ -58,10 +58,10 @@ func review10DB(t *testing.T, px *faultnet.Proxy, params string) *sql.DB {
 	return db
 }
 
-// review10Sessions are the DSN settings of the brief: connection character
+// handoffMySQLSessions are the DSN settings of the brief: connection character
 // sets, a non-strict mode, EMPTY_STRING_IS_NULL, clientFoundRows and
 // client-side interpolation.
-var review10Sessions = []string{
+var handoffMySQLSessions = []string{
 	"",
 	"charset=utf8",
 	"charset=latin1&sql_mode=" + url.QueryEscape("''"),
@@ -71,13 +71,13 @@ var review10Sessions = []string{
 	"sql_mode=" + url.QueryEscape("'STRICT_TRANS_TABLES,EMPTY_STRING_IS_NULL'"),
 }
 
-// TestReview10HandoffNamesAndSessions: for each DSN setting and each pair of
+// TestHandoffMySQLNamesAndSessions: for each DSN setting and each pair of
 // names a conversion could make one (4-byte UTF-8, trailing space, case),
 // with an owner that has a 4-byte character: a handoff whose replies are all
 // lost on name a is recognised by the head (by the owner's bytes), hands a
 // token one above the released one, and leaves name b's lease alone; a plain
 // handoff on b then hands b and leaves a's new holder alone.
-func TestReview10HandoffNamesAndSessions(t *testing.T) {
+func TestHandoffMySQLNamesAndSessions(t *testing.T) {
 	ctx := context.Background()
 	_, direct := openMySQL(t, "")
 	check := newAcquirerOn(t, direct, nil)
@@ -87,14 +87,14 @@ func TestReview10HandoffNamesAndSessions(t *testing.T) {
 		{"trailing space", "k", "k "},
 		{"case", "Key", "key"},
 	}
-	for si, params := range review10Sessions {
+	for si, params := range handoffMySQLSessions {
 		t.Run(fmt.Sprintf("session%d", si), func(t *testing.T) {
 			t.Logf("DSN params: %q", params)
 			px := faultnet.Start(t, mysqlAddr(t))
 			owner := "rev10-\U0001F600-" + fencetest.Name("o")
 			// Without the bell: its ringer's reads of the row carry the
 			// name too, and would take the faults meant for the handoff.
-			a := newAcquirerOn(t, sqlfence.MySQL(review10DB(t, px, params)), &sqlfence.AcquirerOptions{Owner: owner, Backoff: idleHead, DisableNotify: true})
+			a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, px, params)), &sqlfence.AcquirerOptions{Owner: owner, Backoff: idleHead, DisableNotify: true})
 			for _, p := range pairs {
 				t.Run(p.what, func(t *testing.T) {
 					na, nb := unique(p.a, p.b)
@@ -168,16 +168,16 @@ func TestReview10HandoffNamesAndSessions(t *testing.T) {
 	}
 }
 
-// TestReview10LateHandoffGivenBack: MySQL port of TestReview7LateHandoffGivenBack.
+// TestHandoffMySQLLateGivenBack: MySQL port of TestHandoffLateGivenBack.
 // The handoff statement waits for the row (another transaction holds it)
 // longer than the head's ttl. Release returns nil, the head is not handed a
 // lease already lost locally, and it is granted at once (its backoff is an
 // hour), holding the row.
-func TestReview10LateHandoffGivenBack(t *testing.T) {
+func TestHandoffMySQLLateGivenBack(t *testing.T) {
 	ctx := context.Background()
 	raw, direct := openMySQL(t, "")
 	check := newAcquirerOn(t, direct, nil)
-	a := newAcquirerOn(t, sqlfence.MySQL(review10DB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
+	a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("review10-late")
 	const ttl = 300 * time.Millisecond
 	h, err := a.TryAcquire(ctx, name, time.Minute)
@@ -216,20 +216,20 @@ func TestReview10LateHandoffGivenBack(t *testing.T) {
 	}
 }
 
-// TestReview10KilledHandoff: the handoff statement waits for the row and is
+// TestHandoffMySQLKilled: the handoff statement waits for the row and is
 // killed from another session (KILL QUERY, KILL CONNECTION). Whatever
 // Release returns must agree with the row (HAZARDS 3): nil only if the row
 // was handed to the head; a definite error (neither nil nor ErrUnknown) only
 // if the row is still the released lease's; never ErrLost (the lease held
 // the row). And the head must not be left waiting on a row that was handed
 // to it.
-func TestReview10KilledHandoff(t *testing.T) {
+func TestHandoffMySQLKilled(t *testing.T) {
 	for _, kill := range []string{"KILL QUERY", "KILL CONNECTION"} {
 		t.Run(strings.ReplaceAll(kill, " ", "_"), func(t *testing.T) {
 			ctx := context.Background()
 			raw, direct := openMySQL(t, "")
 			check := newAcquirerOn(t, direct, nil)
-			a := newAcquirerOn(t, sqlfence.MySQL(review10DB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
+			a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 			name := fencetest.Name("review10-kill")
 			h, err := a.TryAcquire(ctx, name, time.Minute)
 			if err != nil {
@@ -286,19 +286,19 @@ func TestReview10KilledHandoff(t *testing.T) {
 	}
 }
 
-// TestReview10HeadCancelSweep: the head's ctx ends at every moment around a
+// TestHandoffMySQLHeadCancelSweep: the head's ctx ends at every moment around a
 // handoff (the proxy adds latency, so that the cancel lands before, during
 // and after the statement). Whatever the head returns, nobody keeps a free
 // lock: a lease returned to the head is the row's, and otherwise the next
 // waiter of the line (whose backoff is an hour: only a poke or a handoff
 // wakes it) is granted within 10s; never after a ttl (a minute). Tokens grow.
-func TestReview10HeadCancelSweep(t *testing.T) {
+func TestHandoffMySQLHeadCancelSweep(t *testing.T) {
 	ctx := context.Background()
 	_, direct := openMySQL(t, "")
 	check := newAcquirerOn(t, direct, nil)
 	px := faultnet.Start(t, mysqlAddr(t))
 	px.Latency(2*time.Millisecond, 8*time.Millisecond)
-	a := newAcquirerOn(t, sqlfence.MySQL(review10DB(t, px, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
+	a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, px, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 	var headGot, headGaveUp int
 	for i := range 40 {
 		name := fencetest.Name("review10-sweep")
@@ -352,19 +352,19 @@ func TestReview10HeadCancelSweep(t *testing.T) {
 	t.Logf("the head was granted %d times, gave up %d times", headGot, headGaveUp)
 }
 
-// TestReview10Exclusion: many names, several waiters per name in two
+// TestHandoffMySQLExclusion: many names, several waiters per name in two
 // Acquirers whose connections are cut at random (replies lost, requests
 // dropped), with TryAcquire, Renew and Inspect from a third Acquirer on a
 // direct connection. No two holders of a name are ever live at once, and
 // each holder's token is larger than every earlier one for its name.
-func TestReview10Exclusion(t *testing.T) {
+func TestHandoffMySQLExclusion(t *testing.T) {
 	ctx := context.Background()
 	_, direct := openMySQL(t, "")
 	other := newAcquirerOn(t, direct, nil)
 	var acqs []*sqlfence.Acquirer
 	for range 2 {
 		px := faultnet.Start(t, mysqlAddr(t))
-		db := review10DB(t, px, "")
+		db := handoffMySQLDB(t, px, "")
 		px.CutRate(0.01) // after the first connection's ping, which a cut would fail
 		acqs = append(acqs, newAcquirerOn(t, sqlfence.MySQL(db), &sqlfence.AcquirerOptions{
 			Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}}))
@@ -472,20 +472,20 @@ func TestReview10Exclusion(t *testing.T) {
 	}
 }
 
-// TestReview10ReleaseCtxEndsMidHandoff: the releaser's ctx ends while its
+// TestHandoffMySQLReleaseCtxEnds: the releaser's ctx ends while its
 // handoff statement waits for the row (another transaction holds it). The
 // MySQL driver then closes the connection without stopping the statement on
 // the server, which may land once the row is free. Release must say
 // ErrUnknown, and a handoff that landed is the head's (it must be granted
 // at once, not wait for the grant's ttl). (With the head gone as well:
-// TestReview10OrphanHandoffOutlivesReleasedTTL, which fails.)
-func TestReview10ReleaseCtxEndsMidHandoff(t *testing.T) {
+// TestHandoffMySQLOrphanOutlivesReleasedTTL, which fails.)
+func TestHandoffMySQLReleaseCtxEnds(t *testing.T) {
 	for _, headGone := range []bool{false} {
 		t.Run(fmt.Sprintf("headGone=%v", headGone), func(t *testing.T) {
 			ctx := context.Background()
 			raw, direct := openMySQL(t, "")
 			check := newAcquirerOn(t, direct, &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 20 * time.Millisecond}})
-			a := newAcquirerOn(t, sqlfence.MySQL(review10DB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
+			a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 			name := fencetest.Name("review10-relctx")
 			h, err := a.TryAcquire(ctx, name, time.Minute)
 			if err != nil {
@@ -557,18 +557,18 @@ func TestReview10ReleaseCtxEndsMidHandoff(t *testing.T) {
 	}
 }
 
-// TestReview10GoneHeadLostReplies: MySQL port of TestReview7GoneHeadLostReplies:
+// TestHandoffMySQLGoneHeadLostReplies: MySQL port of TestHandoffGoneHeadLostReplies:
 // the head's ctx ends while the handoff waits for the row; the handoff then
 // grants, and every reply to it and to the reads after it is lost. The
 // grant made for the head that left must be given back: another acquirer is
 // granted within 10s, not after the head's one-minute ttl.
-func TestReview10GoneHeadLostReplies(t *testing.T) {
+func TestHandoffMySQLGoneHeadLostReplies(t *testing.T) {
 	ctx := context.Background()
 	raw, direct := openMySQL(t, "")
 	b := newAcquirerOn(t, direct, &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 20 * time.Millisecond}})
 	px := faultnet.Start(t, mysqlAddr(t))
-	// Without the bell, as in TestReview10HandoffNamesAndSessions.
-	a := newAcquirerOn(t, sqlfence.MySQL(review10DB(t, px, "")), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	// Without the bell, as in TestHandoffMySQLNamesAndSessions.
+	a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, px, "")), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	name := fencetest.Name("review10-gone-lost")
 	h, err := a.TryAcquire(ctx, name, time.Minute)
 	if err != nil {
@@ -614,13 +614,13 @@ func TestReview10GoneHeadLostReplies(t *testing.T) {
 	l.Release(ctx)
 }
 
-// TestReview10TwoTTLs: MySQL port of TestReview7HandoffTTLs: each handed
+// TestHandoffMySQLTTLs: MySQL port of TestHandoffTTLs: each handed
 // lease carries its own waiter's ttl on the server, in line order.
-func TestReview10TwoTTLs(t *testing.T) {
+func TestHandoffMySQLTTLs(t *testing.T) {
 	ctx := context.Background()
 	_, direct := openMySQL(t, "")
 	check := newAcquirerOn(t, direct, nil)
-	a := newAcquirerOn(t, sqlfence.MySQL(review10DB(t, nil, "interpolateParams=true")), &sqlfence.AcquirerOptions{Backoff: idleHead})
+	a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, nil, "interpolateParams=true")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("review10-ttls")
 	h, err := a.TryAcquire(ctx, name, time.Minute)
 	if err != nil {
@@ -660,7 +660,7 @@ func TestReview10TwoTTLs(t *testing.T) {
 	}
 }
 
-// TestReview10OrphanHandoffOutlivesReleasedTTL: FAILS on 9223aae (a real
+// TestHandoffMySQLOrphanOutlivesReleasedTTL: FAILS on 9223aae (a real
 // bug, see below).
 //
 // Release documents: "when it cannot know it returns an error matching
@@ -687,11 +687,11 @@ func TestReview10TwoTTLs(t *testing.T) {
 // on PostgreSQL (pgx cancels the statement on the server) but not with
 // go-sql-driver/mysql, which leaves it running; and the handoff grants the
 // head's ttl, not bounded by the released lease's.
-func TestReview10OrphanHandoffOutlivesReleasedTTL(t *testing.T) {
+func TestHandoffMySQLOrphanOutlivesReleasedTTL(t *testing.T) {
 	ctx := context.Background()
 	raw, direct := openMySQL(t, "")
 	check := newAcquirerOn(t, direct, &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 50 * time.Millisecond}})
-	a := newAcquirerOn(t, sqlfence.MySQL(review10DB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
+	a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("review10-orphan")
 	const hTTL = 5 * time.Second
 	granted := time.Now()

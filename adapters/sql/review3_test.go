@@ -13,37 +13,37 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
-// review3DB is one database for the missing-table tests: the sqlfence handle
+// missingDB is one database for the missing-table tests: the sqlfence handle
 // and a plain handle to drop tables with.
-type review3DB struct {
+type missingDB struct {
 	dialect string
 	fdb     *sqlfence.DB
 	raw     *sql.DB
 	schema  string // the database's default schema, for qualified names
 }
 
-func review3DBs(t *testing.T) []review3DB {
-	var dbs []review3DB
+func missingDBs(t *testing.T) []missingDB {
+	var dbs []missingDB
 	p := pgPool(t, pgOpts{})
 	pgRaw := stdlib.OpenDBFromPool(p)
 	t.Cleanup(func() { pgRaw.Close() })
 	std := pgStd(t)
 	dbs = append(dbs,
-		review3DB{"pgx", sqlfence.Pgx(p), pgRaw, "public"},
-		review3DB{"postgres", sqlfence.Postgres(std), std, "public"})
+		missingDB{"pgx", sqlfence.Pgx(p), pgRaw, "public"},
+		missingDB{"postgres", sqlfence.Postgres(std), std, "public"})
 	sdb, sf := openSQLite(t)
-	dbs = append(dbs, review3DB{"sqlite", sf, sdb, "main"})
+	dbs = append(dbs, missingDB{"sqlite", sf, sdb, "main"})
 	mdb, mf := openMySQL(t, "")
-	dbs = append(dbs, review3DB{"mysql", mf, mdb, "test"})
+	dbs = append(dbs, missingDB{"mysql", mf, mdb, "test"})
 	return dbs
 }
 
-// review3Table is a fresh table name with the given stem, unique per test.
-func review3Table(stem string) string {
+// missingTableName is a fresh table name with the given stem, unique per test.
+func missingTableName(stem string) string {
 	return strings.ReplaceAll(fencetest.Name("r3"), "-", "_") + stem
 }
 
-func (d review3DB) drop(t *testing.T, tables ...string) {
+func (d missingDB) drop(t *testing.T, tables ...string) {
 	for _, tb := range tables {
 		q := `"` + strings.ReplaceAll(tb, ".", `"."`) + `"`
 		if d.dialect == "mysql" {
@@ -55,11 +55,11 @@ func (d review3DB) drop(t *testing.T, tables ...string) {
 	}
 }
 
-// review3Grant runs one grant with an acquirer (lease table lease,
+// missingGrant runs one grant with an acquirer (lease table lease,
 // AdvanceGuards on table guard) and checks that it fails with a
 // *TableError naming want, carrying want's DDL. It also checks Acquire,
 // which must end at once with the same error rather than wait.
-func review3Grant(t *testing.T, d review3DB, lease, guard, want string) {
+func missingGrant(t *testing.T, d missingDB, lease, guard, want string) {
 	t.Helper()
 	ctx := context.Background()
 	g, err := sqlfence.NewGuards(d.fdb, &sqlfence.GuardOptions{Table: guard})
@@ -102,10 +102,10 @@ func review3Grant(t *testing.T, d review3DB, lease, guard, want string) {
 	}
 }
 
-// review3Granted checks that, with both tables there, a fresh acquirer (as
+// missingGranted checks that, with both tables there, a fresh acquirer (as
 // another process would make) is granted a name at once: the failed grants
 // held nothing.
-func review3Granted(t *testing.T, d review3DB, lease, guard string) {
+func missingGranted(t *testing.T, d missingDB, lease, guard string) {
 	t.Helper()
 	ctx := context.Background()
 	g, err := sqlfence.NewGuards(d.fdb, &sqlfence.GuardOptions{Table: guard})
@@ -120,7 +120,7 @@ func review3Granted(t *testing.T, d review3DB, lease, guard string) {
 	_ = l.Release(ctx)
 }
 
-func review3Create(t *testing.T, d review3DB, lease, guard string, which ...string) {
+func missingCreate(t *testing.T, d missingDB, lease, guard string, which ...string) {
 	t.Helper()
 	ctx := context.Background()
 	g, err := sqlfence.NewGuards(d.fdb, &sqlfence.GuardOptions{Table: guard})
@@ -141,17 +141,17 @@ func review3Create(t *testing.T, d review3DB, lease, guard string, which ...stri
 	}
 }
 
-// TestReview3MissingTableNamed: with AdvanceGuards, a grant on a missing
+// TestGuardsMissingTableNamed: with AdvanceGuards, a grant on a missing
 // table fails with a *TableError naming the table that is missing (lease or
 // guard) with that table's DDL, on PostgreSQL (pgx and database/sql), SQLite
 // and MariaDB, for names that contain one another (in both directions),
 // schema-qualified names and mixed case; Acquire fails the same way at
 // once; and once the tables exist another acquirer is granted at once.
-func TestReview3MissingTableNamed(t *testing.T) {
-	for _, d := range review3DBs(t) {
+func TestGuardsMissingTableNamed(t *testing.T) {
+	for _, d := range missingDBs(t) {
 		t.Run(d.dialect, func(t *testing.T) {
 			type pair struct{ what, lease, guard string }
-			base := review3Table("")
+			base := missingTableName("")
 			pairs := []pair{
 				{"guard name contains the lease name", base + "locks", base + "locks_guard"},
 				{"lease name contains the guard name", base + "locks_guard", base + "locks"},
@@ -163,12 +163,12 @@ func TestReview3MissingTableNamed(t *testing.T) {
 				t.Run(p.what, func(t *testing.T) {
 					t.Cleanup(func() { d.drop(t, p.lease, p.guard) })
 					// The guard table missing, the lease table there.
-					review3Create(t, d, p.lease, p.guard, p.lease)
-					review3Grant(t, d, p.lease, p.guard, p.guard)
+					missingCreate(t, d, p.lease, p.guard, p.lease)
+					missingGrant(t, d, p.lease, p.guard, p.guard)
 					// The lease table missing, the guard table there.
 					d.drop(t, p.lease)
-					review3Create(t, d, p.lease, p.guard, p.guard)
-					review3Grant(t, d, p.lease, p.guard, p.lease)
+					missingCreate(t, d, p.lease, p.guard, p.guard)
+					missingGrant(t, d, p.lease, p.guard, p.lease)
 					// Both missing: either may be named, with its own DDL;
 					// creating it, the grant names the other.
 					d.drop(t, p.lease, p.guard)
@@ -182,24 +182,24 @@ func TestReview3MissingTableNamed(t *testing.T) {
 					}
 					switch {
 					case te.Table == p.lease && te.DDL == a.DDL():
-						review3Create(t, d, p.lease, p.guard, p.lease)
-						review3Grant(t, d, p.lease, p.guard, p.guard)
-						review3Create(t, d, p.lease, p.guard, p.guard)
+						missingCreate(t, d, p.lease, p.guard, p.lease)
+						missingGrant(t, d, p.lease, p.guard, p.guard)
+						missingCreate(t, d, p.lease, p.guard, p.guard)
 					case te.Table == p.guard && te.DDL == g.DDL():
-						review3Create(t, d, p.lease, p.guard, p.guard)
-						review3Grant(t, d, p.lease, p.guard, p.lease)
-						review3Create(t, d, p.lease, p.guard, p.lease)
+						missingCreate(t, d, p.lease, p.guard, p.guard)
+						missingGrant(t, d, p.lease, p.guard, p.lease)
+						missingCreate(t, d, p.lease, p.guard, p.lease)
 					default:
 						t.Fatalf("both tables missing: a *TableError naming %s with DDL\n%s\nwant the lease table %s or the guard table %s, each with its own DDL", te.Table, te.DDL, p.lease, p.guard)
 					}
-					review3Granted(t, d, p.lease, p.guard)
+					missingGranted(t, d, p.lease, p.guard)
 				})
 			}
 		})
 	}
 }
 
-// TestReview3MissingGuardTableLikeLeaseName: the guard table missing, the
+// TestGuardsMissingGuardTableLikeLeaseName: the guard table missing, the
 // lease table there, where the database's error names a table that
 // namesTable cannot tell from the lease table: the grant must still name the
 // guard table (the one missing, whose DDL creates what the grant needs),
@@ -210,12 +210,12 @@ func TestReview3MissingTableNamed(t *testing.T) {
 //   - PostgreSQL: lease table s1.locks and guard table s2.locks, two schemas.
 //   - MariaDB: the error names the database ("Table 'test.g' doesn't exist"):
 //     a lease table named like its database ("test").
-func TestReview3MissingGuardTableLikeLeaseName(t *testing.T) {
+func TestGuardsMissingGuardTableLikeLeaseName(t *testing.T) {
 	ctx := context.Background()
-	for _, d := range review3DBs(t) {
+	for _, d := range missingDBs(t) {
 		t.Run(d.dialect, func(t *testing.T) {
 			type pair struct{ what, lease, guard string }
-			base := review3Table("")
+			base := missingTableName("")
 			var pairs []pair
 			switch d.dialect {
 			case "pgx", "postgres":
@@ -254,10 +254,10 @@ func TestReview3MissingGuardTableLikeLeaseName(t *testing.T) {
 			for _, p := range pairs {
 				t.Run(p.what, func(t *testing.T) {
 					t.Cleanup(func() { d.drop(t, p.lease, p.guard) })
-					review3Create(t, d, p.lease, p.guard, p.lease)
-					review3Grant(t, d, p.lease, p.guard, p.guard)
-					review3Create(t, d, p.lease, p.guard, p.guard)
-					review3Granted(t, d, p.lease, p.guard)
+					missingCreate(t, d, p.lease, p.guard, p.lease)
+					missingGrant(t, d, p.lease, p.guard, p.guard)
+					missingCreate(t, d, p.lease, p.guard, p.guard)
+					missingGranted(t, d, p.lease, p.guard)
 				})
 			}
 		})

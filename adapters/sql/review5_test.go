@@ -16,10 +16,10 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
-// review5Pool is a pool on the shared test server with at most one
+// syncCommitPool is a pool on the shared test server with at most one
 // connection (so every statement runs on the same session) and the given
 // session settings.
-func review5Pool(t *testing.T, params map[string]string, mode pgx.QueryExecMode) *pgxpool.Pool {
+func syncCommitPool(t *testing.T, params map[string]string, mode pgx.QueryExecMode) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
 	if err != nil {
@@ -43,7 +43,7 @@ func review5Pool(t *testing.T, params map[string]string, mode pgx.QueryExecMode)
 	return p
 }
 
-func review5Show(t *testing.T, q interface {
+func showSyncCommit(t *testing.T, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }) string {
 	t.Helper()
@@ -54,7 +54,7 @@ func review5Show(t *testing.T, q interface {
 	return s
 }
 
-// TestReview5ReleaseInCallerTxKeepsItsDurability attacks the promise "Inside
+// TestPostgresReleaseInCallerTxKeepsItsDurability attacks the promise "Inside
 // a caller's transaction the release leaves that transaction's durability as
 // it is" (Acquirer doc; README: "the release leaves your commit's durability
 // alone"). A *pgx.Conn is granted a lease outside a transaction block (its
@@ -64,7 +64,7 @@ func review5Show(t *testing.T, q interface {
 // lease inside it and commits. Expected, per the docs: the caller's setting
 // is still off after the release, and its commit does not wait for the disk
 // (as the same transaction without the release does: the control round).
-func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
+func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
@@ -126,7 +126,7 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		setting := review5Show(t, conn)
+		setting := showSyncCommit(t, conn)
 		exec("COMMIT")
 		onDisk := flushed(t, p)
 		exec("RESET synchronous_commit")
@@ -146,7 +146,7 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	}
 }
 
-// TestReview5AsyncSessionKeepsGrantsAcrossCrash attacks durability where
+// TestPostgresAsyncSessionKeepsGrantsAcrossCrash attacks durability where
 // synchronous_commit is off for the session only (pgx RuntimeParams, the
 // server's setting is on): a grant with AdvanceGuards (one statement writing
 // the lease row and the guard row), a renewal and a Bump, each on a pool and
@@ -154,7 +154,7 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 // return; after a crash the lease is still held with its token, the guard
 // row holds that token, the bumped counter is kept, and no token is handed
 // out again.
-func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
+func TestPostgresAsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
@@ -169,7 +169,7 @@ func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	if s := review5Show(t, p); s != "off" {
+	if s := showSyncCommit(t, p); s != "off" {
 		t.Fatalf("session synchronous_commit %q, want off", s)
 	}
 	g, err := sqlfence.NewGuards(sqlfence.Pgx(check), nil)
@@ -263,7 +263,7 @@ func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 	}
 }
 
-// TestReview5SessionSettingUnchanged attacks "the session's setting is
+// TestPostgresSessionSyncCommitUnchanged attacks "the session's setting is
 // unchanged afterwards" (pgDurable, pgNoFlush): on a pool of one connection
 // whose session has synchronous_commit off, local, remote_write, on or
 // remote_apply, each of grant, renewal, release, a release that finds
@@ -273,10 +273,10 @@ func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 // *pgx.Conn inside BEGIN with SET LOCAL, the caller's value is what the
 // transaction shows after a renewal refused, and the session's after
 // ROLLBACK.
-func TestReview5SessionSettingUnchanged(t *testing.T) {
+func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	ctx := context.Background()
 	for _, v := range []string{"off", "local", "remote_write", "on", "remote_apply"} {
-		p := review5Pool(t, map[string]string{"synchronous_commit": v}, 0)
+		p := syncCommitPool(t, map[string]string{"synchronous_commit": v}, 0)
 		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{Table: "review5_leases"})
 		if err != nil {
 			t.Fatal(err)
@@ -287,7 +287,7 @@ func TestReview5SessionSettingUnchanged(t *testing.T) {
 		name := fmt.Sprintf("review5-setting-%s-%d", v, time.Now().UnixNano())
 		after := func(step string) {
 			t.Helper()
-			if s := review5Show(t, p); s != v {
+			if s := showSyncCommit(t, p); s != v {
 				t.Errorf("session synchronous_commit %s: after %s it is %q", v, step, s)
 			}
 		}
@@ -336,7 +336,7 @@ func TestReview5SessionSettingUnchanged(t *testing.T) {
 
 	// *pgx.Conn inside BEGIN: the caller's SET LOCAL stays, the session's
 	// value comes back after ROLLBACK.
-	p := review5Pool(t, map[string]string{"synchronous_commit": "off"}, 0)
+	p := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
 	pc, err := p.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -358,19 +358,19 @@ func TestReview5SessionSettingUnchanged(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s := review5Show(t, conn); s != "local" {
+	if s := showSyncCommit(t, conn); s != "local" {
 		t.Errorf("inside BEGIN with SET LOCAL synchronous_commit = local, a grant made it %q (a setting that is not off is to be kept)", s)
 	}
 	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
 		t.Fatal(err)
 	}
-	if s := review5Show(t, conn); s != "off" {
+	if s := showSyncCommit(t, conn); s != "off" {
 		t.Errorf("after ROLLBACK the session's synchronous_commit is %q, want its own off", s)
 	}
 	_ = l
 }
 
-// TestReview5OutcomesThroughWrappedStatements attacks the results of the
+// TestPostgresOutcomesThroughWrappedStatements attacks the results of the
 // wrapped statements (WITH ... SELECT ... WHERE set_config(...)): for a
 // pool (extended and simple protocol), a *sql.DB, a *pgx.Conn outside and
 // inside a transaction block, each with DisableNotify false and true, a
@@ -378,7 +378,7 @@ func TestReview5SessionSettingUnchanged(t *testing.T) {
 // a renewal of a held lease nil, a Bump of a held name ErrHeld, a Bump to a
 // lower counter ErrInvalid, a Bump above it nil, and Inspect shows each
 // step; the session's synchronous_commit off is not a factor.
-func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
+func TestPostgresOutcomesThroughWrappedStatements(t *testing.T) {
 	ctx := context.Background()
 	type handle struct {
 		how   string
@@ -386,12 +386,12 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 		begin func() // start the caller's block, if any
 		end   func()
 	}
-	ext := review5Pool(t, map[string]string{"synchronous_commit": "off"}, 0)
-	simple := review5Pool(t, map[string]string{"synchronous_commit": "off"}, pgx.QueryExecModeSimpleProtocol)
-	stdPool := review5Pool(t, map[string]string{"synchronous_commit": "off"}, 0)
+	ext := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
+	simple := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, pgx.QueryExecModeSimpleProtocol)
+	stdPool := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
 	sdb := stdlib.OpenDBFromPool(stdPool)
 	defer sdb.Close()
-	cp := review5Pool(t, map[string]string{"synchronous_commit": "off"}, 0)
+	cp := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
 	pc, err := cp.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -478,14 +478,14 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 	}
 }
 
-// TestReview5IdempotencyArmSurvivesCrash attacks the same bug class as the
+// TestPostgresIdempotencyArmSurvivesCrash attacks the same bug class as the
 // change fixed for grants (a commit lost in a crash on a server with
 // synchronous_commit off), in the PostgreSQL IdempotencyStore of the same
 // package: a key claimed and armed (the effect is about to run) must still
 // be armed after a crash, or a retry claims it afresh and runs the effect a
 // second time ("at most once"). Expected: after the crash Begin does not
 // create a new record, and Get shows the armed record.
-func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
+func TestPostgresIdempotencyArmSurvivesCrash(t *testing.T) {
 	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
@@ -528,14 +528,14 @@ func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
 	}
 }
 
-// TestReview5AsyncServerWithAbsentSyncStandby attacks the choice of "on"
+// TestPostgresAsyncServerWithAbsentSyncStandby attacks the choice of "on"
 // as the durable setting (the docs promise "on disk"; "local" gives that):
 // on a server whose synchronous_commit is off while synchronous_standby_names
 // names a standby that is not connected (an operator's way of not waiting
 // for the standby), a grant on a free name must still be made within 5s, as
 // it was before the change. With "on" the commit waits for the absent
 // standby, and the grant is never answered.
-func TestReview5AsyncServerWithAbsentSyncStandby(t *testing.T) {
+func TestPostgresAsyncServerWithAbsentSyncStandby(t *testing.T) {
 	t.Parallel() // a server of its own
 	pg := startOwnPostgres(t, "synchronous_commit = off", "synchronous_standby_names = 'review5_absent'")
 	ctx := context.Background()
@@ -560,13 +560,13 @@ func TestReview5AsyncServerWithAbsentSyncStandby(t *testing.T) {
 	}
 }
 
-// TestReview5WriterFenceAcrossCrash attacks the fence of the PostgreSQL
+// TestPostgresWriterFenceAcrossCrash attacks the fence of the PostgreSQL
 // Writer on a server with synchronous_commit off (the change made the
 // acquirer's grants durable there, not the fenced writes): the new holder's
 // write with token t+1 is acknowledged, the server crashes, and a paused
 // holder's write with token t must still be rejected (ErrStale), since the
 // resource had accepted t+1.
-func TestReview5WriterFenceAcrossCrash(t *testing.T) {
+func TestPostgresWriterFenceAcrossCrash(t *testing.T) {
 	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()

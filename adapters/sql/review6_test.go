@@ -12,16 +12,16 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// review6Server starts a server of the test's own on which nothing but a
+// asyncServer starts a server of the test's own on which nothing but a
 // commit's own flush puts the WAL on disk (wal_writer_delay 10s, no
 // background WAL), with synchronous_commit on.
-func review6Server(t *testing.T) (*ownPostgres, *pgxpool.Pool) {
+func asyncServer(t *testing.T) (*ownPostgres, *pgxpool.Pool) {
 	t.Helper()
 	pg := startQuietPostgres(t, "on")
 	return pg, pg.pool(t)
 }
 
-func review6Acquirer(t *testing.T, db *sqlfence.DB, o *sqlfence.AcquirerOptions) *sqlfence.Acquirer {
+func asyncAcquirer(t *testing.T, db *sqlfence.DB, o *sqlfence.AcquirerOptions) *sqlfence.Acquirer {
 	t.Helper()
 	a, err := sqlfence.NewAcquirer(db, o)
 	if err != nil {
@@ -30,19 +30,19 @@ func review6Acquirer(t *testing.T, db *sqlfence.DB, o *sqlfence.AcquirerOptions)
 	return a
 }
 
-// TestReview6MixedAcquirersAfterCrash attacks "fencing tokens never repeat or
+// TestAsyncGrantsMixedAcquirersAfterCrash attacks "fencing tokens never repeat or
 // go backwards across a crash" when one table is shared by an AsyncGrants
 // acquirer and a default one (nothing in the docs forbids it, e.g. a rolling
 // deploy turning the option on). The async grant's token T is the clock; it
 // is lost in a crash, the durable counter C is far below it, and the default
 // acquirer's grant is C+1. Expects the token after the crash to be above T
 // (fails if a token at or below a handed-out one is granted).
-func TestReview6MixedAcquirersAfterCrash(t *testing.T) {
+func TestAsyncGrantsMixedAcquirersAfterCrash(t *testing.T) {
 	t.Parallel() // a server of its own
-	pg, p := review6Server(t)
+	pg, p := asyncServer(t)
 	ctx := context.Background()
-	durable := review6Acquirer(t, sqlfence.Pgx(p), nil)
-	async := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	durable := asyncAcquirer(t, sqlfence.Pgx(p), nil)
+	async := asyncAcquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
 	if err := durable.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +80,7 @@ func TestReview6MixedAcquirersAfterCrash(t *testing.T) {
 	}
 }
 
-// TestReview6AsyncGrantInCallerTx attacks the durability of the caller's own
+// TestAsyncGrantsInCallerTx attacks the durability of the caller's own
 // transaction: an AsyncGrants grant run inside a caller's pgx.Tx sets
 // synchronous_commit off for the whole transaction (set_config is_local), so
 // the caller's other writes, committed on a synchronous_commit on server,
@@ -89,14 +89,14 @@ func TestReview6MixedAcquirersAfterCrash(t *testing.T) {
 // the caller's commit wait for the disk; review 5 removed the same kind of
 // change from the release. Expects the caller's commit on disk when Commit
 // returns and its row present after a crash.
-func TestReview6AsyncGrantInCallerTx(t *testing.T) {
+func TestAsyncGrantsInCallerTx(t *testing.T) {
 	t.Parallel() // a server of its own
-	pg, p := review6Server(t)
+	pg, p := asyncServer(t)
 	ctx := context.Background()
 	if _, err := p.Exec(ctx, "CREATE TABLE callers (id int PRIMARY KEY)"); err != nil {
 		t.Fatal(err)
 	}
-	if err := review6Acquirer(t, sqlfence.Pgx(p), nil).CreateTable(ctx); err != nil {
+	if err := asyncAcquirer(t, sqlfence.Pgx(p), nil).CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
@@ -109,7 +109,7 @@ func TestReview6AsyncGrantInCallerTx(t *testing.T) {
 	if _, err := tx.Exec(ctx, "INSERT INTO callers VALUES (1)"); err != nil {
 		t.Fatal(err)
 	}
-	a := review6Acquirer(t, sqlfence.Pgx(tx), &sqlfence.AcquirerOptions{AsyncGrants: true, DisableNotify: true})
+	a := asyncAcquirer(t, sqlfence.Pgx(tx), &sqlfence.AcquirerOptions{AsyncGrants: true, DisableNotify: true})
 	l, err := a.TryAcquire(ctx, "in-tx", time.Minute)
 	if err != nil {
 		t.Fatal(err)
@@ -137,12 +137,12 @@ func TestReview6AsyncGrantInCallerTx(t *testing.T) {
 	}
 }
 
-// TestReview6AdvanceGuardsAfterCrash: AsyncGrants with AdvanceGuards lost
+// TestAsyncGrantsWithAdvanceGuardsRefused: AsyncGrants with AdvanceGuards lost
 // the guard advance with an asynchronous grant in a crash, and a stale
 // holder's guarded transaction committed afterwards while the newer holder
 // still held (review 6 showed it on a crashed server). The combination is
 // now refused.
-func TestReview6AdvanceGuardsAfterCrash(t *testing.T) {
+func TestAsyncGrantsWithAdvanceGuardsRefused(t *testing.T) {
 	p := pgPool(t, pgOpts{})
 	g, err := sqlfence.NewGuards(sqlfence.Pgx(p), nil)
 	if err != nil {
@@ -153,19 +153,19 @@ func TestReview6AdvanceGuardsAfterCrash(t *testing.T) {
 	}
 }
 
-// TestReview6LostGrantAfterCrash: an async grant lost in a crash, on a row
+// TestAsyncGrantsLostInCrash: an async grant lost in a crash, on a row
 // the async grant itself created (INSERT branch) and on an existing row.
 // Expects: Renew of the lost grant is ErrLost and does not touch the next
 // holder's lease; its Release is ErrLost; the next async grant's token is
 // above the lost one; a Bump to a value between the durable counter and the
 // lost token succeeds (the counter is below it) and the next grant is still
 // above the lost token; Bump refuses a value at the counter with ErrInvalid.
-func TestReview6LostGrantAfterCrash(t *testing.T) {
+func TestAsyncGrantsLostInCrash(t *testing.T) {
 	t.Parallel() // a server of its own
-	pg, p := review6Server(t)
+	pg, p := asyncServer(t)
 	ctx := context.Background()
-	a := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
-	b := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	a := asyncAcquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	b := asyncAcquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -238,14 +238,14 @@ func TestReview6LostGrantAfterCrash(t *testing.T) {
 	}
 }
 
-// TestReview6AboveClockOnAsyncSession: on a session whose synchronous_commit
+// TestAsyncGrantsAboveClockOnAsyncSession: on a session whose synchronous_commit
 // is off, an AsyncGrants grant whose token is above the clock (after a Bump)
 // must still wait for the disk (off becomes local) and survive a crash; a
 // grant below the clock leaves the session's own setting as it was (off
 // stays off after the statement on a *pgx.Conn, not pinned to anything).
-func TestReview6AboveClockOnAsyncSession(t *testing.T) {
+func TestAsyncGrantsAboveClockOnAsyncSession(t *testing.T) {
 	t.Parallel() // a server of its own
-	pg, p := review6Server(t)
+	pg, p := asyncServer(t)
 	ctx := context.Background()
 	cfg := p.Config().ConnConfig.Copy()
 	cfg.RuntimeParams["synchronous_commit"] = "off"
@@ -254,7 +254,7 @@ func TestReview6AboveClockOnAsyncSession(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
-	a := review6Acquirer(t, sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	a := asyncAcquirer(t, sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{AsyncGrants: true})
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -287,7 +287,7 @@ func TestReview6AboveClockOnAsyncSession(t *testing.T) {
 	conn.Close(ctx)
 	pg.crash(t)
 	p.Reset()
-	a2 := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
+	a2 := asyncAcquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
 	info, err := a2.Inspect(ctx, name)
 	if err != nil {
 		t.Fatal(err)
@@ -297,7 +297,7 @@ func TestReview6AboveClockOnAsyncSession(t *testing.T) {
 	}
 }
 
-// TestReview6MixedAcquirersSameToken pushes the mixed-acquirer case to a
+// TestAsyncGrantsMixedAcquirersSameToken pushes the mixed-acquirer case to a
 // token handed out twice: a Bump puts the counter a little above the clock,
 // AsyncGrants grants (durable while above the clock) run until the clock has
 // caught up and one returns before its commit is on disk; a crash loses it.
@@ -305,12 +305,12 @@ func TestReview6AboveClockOnAsyncSession(t *testing.T) {
 // counter one grant at a time and reaches the lost token exactly. Expects no
 // grant with the lost token, and the lost holder's Renew to be ErrLost rather
 // than extend the new holder's lease (fails when the token repeats).
-func TestReview6MixedAcquirersSameToken(t *testing.T) {
+func TestAsyncGrantsMixedAcquirersSameToken(t *testing.T) {
 	t.Parallel() // a server of its own
-	pg, p := review6Server(t)
+	pg, p := asyncServer(t)
 	ctx := context.Background()
-	durable := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{DisableNotify: true})
-	async := review6Acquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true, DisableNotify: true})
+	durable := asyncAcquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{DisableNotify: true})
+	async := asyncAcquirer(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true, DisableNotify: true})
 	if err := durable.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -22,11 +22,11 @@ import (
 	"github.com/fencekit/fencekit/internal/testenv"
 )
 
-// review7Pool is a pgx pool on the test database, through px when not nil,
+// handoffPool is a pgx pool on the test database, through px when not nil,
 // whose sessions carry application_name app (so that pg_stat_activity shows
 // this test's statements only), of at most maxConns connections (0: pgx's
 // default).
-func review7Pool(t *testing.T, px *faultnet.Proxy, app string, maxConns int32) *pgxpool.Pool {
+func handoffPool(t *testing.T, px *faultnet.Proxy, app string, maxConns int32) *pgxpool.Pool {
 	t.Helper()
 	pgPool(t, pgOpts{}) // the default tables
 	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
@@ -48,9 +48,9 @@ func review7Pool(t *testing.T, px *faultnet.Proxy, app string, maxConns int32) *
 	return p
 }
 
-// review7WaitHandoffBlocked waits until a handoff statement of a session
+// waitHandoffBlocked waits until a handoff statement of a session
 // named app waits for a row lock on the server.
-func review7WaitHandoffBlocked(t *testing.T, admin *pgxpool.Pool, app string) {
+func waitHandoffBlocked(t *testing.T, admin *pgxpool.Pool, app string) {
 	t.Helper()
 	ctx := context.Background()
 	for end := time.Now().Add(10 * time.Second); ; {
@@ -68,7 +68,7 @@ func review7WaitHandoffBlocked(t *testing.T, admin *pgxpool.Pool, app string) {
 	}
 }
 
-// TestReview7HintedGrantDeadline checks: "the handed lease's local deadline
+// TestHandoffHintedGrantDeadline checks: "the handed lease's local deadline
 // counts from before the handoff statement was sent" (transfer.go; leasekit:
 // the holder stops believing it holds the lease before the backend can grant
 // it to anyone else), also for a handoff whose outcome the releaser could not
@@ -83,11 +83,11 @@ func review7WaitHandoffBlocked(t *testing.T, admin *pgxpool.Pool, app string) {
 // until the server shows the row expired, and checks that the head's lease
 // context is done by then, and that another acquirer is not granted while
 // the head still believes it holds the lock.
-func TestReview7HintedGrantDeadline(t *testing.T) {
+func TestHandoffHintedGrantDeadline(t *testing.T) {
 	ctx := context.Background()
 	px := faultnet.Start(t, pgTarget(t))
 	owner := "review7-" + fencetest.Name("o")
-	a := newAcquirerOn(t, sqlfence.Pgx(review7Pool(t, px, owner, 0)), &sqlfence.AcquirerOptions{Owner: owner,
+	a := newAcquirerOn(t, sqlfence.Pgx(handoffPool(t, px, owner, 0)), &sqlfence.AcquirerOptions{Owner: owner,
 		Backoff: idleHead, DisableNotify: true})
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	name := fencetest.Name("review7-hint-deadline")
@@ -144,7 +144,7 @@ func TestReview7HintedGrantDeadline(t *testing.T) {
 	}
 }
 
-// TestReview7GoneHeadLostReplies checks: "a head that gave up while the
+// TestHandoffGoneHeadLostReplies checks: "a head that gave up while the
 // statement ran gets nothing and the releaser gives the grant back at once"
 // (transfer.go; HAZARDS 6: a waiter that left must not keep a free lock from
 // the others for a whole ttl), when the handoff's replies are lost.
@@ -157,11 +157,11 @@ func TestReview7HintedGrantDeadline(t *testing.T) {
 // nobody recognises or gives back the grant. Once the network is healthy
 // again, the lock must not stay held by nobody for the head's one-minute
 // ttl: another acquirer, polling, must be granted within 10s.
-func TestReview7GoneHeadLostReplies(t *testing.T) {
+func TestHandoffGoneHeadLostReplies(t *testing.T) {
 	ctx := context.Background()
 	px := faultnet.Start(t, pgTarget(t))
 	owner := "review7-" + fencetest.Name("o")
-	a := newAcquirerOn(t, sqlfence.Pgx(review7Pool(t, px, owner, 0)), &sqlfence.AcquirerOptions{Owner: owner,
+	a := newAcquirerOn(t, sqlfence.Pgx(handoffPool(t, px, owner, 0)), &sqlfence.AcquirerOptions{Owner: owner,
 		Backoff: idleHead, DisableNotify: true})
 	admin := pgPool(t, pgOpts{})
 	b := newAcquirerOn(t, sqlfence.Pgx(admin), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 20 * time.Millisecond}})
@@ -190,7 +190,7 @@ func TestReview7GoneHeadLostReplies(t *testing.T) {
 	}
 	released := make(chan error, 1)
 	go func() { released <- h.Release(ctx) }()
-	review7WaitHandoffBlocked(t, admin, owner)
+	waitHandoffBlocked(t, admin, owner)
 	hcancel()
 	hr := within(t, head, 2*time.Second, "the head whose context ended during the handoff")
 	if hr.l != nil || !errors.Is(hr.err, fence.ErrHeld) {
@@ -223,18 +223,18 @@ func TestReview7GoneHeadLostReplies(t *testing.T) {
 	l.Release(ctx)
 }
 
-// TestReview7UncertainThenRefused checks HAZARDS 3 for the handoff: a
+// TestHandoffUncertainThenRefused checks HAZARDS 3 for the handoff: a
 // release whose first handoff statement landed but whose reply was lost, and
 // whose next attempt could not be sent (the connection is refused), must
 // report an outcome matching fence.ErrUnknown, not a definite error (the
 // transfer's default case says "Refused as a whole: nothing changed, l still
 // holds"). The row shows that the release did land: the lock was granted to
 // the head.
-func TestReview7UncertainThenRefused(t *testing.T) {
+func TestHandoffUncertainThenRefused(t *testing.T) {
 	ctx := context.Background()
 	px := faultnet.Start(t, pgTarget(t))
 	owner := "review7-" + fencetest.Name("o")
-	a := newAcquirerOn(t, sqlfence.Pgx(review7Pool(t, px, owner, 1)), &sqlfence.AcquirerOptions{Owner: owner,
+	a := newAcquirerOn(t, sqlfence.Pgx(handoffPool(t, px, owner, 1)), &sqlfence.AcquirerOptions{Owner: owner,
 		Backoff: idleHead, DisableNotify: true})
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	name := fencetest.Name("review7-refused")
@@ -262,7 +262,7 @@ func TestReview7UncertainThenRefused(t *testing.T) {
 	}
 }
 
-// TestReview7ChainEndPokesHead checks the README's and Acquire's promise
+// TestHandoffChainEndPokesHead checks the README's and Acquire's promise
 // "a release through that acquirer lets the head try at once", through the
 // chain of handoffs: each release of a lease through the Acquirer, while a
 // waiter of the same Acquirer waits and nobody else does, must lead to that
@@ -270,7 +270,7 @@ func TestReview7UncertainThenRefused(t *testing.T) {
 // maxChain (8) handoffs. With notifications off (DisableNotify, an option the
 // promise does not exclude) that release does not poke the head, which then
 // sleeps its backoff (20s here) while the lock is free.
-func TestReview7ChainEndPokesHead(t *testing.T) {
+func TestHandoffChainEndPokesHead(t *testing.T) {
 	for _, notify := range []bool{false, true} {
 		t.Run(fmt.Sprintf("notify=%v", notify), func(t *testing.T) {
 			ctx := context.Background()
@@ -308,7 +308,7 @@ func TestReview7ChainEndPokesHead(t *testing.T) {
 	}
 }
 
-// TestReview7ReleasedEndsBeforeHanded checks "the holder's context ends
+// TestHandoffReleasedEndsBeforeHanded checks "the holder's context ends
 // before anyone else is granted" (HAZARDS 2) for the handoff: the head of the
 // line is granted in this process, so when its Acquire returns, the released
 // lease's context must already be done. transfer hands the lease to the head
@@ -319,7 +319,7 @@ func TestReview7ChainEndPokesHead(t *testing.T) {
 // whose end is not poked without notifications) on fresh names; any handoff
 // that sees both alive fails. With the old lease ended before Hand, no
 // interleaving can fail it.
-func TestReview7ReleasedEndsBeforeHanded(t *testing.T) {
+func TestHandoffReleasedEndsBeforeHanded(t *testing.T) {
 	ctx := context.Background()
 	a := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	seen, total := 0, 0
@@ -370,18 +370,18 @@ func TestReview7ReleasedEndsBeforeHanded(t *testing.T) {
 	}
 }
 
-// TestReview7HandoffMaxToken checks that a handoff whose grant would pass
+// TestHandoffMaxToken checks that a handoff whose grant would pass
 // fence.MaxToken releases the lease (Release returns nil, the row is free)
 // and that the head learns of the exhausted counter (ErrTokensExhausted)
 // instead of waiting.
-func TestReview7HandoffMaxToken(t *testing.T) {
+func TestHandoffMaxToken(t *testing.T) {
 	_, my := openMySQL(t, "")
 	for dialect, fdb := range map[string]*sqlfence.DB{"postgres": sqlfence.Pgx(pgPool(t, pgOpts{})), "mysql": my} {
-		t.Run(dialect, func(t *testing.T) { review7HandoffMaxToken(t, fdb) })
+		t.Run(dialect, func(t *testing.T) { checkHandoffMaxToken(t, fdb) })
 	}
 }
 
-func review7HandoffMaxToken(t *testing.T, fdb *sqlfence.DB) {
+func checkHandoffMaxToken(t *testing.T, fdb *sqlfence.DB) {
 	ctx := context.Background()
 	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	if err := a.CreateTable(ctx); err != nil {
@@ -414,11 +414,11 @@ func review7HandoffMaxToken(t *testing.T, fdb *sqlfence.DB) {
 	}
 }
 
-// TestReview7HandoffTTLs checks that each handed lease carries its own
+// TestHandoffTTLs checks that each handed lease carries its own
 // waiter's ttl (on the server), with two waiters of different
 // ttls, through database/sql (sqlfence.Postgres) as well as a pgx pool, and
 // that the line order holds across the handoffs.
-func TestReview7HandoffTTLs(t *testing.T) {
+func TestHandoffTTLs(t *testing.T) {
 	for _, style := range []string{"pgx", "database/sql"} {
 		t.Run(style, func(t *testing.T) {
 			ctx := context.Background()
@@ -471,15 +471,15 @@ func TestReview7HandoffTTLs(t *testing.T) {
 	}
 }
 
-// TestReview7LateHandoffGivenBack checks "a grant that comes back past [the
+// TestHandoffLateGivenBack checks "a grant that comes back past [the
 // head's local deadline] is given back": the handoff statement waits for the
 // row (another transaction holds it) longer than the head's ttl. Release
 // returns nil, the head is not handed a lease already lost, and it is
 // granted at once (not after its backoff, an hour here), holding the row.
-func TestReview7LateHandoffGivenBack(t *testing.T) {
+func TestHandoffLateGivenBack(t *testing.T) {
 	ctx := context.Background()
 	owner := "review7-" + fencetest.Name("o")
-	a := newAcquirerOn(t, sqlfence.Pgx(review7Pool(t, nil, owner, 0)), &sqlfence.AcquirerOptions{Owner: owner, Backoff: idleHead, DisableNotify: true})
+	a := newAcquirerOn(t, sqlfence.Pgx(handoffPool(t, nil, owner, 0)), &sqlfence.AcquirerOptions{Owner: owner, Backoff: idleHead, DisableNotify: true})
 	admin := pgPool(t, pgOpts{})
 	check := newAcquirerOn(t, sqlfence.Pgx(admin), nil)
 	name := fencetest.Name("review7-late")
@@ -502,7 +502,7 @@ func TestReview7LateHandoffGivenBack(t *testing.T) {
 	released := make(chan error, 1)
 	start := time.Now()
 	go func() { released <- h.Release(ctx) }()
-	review7WaitHandoffBlocked(t, admin, owner)
+	waitHandoffBlocked(t, admin, owner)
 	time.Sleep(2*ttl - time.Since(start)) // the scenario: the row stays locked past the head's ttl
 	if err := tx.Rollback(ctx); err != nil {
 		t.Fatal(err)

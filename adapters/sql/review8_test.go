@@ -21,9 +21,9 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// review8Gate holds the first statement that match accepts after arm, until
+// stmtGate holds the first statement that match accepts after arm, until
 // open is closed or the statement's context ends.
-type review8Gate struct {
+type stmtGate struct {
 	match   func(sql string) bool
 	armed   atomic.Bool
 	seen    atomic.Int64 // the statements match accepted, armed or not
@@ -32,16 +32,16 @@ type review8Gate struct {
 	once    sync.Once
 }
 
-func newReview8Gate(match func(string) bool) *review8Gate {
-	return &review8Gate{match: match, started: make(chan struct{}), open: make(chan struct{})}
+func newStmtGate(match func(string) bool) *stmtGate {
+	return &stmtGate{match: match, started: make(chan struct{}), open: make(chan struct{})}
 }
 
-func (g *review8Gate) release() { g.once.Do(func() { close(g.open) }) }
+func (g *stmtGate) release() { g.once.Do(func() { close(g.open) }) }
 
-// review8Tracer runs each of its gates on every statement a connection starts.
-type review8Tracer []*review8Gate
+// gateTracer runs each of its gates on every statement a connection starts.
+type gateTracer []*stmtGate
 
-func (tr review8Tracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+func (tr gateTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	for _, g := range tr {
 		if !g.match(d.SQL) {
 			continue
@@ -58,16 +58,16 @@ func (tr review8Tracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.
 	return ctx
 }
 
-func (review8Tracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (gateTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-func review8IsGrant(sql string) bool {
+func isGrantStmt(sql string) bool {
 	return strings.Contains(sql, "INSERT INTO") && strings.Contains(sql, "RETURNING token")
 }
 
-func review8IsHandoff(sql string) bool { return strings.HasPrefix(sql, "WITH g AS (UPDATE") }
+func isHandoffStmt(sql string) bool { return strings.HasPrefix(sql, "WITH g AS (UPDATE") }
 
-// review8Wait waits up to d for f to report true, polling an observable state.
-func review8Wait(t *testing.T, d time.Duration, what string, f func() bool) {
+// waitUntil waits up to d for f to report true, polling an observable state.
+func waitUntil(t *testing.T, d time.Duration, what string, f func() bool) {
 	t.Helper()
 	for end := time.Now().Add(d); !f(); {
 		if time.Now().After(end) {
@@ -77,9 +77,9 @@ func review8Wait(t *testing.T, d time.Duration, what string, f func() bool) {
 	}
 }
 
-// review8Stacks returns the stacks of the goroutines that are inside the
+// lineStacks returns the stacks of the goroutines that are inside the
 // line's code, for a failure's evidence.
-func review8Stacks() string {
+func lineStacks() string {
 	buf := make([]byte, 1<<20)
 	buf = buf[:runtime.Stack(buf, true)]
 	var out []string
@@ -91,11 +91,11 @@ func review8Stacks() string {
 	return strings.Join(out, "\n\n")
 }
 
-// review8Free waits until check shows name not held (a lease expired on the
+// waitRowFree waits until check shows name not held (a lease expired on the
 // server).
-func review8Free(t *testing.T, check *sqlfence.Acquirer, name string) {
+func waitRowFree(t *testing.T, check *sqlfence.Acquirer, name string) {
 	t.Helper()
-	review8Wait(t, 10*time.Second, "the row to expire on the server", func() bool {
+	waitUntil(t, 10*time.Second, "the row to expire on the server", func() bool {
 		info, err := check.Inspect(context.Background(), name)
 		if err != nil {
 			t.Fatal(err)
@@ -104,7 +104,7 @@ func review8Free(t *testing.T, check *sqlfence.Acquirer, name string) {
 	})
 }
 
-// TestReview8SecondOfferWhileTrying checks the promise of Hand ("never
+// TestHandoffSecondOfferWhileHeadTries checks the promise of Hand ("never
 // blocks: one offer at a time, and each outcome is received before the next
 // offer") and Release's, that a release returns, now that Offer also offers
 // to a head inside an attempt of its own.
@@ -120,10 +120,10 @@ func review8Free(t *testing.T, check *sqlfence.Acquirer, name string) {
 // attempt, when it ends, needs that mutex (Trying(false)) before it can
 // drain the channel: Release and the head hang for ever, and so would the
 // waiters behind the head (HeadStalled takes the same mutex).
-func TestReview8SecondOfferWhileTrying(t *testing.T) {
+func TestHandoffSecondOfferWhileHeadTries(t *testing.T) {
 	ctx := context.Background()
-	grant := newReview8Gate(review8IsGrant)
-	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, review8Tracer{grant})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	grant := newStmtGate(isGrantStmt)
+	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, gateTracer{grant})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	t.Cleanup(grant.release) // before the pool closes
 	sqlfence.SetLineStall(a, time.Minute)
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
@@ -141,7 +141,7 @@ func TestReview8SecondOfferWhileTrying(t *testing.T) {
 	if !sqlfence.LineHeadTrying(a, name) {
 		t.Fatal("the head is not inside an attempt")
 	}
-	review8Free(t, check, name)
+	waitRowFree(t, check, name)
 	if err := l1.Release(ctx); !errors.Is(err, fence.ErrLost) {
 		t.Fatalf("Release of a lease expired on the server: %v, want ErrLost", err)
 	}
@@ -163,7 +163,7 @@ func TestReview8SecondOfferWhileTrying(t *testing.T) {
 			t.Fatal("the second release through the acquirer did not return within 5s while the head was inside its attempt")
 		case <-time.After(5 * time.Second):
 		}
-		t.Fatalf("the second release through the acquirer did not return within 5s while the head was inside its attempt (an empty handoff already waited in its channel: Hand blocks on the full channel holding the place's mutex); the head, unstuck, did not return either 5s later (deadlock: its attempt waits for that mutex); line %d; goroutines in the line:\n%s", sqlfence.LineLen(a, name), review8Stacks())
+		t.Fatalf("the second release through the acquirer did not return within 5s while the head was inside its attempt (an empty handoff already waited in its channel: Hand blocks on the full channel holding the place's mutex); the head, unstuck, did not return either 5s later (deadlock: its attempt waits for that mutex); line %d; goroutines in the line:\n%s", sqlfence.LineLen(a, name), lineStacks())
 	}
 	grant.release()
 	r := within(t, head, 10*time.Second, "the head after its attempt ended")
@@ -177,7 +177,7 @@ func TestReview8SecondOfferWhileTrying(t *testing.T) {
 	}
 }
 
-// TestReview8LateGrantYields checks ErrYield's promise (wakeup.ErrYield,
+// TestHandoffLateGrantYields checks ErrYield's promise (wakeup.ErrYield,
 // Acquire: "Granted past its local deadline and given back: try again, after
 // the others of the line and a full backoff delay"): a head whose grant
 // comes back past its local deadline lets the waiters behind it go first.
@@ -191,10 +191,10 @@ func TestReview8SecondOfferWhileTrying(t *testing.T) {
 // its attempt then yields (moves it behind the next waiter), but it takes
 // the handoff from its channel and returns a lease at once, ahead of the
 // waiter it yielded to, which is still waiting.
-func TestReview8LateGrantYields(t *testing.T) {
+func TestHandoffLateGrantYields(t *testing.T) {
 	ctx := context.Background()
-	grant, handoffs := newReview8Gate(review8IsGrant), newReview8Gate(review8IsHandoff)
-	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, review8Tracer{grant, handoffs})), &sqlfence.AcquirerOptions{
+	grant, handoffs := newStmtGate(isGrantStmt), newStmtGate(isHandoffStmt)
+	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, gateTracer{grant, handoffs})), &sqlfence.AcquirerOptions{
 		Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: 50 * time.Millisecond, MaxWait: time.Minute}, DisableNotify: true})
 	t.Cleanup(grant.release)
 	sqlfence.SetLineStall(a, time.Minute)
@@ -255,15 +255,15 @@ func TestReview8LateGrantYields(t *testing.T) {
 	_ = rh.l.Release(ctx)
 }
 
-// TestReview8OwnGrantDuringOffer checks that an offer to a head inside an
+// TestHandoffOwnGrantDuringOffer checks that an offer to a head inside an
 // attempt cannot leave two holders or a grant held by nobody: the head's own
 // grant lands while the handoff statement is on its way (the released lease
 // had expired on the server). The head returns its own grant, which the row
 // shows; the release reports ErrLost (it held nothing) and hands nothing.
-func TestReview8OwnGrantDuringOffer(t *testing.T) {
+func TestHandoffOwnGrantDuringOffer(t *testing.T) {
 	ctx := context.Background()
-	grant, handoff := newReview8Gate(review8IsGrant), newReview8Gate(review8IsHandoff)
-	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, review8Tracer{grant, handoff})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+	grant, handoff := newStmtGate(isGrantStmt), newStmtGate(isHandoffStmt)
+	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, gateTracer{grant, handoff})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	t.Cleanup(grant.release)
 	t.Cleanup(handoff.release)
 	sqlfence.SetLineStall(a, time.Minute)
@@ -276,7 +276,7 @@ func TestReview8OwnGrantDuringOffer(t *testing.T) {
 	grant.armed.Store(true)
 	head := goAcquire(ctx, a, name, time.Minute)
 	<-grant.started
-	review8Free(t, check, name)
+	waitRowFree(t, check, name)
 	handoff.armed.Store(true)
 	released := make(chan error, 1)
 	go func() { released <- l1.Release(ctx) }()
@@ -303,22 +303,22 @@ func TestReview8OwnGrantDuringOffer(t *testing.T) {
 	}
 }
 
-// TestReview8TakeBackRace checks the take-back timer ("a handoff it has not
+// TestHandoffTakeBackRace checks the take-back timer ("a handoff it has not
 // taken within the stall limit is taken back and settled") against the head
 // taking the handoff at about the same moment: the head's attempt is stuck
 // while the release hands it the lock, and is let go at about the stall
 // limit. Whatever wins, the head returns a lease that is live and that the
 // row shows as its holder (not one the timer released), the release returns
 // nil, and nothing is left held when the head releases.
-func TestReview8TakeBackRace(t *testing.T) {
+func TestHandoffTakeBackRace(t *testing.T) {
 	ctx := context.Background()
 	const stall = 60 * time.Millisecond
 	takenBack := 0
 	defer func() { t.Logf("the timer took the handoff back in %d of 12 iterations", takenBack) }()
 	for i := range 12 {
-		grant := newReview8Gate(review8IsGrant)
-		plain := newReview8Gate(func(sql string) bool { return strings.Contains(sql, "SET expires_at = 0") })
-		a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, review8Tracer{grant, plain})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+		grant := newStmtGate(isGrantStmt)
+		plain := newStmtGate(func(sql string) bool { return strings.Contains(sql, "SET expires_at = 0") })
+		a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, gateTracer{grant, plain})), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 		sqlfence.SetLineStall(a, stall)
 		check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 		name := fencetest.Name("review8-take-back")

@@ -10,7 +10,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// TestRingReview2LateHeadStarvesLine (HAZARDS 6, wakeup.ErrYield's
+// TestRingerLateHeadYieldsToLine (HAZARDS 6, wakeup.ErrYield's
 // promise: "a head whose grants keep coming back late neither spins nor
 // keeps a free lock from the waiters behind it"): B's line has a head W1
 // whose ttl (150ms) is shorter than a round trip on B's slow connections
@@ -25,7 +25,7 @@ import (
 // release pokes W1 (Line.Poke) and W1 takes the poke after the ringer's
 // Withdraw: a poke taken while the offer is still in flight is swallowed
 // (beginTry refuses, errOffered), and W1 then does not try.
-func TestRingReview2LateHeadStarvesLine(t *testing.T) {
+func TestRingerLateHeadYieldsToLine(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("rr2-latehead")
 	rp := newRingPair(t, name)

@@ -44,7 +44,7 @@ func (s *slowGrants) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Tra
 
 func (s *slowGrants) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-// TestRingReview2PGEndedHandoffHandedBackToItself (HAZARDS 6, review 8's
+// TestHandoffPostgresEndedAttemptHandedToItself (HAZARDS 6, review 8's
 // class): a release through the Acquirer hands the lock to a head that is
 // inside a slow attempt of its own (Line.Offer offers a head inside a
 // younger attempt); when the attempt ends, the handed lease is already past
@@ -59,7 +59,7 @@ func (s *slowGrants) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEnd
 // held with nobody holding the lease, while another process's TryAcquire
 // finds it held. A give-back of a lease the waiter will not take must be a
 // release only (giveBackRelease), as for a late grant.
-func TestRingReview2PGEndedHandoffHandedBackToItself(t *testing.T) {
+func TestHandoffPostgresEndedAttemptHandedToItself(t *testing.T) {
 	ctx := context.Background()
 	tr := &slowGrants{}
 	const ttl = 2 * time.Second

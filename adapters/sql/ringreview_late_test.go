@@ -14,7 +14,7 @@ import (
 
 // Review of the ringer's grant (bell.go handOn, mysql.go ringGrant).
 
-// TestRingReviewLateGrantParksRinger: the ringer's grant for B's head comes
+// TestRingerParkedAfterLateGrant: the ringer's grant for B's head comes
 // back past the head's local deadline (B's connections are slow, the
 // head's ttl short), so ringGrant gives it back and hands the head nothing
 // (an empty Handoff), yet reports ringHanded: the ringer then waits for a
@@ -22,7 +22,7 @@ import (
 // never left: it tries on its own, and A (another process) took the row
 // first. The head now waits for a bell that no ringer of B listens for: A's
 // release wakes nobody and B (Backoff of an hour) is never granted.
-func TestRingReviewLateGrantParksRinger(t *testing.T) {
+func TestRingerParkedAfterLateGrant(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("ringrev-late")
 	rp := newRingPair(t, name)

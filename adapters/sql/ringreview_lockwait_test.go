@@ -13,11 +13,11 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// TestRingReviewHeadLeftDuringLockWait: B's head gives up while the
+// TestRingerHeadLeftDuringLockWait: B's head gives up while the
 // ringer's grant for it waits for the row lock. It returns at once; once the
 // lock is let go the ringer's grant lands for a head that has left, and must
 // be given back at once, not held for its ttl (a minute, HAZARDS 6).
-func TestRingReviewHeadLeftDuringLockWait(t *testing.T) {
+func TestRingerHeadLeftDuringLockWait(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -64,11 +64,11 @@ func TestRingReviewHeadLeftDuringLockWait(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{dbA, dbB}, []*sqlfence.Acquirer{a, b}, dbA, sqlfence.BellKey(a, name))
 }
 
-// TestRingReviewHeadLeftDuringLockWaitNext: as above, with W2 behind the
+// TestRingerHeadLeftDuringLockWaitNextGranted: as above, with W2 behind the
 // head W1 in B's line: W1 leaves, and W2 (Backoff of an hour) must be
 // granted promptly once the lock is let go, whether the ringer's grant
 // for W1 is handed on to it or W2's own attempt wins.
-func TestRingReviewHeadLeftDuringLockWaitNext(t *testing.T) {
+func TestRingerHeadLeftDuringLockWaitNextGranted(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -174,11 +174,11 @@ func ringLockWaitStarted(t *testing.T, dbA *sql.DB, a, b *sqlfence.Acquirer, nam
 	return la, tx, rid
 }
 
-// TestRingReviewKillRingerDuringLockWait: an operator KILLs the session of
+// TestRingerKilledDuringLockWait: an operator KILLs the session of
 // B's ringer while its grant for B's head waits for the row lock. Nothing
 // was granted by it; B's head must still be granted once the lock is let
 // go, one grant only, and nothing may stay pinned or hold the bell.
-func TestRingReviewKillRingerDuringLockWait(t *testing.T) {
+func TestRingerKilledDuringLockWait(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -223,13 +223,13 @@ func TestRingReviewKillRingerDuringLockWait(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{dbA, dbB}, []*sqlfence.Acquirer{a, b}, dbA, sqlfence.BellKey(a, name))
 }
 
-// TestRingReviewGrantTimesOutInLockWait: the ringer's grant waits for the
+// TestRingerGrantTimesOutInLockWait: the ringer's grant waits for the
 // row lock longer than its own timeout (5s): the driver gives up and closes
 // the connection, but the server runs the statement on, and it lands once
 // the lock is let go. B's head is handed its owner (a hint): it must hold
 // that one grant (not wait out its minute behind it), with a local deadline
 // counted from before the ringer's statement.
-func TestRingReviewGrantTimesOutInLockWait(t *testing.T) {
+func TestRingerGrantTimesOutInLockWait(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")

@@ -13,14 +13,14 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// TestRingReviewFIFOTwoAcquirers: A holds a name with its bell; B and C
+// TestRingerFIFOTwoAcquirers: A holds a name with its bell; B and C
 // (other processes, Backoff of an hour) each have three waiters, joined in
 // order. A's release is granted by a ringer to the head of its line; each
 // holder releases as soon as it holds. Within each Acquirer the waiters
 // must be granted in the order they joined, every waiter must be granted
 // promptly (only bells and handoffs wake them), tokens grow by one per
 // grant, and afterwards nothing leaks.
-func TestRingReviewFIFOTwoAcquirers(t *testing.T) {
+func TestRingerFIFOTwoAcquirers(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB := openMySQL(t, "")
@@ -118,13 +118,13 @@ func TestRingReviewFIFOTwoAcquirers(t *testing.T) {
 	bellNoLeak(t, []*sql.DB{dbA, dbB, dbC}, []*sqlfence.Acquirer{a, b, c}, dbA, sqlfence.BellKey(a, name))
 }
 
-// TestRingReviewDroppedTable: the lease table is dropped while A holds
+// TestRingerDroppedTable: the lease table is dropped while A holds
 // (with its bell) and B's head waits (Backoff of an hour). A's release
 // fails (no table) and closes its connection, which lets the bell go: B's
 // ringer's grant fails on the missing table. B's head must then either learn
 // it promptly (a *TableError) or wait on and be granted promptly once the
 // table is back, with a token above A's; nothing may leak.
-func TestRingReviewDroppedTable(t *testing.T) {
+func TestRingerDroppedTable(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
 	dbB, fdbB, _, inserts := bellProxied(t)

@@ -16,14 +16,14 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// TestRingReviewStressSmallPools: four Acquirers (processes), each on its
+// TestRingerStressSmallPools: four Acquirers (processes), each on its
 // own small pool (SetMaxOpenConns 4 to 16: bell budgets of 1 to 4 pins), run
 // Acquire loops on a few names at once, some with contexts that end at
 // once or after a few milliseconds (heads that leave while a ringer's or a
 // release's grant for them is in flight). Every grant must be exclusive (no
 // two holders of a name at once), its token above every earlier token of
 // the name, its Release must succeed, and afterwards nothing stays pinned or in use and no session holds a bell.
-func TestRingReviewStressSmallPools(t *testing.T) {
+func TestRingerStressSmallPools(t *testing.T) {
 	ringStress(t, false)
 }
 
@@ -143,10 +143,10 @@ func ringStress(t *testing.T, idleStress bool) {
 	bellNoLeak(t, dbs, as, check, keys...)
 }
 
-// TestRingReviewStressIdleWaiters: as TestRingReviewStressSmallPools, with
+// TestRingerStressIdleWaiters: as TestRingerStressSmallPools, with
 // two of the four Acquirers' Backoff an hour: their waiters are woken only
 // by releases through their own Acquirer and by their ringer (the bell). A
 // wait of 10s that runs out means a waiter nobody woke.
-func TestRingReviewStressIdleWaiters(t *testing.T) {
+func TestRingerStressIdleWaiters(t *testing.T) {
 	ringStress(t, true)
 }

@@ -29,14 +29,14 @@ func openSQLiteAt(t *testing.T, path string) *sqlfence.DB {
 	return sqlfence.SQLite(db)
 }
 
-// TestReviewSQLiteAcquireAfterALockIsNotAlreadyLost (HAZARDS 6): an Acquire
+// TestSQLiteAcquireAfterALockIsNotAlreadyLost (HAZARDS 6): an Acquire
 // whose grant statement waited for the file's write lock (inside SQLite's busy
 // handler, or after SQLITE_BUSY now that Acquire waits on) is granted once the
 // file is free. The lease it returns with a nil error must be live: its local
 // deadline may not be counted from before the wait for the lock, or the
 // holder is handed a lease already lost while the row keeps the name from
 // everyone else for the ttl.
-func TestReviewSQLiteAcquireAfterALockIsNotAlreadyLost(t *testing.T) {
+func TestSQLiteAcquireAfterALockIsNotAlreadyLost(t *testing.T) {
 	t.Parallel() // a SQLite file of its own; it waits out a file lock held for seconds
 	if testing.Short() {
 		t.Skip("holds a file lock for seconds")
@@ -99,14 +99,14 @@ func TestReviewSQLiteAcquireAfterALockIsNotAlreadyLost(t *testing.T) {
 	}
 }
 
-// TestReviewSQLiteTryAcquireOnALockedFileBounded: on a file another handle
+// TestSQLiteTryAcquireOnALockedFileBounded: on a file another handle
 // keeps locked, TryAcquire without a deadline waits for the file's lock at
 // most SQLite's 10s busy timeout (as its doc says: a TryAcquire never waits
 // for a holder's lease, but a statement waits for the file), then returns
 // SQLITE_BUSY, which is neither ErrHeld nor ErrUnknown, and nothing is granted.
 // (The review asked for an answer within 2s; the wait for the file's lock
 // was kept and documented, as PostgreSQL's TryAcquire waits for a row lock.)
-func TestReviewSQLiteTryAcquireOnALockedFileBounded(t *testing.T) {
+func TestSQLiteTryAcquireOnALockedFileBounded(t *testing.T) {
 	t.Parallel() // a SQLite file of its own; it waits out a file lock held for seconds
 	if testing.Short() {
 		t.Skip("holds a file lock for seconds")
@@ -139,13 +139,13 @@ func TestReviewSQLiteTryAcquireOnALockedFileBounded(t *testing.T) {
 	l2.Release(ctx)
 }
 
-// TestReviewSQLiteDeadlinesOnALockedFile: while another handle keeps the
+// TestSQLiteDeadlinesOnALockedFile: while another handle keeps the
 // file's write lock (past the busy timeout), every call with a 1s deadline
 // returns within about its deadline, with the outcome it reports true once the
 // file is free: three Acquire calls in one acquirer's line, an Acquire with
 // AdvanceGuards (grant and guard in one transaction), a TryAcquire, Renew,
 // Release, Bump, and an idempotency Begin.
-func TestReviewSQLiteDeadlinesOnALockedFile(t *testing.T) {
+func TestSQLiteDeadlinesOnALockedFile(t *testing.T) {
 	if testing.Short() {
 		t.Skip("holds a file lock for seconds")
 	}
@@ -295,12 +295,12 @@ func TestReviewSQLiteDeadlinesOnALockedFile(t *testing.T) {
 	}
 }
 
-// TestReviewSQLiteWaitersAcrossHandlesOnALockedFile: six waiters, three on
+// TestSQLiteWaitersAcrossHandlesOnALockedFile: six waiters, three on
 // each of two handles (as two processes), wait for one name while a third
 // handle keeps the file locked past the busy timeout; once it is free every
 // waiter is granted in turn, never two at once, with tokens that grow in grant
 // order, and no lease handed out already lost.
-func TestReviewSQLiteWaitersAcrossHandlesOnALockedFile(t *testing.T) {
+func TestSQLiteWaitersAcrossHandlesOnALockedFile(t *testing.T) {
 	t.Parallel() // a SQLite file of its own; it waits out a file lock held for seconds
 	if testing.Short() {
 		t.Skip("holds a file lock for seconds")
@@ -379,14 +379,14 @@ func TestReviewSQLiteWaitersAcrossHandlesOnALockedFile(t *testing.T) {
 	}
 }
 
-// TestReviewSQLiteContextEndingAsAStatementCommits (HAZARDS 3): on SQLite
+// TestSQLiteContextEndingAsAStatementCommits (HAZARDS 3): on SQLite
 // every error is taken as definite (db.ambiguous is false), but
 // modernc.org/sqlite returns ctx.Err() for a statement during which the
 // context ended, also when the statement had committed by then. A Bump or a
 // Release whose context ends as it commits must then not report a definite
 // failure: the row shows what happened. The deadlines are spread over the
 // statements' own duration, so some end just after the commit.
-func TestReviewSQLiteContextEndingAsAStatementCommits(t *testing.T) {
+func TestSQLiteContextEndingAsAStatementCommits(t *testing.T) {
 	ctx := context.Background()
 	path := filepath.Join(t.TempDir(), "race.db")
 	fdb := openSQLiteAt(t, path)
@@ -478,13 +478,13 @@ func TestReviewSQLiteContextEndingAsAStatementCommits(t *testing.T) {
 	}
 }
 
-// TestReviewSQLiteAcquireDeadlinePastTheBusyTimeout: a deadline longer than
+// TestSQLiteAcquireDeadlinePastTheBusyTimeout: a deadline longer than
 // the 10s busy timeout, on a file locked throughout: the first attempt ends
 // with SQLITE_BUSY (now taken as held), the next one must still end with the
 // deadline, as a wait that ran out (ErrHeld and DeadlineExceeded), for the
 // head of a line, the waiter behind it, and an Acquire with AdvanceGuards;
 // and nothing is left held.
-func TestReviewSQLiteAcquireDeadlinePastTheBusyTimeout(t *testing.T) {
+func TestSQLiteAcquireDeadlinePastTheBusyTimeout(t *testing.T) {
 	if testing.Short() {
 		t.Skip("holds a file lock for seconds")
 	}

@@ -97,7 +97,7 @@ func TestHandoffMySQLOneStatement(t *testing.T) {
 func TestHandoffMySQLExpiredRelease(t *testing.T) {
 	ctx := context.Background()
 	// Without the bell, whose ringer would wake the head when the row
-	// expires (TestBellReviewExpiredHolder), before the release.
+	// expires (TestBellExpiredHolder), before the release.
 	c := newMySQLCounted(t, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	name := fencetest.Name("handoff-my-exp")
 	h, err := c.a.TryAcquire(ctx, name, time.Second)
