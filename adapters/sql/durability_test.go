@@ -82,7 +82,7 @@ func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := conn.Exec(ctx, "CREATE TABLE IF NOT EXISTS review5_work (v bigint)"); err != nil {
+	if _, err := conn.Exec(ctx, "CREATE TABLE IF NOT EXISTS durable_work (v bigint)"); err != nil {
 		t.Fatal(err)
 	}
 	exec := func(q string) {
@@ -105,7 +105,7 @@ func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	} {
 		var l fence.Lease
 		if round.withLease {
-			l, err = a.TryAcquire(ctx, "review5-in-tx", time.Minute)
+			l, err = a.TryAcquire(ctx, "durable-in-tx", time.Minute)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -120,7 +120,7 @@ func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 		if round.local {
 			exec("SET LOCAL synchronous_commit = off")
 		}
-		exec("INSERT INTO review5_work VALUES (1)")
+		exec("INSERT INTO durable_work VALUES (1)")
 		if l != nil {
 			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
@@ -205,7 +205,7 @@ func TestPostgresAsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 		how string
 		a   *sqlfence.Acquirer
 	}{{"pool", pa}, {"*pgx.Conn", ca}} {
-		name := "review5-async-" + c.how
+		name := "durable-async-" + c.how
 		l, err := c.a.TryAcquire(ctx, name, time.Minute)
 		if err != nil {
 			t.Fatal(err)
@@ -277,14 +277,14 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	ctx := context.Background()
 	for _, v := range []string{"off", "local", "remote_write", "on", "remote_apply"} {
 		p := syncCommitPool(t, map[string]string{"synchronous_commit": v}, 0)
-		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{Table: "review5_leases"})
+		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{Table: "durable_leases"})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if err := a.CreateTable(ctx); err != nil {
 			t.Fatal(err)
 		}
-		name := fmt.Sprintf("review5-setting-%s-%d", v, time.Now().UnixNano())
+		name := fmt.Sprintf("durable-setting-%s-%d", v, time.Now().UnixNano())
 		after := func(step string) {
 			t.Helper()
 			if s := showSyncCommit(t, p); s != v {
@@ -321,7 +321,7 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := tx.Exec(ctx, "SELECT 1 FROM review5_leases WHERE name = $1 FOR UPDATE", name); err != nil {
+		if _, err := tx.Exec(ctx, "SELECT 1 FROM durable_leases WHERE name = $1 FOR UPDATE", name); err != nil {
 			t.Fatal(err)
 		}
 		cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
@@ -343,11 +343,11 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	}
 	defer pc.Release()
 	conn := pc.Conn()
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{Table: "review5_leases"})
+	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{Table: "durable_leases"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	name := fmt.Sprintf("review5-setting-tx-%d", time.Now().UnixNano())
+	name := fmt.Sprintf("durable-setting-tx-%d", time.Now().UnixNano())
 	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
 		t.Fatal(err)
 	}
@@ -416,14 +416,14 @@ func TestPostgresOutcomesThroughWrappedStatements(t *testing.T) {
 	for _, h := range handles {
 		for _, dn := range []bool{false, true} {
 			how := fmt.Sprintf("%s DisableNotify=%v", h.how, dn)
-			a, err := sqlfence.NewAcquirer(h.db(), &sqlfence.AcquirerOptions{Table: "review5_leases", DisableNotify: dn})
+			a, err := sqlfence.NewAcquirer(h.db(), &sqlfence.AcquirerOptions{Table: "durable_leases", DisableNotify: dn})
 			if err != nil {
 				t.Fatal(err)
 			}
 			if err := a.CreateTable(ctx); err != nil {
 				t.Fatal(err)
 			}
-			name := fmt.Sprintf("review5-outcome-%d", time.Now().UnixNano())
+			name := fmt.Sprintf("durable-outcome-%d", time.Now().UnixNano())
 			h.begin()
 			l, err := a.TryAcquire(ctx, name, time.Minute)
 			if err != nil {
@@ -464,7 +464,7 @@ func TestPostgresOutcomesThroughWrappedStatements(t *testing.T) {
 			}
 			if h.how != "*pgx.Conn in BEGIN" {
 				// Expire it on the server (the caller's block would hold the row).
-				if _, err := ext.Exec(ctx, "UPDATE review5_leases SET expires_at = 1 WHERE name = $1", name); err != nil {
+				if _, err := ext.Exec(ctx, "UPDATE durable_leases SET expires_at = 1 WHERE name = $1", name); err != nil {
 					t.Fatal(err)
 				}
 				if err := l2.Release(ctx); !errors.Is(err, fence.ErrLost) {
@@ -500,11 +500,11 @@ func TestPostgresIdempotencyArmSurvivesCrash(t *testing.T) {
 	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
 		t.Fatal(err)
 	}
-	rec, created, err := s.Begin(ctx, "review5-idem", "fp", "owner-1", time.Minute)
+	rec, created, err := s.Begin(ctx, "durable-idem", "fp", "owner-1", time.Minute)
 	if err != nil || !created {
 		t.Fatalf("begin: %v created=%v", err, created)
 	}
-	armed, err := s.Update(ctx, "review5-idem", idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "owner-1", Lease: time.Minute})
+	armed, err := s.Update(ctx, "durable-idem", idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "owner-1", Lease: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -513,13 +513,13 @@ func TestPostgresIdempotencyArmSurvivesCrash(t *testing.T) {
 	// Here the effect runs (a card is charged). Then the server crashes.
 	pg.crash(t)
 	p.Reset()
-	got, err := s.Get(ctx, "review5-idem")
+	got, err := s.Get(ctx, "durable-idem")
 	if err != nil {
 		t.Errorf("after the crash the armed key is gone (%v): a retry claims it afresh and runs the effect again", err)
 	} else if got.State != idempotency.Armed {
 		t.Errorf("after the crash the key is %s, was armed", got.State)
 	}
-	_, created, err = s.Begin(ctx, "review5-idem", "fp", "owner-2", time.Minute)
+	_, created, err = s.Begin(ctx, "durable-idem", "fp", "owner-2", time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -537,7 +537,7 @@ func TestPostgresIdempotencyArmSurvivesCrash(t *testing.T) {
 // standby, and the grant is never answered.
 func TestPostgresAsyncServerWithAbsentSyncStandby(t *testing.T) {
 	t.Parallel() // a server of its own
-	pg := startOwnPostgres(t, "synchronous_commit = off", "synchronous_standby_names = 'review5_absent'")
+	pg := startOwnPostgres(t, "synchronous_commit = off", "synchronous_standby_names = 'absent_standby'")
 	ctx := context.Background()
 	p := pg.pool(t)
 	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
@@ -550,7 +550,7 @@ func TestPostgresAsyncServerWithAbsentSyncStandby(t *testing.T) {
 	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	start := time.Now()
-	l, err := a.TryAcquire(cctx, "review5-standby", time.Minute)
+	l, err := a.TryAcquire(cctx, "durable-standby", time.Minute)
 	t.Logf("TryAcquire after %v: %v", time.Since(start).Round(time.Millisecond), err)
 	if err != nil {
 		t.Fatalf("a grant on a free name, on a server with synchronous_commit off and an absent synchronous standby, failed: %v", err)
@@ -586,7 +586,7 @@ func TestPostgresWriterFenceAcrossCrash(t *testing.T) {
 	if err := w.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	old, err := a.TryAcquire(ctx, "review5-writer", time.Minute)
+	old, err := a.TryAcquire(ctx, "durable-writer", time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -596,7 +596,7 @@ func TestPostgresWriterFenceAcrossCrash(t *testing.T) {
 	if err := old.Release(ctx); err != nil { // stands for its expiry
 		t.Fatal(err)
 	}
-	l, err := a.TryAcquire(ctx, "review5-writer", time.Minute) // durable: flushes the above
+	l, err := a.TryAcquire(ctx, "durable-writer", time.Minute) // durable: flushes the above
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -302,7 +302,7 @@ func TestGiveBackSecondGrantOfTheAttempt(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			netName := fmt.Sprintf("gbreview-%d-%d", os.Getpid(), gbNet.Add(1))
+			netName := fmt.Sprintf("giveback-%d-%d", os.Getpid(), gbNet.Add(1))
 			mysql.RegisterDialContext(netName, d.dial)
 			cfg.Net = netName
 			db, err := sql.Open("mysql", cfg.FormatDSN())
@@ -310,7 +310,7 @@ func TestGiveBackSecondGrantOfTheAttempt(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { db.Close() })
-			a := newAcquirerOn(t, sqlfence.MySQL(db), &sqlfence.AcquirerOptions{Owner: "gbreview-attempt", DisableNotify: !bells})
+			a := newAcquirerOn(t, sqlfence.MySQL(db), &sqlfence.AcquirerOptions{Owner: "giveback-attempt", DisableNotify: !bells})
 			t.Cleanup(func() { d.deliver(); d.release() })
 			// The row exists, free; a's pool has connections.
 			l, err := other.TryAcquire(ctx, name, time.Second)

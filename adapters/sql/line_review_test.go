@@ -94,7 +94,7 @@ func TestLineUnknownReleasePokesHead(t *testing.T) {
 			}
 			px := faultnet.Start(t, target)
 			db, direct := open(t, px)
-			owner := "review-" + fencetest.Name("o")
+			owner := "line-" + fencetest.Name("o")
 			a := newAcquirerOn(t, db, &sqlfence.AcquirerOptions{Owner: owner, DisableNotify: true, Backoff: idleHead})
 			// The release that releases only: a handoff whose replies are
 			// lost is TestHandoffLostReplies.
@@ -527,7 +527,7 @@ type panicker struct {
 func (p *panicker) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	if strings.Contains(d.SQL, "INSERT INTO") && strings.Contains(d.SQL, "RETURNING token") {
 		if p.armed.CompareAndSwap(true, false) {
-			panic("review: the driver panics in the head's grant")
+			panic("test: the driver panics in the head's grant")
 		}
 		p.grants.Add(1)
 	}

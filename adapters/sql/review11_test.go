@@ -165,13 +165,13 @@ func TestDelayedGrantPastWatchMySQL(t *testing.T) {
 	t.Skip("open defect: a grant request delayed in the network past watchGrant's 2s lands after it and holds the row for its ttl (HAZARDS 6)")
 	_, fdb := openMySQL(t, "")
 	other := newAcquirerOn(t, fdb, nil)
-	name := fmt.Sprintf("review11-delayed-my-%d", time.Now().UnixNano())
+	name := fmt.Sprintf("watch-delayed-my-%d", time.Now().UnixNano())
 	d := &slowDialer{target: mysqlAddr(t), match: []byte(name), delay: 5 * time.Second}
 	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
 	if err != nil {
 		t.Fatal(err)
 	}
-	netName := fmt.Sprintf("review11-%d", slowNet.Add(1))
+	netName := fmt.Sprintf("watch-%d", slowNet.Add(1))
 	mysql.RegisterDialContext(netName, func(ctx context.Context, addr string) (net.Conn, error) { return d.dial(ctx, "tcp", addr) })
 	cfg.Net = netName
 	db, err := sql.Open("mysql", cfg.FormatDSN())
@@ -179,7 +179,7 @@ func TestDelayedGrantPastWatchMySQL(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { db.Close() })
-	a := newAcquirerOn(t, sqlfence.MySQL(db), &sqlfence.AcquirerOptions{Owner: "review11-cancelled"})
+	a := newAcquirerOn(t, sqlfence.MySQL(db), &sqlfence.AcquirerOptions{Owner: "watch-cancelled"})
 	delayedGrant(t, d, a, other, name)
 }
 
@@ -195,7 +195,7 @@ func TestDelayedGrantPastWatchPostgres(t *testing.T) {
 	t.Skip("open defect: a grant request delayed in the network past watchGrant's 2s lands after it and holds the row for its ttl (HAZARDS 6)")
 	direct := pgPool(t, pgOpts{})
 	other := newAcquirerOn(t, sqlfence.Pgx(direct), &sqlfence.AcquirerOptions{DisableNotify: true})
-	name := fmt.Sprintf("review11-delayed-pg-%d", time.Now().UnixNano())
+	name := fmt.Sprintf("watch-delayed-pg-%d", time.Now().UnixNano())
 	d := &slowDialer{target: pgTarget(t), match: []byte(name), delay: 5 * time.Second}
 	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
 	if err != nil {
@@ -208,7 +208,7 @@ func TestDelayedGrantPastWatchPostgres(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{Owner: "review11-cancelled", DisableNotify: true})
+	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{Owner: "watch-cancelled", DisableNotify: true})
 	delayedGrant(t, d, a, other, name)
 }
 
@@ -223,11 +223,11 @@ func TestDelayedGrantPastWatchPostgres(t *testing.T) {
 func TestGrantWatcherSparesOthersMySQL(t *testing.T) {
 	raw, fdb := openMySQL(t, "")
 	ctx := context.Background()
-	opts := &sqlfence.AcquirerOptions{Owner: "review11-same"}
+	opts := &sqlfence.AcquirerOptions{Owner: "watch-same"}
 	a := newAcquirerOn(t, fdb, opts)
 	_, fdb2 := openMySQL(t, "")
-	b := newAcquirerOn(t, fdb2, &sqlfence.AcquirerOptions{Owner: "review11-same"})
-	name := fmt.Sprintf("review11-spare-%d", time.Now().UnixNano())
+	b := newAcquirerOn(t, fdb2, &sqlfence.AcquirerOptions{Owner: "watch-same"})
+	name := fmt.Sprintf("watch-spare-%d", time.Now().UnixNano())
 	l, err := b.TryAcquire(ctx, name, time.Second)
 	if err != nil {
 		t.Fatal(err)
@@ -322,12 +322,12 @@ func grantWatchers() int {
 // the watcher goroutine ended.
 func TestGrantWatcherLongLockWaitMySQL(t *testing.T) {
 	if os.Getenv("FENCEKIT_LONG_TESTS") == "" {
-		t.Skip("about 70s of waiting for a row lock: run with FENCEKIT_LONG_TESTS=1 (it passed when review 11 wrote it)")
+		t.Skip("about 70s of waiting for a row lock: run with FENCEKIT_LONG_TESTS=1 (it passes on MariaDB 10.11)")
 	}
 	raw, fdb := openMySQL(t, "innodb_lock_wait_timeout=120")
 	ctx := context.Background()
-	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Owner: "review11-long"})
-	name := fmt.Sprintf("review11-long-%d", time.Now().UnixNano())
+	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Owner: "watch-long"})
+	name := fmt.Sprintf("watch-long-%d", time.Now().UnixNano())
 	l, err := a.TryAcquire(ctx, name, time.Second)
 	if err != nil {
 		t.Fatal(err)
