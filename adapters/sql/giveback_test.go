@@ -1,9 +1,5 @@
 package sqlfence_test
 
-// Review of dd1aefe (giveBack takes a release that reports ErrLost as
-// "given back"): when Acquire returns an error matching fence.ErrHeld (and
-// not ErrUnknown), no grant of that attempt may be live afterwards.
-
 import (
 	"context"
 	"database/sql"
@@ -25,7 +21,13 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
+
+// The give-back of an attempt's grants (giveBack, watchGrant): when Acquire
+// returns an error matching fence.ErrHeld (and not ErrUnknown), no grant of
+// that attempt may be live afterwards, also when giveBack's release reports
+// ErrLost.
 
 // TestGiveBackInFlightStress: TestAcquireEndsWithAGrantInFlight's
 // scenario many times over, with latencies and waits that put the grant's
@@ -86,7 +88,7 @@ func TestGiveBackInFlightStress(t *testing.T) {
 				// the row lands after Acquire returned; watchGrant gives it
 				// back in the background (it reads the row for 2s, 10ms
 				// doubling). Since MySQL's statements go in one round trip
-				// (b7dc089) that happens here about once in 15 runs. So the
+				// (inlined arguments) that happens here about once in 15 runs. So the
 				// name must be free within that bound, not at once.
 				start := time.Now()
 				for {
@@ -284,11 +286,11 @@ var gbNet atomic.Int64
 // (A) had a lost reply runs it again (B) as the same owner. B lands (token
 // T) and the context ends before its reply. watchGrant releases T first;
 // A, delayed in the network, then lands on the free row and grants T+1 to
-// the same owner; giveBack's release of T finds nothing: ErrLost. Since
-// dd1aefe giveBack counts that as "given back" and Acquire returns ErrHeld,
+// the same owner; giveBack's release of T finds nothing: ErrLost. If
+// giveBack counted that as "given back", Acquire would return ErrHeld
 // while the attempt's grant T+1 is live (for its whole ttl if watchGrant's
-// reads are slow or its watch ended). Before dd1aefe it returned
-// ErrUnknown, which is true. The guarantee: ErrHeld means no grant of the
+// reads are slow or its watch ended); ErrUnknown is the true answer. The
+// guarantee: ErrHeld means no grant of the
 // attempt is live.
 func TestGiveBackSecondGrantOfTheAttempt(t *testing.T) {
 	for _, bells := range []bool{false, true} {
@@ -358,4 +360,397 @@ func TestGiveBackSecondGrantOfTheAttempt(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestAcquireEndsWithAGrantInFlight: an Acquire whose context ends while its
+// grant statement is on a slow link (faultnet latency above the wait) reads
+// the row, gives back a grant that landed, and returns what any wait that
+// ran out returns: fence.ErrHeld joined with the context's error, not
+// fence.ErrUnknown (the conformance suite's AcquireGivesUpAtDeadline and
+// AcquireCancelled failed so on PostgreSQL on a loaded machine). On a free
+// name the grant lands after the context ended: the name must be free
+// within seconds afterwards, not held for the minute's ttl.
+func TestAcquireEndsWithAGrantInFlight(t *testing.T) {
+	ctx := context.Background()
+	for _, p := range lostReplyTargets(t) {
+		t.Run(p.name, func(t *testing.T) {
+			a, err := sqlfence.NewAcquirer(p.db, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			other, err := sqlfence.NewAcquirer(p.direct, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			warm := fencetest.Name("inflight")
+			l, err := a.TryAcquire(ctx, warm, time.Minute) // connects and prepares
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			held, free := fencetest.Name("inflight"), fencetest.Name("inflight")
+			h, err := other.TryAcquire(ctx, held, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer h.Release(ctx)
+			for _, name := range []string{held, free} {
+				p.proxy.Latency(60*time.Millisecond, 60*time.Millisecond)
+				wctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+				got, err := a.Acquire(wctx, name, time.Minute)
+				cancel()
+				p.proxy.Latency(0, 0)
+				if err == nil {
+					_ = got.Release(ctx)
+					t.Fatalf("%s: granted within a 20ms wait over a 60ms link", name)
+				}
+				if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || errors.Is(err, fence.ErrUnknown) {
+					t.Fatalf("Acquire whose context ended with its grant in flight (name held: %v): %v, want ErrHeld joined with DeadlineExceeded (and not ErrUnknown)", name == held, err)
+				}
+			}
+			// A grant statement still on the link when the Acquire's read
+			// settled the row lands after it; the Acquire's watcher gives
+			// it back within its watch (grantWatch, 2s), so the name is
+			// free within seconds, not held for the minute's ttl.
+			wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			start := time.Now()
+			l, err = other.Acquire(wctx, free, time.Minute)
+			cancel()
+			if err != nil {
+				t.Fatalf("the free name after an Acquire gave up with its grant in flight: still held after %v (%v), want it free (the grant given back)", time.Since(start), err)
+			}
+			t.Logf("the free name was granted %v after the Acquire gave up", time.Since(start))
+			_ = l.Release(ctx)
+		})
+	}
+}
+
+// The recovery watchers, watchGrant (a grant statement in flight when its
+// Acquire's context ended) and settleHandoff, against the real PostgreSQL and MySQL/MariaDB servers.
+
+var slowNet atomic.Int64
+
+// slowConn delays the one write that carries match (once armed) by delay,
+// as a network that retransmits it would: the client's Write returns at
+// once, the bytes reach the server later, and a Close meanwhile takes
+// effect only after them (a socket's close sends what it queued first).
+type slowConn struct {
+	net.Conn
+	d       *slowDialer
+	mu      sync.Mutex
+	pending chan struct{}
+}
+
+func (c *slowConn) pend() chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.pending
+}
+
+type slowDialer struct {
+	target string
+	match  []byte
+	delay  time.Duration
+	armed  atomic.Bool
+	fired  atomic.Int64
+}
+
+func (c *slowConn) Write(b []byte) (int, error) {
+	if c.pend() == nil && c.d.armed.Load() && faultnet.Carries(b, string(c.d.match)) && c.d.armed.CompareAndSwap(true, false) {
+		c.d.fired.Add(1)
+		ch := make(chan struct{})
+		c.mu.Lock()
+		c.pending = ch
+		c.mu.Unlock()
+		buf := append([]byte(nil), b...)
+		go func() {
+			time.Sleep(c.d.delay)
+			_, _ = c.Conn.Write(buf)
+			close(ch)
+		}()
+		return len(b), nil
+	}
+	if ch := c.pend(); ch != nil {
+		<-ch
+	}
+	return c.Conn.Write(b)
+}
+
+func (c *slowConn) Close() error {
+	if ch := c.pend(); ch != nil {
+		// The client sees its socket closed at once (reads fail); the
+		// delayed bytes still go out, then the close.
+		_ = c.Conn.SetReadDeadline(time.Now())
+		go func() { <-ch; time.Sleep(100 * time.Millisecond); c.Conn.Close() }()
+		return nil
+	}
+	return c.Conn.Close()
+}
+
+func (d *slowDialer) dial(ctx context.Context, network, addr string) (net.Conn, error) {
+	var nd net.Dialer
+	c, err := nd.DialContext(ctx, "tcp", d.target)
+	if err != nil {
+		return nil, err
+	}
+	return &slowConn{Conn: c, d: d}, nil
+}
+
+// grantedWithin waits up to d for name to be granted to a (the lock free);
+// it fails the test with what Inspect shows when it is not.
+func grantedWithin(t *testing.T, a *sqlfence.Acquirer, name string, d time.Duration, what string) fence.Lease {
+	t.Helper()
+	end := time.Now().Add(d)
+	for {
+		l, err := a.TryAcquire(context.Background(), name, 5*time.Second)
+		if err == nil {
+			return l
+		}
+		if time.Now().After(end) {
+			info, ierr := a.Inspect(context.Background(), name)
+			t.Fatalf("%s: the lock is not free %v later (last TryAcquire: %v); Inspect: %+v %v", what, d, err, info, ierr)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// delayedGrant runs the scenario on an acquirer whose first connection goes
+// through a proxy that is partitioned just before the grant: the grant's
+// request is held in the network for 5s, past the context's end (300ms),
+// the give-back's read and the 2s the watcher watches at least; then it is
+// delivered and the server runs it (the client closed its socket, which
+// does not withdraw bytes already sent).
+func delayedGrant(t *testing.T, d *slowDialer, a, other *sqlfence.Acquirer, name string) {
+	ctx := context.Background()
+	// The row exists, free.
+	l, err := other.TryAcquire(ctx, name, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// a's connections have the grant prepared (pgx caches it per connection).
+	for i := 0; i < 3; i++ {
+		l, err := a.TryAcquire(ctx, name+"-warm", time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = l.Release(ctx)
+	}
+	d.armed.Store(true)
+	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	_, err = a.TryAcquire(cctx, name, time.Minute)
+	cancel()
+	t.Logf("cancelled TryAcquire: %v", err)
+	if !errors.Is(err, fence.ErrHeld) {
+		t.Logf("(not ErrHeld: the caller was told the outcome is unknown)")
+	}
+	time.Sleep(d.delay + time.Second)
+	info, ierr := other.Inspect(ctx, name)
+	t.Logf("after the delayed request: Inspect %+v %v; delayed writes %d", info, ierr, d.fired.Load())
+	got := grantedWithin(t, other, name, 10*time.Second, "a grant request delayed 5s in the network after the cancelled TryAcquire returned")
+	_ = got.Release(ctx)
+}
+
+// TestDelayedGrantPastWatchMySQL: KNOWN FAILURE (real gap; skipped):
+// watchGrant stops once a read completes after 2s (acquirer.go, watchGrant:
+// `time.Since(start) >= grantWatch`), so a grant request still on the
+// network after that (a TCP retransmission, a congested link) lands later
+// and holds the row for its whole ttl (1 minute here) with nobody to release
+// it, after TryAcquire said "not granted" (ErrHeld).
+func TestDelayedGrantPastWatchMySQL(t *testing.T) {
+	// Open defect (HAZARDS 6), see the README's "not guaranteed": closing
+	// it needs the give-back to wait until the server's session that got
+	// the statement has ended (MySQL's CONNECTION_ID, PostgreSQL's backend
+	// PID), or a mark the give-back leaves that refuses the grant.
+	t.Skip("open defect: a grant request delayed in the network past watchGrant's 2s lands after it and holds the row for its ttl (HAZARDS 6)")
+	_, fdb := openMySQL(t, "")
+	other := newAcquirerOn(t, fdb, nil)
+	name := fmt.Sprintf("watch-delayed-my-%d", time.Now().UnixNano())
+	d := &slowDialer{target: mysqlAddr(t), match: []byte(name), delay: 5 * time.Second}
+	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	netName := fmt.Sprintf("watch-%d", slowNet.Add(1))
+	mysql.RegisterDialContext(netName, func(ctx context.Context, addr string) (net.Conn, error) { return d.dial(ctx, "tcp", addr) })
+	cfg.Net = netName
+	db, err := sql.Open("mysql", cfg.FormatDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	a := newAcquirerOn(t, sqlfence.MySQL(db), &sqlfence.AcquirerOptions{Owner: "watch-cancelled"})
+	delayedGrant(t, d, a, other, name)
+}
+
+// TestDelayedGrantPastWatchPostgres: as TestDelayedGrantPastWatchMySQL, with a
+// pgx pool. KNOWN FAILURE (same gap): pgx's cancel request reaches the
+// server before the delayed statement and cancels nothing; TryAcquire says
+// "not granted" and the grant lands 5s later, held for its 1-minute ttl.
+func TestDelayedGrantPastWatchPostgres(t *testing.T) {
+	// Open defect (HAZARDS 6), see the README's "not guaranteed": closing
+	// it needs the give-back to wait until the server's session that got
+	// the statement has ended (MySQL's CONNECTION_ID, PostgreSQL's backend
+	// PID), or a mark the give-back leaves that refuses the grant.
+	t.Skip("open defect: a grant request delayed in the network past watchGrant's 2s lands after it and holds the row for its ttl (HAZARDS 6)")
+	direct := pgPool(t, pgOpts{})
+	other := newAcquirerOn(t, sqlfence.Pgx(direct), &sqlfence.AcquirerOptions{DisableNotify: true})
+	name := fmt.Sprintf("watch-delayed-pg-%d", time.Now().UnixNano())
+	d := &slowDialer{target: pgTarget(t), match: []byte(name), delay: 5 * time.Second}
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.DialFunc = d.dial
+	cfg.ConnConfig.Fallbacks = nil
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{Owner: "watch-cancelled", DisableNotify: true})
+	delayedGrant(t, d, a, other, name)
+}
+
+// TestGrantWatcherSparesOthersMySQL: a TryAcquire's grant waits behind an
+// operator's row lock when its context ends; its give-back read times out
+// behind the same lock (ErrUnknown), so the watcher runs. Meanwhile the same
+// acquirer's next Acquire and an Acquire of another Acquirer with the same Owner option
+// wait for the lock. After the operator commits, the cancelled grant lands
+// and must be given back; the winner must then keep the lock (the watcher
+// must not release it), the loser must get it after the winner's release,
+// and tokens must grow.
+func TestGrantWatcherSparesOthersMySQL(t *testing.T) {
+	raw, fdb := openMySQL(t, "")
+	ctx := context.Background()
+	opts := &sqlfence.AcquirerOptions{Owner: "watch-same"}
+	a := newAcquirerOn(t, fdb, opts)
+	_, fdb2 := openMySQL(t, "")
+	b := newAcquirerOn(t, fdb2, &sqlfence.AcquirerOptions{Owner: "watch-same"})
+	name := fmt.Sprintf("watch-spare-%d", time.Now().UnixNano())
+	l, err := b.TryAcquire(ctx, name, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := l.Token()
+	_ = l.Release(ctx)
+
+	tx := lockRowMySQL(t, raw, name)
+	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	_, err = a.TryAcquire(cctx, name, time.Minute)
+	cancel()
+	t.Logf("cancelled TryAcquire: %v", err)
+
+	wctx, wcancel := context.WithTimeout(ctx, 90*time.Second)
+	defer wcancel()
+	chA := goAcquire(wctx, a, name, 30*time.Second)
+	chB := goAcquire(wctx, b, name, 30*time.Second)
+	time.Sleep(time.Second)
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	var win, lose <-chan acquired
+	var r acquired
+	select {
+	case r = <-chA:
+		win, lose = chA, chB
+	case r = <-chB:
+		win, lose = chB, chA
+	case <-time.After(15 * time.Second):
+		info, _ := b.Inspect(ctx, name)
+		t.Fatalf("nobody granted 15s after the operator's commit; Inspect: %+v", info)
+	}
+	t.Logf("winner: a? %v", win == chA)
+	if r.err != nil {
+		t.Fatalf("first Acquire: %v", r.err)
+	}
+	if r.l.Token() <= first {
+		t.Fatalf("token %d not above %d", r.l.Token(), first)
+	}
+	// The watcher runs for at least 2s and reads on: the winner keeps its
+	// lock all that time.
+	for end := time.Now().Add(5 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		info, err := b.Inspect(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !info.Held || info.Token != r.l.Token() {
+			t.Fatalf("the winner's lease (token %d) was taken from it: Inspect %+v", r.l.Token(), info)
+		}
+		if r.l.Context().Err() != nil {
+			t.Fatalf("the winner's lease ended: %v", context.Cause(r.l.Context()))
+		}
+	}
+	select {
+	case r2 := <-lose:
+		t.Fatalf("granted while the winner held: %+v", r2)
+	default:
+	}
+	if err := r.l.Release(ctx); err != nil {
+		t.Fatalf("winner's Release: %v", err)
+	}
+	r2 := within(t, lose, 10*time.Second, "the other waiter after the winner's release")
+	if r2.err != nil {
+		t.Fatalf("second Acquire: %v", r2.err)
+	}
+	if r2.l.Token() <= r.l.Token() {
+		t.Fatalf("token %d not above %d", r2.l.Token(), r.l.Token())
+	}
+	time.Sleep(3 * time.Second)
+	info, _ := b.Inspect(ctx, name)
+	if !info.Held || info.Token != r2.l.Token() {
+		t.Fatalf("the second lease (token %d) was taken: Inspect %+v", r2.l.Token(), info)
+	}
+	if err := r2.l.Release(ctx); err != nil {
+		t.Fatalf("second Release: %v", err)
+	}
+}
+
+// grantWatchers counts goroutines running watchGrant or settleHandoff.
+func grantWatchers() int {
+	buf := make([]byte, 1<<22)
+	buf = buf[:runtime.Stack(buf, true)]
+	return strings.Count(string(buf), "sqlfence.(*Acquirer).watchGrant") + strings.Count(string(buf), "sqlfence.(*Acquirer).settleHandoff")
+}
+
+// TestGrantWatcherLongLockWaitMySQL: the DSN raises innodb_lock_wait_timeout to
+// 120s (a setting the library does not control). A cancelled grant waits
+// behind an operator's row lock held for 65s: it lands after watchGrant's
+// one-minute cap. Were it to fail: grantWatchMax (acquirer.go) assumes
+// MySQL's default 50s lock wait. It passes on MariaDB 10.11 (the statement
+// of a closed connection does not land after the wait). Also checks that
+// the watcher goroutine ended.
+func TestGrantWatcherLongLockWaitMySQL(t *testing.T) {
+	if os.Getenv("FENCEKIT_LONG_TESTS") == "" {
+		t.Skip("about 70s of waiting for a row lock: run with FENCEKIT_LONG_TESTS=1 (it passes on MariaDB 10.11)")
+	}
+	raw, fdb := openMySQL(t, "innodb_lock_wait_timeout=120")
+	ctx := context.Background()
+	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Owner: "watch-long"})
+	name := fmt.Sprintf("watch-long-%d", time.Now().UnixNano())
+	l, err := a.TryAcquire(ctx, name, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = l.Release(ctx)
+	before := grantWatchers()
+	tx := lockRowMySQL(t, raw, name)
+	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	_, err = a.TryAcquire(cctx, name, time.Minute)
+	cancel()
+	t.Logf("cancelled TryAcquire: %v", err)
+	time.Sleep(65 * time.Second)
+	if n := grantWatchers(); n > before {
+		t.Errorf("%d watcher goroutines still running 65s after the cancel (before: %d)", n, before)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second)
+	got := grantedWithin(t, a, name, 10*time.Second, "a grant that waited 65s for an operator's row lock (innodb_lock_wait_timeout=120)")
+	_ = got.Release(ctx)
 }

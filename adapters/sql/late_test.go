@@ -16,9 +16,9 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Review of 7438dc7 (a grant that comes back past its local deadline is
-// given back: TryAcquire returns ErrLost, Acquire tries again; SQLite's
-// context errors become ErrUnknown). Every test runs against the real
+// Late grants: a grant that comes back past its local deadline is given
+// back (TryAcquire returns ErrLost, Acquire tries again; SQLite's context
+// errors become ErrUnknown). Every test runs against the real
 // servers (SQLite files, PostgreSQL, MariaDB/MySQL).
 //
 // Making every grant late, deterministically: an acquirer whose Drift is
