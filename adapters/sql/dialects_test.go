@@ -197,7 +197,7 @@ func TestRenewAfterLocalDeadline(t *testing.T) {
 				t.Fatalf("Renew after the local deadline: %v, want ErrLost", err)
 			}
 			// Polled, not Acquire: a waiter's backoff on a loaded machine
-			// (a CI run saw 1.3s) is not what is checked. A renewal that
+			// (1.3s has been seen) is not what is checked. A renewal that
 			// held the row would hold it until at least a ttl after it was
 			// sent; the row is free about a ttl after the grant, which is
 			// about when the Renew was sent, so three quarters of a ttl

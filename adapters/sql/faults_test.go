@@ -563,7 +563,7 @@ func TestRenewConfirmedAfterLocalDeadline(t *testing.T) {
 				}
 				if l.Context().Err() != nil {
 					// A loaded machine took the whole second before the
-					// Renew could be sent (a CI run saw it: the Renew then
+					// Renew could be sent (it happens: the Renew then
 					// sends nothing, and the row is held for its first
 					// ttl, as for any lease left to expire): the case
 					// proves nothing; try again.

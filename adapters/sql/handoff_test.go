@@ -1205,7 +1205,8 @@ func handoffMySQLDB(t *testing.T, px *faultnet.Proxy, params string) *sql.DB {
 	return db
 }
 
-// handoffMySQLSessions are the DSN settings of the brief: connection character
+// handoffMySQLSessions are DSN settings that change how names and owners
+// reach the server: connection character
 // sets, a non-strict mode, EMPTY_STRING_IS_NULL, clientFoundRows and
 // client-side interpolation.
 var handoffMySQLSessions = []string{
