@@ -152,7 +152,7 @@ func TestRunTxBadInput(t *testing.T) {
 	}
 }
 
-// TestRunTxBadOptions (HAZARDS 8): a negative MaxAttempts, an isolation
+// TestRunTxBadOptions (inputs at the limits): a negative MaxAttempts, an isolation
 // level that database/sql does not define and pgx transaction modes that pgx
 // does not define are refused with ErrInvalid naming the option, before a
 // transaction begins (f never runs); a MaxAttempts of math.MaxInt is a bound
@@ -216,7 +216,7 @@ func TestTTLNotAboveDrift(t *testing.T) {
 	fencetest.DriftRefusesShortTTL(t, a, time.Second, "ttl")
 }
 
-// TestBadOwner (HAZARDS 8): an Owner the lease table cannot store (a NUL
+// TestBadOwner (inputs at the limits): an Owner the lease table cannot store (a NUL
 // byte, invalid UTF-8) is refused by NewAcquirer with fence.ErrInvalid naming
 // it, on every dialect, rather than failing every grant.
 func TestBadOwner(t *testing.T) {

@@ -1515,7 +1515,7 @@ func TestBellCancelWhileWatchBlocked(t *testing.T) {
 // server session stays open, idle). A releases. C, a waiter of a third
 // Acquirer (an hour's Backoff) whose ringer waits in GET_LOCK, must be
 // granted within a few seconds: the lock is free and C's process is fine.
-// (HAZARDS 6: one dead or slow participant must not stall everyone. The
+// (one dead or slow participant must not stall everyone. The
 // docs say a paused holder only delays; here it is a paused waiter, and
 // the delay is as long as it stays paused, not a ttl.)
 func TestBellPausedWaiterKeepsBell(t *testing.T) {

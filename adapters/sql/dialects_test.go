@@ -100,7 +100,7 @@ func pgxExec(p *pgxpool.Pool) func(context.Context, string, ...any) error {
 	}
 }
 
-// TestTokenAfterLeaseRowDeleted (HAZARDS 1): holder A has token t and
+// TestTokenAfterLeaseRowDeleted (tokens never go backwards): holder A has token t and
 // pauses; the lease row is deleted behind the acquirer's back; B is granted
 // the name. B's token must be above t, so that the fence rejects A's late
 // write after B's.
@@ -146,7 +146,7 @@ func TestTokenAfterLeaseRowDeleted(t *testing.T) {
 	}
 }
 
-// TestTokenAfterLeaseRowDeletedAtOnce (HAZARDS 1): a row created, deleted
+// TestTokenAfterLeaseRowDeletedAtOnce (tokens never go backwards): a row created, deleted
 // and created again at once, many times over, must give each new holder a
 // token above the one before, also when both creations fall in one tick of
 // the database's clock (SQLite's counts milliseconds).
@@ -174,7 +174,7 @@ func TestTokenAfterLeaseRowDeletedAtOnce(t *testing.T) {
 	}
 }
 
-// TestRenewAfterLocalDeadline (HAZARDS 6): a lease past its local deadline
+// TestRenewAfterLocalDeadline (nobody keeps a free lock from the others): a lease past its local deadline
 // (its context done) is renewed: Renew returns ErrLost, and it must not hold
 // the lock on the server for another ttl: another acquirer is granted within
 // about a ttl of the first grant, not a ttl after the late renewal.
@@ -222,7 +222,7 @@ func TestRenewAfterLocalDeadline(t *testing.T) {
 	}
 }
 
-// TestBumpOfMissingRowKeepsClockFloor (HAZARDS 1): the lease row of a name
+// TestBumpOfMissingRowKeepsClockFloor (tokens never go backwards): the lease row of a name
 // is deleted (an operator's DELETE) while a paused holder has its token; an
 // operator's Bump to a small value recreates the row. The next grant must
 // still be above the paused holder's token: Bump must not start a counter

@@ -414,7 +414,7 @@ func wantUnknown(t *testing.T, what string, err error) {
 	}
 }
 
-// TestLostReplies (HAZARDS 3): a statement reaches the server, is applied,
+// TestLostReplies (an unknown outcome is never reported as definite): a statement reaches the server, is applied,
 // and its reply is lost. Each step must say so (fence.ErrUnknown) or
 // recognise its own applied change; never a bare transport error, never a
 // definite failure for a change that landed.
@@ -539,7 +539,7 @@ func TestLostReplies(t *testing.T) {
 	}
 }
 
-// TestRenewConfirmedAfterLocalDeadline (HAZARDS 6): a renewal reaches the
+// TestRenewConfirmedAfterLocalDeadline (nobody keeps a free lock from the others): a renewal reaches the
 // server while the lease is live there, and its reply comes back after the
 // lease's local deadline (a slow network). Renew returns ErrLost, and the row
 // the server extended is given up: another acquirer is granted at once.
@@ -591,7 +591,7 @@ func TestRenewConfirmedAfterLocalDeadline(t *testing.T) {
 	}
 }
 
-// TestMySQLLostReplyOfParameterPath (HAZARDS 3): on MySQL a value over the
+// TestMySQLLostReplyOfParameterPath (an unknown outcome is never reported as definite): on MySQL a value over the
 // inline limit goes as a base64 parameter of a prepared statement (prepare,
 // then execute); with a small packet limit every argument does. The execute
 // reaches the server, is applied, and its reply is lost: Write says
@@ -651,7 +651,7 @@ func pgExpiresAt(t *testing.T, direct *pgxpool.Pool, name string) int64 {
 	return e
 }
 
-// TestRenewRetryNotSentAfterLostReply (HAZARDS 3): a renewal reaches the
+// TestRenewRetryNotSentAfterLostReply (an unknown outcome is never reported as definite): a renewal reaches the
 // server and extends the row, and its reply is lost; Renew runs it again,
 // and that retry sends nothing: the pool has no connection for it (a refused
 // dial, or the context ends while another caller holds the pool's only
@@ -778,7 +778,7 @@ func pgURLVia(t *testing.T, px *faultnet.Proxy) string {
 	return u
 }
 
-// TestRenewReplyLostPastLocalDeadline (HAZARDS 6, 3): a renewal is sent
+// TestRenewReplyLostPastLocalDeadline (nobody keeps a free lock from the others; an unknown outcome is never reported as definite): a renewal is sent
 // before the lease's local deadline, reaches the server after it (the server
 // still holds the lease: its ttl is longer than the local deadline by the
 // drift), is applied, and its reply is lost. Renew must not leave the row
@@ -822,7 +822,7 @@ func TestRenewReplyLostPastLocalDeadline(t *testing.T) {
 	}
 }
 
-// TestReleaseReplyLostThenRegranted (HAZARDS 3): a release is applied and
+// TestReleaseReplyLostThenRegranted (an unknown outcome is never reported as definite): a release is applied and
 // its reply lost; before the release runs again another acquirer is granted
 // the name. The retry finds the row under a newer token: Release cannot know
 // whether its own release landed first, and must not report a definite
@@ -867,7 +867,7 @@ func TestReleaseReplyLostThenRegranted(t *testing.T) {
 	}
 }
 
-// TestLostGrantReplyWithAdvanceGuards (HAZARDS 3): with AdvanceGuards, a
+// TestLostGrantReplyWithAdvanceGuards (an unknown outcome is never reported as definite): with AdvanceGuards, a
 // grant whose reply (or whose commit's reply) was lost is recognised or run
 // again, as without it: TryAcquire returns the lease, never a bare
 // transport error, and the guard row holds the lease's token.
@@ -922,7 +922,7 @@ func closedAddr(t *testing.T) string {
 	return addr
 }
 
-// TestUnreachableServerIsDefinite (HAZARDS 3): when the connection to the
+// TestUnreachableServerIsDefinite (an unknown outcome is never reported as definite): when the connection to the
 // server is refused, no statement was sent: the steps report the error as
 // it is, never fence.ErrUnknown ("may have been applied").
 func TestUnreachableServerIsDefinite(t *testing.T) {
@@ -978,7 +978,7 @@ func TestUnreachableServerIsDefinite(t *testing.T) {
 	}
 }
 
-// TestCommitOfFailedTxIsDefinite (HAZARDS 3): a transaction in which a
+// TestCommitOfFailedTxIsDefinite (an unknown outcome is never reported as definite): a transaction in which a
 // statement failed (the caller ignored the error) is rolled back by the
 // server at COMMIT, which says so: RunTx and RunPgxTx report an error that
 // is not fence.ErrUnknown ("may have committed"), and nothing committed.
@@ -1002,7 +1002,7 @@ func TestCommitOfFailedTxIsDefinite(t *testing.T) {
 	}
 }
 
-// TestDoneContextIsDefinite (HAZARDS 3): a step called with a context that
+// TestDoneContextIsDefinite (an unknown outcome is never reported as definite): a step called with a context that
 // has already ended sends nothing: it reports the context's error, never
 // fence.ErrUnknown ("may have been applied").
 func TestDoneContextIsDefinite(t *testing.T) {

@@ -562,7 +562,7 @@ func delayedGrant(t *testing.T, d *slowDialer, a, other *sqlfence.Acquirer, name
 // and holds the row for its whole ttl (1 minute here) with nobody to release
 // it, after TryAcquire said "not granted" (ErrHeld).
 func TestDelayedGrantPastWatchMySQL(t *testing.T) {
-	// Open defect (HAZARDS 6), see the README's "not guaranteed": closing
+	// Open defect (nobody keeps a free lock from the others), see the README's "not guaranteed": closing
 	// it needs the give-back to wait until the server's session that got
 	// the statement has ended (MySQL's CONNECTION_ID, PostgreSQL's backend
 	// PID), or a mark the give-back leaves that refuses the grant.
@@ -592,7 +592,7 @@ func TestDelayedGrantPastWatchMySQL(t *testing.T) {
 // server before the delayed statement and cancels nothing; TryAcquire says
 // "not granted" and the grant lands 5s later, held for its 1-minute ttl.
 func TestDelayedGrantPastWatchPostgres(t *testing.T) {
-	// Open defect (HAZARDS 6), see the README's "not guaranteed": closing
+	// Open defect (nobody keeps a free lock from the others), see the README's "not guaranteed": closing
 	// it needs the give-back to wait until the server's session that got
 	// the statement has ended (MySQL's CONNECTION_ID, PostgreSQL's backend
 	// PID), or a mark the give-back leaves that refuses the grant.

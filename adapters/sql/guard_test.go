@@ -445,7 +445,7 @@ func TestCompleteTxAfterChangeInSnapshot(t *testing.T) {
 	}
 }
 
-// TestRunTxPanicRollsBack (HAZARDS 6): f guards a name and panics; the
+// TestRunTxPanicRollsBack (nobody keeps a free lock from the others): f guards a name and panics; the
 // caller recovers (as net/http does for a handler). The transaction must be
 // rolled back on the way out, or its connection keeps the guard row locked
 // (on SQLite the whole database) for as long as the process lives, and every
@@ -524,7 +524,7 @@ func TestRunTxPanicRollsBack(t *testing.T) {
 	}
 }
 
-// TestRunTxEndedByF (HAZARDS 3): f commits the transaction itself (after a
+// TestRunTxEndedByF (an unknown outcome is never reported as definite): f commits the transaction itself (after a
 // guard and an insert) and returns nil; RunTx's own commit then finds it
 // closed. The transaction committed, so RunTx must not report a definite
 // failure ("commit: tx is closed"): it cannot know whether f committed or

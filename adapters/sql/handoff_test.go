@@ -790,7 +790,7 @@ func TestHandoffHintedGrantDeadline(t *testing.T) {
 
 // TestHandoffGoneHeadLostReplies checks: "a head that gave up while the
 // statement ran gets nothing and the releaser gives the grant back at once"
-// (transfer.go; HAZARDS 6: a waiter that left must not keep a free lock from
+// (transfer.go; a waiter that left must not keep a free lock from
 // the others for a whole ttl), when the handoff's replies are lost.
 //
 // The handoff statement waits for the row (another transaction holds it);
@@ -867,7 +867,7 @@ func TestHandoffGoneHeadLostReplies(t *testing.T) {
 	l.Release(ctx)
 }
 
-// TestHandoffUncertainThenRefused checks HAZARDS 3 for the handoff: a
+// TestHandoffUncertainThenRefused checks, for the handoff, that an unknown outcome is never reported as definite: a
 // release whose first handoff statement landed but whose reply was lost, and
 // whose next attempt could not be sent (the connection is refused), must
 // report an outcome matching fence.ErrUnknown, not a definite error (the
@@ -953,7 +953,7 @@ func TestHandoffChainEndPokesHead(t *testing.T) {
 }
 
 // TestHandoffReleasedEndsBeforeHanded checks "the holder's context ends
-// before anyone else is granted" (HAZARDS 2) for the handoff: the head of the
+// before anyone else is granted" for the handoff: the head of the
 // line is granted in this process, so when its Acquire returns, the released
 // lease's context must already be done. transfer hands the lease to the head
 // (Hand) before Release ends the old lease (its deferred End), so the head
@@ -1366,7 +1366,7 @@ func TestHandoffMySQLLateGivenBack(t *testing.T) {
 
 // TestHandoffMySQLKilled: the handoff statement waits for the row and is
 // killed from another session (KILL QUERY, KILL CONNECTION). Whatever
-// Release returns must agree with the row (HAZARDS 3): nil only if the row
+// Release returns must agree with the row (an unknown outcome is never reported as definite): nil only if the row
 // was handed to the head; a definite error (neither nil nor ErrUnknown) only
 // if the row is still the released lease's; never ErrLost (the lease held
 // the row). And the head must not be left waiting on a row that was handed
@@ -1816,7 +1816,7 @@ func TestHandoffMySQLTTLs(t *testing.T) {
 // fence.ErrUnknown (the lease then ends on the server by its ttl at the
 // latest)", and transfer.go: "a head that gave up while the statement ran
 // gets nothing, and the releaser gives the grant back at once (also one
-// whose reply was lost, if a read finds it)"; HAZARDS 6: a waiter that left
+// whose reply was lost, if a read finds it)"; a waiter that left
 // must not keep a free lock for a ttl.
 //
 // The released lease has a 5s ttl; the head asks for a minute. The handoff

@@ -130,7 +130,7 @@ func TestIdempotencyCompleteTx(t *testing.T) {
 	}
 }
 
-// TestIdempotencyLongRetention (HAZARDS 8): a completed record kept for 30
+// TestIdempotencyLongRetention (inputs at the limits): a completed record kept for 30
 // days (more than 2^31 milliseconds) is stored, on every dialect, through
 // Update and CompleteTx.
 func TestIdempotencyLongRetention(t *testing.T) {
@@ -159,7 +159,7 @@ func TestIdempotencyLongRetention(t *testing.T) {
 	}
 }
 
-// TestLongFingerprint (HAZARDS 4, 8): a fingerprint over 64 KiB (a request
+// TestLongFingerprint (a retried request replays its first result; inputs at the limits): a fingerprint over 64 KiB (a request
 // body used as the fingerprint) either works on every dialect (a retry of
 // the same request replays the first result) or is refused by the store with
 // fence.ErrInvalid before anything runs; never cut on the way so that the

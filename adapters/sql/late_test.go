@@ -55,7 +55,7 @@ func counterOf(t *testing.T, a *sqlfence.Acquirer, name string) fence.Token {
 	return info.Counter
 }
 
-// TestLateGrantsPacedByBackoff (HAZARDS 6, the Backoff promise): when
+// TestLateGrantsPacedByBackoff (nobody keeps a free lock from the others, the Backoff promise): when
 // every grant comes back late, a waiting Acquire must still pace its
 // attempts with its Backoff (here Min 100ms, Max 200ms: about 10 attempts
 // in a second, 40 at the very most), and give up at its deadline with an
@@ -111,7 +111,7 @@ func TestLateGrantsPacedByBackoff(t *testing.T) {
 	}
 }
 
-// TestLateDefaultDriftShortTTL (HAZARDS 8): with the default Drift (1% of
+// TestLateDefaultDriftShortTTL (inputs at the limits): with the default Drift (1% of
 // the ttl plus 2ms) a ttl of 1ms or 2ms is accepted, yet its local deadline
 // lies before the grant's request: every grant comes back late and is given
 // back. TryAcquire then can never grant, and Acquire on a name nobody holds
@@ -285,7 +285,7 @@ func (lt *lateTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, d pgx.Trac
 	<-lt.release
 }
 
-// TestLateGrantAfterTakeover (HAZARDS 6, Release is token-checked):
+// TestLateGrantAfterTakeover (nobody keeps a free lock from the others, Release is token-checked):
 // a grant is applied on PostgreSQL and its reply is held past the lease's
 // ttl; meanwhile the row expires on the server and another acquirer takes
 // the name over. When the late reply arrives, TryAcquire must return ErrLost
@@ -346,7 +346,7 @@ func TestLateGrantAfterTakeover(t *testing.T) {
 	}
 }
 
-// TestLateHeadLeavesFreeLockToLine (HAZARDS 6: one slow participant
+// TestLateHeadLeavesFreeLockToLine (one slow participant
 // must not keep a free lock from the others): in one acquirer's line on
 // PostgreSQL, the head asks for a 100ms lease and each of its grants (its
 // own, and the handoffs of releases through the acquirer) is sent 150ms late
@@ -468,7 +468,7 @@ func nthCarrying(s string, n int64) func([]byte) bool {
 	}
 }
 
-// TestLateGiveBackReleaseReplyLost (HAZARDS 3 and 6): a grant comes back
+// TestLateGiveBackReleaseReplyLost (an unknown outcome is never reported as definite; nobody keeps a free lock from the others): a grant comes back
 // late and the reply to its give-back Release is lost (the release landed).
 // TryAcquire must return ErrLost with a nil lease (never a lease, never a
 // bare transport error), and the name must be free: the give-back recognises

@@ -845,7 +845,7 @@ func TestLineManyNames(t *testing.T) {
 	}
 }
 
-// TestLineShortMaxWaitFreeLock (HAZARDS 3 and 6): Acquire of a free
+// TestLineShortMaxWaitFreeLock (an unknown outcome is never reported as definite; nobody keeps a free lock from the others): Acquire of a free
 // lock whose Backoff.MaxWait ends while its first grant statement is on its
 // way (a slow network). Acquire now runs that first attempt under MaxWait
 // (before the line it ran under the caller's context). When it gives up with
@@ -1049,7 +1049,7 @@ func listenerPids(t *testing.T, c *pgx.Conn, app string) []int32 {
 	return pids
 }
 
-// TestWaiterWokenAfterListenerKilled (HAZARDS 6): the session that listens
+// TestWaiterWokenAfterListenerKilled (nobody keeps a free lock from the others): the session that listens
 // for releases on a waiter's behalf is ended by the server
 // (pg_terminate_backend) while the waiter waits. A release by another
 // process, made while the listener reconnects or after it listens again,
@@ -1119,7 +1119,7 @@ func TestWaiterWokenAfterListenerKilled(t *testing.T) {
 	}
 }
 
-// TestWaiterArrivingAsListenerCloses (HAZARDS 6): the last waiter of a *DB
+// TestWaiterArrivingAsListenerCloses (nobody keeps a free lock from the others): the last waiter of a *DB
 // is granted, so its listening session closes; at once another waiter
 // arrives (a new session is opened) and the lock it waits for is released
 // by another process before that session listens. The release is not lost

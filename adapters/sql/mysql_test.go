@@ -566,7 +566,7 @@ func TestMySQLSessionTimeZoneDST(t *testing.T) {
 	}
 }
 
-// TestMySQLIdempotencyUpdateReadBackNotSent (HAZARDS 3): on MySQL an
+// TestMySQLIdempotencyUpdateReadBackNotSent (an unknown outcome is never reported as definite): on MySQL an
 // idempotency Update is a compare-and-set and then a read of the record it
 // wrote, each on a connection of the pool. When the compare-and-set lands
 // and the read gets no connection (another caller takes the pool's only

@@ -322,7 +322,7 @@ func TestRingerParkedAfterLateGrant(t *testing.T) {
 // TestRingerHeadLeftDuringLockWait: B's head gives up while the
 // ringer's grant for it waits for the row lock. It returns at once; once the
 // lock is let go the ringer's grant lands for a head that has left, and must
-// be given back at once, not held for its ttl (a minute, HAZARDS 6).
+// be given back at once, not held for its ttl (a minute, nobody keeps a free lock from the others).
 func TestRingerHeadLeftDuringLockWait(t *testing.T) {
 	ctx := context.Background()
 	dbA, fdbA := openMySQL(t, "")
@@ -906,7 +906,7 @@ func TestRingerStressIdleWaiters(t *testing.T) {
 	ringStress(t, true)
 }
 
-// TestRingerLateHeadYieldsToLine (HAZARDS 6, wakeup.ErrYield's
+// TestRingerLateHeadYieldsToLine (nobody keeps a free lock from the others, wakeup.ErrYield's
 // promise: "a head whose grants keep coming back late neither spins nor
 // keeps a free lock from the waiters behind it"): B's line has a head W1
 // whose ttl (150ms) is shorter than a round trip on B's slow connections

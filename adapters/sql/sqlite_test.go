@@ -141,7 +141,7 @@ var badKeys = []string{
 	strings.Repeat("k", 1<<20),
 }
 
-// TestSQLiteFloorReadWhenRowIsCreated (HAZARDS 1): on SQLite a new lease row
+// TestSQLiteFloorReadWhenRowIsCreated (tokens never go backwards): on SQLite a new lease row
 // starts its counter at the host's clock in microseconds. That clock must be
 // read when the row is created, not when the grant (or Bump) was called: a
 // call that waits for a connection of a busy pool (or for SQLite's write
@@ -226,7 +226,7 @@ func TestSQLiteFloorReadWhenRowIsCreated(t *testing.T) {
 	}
 }
 
-// TestSQLiteIdempotencyFenceAfterPurgeAtOnce (HAZARDS 1): Store.Begin
+// TestSQLiteIdempotencyFenceAfterPurgeAtOnce (tokens never go backwards): Store.Begin
 // promises a fence larger than any the key had, also after Purge removed its
 // record. A key claimed, released, purged and claimed again within one
 // millisecond must not get the fence it had: on SQLite, whose clock counts
@@ -292,7 +292,7 @@ func lockSQLiteFile(t *testing.T, path string) (unlock func()) {
 	return unlock
 }
 
-// TestSQLiteAcquireOnALockedFile (HAZARDS: stalled waiters): while another
+// TestSQLiteAcquireOnALockedFile (stalled waiters): while another
 // handle keeps the file's write lock for longer than the 10s busy timeout, an
 // Acquire keeps its context's deadline and ends as a wait that ran out
 // (ErrHeld with the deadline), on the pool's idle connection and on a
@@ -459,7 +459,7 @@ func openSQLiteAt(t *testing.T, path string) *sqlfence.DB {
 	return sqlfence.SQLite(db)
 }
 
-// TestSQLiteAcquireAfterALockIsNotAlreadyLost (HAZARDS 6): an Acquire
+// TestSQLiteAcquireAfterALockIsNotAlreadyLost (nobody keeps a free lock from the others): an Acquire
 // whose grant statement waited for the file's write lock (inside SQLite's busy
 // handler, or after SQLITE_BUSY now that Acquire waits on) is granted once the
 // file is free. The lease it returns with a nil error must be live: its local
@@ -809,7 +809,7 @@ func TestSQLiteWaitersAcrossHandlesOnALockedFile(t *testing.T) {
 	}
 }
 
-// TestSQLiteContextEndingAsAStatementCommits (HAZARDS 3): on SQLite
+// TestSQLiteContextEndingAsAStatementCommits (an unknown outcome is never reported as definite): on SQLite
 // every error is taken as definite (db.ambiguous is false), but
 // modernc.org/sqlite returns ctx.Err() for a statement during which the
 // context ended, also when the statement had committed by then. A Bump or a
