@@ -566,7 +566,7 @@ func TestDelayedGrantPastWatchMySQL(t *testing.T) {
 	// it needs the give-back to wait until the server's session that got
 	// the statement has ended (MySQL's CONNECTION_ID, PostgreSQL's backend
 	// PID), or a mark the give-back leaves that refuses the grant.
-	t.Skip("open defect: a grant request delayed in the network past watchGrant's 2s lands after it and holds the row for its ttl (HAZARDS 6)")
+	t.Skip("open defect: a grant request delayed in the network past watchGrant's 2s lands after it and holds the row for its ttl (nobody may keep a free lock from the others)")
 	_, fdb := openMySQL(t, "")
 	other := newAcquirerOn(t, fdb, nil)
 	name := fmt.Sprintf("watch-delayed-my-%d", time.Now().UnixNano())
@@ -596,7 +596,7 @@ func TestDelayedGrantPastWatchPostgres(t *testing.T) {
 	// it needs the give-back to wait until the server's session that got
 	// the statement has ended (MySQL's CONNECTION_ID, PostgreSQL's backend
 	// PID), or a mark the give-back leaves that refuses the grant.
-	t.Skip("open defect: a grant request delayed in the network past watchGrant's 2s lands after it and holds the row for its ttl (HAZARDS 6)")
+	t.Skip("open defect: a grant request delayed in the network past watchGrant's 2s lands after it and holds the row for its ttl (nobody may keep a free lock from the others)")
 	direct := pgPool(t, pgOpts{})
 	other := newAcquirerOn(t, sqlfence.Pgx(direct), &sqlfence.AcquirerOptions{DisableNotify: true})
 	name := fmt.Sprintf("watch-delayed-pg-%d", time.Now().UnixNano())

@@ -520,7 +520,7 @@ func TestSQLiteAcquireAfterALockIsNotAlreadyLost(t *testing.T) {
 					"granted after waiting %v for the file's lock, its local deadline counted from before that wait", ttl, r.cause, tc.hold)
 				// The holder was told it lost the lease: the name must be free.
 				if l2, err := other.TryAcquire(ctx, "short", ttl); err != nil {
-					t.Errorf("another handle's TryAcquire right after: %v: the row of a lease already lost holds the name (HAZARDS 6)", err)
+					t.Errorf("another handle's TryAcquire right after: %v: the row of a lease already lost holds the name (nobody may keep a free lock from the others)", err)
 				} else {
 					l2.Release(ctx)
 				}
@@ -860,7 +860,7 @@ func TestSQLiteContextEndingAsAStatementCommits(t *testing.T) {
 		if err != nil && !errors.Is(err, fence.ErrUnknown) {
 			if _, ierr := a.Inspect(ctx, name); ierr == nil {
 				bumpHits++
-				t.Errorf("Bump returned a definite error (%v), yet its row was created: the bump landed (HAZARDS 3: want ErrUnknown or nil)", err)
+				t.Errorf("Bump returned a definite error (%v), yet its row was created: the bump landed (an unknown outcome must not be reported as definite: want ErrUnknown or nil)", err)
 			}
 		}
 		// Release of a held lease.
@@ -880,7 +880,7 @@ func TestSQLiteContextEndingAsAStatementCommits(t *testing.T) {
 		if err != nil && !errors.Is(err, fence.ErrUnknown) {
 			if info, ierr := a.Inspect(ctx, name); ierr == nil && !info.Held {
 				releaseHits++
-				t.Errorf("Release returned a definite error (%v), yet the row shows it released (HAZARDS 3: want ErrUnknown or nil)", err)
+				t.Errorf("Release returned a definite error (%v), yet the row shows it released (an unknown outcome must not be reported as definite: want ErrUnknown or nil)", err)
 			}
 		}
 		// An idempotency claim.
@@ -896,7 +896,7 @@ func TestSQLiteContextEndingAsAStatementCommits(t *testing.T) {
 		if err != nil && !claimed && !errors.Is(err, fence.ErrUnknown) {
 			if rec, gerr := st.Get(ctx, key); gerr == nil && rec.Owner == "me" {
 				beginHits++
-				t.Errorf("idempotency Begin returned a definite error (%v), yet the key is claimed by its owner (%s, fence %d) (HAZARDS 3: want ErrUnknown)", err, rec.State, rec.Fence)
+				t.Errorf("idempotency Begin returned a definite error (%v), yet the key is claimed by its owner (%s, fence %d) (an unknown outcome must not be reported as definite: want ErrUnknown)", err, rec.State, rec.Fence)
 			}
 		}
 	}
