@@ -498,7 +498,7 @@ const (
 // gets it); pgx asks the server to cancel it, which does nothing when the
 // request comes before the statement starts. Such a grant would hold the
 // row for its ttl with nobody to release it (HAZARDS 6,
-// TestLineReviewCancelAtGrant).
+// TestLineCancelAtGrant).
 func (a *Acquirer) watchGrant(name, owner string, ttl time.Duration) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), grantWatchMax)

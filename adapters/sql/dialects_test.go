@@ -100,7 +100,7 @@ func pgxExec(p *pgxpool.Pool) func(context.Context, string, ...any) error {
 	}
 }
 
-// TestTokenAfterLeaseRowDeleted (HAZARDS 1): holder A has token t and
+// TestTokenAfterLeaseRowDeleted (tokens never go backwards): holder A has token t and
 // pauses; the lease row is deleted behind the acquirer's back; B is granted
 // the name. B's token must be above t, so that the fence rejects A's late
 // write after B's.
@@ -146,7 +146,7 @@ func TestTokenAfterLeaseRowDeleted(t *testing.T) {
 	}
 }
 
-// TestTokenAfterLeaseRowDeletedAtOnce (HAZARDS 1): a row created, deleted
+// TestTokenAfterLeaseRowDeletedAtOnce (tokens never go backwards): a row created, deleted
 // and created again at once, many times over, must give each new holder a
 // token above the one before, also when both creations fall in one tick of
 // the database's clock (SQLite's counts milliseconds).
@@ -174,7 +174,7 @@ func TestTokenAfterLeaseRowDeletedAtOnce(t *testing.T) {
 	}
 }
 
-// TestRenewAfterLocalDeadline (HAZARDS 6): a lease past its local deadline
+// TestRenewAfterLocalDeadline (nobody keeps a free lock from the others): a lease past its local deadline
 // (its context done) is renewed: Renew returns ErrLost, and it must not hold
 // the lock on the server for another ttl: another acquirer is granted within
 // about a ttl of the first grant, not a ttl after the late renewal.
@@ -197,7 +197,7 @@ func TestRenewAfterLocalDeadline(t *testing.T) {
 				t.Fatalf("Renew after the local deadline: %v, want ErrLost", err)
 			}
 			// Polled, not Acquire: a waiter's backoff on a loaded machine
-			// (a CI run saw 1.3s) is not what is checked. A renewal that
+			// (1.3s has been seen) is not what is checked. A renewal that
 			// held the row would hold it until at least a ttl after it was
 			// sent; the row is free about a ttl after the grant, which is
 			// about when the Renew was sent, so three quarters of a ttl
@@ -219,5 +219,85 @@ func TestRenewAfterLocalDeadline(t *testing.T) {
 				time.Sleep(10 * time.Millisecond) // a poll, not a synchronisation
 			}
 		})
+	}
+}
+
+// TestBumpOfMissingRowKeepsClockFloor (tokens never go backwards): the lease row of a name
+// is deleted (an operator's DELETE) while a paused holder has its token; an
+// operator's Bump to a small value recreates the row. The next grant must
+// still be above the paused holder's token: Bump must not start a counter
+// below the server's clock, where a new row would start.
+func TestBumpOfMissingRowKeepsClockFloor(t *testing.T) {
+	ctx := context.Background()
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			w, a, _ := d.parts(t)
+			name := fencetest.Name("bump-deleted")
+			la, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
+				t.Fatal(err)
+			}
+			if err := a.Bump(ctx, name, 1000); err != nil && !errors.Is(err, fence.ErrInvalid) {
+				t.Fatalf("Bump of the deleted row: %v", err)
+			}
+			lb, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = lb.Release(context.Background()) })
+			if lb.Token() <= la.Token() {
+				t.Fatalf("B's token %d is not above the paused holder's %d", lb.Token(), la.Token())
+			}
+			key := name + "/data"
+			if err := w.Write(ctx, key, []byte("B"), lb.Token()); err != nil {
+				t.Fatal(err)
+			}
+			if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
+				t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
+			}
+		})
+	}
+}
+
+func TestInspectAndBump(t *testing.T) {
+	ctx := context.Background()
+	_, fdb := openSQLite(t)
+	a := newSQLiteAcquirer(t, fdb)
+	if _, err := a.Inspect(ctx, "never"); !errors.Is(err, fence.ErrNotFound) {
+		t.Errorf("Inspect of an unknown name: %v", err)
+	}
+	l, err := a.TryAcquire(ctx, "job", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := a.Inspect(ctx, "job")
+	if err != nil || !info.Held || info.Token != l.Token() || info.Owner != a.Owner() || info.TimeLeft <= 50*time.Second || info.Counter != l.Token() {
+		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
+	}
+	if err := a.Bump(ctx, "job", l.Token()+100); !errors.Is(err, fence.ErrHeld) {
+		t.Errorf("Bump while held: %v, want ErrHeld", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Bump(ctx, "job", l.Token()+100); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Bump(ctx, "job", l.Token()+50); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Bump downwards: %v, want ErrInvalid", err)
+	}
+	if err := a.Bump(ctx, "fresh", 7); err != nil {
+		t.Errorf("Bump of a name never granted: %v", err)
+	}
+	l2, err := a.TryAcquire(ctx, "job", time.Minute)
+	if err != nil || l2.Token() != l.Token()+101 {
+		t.Fatalf("grant after the bump: token %v, %v; want %d", l2, err, l.Token()+101)
+	}
+	info, _ = a.Inspect(ctx, "job")
+	if info.Counter != l.Token()+101 {
+		t.Errorf("counter %d after the grant", info.Counter)
 	}
 }

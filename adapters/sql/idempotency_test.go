@@ -2,12 +2,15 @@ package sqlfence_test
 
 import (
 	"context"
+	"errors"
 	"net"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
+	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
@@ -124,5 +127,63 @@ func TestIdempotencyCompleteTx(t *testing.T) {
 		if !commit && (got.State != idempotency.Armed || n != 0) {
 			t.Errorf("rolled back: state %s, %d rows; want armed and 0", got.State, n)
 		}
+	}
+}
+
+// TestIdempotencyLongRetention (inputs at the limits): a completed record kept for 30
+// days (more than 2^31 milliseconds) is stored, on every dialect, through
+// Update and CompleteTx.
+func TestIdempotencyLongRetention(t *testing.T) {
+	const retention = 30 * 24 * time.Hour
+	ctx := context.Background()
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			_, _, s := d.parts(t)
+			key := fencetest.Name("long-retention")
+			rec, claimed, err := s.Begin(ctx, key, "fp", "me", time.Minute)
+			if err != nil || !claimed {
+				t.Fatalf("Begin: %+v, %v, %v", rec, claimed, err)
+			}
+			rec, err = s.Update(ctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute})
+			if err != nil {
+				t.Fatalf("arm: %v", err)
+			}
+			rec, err = s.Update(ctx, key, idempotency.Armed, rec.Fence, idempotency.Change{State: idempotency.Completed, Fence: rec.Fence, Owner: "me", Result: []byte("ok"), Retention: retention})
+			if err != nil {
+				t.Fatalf("complete with a %v retention: %v", retention, err)
+			}
+			if rec.State != idempotency.Completed || string(rec.Result) != "ok" {
+				t.Errorf("the completed record: %+v", rec)
+			}
+		})
+	}
+}
+
+// TestLongFingerprint (a retried request replays its first result; inputs at the limits): a fingerprint over 64 KiB (a request
+// body used as the fingerprint) either works on every dialect (a retry of
+// the same request replays the first result) or is refused by the store with
+// fence.ErrInvalid before anything runs; never cut on the way so that the
+// same request no longer matches itself.
+func TestLongFingerprint(t *testing.T) {
+	ctx := context.Background()
+	fp := strings.Repeat("f", 70000)
+	for _, d := range everyDialect(t) {
+		t.Run(d.name, func(t *testing.T) {
+			_, _, s := d.parts(t)
+			key := fencetest.Name("long-fp")
+			runs := 0
+			effect := func(context.Context, string) ([]byte, error) { runs++; return []byte("done"), nil }
+			_, err := idempotency.Do(ctx, s, key, fp, effect, nil)
+			if err != nil {
+				if !errors.Is(err, fence.ErrInvalid) || runs != 0 {
+					t.Fatalf("Do with a %d-byte fingerprint: %.300v (%d runs); want it to work or ErrInvalid before the effect", len(fp), err, runs)
+				}
+				return
+			}
+			res, err := idempotency.Do(ctx, s, key, fp, effect, nil)
+			if err != nil || !res.Replayed || string(res.Value) != "done" || runs != 1 {
+				t.Errorf("the same request again: %+v, %v (%d runs); want the first result replayed", res, err, runs)
+			}
+		})
 	}
 }

@@ -235,8 +235,8 @@ func TestAdvanceOnGrant(t *testing.T) {
 			}
 			name := fencetest.Name("advance")
 			// A second's ttl: a grant on a loaded machine can take longer
-			// than 100ms (CI run d1: SQLite, three grants in a row came
-			// back past a 100ms lease's local deadline).
+			// than 100ms (on SQLite three grants in a row have come back
+			// past a 100ms lease's local deadline).
 			old := fencetest.TryLive(ctx, t, a, name, time.Second)
 			<-old.Context().Done()
 			var newer fence.Lease

@@ -16,9 +16,9 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Review of 7438dc7 (a grant that comes back past its local deadline is
-// given back: TryAcquire returns ErrLost, Acquire tries again; SQLite's
-// context errors become ErrUnknown). Every test runs against the real
+// Late grants: a grant that comes back past its local deadline is given
+// back (TryAcquire returns ErrLost, Acquire tries again; SQLite's context
+// errors become ErrUnknown). Every test runs against the real
 // servers (SQLite files, PostgreSQL, MariaDB/MySQL).
 //
 // Making every grant late, deterministically: an acquirer whose Drift is
@@ -55,7 +55,7 @@ func counterOf(t *testing.T, a *sqlfence.Acquirer, name string) fence.Token {
 	return info.Counter
 }
 
-// TestRevLate2AcquirePacesLateGrants (HAZARDS 6, the Backoff promise): when
+// TestLateGrantsPacedByBackoff (nobody keeps a free lock from the others, the Backoff promise): when
 // every grant comes back late, a waiting Acquire must still pace its
 // attempts with its Backoff (here Min 100ms, Max 200ms: about 10 attempts
 // in a second, 40 at the very most), and give up at its deadline with an
@@ -64,7 +64,7 @@ func counterOf(t *testing.T, a *sqlfence.Acquirer, name string) fence.Token {
 // PostgreSQL notifies its listener): if the head is woken by its own
 // give-back it tries again at once, in a loop, hammering the database with a
 // grant and a release per round trip. The row's counter counts the grants.
-func TestRevLate2AcquirePacesLateGrants(t *testing.T) {
+func TestLateGrantsPacedByBackoff(t *testing.T) {
 	for dname, db := range lateDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
@@ -111,7 +111,7 @@ func TestRevLate2AcquirePacesLateGrants(t *testing.T) {
 	}
 }
 
-// TestRevLate2DefaultDriftShortTTL (HAZARDS 8): with the default Drift (1% of
+// TestLateDefaultDriftShortTTL (inputs at the limits): with the default Drift (1% of
 // the ttl plus 2ms) a ttl of 1ms or 2ms is accepted, yet its local deadline
 // lies before the grant's request: every grant comes back late and is given
 // back. TryAcquire then can never grant, and Acquire on a name nobody holds
@@ -119,7 +119,7 @@ func TestRevLate2AcquirePacesLateGrants(t *testing.T) {
 // after granting and giving back the name over and over. Either such a ttl
 // is refused with ErrInvalid naming the ttl (as for a Drift set in the
 // options), or it is granted.
-func TestRevLate2DefaultDriftShortTTL(t *testing.T) {
+func TestLateDefaultDriftShortTTL(t *testing.T) {
 	ctx := context.Background()
 	_, db := openSQLite(t)
 	a := newSQLiteAcquirer(t, db)
@@ -151,12 +151,12 @@ func TestRevLate2DefaultDriftShortTTL(t *testing.T) {
 	}
 }
 
-// TestRevLate2HeldNameNeverLost: an acquirer whose grants would all come
+// TestLateHeldNameNeverLost: an acquirer whose grants would all come
 // back late, asking for a name another acquirer holds, gets ErrHeld (never
 // ErrLost: fence.Acquirer allows ErrLost only for a grant it made); its
 // Acquire gives up with ErrHeld and DeadlineExceeded; and the holder's lease
 // is untouched (still renewable, its token on the row).
-func TestRevLate2HeldNameNeverLost(t *testing.T) {
+func TestLateHeldNameNeverLost(t *testing.T) {
 	for dname, db := range lateDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
@@ -195,11 +195,11 @@ func TestRevLate2HeldNameNeverLost(t *testing.T) {
 	}
 }
 
-// TestRevLate2TokensAfterGiveBacks: grants that came back late and were
+// TestLateTokensAfterGiveBacks: grants that came back late and were
 // given back still advance the counter: the next real grant's token is
 // larger than every token handed out (and given back) before, and the name
 // is free after each give-back.
-func TestRevLate2TokensAfterGiveBacks(t *testing.T) {
+func TestLateTokensAfterGiveBacks(t *testing.T) {
 	for dname, db := range lateDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
@@ -285,12 +285,12 @@ func (lt *lateTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, d pgx.Trac
 	<-lt.release
 }
 
-// TestRevLate2LateGrantAfterTakeover (HAZARDS 6, Release is token-checked):
+// TestLateGrantAfterTakeover (nobody keeps a free lock from the others, Release is token-checked):
 // a grant is applied on PostgreSQL and its reply is held past the lease's
 // ttl; meanwhile the row expires on the server and another acquirer takes
 // the name over. When the late reply arrives, TryAcquire must return ErrLost
 // with a nil lease, and its give-back must not free the new holder's grant.
-func TestRevLate2LateGrantAfterTakeover(t *testing.T) {
+func TestLateGrantAfterTakeover(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("late-takeover")
 	tr := &lateTracer{holdName: name, held: make(chan struct{}), release: make(chan struct{})}
@@ -346,7 +346,7 @@ func TestRevLate2LateGrantAfterTakeover(t *testing.T) {
 	}
 }
 
-// TestRevLate2LateHeadKeepsFreeLockFromLine (HAZARDS 6: one slow participant
+// TestLateHeadLeavesFreeLockToLine (one slow participant
 // must not keep a free lock from the others): in one acquirer's line on
 // PostgreSQL, the head asks for a 100ms lease and each of its grants (its
 // own, and the handoffs of releases through the acquirer) is sent 150ms late
@@ -356,7 +356,7 @@ func TestRevLate2LateGrantAfterTakeover(t *testing.T) {
 // granted well before the head gives up (head's wait 6s, waiter's 4s):
 // the head's attempts never stall for the line's 1s, and the name is free
 // between them.
-func TestRevLate2LateHeadKeepsFreeLockFromLine(t *testing.T) {
+func TestLateHeadLeavesFreeLockToLine(t *testing.T) {
 	ctx := context.Background()
 	tr := &lateTracer{delayTTL: 100, delay: 150 * time.Millisecond}
 	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, tr)), nil)
@@ -384,12 +384,12 @@ func TestRevLate2LateHeadKeepsFreeLockFromLine(t *testing.T) {
 	}
 }
 
-// TestRevLate2LateGrantGivenBackPostgres: a grant sent after its 300ms
+// TestLateGrantGivenBackPostgres: a grant sent after its 300ms
 // lease's local deadline (the request waits 400ms on the client's side)
 // comes back late: TryAcquire returns ErrLost with a nil lease, and the name
 // is free at once (not held for the ttl): another acquirer is granted, with
 // a larger token.
-func TestRevLate2LateGrantGivenBackPostgres(t *testing.T) {
+func TestLateGrantGivenBackPostgres(t *testing.T) {
 	ctx := context.Background()
 	tr := &lateTracer{delayTTL: 300, delay: 400 * time.Millisecond}
 	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, tr)), nil)
@@ -414,11 +414,11 @@ func TestRevLate2LateGrantGivenBackPostgres(t *testing.T) {
 	}
 }
 
-// TestRevLate2LateGrantThroughPartitionMySQL: on MariaDB/MySQL, a grant whose
+// TestLateGrantThroughPartitionMySQL: on MariaDB/MySQL, a grant whose
 // request is held by a partition for twice its ttl (then delivered) comes
 // back late: TryAcquire returns ErrLost with a nil lease, and the name is free
 // right after.
-func TestRevLate2LateGrantThroughPartitionMySQL(t *testing.T) {
+func TestLateGrantThroughPartitionMySQL(t *testing.T) {
 	ctx := context.Background()
 	_, direct := openMySQL(t, "")
 	p := faultnet.Start(t, mysqlAddr(t))
@@ -468,12 +468,12 @@ func nthCarrying(s string, n int64) func([]byte) bool {
 	}
 }
 
-// TestRevLate2GiveBackReleaseReplyLost (HAZARDS 3 and 6): a grant comes back
+// TestLateGiveBackReleaseReplyLost (an unknown outcome is never reported as definite; nobody keeps a free lock from the others): a grant comes back
 // late and the reply to its give-back Release is lost (the release landed).
 // TryAcquire must return ErrLost with a nil lease (never a lease, never a
 // bare transport error), and the name must be free: the give-back recognises
 // its own applied release.
-func TestRevLate2GiveBackReleaseReplyLost(t *testing.T) {
+func TestLateGiveBackReleaseReplyLost(t *testing.T) {
 	for _, p := range lostReplyTargets(t) {
 		t.Run(p.name, func(t *testing.T) {
 			ctx := context.Background()
@@ -502,12 +502,12 @@ func TestRevLate2GiveBackReleaseReplyLost(t *testing.T) {
 	}
 }
 
-// TestRevLate2GiveBackReleaseFails: a grant comes back late and every attempt
+// TestLateGiveBackReleaseFails: a grant comes back late and every attempt
 // of its give-back Release is dropped before the server sees it. TryAcquire
 // must still return ErrLost with a nil lease (the grant holds nothing for the
 // caller); the row then stays held until its ttl, and must still carry the
 // given-back token (no other grant was made).
-func TestRevLate2GiveBackReleaseFails(t *testing.T) {
+func TestLateGiveBackReleaseFails(t *testing.T) {
 	for _, p := range lostReplyTargets(t) {
 		t.Run(p.name, func(t *testing.T) {
 			ctx := context.Background()
@@ -551,11 +551,11 @@ func TestRevLate2GiveBackReleaseFails(t *testing.T) {
 	}
 }
 
-// TestRevLate2GuardsAfterGiveBack: with AdvanceGuards, a late grant advances
+// TestLateGuardsAfterGiveBack: with AdvanceGuards, a late grant advances
 // the guard row in the same step and is then given back. The next real
 // grant's token must pass the guard (the guard was not left above it), and
 // the given-back token must be rejected by it.
-func TestRevLate2GuardsAfterGiveBack(t *testing.T) {
+func TestLateGuardsAfterGiveBack(t *testing.T) {
 	ctx := context.Background()
 	raw, db := openSQLite(t)
 	newSQLiteAcquirer(t, db)

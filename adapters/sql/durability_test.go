@@ -16,10 +16,10 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
-// review5Pool is a pool on the shared test server with at most one
+// syncCommitPool is a pool on the shared test server with at most one
 // connection (so every statement runs on the same session) and the given
 // session settings.
-func review5Pool(t *testing.T, params map[string]string, mode pgx.QueryExecMode) *pgxpool.Pool {
+func syncCommitPool(t *testing.T, params map[string]string, mode pgx.QueryExecMode) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
 	if err != nil {
@@ -43,7 +43,7 @@ func review5Pool(t *testing.T, params map[string]string, mode pgx.QueryExecMode)
 	return p
 }
 
-func review5Show(t *testing.T, q interface {
+func showSyncCommit(t *testing.T, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }) string {
 	t.Helper()
@@ -54,7 +54,7 @@ func review5Show(t *testing.T, q interface {
 	return s
 }
 
-// TestReview5ReleaseInCallerTxKeepsItsDurability attacks the promise "Inside
+// TestPostgresReleaseInCallerTxKeepsItsDurability attacks the promise "Inside
 // a caller's transaction the release leaves that transaction's durability as
 // it is" (Acquirer doc; README: "the release leaves your commit's durability
 // alone"). A *pgx.Conn is granted a lease outside a transaction block (its
@@ -64,7 +64,7 @@ func review5Show(t *testing.T, q interface {
 // lease inside it and commits. Expected, per the docs: the caller's setting
 // is still off after the release, and its commit does not wait for the disk
 // (as the same transaction without the release does: the control round).
-func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
+func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
@@ -82,7 +82,7 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := conn.Exec(ctx, "CREATE TABLE IF NOT EXISTS review5_work (v bigint)"); err != nil {
+	if _, err := conn.Exec(ctx, "CREATE TABLE IF NOT EXISTS durable_work (v bigint)"); err != nil {
 		t.Fatal(err)
 	}
 	exec := func(q string) {
@@ -105,7 +105,7 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	} {
 		var l fence.Lease
 		if round.withLease {
-			l, err = a.TryAcquire(ctx, "review5-in-tx", time.Minute)
+			l, err = a.TryAcquire(ctx, "durable-in-tx", time.Minute)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -120,13 +120,13 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 		if round.local {
 			exec("SET LOCAL synchronous_commit = off")
 		}
-		exec("INSERT INTO review5_work VALUES (1)")
+		exec("INSERT INTO durable_work VALUES (1)")
 		if l != nil {
 			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
 		}
-		setting := review5Show(t, conn)
+		setting := showSyncCommit(t, conn)
 		exec("COMMIT")
 		onDisk := flushed(t, p)
 		exec("RESET synchronous_commit")
@@ -146,7 +146,7 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	}
 }
 
-// TestReview5AsyncSessionKeepsGrantsAcrossCrash attacks durability where
+// TestPostgresAsyncSessionKeepsGrantsAcrossCrash attacks durability where
 // synchronous_commit is off for the session only (pgx RuntimeParams, the
 // server's setting is on): a grant with AdvanceGuards (one statement writing
 // the lease row and the guard row), a renewal and a Bump, each on a pool and
@@ -154,7 +154,7 @@ func TestReview5ReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 // return; after a crash the lease is still held with its token, the guard
 // row holds that token, the bumped counter is kept, and no token is handed
 // out again.
-func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
+func TestPostgresAsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
@@ -169,7 +169,7 @@ func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	if s := review5Show(t, p); s != "off" {
+	if s := showSyncCommit(t, p); s != "off" {
 		t.Fatalf("session synchronous_commit %q, want off", s)
 	}
 	g, err := sqlfence.NewGuards(sqlfence.Pgx(check), nil)
@@ -205,7 +205,7 @@ func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 		how string
 		a   *sqlfence.Acquirer
 	}{{"pool", pa}, {"*pgx.Conn", ca}} {
-		name := "review5-async-" + c.how
+		name := "durable-async-" + c.how
 		l, err := c.a.TryAcquire(ctx, name, time.Minute)
 		if err != nil {
 			t.Fatal(err)
@@ -263,7 +263,7 @@ func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 	}
 }
 
-// TestReview5SessionSettingUnchanged attacks "the session's setting is
+// TestPostgresSessionSyncCommitUnchanged attacks "the session's setting is
 // unchanged afterwards" (pgDurable, pgNoFlush): on a pool of one connection
 // whose session has synchronous_commit off, local, remote_write, on or
 // remote_apply, each of grant, renewal, release, a release that finds
@@ -273,21 +273,21 @@ func TestReview5AsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 // *pgx.Conn inside BEGIN with SET LOCAL, the caller's value is what the
 // transaction shows after a renewal refused, and the session's after
 // ROLLBACK.
-func TestReview5SessionSettingUnchanged(t *testing.T) {
+func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	ctx := context.Background()
 	for _, v := range []string{"off", "local", "remote_write", "on", "remote_apply"} {
-		p := review5Pool(t, map[string]string{"synchronous_commit": v}, 0)
-		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{Table: "review5_leases"})
+		p := syncCommitPool(t, map[string]string{"synchronous_commit": v}, 0)
+		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{Table: "durable_leases"})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if err := a.CreateTable(ctx); err != nil {
 			t.Fatal(err)
 		}
-		name := fmt.Sprintf("review5-setting-%s-%d", v, time.Now().UnixNano())
+		name := fmt.Sprintf("durable-setting-%s-%d", v, time.Now().UnixNano())
 		after := func(step string) {
 			t.Helper()
-			if s := review5Show(t, p); s != v {
+			if s := showSyncCommit(t, p); s != v {
 				t.Errorf("session synchronous_commit %s: after %s it is %q", v, step, s)
 			}
 		}
@@ -321,7 +321,7 @@ func TestReview5SessionSettingUnchanged(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := tx.Exec(ctx, "SELECT 1 FROM review5_leases WHERE name = $1 FOR UPDATE", name); err != nil {
+		if _, err := tx.Exec(ctx, "SELECT 1 FROM durable_leases WHERE name = $1 FOR UPDATE", name); err != nil {
 			t.Fatal(err)
 		}
 		cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
@@ -336,18 +336,18 @@ func TestReview5SessionSettingUnchanged(t *testing.T) {
 
 	// *pgx.Conn inside BEGIN: the caller's SET LOCAL stays, the session's
 	// value comes back after ROLLBACK.
-	p := review5Pool(t, map[string]string{"synchronous_commit": "off"}, 0)
+	p := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
 	pc, err := p.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pc.Release()
 	conn := pc.Conn()
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{Table: "review5_leases"})
+	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{Table: "durable_leases"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	name := fmt.Sprintf("review5-setting-tx-%d", time.Now().UnixNano())
+	name := fmt.Sprintf("durable-setting-tx-%d", time.Now().UnixNano())
 	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
 		t.Fatal(err)
 	}
@@ -358,19 +358,19 @@ func TestReview5SessionSettingUnchanged(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s := review5Show(t, conn); s != "local" {
+	if s := showSyncCommit(t, conn); s != "local" {
 		t.Errorf("inside BEGIN with SET LOCAL synchronous_commit = local, a grant made it %q (a setting that is not off is to be kept)", s)
 	}
 	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
 		t.Fatal(err)
 	}
-	if s := review5Show(t, conn); s != "off" {
+	if s := showSyncCommit(t, conn); s != "off" {
 		t.Errorf("after ROLLBACK the session's synchronous_commit is %q, want its own off", s)
 	}
 	_ = l
 }
 
-// TestReview5OutcomesThroughWrappedStatements attacks the results of the
+// TestPostgresOutcomesThroughWrappedStatements attacks the results of the
 // wrapped statements (WITH ... SELECT ... WHERE set_config(...)): for a
 // pool (extended and simple protocol), a *sql.DB, a *pgx.Conn outside and
 // inside a transaction block, each with DisableNotify false and true, a
@@ -378,7 +378,7 @@ func TestReview5SessionSettingUnchanged(t *testing.T) {
 // a renewal of a held lease nil, a Bump of a held name ErrHeld, a Bump to a
 // lower counter ErrInvalid, a Bump above it nil, and Inspect shows each
 // step; the session's synchronous_commit off is not a factor.
-func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
+func TestPostgresOutcomesThroughWrappedStatements(t *testing.T) {
 	ctx := context.Background()
 	type handle struct {
 		how   string
@@ -386,12 +386,12 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 		begin func() // start the caller's block, if any
 		end   func()
 	}
-	ext := review5Pool(t, map[string]string{"synchronous_commit": "off"}, 0)
-	simple := review5Pool(t, map[string]string{"synchronous_commit": "off"}, pgx.QueryExecModeSimpleProtocol)
-	stdPool := review5Pool(t, map[string]string{"synchronous_commit": "off"}, 0)
+	ext := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
+	simple := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, pgx.QueryExecModeSimpleProtocol)
+	stdPool := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
 	sdb := stdlib.OpenDBFromPool(stdPool)
 	defer sdb.Close()
-	cp := review5Pool(t, map[string]string{"synchronous_commit": "off"}, 0)
+	cp := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
 	pc, err := cp.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -416,14 +416,14 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 	for _, h := range handles {
 		for _, dn := range []bool{false, true} {
 			how := fmt.Sprintf("%s DisableNotify=%v", h.how, dn)
-			a, err := sqlfence.NewAcquirer(h.db(), &sqlfence.AcquirerOptions{Table: "review5_leases", DisableNotify: dn})
+			a, err := sqlfence.NewAcquirer(h.db(), &sqlfence.AcquirerOptions{Table: "durable_leases", DisableNotify: dn})
 			if err != nil {
 				t.Fatal(err)
 			}
 			if err := a.CreateTable(ctx); err != nil {
 				t.Fatal(err)
 			}
-			name := fmt.Sprintf("review5-outcome-%d", time.Now().UnixNano())
+			name := fmt.Sprintf("durable-outcome-%d", time.Now().UnixNano())
 			h.begin()
 			l, err := a.TryAcquire(ctx, name, time.Minute)
 			if err != nil {
@@ -464,7 +464,7 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 			}
 			if h.how != "*pgx.Conn in BEGIN" {
 				// Expire it on the server (the caller's block would hold the row).
-				if _, err := ext.Exec(ctx, "UPDATE review5_leases SET expires_at = 1 WHERE name = $1", name); err != nil {
+				if _, err := ext.Exec(ctx, "UPDATE durable_leases SET expires_at = 1 WHERE name = $1", name); err != nil {
 					t.Fatal(err)
 				}
 				if err := l2.Release(ctx); !errors.Is(err, fence.ErrLost) {
@@ -478,14 +478,14 @@ func TestReview5OutcomesThroughWrappedStatements(t *testing.T) {
 	}
 }
 
-// TestReview5IdempotencyArmSurvivesCrash attacks the same bug class as the
+// TestPostgresIdempotencyArmSurvivesCrash attacks the same bug class as the
 // change fixed for grants (a commit lost in a crash on a server with
 // synchronous_commit off), in the PostgreSQL IdempotencyStore of the same
 // package: a key claimed and armed (the effect is about to run) must still
 // be armed after a crash, or a retry claims it afresh and runs the effect a
 // second time ("at most once"). Expected: after the crash Begin does not
 // create a new record, and Get shows the armed record.
-func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
+func TestPostgresIdempotencyArmSurvivesCrash(t *testing.T) {
 	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
@@ -500,11 +500,11 @@ func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
 	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
 		t.Fatal(err)
 	}
-	rec, created, err := s.Begin(ctx, "review5-idem", "fp", "owner-1", time.Minute)
+	rec, created, err := s.Begin(ctx, "durable-idem", "fp", "owner-1", time.Minute)
 	if err != nil || !created {
 		t.Fatalf("begin: %v created=%v", err, created)
 	}
-	armed, err := s.Update(ctx, "review5-idem", idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "owner-1", Lease: time.Minute})
+	armed, err := s.Update(ctx, "durable-idem", idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "owner-1", Lease: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -513,13 +513,13 @@ func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
 	// Here the effect runs (a card is charged). Then the server crashes.
 	pg.crash(t)
 	p.Reset()
-	got, err := s.Get(ctx, "review5-idem")
+	got, err := s.Get(ctx, "durable-idem")
 	if err != nil {
 		t.Errorf("after the crash the armed key is gone (%v): a retry claims it afresh and runs the effect again", err)
 	} else if got.State != idempotency.Armed {
 		t.Errorf("after the crash the key is %s, was armed", got.State)
 	}
-	_, created, err = s.Begin(ctx, "review5-idem", "fp", "owner-2", time.Minute)
+	_, created, err = s.Begin(ctx, "durable-idem", "fp", "owner-2", time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -528,16 +528,16 @@ func TestReview5IdempotencyArmSurvivesCrash(t *testing.T) {
 	}
 }
 
-// TestReview5AsyncServerWithAbsentSyncStandby attacks the choice of "on"
+// TestPostgresAsyncServerWithAbsentSyncStandby attacks the choice of "on"
 // as the durable setting (the docs promise "on disk"; "local" gives that):
 // on a server whose synchronous_commit is off while synchronous_standby_names
 // names a standby that is not connected (an operator's way of not waiting
 // for the standby), a grant on a free name must still be made within 5s, as
 // it was before the change. With "on" the commit waits for the absent
 // standby, and the grant is never answered.
-func TestReview5AsyncServerWithAbsentSyncStandby(t *testing.T) {
+func TestPostgresAsyncServerWithAbsentSyncStandby(t *testing.T) {
 	t.Parallel() // a server of its own
-	pg := startOwnPostgres(t, "synchronous_commit = off", "synchronous_standby_names = 'review5_absent'")
+	pg := startOwnPostgres(t, "synchronous_commit = off", "synchronous_standby_names = 'absent_standby'")
 	ctx := context.Background()
 	p := pg.pool(t)
 	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
@@ -550,7 +550,7 @@ func TestReview5AsyncServerWithAbsentSyncStandby(t *testing.T) {
 	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	start := time.Now()
-	l, err := a.TryAcquire(cctx, "review5-standby", time.Minute)
+	l, err := a.TryAcquire(cctx, "durable-standby", time.Minute)
 	t.Logf("TryAcquire after %v: %v", time.Since(start).Round(time.Millisecond), err)
 	if err != nil {
 		t.Fatalf("a grant on a free name, on a server with synchronous_commit off and an absent synchronous standby, failed: %v", err)
@@ -560,13 +560,13 @@ func TestReview5AsyncServerWithAbsentSyncStandby(t *testing.T) {
 	}
 }
 
-// TestReview5WriterFenceAcrossCrash attacks the fence of the PostgreSQL
+// TestPostgresWriterFenceAcrossCrash attacks the fence of the PostgreSQL
 // Writer on a server with synchronous_commit off (the change made the
 // acquirer's grants durable there, not the fenced writes): the new holder's
 // write with token t+1 is acknowledged, the server crashes, and a paused
 // holder's write with token t must still be rejected (ErrStale), since the
 // resource had accepted t+1.
-func TestReview5WriterFenceAcrossCrash(t *testing.T) {
+func TestPostgresWriterFenceAcrossCrash(t *testing.T) {
 	t.Parallel() // a server of its own
 	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
@@ -586,7 +586,7 @@ func TestReview5WriterFenceAcrossCrash(t *testing.T) {
 	if err := w.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	old, err := a.TryAcquire(ctx, "review5-writer", time.Minute)
+	old, err := a.TryAcquire(ctx, "durable-writer", time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -596,7 +596,7 @@ func TestReview5WriterFenceAcrossCrash(t *testing.T) {
 	if err := old.Release(ctx); err != nil { // stands for its expiry
 		t.Fatal(err)
 	}
-	l, err := a.TryAcquire(ctx, "review5-writer", time.Minute) // durable: flushes the above
+	l, err := a.TryAcquire(ctx, "durable-writer", time.Minute) // durable: flushes the above
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,15 +1,5 @@
 package sqlfence_test
 
-// Review of b7dc089 (mysqlInline): the package's MySQL statements carry
-// their arguments as literals. These tests check, against the real server,
-// that a literal means what the bound parameter meant: byte-exact round
-// trips of names, keys, values and results (around the 4096-byte inline
-// limit) under session settings that change how text reaches the server;
-// tokens at MaxToken; the bell's GET_LOCK; the guard advance in the
-// package's own transaction; that nothing is prepared any more for small
-// arguments; and that a statement whose arguments fit the connection's
-// packet limit as parameters still runs once they are inlined.
-
 import (
 	"bytes"
 	"context"
@@ -27,7 +17,479 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 )
+
+// sessionMatrix are DSN parameters that change how text reaches a MySQL
+// server: a connection character set unlike the client's (with and without
+// the packet-limit fallback), client character sets that are not utf8mb4,
+// and sql_mode variants.
+var sessionMatrix = []string{
+	"charset=utf8mb4&character_set_connection=latin1",
+	"charset=utf8mb4&character_set_connection=latin1&maxAllowedPacket=4096",
+	"charset=latin1",
+	"charset=utf8",
+	"charset=utf8&character_set_connection=utf8mb4",
+	"sql_mode=" + url.QueryEscape("'ANSI_QUOTES'"),
+	"sql_mode=" + url.QueryEscape("'NO_BACKSLASH_ESCAPES'"),
+	"sql_mode=" + url.QueryEscape("'PAD_CHAR_TO_FULL_LENGTH'"),
+	"sql_mode=" + url.QueryEscape("''"),
+}
+
+// matrixSuffix makes every key and name of a suite non-ASCII, with a
+// 4-byte character and a trailing space.
+const matrixSuffix = "/é ü€😀 "
+
+// suffixWriter is a Writer whose keys all end in matrixSuffix; the empty key
+// stays empty, so that it is still refused.
+type suffixWriter struct{ w *sqlfence.Writer }
+
+func suffixed(k string) string {
+	if k == "" {
+		return k
+	}
+	return k + matrixSuffix
+}
+
+func unsuffixed(err error) error {
+	var se *fence.StaleError
+	if errors.As(err, &se) {
+		return &fence.StaleError{Key: strings.TrimSuffix(se.Key, matrixSuffix), Offered: se.Offered, Current: se.Current}
+	}
+	return err
+}
+
+func (s suffixWriter) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
+	return unsuffixed(s.w.Write(ctx, suffixed(key), value, token))
+}
+
+func (s suffixWriter) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
+	return s.w.Read(ctx, suffixed(key))
+}
+
+func (s suffixWriter) Delete(ctx context.Context, key string, token fence.Token) error {
+	return unsuffixed(s.w.Delete(ctx, suffixed(key), token))
+}
+
+// TestMySQLSessionMatrix runs, under every session setting: the
+// WriterSuite (its keys made non-ASCII with a trailing space, on the
+// package's table and on a table of the user's own with a NO PAD binary
+// VARCHAR key), and representative cases of the acquirer with guards and of
+// the idempotency store, with values on both sides of the inline limit and
+// past the packet limit where the DSN sets one. The AcquirerSuite and the
+// idempotencytest Suite run whole under the first setting (a connection
+// character set unlike the client's), whose conversions the other settings'
+// cases cover.
+func TestMySQLSessionMatrix(t *testing.T) {
+	raw0, _ := openMySQL(t, "")
+	// 768 characters of 4 bytes fill InnoDB's 3072-byte index limit.
+	nopad := fmt.Sprintf("user_nopad_%d", time.Now().UnixNano()%1e9)
+	var err error
+	for _, coll := range []string{"utf8mb4_nopad_bin", "utf8mb4_0900_bin"} {
+		if _, err = raw0.Exec("CREATE TABLE " + nopad + " (k VARCHAR(768) CHARACTER SET utf8mb4 COLLATE " + coll + " PRIMARY KEY, v LONGBLOB, f BIGINT NOT NULL)"); err == nil {
+			break
+		}
+	}
+	if err != nil {
+		t.Fatalf("no NO PAD binary collation: %v", err)
+	}
+	t.Cleanup(func() { _, _ = raw0.Exec("DROP TABLE IF EXISTS " + nopad) })
+	for i, params := range sessionMatrix {
+		t.Run(params, func(t *testing.T) {
+			raw, fdb := openMySQL(t, params)
+			for _, opts := range []*sqlfence.WriterOptions{nil, {Table: nopad, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"}} {
+				w, err := sqlfence.NewWriter(fdb, opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				name := "default"
+				if opts != nil {
+					name = "nopad_bin"
+				}
+				t.Run("WriterSuite/"+name, func(t *testing.T) {
+					fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return suffixWriter{w} }, BadKeys: badKeys, Writers: 4, WritesEach: 5}.Run(t)
+				})
+				t.Run("WriterSizes/"+name, func(t *testing.T) { matrixWriterSizes(t, w) })
+			}
+			t.Run("AcquirerAndGuards", func(t *testing.T) { matrixAcquirer(t, raw, fdb) })
+			t.Run("Idempotency", func(t *testing.T) { matrixIdempotency(t, raw, fdb) })
+			if i == 0 {
+				t.Run("AcquirerSuite", func(t *testing.T) {
+					a := newAcquirerOn(t, fdb, nil)
+					fencetest.AcquirerSuite{New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+						NewOther: otherAcquirer(mysqlOpener(params), nil)}.Run(t)
+				})
+				t.Run("IdempotencySuite", func(t *testing.T) {
+					s := mustStore(t, fdb)
+					idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
+				})
+			}
+		})
+	}
+}
+
+// matrixSizes straddle the 4096-byte inline limit; past the 4096-byte
+// packet limit the driver refuses the inlined statement and the fallback
+// sends it with parameters.
+var matrixSizes = []int{0, 1, 2000, 4096, 4097, 9000}
+
+// matrixWriterSizes: a non-ASCII key with a trailing space, and the same
+// key without it, are two rows; every value size round-trips, a lower token
+// is stale whichever path either statement took.
+func matrixWriterSizes(t *testing.T, w *sqlfence.Writer) {
+	ctx := context.Background()
+	key := fencetest.Name("mx") + matrixSuffix
+	trimmed := strings.TrimRight(key, " ")
+	if err := w.Write(ctx, trimmed, []byte("other"), 1<<40); err != nil {
+		t.Fatal(err)
+	}
+	for j, size := range matrixSizes {
+		v := inlinePattern(size)
+		tok := fence.Token(100 * (j + 1))
+		if err := w.Write(ctx, key, v, tok); err != nil {
+			t.Fatalf("Write %d bytes at %d: %v", size, tok, err)
+		}
+		if got, gt, err := w.Read(ctx, key); err != nil || gt != tok || !bytes.Equal(got, v) {
+			t.Fatalf("Read after %d bytes at %d: %d bytes (equal %v) at %d, %v", size, tok, len(got), bytes.Equal(got, v), gt, err)
+		}
+		for _, lower := range matrixSizes {
+			var se *fence.StaleError
+			if err := w.Write(ctx, key, inlinePattern(lower), tok-1); !errors.As(err, &se) || se.Current != tok {
+				t.Fatalf("Write %d bytes at %d after %d bytes at %d: %v, want a StaleError at %d", lower, tok-1, size, tok, err, tok)
+			}
+		}
+	}
+	if got, tok, err := w.Read(ctx, trimmed); err != nil || tok != 1<<40 || string(got) != "other" {
+		t.Errorf("the key without its trailing space: %q %d %v", got, tok, err)
+	}
+}
+
+// matrixAcquirer: a non-ASCII lock name with a trailing space is held once
+// (the same name again is refused, the name without the space is another
+// lock); its grant's guard advance and Guard in the caller's transaction
+// reach one row; Inspect and Bump address it.
+func matrixAcquirer(t *testing.T, raw *sql.DB, fdb *sqlfence.DB) {
+	ctx := context.Background()
+	g := mustGuards(t, fdb)
+	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
+	plain := newAcquirerOn(t, fdb, nil)
+	for _, acq := range []*sqlfence.Acquirer{a, plain} {
+		name := fencetest.Name("mx-l") + matrixSuffix
+		l, err := acq.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := acq.TryAcquire(ctx, name, time.Minute); !errors.Is(err, fence.ErrHeld) {
+			t.Errorf("TryAcquire of a held name: %v, want ErrHeld", err)
+		}
+		other, err := acq.TryAcquire(ctx, strings.TrimRight(name, " "), time.Minute)
+		if err != nil {
+			t.Errorf("TryAcquire of the name without its trailing space: %v", err)
+		} else {
+			_ = other.Release(ctx)
+		}
+		if info, err := acq.Inspect(ctx, name); err != nil || !info.Held || info.Counter != l.Token() {
+			t.Errorf("Inspect: %+v %v, want held at %d", info, err, l.Token())
+		}
+		if err := l.Renew(ctx); err != nil {
+			t.Errorf("Renew: %v", err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Errorf("Release: %v", err)
+		}
+		next, err := acq.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if next.Token() <= l.Token() {
+			t.Errorf("the next grant's token %d is not above %d", next.Token(), l.Token())
+		}
+		if acq == a {
+			err := sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, l.Token()) })
+			var se *fence.StaleError
+			if !errors.As(err, &se) || se.Current != next.Token() {
+				t.Errorf("Guard with the old token: %v, want a StaleError at %d", err, next.Token())
+			}
+			if err := sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, next.Token()) }); err != nil {
+				t.Errorf("Guard with the current token: %v", err)
+			}
+		}
+		if err := next.Release(ctx); err != nil {
+			t.Errorf("Release: %v", err)
+		}
+		if err := acq.Bump(ctx, name, next.Token()+10); err != nil {
+			t.Errorf("Bump: %v", err)
+		}
+		if info, err := acq.Inspect(ctx, name); err != nil || info.Counter != next.Token()+10 {
+			t.Errorf("Inspect after Bump: %+v %v, want %d", info, err, next.Token()+10)
+		}
+	}
+}
+
+// matrixIdempotency: Do and CompleteTx with non-ASCII keys, fingerprints
+// and owners, and results of every size, record and replay exactly.
+func matrixIdempotency(t *testing.T, raw *sql.DB, fdb *sqlfence.DB) {
+	ctx := context.Background()
+	s := mustStore(t, fdb)
+	for _, size := range matrixSizes {
+		key := fmt.Sprintf("%s%s%d", fencetest.Name("mx-i"), matrixSuffix, size)
+		want := inlinePattern(size)
+		runs := 0
+		for i := 0; i < 2; i++ {
+			r, err := idempotency.Do(ctx, s, key, "fp é ", func(context.Context, string) ([]byte, error) { runs++; return want, nil }, nil)
+			if err != nil || !bytes.Equal(r.Value, want) {
+				t.Fatalf("Do %d with a %d-byte result: %d bytes (equal %v), %v", i, size, len(r.Value), bytes.Equal(r.Value, want), err)
+			}
+		}
+		if runs != 1 {
+			t.Errorf("the effect ran %d times, want once", runs)
+		}
+		// CompleteTx: claimed and armed by the store, completed in the
+		// caller's transaction.
+		ck := key + "/tx "
+		rec, _, err := s.Begin(ctx, ck, "fp é ", "me é ", time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Update(ctx, ck, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me é ", Lease: time.Minute}); err != nil {
+			t.Fatal(err)
+		}
+		if err := sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return s.CompleteTx(ctx, tx, ck, rec.Fence, want, time.Hour) }); err != nil {
+			t.Fatalf("CompleteTx with a %d-byte result: %v", size, err)
+		}
+		if got, err := s.Get(ctx, ck); err != nil || got.State != idempotency.Completed || !bytes.Equal(got.Result, want) || got.Fingerprint != "fp é " {
+			t.Errorf("Get after CompleteTx: %v %d bytes %q, %v", got.State, len(got.Result), got.Fingerprint, err)
+		}
+	}
+}
+
+// splitSessions are DSN parameters under which the server converts a text
+// parameter on its way in: a connection character set unlike the client's.
+// The second also makes a statement with a value of a few KiB too large to
+// inline (the packet-limit fallback).
+var splitSessions = []string{
+	"character_set_connection=latin1",
+	"charset=utf8mb4&character_set_connection=latin1&maxAllowedPacket=4096",
+}
+
+// keyRows returns the hex of every key column value in table's column col
+// that starts with prefix, read on a session without conversions.
+func keyRows(t *testing.T, raw *sql.DB, table, col, prefix string) []string {
+	t.Helper()
+	rows, err := raw.QueryContext(context.Background(), "SELECT HEX(`"+col+"`) FROM "+table+" WHERE LEFT(`"+col+"`, LENGTH(X'"+hexOf(prefix)+"')) = X'"+hexOf(prefix)+"'")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var got []string
+	for rows.Next() {
+		var h string
+		if err := rows.Scan(&h); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, h)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+func hexOf(s string) string {
+	const digits = "0123456789ABCDEF"
+	b := make([]byte, 0, 2*len(s))
+	for i := 0; i < len(s); i++ {
+		b = append(b, digits[s[i]>>4], digits[s[i]&15])
+	}
+	return string(b)
+}
+
+// TestMySQLWriteSameRowWhateverArgumentPath: a non-ASCII key written with a
+// small value (its arguments inlined) and then with a value too large to
+// inline (sent as parameters) is one row: the second write, with a lower
+// token, is stale, and the large value round-trips byte for byte.
+func TestMySQLWriteSameRowWhateverArgumentPath(t *testing.T) {
+	ctx := context.Background()
+	raw, _ := openMySQL(t, "")
+	for _, params := range splitSessions {
+		t.Run(params, func(t *testing.T) {
+			_, fdb := openMySQL(t, params)
+			w, err := sqlfence.NewWriter(fdb, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			key := fencetest.Name("split") + "/café ü€😀 "
+			if err := w.Write(ctx, key, []byte("small"), 100); err != nil {
+				t.Fatal(err)
+			}
+			big := bytes.Repeat([]byte("é\xff\x00€"), 1250) // 5000+ bytes, past the inline limit
+			err = w.Write(ctx, key, big, 50)
+			var se *fence.StaleError
+			if !errors.As(err, &se) || se.Current != 100 {
+				t.Errorf("Write at 50 with %d bytes after 100: %v, want a StaleError at 100", len(big), err)
+			}
+			if v, tok, err := w.Read(ctx, key); err != nil || tok != 100 || string(v) != "small" {
+				t.Errorf("Read: %q %d %v, want small at 100", v, tok, err)
+			}
+			if err := w.Write(ctx, key, big, 200); err != nil {
+				t.Fatal(err)
+			}
+			if v, tok, err := w.Read(ctx, key); err != nil || tok != 200 || !bytes.Equal(v, big) {
+				t.Errorf("Read after a large write: %d bytes (equal %v) at %d, %v", len(v), bytes.Equal(v, big), tok, err)
+			}
+			if err := w.Write(ctx, key, []byte("small"), 150); !errors.As(err, &se) || se.Current != 200 {
+				t.Errorf("small Write at 150 after a large one at 200: %v, want a StaleError at 200", err)
+			}
+			if rows := keyRows(t, raw, "fence_values", "key", key[:len(key)-len("/café ü€😀 ")]); len(rows) != 1 || rows[0] != hexOf(key) {
+				t.Errorf("rows for the key: %v, want one, %s", rows, hexOf(key))
+			}
+		})
+	}
+}
+
+// TestMySQLGuardSameRowAsGrant: the grant's guard advance (in the package's
+// own transaction) and Guard in the caller's transaction reach one guard row
+// for a non-ASCII name: the old holder's guarded transaction is stale.
+func TestMySQLGuardSameRowAsGrant(t *testing.T) {
+	ctx := context.Background()
+	raw0, _ := openMySQL(t, "")
+	for _, params := range splitSessions {
+		t.Run(params, func(t *testing.T) {
+			raw, fdb := openMySQL(t, params)
+			g := mustGuards(t, fdb)
+			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
+			prefix := fencetest.Name("split-g")
+			name := prefix + "/café ü€😀 "
+			old, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := old.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			cur, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer cur.Release(ctx)
+			err = sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, old.Token()) })
+			var se *fence.StaleError
+			if !errors.As(err, &se) || se.Current != cur.Token() {
+				t.Errorf("Guard with the old token %d after a grant of %d: %v, want a StaleError at %d", old.Token(), cur.Token(), err, cur.Token())
+			}
+			if err := sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, cur.Token()) }); err != nil {
+				t.Errorf("Guard with the current token: %v", err)
+			}
+			if rows := keyRows(t, raw0, "fence_guards", "name", prefix); len(rows) != 1 || rows[0] != hexOf(name) {
+				t.Errorf("guard rows for the name: %v, want one, %s", rows, hexOf(name))
+			}
+		})
+	}
+}
+
+// TestMySQLCompleteTxSameRowAsBegin: CompleteTx in the caller's transaction
+// completes the record Begin claimed for a non-ASCII key, with a result on
+// either side of the inline limit.
+func TestMySQLCompleteTxSameRowAsBegin(t *testing.T) {
+	ctx := context.Background()
+	raw0, _ := openMySQL(t, "")
+	for _, params := range splitSessions {
+		t.Run(params, func(t *testing.T) {
+			raw, fdb := openMySQL(t, params)
+			s := mustStore(t, fdb)
+			prefix := fencetest.Name("split-c")
+			for i, result := range [][]byte{[]byte("ré"), bytes.Repeat([]byte("é\xff"), 3000)} {
+				key := prefix + "/café ü€😀 " + string(rune('a'+i))
+				rec, _, err := s.Begin(ctx, key, "fp é", "me é", time.Minute)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := s.Update(ctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me é", Lease: time.Minute}); err != nil {
+					t.Fatal(err)
+				}
+				err = sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return s.CompleteTx(ctx, tx, key, rec.Fence, result, time.Hour) })
+				if err != nil {
+					t.Errorf("CompleteTx %d-byte result: %v", len(result), err)
+				}
+				got, err := s.Get(ctx, key)
+				if err != nil || got.State != idempotency.Completed || !bytes.Equal(got.Result, result) || got.Fingerprint != "fp é" {
+					t.Errorf("Get after CompleteTx: %v %d-byte result (equal %v) %q, %v", got.State, len(got.Result), bytes.Equal(got.Result, result), got.Fingerprint, err)
+				}
+			}
+			if rows := keyRows(t, raw0, "fence_idempotency", "key", prefix); len(rows) != 2 {
+				t.Errorf("records: %v, want two", rows)
+			}
+		})
+	}
+}
+
+// wideConnections are connection character sets MariaDB and MySQL accept for
+// character_set_connection (not for the client) in which every character,
+// ASCII included, takes two or four bytes: a string literal in a statement,
+// such as a state name, reaches a BLOB column or a binary comparison as
+// those wide bytes.
+var wideConnections = []string{
+	"character_set_connection=ucs2",
+	"character_set_connection=utf16",
+	"character_set_connection=utf32&maxAllowedPacket=4096",
+}
+
+// TestMySQLWideConnectionCharset: under a wide connection character set the
+// writer, the acquirer with guards and the idempotency store (Do, CompleteTx)
+// keep every key, name and value exact, as under the session matrix.
+func TestMySQLWideConnectionCharset(t *testing.T) {
+	for _, params := range wideConnections {
+		t.Run(params, func(t *testing.T) {
+			raw, fdb := openMySQL(t, params)
+			w, err := sqlfence.NewWriter(fdb, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Run("Writer", func(t *testing.T) { matrixWriterSizes(t, w) })
+			t.Run("AcquirerAndGuards", func(t *testing.T) { matrixAcquirer(t, raw, fdb) })
+			t.Run("Idempotency", func(t *testing.T) { matrixIdempotency(t, raw, fdb) })
+		})
+	}
+}
+
+// TestMySQLIdempotencyStateSharedAcrossConnectionCharsets: a record claimed
+// and released on a session with a wide connection character set is seen,
+// and claimed again, by a session with the default one, and the other way
+// round: the state is the same bytes whichever session wrote it.
+func TestMySQLIdempotencyStateSharedAcrossConnectionCharsets(t *testing.T) {
+	ctx := context.Background()
+	_, plainDB := openMySQL(t, "")
+	_, wideDB := openMySQL(t, "character_set_connection=utf32")
+	plain, wide := mustStore(t, plainDB), mustStore(t, wideDB)
+	for _, order := range [][2]*sqlfence.IdempotencyStore{{wide, plain}, {plain, wide}} {
+		first, second := order[0], order[1]
+		key := fencetest.Name("wide-state")
+		rec, _, err := first.Begin(ctx, key, "fp", "me", time.Minute)
+		if err != nil {
+			t.Fatalf("Begin: %v", err)
+		}
+		if got, err := second.Get(ctx, key); err != nil || got.State != idempotency.Claimed || got.Fence != rec.Fence {
+			t.Errorf("the other session's Get of a claimed record: %+v, %v; want claimed at %d", got, err, rec.Fence)
+		}
+		if _, err := first.Update(ctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Released, Fence: rec.Fence}); err != nil {
+			t.Fatalf("release: %v", err)
+		}
+		again, _, err := second.Begin(ctx, key, "fp", "you", time.Minute)
+		if err != nil || again.State != idempotency.Claimed || again.Owner != "you" || again.Fence <= rec.Fence {
+			t.Errorf("the other session's Begin after a release: %+v, %v; want claimed by you above %d", again, err, rec.Fence)
+		}
+	}
+}
+
+// Inlined arguments (mysqlInline): the package's MySQL statements carry
+// their arguments as literals. These tests check, against the real server,
+// that a literal means what the bound parameter meant: byte-exact round
+// trips of names, keys, values and results (around the 4096-byte inline
+// limit) under session settings that change how text reaches the server;
+// tokens at MaxToken; the bell's GET_LOCK; the guard advance in the
+// package's own transaction; that nothing is prepared any more for small
+// arguments; and that a statement whose arguments fit the connection's
+// packet limit as parameters still runs once they are inlined.
 
 // inlineSessions are DSN parameters under which a literal could be read
 // differently from a parameter: character sets, backslash escapes, double
@@ -75,10 +537,10 @@ var inlineNames = []string{
 // inlineSizes straddle the 4096-byte inline limit.
 var inlineSizes = []int{0, 1, 4095, 4096, 4097, 9000}
 
-// TestInlineReviewRoundTrips: under every session setting, Writer values,
+// TestMySQLInlineRoundTrips: under every session setting, Writer values,
 // idempotency results, fingerprints and owners, and lease owners come back
 // byte for byte, and names and keys address their own rows.
-func TestInlineReviewRoundTrips(t *testing.T) {
+func TestMySQLInlineRoundTrips(t *testing.T) {
 	ctx := context.Background()
 	for _, params := range inlineSessions {
 		t.Run("params="+params, func(t *testing.T) {
@@ -269,9 +731,9 @@ func validUTF8NoNUL(s string) bool {
 	return strings.ToValidUTF8(s, "\ufffd") == s && !strings.ContainsRune(s, 0)
 }
 
-// TestInlineReviewTokensAtMax: fences at MaxToken through the Writer, the
+// TestMySQLInlineTokensAtMax: fences at MaxToken through the Writer, the
 // Bump of a new name at MaxToken, and an exhausted name.
-func TestInlineReviewTokensAtMax(t *testing.T) {
+func TestMySQLInlineTokensAtMax(t *testing.T) {
 	ctx := context.Background()
 	_, fdb := openMySQL(t, "")
 	w, _ := sqlfence.NewWriter(fdb, nil)
@@ -305,10 +767,10 @@ func TestInlineReviewTokensAtMax(t *testing.T) {
 	}
 }
 
-// TestInlineReviewAdvanceGuards: the grant and the guard advance run in the
+// TestMySQLInlineAdvanceGuards: the grant and the guard advance run in the
 // package's own transaction, inlined; the guard row holds the grant's token
 // under the exact name, in every session setting.
-func TestInlineReviewAdvanceGuards(t *testing.T) {
+func TestMySQLInlineAdvanceGuards(t *testing.T) {
 	ctx := context.Background()
 	for _, params := range inlineSessions {
 		t.Run("params="+params, func(t *testing.T) {
@@ -342,10 +804,10 @@ func TestInlineReviewAdvanceGuards(t *testing.T) {
 	}
 }
 
-// TestInlineReviewBellTaken: with bells, the grant's inlined GET_LOCK takes
+// TestMySQLInlineBellTaken: with bells, the grant's inlined GET_LOCK takes
 // the name's bell (held by a session other than ours), and the release lets
 // it go, under session settings that change how literals read.
-func TestInlineReviewBellTaken(t *testing.T) {
+func TestMySQLInlineBellTaken(t *testing.T) {
 	ctx := context.Background()
 	for _, params := range inlineSessions {
 		t.Run("params="+params, func(t *testing.T) {
@@ -398,13 +860,13 @@ func TestInlineReviewBellTaken(t *testing.T) {
 	}
 }
 
-// TestInlineReviewNoPrepare: the change's claim, each of the package's
+// TestMySQLInlineNoPrepare: the change's claim, each of the package's
 // statements with small arguments is one round trip (nothing prepared), for
 // every operation of the Writer, the Acquirer (with AdvanceGuards, in the
 // package's own transaction) and the idempotency store; a value over the
 // inline limit still goes as a parameter (prepared), which shows the
 // counter counts.
-func TestInlineReviewNoPrepare(t *testing.T) {
+func TestMySQLInlineNoPrepare(t *testing.T) {
 	ctx := context.Background()
 	db, fdb := openMySQL(t, "")
 	db.SetMaxOpenConns(1)
@@ -460,14 +922,14 @@ func TestInlineReviewNoPrepare(t *testing.T) {
 	prepared("Get", 0, func() error { _, err := s.Get(ctx, ik); return err })
 }
 
-// TestInlineReviewPacketLimit: the connection's max_allowed_packet
+// TestMySQLInlinePacketLimit: the connection's max_allowed_packet
 // (maxAllowedPacket in the DSN, or the server's when it is 0) bounds one
 // packet. A parameter the driver sends in parts (COM_STMT_SEND_LONG_DATA)
 // when it is large; a value inlined as hex doubles in size and must fit in
 // the one COM_QUERY packet. A write of 3000 bytes, a result of 3000 bytes
 // and a lock name of MaxKeyBytes all fit as parameters on a 4096-byte (and
 // 2048-byte) packet limit; they must still work once inlined.
-func TestInlineReviewPacketLimit(t *testing.T) {
+func TestMySQLInlinePacketLimit(t *testing.T) {
 	ctx := context.Background()
 	t.Run("writer-4096", func(t *testing.T) {
 		_, fdb := openMySQL(t, "maxAllowedPacket=4096")
@@ -508,13 +970,13 @@ func TestInlineReviewPacketLimit(t *testing.T) {
 	})
 }
 
-// TestInlineReviewLostReplyAtLimit: a Write whose reply is lost reports
+// TestMySQLInlineLostReplyAtLimit: a Write whose reply is lost reports
 // fence.ErrUnknown and landed, on both sides of the inline limit (4096
 // bytes: one inlined COM_QUERY; 4097: prepared with the key inlined, the
 // value in the execute), for a new key and an existing one; the lost reply
 // is the request that carries the value (in hex inlined, or in base64 as a
 // parameter), the one that runs the statement.
-func TestInlineReviewLostReplyAtLimit(t *testing.T) {
+func TestMySQLInlineLostReplyAtLimit(t *testing.T) {
 	ctx := context.Background()
 	_, direct := openMySQL(t, "")
 	px := faultnet.Start(t, mysqlAddr(t))
