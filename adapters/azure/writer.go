@@ -41,6 +41,18 @@
 // Azure changes such names, and servers that store blobs as files resolve
 // the path segments, so two keys would share one blob.
 //
+// # Leases
+//
+// Acquirer takes Azure's native lease on one lock blob per name and keeps the
+// token in the blob's metadata, written under that lease. Expiry is the
+// lease's own timer on Azure. Azure leases last 15 to 60 s: a ttl outside
+// MinAcquirerTTL..MaxAcquirerTTL (1 s..60 s) is refused, and one under 15 s
+// keeps others from the name for up to 15 s unless it is released. Breaking a
+// lease by hand ends mutual exclusion at once, while the holder's context
+// still runs; the fence still refuses its writes. Tokens keep growing after
+// the lock blob is deleted as long as Azure's clock never goes back. See
+// Acquirer.
+//
 // Errors are told apart by Azure's error codes and HTTP status, never by
 // their messages. Errors returned by this package show a SAS token's
 // signature (the URL's sig parameter) as REDACTED.

@@ -51,6 +51,16 @@
 // keeps "a//b", "a/./b" and "a/../b" apart from "a/b" (its names are flat
 // strings), so they are accepted; the suites check that they stay distinct.
 //
+// # Leases
+//
+// Acquirer grants leases from one lock object per name with generation
+// preconditions alone. Expiry is decided on GCS's clock as GCS stamps it on
+// objects (the lock object's updated time), not on the Date header, which a
+// proxy may set; a contender reads GCS's time by rewriting a clock object
+// (AcquirerOptions.ClockObject). Tokens keep growing after a lock object is
+// deleted as long as GCS's clock never goes back. GCS takes about one write a
+// second per object: use ttls of 3s or more there. See Acquirer.
+//
 // Errors are told apart by their HTTP status (googleapi.Error), never by
 // their messages.
 package gcsfence

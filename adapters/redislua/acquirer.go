@@ -75,8 +75,8 @@ type AcquirerOptions struct {
 	// it parks as before. At most one waiter per lock name spins at a time,
 	// across all processes (the one next in line), and none while nobody
 	// waits; a spinning waiter whose ctx ends stops at once and gives up.
-	// Default: 0, no spinning (see the README's Measured section for
-	// what it gained and cost on a 2-vCPU machine).
+	// Default: 0, no spinning (see docs/redis-line.md for what it gained
+	// and cost on a 2-vCPU machine).
 	HeadSpin time.Duration
 }
 

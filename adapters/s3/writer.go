@@ -27,6 +27,16 @@
 // before any request, rather than encoded: servers that store objects as
 // files resolve such names, so two keys would share one object.
 //
+// # Leases
+//
+// Acquirer grants leases from one lock object per name in the bucket, with
+// conditional PUTs alone. Expiry is decided on S3's clock as its Date header
+// tells it (whole seconds; DateLag allows for a Date served late), never on
+// the client's wall clock. Tokens keep growing after a lock object is deleted
+// as long as S3's clock never goes back and its Date is at most DateLag behind
+// it beyond whole seconds. A Renew after the lease's local deadline returns
+// fence.ErrLost and writes nothing. See Acquirer.
+//
 // Writer detects S3 errors by their codes (smithy.APIError) and HTTP status,
 // never by their messages.
 package s3fence

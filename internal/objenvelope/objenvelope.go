@@ -1,6 +1,7 @@
 // Package objenvelope is the stored form of a fenced object (S3) or blob
 // (Azure): one header line with the token and a random write id, then the
-// value. Users must not depend on it; the format is documented in the README.
+// value. Users must not depend on it; the format is documented in
+// docs/backends.md (S3).
 package objenvelope
 
 import (

@@ -69,24 +69,21 @@ func testSources(t *testing.T, root string) string {
 // needsServer tells a program that reaches a server (it is built, not run).
 var needsServer = regexp.MustCompile(`postgres://|redis\.NewClient|127\.0\.0\.1|localhost|clientv3\.New|s3\.New`)
 
-// TestGoBlocks builds and vets every README Go block that is a program, as
-// its own package main in a directory inside this module (so it resolves the
-// module's packages and dependencies as a user's code would), runs those that
-// need no server, and checks that every other block is an exact copy of an
-// Example function.
+// TestGoBlocks builds and vets every Go block of README.md and of the
+// documents in docs/ that is a program, as its own package main in a directory
+// inside this module (so it resolves the module's packages and dependencies as
+// a user's code would), runs those that need no server, and checks that every
+// other block is an exact copy of an Example function.
 func TestGoBlocks(t *testing.T) {
 	root, err := filepath.Abs("../..")
 	if err != nil {
 		t.Fatal(err)
 	}
-	readme, err := os.ReadFile(filepath.Join(root, "README.md"))
+	docs, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	blocks := goBlocks(string(readme))
-	if len(blocks) == 0 {
-		t.Fatal("README.md has no Go blocks")
-	}
+	files := append([]string{filepath.Join(root, "README.md")}, docs...)
 	// Inside the module (so the module's go.mod resolves the imports); the
 	// leading _ keeps ./... patterns out of it.
 	tmp, err := os.MkdirTemp(".", "_build-")
@@ -98,45 +95,59 @@ func TestGoBlocks(t *testing.T) {
 	}
 	t.Cleanup(func() { os.RemoveAll(tmp) })
 	var examples string
-	programs := 0
-	for _, b := range blocks {
-		switch {
-		case strings.HasPrefix(b.code, "package main\n"):
-			programs++
-			t.Run(fmt.Sprintf("line%d", b.line), func(t *testing.T) {
-				dir := filepath.Join(tmp, fmt.Sprintf("line%d", b.line))
-				if err := os.MkdirAll(dir, 0o755); err != nil {
-					t.Fatal(err)
-				}
-				if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(b.code), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				bin := filepath.Join(dir, "prog")
-				goCmd(t, "vet", dir)
-				goCmd(t, "build", "-o", bin, dir)
-				if needsServer.MatchString(b.code) {
-					return
-				}
-				// Run it where it can make its files, as a reader would.
-				cmd := exec.Command(bin)
-				cmd.Dir = t.TempDir()
-				if out, err := cmd.CombinedOutput(); err != nil {
-					t.Errorf("README line %d: the program failed: %v\n%s", b.line, err, out)
-				}
-			})
-		case strings.HasPrefix(b.code, "func Example"):
-			if examples == "" {
-				examples = testSources(t, root)
-			}
-			if !strings.Contains(examples, b.code) {
-				t.Errorf("README line %d: this block is not an exact copy of an Example function in the module's tests:\n%s", b.line, b.code)
-			}
-		default:
-			t.Errorf("README line %d: a Go block must be a complete program (package main, with its imports) or an exact copy of an Example function:\n%s", b.line, b.code)
+	for _, file := range files {
+		text, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-	if programs == 0 {
-		t.Error("README.md has no complete program")
+		name, err := filepath.Rel(root, file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		blocks := goBlocks(string(text))
+		if name == "README.md" && len(blocks) == 0 {
+			t.Fatal("README.md has no Go blocks")
+		}
+		programs := 0
+		for _, b := range blocks {
+			switch {
+			case strings.HasPrefix(b.code, "package main\n"):
+				programs++
+				t.Run(fmt.Sprintf("%s/line%d", strings.TrimSuffix(filepath.Base(name), ".md"), b.line), func(t *testing.T) {
+					dir := filepath.Join(tmp, strings.TrimSuffix(filepath.Base(name), ".md"), fmt.Sprintf("line%d", b.line))
+					if err := os.MkdirAll(dir, 0o755); err != nil {
+						t.Fatal(err)
+					}
+					if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(b.code), 0o644); err != nil {
+						t.Fatal(err)
+					}
+					bin := filepath.Join(dir, "prog")
+					goCmd(t, "vet", dir)
+					goCmd(t, "build", "-o", bin, dir)
+					if needsServer.MatchString(b.code) {
+						return
+					}
+					// Run it where it can make its files, as a reader would.
+					cmd := exec.Command(bin)
+					cmd.Dir = t.TempDir()
+					if out, err := cmd.CombinedOutput(); err != nil {
+						t.Errorf("%s line %d: the program failed: %v\n%s", name, b.line, err, out)
+					}
+				})
+			case strings.HasPrefix(b.code, "func Example"):
+				if examples == "" {
+					examples = testSources(t, root)
+				}
+				if !strings.Contains(examples, b.code) {
+					t.Errorf("%s line %d: this block is not an exact copy of an Example function in the module's tests:\n%s", name, b.line, b.code)
+				}
+			default:
+				t.Errorf("%s line %d: a Go block must be a complete program (package main, with its imports) or an exact copy of an Example function:\n%s", name, b.line, b.code)
+			}
+		}
+		if name == "README.md" && programs == 0 {
+			t.Error("README.md has no complete program")
+		}
 	}
 }
 
