@@ -79,6 +79,11 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 			// The lease's context ended and its hook has started: wait
 			// for it, so that the loss is counted whatever the order.
 			<-lossSeen
+		} else if l.Context().Err() != nil {
+			// The context's done channel closes before its AfterFunc
+			// hooks start: work can see the end, return, and stop the
+			// hook before it ran. The lease ended all the same.
+			markLost()
 		}
 	})
 	defer stopRenewals()
