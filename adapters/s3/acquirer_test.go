@@ -359,7 +359,7 @@ func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
 	_ = l2.Release(ctx)
 }
 
-// TestAbandonedGrant (HAZARDS 6, issue 29): a TryAcquire that gives up after a
+// TestAbandonedGrant (HAZARDS 6): a TryAcquire that gives up after a
 // grant's PUT whose answer was lost leaves no lock behind for its ttl: when
 // the PUT landed (its answer lost, then the caller's context ended), the
 // grant is released in the background; when the PUT is still on its way and
@@ -475,8 +475,8 @@ func testNamesByteForByte(t *testing.T, e *s3env) {
 		{"Case", "case", "ß", "ss"},
 	}
 	// The leases outlive a group's grants on a loaded machine: each first
-	// grant of a name waits for S3's clock, and a group of four once took
-	// over 10s (CI run g1), so its first leases were lost before the release.
+	// grant of a name waits for S3's clock, and a group of four can take over
+	// 10s, so with a shorter ttl its first leases were lost before the release.
 	const ttl = time.Minute
 	for _, names := range groups {
 		var held []fence.Lease
