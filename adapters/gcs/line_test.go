@@ -1,9 +1,9 @@
 package gcsfence_test
 
-// Review tests of the in-process waiter line of the GCS acquirer (commit
-// 86a5507, wakeup.Line.Acquire of 38c42ed): each asserts a promise of
-// Acquire's doc comment, the README or fence.Acquirer against
-// fake-gcs-server.
+// The in-process waiter line of the GCS acquirer (its waiters queue on a
+// wakeup.Line and the head tries first when a release pokes it): each test
+// asserts a promise of Acquire's doc comment, the README or fence.Acquirer
+// against fake-gcs-server.
 
 import (
 	"bytes"
@@ -145,7 +145,7 @@ func heldGCS(t *testing.T) (*gcsEnv, *lockUploads) {
 	return &gcsEnv{c: newClient(t, hs.URL), bucket: bucket, url: hs.URL}, h
 }
 
-// TestLineReviewReleaseLaterPokesHead: a Release through the acquirer that
+// TestWaitingLineReleaseLaterPokesHead: a Release through the acquirer that
 // cannot confirm (its uploads answer 503 MaxAttempts times) returns
 // ErrUnknown and frees the lock in the background (releaseLater, abandon).
 // README and Acquire's doc: "a Release through that Acquirer (whatever its
@@ -154,7 +154,7 @@ func heldGCS(t *testing.T) (*gcsEnv, *lockUploads) {
 // the head finds the lock held; once the background upload lands the lock
 // is free, and the head must be granted at once, not after its backoff (10
 // minutes here).
-func TestLineReviewReleaseLaterPokesHead(t *testing.T) {
+func TestWaitingLineReleaseLaterPokesHead(t *testing.T) {
 	e, h := heldGCS(t)
 	ctx := context.Background()
 	a, err := gcsfence.NewAcquirer(e.b(), &gcsfence.AcquirerOptions{MaxAttempts: 2,
@@ -201,11 +201,11 @@ func TestLineReviewReleaseLaterPokesHead(t *testing.T) {
 	}
 }
 
-// TestLineReviewNoLeaks: 40 Acquire calls on a held name that give up (20
+// TestWaitingLineNoLeaks: 40 Acquire calls on a held name that give up (20
 // past their deadline, 20 cancelled) leave no place in the line and no
 // goroutine behind, and the next Acquire after a release through the
 // acquirer is granted at once.
-func TestLineReviewNoLeaks(t *testing.T) {
+func TestWaitingLineNoLeaks(t *testing.T) {
 	servers(t, func(t *testing.T, e *gcsEnv) {
 		ctx := context.Background()
 		a, err := gcsfence.NewAcquirer(e.b(), &gcsfence.AcquirerOptions{
@@ -273,11 +273,11 @@ func TestLineReviewNoLeaks(t *testing.T) {
 	})
 }
 
-// TestLineReviewTwoAcquirers: two acquirers on clients of their own, 8
+// TestWaitingLineTwoAcquirers: two acquirers on clients of their own, 8
 // workers each, 3 rounds each of Acquire, a short hold and Release on one
 // name (MaxAttempts 1, so contention is frequent): every Acquire is granted,
 // no two holds overlap, and tokens grow in grant order.
-func TestLineReviewTwoAcquirers(t *testing.T) {
+func TestWaitingLineTwoAcquirers(t *testing.T) {
 	servers(t, func(t *testing.T, e *gcsEnv) {
 		if e.url == "" {
 			t.Skip("the fake only: 48 grants on one object take minutes on GCS")
@@ -343,14 +343,14 @@ func TestLineReviewTwoAcquirers(t *testing.T) {
 	})
 }
 
-// TestLineReviewCauseStillMatches (fence.Acquirer: "Giving up returns an
+// TestWaitingLineCauseStillMatches (fence.Acquirer: "Giving up returns an
 // error matching both ErrHeld and the context error (context.DeadlineExceeded
 // or context.Canceled)"): a waiter whose context carries a cause of its own
 // (context.WithCancelCause, context.WithTimeoutCause) gives up with an error
 // that must still match ctx.Err(). The line's loop returns ErrHeld joined
 // with context.Cause(ctx) only, which is the caller's cause and not the
 // context error.
-func TestLineReviewCauseStillMatches(t *testing.T) {
+func TestWaitingLineCauseStillMatches(t *testing.T) {
 	servers(t, func(t *testing.T, e *gcsEnv) {
 		ctx := context.Background()
 		a := newAcquirer(t, e)
@@ -378,13 +378,13 @@ func TestLineReviewCauseStillMatches(t *testing.T) {
 	})
 }
 
-// TestLineReviewStuckHead: a release through the acquirer pokes the head,
+// TestWaitingLineStuckHead: a release through the acquirer pokes the head,
 // whose grant upload then hangs on its way. The waiters behind the stuck
 // head are granted one after the other within a few seconds each (they try
 // when the head's attempt has lasted over a second); the stuck head gives up
 // at its deadline with ErrHeld and DeadlineExceeded (while its upload still
 // hangs); the line empties.
-func TestLineReviewStuckHead(t *testing.T) {
+func TestWaitingLineStuckHead(t *testing.T) {
 	e, h := heldGCS(t)
 	ctx := context.Background()
 	a := newAcquirer(t, e)
