@@ -1,8 +1,9 @@
 package azfence_test
 
-// Review tests of the in-process waiter line of the Azure acquirer (commit
-// 86a5507, wakeup.Line.Acquire of 38c42ed): each asserts a promise of
-// Acquire's doc comment, the README or fence.Acquirer against Azurite.
+// The in-process waiter line of the Azure acquirer (its waiters queue on a
+// wakeup.Line and the head tries first when a release pokes it): each test
+// asserts a promise of Acquire's doc comment, the README or fence.Acquirer
+// against Azurite.
 
 import (
 	"context"
@@ -112,7 +113,7 @@ func (h *releases) RoundTrip(r *http.Request) (*http.Response, error) {
 	return h.next.RoundTrip(r)
 }
 
-// TestLineReviewReleaseLaterPokesHead: a Release through the acquirer that
+// TestWaitingLineReleaseLaterPokesHead: a Release through the acquirer that
 // cannot confirm (its releases get no answer MaxAttempts times) returns
 // ErrUnknown and releases in the background (abandon). README and Acquire's
 // doc: "a Release through that Acquirer (whatever its outcome) lets the head
@@ -121,7 +122,7 @@ func (h *releases) RoundTrip(r *http.Request) (*http.Response, error) {
 // held; once the background release lands the lock is free, and the head
 // must be granted at once, not after its backoff (10 minutes here) nor the
 // lease's 15s.
-func TestLineReviewReleaseLaterPokesHead(t *testing.T) {
+func TestWaitingLineReleaseLaterPokesHead(t *testing.T) {
 	e := newEnv(t)
 	h := &releases{next: &http.Transport{}}
 	c := newClientVia(t, e.srv, e.srv.ServiceURL, e.container, h)
@@ -174,11 +175,11 @@ func TestLineReviewReleaseLaterPokesHead(t *testing.T) {
 	}
 }
 
-// TestLineReviewNoLeaks: 40 Acquire calls on a held name that give up (20
+// TestWaitingLineNoLeaks: 40 Acquire calls on a held name that give up (20
 // past their deadline, 20 cancelled) leave no place in the line and no
 // goroutine behind, and the next Acquire after a release through the
 // acquirer is granted at once.
-func TestLineReviewNoLeaks(t *testing.T) {
+func TestWaitingLineNoLeaks(t *testing.T) {
 	{
 		e := newEnv(t)
 		ctx := context.Background()
@@ -253,11 +254,11 @@ func TestLineReviewNoLeaks(t *testing.T) {
 	}
 }
 
-// TestLineReviewTwoAcquirers: two acquirers on clients of their own, 8
+// TestWaitingLineTwoAcquirers: two acquirers on clients of their own, 8
 // workers each, 3 rounds each of Acquire, a short hold and Release on one
 // name (MaxAttempts 1, so contention is frequent): every Acquire is granted,
 // no two holds overlap, and tokens grow in grant order.
-func TestLineReviewTwoAcquirers(t *testing.T) {
+func TestWaitingLineTwoAcquirers(t *testing.T) {
 	{
 		e := newEnv(t)
 		ctx := context.Background()
@@ -320,14 +321,14 @@ func TestLineReviewTwoAcquirers(t *testing.T) {
 	}
 }
 
-// TestLineReviewCauseStillMatches (fence.Acquirer: "Giving up returns an
+// TestWaitingLineCauseStillMatches (fence.Acquirer: "Giving up returns an
 // error matching both ErrHeld and the context error (context.DeadlineExceeded
 // or context.Canceled)"): a waiter whose context carries a cause of its own
 // (context.WithCancelCause, context.WithTimeoutCause) gives up with an error
 // that must still match ctx.Err(). The line's loop returns ErrHeld joined
 // with context.Cause(ctx) only, which is the caller's cause and not the
 // context error.
-func TestLineReviewCauseStillMatches(t *testing.T) {
+func TestWaitingLineCauseStillMatches(t *testing.T) {
 	{
 		e := newEnv(t)
 		ctx := context.Background()
@@ -382,12 +383,12 @@ func (s *stalledAcquire) RoundTrip(r *http.Request) (*http.Response, error) {
 	return s.next.RoundTrip(r)
 }
 
-// TestLineReviewStuckHead: a release through the acquirer pokes the head,
+// TestWaitingLineStuckHead: a release through the acquirer pokes the head,
 // whose lease acquire then hangs. The waiters behind the stuck head are
 // granted one after the other within a few seconds each (they try when the
 // head's attempt has lasted over a second); the stuck head gives up at its
 // deadline with ErrHeld and DeadlineExceeded; the line empties.
-func TestLineReviewStuckHead(t *testing.T) {
+func TestWaitingLineStuckHead(t *testing.T) {
 	e := newEnv(t)
 	s := &stalledAcquire{next: &http.Transport{}, held: make(chan struct{}, 1)}
 	a, err := azfence.NewAcquirer(newClientVia(t, e.srv, e.srv.ServiceURL, e.container, s),
