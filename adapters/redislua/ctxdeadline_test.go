@@ -14,7 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// TestCallsKeepTheirContextDeadline (issue 23): with a go-redis client that
+// TestCallsKeepTheirContextDeadline: with a go-redis client that
 // does not honour context deadlines (ContextTimeoutEnabled off, the default:
 // it waits ReadTimeout, 3s, and sends again), a call through a partition
 // returns soon after its context's deadline, with an error that says the
