@@ -152,8 +152,8 @@ func TestWriterLostAckThenNewerToken(t *testing.T) {
 	p.LoseReply(publishTo(writerBucket.Bucket))
 	// The lost ack closes the writer's connection, and its reconnection is
 	// refused until the newer write has landed: the writer cannot look
-	// again before it (loaded run L3: it reconnected and recognised its own
-	// write first, a correct nil that this case is not about).
+	// again before it (on a loaded machine it once reconnected and recognised
+	// its own write first, a correct nil that this case is not about).
 	p.Refuse(true)
 	done := make(chan error, 1)
 	go func() { done <- w.Write(ctx, key, []byte("v6"), 6) }()

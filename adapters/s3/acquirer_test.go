@@ -48,7 +48,7 @@ func TestAcquirerConformance(t *testing.T) {
 			Faulty:   faultyAcquirer(e),
 			ShortTTL: 2 * (2*time.Second + 2*s3fence.DefaultDateLag),
 			// Renewals are conditional PUTs to a server process that
-			// shares the two CPUs: on versitygw in loaded run L7 a Hold
+			// shares the two CPUs: on versitygw under load a Hold
 			// lost its 5s lease, no renewal confirmed within two thirds
 			// of it. The renewing cases run on 10s leases.
 			RenewTTL: 10 * time.Second,
@@ -702,8 +702,9 @@ func TestAcquireLineOrder(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		a := newAcquirer(t, e)
 		// A grant statement slower than wakeup.Stall on a loaded machine lets
-		// the waiters behind the head try out of turn, by design (CI: [0 4 1 2
-		// 3 -1] on PostgreSQL); the order itself is what is checked here.
+		// the waiters behind the head try out of turn, by design (the same check
+		// once saw [0 4 1 2 3 -1] on PostgreSQL); the order itself is what is
+		// checked here.
 		s3fence.SetLineStall(a, time.Minute)
 		linetest.Order(t, a, func(name string) int { return s3fence.LineLen(a, name) }, time.Minute)
 	})
