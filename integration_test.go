@@ -120,8 +120,8 @@ func acquirers() []acquirerCase {
 	return []acquirerCase{
 		// The SQL acquirers give back a grant that comes back past its
 		// local deadline (TryAcquire: ErrLost). On 150ms leases (100ms
-		// of local life after the drift) a loaded run (L4 on 1d1ec55, two
-		// busy loops) had three grants in a row come back late, on
+		// of local life after the drift) a loaded run (two
+		// busy loops beside it) had three grants in a row come back late, on
 		// MySQL and on SQLite: 500ms leave them 450ms.
 		{"sqlite", sqlTTL, func(t *testing.T) fence.Acquirer {
 			a := must(sqlfence.NewAcquirer(sqliteDB(t), &sqlfence.AcquirerOptions{Drift: drift}))
@@ -378,8 +378,8 @@ func TestPausedHolder(t *testing.T) {
 				la, err := a.TryAcquire(ctx, name, ac.ttl)
 				for try := 1; errors.Is(err, fence.ErrLost) && try < 3; try++ {
 					// A grant confirmed past its local deadline holds
-					// nothing (fence.Acquirer); a loaded machine (CI on
-					// 5dc1f62, etcd): ask again.
+					// nothing (fence.Acquirer), which happens on a
+					// loaded machine (seen on etcd): ask again.
 					t.Logf("A acquires: %v; again", err)
 					sentA = time.Now()
 					la, err = a.TryAcquire(ctx, name, ac.ttl)

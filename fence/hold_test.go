@@ -165,8 +165,8 @@ func TestHoldKeepsLeaseAndReleases(t *testing.T) {
 // failure, and not later than the lease itself (the next holder takes the
 // lock over with a larger token once it expired on the backend).
 func TestHoldCancelsWorkWhenLeaseLost(t *testing.T) {
-	// Longer than the package's 150ms: twice in CI (runs g1, g4) the
-	// SQLite grant answered after its whole 150ms lease under load, and
+	// Longer than the package's 150ms: twice in loaded full runs the
+	// SQLite grant answered after its whole 150ms lease, and
 	// there was nothing left to renew (0 attempts).
 	const ttl = time.Second
 	a := sqliteAcquirer(t)

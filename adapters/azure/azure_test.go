@@ -3,16 +3,18 @@ package azfence_test
 import (
 	"bytes"
 	"context"
-	"github.com/Azure/azure-sdk-for-go/sdk/azcore/streaming"
-	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blob"
-	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blockblob"
-	"github.com/fencekit/fencekit/internal/linetest"
+	"errors"
 	"net/http"
 	"os"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore/streaming"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blob"
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blockblob"
+	"github.com/fencekit/fencekit/internal/linetest"
 
 	"github.com/Azure/azure-sdk-for-go/sdk/azcore"
 	"github.com/Azure/azure-sdk-for-go/sdk/azcore/policy"
@@ -202,8 +204,30 @@ func TestAcquireLineOrder(t *testing.T) {
 	e := newEnv(t)
 	a := newAcquirer(t, e.c)
 	// A grant statement slower than wakeup.Stall on a loaded machine lets
-	// the waiters behind the head try out of turn, by design (CI: [0 4 1 2
-	// 3 -1] on PostgreSQL); the order itself is what is checked here.
+	// the waiters behind the head try out of turn, by design (the same check
+	// once saw [0 4 1 2 3 -1] on PostgreSQL); the order itself is what is
+	// checked here.
 	azfence.SetLineStall(a, time.Minute)
 	linetest.Order(t, a, func(name string) int { return azfence.LineLen(a, name) }, 30*time.Second)
+}
+
+// leaseAction returns the x-ms-lease-action of r ("" for none): azcore sets
+// its headers with lower-case keys, which Header.Get does not find.
+func leaseAction(r *http.Request) string {
+	for k, v := range r.Header {
+		if len(v) > 0 && http.CanonicalHeaderKey(k) == "X-Ms-Lease-Action" {
+			return v[0]
+		}
+	}
+	return ""
+}
+
+func expectHeldBy(t *testing.T, b *azfence.Acquirer, name string) {
+	t.Helper()
+	if l, err := b.TryAcquire(context.Background(), name, 15*time.Second); !errors.Is(err, fence.ErrHeld) {
+		if err == nil {
+			_ = l.Release(context.Background())
+		}
+		t.Fatalf("another TryAcquire while the name is held: %v, want ErrHeld", err)
+	}
 }

@@ -16,8 +16,9 @@ import (
 // with 2% cuts too (benchutil.FlakyNetwork). Waiters poll (one Lease Blob
 // request each), and every lease is Azure's shortest, 15 s
 // (MinLeaseDuration): a grant that nobody releases holds the name for 15 s.
-// 8 workers x 200 increments (issue 23's workload): the pair of runs took
-// 3.3 minutes on a loaded machine. Run it alone, once:
+// 8 workers x 200 increments (the workload of every adapter's flaky-network
+// benchmark): the pair of runs took 3.3 minutes on a loaded machine. Run it
+// alone, once:
 //
 //	go test -run '^$' -bench BenchmarkFlakyNetwork -benchtime 1x ./adapters/azure/
 func BenchmarkFlakyNetwork(b *testing.B) {

@@ -121,3 +121,72 @@ func TestLockSurvivesLoweredMetadata(t *testing.T) {
 		t.Errorf("grant after the lock blob's token metadata was set to 1: token %d, want above the earlier grant's %d", l2.Token(), l.Token())
 	}
 }
+
+// TestTombstoneDeletedByHand (HAZARDS 1, 7): what Delete's doc says about a
+// tombstone deleted by other means: the fence goes with it, and a write with
+// a lower token than the tombstone's is accepted afterwards. While the
+// tombstone is there, the same write is refused.
+func TestTombstoneDeletedByHand(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	w := newWriter(t, e.c, nil)
+	ctx := context.Background()
+	key := fencetest.Name("tomb")
+	if err := w.Write(ctx, key, []byte("v"), 5); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Delete(ctx, key, 7); err != nil {
+		t.Fatal(err)
+	}
+	var se *fence.StaleError
+	if err := w.Write(ctx, key, []byte("stale"), 6); !errors.As(err, &se) || se.Current != 7 {
+		t.Fatalf("a write below the tombstone's token: %v, want *StaleError holding 7", err)
+	}
+	if _, err := e.c.NewBlobClient(key).Delete(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("stale"), 6); err != nil {
+		t.Fatalf("after the tombstone was deleted by hand, Delete's doc says any token is accepted: %v", err)
+	}
+}
+
+// TestMetadataEditedByHand (HAZARDS 1): an operator sets a fenced blob's
+// metadata (Set Blob Metadata replaces all of it: the portal's or the CLI's
+// metadata update), and the token in metadata is gone while the body still
+// holds the envelope with its token (Read returns it). A write with a lower
+// token must still be refused: the fence is not lost with the metadata.
+func TestMetadataEditedByHand(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	w := newWriter(t, e.c, nil)
+	ctx := context.Background()
+	for _, del := range []bool{false, true} {
+		key := fencetest.Name("meta")
+		v5 := "v5" + strings.Repeat(".", 300) // longer than the header read
+		if err := w.Write(ctx, key, []byte(v5), 5); err != nil {
+			t.Fatal(err)
+		}
+		if del {
+			if err := w.Delete(ctx, key, 5); err != nil {
+				t.Fatal(err)
+			}
+		}
+		note := "by hand"
+		if _, err := e.c.NewBlobClient(key).SetMetadata(ctx, map[string]*string{"note": &note}, nil); err != nil {
+			t.Fatal(err)
+		}
+		if v, tok, err := w.Read(ctx, key); !del && (err != nil || tok != 5 || string(v) != v5) {
+			t.Fatalf("Read after the metadata was replaced: %q, %d, %v; want v5 at token 5", v, tok, err)
+		}
+		var se *fence.StaleError
+		if err := w.Write(ctx, key, []byte("stale"), 3); !errors.As(err, &se) || se.Current != 5 {
+			t.Errorf("deleted %v: a write with token 3 after the metadata of the blob at token 5 was replaced: %v, want *StaleError holding 5", del, err)
+		}
+		if err := w.Write(ctx, key, []byte("v6"), 6); err != nil {
+			t.Errorf("deleted %v: a write with token 6 after: %v", del, err)
+		}
+		if v, tok, err := w.Read(ctx, key); err != nil || tok != 6 || string(v) != "v6" {
+			t.Errorf("deleted %v: Read = %q, %d, %v; want v6 at token 6", del, v, tok, err)
+		}
+	}
+}

@@ -32,12 +32,12 @@ func TestAcquirerConformanceThreeMembers(t *testing.T) { runSuite(t, 3, 8, 10) }
 func runSuite(t *testing.T, members, workers, increments int) {
 	c := etcdtest.Start(t, members)
 	// 4s short leases on one member too: with 2s, three grants in a row
-	// came back past their local deadline in an unloaded fresh-clone CI
-	// run (c6 on d78e5e7, load average 9 from the run itself).
+	// came back past their local deadline in a run from a fresh clone on an
+	// otherwise idle machine (load average 9 from the run itself).
 	// Hold and RenewExtends renew 10s leases: a Hold's 5s lease was lost
-	// on three members (CI on 0a0c859: its renewals, every 1.7s, were not
-	// confirmed for its whole ttl) and on one (CI c7 on fbf0d1a), the
-	// embedded etcd stalling under the run's own load.
+	// on three members (its renewals, every 1.7s, were not confirmed for
+	// its whole ttl) and on one, the embedded etcd stalling under the run's
+	// own load.
 	shortTTL, renewTTL := 4*time.Second, 10*time.Second
 	a, err := etcdfence.New(c.Client(t), nil)
 	if err != nil {
@@ -201,7 +201,7 @@ func TestThreeNodeLeaderLoss(t *testing.T) {
 		defer cancel()
 		// 30s: the next holder's lease must outlast the checks below,
 		// which never renew it (a 5s lease ran out before its Release
-		// in loaded run 2 on 2aa15c9).
+		// on a loaded machine).
 		l, err := a.Acquire(wctx, "report", 30*time.Second)
 		if err != nil {
 			t.Error(err)

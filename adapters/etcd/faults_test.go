@@ -498,7 +498,7 @@ func TestLostMoveReply(t *testing.T) {
 	heldThenFree(t, a, r.l, name)
 }
 
-// TestAcquireRetriesLostSteps (HAZARDS 3, issue 23 item 5): a waiting Acquire
+// TestAcquireRetriesLostSteps (HAZARDS 3): a waiting Acquire
 // whose request (the lock's lease grant, the create transaction, the waiter's
 // key) was dropped by a cut connection, or applied with its answer lost,
 // tries again within its context instead of returning the transport error.

@@ -3,11 +3,12 @@ package gcsfence_test
 import (
 	"context"
 	"errors"
-	"github.com/fencekit/fencekit/internal/linetest"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/fencekit/fencekit/internal/linetest"
 
 	"cloud.google.com/go/storage"
 	gcsfence "github.com/fencekit/fencekit/adapters/gcs"
@@ -307,9 +308,33 @@ func TestAcquireLineOrder(t *testing.T) {
 	servers(t, func(t *testing.T, e *gcsEnv) {
 		a := newAcquirer(t, e)
 		// A grant statement slower than wakeup.Stall on a loaded machine lets
-		// the waiters behind the head try out of turn, by design (CI: [0 4 1 2
-		// 3 -1] on PostgreSQL); the order itself is what is checked here.
+		// the waiters behind the head try out of turn, by design (the same check
+		// once saw [0 4 1 2 3 -1] on PostgreSQL); the order itself is what is
+		// checked here.
 		gcsfence.SetLineStall(a, time.Minute)
 		linetest.Order(t, a, func(name string) int { return gcsfence.LineLen(a, name) }, time.Minute)
 	})
+}
+
+// TestRequestCounts checks the figures the docs give: a new name's first
+// grant + release take 5 requests (two more than a free lock's), a free
+// lock's grant + release 3.
+func TestRequestCounts(t *testing.T) {
+	e := fakeGCS(t)
+	ctx := ctxFor(t)
+	a := newAcquirer(t, e)
+	name := fencetest.Name("count")
+	for i, want := range []int32{5, 3, 3} {
+		before := e.f.reqs.Load()
+		l, err := a.TryAcquire(ctx, name, time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if n := e.f.reqs.Load() - before; n != want {
+			t.Errorf("grant %d + release: %d requests, want %d", i, n, want)
+		}
+	}
 }

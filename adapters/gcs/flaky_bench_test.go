@@ -14,8 +14,9 @@ import (
 // fenced Write, Release) with the GCS acquirer and writer on one client that
 // reaches the in-process fake-gcs-server only through a fault proxy with 1-3
 // ms jitter, then with 2% cuts too (benchutil.FlakyNetwork). Waiters poll:
-// 8 workers x 200 increments (issue 23's workload; the pair of runs took
-// about 2 minutes on a loaded machine). Run it alone, once:
+// 8 workers x 200 increments (the workload of every adapter's flaky-network
+// benchmark; the pair of runs took about 2 minutes on a loaded machine). Run
+// it alone, once:
 //
 //	go test -run '^$' -bench BenchmarkFlakyNetwork -benchtime 1x ./adapters/gcs/
 func BenchmarkFlakyNetwork(b *testing.B) {

@@ -52,3 +52,28 @@ func TestWriteRefusedAfterMetadataChanged(t *testing.T) {
 		}
 	})
 }
+
+// TestObjectDeletedByHand (HAZARDS 1, 7) records what the README says: an
+// object deleted other than by Delete takes its token with it, and the next
+// write of a lower token creates it again. (Delete's tombstone keeps it.)
+func TestObjectDeletedByHand(t *testing.T) {
+	e := fakeGCS(t)
+	ctx := ctxFor(t)
+	w := newWriter(t, e, nil)
+	key := fencetest.Name("byhand")
+	if err := w.Write(ctx, key, []byte("new"), 9); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Delete(ctx, key, 9); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("stale"), 3); !errors.Is(err, fence.ErrStale) {
+		t.Fatalf("a lower token after Delete = %v, want ErrStale", err)
+	}
+	if err := e.b().Object(key).Delete(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("stale"), 3); err != nil {
+		t.Fatalf("a lower token after the object was deleted by hand = %v; the README says it is accepted", err)
+	}
+}

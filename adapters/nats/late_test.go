@@ -1,15 +1,24 @@
 package natsfence_test
 
+// Late grants: a grant confirmed past its local deadline is given back; a
+// waiting Acquire tries on until its context ends, and ErrUnknown at the
+// context's end joins ErrHeld.
+
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/natstest"
+	"github.com/nats-io/nats.go"
 )
 
 // TestLateGrantsAcquireGivesUpAsAWait: through a proxy that delays every
@@ -83,4 +92,512 @@ func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond) // a poll, not a synchronisation
 	}
+}
+
+// TestGrantConfirmedAfterLocalDeadline: the ack of a grant is lost and the
+// client cannot reconnect until the lease's local deadline has passed; the
+// key is still there (the server's ttl is rounded up), so the retry
+// recognises it. A lease already past its local deadline must not be
+// returned with a nil error (HAZARDS 6): either a live lease or an error.
+func TestGrantConfirmedAfterLocalDeadline(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond, RetryFor: 10 * time.Second})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = warm.Release(ctx)
+	name := fencetest.Name("lateconfirm")
+	before := p.Stats().LostReplies
+	p.LoseReply(createTo(lockBucket.Bucket))
+	p.Refuse(true)
+	type res struct {
+		l   fence.Lease
+		err error
+	}
+	got := make(chan res, 1)
+	start := time.Now()
+	go func() {
+		l, err := a.TryAcquire(ctx, name, 1500*time.Millisecond)
+		got <- res{l, err}
+	}()
+	waitLost(t, p, before)
+	// A lease granted after a's was sent, with the same ttl: once its
+	// context is done, a's local deadline has passed too.
+	clock, err := other.TryAcquire(ctx, fencetest.Name("clock"), 1500*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-clock.Context().Done()
+	p.Refuse(false)
+	r := <-got
+	t.Logf("TryAcquire after %v: %v", time.Since(start), r.err)
+	if r.err == nil {
+		defer func() { _ = r.l.Release(ctx) }()
+		// Its local deadline was due before the return: the lease's timer
+		// ends its context at once. A live 1.5s lease is not done within
+		// 100ms.
+		select {
+		case <-r.l.Context().Done():
+			t.Fatalf("TryAcquire returned token %d with a nil error, past its local deadline: %v", r.l.Token(), context.Cause(r.l.Context()))
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// observe subscribes, on a client of its own (not proxied), to subj and
+// calls f for each message the server routes there (a copy of the request or
+// the publish, as the server sees it).
+func observe(t *testing.T, subj string, f func(m *nats.Msg)) {
+	t.Helper()
+	nc := natstest.Connect(t, srv.ClientURL())
+	sub, err := nc.Subscribe(subj, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitFree polls (a poll, not a synchronisation) until b can take name, or
+// fails after within.
+func waitFree(t *testing.T, b *natsfence.Acquirer, name string, within time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for {
+		l, err := b.TryAcquire(context.Background(), name, 30*time.Second)
+		if err == nil {
+			_ = l.Release(context.Background())
+			return time.Since(start)
+		}
+		if !errors.Is(err, fence.ErrHeld) {
+			t.Fatal(err)
+		}
+		if time.Since(start) > within {
+			t.Fatalf("the name is still held %v after the Acquire gave up: an orphan entry nobody releases", within)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestLateGrantAcquireCancelledDuringTokenRead: a waiting Acquire whose
+// context ends after its create landed, while the read of the bucket's
+// creation time (the token) is unanswered, must give up as any wait does:
+// ErrHeld joined with the context's error (fence.Acquirer's contract). A
+// waiting Acquire loops through late grants until its context ends, so its
+// end falls in this read about a quarter of the time.
+func TestLateGrantAcquireCancelledDuringTokenRead(t *testing.T) {
+	// Not parallel: it watches every STREAM.INFO read of the bucket,
+	// which the other tests' acquirers make too.
+	j, p := proxied(t)
+	ctx := context.Background()
+	bucket(t, j, lockBucket)
+	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("natslate-inforead")
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var cancelledAt atomic.Int64
+	// The token's read: the first STREAM.INFO after New. Its reply is held
+	// 300ms by the proxy; the Acquire is cancelled as the server sees it.
+	observe(t, "$JS.API.STREAM.INFO.KV_"+lockBucket.Bucket, func(*nats.Msg) {
+		if cancelledAt.CompareAndSwap(0, time.Now().UnixNano()) {
+			cancel()
+		}
+	})
+	p.Latency(300*time.Millisecond, 300*time.Millisecond)
+	l, err := a.Acquire(actx, name, 20*time.Second)
+	if err == nil {
+		_ = l.Release(ctx)
+		t.Fatalf("Acquire cancelled during its token read was granted (token %d)", l.Token())
+	}
+	if cancelledAt.Load() == 0 {
+		t.Fatalf("Acquire returned before its token read: %v", err)
+	}
+	after := time.Since(time.Unix(0, cancelledAt.Load()))
+	t.Logf("Acquire: %v (%v after the cancel)", err, after)
+	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
+		t.Errorf("Acquire cancelled during its token read: %v, want an error matching ErrHeld and context.Canceled", err)
+	}
+	p.Latency(0, 0)
+	waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 5*time.Second)
+}
+
+// TestLateGrantAcquireCancelledDuringCreate: the ErrUnknown+ctx path.
+// The Acquire is cancelled as its create reaches the server, its ack held by
+// the proxy: it gives up with ErrHeld, the context error and ErrUnknown, and
+// the entry that landed must be removed in the background (a 20s ttl: its
+// expiry must not be what frees the name).
+func TestLateGrantAcquireCancelledDuringCreate(t *testing.T) {
+	t.Parallel() // its own names and proxies
+	j, p := proxied(t)
+	ctx := context.Background()
+	bucket(t, j, lockBucket)
+	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("natslate-create")
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var once sync.Once
+	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+		if m.Header.Get("KV-Operation") == "" { // the create, not a marker before it
+			once.Do(cancel)
+		}
+	})
+	p.Latency(300*time.Millisecond, 300*time.Millisecond)
+	l, err := a.Acquire(actx, name, 20*time.Second)
+	if err == nil {
+		_ = l.Release(ctx)
+		t.Fatalf("Acquire cancelled during its create was granted (token %d)", l.Token())
+	}
+	t.Logf("Acquire: %v", err)
+	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
+		t.Errorf("Acquire cancelled during its create: %v, want ErrHeld and context.Canceled", err)
+	}
+	took := waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 8*time.Second)
+	t.Logf("free %v after the Acquire gave up", took)
+}
+
+// TestLateGrantAcquireDoesNotSpin: with a Drift the constructor and the
+// acquire accept (below the ttl) but leaving a margin shorter than a round
+// trip, every grant is confirmed past its local deadline. A waiting Acquire
+// now tries on until its context ends with no pause between tries: a loop of
+// create and purge writes against the server for the whole wait (MaxWait,
+// 30s by default), where it once stopped after 3 late grants.
+func TestLateGrantAcquireDoesNotSpin(t *testing.T) {
+	t.Parallel() // its own names and proxies
+	ctx := context.Background()
+	const ttl = natsfence.MinTTL
+	a := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Drift: ttl - 20*time.Microsecond})
+	name := fencetest.Name("natslate-spin")
+	var writes atomic.Int64
+	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(*nats.Msg) { writes.Add(1) })
+	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	l, err := a.Acquire(actx, name, ttl)
+	if err == nil {
+		_ = l.Release(ctx)
+		t.Skipf("a grant within %v: the margin was enough on this machine", 20*time.Microsecond)
+	}
+	t.Logf("Acquire: %v; %d writes to the lock key in its 2s wait", err, writes.Load())
+	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Acquire: %v, want ErrHeld and DeadlineExceeded", err)
+	}
+	if n := writes.Load(); n > 20 {
+		t.Errorf("a waiting Acquire with every grant late wrote the lock key %d times in 2s: it spins (no pause between late grants)", n)
+	}
+}
+
+// TestLateGrantPurgeSparesNewerHolder: a TryAcquire through a slow
+// link sees its grants confirmed late; each expires on the server (1s) before
+// its confirmation, and a waiting Acquire on a direct client takes the name.
+// The late grants' purges (the last in the background) must not remove the
+// newer holder's entry, and the TryAcquire must answer ErrHeld or ErrLost.
+func TestLateGrantPurgeSparesNewerHolder(t *testing.T) {
+	t.Parallel() // its own names and proxies
+	j, p := proxied(t)
+	ctx := context.Background()
+	bucket(t, j, lockBucket)
+	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := newAcquirer(t, js(t), lockBucket, nil)
+	name := fencetest.Name("natslate-newer")
+	p.Latency(400*time.Millisecond, 400*time.Millisecond)
+	type res struct {
+		l   fence.Lease
+		err error
+	}
+	got := make(chan res, 1)
+	bctx, bcancel := context.WithTimeout(ctx, 20*time.Second)
+	defer bcancel()
+	purges := make(chan struct{}, 64)
+	var start sync.Once
+	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+		if m.Header.Get("KV-Operation") == "PURGE" {
+			purges <- struct{}{}
+			return
+		}
+		// The slow TryAcquire's first create reached the server: the
+		// direct waiter begins to wait.
+		start.Do(func() {
+			go func() {
+				l, err := b.Acquire(bctx, name, 20*time.Second)
+				got <- res{l, err}
+			}()
+		})
+	})
+	_, terr := a.TryAcquire(ctx, name, natsfence.MinTTL)
+	t.Logf("TryAcquire: %v", terr)
+	if !errors.Is(terr, fence.ErrHeld) && !errors.Is(terr, fence.ErrLost) {
+		t.Errorf("TryAcquire: %v, want ErrHeld or ErrLost", terr)
+	}
+	r := <-got
+	if r.err != nil {
+		t.Fatalf("the direct waiter: %v", r.err)
+	}
+	defer r.l.Release(ctx)
+	// Each late grant sends one purge; wait until the last has reached the
+	// server and its answer came back through the slow link (a reply takes
+	// 400ms; 2s covers it several times over).
+	for {
+		select {
+		case <-purges:
+			continue
+		case <-time.After(2 * time.Second):
+		}
+		break
+	}
+	if err := r.l.Renew(ctx); err != nil {
+		t.Fatalf("the newer holder's renewal after the late grants' purges: %v (a purge removed its entry)", err)
+	}
+	info, err := b.Inspect(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !info.Held || info.Token != r.l.Token() {
+		t.Fatalf("after the late grants' purges the lock is %+v, want held by token %d", info, r.l.Token())
+	}
+}
+
+// TestLateGrantGivenBackAfterCut: TryAcquire's three grants of a
+// 2.001s lease (3s on the server) are confirmed late through a slow link;
+// the purge giving back the last one is lost with a cut connection (the
+// client reconnects at once, the link is then fast). The grant "given back"
+// with ErrLost must not hold the name for most of a ttl: the purge is sent
+// once, in the background, and not tried again on the new connection.
+func TestLateGrantGivenBackAfterCut(t *testing.T) {
+	t.Parallel() // its own names and proxies
+	j, p := proxied(t)
+	ctx := context.Background()
+	bucket(t, j, lockBucket)
+	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("natslate-cutpurge")
+	// Each attempt has a nonce of its own (a create refused for a changed
+	// revision is sent again with the same one).
+	var mu sync.Mutex
+	nonces := map[string]bool{}
+	creates := func() int { mu.Lock(); defer mu.Unlock(); return len(nonces) }
+	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+		if m.Header.Get("KV-Operation") != "" || len(m.Data) == 0 {
+			return
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if !nonces[string(m.Data)] {
+			nonces[string(m.Data)] = true
+			if len(nonces) == 3 {
+				// The last grant reached the server: its give-back is lost.
+				p.DropRequest(func(b []byte) bool { return bytes.Contains(b, []byte("PURGE")) })
+			}
+		}
+	})
+	p.Latency(400*time.Millisecond, 400*time.Millisecond)
+	l, err := a.TryAcquire(ctx, name, 2*time.Second+time.Millisecond)
+	p.Latency(0, 0)
+	if err == nil {
+		_ = l.Release(ctx)
+		t.Fatalf("TryAcquire with every grant late was granted (token %d)", l.Token())
+	}
+	t.Logf("TryAcquire: %v (%d creates)", err, creates())
+	if !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("TryAcquire: %v, want ErrLost", err)
+	}
+	if creates() != 3 {
+		t.Fatalf("%d creates, want 3", creates())
+	}
+	took := waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 5*time.Second)
+	t.Logf("free %v after ErrLost", took)
+	if took > time.Second {
+		t.Errorf("the late grant given back with ErrLost held the name %v after TryAcquire returned (its give-back was lost with the connection and not sent again)", took)
+	}
+}
+
+// TestLateGrantOwnOrphanNotErrHeld: TryAcquire's first grant of a
+// 2.001s lease (3s on the server) is confirmed late through a slow link; the
+// purge giving it back is lost with a cut connection, and the link is fast
+// again. The next attempt finds the name held by that same grant (its nonce
+// was changed) and TryAcquire answers ErrHeld: nobody else holds the name,
+// and the entry that blocks it, and everyone, stays until the server's
+// expiry. A losing TryAcquire's failed cleanup must not keep a free lock
+// from the others for a ttl (HAZARDS 6).
+func TestLateGrantOwnOrphanNotErrHeld(t *testing.T) {
+	t.Parallel() // its own names and proxies
+	j, p := proxied(t)
+	ctx := context.Background()
+	bucket(t, j, lockBucket)
+	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("natslate-ownorphan")
+	var armed sync.Once
+	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+		if m.Header.Get("KV-Operation") != "" || len(m.Data) == 0 {
+			return
+		}
+		armed.Do(func() {
+			// The first grant reached the server: its give-back is lost,
+			// and the link is fast from then on.
+			p.DropRequest(func(b []byte) bool {
+				if bytes.Contains(b, []byte("PURGE")) {
+					go p.Latency(0, 0)
+					return true
+				}
+				return false
+			})
+		})
+	})
+	p.Latency(400*time.Millisecond, 400*time.Millisecond)
+	l, err := a.TryAcquire(ctx, name, 2*time.Second+time.Millisecond)
+	p.Latency(0, 0)
+	if err == nil {
+		t.Logf("granted token %d (the attempt after the cut was in time, its late grant given back)", l.Token())
+		_ = l.Release(ctx)
+		return
+	}
+	t.Logf("TryAcquire: %v", err)
+	if p.Pending() != 0 {
+		t.Fatalf("the give-back purge was never sent")
+	}
+	took := waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 5*time.Second)
+	t.Logf("free %v after TryAcquire returned", took)
+	if took > time.Second {
+		t.Errorf("after TryAcquire (%v) its own late grant held the name %v more (its give-back was lost with the connection and not sent again)", err, took)
+	}
+}
+
+// TestTryAcquireCancelledDuringCreateNotHeld: a TryAcquire of a
+// free name cancelled as its create reaches the server (the ack held by a
+// slow link) does not know whether it holds the name: ErrUnknown.
+// Acquirer.fail, shared with TryAcquire, joins ErrHeld to an
+// ErrUnknown whenever the context has ended, so TryAcquire now says "held by
+// another holder" (fence.ErrHeld) for a name nobody else holds and that its
+// own create may hold.
+func TestTryAcquireCancelledDuringCreateNotHeld(t *testing.T) {
+	t.Parallel() // its own names and proxies
+	j, p := proxied(t)
+	ctx := context.Background()
+	bucket(t, j, lockBucket)
+	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("natslate-trycreate")
+	tctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var once sync.Once
+	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+		if m.Header.Get("KV-Operation") == "" { // the create, not a marker before it
+			once.Do(cancel)
+		}
+	})
+	p.Latency(300*time.Millisecond, 300*time.Millisecond)
+	l, err := a.TryAcquire(tctx, name, 20*time.Second)
+	p.Latency(0, 0)
+	if err == nil {
+		_ = l.Release(ctx)
+		t.Fatalf("TryAcquire cancelled during its create was granted (token %d)", l.Token())
+	}
+	t.Logf("TryAcquire: %v", err)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Errorf("TryAcquire cancelled during its create: %v, want ErrUnknown", err)
+	}
+	if errors.Is(err, fence.ErrHeld) {
+		t.Errorf("TryAcquire of a free name cancelled during its own create: %v matches ErrHeld (\"another holder has the lease\"), and nobody else holds it", err)
+	}
+	waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 8*time.Second)
+}
+
+// TestLateGrantLoopEndsDuringTokenRead: the case the late-grant loop is
+// for. Every grant of a 1s lease is late through a 300ms link; the waiting Acquire tries
+// on, and its context ends (a cancel) during the second late grant's token
+// read, one of the phases its end falls in when it comes at a random time.
+// It must give up with ErrHeld and context.Canceled.
+func TestLateGrantLoopEndsDuringTokenRead(t *testing.T) {
+	// Not parallel: it watches every STREAM.INFO read of the bucket,
+	// which the other tests' acquirers make too.
+	j, p := proxied(t)
+	ctx := context.Background()
+	a := newAcquirer(t, j, lockBucket, nil)
+	name := fencetest.Name("natslate-loopinfo")
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var reads atomic.Int64
+	observe(t, "$JS.API.STREAM.INFO.KV_"+lockBucket.Bucket, func(*nats.Msg) {
+		if reads.Add(1) == 2 {
+			cancel()
+		}
+	})
+	p.Latency(300*time.Millisecond, 300*time.Millisecond)
+	l, err := a.Acquire(actx, name, natsfence.MinTTL)
+	p.Latency(0, 0)
+	if err == nil {
+		_ = l.Release(ctx)
+		t.Fatalf("Acquire with every grant late granted token %d", l.Token())
+	}
+	t.Logf("Acquire: %v (%d token reads)", err, reads.Load())
+	if reads.Load() < 2 {
+		t.Fatalf("Acquire gave up before its second late grant's token read: %v", err)
+	}
+	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) || errors.Is(err, fence.ErrLost) {
+		t.Errorf("Acquire ended during a late grant's token read: %v, want ErrHeld and context.Canceled (not ErrLost)", err)
+	}
+	waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 3*time.Second)
+}
+
+// TestAcquireGivesUpAtItsEndUnderPartition: a waiting Acquire is
+// cancelled during its grant's token read, and the link then holds every
+// byte (a partition). It must give up at its context's end (the suite allows
+// 400ms plus twice a TryAcquire, a few ms on this link before the fault);
+// its purge of the grant, sent without the context's cancel, waits the
+// whole request Timeout (2s by default) first. The late loop's purge is
+// sent the same way.
+func TestAcquireGivesUpAtItsEndUnderPartition(t *testing.T) {
+	// Not parallel: it watches every STREAM.INFO read of the bucket,
+	// which the other tests' acquirers make too.
+	j, p := proxied(t)
+	ctx := context.Background()
+	a := newAcquirer(t, j, lockBucket, nil)
+	name := fencetest.Name("natslate-partition")
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var cancelledAt atomic.Int64
+	observe(t, "$JS.API.STREAM.INFO.KV_"+lockBucket.Bucket, func(*nats.Msg) {
+		if cancelledAt.CompareAndSwap(0, time.Now().UnixNano()) {
+			cancel()
+			p.Partition()
+		}
+	})
+	defer p.Heal()
+	p.Latency(300*time.Millisecond, 300*time.Millisecond)
+	l, err := a.Acquire(actx, name, 20*time.Second)
+	returned := time.Now()
+	p.Latency(0, 0)
+	p.Heal()
+	if err == nil {
+		_ = l.Release(ctx)
+		t.Fatalf("Acquire cancelled during its token read was granted (token %d)", l.Token())
+	}
+	if cancelledAt.Load() == 0 {
+		t.Fatalf("Acquire returned before its token read: %v", err)
+	}
+	after := returned.Sub(time.Unix(0, cancelledAt.Load()))
+	t.Logf("Acquire: %v (%v after the cancel)", err, after)
+	if after > time.Second {
+		t.Errorf("Acquire gave up %v after its context was cancelled (a purge sent without its cancel waited out the request Timeout)", after)
+	}
+	waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 5*time.Second)
 }

@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
+	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // publishTo matches a client chunk that publishes to a key of bucket (PUB or
@@ -149,8 +152,8 @@ func TestWriterLostAckThenNewerToken(t *testing.T) {
 	p.LoseReply(publishTo(writerBucket.Bucket))
 	// The lost ack closes the writer's connection, and its reconnection is
 	// refused until the newer write has landed: the writer cannot look
-	// again before it (loaded run L3: it reconnected and recognised its own
-	// write first, a correct nil that this case is not about).
+	// again before it (on a loaded machine it once reconnected and recognised
+	// its own write first, a correct nil that this case is not about).
 	p.Refuse(true)
 	done := make(chan error, 1)
 	go func() { done <- w.Write(ctx, key, []byte("v6"), 6) }()
@@ -207,4 +210,210 @@ func TestGrantLostAck(t *testing.T) {
 		t.Errorf("token %d not above %d", l2.Token(), l.Token())
 	}
 	_ = l2.Release(ctx)
+}
+
+// TestGrantUnknownDoesNotBlockName: a grant whose ack was lost and whose
+// retries were cut off returns ErrUnknown. The create had landed, so the name
+// is held by an entry nobody owns; once the connection is back, the acquirer
+// must clean up its own entry (recognised by its nonce) instead of leaving the
+// name blocked for the whole ttl (HAZARDS 6).
+func TestGrantUnknownDoesNotBlockName(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond, RetryFor: 300 * time.Millisecond})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = warm.Release(ctx)
+	name := fencetest.Name("unknowngrant")
+	p.LoseReply(createTo(lockBucket.Bucket))
+	p.Refuse(true)
+	_, err = a.TryAcquire(ctx, name, time.Minute)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("a grant cut off after its create: %v, want ErrUnknown", err)
+	}
+	p.Refuse(false)
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	l, err := other.Acquire(wctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("the name after an unknown grant of a 1 minute ttl: %v, want it free once the first acquirer could clean up", err)
+	}
+	_ = l.Release(ctx)
+}
+
+// TestReleaseLostAckThenRegranted: the ack of a release is lost (the purge
+// landed), and a waiter is granted the name before the releaser can look
+// again. The release did land: reporting ErrLost ("it had already expired")
+// is a definite wrong outcome (HAZARDS 3); nil or ErrUnknown are honest.
+func TestReleaseLostAckThenRegranted(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, nil)
+	other := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Recheck: time.Minute})
+	ctx := context.Background()
+	name := fencetest.Name("lostrelease")
+	l, err := a.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan fence.Lease, 1)
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	go func() {
+		l2, err := other.Acquire(wctx, name, 5*time.Second)
+		if err != nil {
+			t.Errorf("the waiter: %v", err)
+		}
+		got <- l2
+	}()
+	// The waiter watches the key before its first try, so it is woken by
+	// the release whenever that lands.
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.Refuse(true) // the releaser stays cut off until the waiter is granted
+	done := make(chan error, 1)
+	go func() { done <- l.Release(ctx) }()
+	waitLost(t, p, before)
+	l2 := <-got
+	p.Refuse(false)
+	err = <-done
+	if errors.Is(err, fence.ErrLost) {
+		t.Fatalf("a release that landed, its ack lost, then the name granted to another: %v, want nil or ErrUnknown, not ErrLost", err)
+	}
+	if err != nil && !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("release: %v", err)
+	}
+	if l2 != nil {
+		if l2.Token() <= l.Token() {
+			t.Errorf("token %d not above %d", l2.Token(), l.Token())
+		}
+		_ = l2.Release(ctx)
+	}
+}
+
+// TestWriterLostAckNotReplayed: the ack of a write with token 6 is lost (it
+// landed), and a later write with the same token lands before the writer
+// looks again. The writer must not publish its entry a second time over the
+// later one (a step applied twice, undoing a later write): the key keeps the
+// later value, and the first write reports nil or ErrUnknown.
+func TestWriterLostAckNotReplayed(t *testing.T) {
+	j, p := proxied(t)
+	bucket(t, j, writerBucket)
+	// The retry after the lost ack waits for the 5s attempt timeout, long
+	// after the later write below.
+	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := newWriter(t, js(t), writerBucket)
+	ctx := context.Background()
+	key := fencetest.Name("replay")
+	if err := w.Write(ctx, key, []byte("v5"), 5); err != nil {
+		t.Fatal(err)
+	}
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(writerBucket.Bucket))
+	done := make(chan error, 1)
+	go func() { done <- w.Write(ctx, key, []byte("first"), 6) }()
+	waitLost(t, p, before)
+	if v, tok, err := check.Read(ctx, key); err != nil || string(v) != "first" || tok != 6 {
+		t.Fatalf("the write whose ack was lost did not land: %q %d %v", v, tok, err)
+	}
+	if err := check.Write(ctx, key, []byte("later"), 6); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil && !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("the first write: %v, want nil or ErrUnknown", err)
+	}
+	if v, tok, err := check.Read(ctx, key); err != nil || string(v) != "later" || tok != 6 {
+		t.Fatalf("Read = %q %d %v, want the later write (later 6): the first was applied twice", v, tok, err)
+	}
+}
+
+// TestCancelledAcquireDoesNotBlockName: an Acquire cancelled while its
+// create's ack is lost (the create landed, the reconnect refused) returns,
+// and once the connection is back the name is free well before the ttl.
+func TestCancelledAcquireDoesNotBlockName(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = warm.Release(ctx)
+	name := fencetest.Name("cancelled")
+	before := p.Stats().LostReplies
+	p.LoseReply(createTo(lockBucket.Bucket))
+	p.Refuse(true)
+	actx, cancel := context.WithCancel(ctx)
+	got := make(chan error, 1)
+	go func() {
+		l, err := a.Acquire(actx, name, time.Minute)
+		if err == nil {
+			_ = l.Release(ctx)
+		}
+		got <- err
+	}()
+	waitLost(t, p, before)
+	cancel()
+	if err := <-got; err == nil {
+		t.Fatal("a cancelled Acquire returned a lease")
+	}
+	p.Refuse(false)
+	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
+	defer wcancel()
+	l, err := other.Acquire(wctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("the name after a cancelled Acquire of a 1 minute ttl: %v", err)
+	}
+	_ = l.Release(ctx)
+}
+
+// TestWriterUnknownWriteDoesNotLandLater (HAZARDS 3): as
+// TestStoreUnknownStepDoesNotLandLater, for a fenced write: reported
+// fence.ErrUnknown, read as not landed, it must not land after the
+// reconnect (a caller that read the old value and reported the write failed
+// would then be wrong).
+func TestWriterUnknownWriteDoesNotLandLater(t *testing.T) {
+	j, p := proxied(t)
+	cfg := jetstream.KeyValueConfig{Bucket: "late_" + strings.TrimPrefix(idemBucket(t).Bucket, "idem_"), History: 1}
+	bucket(t, j, cfg)
+	w, err := natsfence.NewWriter(context.Background(), j, cfg.Bucket, &natsfence.WriterOptions{Timeout: 200 * time.Millisecond, RetryFor: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := newWriter(t, js(t), cfg)
+	ctx := context.Background()
+	k := fencetest.Name("late")
+	if err := w.Write(ctx, k, []byte("v1"), 1); err != nil {
+		t.Fatal(err)
+	}
+	p.Refuse(true)
+	defer p.Refuse(false)
+	p.DropRequest(publishTo(cfg.Bucket))
+	if err := w.Write(ctx, k, []byte("v2"), 2); !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("a write cut off from the server: %v, want fence.ErrUnknown", err)
+	}
+	if p.Pending() != 0 {
+		t.Fatal("the first publish was not dropped")
+	}
+	if v, _, err := other.Read(ctx, k); err != nil || string(v) != "v1" {
+		t.Fatalf("after the unknown write: %q, %v, want v1", v, err)
+	}
+	p.Refuse(false)
+	for giveUp := time.Now().Add(10 * time.Second); !j.Conn().IsConnected(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(giveUp) {
+			t.Fatal("the client did not reconnect")
+		}
+	}
+	if _, _, err := w.Read(ctx, k); err != nil { // a round trip after the reconnect
+		t.Fatal(err)
+	}
+	if v, _, err := other.Read(ctx, k); err != nil || string(v) != "v1" {
+		t.Fatalf("after the reconnect: %q, %v, want still v1 (a write reported unknown and read as not landed must not land later)", v, err)
+	}
 }

@@ -10,6 +10,8 @@ import (
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // TestConstructorsRefuseUnusableOptions: an option that would make every
@@ -57,4 +59,97 @@ func TestConstructorsRefuseUnusableOptions(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = l.Release(ctx)
+}
+
+// TestDriftNotBelowTTL: a Drift at least the lease's ttl makes a lease whose
+// context is done at birth while the server holds the name for the ttl: a
+// lease already lost must not come with a nil error (HAZARDS 6, 8), and the
+// name must not be blocked by it.
+func TestDriftNotBelowTTL(t *testing.T) {
+	a := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Drift: 10 * time.Second})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	name := fencetest.Name("drift")
+	l, err := a.TryAcquire(ctx, name, 5*time.Second)
+	if err == nil {
+		defer func() { _ = l.Release(ctx) }()
+		if l.Context().Err() != nil {
+			t.Fatalf("TryAcquire with Drift 10s and ttl 5s: a lease whose context is already done (%v), with a nil error", context.Cause(l.Context()))
+		}
+		t.Fatalf("TryAcquire with Drift 10s and ttl 5s: nil error, want ErrInvalid naming Drift")
+	}
+	var ie *fence.InvalidError
+	if !errors.As(err, &ie) || ie.Arg != "Drift" {
+		t.Fatalf("TryAcquire with Drift 10s and ttl 5s: %v, want ErrInvalid naming Drift", err)
+	}
+	l2, err := other.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("the name after the refused acquire: %v", err)
+	}
+	_ = l2.Release(ctx)
+}
+
+// TestTimeoutTooShortRefused (HAZARDS 8): a Timeout no request can meet (2,
+// meant as seconds, is 2ns) is refused at construction with fence.ErrInvalid
+// naming Timeout, instead of making every step fail at use after RetryFor.
+func TestTimeoutTooShortRefused(t *testing.T) {
+	j := js(t)
+	cfg := idemBucket(t)
+	bucket(t, j, cfg)
+	ctx := context.Background()
+	if s, err := natsfence.NewStore(ctx, j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 2, RetryFor: 200 * time.Millisecond}); err == nil {
+		_, _, berr := s.Begin(ctx, fencetest.Name("k"), "fp", "me", time.Minute)
+		t.Errorf("NewStore with Timeout 2ns accepted; a Begin then: %v", berr)
+	} else if ie := (*fence.InvalidError)(nil); !errors.As(err, &ie) || ie.Arg != "Timeout" {
+		t.Errorf("NewStore with Timeout 2ns: %v, want fence.ErrInvalid naming Timeout", err)
+	}
+	if _, err := natsfence.NewWriter(ctx, j, cfg.Bucket, &natsfence.WriterOptions{Timeout: 2}); err == nil {
+		t.Error("NewWriter with Timeout 2ns accepted")
+	}
+	if _, err := natsfence.NewStore(ctx, j, cfg.Bucket, &natsfence.StoreOptions{Timeout: natsfence.MinTimeout}); err != nil {
+		t.Errorf("NewStore with Timeout MinTimeout: %v", err)
+	}
+}
+
+// TestDiscardOldBucketRefused (HAZARDS 1): a bucket whose stream drops its
+// oldest messages when it reaches a message or byte limit (discard old, as
+// an operator can set with nats stream edit) removes records, fences and
+// leases as a TTL does: a completed key's record goes, and its effect runs
+// again. NewStore, NewWriter and New refuse such a bucket as they refuse a
+// TTL.
+func TestDiscardOldBucketRefused(t *testing.T) {
+	j := js(t)
+	ctx := context.Background()
+	name := "discard_" + strings.TrimPrefix(idemBucket(t).Bucket, "idem_")
+	if _, err := j.CreateStream(ctx, jetstream.StreamConfig{
+		Name: "KV_" + name, Subjects: []string{"$KV." + name + ".>"}, MaxMsgsPerSubject: 1,
+		AllowRollup: true, DenyDelete: true, AllowDirect: true, Discard: jetstream.DiscardOld, MaxMsgs: 2,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = j.DeleteStream(context.Background(), "KV_"+name) })
+	s, err := natsfence.NewStore(ctx, j, name, nil)
+	if err == nil {
+		// What it would do: the third key's record pushes the first out.
+		runs := 0
+		for _, k := range []string{"a", "b", "c", "a"} {
+			if _, err := idempotency.Do(ctx, s, k, "fp", func(context.Context, string) ([]byte, error) {
+				if k == "a" {
+					runs++
+				}
+				return nil, nil
+			}, &idempotency.Options{Retention: idempotency.Forever}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		t.Errorf("NewStore accepted a discard-old bucket with MaxMsgs 2; key a's effect then ran %d times", runs)
+	} else if ie := (*fence.InvalidError)(nil); !errors.As(err, &ie) || ie.Arg != "bucket" {
+		t.Errorf("NewStore: %v, want fence.ErrInvalid naming the bucket", err)
+	}
+	if _, err := natsfence.NewWriter(ctx, j, name, nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("NewWriter: %v, want fence.ErrInvalid", err)
+	}
+	if _, err := natsfence.New(ctx, j, name, nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("New: %v, want fence.ErrInvalid", err)
+	}
 }

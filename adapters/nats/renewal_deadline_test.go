@@ -151,3 +151,42 @@ func TestReleaseAfterLostRenewalFreesTheName(t *testing.T) {
 	}
 	_ = lb.Release(ctx)
 }
+
+// TestLateRenewalDoesNotBlockName: a renewal sent before the lease's local
+// deadline lands after it (held by a partition until the holder's context is
+// done). The server then holds the key for a fresh ttl that nobody holds:
+// Renew reports the lease lost, and the name must not stay blocked past the
+// original grant's server expiry for that fresh ttl (HAZARDS 6).
+func TestLateRenewalDoesNotBlockName(t *testing.T) {
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 10 * time.Second})
+	other := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Recheck: time.Minute})
+	ctx := context.Background()
+	name := fencetest.Name("laterenew")
+	// 2.5s is 3s on the server: the renewal lands between the two, and
+	// would hold the name until about 5.5s after the grant.
+	l, err := a.TryAcquire(ctx, name, 2500*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Partition()
+	renewed := make(chan error, 1)
+	go func() { renewed <- l.Renew(ctx) }()
+	<-l.Context().Done()
+	p.Heal()
+	if err := <-renewed; !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("a renewal that landed after the local deadline: %v, want ErrLost", err)
+	}
+	// The original grant expires on the server within about 0.5s from
+	// here; the late renewal, if left, about 3s from here.
+	wctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
+	defer cancel()
+	l2, err := other.Acquire(wctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("the name after the holder learnt its lease was lost: %v, want it free by the original expiry (the late renewal undone)", err)
+	}
+	if l2.Token() <= l.Token() {
+		t.Errorf("token %d not above %d", l2.Token(), l.Token())
+	}
+	_ = l2.Release(ctx)
+}

@@ -14,9 +14,9 @@ import (
 // TestWatchRequestFailsThenWaiterWoken: the first watch requests of a
 // waiting Acquire fail (as a consumer refused under load would). Its
 // Recheck is a minute, so only its watch can wake it: the request must be
-// made again, and the holder's release then wakes the waiter at once. (CI
-// saw a worker of the MutualExclusion suite case wait two minutes on a
-// busy lock; a watch request that failed once was never made again.)
+// made again, and the holder's release then wakes the waiter at once. (A
+// worker of the MutualExclusion suite case once waited two minutes on a
+// busy lock: a watch request that failed once was never made again.)
 func TestWatchRequestFailsThenWaiterWoken(t *testing.T) {
 	ctx := context.Background()
 	holder := newAcquirer(t, js(t), lockBucket, nil)

@@ -14,7 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// TestCallsKeepTheirContextDeadline (issue 23): with a go-redis client that
+// TestCallsKeepTheirContextDeadline: with a go-redis client that
 // does not honour context deadlines (ContextTimeoutEnabled off, the default:
 // it waits ReadTimeout, 3s, and sends again), a call through a partition
 // returns soon after its context's deadline, with an error that says the
@@ -221,7 +221,7 @@ func TestAcquireEndsWithARequestInFlight(t *testing.T) {
 	// The link is slow while the wait runs, and fast again once it ended: the
 	// leave (on a new connection: go-redis drops the one whose request timed
 	// out) then needs no 200ms round trips for its dial, HELLO and script, which
-	// on a loaded machine (loaded run L7) took longer than the leave's 1s and
+	// on a loaded machine took longer than the leave's 1s and
 	// made the Acquire ErrUnknown. A leave sent before the latency is off
 	// still has that 1s.
 	type result struct {

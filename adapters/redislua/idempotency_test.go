@@ -2,11 +2,13 @@ package redislua_test
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
@@ -85,6 +87,24 @@ func TestIdempotencyRoundTrips(t *testing.T) {
 		}
 		if n := c.n.Load() - before; n != tc.want {
 			t.Errorf("Do on %s: %d round trips, want %d", tc.what, n, tc.want)
+		}
+	}
+}
+
+// TestIdempotencyBeginBadLease (HAZARDS 8): a Begin with a lease that is not
+// positive is refused with fence.ErrInvalid and claims nothing, as Update refuses a
+// negative lease.
+func TestIdempotencyBeginBadLease(t *testing.T) {
+	ctx := context.Background()
+	s, _ := redislua.NewIdempotencyStore(testenv.RedisClient(t), nil)
+	for _, lease := range []time.Duration{-time.Second, 0} {
+		k := fencetest.Name("badlease")
+		_, created, err := s.Begin(ctx, k, "fp", "o", lease)
+		if !errors.Is(err, fence.ErrInvalid) {
+			t.Fatalf("Begin with lease %v: created %v, %v; want ErrInvalid", lease, created, err)
+		}
+		if _, err := s.Get(ctx, k); !errors.Is(err, fence.ErrNotFound) {
+			t.Fatalf("Begin with lease %v left a record: %v", lease, err)
 		}
 	}
 }

@@ -73,3 +73,30 @@ func TestNamesApart(t *testing.T) { checkNamesApart(t, testenv.RedisClient(t)) }
 func TestClusterNamesApart(t *testing.T) {
 	checkNamesApart(t, testenv.StartRedisCluster(t, 3).Client(t))
 }
+
+// TestWriterIdempotencyKeysApart (HAZARDS 4, two names one row): with the
+// default prefix, the Writer's key "idem:k" and the idempotency store's key
+// "k" must not share a Redis key, or a Begin on "k" wipes the Writer's fence
+// and a stale write is accepted.
+func TestWriterIdempotencyKeysApart(t *testing.T) {
+	ctx := context.Background()
+	c := testenv.RedisClient(t)
+	w, _ := redislua.NewWriter(c, nil)
+	s, _ := redislua.NewIdempotencyStore(c, nil)
+	k := fencetest.Name("apart")
+	wkey := "idem:" + k
+	err := w.Write(ctx, wkey, []byte("new"), 10)
+	if errors.Is(err, fence.ErrInvalid) {
+		return // refused: the two key spaces cannot meet
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := s.Begin(ctx, k, "fp", "o", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, wkey, []byte("stale"), 5); !errors.Is(err, fence.ErrStale) {
+		v, tok, _ := w.Read(ctx, wkey)
+		t.Fatalf("token 5 after token 10 and an idempotency Begin on %q: %v (key holds %q at %d), want ErrStale", k, err, v, tok)
+	}
+}

@@ -254,3 +254,40 @@ func TestKeysAreBytes(t *testing.T) {
 // renewal every third of it must land in time under -race on a loaded 2-CPU
 // machine, which the suite's default 150ms does not.
 const shortTTL = time.Second
+
+// TestDriftOverTTL (HAZARDS 6 and 8): a ttl that Drift leaves no local
+// validity for is refused (ErrInvalid), not granted as a lease that is
+// already lost with a nil error while Redis holds the name for the ttl.
+func TestDriftOverTTL(t *testing.T) {
+	a, err := redislua.NewAcquirer(testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := redislua.NewRedlock([]redislua.Client{testenv.RedisClient(t)}, &redislua.RedlockOptions{Drift: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Run("Acquirer", func(t *testing.T) { fencetest.DriftRefusesShortTTL(t, a, time.Second, "ttl") })
+	t.Run("Redlock", func(t *testing.T) { fencetest.DriftRefusesShortTTL(t, r, time.Second, "ttl") })
+}
+
+// TestFencedScriptPipeline: Run through a pipeline (the doc allows one)
+// must not report a failure for a body that then runs when the pipeline is
+// executed.
+func TestFencedScriptPipeline(t *testing.T) {
+	ctx := context.Background()
+	c := testenv.RedisClient(t)
+	incr := redislua.NewFencedScript(`return redis.call('INCR', KEYS[1])`)
+	tag := fencetest.Name("pipe")
+	fenceKey, counter := "{"+tag+"}:fence", "{"+tag+"}:n"
+	if _, err := incr.Run(ctx, c, fenceKey, 3, []string{counter}); err != nil { // loads the script
+		t.Fatal(err)
+	}
+	pipe := c.Pipeline()
+	_, runErr := incr.Run(ctx, pipe, fenceKey, 3, []string{counter})
+	_, execErr := pipe.Exec(ctx)
+	n, _ := c.Get(ctx, counter).Int()
+	if runErr != nil && n != 1 {
+		t.Fatalf("Run through a pipeline: %v, but Exec (%v) ran the body: counter %d, want 1", runErr, execErr, n)
+	}
+}

@@ -451,3 +451,23 @@ func TestRedlockRenewAfterLocalDeadline(t *testing.T) {
 	}
 	next.Release(ctx)
 }
+
+// TestRedlockOneServerTwice: two nodes that are one Redis server (two
+// clients of one address) must not make a majority of three on their own:
+// each node's lock call is its own vote, and a call to one node must not
+// adopt the grant another node's call made on the same server.
+func TestRedlockOneServerTwice(t *testing.T) {
+	srv := testenv.StartRedis(t)
+	down := faultnet.Start(t, testenv.StartRedis(t).Addr)
+	down.Refuse(true)
+	nodes := []redislua.Client{srv.Client(t), srv.Client(t), viaProxy(t, down, -1)}
+	r, err := redislua.NewRedlock(nodes, &redislua.RedlockOptions{NodeTimeout: time.Second})
+	if err != nil {
+		return // refused: fine
+	}
+	l, err := r.TryAcquire(context.Background(), fencetest.Name("twice"), time.Minute)
+	if err == nil {
+		l.Release(context.Background())
+		t.Fatal("a Redlock of three nodes granted with one Redis server up (nodes 0 and 1 are that one server)")
+	}
+}

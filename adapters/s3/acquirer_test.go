@@ -48,7 +48,7 @@ func TestAcquirerConformance(t *testing.T) {
 			Faulty:   faultyAcquirer(e),
 			ShortTTL: 2 * (2*time.Second + 2*s3fence.DefaultDateLag),
 			// Renewals are conditional PUTs to a server process that
-			// shares the two CPUs: on versitygw in loaded run L7 a Hold
+			// shares the two CPUs: on versitygw under load a Hold
 			// lost its 5s lease, no renewal confirmed within two thirds
 			// of it. The renewing cases run on 10s leases.
 			RenewTTL: 10 * time.Second,
@@ -359,7 +359,7 @@ func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
 	_ = l2.Release(ctx)
 }
 
-// TestAbandonedGrant (HAZARDS 6, issue 29): a TryAcquire that gives up after a
+// TestAbandonedGrant (HAZARDS 6): a TryAcquire that gives up after a
 // grant's PUT whose answer was lost leaves no lock behind for its ttl: when
 // the PUT landed (its answer lost, then the caller's context ended), the
 // grant is released in the background; when the PUT is still on its way and
@@ -475,8 +475,8 @@ func testNamesByteForByte(t *testing.T, e *s3env) {
 		{"Case", "case", "ß", "ss"},
 	}
 	// The leases outlive a group's grants on a loaded machine: each first
-	// grant of a name waits for S3's clock, and a group of four once took
-	// over 10s (CI run g1), so its first leases were lost before the release.
+	// grant of a name waits for S3's clock, and a group of four can take over
+	// 10s, so with a shorter ttl its first leases were lost before the release.
 	const ttl = time.Minute
 	for _, names := range groups {
 		var held []fence.Lease
@@ -702,8 +702,9 @@ func TestAcquireLineOrder(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		a := newAcquirer(t, e)
 		// A grant statement slower than wakeup.Stall on a loaded machine lets
-		// the waiters behind the head try out of turn, by design (CI: [0 4 1 2
-		// 3 -1] on PostgreSQL); the order itself is what is checked here.
+		// the waiters behind the head try out of turn, by design (the same check
+		// once saw [0 4 1 2 3 -1] on PostgreSQL); the order itself is what is
+		// checked here.
 		s3fence.SetLineStall(a, time.Minute)
 		linetest.Order(t, a, func(name string) int { return s3fence.LineLen(a, name) }, time.Minute)
 	})

@@ -1,7 +1,7 @@
 package etcdfence_test
 
-// Review of de99d18 (etcd Acquire joins the line again when its waiter lease
-// expired while it waited). Each test drives a waiter behind a fault proxy
+// Rejoining the line: an Acquire whose waiter lease expired while it waited
+// joins the line again. Each test drives a waiter behind a fault proxy
 // until etcd expires its waiter lease, and checks one promise of Acquire's
 // doc comment through the public API against the embedded etcd.
 
@@ -24,7 +24,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
-const rejoinOwner = "review-rejoiner"
+const rejoinOwner = "rejoiner"
 
 // rejoinSetup: a 1-member cluster, a direct acquirer (and its client), an
 // acquirer behind a fault proxy whose keys carry rejoinOwner, and a name.
@@ -32,7 +32,7 @@ func rejoinSetup(t *testing.T, prefix string) (*etcdfence.Acquirer, *clientv3.Cl
 	t.Helper()
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, err := etcdfence.New(cl, &etcdfence.Options{Owner: "review-direct"})
+	a, err := etcdfence.New(cl, &etcdfence.Options{Owner: "direct"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -149,12 +149,12 @@ func etcdfenceGoroutines() []string {
 	return out
 }
 
-// TestReviewRejoinedWaiterQueuesBehindLaterWaiter: the rejoiner's place
+// TestRejoinedWaiterQueuesBehindLaterWaiter: the rejoiner's place
 // expires while it is cut off, the holder releases, the waiter that was
 // behind it is granted; the rejoiner, healed, joins again behind it and is
 // granted only after that holder's release, with a larger token, holding
 // one place in line at a time.
-func TestReviewRejoinedWaiterQueuesBehindLaterWaiter(t *testing.T) {
+func TestRejoinedWaiterQueuesBehindLaterWaiter(t *testing.T) {
 	a, cl, b, p, name := rejoinSetup(t, "rv-behind")
 	ctx := context.Background()
 	places := placesOf(t, cl, name, rejoinOwner)
@@ -210,10 +210,10 @@ func TestReviewRejoinedWaiterQueuesBehindLaterWaiter(t *testing.T) {
 	}
 }
 
-// TestReviewRejoinGivesUpAtDeadline: the rejoiner's context ends while it
+// TestRejoinGivesUpAtDeadline: the rejoiner's context ends while it
 // waits in line again: ErrHeld joined with DeadlineExceeded, on time, and
 // nothing of it stays in line or among etcd's leases.
-func TestReviewRejoinGivesUpAtDeadline(t *testing.T) {
+func TestRejoinGivesUpAtDeadline(t *testing.T) {
 	a, cl, b, p, name := rejoinSetup(t, "rv-deadline")
 	ctx := context.Background()
 	places := placesOf(t, cl, name, rejoinOwner)
@@ -258,11 +258,11 @@ func TestReviewRejoinGivesUpAtDeadline(t *testing.T) {
 	}
 }
 
-// TestReviewExpiredWhileCutOffGivesUpAtDeadline: the place expires and the
+// TestPlaceExpiredWhileCutOffGivesUpAtDeadline: the place expires and the
 // deadline passes while the waiter is still cut off: ErrHeld joined with
 // DeadlineExceeded on time; once healed, nothing of it stays (the lock
 // lease it kept alive while it waited is revoked, not left for its 30s).
-func TestReviewExpiredWhileCutOffGivesUpAtDeadline(t *testing.T) {
+func TestPlaceExpiredWhileCutOffGivesUpAtDeadline(t *testing.T) {
 	a, cl, b, p, name := rejoinSetup(t, "rv-cutdeadline")
 	ctx := context.Background()
 	h, err := a.TryAcquire(ctx, name, 60*time.Second)
@@ -304,11 +304,11 @@ func TestReviewExpiredWhileCutOffGivesUpAtDeadline(t *testing.T) {
 	waitLine(t, cl, name, 1)
 }
 
-// TestReviewRejoinTwice: the place expires twice; the waiter joins again
+// TestRejoinTwice: the place expires twice; the waiter joins again
 // each time, holds one place at a time, and is granted at the release with a
 // live lease and a larger token; once it returned and released, no goroutine
 // of the package is left and no lease of it lives on.
-func TestReviewRejoinTwice(t *testing.T) {
+func TestRejoinTwice(t *testing.T) {
 	a, cl, b, p, name := rejoinSetup(t, "rv-twice")
 	ctx := context.Background()
 	places := placesOf(t, cl, name, rejoinOwner)

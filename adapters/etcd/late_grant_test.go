@@ -1,8 +1,8 @@
 package etcdfence_test
 
-// Review of d4fbc98 (etcd: a grant confirmed past its local deadline returns
-// an error matching fence.ErrLost; Acquire tries again within its context).
-// Each test makes grants late through a fault proxy's latency against the
+// Late grants: a grant confirmed past its local deadline returns an error
+// matching fence.ErrLost, and Acquire tries again within its context. Each
+// test makes grants late through a fault proxy's latency against the
 // embedded etcd and checks a promise through the public API.
 
 import (
@@ -20,7 +20,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
-// TestReviewLateEveryGrantAcquireGivesUp: every grant through the proxy is
+// TestLateGrantsAcquireGivesUp: every grant through the proxy is
 // confirmed past its 1s lease's local deadline (400ms on every chunk, each
 // way: a lease grant and a transaction take 1.6s at least). TryAcquire
 // answers ErrLost (not a lease, not ErrHeld). Acquire, every attempt late,
@@ -28,7 +28,7 @@ import (
 // ErrLost, and not much later than the deadline. Afterwards the name is
 // free (the late grants were given back) and no goroutine of the package is
 // left running.
-func TestReviewLateEveryGrantAcquireGivesUp(t *testing.T) {
+func TestLateGrantsAcquireGivesUp(t *testing.T) {
 	a, _, b, p, name := faultSetup(t, "rv-late-all")
 	ctx := context.Background()
 	if _, err := b.Inspect(ctx, name); err != nil { // connects b's client
@@ -104,11 +104,11 @@ func TestReviewLateEveryGrantAcquireGivesUp(t *testing.T) {
 	}
 }
 
-// TestReviewLateLoserIsHeld: a TryAcquire that loses to a holder, slowly
+// TestLateGrantLoserIsHeld: a TryAcquire that loses to a holder, slowly
 // (every chunk 600ms each way: its round trips take longer than its 1s
 // ttl), answers ErrHeld, never ErrLost: the name is held by another, and
 // ErrLost would tell the caller it may be free. The same with the pool off.
-func TestReviewLateLoserIsHeld(t *testing.T) {
+func TestLateGrantLoserIsHeld(t *testing.T) {
 	t.Parallel() // its own etcd; no goroutine count
 	for _, noPool := range []bool{false, true} {
 		c := etcdtest.Start(t, 1)
@@ -147,13 +147,13 @@ func TestReviewLateLoserIsHeld(t *testing.T) {
 	}
 }
 
-// TestReviewLatePooledGrantNotPooledAgain: a TryAcquire takes the pooled
+// TestLateGrantPooledNotPooledAgain: a TryAcquire takes the pooled
 // etcd lease, and its transaction is confirmed past the lease's local
 // deadline (600ms a chunk each way, ttl 1s). It answers ErrLost, and that
 // etcd lease, whose key it gives back, must not go back to the pool: the
 // next grant takes another lease, and etcd no longer has the late one once
 // its revoke reached it.
-func TestReviewLatePooledGrantNotPooledAgain(t *testing.T) {
+func TestLateGrantPooledNotPooledAgain(t *testing.T) {
 	t.Parallel() // its own etcd; no goroutine count
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
@@ -194,7 +194,7 @@ func TestReviewLatePooledGrantNotPooledAgain(t *testing.T) {
 	}
 }
 
-// TestReviewLateWaiterGivesUp: a waiter (ttl 1s) whose turn comes while
+// TestLateGrantWaiterGivesUp: a waiter (ttl 1s) whose turn comes while
 // every chunk through its proxy takes 400ms each way: its move onto the
 // lock's lease (after a fresh lease, its lock lease being unconfirmed for
 // more than half its ttl) is confirmed past the local deadline, and every
@@ -202,7 +202,7 @@ func TestReviewLatePooledGrantNotPooledAgain(t *testing.T) {
 // lost: it gives up at its deadline with ErrHeld and DeadlineExceeded.
 // Afterwards nothing of it holds the name: its keys leave the line and the
 // name is free within etcd's expiry of its 1s leases.
-func TestReviewLateWaiterGivesUp(t *testing.T) {
+func TestLateGrantWaiterGivesUp(t *testing.T) {
 	t.Parallel() // its own etcd; no goroutine count
 	a, cl, b, p, name := faultSetup(t, "rv-late-waiter")
 	ctx := context.Background()
@@ -262,13 +262,13 @@ func TestReviewLateWaiterGivesUp(t *testing.T) {
 	}
 }
 
-// TestReviewLateGrantRevokedNotLeftToExpire: a TryAcquire (ttl 3.01s, which
+// TestLateGrantRevokedNotLeftToExpire: a TryAcquire (ttl 3.01s, which
 // etcd rounds up to 4s) whose create landed with its answer lost finds its
 // key only after a 3.2s partition, past the local deadline: it answers
 // ErrLost, and gives the grant back at once: its etcd lease is revoked (the
 // key leaves the line) well before etcd's own expiry of the 4s lease, which
 // would keep the name from everyone for most of a second more.
-func TestReviewLateGrantRevokedNotLeftToExpire(t *testing.T) {
+func TestLateGrantRevokedNotLeftToExpire(t *testing.T) {
 	a, cl, b, p, name := faultSetup(t, "rv-late-revoke")
 	ctx := context.Background()
 	if _, err := b.Inspect(ctx, name); err != nil { // connects b's client

@@ -18,10 +18,10 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// review3Locks describes the name's lock key on every node (its holder,
+// redlockLocks describes the name's lock key on every node (its holder,
 // its remaining ttl, whether that grant is marked released there) and how
 // many release marks the node has, for failure messages.
-func review3Locks(ctx context.Context, t *testing.T, servers []*testenv.RedisServer, name string) string {
+func redlockLocks(ctx context.Context, t *testing.T, servers []*testenv.RedisServer, name string) string {
 	var b strings.Builder
 	base := "fence:{" + name + "}"
 	for i, s := range servers {
@@ -44,14 +44,14 @@ func review3Locks(ctx context.Context, t *testing.T, servers []*testenv.RedisSer
 	return b.String()
 }
 
-// TestReview3FailedWaitLeavesNoLock (HAZARDS 6): an Acquire that waits while
+// TestRedlockFailedWaitLeavesNoLock (HAZARDS 6): an Acquire that waits while
 // 3 of 5 nodes are paused (SIGSTOP) makes tries that each find no majority and
 // undo their partial grant. The paused nodes hold the tries' lock calls (and
 // whatever release reached them) and run them when they resume. Once the wait
 // has given up and the nodes are back, nobody holds the lock: a new Acquire
 // must be granted well within the 60s ttl that a stray lock of a failed try
 // would keep the nodes for.
-func TestReview3FailedWaitLeavesNoLock(t *testing.T) {
+func TestRedlockFailedWaitLeavesNoLock(t *testing.T) {
 	t.Parallel()
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
@@ -60,7 +60,7 @@ func TestReview3FailedWaitLeavesNoLock(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	name := fencetest.Name("review3stray")
+	name := fencetest.Name("outagestray")
 	const ttl = time.Minute
 	// One grant: the scripts are loaded, each client has a connection.
 	first, err := r.TryAcquire(ctx, name, ttl)
@@ -84,7 +84,7 @@ func TestReview3FailedWaitLeavesNoLock(t *testing.T) {
 	defer cancel()
 	l, err := r.Acquire(actx, name, ttl)
 	if err != nil {
-		t.Fatalf("Acquire after the failed wait ended and every node resumed: %v\nkeys on the nodes:%s", err, review3Locks(ctx, t, servers, name))
+		t.Fatalf("Acquire after the failed wait ended and every node resumed: %v\nkeys on the nodes:%s", err, redlockLocks(ctx, t, servers, name))
 	}
 	if l.Token() <= first.Token() {
 		t.Errorf("token %d not above the earlier %d", l.Token(), first.Token())
@@ -92,14 +92,14 @@ func TestReview3FailedWaitLeavesNoLock(t *testing.T) {
 	_ = l.Release(ctx)
 }
 
-// TestReview3ReleasedLeaveNoLockOnPausedNodes (HAZARDS 6, the "released"
+// TestRedlockReleasedLeaveNoLockOnPausedNodes (HAZARDS 6, the "released"
 // case of TestRedlockLateLockAfterRelease with a paused node instead of a
 // proxy): a grant while 2 of 5 nodes are paused is made on the other 3, and
 // its lock calls to the paused two wait in their sockets; Release returns
 // nil. When the two resume, whatever they run, nobody holds the lock: with
 // 2 other nodes killed, a new Acquire on the 3 left must be granted well
 // within the 60s ttl.
-func TestReview3ReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
+func TestRedlockReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
 	t.Parallel()
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
@@ -107,7 +107,7 @@ func TestReview3ReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	name := fencetest.Name("review3released")
+	name := fencetest.Name("outagereleased")
 	const ttl = time.Minute
 	first, err := r.TryAcquire(ctx, name, ttl) // loads the scripts, one connection per node
 	if err != nil {
@@ -143,12 +143,12 @@ func TestReview3ReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
 	defer cancel()
 	next, err := r.Acquire(actx, name, ttl)
 	if err != nil {
-		t.Fatalf("Acquire on nodes 2-4 after a released grant, nodes 3 and 4 resumed: %v\nthe nodes:%s", err, review3Locks(ctx, t, servers, name))
+		t.Fatalf("Acquire on nodes 2-4 after a released grant, nodes 3 and 4 resumed: %v\nthe nodes:%s", err, redlockLocks(ctx, t, servers, name))
 	}
 	_ = next.Release(ctx)
 }
 
-// TestReview3WaitEndsAtItsDeadline: with 3 of 5 nodes paused and a
+// TestRedlockWaitEndsAtItsDeadline: with 3 of 5 nodes paused and a
 // NodeTimeout (4s) longer than the wait, Acquire returns soon after its
 // context ends (or after Backoff.MaxWait when the context has no
 // deadline), not a node timeout later, with ErrHeld, DeadlineExceeded and
@@ -156,7 +156,7 @@ func TestReview3ReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
 // single-node Acquirer's leave is bounded by 1s). The clients have
 // go-redis's default timeouts (ReadTimeout 3s), as a user's would; the
 // testenv clients' 1s ReadTimeout would cut every call short.
-func TestReview3WaitEndsAtItsDeadline(t *testing.T) {
+func TestRedlockWaitEndsAtItsDeadline(t *testing.T) {
 	t.Parallel()
 	servers := make([]*testenv.RedisServer, 5)
 	clients := make([]redislua.Client, 5)
@@ -168,19 +168,19 @@ func TestReview3WaitEndsAtItsDeadline(t *testing.T) {
 	}
 	const wait, slack = 500 * time.Millisecond, 1500 * time.Millisecond
 	ctx := context.Background()
-	name := fencetest.Name("review3deadline")
+	name := fencetest.Name("outagedeadline")
 	warm, err := redislua.NewRedlock(clients, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	// The warm-up opens each client's connection before nodes are paused;
 	// on a loaded machine five just-started servers may answer too late for
-	// one grant (CI run c4: 2 of 5 in time), so it is asked again.
+	// one grant (2 of 5 answered in time once), so it is asked again.
 	// (On a name of its own, which a half-made grant cannot leave locked.)
-	l, err := warm.TryAcquire(ctx, fencetest.Name("review3warm"), 5*time.Second)
+	l, err := warm.TryAcquire(ctx, fencetest.Name("outagewarm"), 5*time.Second)
 	for try := 1; err != nil && try < 5; try++ {
 		t.Logf("warm-up grant: %v; again", err)
-		l, err = warm.TryAcquire(ctx, fencetest.Name("review3warm"), 5*time.Second)
+		l, err = warm.TryAcquire(ctx, fencetest.Name("outagewarm"), 5*time.Second)
 	}
 	if err != nil {
 		t.Fatal(err)
@@ -226,12 +226,12 @@ func TestReview3WaitEndsAtItsDeadline(t *testing.T) {
 	}
 }
 
-// TestReview3WaitThroughKilledMajority: with 3 of 5 nodes killed, an Acquire
+// TestRedlockWaitThroughKilledMajority: with 3 of 5 nodes killed, an Acquire
 // bounded by Backoff.MaxWait (no context deadline) makes many fast failing
 // tries and gives up with ErrHeld, DeadlineExceeded and ErrNoQuorum; once
 // the three come back empty, a grant has a token above every earlier one,
 // and the goroutines of all those tries are gone.
-func TestReview3WaitThroughKilledMajority(t *testing.T) {
+func TestRedlockWaitThroughKilledMajority(t *testing.T) {
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
 		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond, MaxWait: 2 * time.Second}})
@@ -239,7 +239,7 @@ func TestReview3WaitThroughKilledMajority(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	name := fencetest.Name("review3killed")
+	name := fencetest.Name("outagekilled")
 	var last fence.Token
 	for range 3 {
 		l, err := r.TryAcquire(ctx, name, 5*time.Second)
@@ -288,15 +288,15 @@ func TestReview3WaitThroughKilledMajority(t *testing.T) {
 	}
 }
 
-// TestReview3TwoWaitersThroughMinorityOutage: two Redlocks (each with its
+// TestRedlockTwoWaitersThroughMinorityOutage: two Redlocks (each with its
 // own clients) take turns on one name while 2 of 5 nodes are paused, so
 // their tries split the votes and fail over and over. At no moment do both
 // hold the lease, and the tokens grow in the order of the grants.
-func TestReview3TwoWaitersThroughMinorityOutage(t *testing.T) {
+func TestRedlockTwoWaitersThroughMinorityOutage(t *testing.T) {
 	t.Parallel()
 	servers, _ := fiveNodes(t)
 	ctx := context.Background()
-	name := fencetest.Name("review3two")
+	name := fencetest.Name("outagetwo")
 	newRedlock := func() *redislua.Redlock {
 		own := make([]redislua.Client, len(servers))
 		for i, s := range servers {

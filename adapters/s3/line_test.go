@@ -1,9 +1,9 @@
 package s3fence_test
 
-// Review tests of the in-process waiter line of the S3 acquirer (commit
-// 86a5507, wakeup.Line.Acquire of 38c42ed): each asserts a promise of
-// Acquire's doc comment, the README or fence.Acquirer against gofakes3 and
-// versitygw.
+// The in-process waiter line of the S3 acquirer (its waiters queue on a
+// wakeup.Line and the head tries first when a release pokes it): each test
+// asserts a promise of Acquire's doc comment, the README or fence.Acquirer
+// against gofakes3 and versitygw.
 
 import (
 	"context"
@@ -61,7 +61,7 @@ func waitLine(t *testing.T, a *s3fence.Acquirer, name string, n int) {
 	}
 }
 
-// TestLineReviewReleaseLaterPokesHead: a Release through the acquirer that
+// TestWaitingLineReleaseLaterPokesHead: a Release through the acquirer that
 // cannot confirm (its PUTs answer 500 MaxAttempts times) returns ErrUnknown
 // and frees the lock in the background (releaseLater, abandon). README and
 // Acquire's doc: "a Release through that Acquirer (whatever its outcome) lets
@@ -69,7 +69,7 @@ func waitLine(t *testing.T, a *s3fence.Acquirer, name string, n int) {
 // background PUT is still on its way (held here), so the head finds the lock
 // held; once the background PUT lands the lock is free, and the head must be
 // granted at once, not after its backoff (10 minutes here).
-func TestLineReviewReleaseLaterPokesHead(t *testing.T) {
+func TestWaitingLineReleaseLaterPokesHead(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		f := e.f
 		if f == nil {
@@ -123,7 +123,7 @@ func TestLineReviewReleaseLaterPokesHead(t *testing.T) {
 	})
 }
 
-// TestLineReviewAbandonedGrantPokesNext: the head's grant PUT lands but its
+// TestWaitingLineAbandonedGrantPokesNext: the head's grant PUT lands but its
 // answer is lost, and the head's context ends meanwhile: TryAcquire frees
 // the grant in the background (abandon) and the head's Acquire gives up with
 // ErrHeld. The next waiter becomes the head and is poked, but finds the
@@ -131,7 +131,7 @@ func TestLineReviewReleaseLaterPokesHead(t *testing.T) {
 // nothing pokes the line again, and the waiter waits out its backoff (10
 // minutes here) with the lock free (HAZARDS 6: a slow participant stalls
 // everyone).
-func TestLineReviewAbandonedGrantPokesNext(t *testing.T) {
+func TestWaitingLineAbandonedGrantPokesNext(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		f := e.f
 		if f == nil {
@@ -204,13 +204,13 @@ func TestLineReviewAbandonedGrantPokesNext(t *testing.T) {
 	})
 }
 
-// TestLineReviewStuckHead: a release through the acquirer pokes the head,
+// TestWaitingLineStuckHead: a release through the acquirer pokes the head,
 // whose grant PUT then hangs on its way (held by the server's front). The
 // waiters behind the stuck head are granted one after the other within a
 // couple of seconds each (they try when the head's attempt has lasted over a
 // second); the stuck head, cancelled, gives up with ErrHeld and Canceled; the
 // stuck PUT, let through, is refused (the object changed); the line empties.
-func TestLineReviewStuckHead(t *testing.T) {
+func TestWaitingLineStuckHead(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		f := e.f
 		if f == nil {
@@ -298,11 +298,11 @@ func TestLineReviewStuckHead(t *testing.T) {
 	})
 }
 
-// TestLineReviewNoLeaks: 40 Acquire calls on a held name that give up (20
+// TestWaitingLineNoLeaks: 40 Acquire calls on a held name that give up (20
 // past their deadline, 20 cancelled) leave no place in the line and no
 // goroutine behind, and the next Acquire after a release through the
 // acquirer is granted at once.
-func TestLineReviewNoLeaks(t *testing.T) {
+func TestWaitingLineNoLeaks(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
 		a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{
@@ -370,11 +370,11 @@ func TestLineReviewNoLeaks(t *testing.T) {
 	})
 }
 
-// TestLineReviewTwoAcquirers: two acquirers on clients of their own, 8
+// TestWaitingLineTwoAcquirers: two acquirers on clients of their own, 8
 // workers each, 3 rounds each of Acquire, a short hold and Release on one
 // name (MaxAttempts 2, so contention is frequent): every Acquire is granted,
 // no two holds overlap, and tokens grow in grant order.
-func TestLineReviewTwoAcquirers(t *testing.T) {
+func TestWaitingLineTwoAcquirers(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
 		var as []*s3fence.Acquirer
@@ -437,14 +437,14 @@ func TestLineReviewTwoAcquirers(t *testing.T) {
 	})
 }
 
-// TestLineReviewCauseStillMatches (fence.Acquirer: "Giving up returns an
+// TestWaitingLineCauseStillMatches (fence.Acquirer: "Giving up returns an
 // error matching both ErrHeld and the context error (context.DeadlineExceeded
 // or context.Canceled)"): a waiter whose context carries a cause of its own
 // (context.WithCancelCause, context.WithTimeoutCause) gives up with an error
 // that must still match ctx.Err(). The line's loop returns ErrHeld joined
 // with context.Cause(ctx) only, which is the caller's cause and not the
 // context error.
-func TestLineReviewCauseStillMatches(t *testing.T) {
+func TestWaitingLineCauseStillMatches(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
 		a := newAcquirer(t, e)
@@ -472,11 +472,11 @@ func TestLineReviewCauseStillMatches(t *testing.T) {
 	})
 }
 
-// TestLineReviewExpiry: a holder of another acquirer that never releases (ttl
+// TestWaitingLineExpiry: a holder of another acquirer that never releases (ttl
 // 1s); the head of the line is granted within the ttl, S3's 2s + 2 x DateLag
 // of clock uncertainty and one Backoff.Max (500ms) of it expiring, and so is
 // each of the next two waiters after the lease before it expires in turn.
-func TestLineReviewExpiry(t *testing.T) {
+func TestWaitingLineExpiry(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
 		a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{
@@ -513,11 +513,11 @@ func TestLineReviewExpiry(t *testing.T) {
 	})
 }
 
-// TestLineReviewManyNames: one acquirer, 8 names, each held by a TryAcquire
+// TestWaitingLineManyNames: one acquirer, 8 names, each held by a TryAcquire
 // with 4 Acquire calls in line; the holders release together, and each
 // grantee releases at once: every name's waiters are granted in arrival
 // order, and every line empties.
-func TestLineReviewManyNames(t *testing.T) {
+func TestWaitingLineManyNames(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {
 		ctx := context.Background()
 		a, err := s3fence.NewAcquirer(e.c, e.bucket, &s3fence.AcquirerOptions{
@@ -526,8 +526,8 @@ func TestLineReviewManyNames(t *testing.T) {
 			t.Fatal(err)
 		}
 		// The order is the case: a head inside one attempt past the line's
-		// 1s stall limit (a loaded machine: CI run g2 saw [3 0 2 1]) lets
-		// the waiters behind it try out of turn, by design.
+		// 1s stall limit (on a loaded machine the grants came in the order
+		// [3 0 2 1]) lets the waiters behind it try out of turn, by design.
 		s3fence.SetLineStall(a, time.Minute)
 		const names, waiters = 8, 4
 		var mu sync.Mutex

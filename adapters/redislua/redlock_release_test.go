@@ -20,8 +20,8 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// review4Lock returns the value of name's lock key on c ("" when none).
-func review4Lock(ctx context.Context, t *testing.T, c *redis.Client, name string) string {
+// nodeLock returns the value of name's lock key on c ("" when none).
+func nodeLock(ctx context.Context, t *testing.T, c *redis.Client, name string) string {
 	t.Helper()
 	v, err := c.Get(ctx, "fence:{"+name+"}:lock").Result()
 	if errors.Is(err, redis.Nil) {
@@ -33,10 +33,10 @@ func review4Lock(ctx context.Context, t *testing.T, c *redis.Client, name string
 	return v
 }
 
-// review4WaitLocked waits until name is locked on every node by one grant
+// waitLockedEverywhere waits until name is locked on every node by one grant
 // (a grant returns once a majority took it; the other lock calls are still
 // on their way), and returns that grant's nonce.
-func review4WaitLocked(ctx context.Context, t *testing.T, servers []*testenv.RedisServer, name string) string {
+func waitLockedEverywhere(ctx context.Context, t *testing.T, servers []*testenv.RedisServer, name string) string {
 	t.Helper()
 	deadline := time.Now().Add(15 * time.Second)
 	for {
@@ -44,7 +44,7 @@ func review4WaitLocked(ctx context.Context, t *testing.T, servers []*testenv.Red
 		all := true
 		for _, s := range servers {
 			c := s.Client(t)
-			v := review4Lock(ctx, t, c, name)
+			v := nodeLock(ctx, t, c, name)
 			c.Close()
 			if v == "" {
 				all = false
@@ -59,48 +59,13 @@ func review4WaitLocked(ctx context.Context, t *testing.T, servers []*testenv.Red
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the grant did not lock every node:%s", review3Locks(ctx, t, servers, name))
+			t.Fatalf("the grant did not lock every node:%s", redlockLocks(ctx, t, servers, name))
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
 }
 
-// review4Settle waits until the goroutine count is back near base (every
-// background call has ended), failing after limit.
-func review4Settle(t *testing.T, base int, limit time.Duration, what string) {
-	t.Helper()
-	deadline := time.Now().Add(limit)
-	for n := runtime.NumGoroutine(); n > base+10; n = runtime.NumGoroutine() {
-		if time.Now().After(deadline) {
-			buf := make([]byte, 1<<20)
-			buf = buf[:runtime.Stack(buf, true)]
-			t.Fatalf("%s: %d goroutines after %v, %d before; stacks:\n%s", what, n, limit, base, review4TopStacks(string(buf)))
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-// review4TopStacks counts the goroutines' stacks by their first redislua frame.
-func review4TopStacks(all string) string {
-	count := map[string]int{}
-	for _, g := range strings.Split(all, "\n\n") {
-		key := "other"
-		for _, line := range strings.Split(g, "\n") {
-			if strings.Contains(line, "redislua.") && !strings.Contains(line, "_test.") {
-				key = strings.TrimSpace(line)
-				break
-			}
-		}
-		count[key]++
-	}
-	var b strings.Builder
-	for k, n := range count {
-		b.WriteString("  " + strconv.Itoa(n) + " x " + k + "\n")
-	}
-	return b.String()
-}
-
-// TestReview4ReleaseDuringLoadingLeavesLock (HAZARDS 6 and the README's "no
+// TestRedlockReleaseDuringLoadingLeavesLock (HAZARDS 6 and the README's "no
 // node stays locked by a released grant"): the Redlock documentation asks
 // for nodes that keep their data across a restart. Such a node answers
 // every command with -LOADING while it reads its data back (here: DEBUG
@@ -110,7 +75,7 @@ func review4TopStacks(all string) string {
 // holding the released grant's lock. releaseOn counts any Redis reply as an
 // answer and never sends that release again, so the lock stays for the
 // ttl: a new Acquire is refused long after every node is up.
-func TestReview4ReleaseDuringLoadingLeavesLock(t *testing.T) {
+func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 	t.Parallel()
 	servers := make([]*testenv.RedisServer, 5)
 	clients := make([]redislua.Client, 5)
@@ -123,20 +88,20 @@ func TestReview4ReleaseDuringLoadingLeavesLock(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	name := fencetest.Name("review4loading")
+	name := fencetest.Name("bgreleaseloading")
 	const ttl = time.Minute
 	l, err := r.TryAcquire(ctx, name, ttl)
 	if err != nil {
 		t.Fatal(err)
 	}
-	review4WaitLocked(ctx, t, servers, name)
+	waitLockedEverywhere(ctx, t, servers, name)
 	loading := []int{0, 1, 2}
 	var wg sync.WaitGroup
 	reloadErrs := make([]error, len(servers))
 	for _, i := range loading {
 		admin := servers[i].Client(t)
 		// 4000 filler keys read back at 2ms each: about 8s of loading.
-		if err := admin.Do(ctx, "DEBUG", "POPULATE", 4000, "review4filler", 10).Err(); err != nil {
+		if err := admin.Do(ctx, "DEBUG", "POPULATE", 4000, "loadfiller", 10).Err(); err != nil {
 			t.Fatal(err)
 		}
 		if err := admin.ConfigSet(ctx, "key-load-delay", "2000").Err(); err != nil {
@@ -188,21 +153,21 @@ func TestReview4ReleaseDuringLoadingLeavesLock(t *testing.T) {
 	defer cancel()
 	l2, err := r2.Acquire(actx, name, ttl)
 	if err != nil {
-		t.Fatalf("Acquire 20s after a Release (%v) that met 3 loading nodes, all nodes up since: %v\nkeys on the nodes:%s", l.Context().Err(), err, review3Locks(ctx, t, servers, name))
+		t.Fatalf("Acquire 20s after a Release (%v) that met 3 loading nodes, all nodes up since: %v\nkeys on the nodes:%s", l.Context().Err(), err, redlockLocks(ctx, t, servers, name))
 	}
 	_ = l2.Release(ctx)
 }
 
-// review4Proc is a redis-server that keeps its directory across a restart
+// persistentRedis is a redis-server that keeps its directory across a restart
 // (testenv's Restart starts empty and waits for PING, which a loading node
 // refuses).
-type review4Proc struct {
+type persistentRedis struct {
 	addr string
 	args []string
 	cmd  *exec.Cmd
 }
 
-func review4Start(t *testing.T, extra ...string) *review4Proc {
+func startPersistentRedis(t *testing.T, extra ...string) *persistentRedis {
 	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
@@ -210,7 +175,7 @@ func review4Start(t *testing.T, extra ...string) *review4Proc {
 	}
 	dir := t.TempDir()
 	port := testenv.Port(t)
-	p := &review4Proc{addr: "127.0.0.1:" + strconv.Itoa(port)}
+	p := &persistentRedis{addr: "127.0.0.1:" + strconv.Itoa(port)}
 	p.args = append([]string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
 		"--dir", dir, "--logfile", filepath.Join(dir, "redis.log")}, extra...)
 	p.run(t, bin, p.args)
@@ -219,7 +184,7 @@ func review4Start(t *testing.T, extra ...string) *review4Proc {
 }
 
 // run starts the process and waits until it accepts connections.
-func (p *review4Proc) run(t *testing.T, bin string, args []string) {
+func (p *persistentRedis) run(t *testing.T, bin string, args []string) {
 	t.Helper()
 	p.cmd = exec.Command(bin, args...)
 	if err := p.cmd.Start(); err != nil {
@@ -239,7 +204,7 @@ func (p *review4Proc) run(t *testing.T, bin string, args []string) {
 	}
 }
 
-func (p *review4Proc) kill() {
+func (p *persistentRedis) kill() {
 	if p.cmd != nil && p.cmd.Process != nil {
 		_ = p.cmd.Process.Kill()
 		_, _ = p.cmd.Process.Wait()
@@ -247,25 +212,25 @@ func (p *review4Proc) kill() {
 	}
 }
 
-func (p *review4Proc) client(t *testing.T) *redis.Client {
+func (p *persistentRedis) client(t *testing.T) *redis.Client {
 	c := redis.NewClient(&redis.Options{Addr: p.addr, MaxRetries: -1, DialTimeout: time.Second, ReadTimeout: time.Second})
 	t.Cleanup(func() { c.Close() })
 	return c
 }
 
-// TestReview4ReleaseLaterStopsAtLoading (HAZARDS 6): as above, through
+// TestRedlockReleaseLaterStopsAtLoading (HAZARDS 6): as above, through
 // releaseLater. 3 of 5 nodes crash (SIGKILL) after saving their data, which
 // holds the grant's lock; the lease is released while they are down (no
 // answer: the release is sent again in the background). They restart from
 // their data: the first answer the background release gets is -LOADING,
 // which ends it, although it did not run. Once loaded, the 3 nodes hold the
 // released grant's lock for the ttl.
-func TestReview4ReleaseLaterStopsAtLoading(t *testing.T) {
+func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 	t.Parallel()
-	procs := make([]*review4Proc, 5)
+	procs := make([]*persistentRedis, 5)
 	clients := make([]redislua.Client, 5)
 	for i := range procs {
-		procs[i] = review4Start(t, "--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024")
+		procs[i] = startPersistentRedis(t, "--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024")
 		clients[i] = procs[i].client(t)
 	}
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
@@ -273,7 +238,7 @@ func TestReview4ReleaseLaterStopsAtLoading(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	name := fencetest.Name("review4restart")
+	name := fencetest.Name("bgreleaserestart")
 	const ttl = time.Minute
 	l, err := r.TryAcquire(ctx, name, ttl)
 	if err != nil {
@@ -296,7 +261,7 @@ func TestReview4ReleaseLaterStopsAtLoading(t *testing.T) {
 	down := []int{0, 1, 2}
 	for _, i := range down {
 		admin := procs[i].client(t)
-		if err := admin.Do(ctx, "DEBUG", "POPULATE", 4000, "review4filler", 10).Err(); err != nil {
+		if err := admin.Do(ctx, "DEBUG", "POPULATE", 4000, "loadfiller", 10).Err(); err != nil {
 			t.Fatal(err)
 		}
 		if err := admin.Save(ctx).Err(); err != nil { // what AOF with fsync keeps
@@ -347,12 +312,12 @@ func TestReview4ReleaseLaterStopsAtLoading(t *testing.T) {
 	_ = l2.Release(ctx)
 }
 
-// TestReview4ReleaseDuringBusyScriptLeavesLock (HAZARDS 6): a node running a
+// TestRedlockReleaseDuringBusyScriptLeavesLock (HAZARDS 6): a node running a
 // long script (another application's, or a slow one) answers -BUSY to every
 // other command once busy-reply-threshold has passed. A Release that meets
 // 3 of 5 busy nodes did not run there, and is not sent again: when the
 // script ends, those nodes hold the released grant's lock for the ttl.
-func TestReview4ReleaseDuringBusyScriptLeavesLock(t *testing.T) {
+func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 	t.Parallel()
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
@@ -360,13 +325,13 @@ func TestReview4ReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	name := fencetest.Name("review4busy")
+	name := fencetest.Name("bgreleasebusy")
 	const ttl = time.Minute
 	l, err := r.TryAcquire(ctx, name, ttl)
 	if err != nil {
 		t.Fatal(err)
 	}
-	review4WaitLocked(ctx, t, servers, name)
+	waitLockedEverywhere(ctx, t, servers, name)
 	busy := []int{0, 1, 2}
 	var wg sync.WaitGroup
 	for _, i := range busy {
@@ -413,26 +378,26 @@ func TestReview4ReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 	defer cancel()
 	l2, err := r2.Acquire(actx, name, ttl)
 	if err != nil {
-		t.Fatalf("Acquire 20s after a released grant's busy nodes finished their script: %v\nkeys on the nodes:%s", err, review3Locks(ctx, t, servers, name))
+		t.Fatalf("Acquire 20s after a released grant's busy nodes finished their script: %v\nkeys on the nodes:%s", err, redlockLocks(ctx, t, servers, name))
 	}
 	_ = l2.Release(ctx)
 }
 
-// TestReview4BackgroundReleaseSparesLaterGrant: a lease renewed and released
+// TestRedlockBackgroundReleaseSparesLaterGrant: a lease renewed and released
 // while 2 of 5 nodes are paused leaves its renewal and its release (sent
 // again in the background) waiting in those nodes' sockets; the same Redlock
 // then grants the name again on the 3 others, and renews it. When the two
 // resume and every background call has ended, no node holds the old grant,
 // the new one still holds its majority (Renew nil), and once it is released
 // the name is free at once.
-func TestReview4BackgroundReleaseSparesLaterGrant(t *testing.T) {
+func TestRedlockBackgroundReleaseSparesLaterGrant(t *testing.T) {
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	name := fencetest.Name("review4later")
+	name := fencetest.Name("bgreleaselater")
 	const ttl = 10 * time.Second
 	warm, err := r.TryAcquire(ctx, name, ttl)
 	if err != nil {
@@ -446,7 +411,7 @@ func TestReview4BackgroundReleaseSparesLaterGrant(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	nonceA := review4WaitLocked(ctx, t, servers, name)
+	nonceA := waitLockedEverywhere(ctx, t, servers, name)
 	pauseNodes(t, servers, 3, 4)
 	if err := a.Renew(ctx); err != nil {
 		t.Fatalf("renew with 2 of 5 paused: %v", err)
@@ -465,10 +430,10 @@ func TestReview4BackgroundReleaseSparesLaterGrant(t *testing.T) {
 		t.Fatalf("renew of the new grant: %v", err)
 	}
 	resumeNodes(t, servers, 3, 4)
-	review4Settle(t, base, ttl+30*time.Second, "after the nodes resumed")
+	settleGoroutines(t, base, ttl+30*time.Second, "after the nodes resumed")
 	held := 0
 	for i, s := range servers {
-		v := review4Lock(ctx, t, s.Client(t), name)
+		v := nodeLock(ctx, t, s.Client(t), name)
 		nonce, _, _ := strings.Cut(v, ".")
 		switch {
 		case nonce == nonceA:
@@ -478,7 +443,7 @@ func TestReview4BackgroundReleaseSparesLaterGrant(t *testing.T) {
 		}
 	}
 	if held < 3 {
-		t.Errorf("the new grant holds %d nodes after the old one's background release:%s", held, review3Locks(ctx, t, servers, name))
+		t.Errorf("the new grant holds %d nodes after the old one's background release:%s", held, redlockLocks(ctx, t, servers, name))
 	}
 	if err := b.Renew(ctx); err != nil {
 		t.Errorf("renew of the new grant after the old one's background release: %v", err)
@@ -488,16 +453,16 @@ func TestReview4BackgroundReleaseSparesLaterGrant(t *testing.T) {
 	}
 	c, err := r.TryAcquire(ctx, name, ttl)
 	if err != nil {
-		t.Fatalf("TryAcquire after both grants were released, all nodes up: %v%s", err, review3Locks(ctx, t, servers, name))
+		t.Fatalf("TryAcquire after both grants were released, all nodes up: %v%s", err, redlockLocks(ctx, t, servers, name))
 	}
 	_ = c.Release(ctx)
 }
 
-// TestReview4ReleaseWithEndedContext: Release with a context that has
+// TestRedlockReleaseWithEndedContext: Release with a context that has
 // already ended, and one that ends while 3 of 5 nodes are paused, returns at
 // once with an error matching fence.ErrUnknown (never ErrLost: the lease was
 // held), the release still reaches every node, and a later Renew is ErrLost.
-func TestReview4ReleaseWithEndedContext(t *testing.T) {
+func TestRedlockReleaseWithEndedContext(t *testing.T) {
 	t.Parallel()
 	servers, clients := fiveNodes(t)
 	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
@@ -510,23 +475,23 @@ func TestReview4ReleaseWithEndedContext(t *testing.T) {
 		t.Helper()
 		deadline := time.Now().Add(20 * time.Second)
 		for i := 0; i < len(servers); {
-			if review4Lock(ctx, t, servers[i].Client(t), name) == "" {
+			if nodeLock(ctx, t, servers[i].Client(t), name) == "" {
 				i++
 				continue
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("a released lease still locks a node 20s later:%s", review3Locks(ctx, t, servers, name))
+				t.Fatalf("a released lease still locks a node 20s later:%s", redlockLocks(ctx, t, servers, name))
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
 
-	name := fencetest.Name("review4done")
+	name := fencetest.Name("bgreleasedone")
 	l, err := r.TryAcquire(ctx, name, ttl)
 	if err != nil {
 		t.Fatal(err)
 	}
-	review4WaitLocked(ctx, t, servers, name)
+	waitLockedEverywhere(ctx, t, servers, name)
 	done, cancel := context.WithCancel(ctx)
 	cancel()
 	err = l.Release(done)
@@ -538,12 +503,12 @@ func TestReview4ReleaseWithEndedContext(t *testing.T) {
 		t.Errorf("Renew after Release: %v, want ErrLost", err)
 	}
 
-	name = fencetest.Name("review4mid")
+	name = fencetest.Name("bgreleasemid")
 	l, err = r.TryAcquire(ctx, name, ttl)
 	if err != nil {
 		t.Fatal(err)
 	}
-	review4WaitLocked(ctx, t, servers, name)
+	waitLockedEverywhere(ctx, t, servers, name)
 	pauseNodes(t, servers, 2, 3, 4)
 	mid, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	start := time.Now()
@@ -561,141 +526,4 @@ func TestReview4ReleaseWithEndedContext(t *testing.T) {
 	}
 	resumeNodes(t, servers, 2, 3, 4)
 	free(name)
-}
-
-// review4Clients returns go-redis clients with the library's default timeouts
-// (ReadTimeout 3s, 3 retries), a pool of 2 connections, and on odd nodes
-// ContextTimeoutEnabled.
-func review4Clients(t *testing.T, servers []*testenv.RedisServer) []redislua.Client {
-	clients := make([]redislua.Client, len(servers))
-	for i, s := range servers {
-		c := redis.NewClient(&redis.Options{Addr: s.Addr, PoolSize: 2, ContextTimeoutEnabled: i%2 == 1})
-		t.Cleanup(func() { c.Close() })
-		clients[i] = c
-	}
-	return clients
-}
-
-// TestReview4GoroutinesAfterPausedWaits: four waiters try for 5s while 3 of
-// 5 nodes are paused, on clients with default timeouts and tiny pools. Once
-// the nodes resume, the goroutines return to the baseline within the ttl
-// (plus slack), and a new Acquire is granted.
-func TestReview4GoroutinesAfterPausedWaits(t *testing.T) {
-	servers, _ := fiveNodes(t)
-	clients := review4Clients(t, servers)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 300 * time.Millisecond,
-		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	name := fencetest.Name("review4goroutines")
-	const ttl = 4 * time.Second
-	warm, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := warm.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	base := runtime.NumGoroutine()
-	pauseNodes(t, servers, 0, 1, 2)
-	var wg sync.WaitGroup
-	for range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			defer cancel()
-			_, err := r.Acquire(wctx, name, ttl)
-			if !errors.Is(err, fence.ErrHeld) {
-				t.Errorf("Acquire with 3 of 5 paused: %v", err)
-			}
-		}()
-	}
-	wg.Wait()
-	t.Logf("goroutines: %d before, %d after the waits", base, runtime.NumGoroutine())
-	resumeNodes(t, servers, 0, 1, 2)
-	review4Settle(t, base, ttl+20*time.Second, "after the nodes resumed")
-	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	l, err := r.Acquire(actx, name, ttl)
-	if err != nil {
-		t.Fatalf("Acquire after the nodes resumed: %v%s", err, review3Locks(ctx, t, servers, name))
-	}
-	_ = l.Release(ctx)
-}
-
-// TestReview4CloseClientsDuringBackgroundRelease: failed tries against 3
-// paused nodes leave releases running in the background; the clients are
-// closed, then the nodes resume. Nothing panics or hangs, and the
-// goroutines return to the baseline.
-func TestReview4CloseClientsDuringBackgroundRelease(t *testing.T) {
-	servers, _ := fiveNodes(t)
-	clients := review4Clients(t, servers)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 300 * time.Millisecond,
-		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	name := fencetest.Name("review4close")
-	const ttl = 30 * time.Second
-	warm, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := warm.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	base := runtime.NumGoroutine()
-	pauseNodes(t, servers, 0, 1, 2)
-	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	_, err = r.Acquire(wctx, name, ttl)
-	cancel()
-	if !errors.Is(err, fence.ErrHeld) {
-		t.Errorf("Acquire with 3 of 5 paused: %v", err)
-	}
-	for _, c := range clients {
-		_ = c.(*redis.Client).Close()
-	}
-	resumeNodes(t, servers, 0, 1, 2)
-	// Well within the 30s ttl the background releases would run for.
-	review4Settle(t, base, 15*time.Second, "after the clients were closed")
-}
-
-// TestReview4GoroutinesWhileMajorityDown measures what a wait against a dead
-// majority (killed, connection refused: every try fails at once) leaves in
-// the background: each failed try starts one release per dead node, alive
-// for the ttl plus 1s. It logs the count after a 10s wait with the default
-// Backoff, and checks that the goroutines return to the baseline about a
-// ttl after the wait, the nodes still down.
-func TestReview4GoroutinesWhileMajorityDown(t *testing.T) {
-	servers, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	name := fencetest.Name("review4dead")
-	const ttl = 10 * time.Second
-	warm, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := warm.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	base := runtime.NumGoroutine()
-	for _, i := range []int{0, 1, 2} {
-		servers[i].Kill()
-	}
-	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	_, err = r.Acquire(wctx, name, ttl)
-	cancel()
-	if !errors.Is(err, redislua.ErrNoQuorum) {
-		t.Errorf("Acquire with 3 of 5 killed: %v", err)
-	}
-	t.Logf("goroutines: %d before, %d after a 10s wait (ttl %v), nodes still down", base, runtime.NumGoroutine(), ttl)
-	review4Settle(t, base, ttl+20*time.Second, "nodes still down")
 }

@@ -1,8 +1,9 @@
 package fence_test
 
-// Review tests for e5c6703 (Hold's first renewal comes at once when the
-// lease's local deadline is nearer than two renewal intervals away). They run
-// on real backends: SQLite through sqlfence, Redis through redislua.
+// Hold with a grant that answers late: its first renewal comes at once when
+// the lease's local deadline is nearer than two renewal intervals away, and
+// later renewals keep pace with the time left. The tests run on real
+// backends: SQLite through sqlfence, Redis through redislua.
 
 import (
 	"context"
@@ -22,24 +23,24 @@ import (
 	"github.com/fencekit/fencekit/internal/testenv"
 )
 
-// How a review lease answers LocalDeadline.
+// How a slowAcq lease answers LocalDeadline.
 const (
-	rvForward = iota // the wrapped lease's (leasekit.Base's)
-	rvHide           // no LocalDeadline method at all (embeds fence.Lease only)
-	rvCustom         // rvAcq.deadline's answer
+	dlForward = iota // the wrapped lease's (leasekit.Base's)
+	dlHide           // no LocalDeadline method at all (embeds fence.Lease only)
+	dlCustom         // slowAcq.deadline's answer
 )
 
-// How a review lease renews.
+// How a slowAcq lease renews.
 const (
-	rvRenewReal      = iota // the backend's Renew
-	rvRenewFakeOK           // nil, without renewing: the backend does not extend
-	rvRenewTransient        // a transient error, without a request
+	renewReal      = iota // the backend's Renew
+	renewFakeOK           // nil, without renewing: the backend does not extend
+	renewTransient        // a transient error, without a request
 )
 
-// rvAcq wraps a real acquirer: its grant answers lateBy after the backend
+// slowAcq wraps a real acquirer: its grant answers lateBy after the backend
 // granted (a slow reply, simulated with a sleep), and its leases record every
 // Renew call.
-type rvAcq struct {
+type slowAcq struct {
 	fence.Acquirer
 	lateBy    time.Duration
 	dlMode    int
@@ -55,46 +56,46 @@ type rvAcq struct {
 	renewAt []time.Time // when each Renew was called
 }
 
-type rvLease struct {
+type slowLease struct {
 	fence.Lease
-	a *rvAcq
+	a *slowAcq
 }
 
-// rvLeaseD is rvLease with a LocalDeadline method.
-type rvLeaseD struct{ *rvLease }
+// slowLeaseD is slowLease with a LocalDeadline method.
+type slowLeaseD struct{ *slowLease }
 
-func (l rvLeaseD) LocalDeadline() time.Time {
-	if l.a.dlMode == rvCustom {
+func (l slowLeaseD) LocalDeadline() time.Time {
+	if l.a.dlMode == dlCustom {
 		return l.a.deadline()
 	}
 	return l.Lease.(interface{ LocalDeadline() time.Time }).LocalDeadline()
 }
 
-func (a *rvAcq) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+func (a *slowAcq) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	l, err := a.Acquirer.Acquire(ctx, name, ttl)
 	if err != nil {
 		return nil, err
 	}
 	time.Sleep(a.lateBy) // the answer on its way back (a slow backend), not a synchronisation
-	rl := &rvLease{Lease: l, a: a}
+	rl := &slowLease{Lease: l, a: a}
 	a.mu.Lock()
 	a.gotAt = time.Now()
 	a.mu.Unlock()
-	if a.dlMode == rvHide {
+	if a.dlMode == dlHide {
 		return rl, nil
 	}
-	return rvLeaseD{rl}, nil
+	return slowLeaseD{rl}, nil
 }
 
-func (l *rvLease) Renew(ctx context.Context) error {
+func (l *slowLease) Renew(ctx context.Context) error {
 	l.a.renews.Add(1)
 	l.a.mu.Lock()
 	l.a.renewAt = append(l.a.renewAt, time.Now())
 	l.a.mu.Unlock()
 	switch l.a.renewMode {
-	case rvRenewFakeOK:
+	case renewFakeOK:
 		return nil
-	case rvRenewTransient:
+	case renewTransient:
 		return errors.New("connection refused (simulated)")
 	}
 	err := l.Lease.Renew(ctx)
@@ -109,7 +110,7 @@ func (l *rvLease) Renew(ctx context.Context) error {
 
 // firstRenewalAfter is how long after Acquire returned the first Renew came
 // (ok false: none).
-func (a *rvAcq) firstRenewalAfter() (time.Duration, bool) {
+func (a *slowAcq) firstRenewalAfter() (time.Duration, bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if len(a.renewAt) == 0 {
@@ -120,7 +121,7 @@ func (a *rvAcq) firstRenewalAfter() (time.Duration, bool) {
 
 // waitRenewed is work that runs until the backend confirmed n renewals: nil,
 // or the cause of its context's end, or an error after limit.
-func waitRenewed(a *rvAcq, n int32, limit time.Duration) func(context.Context, fence.Lease) error {
+func waitRenewed(a *slowAcq, n int32, limit time.Duration) func(context.Context, fence.Lease) error {
 	return func(ctx context.Context, l fence.Lease) error {
 		giveUp := time.After(limit)
 		tick := time.NewTicker(5 * time.Millisecond) // a poll, not a synchronisation
@@ -138,22 +139,22 @@ func waitRenewed(a *rvAcq, n int32, limit time.Duration) func(context.Context, f
 	}
 }
 
-// TestHoldReviewDriftOverAThirdOfTheTTL: an acquirer whose Drift is 1s (a
+// TestHoldDriftOverAThirdOfTheTTL: an acquirer whose Drift is 1s (a
 // clock allowance set once), and a 1.5s lease, which the acquirer accepts
 // (the ttl is longer than the drift). Every confirmed renewal puts the local
 // deadline 500ms after the renewal was sent; Hold renewed 500ms after the
 // renewal answered, always after the deadline, and the work was cancelled
-// with ErrLost though no renewal failed (before and after e5c6703, which read
-// the deadline for the first renewal only). The next renewal is now due
+// with ErrLost though no renewal failed (as when Hold read the deadline for
+// the first renewal only). The next renewal is now due
 // within a third of the time left.
-func TestHoldReviewDriftOverAThirdOfTheTTL(t *testing.T) {
+func TestHoldDriftOverAThirdOfTheTTL(t *testing.T) {
 	const ttl = 1500 * time.Millisecond
 	_, db := sqliteAcquirerDB(t)
 	sa, err := sqlfence.NewAcquirer(sqlfence.SQLite(db), &sqlfence.AcquirerOptions{Drift: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := &rvAcq{Acquirer: sa}
+	a := &slowAcq{Acquirer: sa}
 	err = fence.Hold(context.Background(), a, "drift", ttl, waitRenewed(a, 3, hangGuard))
 	if err != nil {
 		t.Fatalf("Hold with Drift 1s, ttl 1.5s, every renewal confirmed: %v (renew calls %d, confirmed %d, lost %d); want the work to run through its renewals, or the acquirer to refuse the ttl",
@@ -161,17 +162,17 @@ func TestHoldReviewDriftOverAThirdOfTheTTL(t *testing.T) {
 	}
 }
 
-// TestHoldReviewNoRenewalOfAnExpiredGrant: the grant answers after its whole
+// TestHoldNoRenewalOfAnExpiredGrant: the grant answers after its whole
 // local deadline has passed, so its context is done before Hold's renewal loop
-// starts. Hold must report ErrLost and never call Renew on it (before
-// e5c6703 the first renewal was a third of the ttl away and the lease's end
-// always came first). With the first renewal due at once, the loop's select
+// starts. Hold must report ErrLost and never call Renew on it (while the
+// first renewal was a third of the ttl away, the lease's end always came
+// first). With the first renewal due at once, the loop's select
 // picked at random between the lease's end and the renewal (7 to 11 renewals
 // in 20 rounds, reported to observers as renewals); the loop now checks the
 // lease before it renews.
-func TestHoldReviewNoRenewalOfAnExpiredGrant(t *testing.T) {
+func TestHoldNoRenewalOfAnExpiredGrant(t *testing.T) {
 	const rounds = 20
-	a := &rvAcq{Acquirer: sqliteAcquirer(t), lateBy: ttl + 50*time.Millisecond}
+	a := &slowAcq{Acquirer: sqliteAcquirer(t), lateBy: ttl + 50*time.Millisecond}
 	for i := range rounds {
 		err := fence.Hold(context.Background(), a, fmt.Sprintf("expired-%d", i), ttl, func(ctx context.Context, l fence.Lease) error {
 			if err := awaitCancel(ctx); err != nil {
@@ -188,13 +189,13 @@ func TestHoldReviewNoRenewalOfAnExpiredGrant(t *testing.T) {
 	}
 }
 
-// TestHoldReviewLateGrantCadence: a grant answered 400ms into a 600ms lease,
+// TestHoldLateGrantCadence: a grant answered 400ms into a 600ms lease,
 // renewals confirmed. The first renewal is at once; afterwards Hold renews
 // every ttl/3 (200ms), no more often: over 1.8s of work (three ttls) at most
 // 3 per ttl plus the early one and a margin, and the lease is kept.
-func TestHoldReviewLateGrantCadence(t *testing.T) {
+func TestHoldLateGrantCadence(t *testing.T) {
 	const ttl = 600 * time.Millisecond
-	a := &rvAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond}
+	a := &slowAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond}
 	err := fence.Hold(context.Background(), a, "cadence", ttl, func(ctx context.Context, l fence.Lease) error {
 		select {
 		case <-ctx.Done():
@@ -212,16 +213,16 @@ func TestHoldReviewLateGrantCadence(t *testing.T) {
 	}
 }
 
-// TestHoldReviewNoSpinWhenTheDeadlineStaysNear: a late grant whose renewals
+// TestHoldNoSpinWhenTheDeadlineStaysNear: a late grant whose renewals
 // the backend "confirms" without extending anything (Renew returns nil, the
 // local deadline stays where it was, 200ms off): Hold must not renew in a
 // tight loop because the deadline keeps being near; the lease ends at its
 // deadline with ErrLost after a handful of calls. After a confirmed renewal
 // the next is due within a third of the time left, but never sooner than
 // ttl/12 (50ms), the pace of a retry after a transient error.
-func TestHoldReviewNoSpinWhenTheDeadlineStaysNear(t *testing.T) {
+func TestHoldNoSpinWhenTheDeadlineStaysNear(t *testing.T) {
 	const ttl = 600 * time.Millisecond
-	a := &rvAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond, renewMode: rvRenewFakeOK}
+	a := &slowAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond, renewMode: renewFakeOK}
 	err := fence.Hold(context.Background(), a, "stuck", ttl, func(ctx context.Context, l fence.Lease) error {
 		return awaitCancel(ctx)
 	})
@@ -234,12 +235,12 @@ func TestHoldReviewNoSpinWhenTheDeadlineStaysNear(t *testing.T) {
 	}
 }
 
-// TestHoldReviewTransientRetryPace: a late grant (200ms left) whose renewals
+// TestHoldLateGrantTransientRetryPace: a late grant (200ms left) whose renewals
 // fail with a transient error: Hold retries every ttl/12 (50ms), not in a
 // tight loop, until the local deadline ends the lease with ErrLost.
-func TestHoldReviewTransientRetryPace(t *testing.T) {
+func TestHoldLateGrantTransientRetryPace(t *testing.T) {
 	const ttl = 600 * time.Millisecond
-	a := &rvAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond, renewMode: rvRenewTransient}
+	a := &slowAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond, renewMode: renewTransient}
 	err := fence.Hold(context.Background(), a, "flaky", ttl, func(ctx context.Context, l fence.Lease) error {
 		return awaitCancel(ctx)
 	})
@@ -252,13 +253,13 @@ func TestHoldReviewTransientRetryPace(t *testing.T) {
 	}
 }
 
-// TestHoldReviewDeadlineUnknownOrFar: leases whose LocalDeadline Hold cannot
+// TestHoldDeadlineUnknownOrFar: leases whose LocalDeadline Hold cannot
 // use (a wrapper that embeds fence.Lease and hides it, the same wrapper under
 // fence.Observe, a lease that answers the zero time) or that is far away (an
 // hour): Hold keeps the old cadence, the first renewal a full ttl/3 after it
 // got the lease (a timer never fires early, so the lower bound is exact), and
 // the work runs through its renewals without a panic.
-func TestHoldReviewDeadlineUnknownOrFar(t *testing.T) {
+func TestHoldDeadlineUnknownOrFar(t *testing.T) {
 	const ttl = 600 * time.Millisecond
 	for _, c := range []struct {
 		name     string
@@ -266,14 +267,14 @@ func TestHoldReviewDeadlineUnknownOrFar(t *testing.T) {
 		deadline func() time.Time
 		observe  bool
 	}{
-		{"hidden", rvHide, nil, false},
-		{"hidden-observed", rvHide, nil, true},
-		{"zero", rvCustom, func() time.Time { return time.Time{} }, false},
-		{"zero-observed", rvCustom, func() time.Time { return time.Time{} }, true},
-		{"far", rvCustom, func() time.Time { return time.Now().Add(time.Hour) }, false},
+		{"hidden", dlHide, nil, false},
+		{"hidden-observed", dlHide, nil, true},
+		{"zero", dlCustom, func() time.Time { return time.Time{} }, false},
+		{"zero-observed", dlCustom, func() time.Time { return time.Time{} }, true},
+		{"far", dlCustom, func() time.Time { return time.Now().Add(time.Hour) }, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			a := &rvAcq{Acquirer: sqliteAcquirer(t), dlMode: c.dlMode, deadline: c.deadline}
+			a := &slowAcq{Acquirer: sqliteAcquirer(t), dlMode: c.dlMode, deadline: c.deadline}
 			var acq fence.Acquirer = a
 			if c.observe {
 				acq = fence.Observe(a, "sqlite", fence.SlogObserver(slog.New(slog.DiscardHandler)))
@@ -289,14 +290,14 @@ func TestHoldReviewDeadlineUnknownOrFar(t *testing.T) {
 	}
 }
 
-// TestHoldReviewLateGrantParentCancelled: a late grant (200ms of 600ms left)
+// TestHoldLateGrantParentCancelled: a late grant (200ms of 600ms left)
 // whose caller's context is cancelled as the work starts, the work taking
 // another 700ms to stop (a step it cannot interrupt). Hold renews at once and
 // on, whatever the caller's context (HAZARDS 2): the work's context ends with
 // context.Canceled, not ErrLost, and Hold does not report the lease lost.
-func TestHoldReviewLateGrantParentCancelled(t *testing.T) {
+func TestHoldLateGrantParentCancelled(t *testing.T) {
 	const ttl = 600 * time.Millisecond
-	a := &rvAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond}
+	a := &slowAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	err := fence.Hold(ctx, a, "parent", ttl, func(wctx context.Context, l fence.Lease) error {
@@ -315,22 +316,22 @@ func TestHoldReviewLateGrantParentCancelled(t *testing.T) {
 	}
 }
 
-// TestHoldReviewLateGrantPanic: work that panics at once on a late grant
+// TestHoldLateGrantPanic: work that panics at once on a late grant
 // (renewal due at once, running alongside): the panic reaches the caller,
 // and the lease is free afterwards. Several rounds, for -race.
-func TestHoldReviewLateGrantPanic(t *testing.T) {
+func TestHoldLateGrantPanic(t *testing.T) {
 	const ttl = 600 * time.Millisecond
 	sa := sqliteAcquirer(t)
-	a := &rvAcq{Acquirer: sa, lateBy: 400 * time.Millisecond}
+	a := &slowAcq{Acquirer: sa, lateBy: 400 * time.Millisecond}
 	for i := range 5 {
 		name := fmt.Sprintf("panic-%d", i)
 		func() {
 			defer func() {
-				if p := recover(); p != "review panic" {
+				if p := recover(); p != "work panic" {
 					t.Errorf("round %d: recovered %v, want the work's panic", i, p)
 				}
 			}()
-			_ = fence.Hold(context.Background(), a, name, ttl, func(context.Context, fence.Lease) error { panic("review panic") })
+			_ = fence.Hold(context.Background(), a, name, ttl, func(context.Context, fence.Lease) error { panic("work panic") })
 		}()
 		l, err := sa.TryAcquire(context.Background(), name, ttl)
 		if err != nil {
@@ -340,20 +341,20 @@ func TestHoldReviewLateGrantPanic(t *testing.T) {
 	}
 }
 
-// TestHoldReviewLateGrantRedis: the late-grant case on another backend,
+// TestHoldLateGrantRedis: the late-grant case on another backend,
 // Redis through redislua under fence.Observe: a grant answered 1.05s into a
 // 1.5s lease keeps its lease through three confirmed renewals.
-func TestHoldReviewLateGrantRedis(t *testing.T) {
+func TestHoldLateGrantRedis(t *testing.T) {
 	c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
 	t.Cleanup(func() { c.Close() })
 	if err := c.Ping(context.Background()).Err(); err != nil {
 		testenv.Missing(t, "Redis", err)
 	}
-	ra, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Prefix: fmt.Sprintf("holdreview%d:", time.Now().UnixNano())})
+	ra, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Prefix: fmt.Sprintf("holdlate%d:", time.Now().UnixNano())})
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := &rvAcq{Acquirer: ra, lateBy: 1050 * time.Millisecond}
+	a := &slowAcq{Acquirer: ra, lateBy: 1050 * time.Millisecond}
 	acq := fence.Observe(a, "redis", fence.SlogObserver(slog.New(slog.DiscardHandler)))
 	if err := fence.Hold(context.Background(), acq, "late", 1500*time.Millisecond, waitRenewed(a, 3, hangGuard)); err != nil {
 		t.Fatalf("Hold of a late Redis grant: %v", err)

@@ -1,7 +1,7 @@
 package natsfence_test
 
-// Review of dddcb47 (a waiting Acquire's watch request unanswered within
-// Options.Timeout is given up and asked again: watchOnce). Each test drives
+// The waiting Acquire's watch: a watch request unanswered within
+// Options.Timeout is given up and asked again (watchOnce). Each test drives
 // waiters against the real in-process server(s), with the consumer-create
 // requests of the waiter's client held back selectively (slowCreates: a
 // dialer whose connection delays only the client's
@@ -189,16 +189,16 @@ func settles(t *testing.T, direct jetstream.JetStream, cfg jetstream.KeyValueCon
 	}
 }
 
-// TestWatchReviewSlowWatchAnswer: the server answers every watch request of
+// TestWatchSlowAnswer: the server answers every watch request of
 // the waiter's client 3 Timeouts late (a busy meta leader; the answer does
-// come). dddcb47 gave each request up after Timeout and asked again with the
-// same Timeout: every answer came after its request was given up, the waiter
+// come). With each request given up after Timeout and asked again with the
+// same Timeout, every answer came after its request was given up, the waiter
 // never had a watch (17 requests, 8 orphan consumers), and a release woke it
 // only at its Recheck. Each unanswered request now gives the next twice the
 // time, and the waiter is granted promptly after the release.
-func TestWatchReviewSlowWatchAnswer(t *testing.T) {
+func TestWatchSlowAnswer(t *testing.T) {
 	ctx := context.Background()
-	cfg := natsfence.LockBucket("locks-watchreview-slow")
+	cfg := natsfence.LockBucket("locks-watch-slow")
 	const timeout = 400 * time.Millisecond
 	s := newSlowCreates(3 * timeout)
 	direct := js(t)
@@ -216,7 +216,8 @@ func TestWatchReviewSlowWatchAnswer(t *testing.T) {
 	res := goAcquire(wctx, waiter, name, 10*time.Second)
 	waitKeyA(t, waiting, key, res, "the waiter never waited")
 	// The first request reaches the server 3 Timeouts after it was made:
-	// before dddcb47 its answer became the watch, however late.
+	// a request never given up would make that answer the watch, however
+	// late.
 	for giveUp := time.Now().Add(10 * time.Second); s.sent.Load() < 1; {
 		if time.Now().After(giveUp) {
 			t.Fatal("no watch request reached the server within 10s")
@@ -244,15 +245,15 @@ func TestWatchReviewSlowWatchAnswer(t *testing.T) {
 	}
 }
 
-// TestWatchReviewCancelWhileWatchPending: the waiter's watch request is held
+// TestWatchCancelWhilePending: the waiter's watch request is held
 // (no answer) when the Acquire's ctx is cancelled. Acquire returns at once
 // with ErrHeld and context.Canceled; once the held request reaches the
 // server (its consumer is made, with nobody to deliver to), nothing of the
 // waiter is left: no acquirer goroutine, no subscription on its client, and
 // no consumer on the bucket past the server's inactivity threshold.
-func TestWatchReviewCancelWhileWatchPending(t *testing.T) {
+func TestWatchCancelWhilePending(t *testing.T) {
 	ctx := context.Background()
-	cfg := natsfence.LockBucket("locks-watchreview-cancel")
+	cfg := natsfence.LockBucket("locks-watch-cancel")
 	const timeout = 500 * time.Millisecond
 	s := newSlowCreates(-1) // held until released
 	direct := js(t)
@@ -301,7 +302,7 @@ func TestWatchReviewCancelWhileWatchPending(t *testing.T) {
 	t.Logf("%d watch requests; all gone %v after they reached the server", made, took)
 }
 
-// TestWatchReviewManyWaitersThroughFaults: 20 waiters on one name, and then
+// TestWatchManyWaitersThroughFaults: 20 waiters on one name, and then
 // 20 waiters on 20 names, all on one client whose watch requests are
 // answered between 0.5 and 1.5 Timeouts late (about half given up, some as
 // the answer comes: the stopWatch path), through a proxy that cuts every
@@ -309,9 +310,9 @@ func TestWatchReviewCancelWhileWatchPending(t *testing.T) {
 // release. Once healed, every waiter is granted (Recheck a minute), the
 // grants on one name never overlap and their tokens grow, and nothing of
 // the waiters is left once they released.
-func TestWatchReviewManyWaitersThroughFaults(t *testing.T) {
+func TestWatchManyWaitersThroughFaults(t *testing.T) {
 	ctx := context.Background()
-	cfg := natsfence.LockBucket("locks-watchreview-many")
+	cfg := natsfence.LockBucket("locks-watch-many")
 	const timeout = 500 * time.Millisecond
 	s := newSlowCreates(timeout / 2)
 	s.jitter.Store(int64(timeout))
@@ -435,13 +436,13 @@ func TestWatchReviewManyWaitersThroughFaults(t *testing.T) {
 	t.Logf("all gone %v after the last release", took)
 }
 
-// TestWatchReviewLeaderLossVariants: TestReviewWaiterAcrossLeaderLoss's
+// TestWatchLeaderLossVariants: TestWaiterAcrossLeaderLoss's
 // setting, holder and waiter on different nodes (Timeout 2s, Recheck a
 // minute), but the node stopped under the waiter leads the JetStream meta
 // group and not the bucket's stream (metaOnly), or leads neither (neither).
 // The waiter's connection breaks with its node; it watches anew on another
 // node and must be granted promptly after the holder's release.
-func TestWatchReviewLeaderLossVariants(t *testing.T) {
+func TestWatchLeaderLossVariants(t *testing.T) {
 	if testing.Short() {
 		t.Skip("3-node clusters")
 	}
@@ -452,7 +453,7 @@ func TestWatchReviewLeaderLossVariants(t *testing.T) {
 			}
 			c := natstest.StartCluster(t, 3)
 			ctx := context.Background()
-			cfg := natsfence.LockBucket("locks-watchreview-" + variant)
+			cfg := natsfence.LockBucket("locks-watch-" + variant)
 			cfg.Replicas = 3
 			hj0 := jsOn(t, natstest.Connect(t, c.URLs()))
 			bucket(t, hj0, cfg)
@@ -526,4 +527,63 @@ func TestWatchReviewLeaderLossVariants(t *testing.T) {
 			grantedAfterRelease(t, res, h, 15*time.Second, fmt.Sprintf("after its node n%d (%s) stopped", stop, variant))
 		})
 	}
+}
+
+// TestLateWatchStopped: an Acquire whose ctx ends while its watch's
+// creation is held up (a partition) leaves nothing behind once the
+// partition heals and the consumer's creation completes on the server: no
+// goroutine of the acquirer, no subscription on the client, no consumer on
+// the bucket for longer than the server keeps one without interest.
+func TestLateWatchStopped(t *testing.T) {
+	j, p := proxied(t)
+	ctx := context.Background()
+	direct := js(t)
+	holderSide := newAcquirer(t, direct, lockBucket, nil)
+	bucket(t, j, lockBucket)
+	stream, err := direct.Stream(ctx, "KV_"+lockBucket.Bucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc := j.Conn()
+	consumers := func() int {
+		info, err := stream.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.State.Consumers
+	}
+	name := fencetest.Name("latewatch")
+	h, err := holderSide.TryAcquire(ctx, name, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Release(ctx)
+	s0, c0 := nc.NumSubscriptions(), consumers()
+	n0, _ := acquirerGoroutines() // other tests' leftovers
+	p.Partition()
+	wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel()
+	_, err = waiter.Acquire(wctx, name, 10*time.Second)
+	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Acquire during a partition: %v, want ErrHeld and DeadlineExceeded", err)
+	}
+	p.Heal()
+	var n, s, cs int
+	var where string
+	for giveUp := time.Now().Add(20 * time.Second); ; {
+		n, where = acquirerGoroutines()
+		s, cs = nc.NumSubscriptions(), consumers()
+		if n <= n0 && s <= s0 && cs <= c0 {
+			break
+		}
+		if time.Now().After(giveUp) {
+			t.Fatalf("20s after the heal: %d acquirer goroutines (before %d) %s, subscriptions %d (before %d), consumers %d (before %d)", n, n0, where, s, s0, cs, c0)
+		}
+		time.Sleep(100 * time.Millisecond) // polling counts
+	}
+	t.Logf("subscriptions %d, consumers %d", s, cs)
 }
