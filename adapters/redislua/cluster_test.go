@@ -90,8 +90,9 @@ func TestClusterSlotMigration(t *testing.T) {
 	to := (from + 1) % len(rc.Nodes)
 
 	// The lease must outlast the migration's steps up to its Renew (moving
-	// keys, one refused grant bounded at 2s): 5s, for a loaded machine.
-	l1, err := a.TryAcquire(ctx, name, 5*time.Second)
+	// keys, one refused grant bounded at 2s): 15s, for a loaded machine (a
+	// 5s lease ended before its Renew under a full run's load).
+	l1, err := a.TryAcquire(ctx, name, 15*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,10 +138,10 @@ func TestClusterSlotMigration(t *testing.T) {
 	// and the paused holder's write is refused.
 	select {
 	case <-l1.Context().Done():
-	case <-time.After(30 * time.Second):
-		t.Fatal("the first holder's context is live 30s after its 5s lease was renewed")
+	case <-time.After(45 * time.Second):
+		t.Fatal("the first holder's context is live 45s after its 15s lease was renewed")
 	}
-	actx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	actx, cancel := context.WithTimeout(ctx, 45*time.Second)
 	l2, err := other.Acquire(actx, name, 10*time.Second)
 	cancel()
 	if err != nil {

@@ -383,7 +383,7 @@ func TestRingerHeadLeftDuringLockWaitNextGranted(t *testing.T) {
 	name := fencetest.Name("ringrev-leftnext")
 	w1ctx, cancel1 := context.WithCancel(ctx)
 	defer cancel1()
-	w2ctx, cancel2 := context.WithTimeout(ctx, 30*time.Second)
+	w2ctx, cancel2 := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel2()
 	var ch1, ch2 <-chan acquired
 	bellFreshRow(t, a, name)
@@ -467,7 +467,7 @@ func ringLockWaitStarted(t *testing.T, dbA *sql.DB, a, b *sqlfence.Acquirer, nam
 		t.Fatal(err)
 	}
 	var rid int64
-	bellWaitFor(t, 10*time.Second, "B's ringer taking the bell after A's session was killed, its grant waiting for the row lock", func() bool {
+	bellWaitFor(t, 30*time.Second, "B's ringer taking the bell after A's session was killed, its grant waiting for the row lock", func() bool {
 		id := bellHolderID(t, dbA, key)
 		if id == 0 || id == aID {
 			return false
@@ -492,7 +492,7 @@ func TestRingerKilledDuringLockWait(t *testing.T) {
 	b := newAcquirerOn(t, fdbB, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("ringrev-kill")
 	bellFreshRow(t, a, name)
-	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	started := make(chan struct{})
 	var ch <-chan acquired
@@ -543,7 +543,7 @@ func TestRingerGrantTimesOutInLockWait(t *testing.T) {
 	b := newAcquirerOn(t, fdbB, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("ringrev-timeout")
 	bellFreshRow(t, a, name)
-	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	started := make(chan struct{})
 	var ch <-chan acquired
