@@ -4,7 +4,7 @@
 //
 //	cd bench && go test -run XXX -bench Peers -benchtime 1x
 //
-// The contention curve of issue 28 (processes x workers from 1x20 to 16x8,
+// The contention curve (processes x workers from 1x20 to 16x8,
 // the libraries alternated, one table) is go run ./sweep, or
 // go test -run XXX -bench Sweep -benchtime 1x (see internal/sweep).
 //

@@ -293,7 +293,7 @@ func TestHoldDeadlineUnknownOrFar(t *testing.T) {
 // TestHoldLateGrantParentCancelled: a late grant (200ms of 600ms left)
 // whose caller's context is cancelled as the work starts, the work taking
 // another 700ms to stop (a step it cannot interrupt). Hold renews at once and
-// on, whatever the caller's context (HAZARDS 2): the work's context ends with
+// on, whatever the caller's context: the work's context ends with
 // context.Canceled, not ErrLost, and Hold does not report the lease lost.
 func TestHoldLateGrantParentCancelled(t *testing.T) {
 	const ttl = 600 * time.Millisecond

@@ -15,7 +15,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 )
 
-// TestNoSASSignatureInErrors (HAZARDS 10): a container client made from a
+// TestNoSASSignatureInErrors: a container client made from a
 // SAS URL carries the signature in every request's query; a request that
 // gets no answer (a refused connection, a reset, a timeout) comes back from
 // net/http as a *url.Error holding the whole URL. No error the Writer, the

@@ -224,7 +224,7 @@ func (l *lateAcquire) send(t *testing.T) int {
 	return resp.StatusCode
 }
 
-// TestAbandonedGrantLandingLate (HAZARDS 6): a TryAcquire whose acquire
+// TestAbandonedGrantLandingLate: a TryAcquire whose acquire
 // request is still on its way when the caller's context ends gives up, and
 // its grant is released in the background "until the release is confirmed or
 // the lease has certainly expired". When that acquire lands only after the
@@ -289,7 +289,7 @@ func TestAbandonedGrantLandingLate(t *testing.T) {
 	}
 }
 
-// TestShortTTLPastDeadline (HAZARDS 5, 6): a 1 s ttl is held on a 15 s
+// TestShortTTLPastDeadline: a 1 s ttl is held on a 15 s
 // Azure lease. Once the holder's context is done (at its ttl), nobody else
 // has been granted the name yet (Azure still holds it: ErrHeld), a Renew
 // sends nothing and reports ErrLost, and the holder's Release still frees
@@ -517,7 +517,7 @@ func TestLateGrantAcquireDoesNotSpin(t *testing.T) {
 // duration plus 5 s has passed ... An acquire delayed in the network for
 // longer than that can still hold the name until its lease expires": an
 // acquire delayed by about 2s must not keep the name from everyone for
-// Azure's 15s lease (HAZARDS 6). Another acquirer must be granted the name
+// Azure's 15s lease. Another acquirer must be granted the name
 // well before.
 func TestLateGrantGhostAcquireAfterGiveBack(t *testing.T) {
 	t.Parallel()
@@ -635,7 +635,7 @@ func TestLateGrantSeveralWaiters(t *testing.T) {
 // TestLateGrantThenOtherTakes: a waiting Acquire on a slow link (each token
 // write confirmed 1.1s late: every grant late) gives its grants back; each
 // holds nothing (README: "holds nothing"), so another Acquirer on its own,
-// fast client must be able to take the name between them (HAZARDS 6: one
+// fast client must be able to take the name between them (one
 // slow participant must not keep a lock from the others) within 10s. Then,
 // with the link fast again, the first Acquire must not be granted while the
 // other holds the name; it is granted after the other's release, with a

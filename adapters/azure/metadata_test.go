@@ -122,7 +122,7 @@ func TestLockSurvivesLoweredMetadata(t *testing.T) {
 	}
 }
 
-// TestTombstoneDeletedByHand (HAZARDS 1, 7): what Delete's doc says about a
+// TestTombstoneDeletedByHand: what Delete's doc says about a
 // tombstone deleted by other means: the fence goes with it, and a write with
 // a lower token than the tombstone's is accepted afterwards. While the
 // tombstone is there, the same write is refused.
@@ -150,7 +150,7 @@ func TestTombstoneDeletedByHand(t *testing.T) {
 	}
 }
 
-// TestMetadataEditedByHand (HAZARDS 1): an operator sets a fenced blob's
+// TestMetadataEditedByHand: an operator sets a fenced blob's
 // metadata (Set Blob Metadata replaces all of it: the portal's or the CLI's
 // metadata update), and the token in metadata is gone while the body still
 // holds the envelope with its token (Read returns it). A write with a lower

@@ -13,7 +13,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// TestOptionsRefusedAtConstruction (HAZARDS 8): an Owner that cannot go into
+// TestOptionsRefusedAtConstruction: an Owner that cannot go into
 // an HTTP header as Azure signs it (a line break, a control character,
 // non-ASCII, spaces at either end) and a Prefix with a "." or ".." path
 // segment made every later call fail (net/http's invalid header value, 403

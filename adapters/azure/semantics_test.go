@@ -147,7 +147,7 @@ func TestServerSemantics(t *testing.T) {
 	}
 }
 
-// TestDeletedLockBlob (HAZARDS 1): a lock blob broken and deleted while its
+// TestDeletedLockBlob: a lock blob broken and deleted while its
 // holder runs: the next grant's token is above the old holder's, and the
 // holder learns at its next Renew that it lost the lease.
 func TestDeletedLockBlob(t *testing.T) {
@@ -204,7 +204,7 @@ func TestDeletedLockBlob(t *testing.T) {
 	}
 }
 
-// TestNamesByteExact (HAZARDS 4): names that differ only in case, Unicode
+// TestNamesByteExact: names that differ only in case, Unicode
 // normalisation or a trailing space are different locks and different keys.
 func TestNamesByteExact(t *testing.T) {
 	e := newEnv(t)
@@ -230,7 +230,7 @@ func TestNamesByteExact(t *testing.T) {
 	}
 }
 
-// TestBadOptions (HAZARDS 8): every option is checked by the constructors.
+// TestBadOptions: every option is checked by the constructors.
 func TestBadOptions(t *testing.T) {
 	e := newEnv(t)
 	for _, o := range []*azfence.Options{{MaxAttempts: -1}, {Prefix: "bad\xff"}, {Prefix: "nul\x00"}, {Prefix: strings.Repeat("p", azfence.MaxKeyBytes)}} {

@@ -36,7 +36,7 @@ func storedToken(t *testing.T, e *azenv, name string) fence.Token {
 	return 0
 }
 
-// TestLostTokenWriteReply (HAZARDS 3): the grant's second request, the token
+// TestLostTokenWriteReply: the grant's second request, the token
 // write (Set Blob Metadata under the lease), lands and its reply is lost. The
 // grant must still come back with the token the blob holds (recognised by
 // its write id), never one below it or one the next grant will repeat; the
@@ -118,7 +118,7 @@ func (c *crashAfter) RoundTrip(r *http.Request) (*http.Response, error) {
 	return nil, errCrashed
 }
 
-// TestCrashBetweenLeaseAndTokenWrite (HAZARDS 3): a grant's holder dies
+// TestCrashBetweenLeaseAndTokenWrite: a grant's holder dies
 // right after its token write reached Azure (the lease is taken, the token
 // advanced, nobody was told). The name is blocked until Azure's lease
 // expires (at most 15 s for a short ttl) and no longer; the next grant's

@@ -9,7 +9,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 )
 
-// TestTryAcquireLookupPastLocalDeadline (HAZARDS 6): a TryAcquire whose
+// TestTryAcquireLookupPastLocalDeadline: a TryAcquire whose
 // create transaction landed with its answer lost looks for its key, and that
 // lookup is tried again while etcd cannot be reached (a partition of 1.5s
 // from the moment the create was sent). When it finds the key, the lease's
@@ -76,7 +76,7 @@ func TestTryAcquireLookupPastLocalDeadline(t *testing.T) {
 	_ = l.Release(ctx)
 }
 
-// TestWaiterKeepsItsPlaceAfterACut (HAZARDS 7): the first waiter, whose
+// TestWaiterKeepsItsPlaceAfterACut: the first waiter, whose
 // connection is cut while it waits, keeps its place ahead of a second waiter
 // that joined after it: after the holder's release the first is granted,
 // and the second still waits until the first releases.

@@ -280,7 +280,7 @@ func TestInspect(t *testing.T) {
 	}
 }
 
-// TestNamesByteForByte (HAZARDS 4): names that differ only in a trailing
+// TestNamesByteForByte: names that differ only in a trailing
 // space, a '/', a 4-byte character or the last byte of 1024 are separate
 // locks, and each is exclusive with itself.
 func TestNamesByteForByte(t *testing.T) {
@@ -315,7 +315,7 @@ func TestNamesByteForByte(t *testing.T) {
 	}
 }
 
-// TestTTLNotAboveDrift (HAZARDS 6/8): a ttl that the acquirer's Drift uses up
+// TestTTLNotAboveDrift: a ttl that the acquirer's Drift uses up
 // entirely is refused with ErrInvalid naming the ttl, instead of a lease whose
 // context is already done returned with a nil error while the name stays held
 // on etcd for nobody.

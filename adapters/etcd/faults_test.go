@@ -126,7 +126,7 @@ func opensStream(b []byte) bool {
 	return false
 }
 
-// TestTryAcquireLoserBlocksNobody (HAZARDS 6): a TryAcquire that loses and
+// TestTryAcquireLoserBlocksNobody: a TryAcquire that loses and
 // whose cleanup cannot reach etcd (its connection dropped, new ones refused)
 // must not keep the lock from others once the holder releases.
 func TestTryAcquireLoserBlocksNobody(t *testing.T) {
@@ -170,7 +170,7 @@ func TestTryAcquireLoserBlocksNobody(t *testing.T) {
 	_ = l.Release(ctx)
 }
 
-// TestDeadWaiterSkipped (HAZARDS 6): a waiter cut off from etcd leaves the
+// TestDeadWaiterSkipped: a waiter cut off from etcd leaves the
 // line within about WaiterTTL after the holder releases, not the lock's ttl;
 // the waiter behind it is granted, and the cut-off waiter, once it reaches
 // etcd again, joins the line at its end and is granted after it (a live
@@ -248,7 +248,7 @@ func TestDeadWaiterSkipped(t *testing.T) {
 	}
 }
 
-// TestAcquireCutOffWhileWaiting (HAZARDS 6): a waiter partitioned from etcd
+// TestAcquireCutOffWhileWaiting: a waiter partitioned from etcd
 // while the holder releases ends its Acquire at its deadline with ErrHeld
 // joined with the context's error (or, if granted, with a live lease), soon
 // after the deadline, and leaves no key that blocks the name once healed.
@@ -304,7 +304,7 @@ func TestAcquireCutOffWhileWaiting(t *testing.T) {
 	_ = l.Release(ctx)
 }
 
-// TestRenewAfterLocalDeadline (HAZARDS 6): a Renew sent once the lease's
+// TestRenewAfterLocalDeadline: a Renew sent once the lease's
 // context has ended returns ErrLost and does not extend the etcd lease: the
 // name is granted to another when the original lease runs out on etcd.
 func TestRenewAfterLocalDeadline(t *testing.T) {
@@ -334,7 +334,7 @@ func TestRenewAfterLocalDeadline(t *testing.T) {
 	_ = l2.Release(ctx)
 }
 
-// TestLostReplies (HAZARDS 3): a grant, a renewal and a release whose answers are lost
+// TestLostReplies: a grant, a renewal and a release whose answers are lost
 // (the request reached etcd, the connection died) are recognised: TryAcquire
 // returns the lease its lost answer granted, and Release returns nil, not
 // ErrLost for the client's own repeated revoke; nothing blocks the name after.
@@ -404,7 +404,7 @@ func TestLostReplies(t *testing.T) {
 	_ = l2.Release(ctx)
 }
 
-// TestReleaseLandsAfterExpiry (HAZARDS 3): Release is sent within the
+// TestReleaseLandsAfterExpiry: Release is sent within the
 // lease's local deadline, but its revoke reaches etcd only after the lease
 // expired there and another holder was granted the name. etcd then answers
 // that it has no such lease: that is the expiry, not our revoke, and Release
@@ -438,7 +438,7 @@ func TestReleaseLandsAfterExpiry(t *testing.T) {
 	}
 }
 
-// TestRenewUnconfirmed (HAZARDS 3): a Renew whose keep-alive cannot be
+// TestRenewUnconfirmed: a Renew whose keep-alive cannot be
 // confirmed before its context ends (here held by a partition: it may land
 // later) returns ErrUnknown, not a bare transport or context error; the lease
 // still ends at its local deadline.
@@ -462,7 +462,7 @@ func TestRenewUnconfirmed(t *testing.T) {
 	}
 }
 
-// TestLostMoveReply (HAZARDS 3): the answer to the transaction that moves a
+// TestLostMoveReply: the answer to the transaction that moves a
 // waiter's key onto the lock's lease at its turn is lost; the move is
 // recognised (the key is on that lease with its create revision), the waiter
 // gets a live lease that excludes others, and after its release the name is
@@ -498,7 +498,7 @@ func TestLostMoveReply(t *testing.T) {
 	heldThenFree(t, a, r.l, name)
 }
 
-// TestAcquireRetriesLostSteps (HAZARDS 3): a waiting Acquire
+// TestAcquireRetriesLostSteps: a waiting Acquire
 // whose request (the lock's lease grant, the create transaction, the waiter's
 // key) was dropped by a cut connection, or applied with its answer lost,
 // tries again within its context instead of returning the transport error.

@@ -13,7 +13,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
-// TestRenewLostAfterKeyDeletedAndRegrantedFromThePool (HAZARDS 1 and 6): A
+// TestRenewLostAfterKeyDeletedAndRegrantedFromThePool: A
 // holds the name; an operator deletes A's key and B, granted by the same
 // acquirer on an etcd lease from its pool, takes the name. A's next Renew
 // returns ErrLost and ends A's context; the revoke of A's etcd lease must
@@ -75,7 +75,7 @@ func TestRenewLostAfterKeyDeletedAndRegrantedFromThePool(t *testing.T) {
 	}
 }
 
-// TestRenewLostAfterOperatorRevokedTheLease (HAZARDS 6): an operator revokes
+// TestRenewLostAfterOperatorRevokedTheLease: an operator revokes
 // A's etcd lease (etcdctl lease revoke) while A holds the name. The name is
 // free at once (B is granted); A's next Renew returns ErrLost and ends its
 // context, and B keeps the name through A's Release.

@@ -73,7 +73,7 @@ func waitLeases(t *testing.T, cl *clientv3.Client, n int, within time.Duration) 
 	}
 }
 
-// TestPooledLeaseRevokedBehindThePool (HAZARDS 6): the etcd lease in the
+// TestPooledLeaseRevokedBehindThePool: the etcd lease in the
 // pool is revoked by someone else (an operator); the next grant must not
 // fail for it, nor hand out a lease etcd no longer has: it is granted on a
 // live etcd lease of its own, holds the name, and renews.
@@ -104,7 +104,7 @@ func TestPooledLeaseRevokedBehindThePool(t *testing.T) {
 	}
 }
 
-// TestPooledLeaseDeadlineCountsFromItsSend (HAZARDS 2): a grant on a pooled
+// TestPooledLeaseDeadlineCountsFromItsSend: a grant on a pooled
 // lease gets the local deadline of that lease's etcd clock, which started
 // when its grant was sent, not when the pool handed it out: its context has
 // ended by that send time plus the ttl less the drift margin, before etcd
@@ -214,7 +214,7 @@ func TestPooledLeaseNotTouchedByTheOldGrant(t *testing.T) {
 	}
 }
 
-// TestUnconfirmedRenewalNotPooled (HAZARDS 3): a lease whose renewal was
+// TestUnconfirmedRenewalNotPooled: a lease whose renewal was
 // not confirmed (its keep-alive held by a partition: it may land later) is
 // revoked at its release, never pooled, so a late keep-alive cannot extend
 // the next holder's etcd lease.
@@ -292,7 +292,7 @@ func TestPoolLeaksNoLease(t *testing.T) {
 	}
 }
 
-// TestPooledWaiterLeaseRevokedBehindThePool (HAZARDS 6): a waiter's lease,
+// TestPooledWaiterLeaseRevokedBehindThePool: a waiter's lease,
 // pooled once the waiter's key moved onto the lock's lease, is revoked by
 // someone else; the next waiter must not fail for it: it waits in line on a
 // lease of its own and is granted after the holder's release.
@@ -546,7 +546,7 @@ func (r *strandRelay) Deliver() {
 	}
 }
 
-// TestLateKeepAliveOfAPooledLease (HAZARDS 6, 3): the old grant's Renew
+// TestLateKeepAliveOfAPooledLease: the old grant's Renew
 // sends a keep-alive that is held on its way while the client's connection
 // breaks; the etcd client sends the keep-alive again on its own
 // (KeepAliveOnce retries on Unavailable) through another endpoint, that one
@@ -658,7 +658,7 @@ func TestLateKeepAliveOfAPooledLease(t *testing.T) {
 	}
 }
 
-// TestReleaseLostReplyNotPooled (HAZARDS 3): a Release whose delete landed
+// TestReleaseLostReplyNotPooled: a Release whose delete landed
 // but whose answer was lost must not pool the etcd lease (it cannot tell
 // whether its delete, or a copy of it, is still on its way): it revokes
 // it, and the release still frees the name.
@@ -690,7 +690,7 @@ func TestReleaseLostReplyNotPooled(t *testing.T) {
 	_ = l2.Release(ctx)
 }
 
-// TestPooledLockLeaseRevokedWhileWaiting (HAZARDS 6): a waiter's lock lease
+// TestPooledLockLeaseRevokedWhileWaiting: a waiter's lock lease
 // comes from the pool, and etcd no longer has it (revoked by an operator,
 // or expired sooner than the pool counted). The line is not empty, so the
 // grant's transaction does not try the put and cannot tell; the waiter
@@ -741,7 +741,7 @@ func TestPooledLockLeaseRevokedWhileWaiting(t *testing.T) {
 	}
 }
 
-// TestPooledHolderStopsRenewing (HAZARDS 2, 6): a grant whose etcd lease
+// TestPooledHolderStopsRenewing: a grant whose etcd lease
 // came from the pool, pooled by a grant of another ttl in the same whole
 // second (3s, taken by 2.5s), stops renewing. Its context must end before
 // the waiter is granted, and the waiter must be granted about when the etcd
@@ -852,7 +852,7 @@ func TestCloseWithLeasesHeldAndPooled(t *testing.T) {
 	}
 }
 
-// TestLateWaiterKeepAliveNotPooled (HAZARDS 6, 3): a waiter's keep-alive is
+// TestLateWaiterKeepAliveNotPooled: a waiter's keep-alive is
 // held on its way while the client's connection breaks, and the etcd client
 // sends it again elsewhere, answered. At its turn the waiter's key moves
 // onto the lock's lease; its waiter lease, which the held copy may still

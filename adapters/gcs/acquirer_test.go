@@ -76,7 +76,7 @@ func ctxFor(t *testing.T) context.Context {
 	return ctx
 }
 
-// TestLockObjectDeleted (HAZARDS 1): a holder's lock object is deleted; the
+// TestLockObjectDeleted: a holder's lock object is deleted; the
 // next grant creates a new one, and its token is above the old holder's
 // (it starts at GCS's clock in microseconds), so the old holder's fenced
 // write is refused after the new holder wrote, and its Renew is ErrLost.
@@ -130,7 +130,7 @@ func TestLockObjectDeleted(t *testing.T) {
 	})
 }
 
-// TestAcquirerFaults (HAZARDS 3): a grant, a renewal and a release whose
+// TestAcquirerFaults: a grant, a renewal and a release whose
 // uploads landed but whose answers were lost (or were a 503) are recognised
 // by nonce and reported as done; 429 and 503 before the upload landed make it
 // try again.
@@ -180,7 +180,7 @@ func TestAcquirerFaults(t *testing.T) {
 	}
 }
 
-// TestClockIsNotTheDateHeader (HAZARDS 5): expiry is decided on the time GCS
+// TestClockIsNotTheDateHeader: expiry is decided on the time GCS
 // stamps on objects. A proxy that sets the Date header an hour ahead (or
 // behind) changes nothing: the lease is not taken over before its ttl, and is
 // after it.
@@ -216,7 +216,7 @@ func TestClockIsNotTheDateHeader(t *testing.T) {
 	}
 }
 
-// TestNamesByteForByte (HAZARDS 4): names that differ in case, Unicode
+// TestNamesByteForByte: names that differ in case, Unicode
 // normalisation or a trailing space are different locks.
 func TestNamesByteForByte(t *testing.T) {
 	e := fakeGCS(t)
@@ -238,7 +238,7 @@ func TestNamesByteForByte(t *testing.T) {
 	}
 }
 
-// TestAcquirerBadOptions (HAZARDS 8): every option is checked in NewAcquirer,
+// TestAcquirerBadOptions: every option is checked in NewAcquirer,
 // naming it; a ttl not longer than Drift is refused at use.
 func TestAcquirerBadOptions(t *testing.T) {
 	e := fakeGCS(t)

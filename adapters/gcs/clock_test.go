@@ -11,7 +11,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// TestClockObjectSparesOtherObjects (HAZARDS 4): a contender reads GCS's clock
+// TestClockObjectSparesOtherObjects: a contender reads GCS's clock
 // by writing the clock object; an object of that name that fencekit did not
 // write as a clock (here a fenced Writer's value, in the same bucket as the
 // locks, as in the package example) must not be overwritten.
@@ -38,7 +38,7 @@ func TestClockObjectSparesOtherObjects(t *testing.T) {
 	}
 }
 
-// TestClockObjectDeleted (HAZARDS 1): the clock object deleted between two
+// TestClockObjectDeleted: the clock object deleted between two
 // readings (by an operator or a lifecycle rule) is written again; an expired
 // lease is taken over.
 func TestClockObjectDeleted(t *testing.T) {
@@ -69,7 +69,7 @@ func TestClockObjectDeleted(t *testing.T) {
 	_ = l2.Release(ctx)
 }
 
-// TestMillisecondTimestamps (HAZARDS 5): GCS stamps objects in milliseconds
+// TestMillisecondTimestamps: GCS stamps objects in milliseconds
 // (the fake in microseconds; here its answers are truncated as GCS's are).
 // A contender's grant comes only after the holder's local context ended,
 // through renewals, and a deleted lock object's next token is still above
@@ -123,7 +123,7 @@ func TestMillisecondTimestamps(t *testing.T) {
 	}
 }
 
-// TestClockReplyLost (HAZARDS 3): the clock upload's answer lost (applied,
+// TestClockReplyLost: the clock upload's answer lost (applied,
 // then the connection died) or a 503 once is no reason to fail an Acquire:
 // the clock upload changes nothing a retry could harm.
 func TestClockReplyLost(t *testing.T) {
@@ -150,7 +150,7 @@ func TestClockReplyLost(t *testing.T) {
 	}
 }
 
-// TestExpiredLockMaxAttemptsOne (HAZARDS 6, 8): an acquirer with MaxAttempts
+// TestExpiredLockMaxAttemptsOne: an acquirer with MaxAttempts
 // 1, new to a bucket whose clock object another acquirer wrote, takes over an
 // expired lease at its first TryAcquire: ErrHeld would leave a free lock
 // unused.

@@ -11,7 +11,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// TestReleaseLandedThenGranted (HAZARDS 3): a release that landed but whose
+// TestReleaseLandedThenGranted: a release that landed but whose
 // answer was lost, after which another grant took the lock before the
 // releaser read it again, is not reported as ErrLost (the lease was never
 // lost): nil or fence.ErrUnknown.
@@ -45,7 +45,7 @@ func TestReleaseLandedThenGranted(t *testing.T) {
 	}
 }
 
-// TestRenewUnconfirmed (HAZARDS 3, 7): a Renew whose every upload got a 5xx
+// TestRenewUnconfirmed: a Renew whose every upload got a 5xx
 // (each may have landed) returns an error matching fence.ErrUnknown, as its
 // doc promises.
 func TestRenewUnconfirmed(t *testing.T) {
@@ -66,7 +66,7 @@ func TestRenewUnconfirmed(t *testing.T) {
 	}
 }
 
-// TestAbandonedGrantFreed (HAZARDS 6): a TryAcquire whose grant landed but
+// TestAbandonedGrantFreed: a TryAcquire whose grant landed but
 // whose answer was lost, and whose context ended right then, returns an error
 // and frees the lock in the background: another contender gets it well
 // before the ttl.

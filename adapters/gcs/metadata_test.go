@@ -53,7 +53,7 @@ func TestWriteRefusedAfterMetadataChanged(t *testing.T) {
 	})
 }
 
-// TestObjectDeletedByHand (HAZARDS 1, 7) records what the README says: an
+// TestObjectDeletedByHand records what the README says: an
 // object deleted other than by Delete takes its token with it, and the next
 // write of a lower token creates it again. (Delete's tombstone keeps it.)
 func TestObjectDeletedByHand(t *testing.T) {

@@ -11,7 +11,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// TestWriterKeysByteForByte (HAZARDS 4): keys that URL handling could merge
+// TestWriterKeysByteForByte: keys that URL handling could merge
 // are different objects, and a key at the 1024-byte limit works.
 func TestWriterKeysByteForByte(t *testing.T) {
 	e := fakeGCS(t)
@@ -37,7 +37,7 @@ func TestWriterKeysByteForByte(t *testing.T) {
 	}
 }
 
-// TestLongLockNames (HAZARDS 4, 8): a lock name that makes its object name
+// TestLongLockNames: a lock name that makes its object name
 // exactly 1024 bytes is granted, and is a different lock from the same name
 // one byte shorter; one byte more is fence.ErrInvalid before any request.
 func TestLongLockNames(t *testing.T) {
@@ -69,7 +69,7 @@ func TestLongLockNames(t *testing.T) {
 	}
 }
 
-// TestWriterSparesLockObjects (HAZARDS 4): a Writer on the locks' bucket
+// TestWriterSparesLockObjects: a Writer on the locks' bucket
 // given a key that names a lock object (the acquirer's Prefix + a lock name)
 // refuses it instead of replacing the lock's state; the lock stays held and
 // usable.

@@ -9,7 +9,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 )
 
-// TestBadBucketNames (HAZARDS 8): a bucket handle whose name GCS cannot have
+// TestBadBucketNames: a bucket handle whose name GCS cannot have
 // is refused by New and NewAcquirer with fence.ErrInvalid naming the bucket,
 // not at the first write.
 func TestBadBucketNames(t *testing.T) {
@@ -31,7 +31,7 @@ func TestBadBucketNames(t *testing.T) {
 	}
 }
 
-// TestBadOwner (HAZARDS 8): Owner goes into every lock object's custom
+// TestBadOwner: Owner goes into every lock object's custom
 // metadata, which GCS limits to 8 KiB in all and keeps as UTF-8 text: an
 // Owner it cannot keep is refused by NewAcquirer, naming Owner, not by
 // every grant on GCS.

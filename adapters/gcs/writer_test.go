@@ -21,7 +21,7 @@ func read(t *testing.T, w *gcsfence.Writer, key string) (string, fence.Token) {
 	return string(v), tok
 }
 
-// TestAmbiguousUploadRecognised (HAZARDS 3): an upload that landed but whose
+// TestAmbiguousUploadRecognised: an upload that landed but whose
 // answer was lost (the connection died, or a 503 came back) is recognised by
 // its write id on the next read: Write returns nil, after exactly one more
 // read and no second upload.
@@ -49,7 +49,7 @@ func TestAmbiguousUploadRecognised(t *testing.T) {
 	}
 }
 
-// TestAmbiguousThenReplaced (HAZARDS 3): an upload lands, its answer is a 503,
+// TestAmbiguousThenReplaced: an upload lands, its answer is a 503,
 // and a newer grant writes before the writer reads again. The outcome is
 // unknown to the writer (its value was stored, then replaced): the error
 // matches fence.ErrUnknown, not fence.ErrStale. With the library's own
@@ -155,7 +155,7 @@ func TestReuseGenerationSeesOtherWriters(t *testing.T) {
 	}
 }
 
-// TestWriterBadOptions (HAZARDS 8): options are checked in New.
+// TestWriterBadOptions: options are checked in New.
 func TestWriterBadOptions(t *testing.T) {
 	e := fakeGCS(t)
 	for _, c := range []struct {

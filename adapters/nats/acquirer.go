@@ -340,8 +340,7 @@ var errWatchUnanswered = errors.New("no answer")
 // was the JetStream meta leader stops (the node the request reached hands it
 // on to the leader that is gone, and nobody answers it), which left the
 // waiter with no watch, trying only every Recheck, after its node, leading
-// the meta group, stopped (TestWaiterAcrossLeaderLoss,
-// TestWatchLeaderLossVariants). The watch's subscription lasts as long
+// the meta group, stopped. The watch's subscription lasts as long
 // as the ctx it was made with, so the bound is not a deadline on that ctx but
 // a cancel that fires only while the request is unanswered; once made, the
 // watch ends with ctx (the keyWatch's stop). A request given up may still

@@ -102,7 +102,7 @@ func TestAcquirerRefusesBucket(t *testing.T) {
 	}
 }
 
-// TestTokensAfterBucketRecreated (HAZARDS 1): deleting the lock bucket and
+// TestTokensAfterBucketRecreated: deleting the lock bucket and
 // making it again restarts the stream's sequence at 1; the next grant's token
 // is still larger than every token of the old bucket.
 func TestTokensAfterBucketRecreated(t *testing.T) {

@@ -654,7 +654,7 @@ func TestRepeatedBreaksNoLeak(t *testing.T) {
 	t.Logf("goroutines %d (before %d), subscriptions %d (before %d), consumers %d (before %d)", g, g0, s, s0, c, c0)
 }
 
-// TestGrantInFlightAtABreak (HAZARDS 3): the waiter's grant, woken by
+// TestGrantInFlightAtABreak: the waiter's grant, woken by
 // the release, lands while its reply is lost with the connection, and the
 // client stays away longer than RetryFor. Whatever Acquire returns (a lease,
 // or an error matching fence.ErrUnknown, never a definite failure), the

@@ -16,7 +16,7 @@ import (
 // partition from just before it is sent until well after the TryAcquire
 // returned ErrUnknown and its background cleanup gave up (it looks for at
 // most the ttl), and is then delivered. It must not land and hold the name
-// for a fresh ttl with an owner that is gone (HAZARDS 6): a create lands
+// for a fresh ttl with an owner that is gone: a create lands
 // within a bound counted from its send, or never.
 func TestCreateHeldPastCleanupDoesNotHoldName(t *testing.T) {
 	j, p := proxied(t)

@@ -42,10 +42,10 @@ type StoreOptions struct {
 // was removed (Purge, a kv del or kv purge, or the bucket deleted and made
 // again) starts above every fence it had, as long as the server's clock (on
 // a cluster: the clocks of the nodes that lead the stream) does not step back
-// by more than the time since that fence was granted (HAZARDS 1).
+// by more than the time since that fence was granted.
 //
 // Leases are wall-clock differences, so at most once also assumes the
-// clock does not jump forward (HAZARDS 5): a lease ends early at the store
+// clock does not jump forward: a lease ends early at the store
 // by as much as the leader's clock steps forward while it runs, or as a new
 // leader's clock runs ahead of the old one's after a leader change, while
 // the owner's effect is cancelled only at its local deadline (the lease less
@@ -77,7 +77,7 @@ type StoreOptions struct {
 // timestamps) brings back records as they were: a completed key completed
 // after the backup runs again, and a claimed or armed one that a later Do
 // takes over gets the old fence + 1 (idempotency.Do's takeover), which can
-// be below fences handed out after the backup (HAZARDS 1). Restore only a
+// be below fences handed out after the backup. Restore only a
 // bucket that no caller used after the backup was taken.
 type Store struct {
 	js         jetstream.JetStream

@@ -80,7 +80,7 @@ func TestStoreWithoutMarkers(t *testing.T) {
 	}
 }
 
-// TestStoreFenceAfterStateDeleted (HAZARDS 1): a key's record removed by
+// TestStoreFenceAfterStateDeleted: a key's record removed by
 // hand (kv del, kv purge) or with its whole bucket (deleted and made again,
 // which restarts the stream's revisions at 1) is claimed again above every
 // fence it had, including fences raised by takeovers.
@@ -137,7 +137,7 @@ func TestStoreFenceAfterStateDeleted(t *testing.T) {
 	}
 }
 
-// TestStoreLostPublishAck (HAZARDS 3): the suite loses the reply of a step's
+// TestStoreLostPublishAck: the suite loses the reply of a step's
 // first request (a read). Here the JetStream ack of the step's publish is
 // lost after the server stored it: Begin and every Update recognise their
 // write and return it, and the record holds it once.
@@ -192,7 +192,7 @@ func boolTok(b bool) fence.Token {
 	return 0
 }
 
-// TestStoreUnknownWhenCutOff (HAZARDS 3 and 6): a step sent while the server
+// TestStoreUnknownWhenCutOff: a step sent while the server
 // cannot be reached returns an error matching fence.ErrUnknown after
 // RetryFor, not a hang, and not a definite answer.
 func TestStoreUnknownWhenCutOff(t *testing.T) {
@@ -229,7 +229,7 @@ func TestStoreUnknownWhenCutOff(t *testing.T) {
 	}
 }
 
-// TestNewStoreRefuses (HAZARDS 8): bad options and buckets are refused at
+// TestNewStoreRefuses: bad options and buckets are refused at
 // construction with fence.ErrInvalid naming them.
 func TestNewStoreRefuses(t *testing.T) {
 	j := js(t)
@@ -260,7 +260,7 @@ func TestNewStoreRefuses(t *testing.T) {
 	}
 }
 
-// TestStoreUnknownStepDoesNotLandLater (HAZARDS 3): the arm's first publish
+// TestStoreUnknownStepDoesNotLandLater: the arm's first publish
 // is dropped and the client cannot reconnect; the arm returns an error
 // matching fence.ErrUnknown and a read on another client then shows the key
 // still claimed. When the client reconnects later, nothing of that arm may
@@ -316,7 +316,7 @@ func TestStoreUnknownStepDoesNotLandLater(t *testing.T) {
 	}
 }
 
-// TestStoreDoCutOffOwner (HAZARDS 2 and 6): the owner's client is cut off
+// TestStoreDoCutOffOwner: the owner's client is cut off
 // from the server (a partition) while its effect runs. Its effect's context
 // must end before another Do, on a client of its own, starts the effect
 // again, and that Do must not wait much beyond the owner's lease.
@@ -368,7 +368,7 @@ func TestStoreDoCutOffOwner(t *testing.T) {
 	t.Logf("owner's effect cancelled %v after the cut, second effect %v after it", ended.Sub(cut), second.Sub(cut))
 }
 
-// TestStoreKeysByteForByte (HAZARDS 4): keys that differ only in case, a
+// TestStoreKeysByteForByte: keys that differ only in case, a
 // dot against its escape, a trailing space, wildcards, a 4-byte character or
 // its bytes split, and the longest key of bytes that each escape to three,
 // each get a record of their own through Do, and each replays its own result.
@@ -394,7 +394,7 @@ func TestStoreKeysByteForByte(t *testing.T) {
 	}
 }
 
-// TestStorePurgeSkipsForeignEntries (HAZARDS 4): an entry the store did not
+// TestStorePurgeSkipsForeignEntries: an entry the store did not
 // write (an operator's kv put, or a lock of an Acquirer on the same bucket)
 // is left alone by Purge, which still removes the released records around it
 // instead of failing on it, now and at every later Purge.

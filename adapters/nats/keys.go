@@ -26,7 +26,7 @@ const MaxKeyBytes = 1024
 // A-Z a-z 0-9 - _ / = and dots between tokens; EncodeKey keeps the letters,
 // digits, '-', '_' and '/' of name as they are and writes every other byte,
 // '=' included, as '=' and two upper-case hex digits. The encoding is
-// injective (two names never share a key, HAZARDS 4: "a.b", "a=2Eb", "A.b"
+// injective (two names never share a key: "a.b", "a=2Eb", "A.b"
 // and "a.b " are four keys) and byte-exact: no case folding, no Unicode
 // normalisation, invalid UTF-8 kept as bytes.
 func EncodeKey(name string) string {
@@ -93,7 +93,7 @@ var errNotConnected = errors.New("not connected to the server (not sent)")
 // published then: the nats client keeps what is published while it
 // reconnects and sends it after the reconnect, however late, so a write that
 // returned fence.ErrUnknown, and that a read then showed had not landed,
-// could land after all (HAZARDS 3). A publish still in the write buffer of a
+// could land after all. A publish still in the write buffer of a
 // connection that breaks after this check can be sent late all the same.
 func disconnected(js jetstream.JetStream) bool {
 	nc := js.Conn()
@@ -273,7 +273,7 @@ func openBucket(ctx context.Context, op string, js jetstream.JetStream, bucket s
 	}
 	if cfg := stream.CachedInfo().Config; cfg.Discard == jetstream.DiscardOld && (cfg.MaxMsgs > 0 || cfg.MaxBytes > 0) {
 		// Full, it would drop its oldest entries: fences, leases and
-		// idempotency records gone as with a TTL (HAZARDS 1).
+		// idempotency records gone as with a TTL.
 		return nil, nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q drops its oldest entries when it reaches its message or byte limit (discard old): use discard new, or no limit", bucket)}
 	}
 	return kv, stream, nil

@@ -98,7 +98,7 @@ func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 // client cannot reconnect until the lease's local deadline has passed; the
 // key is still there (the server's ttl is rounded up), so the retry
 // recognises it. A lease already past its local deadline must not be
-// returned with a nil error (HAZARDS 6): either a live lease or an error.
+// returned with a nil error: either a live lease or an error.
 func TestGrantConfirmedAfterLocalDeadline(t *testing.T) {
 	j, p := proxied(t)
 	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond, RetryFor: 10 * time.Second})
@@ -432,7 +432,7 @@ func TestLateGrantGivenBackAfterCut(t *testing.T) {
 // was changed) and TryAcquire answers ErrHeld: nobody else holds the name,
 // and the entry that blocks it, and everyone, stays until the server's
 // expiry. A losing TryAcquire's failed cleanup must not keep a free lock
-// from the others for a ttl (HAZARDS 6).
+// from the others for a ttl.
 func TestLateGrantOwnOrphanNotErrHeld(t *testing.T) {
 	t.Parallel() // its own names and proxies
 	j, p := proxied(t)

@@ -216,7 +216,7 @@ func TestGrantLostAck(t *testing.T) {
 // retries were cut off returns ErrUnknown. The create had landed, so the name
 // is held by an entry nobody owns; once the connection is back, the acquirer
 // must clean up its own entry (recognised by its nonce) instead of leaving the
-// name blocked for the whole ttl (HAZARDS 6).
+// name blocked for the whole ttl.
 func TestGrantUnknownDoesNotBlockName(t *testing.T) {
 	j, p := proxied(t)
 	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond, RetryFor: 300 * time.Millisecond})
@@ -247,7 +247,7 @@ func TestGrantUnknownDoesNotBlockName(t *testing.T) {
 // TestReleaseLostAckThenRegranted: the ack of a release is lost (the purge
 // landed), and a waiter is granted the name before the releaser can look
 // again. The release did land: reporting ErrLost ("it had already expired")
-// is a definite wrong outcome (HAZARDS 3); nil or ErrUnknown are honest.
+// is a definite wrong outcome; nil or ErrUnknown are honest.
 func TestReleaseLostAckThenRegranted(t *testing.T) {
 	j, p := proxied(t)
 	a := newAcquirer(t, j, lockBucket, nil)
@@ -373,7 +373,7 @@ func TestCancelledAcquireDoesNotBlockName(t *testing.T) {
 	_ = l.Release(ctx)
 }
 
-// TestWriterUnknownWriteDoesNotLandLater (HAZARDS 3): as
+// TestWriterUnknownWriteDoesNotLandLater: as
 // TestStoreUnknownStepDoesNotLandLater, for a fenced write: reported
 // fence.ErrUnknown, read as not landed, it must not land after the
 // reconnect (a caller that read the old value and reported the write failed

@@ -69,7 +69,7 @@ func TestOperatorDeleteBetweenMarkerAndCreate(t *testing.T) {
 	}
 }
 
-// TestBucketRecreatedBetweenMarkerAndCreate (HAZARDS 1): the bucket is
+// TestBucketRecreatedBetweenMarkerAndCreate: the bucket is
 // deleted and re-created after a grant wrote its marker and before its
 // create. The grant ends in one lease of the new bucket, with a token above
 // every token of the old one, and another acquirer is refused while it

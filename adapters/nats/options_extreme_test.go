@@ -12,7 +12,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 )
 
-// TestHugeTimeoutRefusedOrWorks (HAZARDS 8): a Timeout New accepts must
+// TestHugeTimeoutRefusedOrWorks: a Timeout New accepts must
 // work: it sets how long a grant's marker lives, and must neither overflow
 // nor make every grant fail. Either New refuses it with ErrInvalid naming
 // Timeout, or a grant on a free name succeeds.

@@ -63,7 +63,7 @@ func TestConstructorsRefuseUnusableOptions(t *testing.T) {
 
 // TestDriftNotBelowTTL: a Drift at least the lease's ttl makes a lease whose
 // context is done at birth while the server holds the name for the ttl: a
-// lease already lost must not come with a nil error (HAZARDS 6, 8), and the
+// lease already lost must not come with a nil error, and the
 // name must not be blocked by it.
 func TestDriftNotBelowTTL(t *testing.T) {
 	a := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Drift: 10 * time.Second})
@@ -89,7 +89,7 @@ func TestDriftNotBelowTTL(t *testing.T) {
 	_ = l2.Release(ctx)
 }
 
-// TestTimeoutTooShortRefused (HAZARDS 8): a Timeout no request can meet (2,
+// TestTimeoutTooShortRefused: a Timeout no request can meet (2,
 // meant as seconds, is 2ns) is refused at construction with fence.ErrInvalid
 // naming Timeout, instead of making every step fail at use after RetryFor.
 func TestTimeoutTooShortRefused(t *testing.T) {
@@ -111,7 +111,7 @@ func TestTimeoutTooShortRefused(t *testing.T) {
 	}
 }
 
-// TestDiscardOldBucketRefused (HAZARDS 1): a bucket whose stream drops its
+// TestDiscardOldBucketRefused: a bucket whose stream drops its
 // oldest messages when it reaches a message or byte limit (discard old, as
 // an operator can set with nats stream edit) removes records, fences and
 // leases as a TTL does: a completed key's record goes, and its effect runs

@@ -118,7 +118,7 @@ func TestRenewalLostTwiceCountsFromTheFirstSend(t *testing.T) {
 // TestReleaseAfterLostRenewalFreesTheName: a renewal lands but its reply is
 // lost (ErrUnknown); the Release that follows finds the renewal's entry,
 // removes it and returns nil, and another acquirer is granted at once, not
-// a ttl later (HAZARDS 6).
+// a ttl later.
 func TestReleaseAfterLostRenewalFreesTheName(t *testing.T) {
 	ctx := context.Background()
 	j, p := proxied(t)
@@ -156,7 +156,7 @@ func TestReleaseAfterLostRenewalFreesTheName(t *testing.T) {
 // deadline lands after it (held by a partition until the holder's context is
 // done). The server then holds the key for a fresh ttl that nobody holds:
 // Renew reports the lease lost, and the name must not stay blocked past the
-// original grant's server expiry for that fresh ttl (HAZARDS 6).
+// original grant's server expiry for that fresh ttl.
 func TestLateRenewalDoesNotBlockName(t *testing.T) {
 	j, p := proxied(t)
 	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 10 * time.Second})

@@ -16,7 +16,7 @@ import (
 // ErrFenceGone is matched by a write, delete or read of a key whose entry was
 // deleted or purged in the bucket by something other than the Writer (kv del,
 // kv purge): its fence went with it, so the Writer cannot tell a stale token
-// from a current one and refuses every write to the key (HAZARDS 1). An
+// from a current one and refuses every write to the key. An
 // operator who knows that no holder of an older token is alive removes the
 // marker with a stream purge of the key's subject; the key then starts afresh.
 var ErrFenceGone = errors.New("natsfence: the key's entry was deleted or purged outside the writer: its fence is gone")

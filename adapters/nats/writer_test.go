@@ -86,7 +86,7 @@ func TestEncodeKeyInjective(t *testing.T) {
 }
 
 // TestWriterRefusesExpiringBucket: a bucket whose entries expire would lose
-// fences (HAZARDS 1); NewWriter refuses it, naming the bucket.
+// fences; NewWriter refuses it, naming the bucket.
 func TestWriterRefusesExpiringBucket(t *testing.T) {
 	j := js(t)
 	bucket(t, j, jetstream.KeyValueConfig{Bucket: "fences-ttl", TTL: 10 * time.Minute})

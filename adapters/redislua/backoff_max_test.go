@@ -11,7 +11,7 @@ import (
 	"github.com/fencekit/fencekit/internal/testenv"
 )
 
-// TestWaiterKeepsItsPlaceWithAHugeBackoffMax (HAZARDS 8): NewAcquirer
+// TestWaiterKeepsItsPlaceWithAHugeBackoffMax: NewAcquirer
 // accepts Backoff{Max: 1<<61} (fence.Backoff.Validate: every field up to
 // math.MaxInt64 is valid). A waiter in line polls at least every ttl/4, and
 // its place must outlive its last poll ("by five times Max, at least 1s").

@@ -90,7 +90,7 @@ func TestCallsKeepTheirContextDeadline(t *testing.T) {
 			t.Errorf("%s with a %v context returned after %v (allowed %v)", tc.name, wait, took, wait+tc.slack)
 		}
 	}
-	// HAZARDS 6: the TryAcquire that gave up must not hold its name for the
+	// The TryAcquire that gave up must not hold its name for the
 	// minute's ttl once its held requests land: its leave marks its nonce
 	// gone (a try landing later is refused) or releases what it granted.
 	p.Heal()
@@ -129,7 +129,7 @@ func proxiedAcquirer(t *testing.T, o redis.Options) (*faultnet.Proxy, *redis.Cli
 // before the partition) are held; their leave, which needs a new connection,
 // cannot even be sent before the client gives up. After the partition heals
 // the held "try" lands and grants: the name must still be free soon for
-// another acquirer (HAZARDS 3 and 6), not held for the minute's ttl.
+// another acquirer, not held for the minute's ttl.
 func TestAbandonedLockCallLandsLate(t *testing.T) {
 	ctx := context.Background()
 	// ContextTimeoutEnabled off; a short ReadTimeout so that the abandoned

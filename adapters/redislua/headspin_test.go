@@ -400,7 +400,7 @@ func TestHeadSpinMixedLine(t *testing.T) {
 	}
 }
 
-// TestHeadSpinLostReleaseReply (HAZARDS 3, 6): the release whose script
+// TestHeadSpinLostReleaseReply: the release whose script
 // grants the next waiter and tells the one after it that it is next loses its
 // reply. The release reports nil or fence.ErrUnknown (never "not the
 // holder"), and the line goes on in order: the first waiter is granted, the
@@ -461,7 +461,7 @@ func TestHeadSpinLostReleaseReply(t *testing.T) {
 	}
 }
 
-// TestHeadSpinCutWhileSpinning (HAZARDS 6): the connections of a waiter's
+// TestHeadSpinCutWhileSpinning: the connections of a waiter's
 // process are cut while it spins (told it is next); the release then finds
 // nobody listening for it. Nobody waits for a ttl: the waiter behind it is
 // granted, and the cut waiter is granted after its process reconnects.

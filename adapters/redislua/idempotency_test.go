@@ -91,7 +91,7 @@ func TestIdempotencyRoundTrips(t *testing.T) {
 	}
 }
 
-// TestIdempotencyBeginBadLease (HAZARDS 8): a Begin with a lease that is not
+// TestIdempotencyBeginBadLease: a Begin with a lease that is not
 // positive is refused with fence.ErrInvalid and claims nothing, as Update refuses a
 // negative lease.
 func TestIdempotencyBeginBadLease(t *testing.T) {

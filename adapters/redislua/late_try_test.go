@@ -36,7 +36,7 @@ func (h *lateClient) EvalSha(ctx context.Context, sha string, keys []string, arg
 	return h.Client.EvalSha(ctx, sha, keys, args...)
 }
 
-// TestAcquirerLateTryAfterRelease (HAZARDS 6, a grant landing after its
+// TestAcquirerLateTryAfterRelease (a grant landing after its
 // sender gave up, on a single instance): a try that timed out on the way is sent again and granted; the
 // lease is released; then the first try lands. It must not lock the name for
 // a ttl on behalf of a lease that is gone.

@@ -14,7 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// TestTokensSurviveCounterDelete (HAZARDS 1): holder A has a token and
+// TestTokensSurviveCounterDelete: holder A has a token and
 // stalls; the name's counter and lock are deleted (a DEL, FLUSHALL, eviction);
 // the next grant's token must still be above A's, so the fenced writer
 // refuses A's late write. Without the clock floor the counter restarted at 1.
@@ -97,7 +97,7 @@ func first(t *testing.T, what string, want, other <-chan fence.Lease) fence.Leas
 	return nil
 }
 
-// TestLineOutlivesItsExpiry (HAZARDS 7): the line's list expires a while
+// TestLineOutlivesItsExpiry: the line's list expires a while
 // after the last poll of any waiter, not after the last newcomer: a long
 // waiter keeps its place however long nobody new comes. Before, a waiter
 // that had waited longer than the list's life was served after every later
@@ -141,7 +141,7 @@ func TestLineOutlivesItsExpiry(t *testing.T) {
 	first(t, "the newcomer", w2, nil).Release(ctx)
 }
 
-// TestUnheardWaiterKeepsPlace (HAZARDS 7): the first waiter's acquirer cannot
+// TestUnheardWaiterKeepsPlace: the first waiter's acquirer cannot
 // hear a grant (its pub/sub connection is down and reconnecting). The grant
 // goes to the next waiter, but the first keeps its place at the head of the
 // line: the next grant is its, not a later newcomer's. Before, it was dropped
@@ -212,7 +212,7 @@ func TestRingRefused(t *testing.T) {
 	}
 }
 
-// TestRenewAfterLocalDeadline (HAZARDS 6): a Renew on a lease whose local
+// TestRenewAfterLocalDeadline: a Renew on a lease whose local
 // deadline has passed returns ErrLost and does not hold the lock on Redis for
 // another ttl: another acquirer gets it when the first grant expires.
 func TestRenewAfterLocalDeadline(t *testing.T) {

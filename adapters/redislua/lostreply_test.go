@@ -260,7 +260,7 @@ func redlockViaProxies(t *testing.T, retries int) (*redislua.Redlock, []*faultne
 	return r, proxies, direct
 }
 
-// TestRedlockLostReply (HAZARDS 3): a Redlock Release or Renew whose
+// TestRedlockLostReply: a Redlock Release or Renew whose
 // replies were lost after every node ran it is nil or fence.ErrUnknown,
 // never ErrLost (it was held) nor a bare transport error.
 func TestRedlockLostReply(t *testing.T) {
@@ -312,7 +312,7 @@ func TestRedlockLostReply(t *testing.T) {
 	}
 }
 
-// TestRedlockGrantLostReply (HAZARDS 3): a grant whose lock replies were lost
+// TestRedlockGrantLostReply: a grant whose lock replies were lost
 // on a majority of nodes, with the name free, is never ErrHeld (nobody holds
 // it), and leaves the name free once it is given up or released.
 func TestRedlockGrantLostReply(t *testing.T) {
@@ -359,7 +359,7 @@ func TestRedlockGrantLostReply(t *testing.T) {
 	}
 }
 
-// TestBumpLostReply (HAZARDS 3): a Bump whose reply was lost after Redis
+// TestBumpLostReply: a Bump whose reply was lost after Redis
 // raised the counter is fence.ErrUnknown, never ErrInvalid ("already at or
 // above") from a resend that found its own change, nor a bare EOF.
 func TestBumpLostReply(t *testing.T) {
@@ -382,7 +382,7 @@ func TestBumpLostReply(t *testing.T) {
 	})
 }
 
-// TestAcquireGrantUnheardThenCut (HAZARDS 3): a waiter that is granted the
+// TestAcquireGrantUnheardThenCut: a waiter that is granted the
 // lease while the network to Redis is partitioned, and whose leave cannot
 // reach Redis when its ctx ends, may hold the lease: its error must match
 // fence.ErrUnknown, not report the name as held by another holder alone.

@@ -16,7 +16,7 @@ import (
 
 // namePairs are names that a conversion on the way (case folding, trailing
 // space, a 4-byte character turned into '?', Unicode normalisation, a
-// truncation) would make one (HAZARDS 4). Each gets a fresh random prefix.
+// truncation) would make one. Each gets a fresh random prefix.
 func namePairs() [][2]string {
 	long := strings.Repeat("n", 1023)
 	return [][2]string{
@@ -74,7 +74,7 @@ func TestClusterNamesApart(t *testing.T) {
 	checkNamesApart(t, testenv.StartRedisCluster(t, 3).Client(t))
 }
 
-// TestWriterIdempotencyKeysApart (HAZARDS 4, two names one row): with the
+// TestWriterIdempotencyKeysApart (two names one row): with the
 // default prefix, the Writer's key "idem:k" and the idempotency store's key
 // "k" must not share a Redis key, or a Begin on "k" wipes the Writer's fence
 // and a stale write is accepted.

@@ -255,7 +255,7 @@ func TestKeysAreBytes(t *testing.T) {
 // machine, which the suite's default 150ms does not.
 const shortTTL = time.Second
 
-// TestDriftOverTTL (HAZARDS 6 and 8): a ttl that Drift leaves no local
+// TestDriftOverTTL: a ttl that Drift leaves no local
 // validity for is refused (ErrInvalid), not granted as a lease that is
 // already lost with a nil error while Redis holds the name for the ttl.
 func TestDriftOverTTL(t *testing.T) {

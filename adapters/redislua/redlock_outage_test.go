@@ -44,7 +44,7 @@ func redlockLocks(ctx context.Context, t *testing.T, servers []*testenv.RedisSer
 	return b.String()
 }
 
-// TestRedlockFailedWaitLeavesNoLock (HAZARDS 6): an Acquire that waits while
+// TestRedlockFailedWaitLeavesNoLock: an Acquire that waits while
 // 3 of 5 nodes are paused (SIGSTOP) makes tries that each find no majority and
 // undo their partial grant. The paused nodes hold the tries' lock calls (and
 // whatever release reached them) and run them when they resume. Once the wait
@@ -92,7 +92,7 @@ func TestRedlockFailedWaitLeavesNoLock(t *testing.T) {
 	_ = l.Release(ctx)
 }
 
-// TestRedlockReleasedLeaveNoLockOnPausedNodes (HAZARDS 6, the "released"
+// TestRedlockReleasedLeaveNoLockOnPausedNodes (the "released"
 // case of TestRedlockLateLockAfterRelease with a paused node instead of a
 // proxy): a grant while 2 of 5 nodes are paused is made on the other 3, and
 // its lock calls to the paused two wait in their sockets; Release returns

@@ -65,7 +65,7 @@ func waitLockedEverywhere(ctx context.Context, t *testing.T, servers []*testenv.
 	}
 }
 
-// TestRedlockReleaseDuringLoadingLeavesLock (HAZARDS 6 and the README's "no
+// TestRedlockReleaseDuringLoadingLeavesLock (the README's "no
 // node stays locked by a released grant"): the Redlock documentation asks
 // for nodes that keep their data across a restart. Such a node answers
 // every command with -LOADING while it reads its data back (here: DEBUG
@@ -218,7 +218,7 @@ func (p *persistentRedis) client(t *testing.T) *redis.Client {
 	return c
 }
 
-// TestRedlockReleaseLaterStopsAtLoading (HAZARDS 6): as above, through
+// TestRedlockReleaseLaterStopsAtLoading: as above, through
 // releaseLater. 3 of 5 nodes crash (SIGKILL) after saving their data, which
 // holds the grant's lock; the lease is released while they are down (no
 // answer: the release is sent again in the background). They restart from
@@ -312,7 +312,7 @@ func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 	_ = l2.Release(ctx)
 }
 
-// TestRedlockReleaseDuringBusyScriptLeavesLock (HAZARDS 6): a node running a
+// TestRedlockReleaseDuringBusyScriptLeavesLock: a node running a
 // long script (another application's, or a slow one) answers -BUSY to every
 // other command once busy-reply-threshold has passed. A Release that meets
 // 3 of 5 busy nodes did not run there, and is not sent again: when the

@@ -425,7 +425,7 @@ func TestRedlockLateLockAfterRelease(t *testing.T) {
 	}
 }
 
-// TestRedlockRenewAfterLocalDeadline (HAZARDS 6): a Renew on a lease whose
+// TestRedlockRenewAfterLocalDeadline: a Renew on a lease whose
 // local deadline has passed returns ErrLost and leaves no node locked for
 // another ttl: the next grant succeeds once the first grant expires.
 func TestRedlockRenewAfterLocalDeadline(t *testing.T) {

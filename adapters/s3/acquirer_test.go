@@ -265,7 +265,7 @@ func TestAcquirerBadOptions(t *testing.T) {
 	}
 }
 
-// TestLockObjectDeleted (HAZARDS 1): holder A has token 2 and stalls; its lock
+// TestLockObjectDeleted: holder A has token 2 and stalls; its lock
 // object is deleted (a lifecycle rule, an operator); B is granted the name and
 // writes a fresh key through the fenced writer. B's token must be above A's, so
 // A's late write is refused as stale instead of overwriting B's.
@@ -311,7 +311,7 @@ func testLockObjectDeleted(t *testing.T, e *s3env) {
 	}
 }
 
-// TestRenewAfterLocalDeadline (HAZARDS 6): a Renew sent once the lease's
+// TestRenewAfterLocalDeadline: a Renew sent once the lease's
 // context has ended returns ErrLost and must not hold the lock on S3 again:
 // another acquirer is granted when the original lease runs out on S3's clock
 // (up to 2s + 2 x DateLag late, S3's Date having whole seconds and being up to
@@ -359,7 +359,7 @@ func testRenewAfterLocalDeadline(t *testing.T, e *s3env) {
 	_ = l2.Release(ctx)
 }
 
-// TestAbandonedGrant (HAZARDS 6): a TryAcquire that gives up after a
+// TestAbandonedGrant: a TryAcquire that gives up after a
 // grant's PUT whose answer was lost leaves no lock behind for its ttl: when
 // the PUT landed (its answer lost, then the caller's context ended), the
 // grant is released in the background; when the PUT is still on its way and
@@ -452,7 +452,7 @@ func testAbandonedGrant(t *testing.T, e *s3env, f *faults) {
 	})
 }
 
-// TestNamesByteForByte (HAZARDS 4): lock names that differ only in a trailing
+// TestNamesByteForByte: lock names that differ only in a trailing
 // space, case, a 4-byte character or the last byte of the longest key are
 // separate lock objects, each exclusive with itself.
 func TestNamesByteForByte(t *testing.T) {
@@ -498,7 +498,7 @@ func testNamesByteForByte(t *testing.T, e *s3env) {
 	}
 }
 
-// TestCreationRace (HAZARDS 1): a grant that found no lock object writes a
+// TestCreationRace: a grant that found no lock object writes a
 // new one with If-None-Match: *, its token taken from the Date of that read.
 // When its PUT is slow on the way (or the creation waits its second) while
 // another acquirer creates the object, grants from it twice and the object is
@@ -567,7 +567,7 @@ func testCreationRace(t *testing.T, e *s3env, f *faults) {
 	}
 }
 
-// TestTTLNotAboveDrift (HAZARDS 6/8): a ttl that the acquirer's Drift uses up
+// TestTTLNotAboveDrift: a ttl that the acquirer's Drift uses up
 // entirely is refused with ErrInvalid naming the ttl, instead of a lease whose
 // context is already done returned with a nil error while the lock object
 // stays held for nobody.
@@ -580,7 +580,7 @@ func TestTTLNotAboveDrift(t *testing.T) {
 	fencetest.DriftRefusesShortTTL(t, a, 5*time.Second, "ttl")
 }
 
-// TestReleaseUnconfirmed (HAZARDS 3, 6): a Release whose PUT got a 500 (it
+// TestReleaseUnconfirmed: a Release whose PUT got a 500 (it
 // may or may not have landed; here it did not) and whose read to find out
 // fails too cannot know whether the lock is free. It must say so
 // (ErrUnknown), and the lock must not stay held by nobody for its ttl: another
@@ -612,7 +612,7 @@ func testReleaseUnconfirmed(t *testing.T, e *s3env, f *faults) {
 	_ = l2.Release(ctx)
 }
 
-// TestRenewUnconfirmed (HAZARDS 3): a Renew whose PUT got a 500 (it may have
+// TestRenewUnconfirmed: a Renew whose PUT got a 500 (it may have
 // landed) and whose read to find out fails returns ErrUnknown, not a bare
 // transport error; the lease still ends at its local deadline.
 func TestRenewUnconfirmed(t *testing.T) { faultServers(t, testRenewUnconfirmed) }
@@ -636,7 +636,7 @@ func testRenewUnconfirmed(t *testing.T, e *s3env, f *faults) {
 	}
 }
 
-// TestLateRenewalReleaseFails (HAZARDS 6): a renewal that S3 confirms only
+// TestLateRenewalReleaseFails: a renewal that S3 confirms only
 // after the lease's local deadline passed is undone with a release; when that
 // release's PUT fails (a 500 that did not land), the lock must still not stay
 // held by nobody for the renewal's ttl.

@@ -101,7 +101,7 @@ func testStaleDate(t *testing.T, e *s3env, f *faults) {
 	}
 }
 
-// TestLockObjectDeletedStaleDate (HAZARDS 1): a lock object is created, granted
+// TestLockObjectDeletedStaleDate: a lock object is created, granted
 // and deleted within a second or two; the next grant creates a new object and
 // reads it with a Date staleLag old (within the default DateLag). Its first
 // token must still be above the deleted object's: a token from the second
@@ -144,7 +144,7 @@ func testLockObjectDeletedStaleDate(t *testing.T, e *s3env, f *faults) {
 	}
 }
 
-// TestAcquirerDateLagOptions (HAZARDS 8): a negative DateLag, or one above
+// TestAcquirerDateLagOptions: a negative DateLag, or one above
 // MaxDateLag, is refused with ErrInvalid naming DateLag; zero (the default),
 // a nanosecond (no lag beyond whole seconds) and MaxDateLag are taken.
 func TestAcquirerDateLagOptions(t *testing.T) {

@@ -129,7 +129,7 @@ func TestWaitingLineReleaseLaterPokesHead(t *testing.T) {
 // ErrHeld. The next waiter becomes the head and is poked, but finds the
 // abandoned grant still on the lock object; once abandon has freed it,
 // nothing pokes the line again, and the waiter waits out its backoff (10
-// minutes here) with the lock free (HAZARDS 6: a slow participant stalls
+// minutes here) with the lock free (a slow participant stalls
 // everyone).
 func TestWaitingLineAbandonedGrantPokesNext(t *testing.T) {
 	servers(t, func(t *testing.T, e *s3env) {

@@ -596,7 +596,7 @@ func testConditionalPutSemantics(t *testing.T, e *s3env) {
 	}
 }
 
-// TestHeadBadRequestNotTheKey (HAZARDS 3, 8): a 400 on HEAD says the key is
+// TestHeadBadRequestNotTheKey: a 400 on HEAD says the key is
 // refused only when the server takes a HEAD of a short key: S3 answers 400
 // with no body to any HEAD signed with an expired session token, and a short
 // key refused so is no invalid input (ErrInvalid tells the caller never to

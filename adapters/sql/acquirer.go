@@ -342,7 +342,7 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 			// whose reply was lost, which may have granted hint.owner)
 			// and its context ended before this attempt could look:
 			// settled in the background, so that nobody waits out the
-			// grant's ttl (review 2 of the ringer's grant).
+			// grant's ttl.
 			if hint.released != 0 {
 				go a.abandon(context.Background(), name, ttl, wakeup.Handoff{Hint: hint})
 			} else {
@@ -406,7 +406,7 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 	case err != nil && uncertain:
 		// A definite error now (a refused connection, the context ended
 		// before a dial) says nothing of the earlier attempt whose reply
-		// was lost (HAZARDS 3).
+		// was lost.
 		return nil, a.wrap("acquire", fmt.Errorf("%w: an earlier attempt whose reply was lost may hold the lease: %w", fence.ErrUnknown, err))
 	case err != nil:
 		return nil, a.wrap("acquire", err)
@@ -441,7 +441,7 @@ func (a *Acquirer) giveBackLate(ctx context.Context, l *lease) error {
 // shows owner and is released. It reports whether it could tell, within two
 // seconds of its own. A grant statement that reaches the server only after
 // this read (still on the network) is not covered: it holds the row for its
-// ttl (HAZARDS 6).
+// ttl.
 func (a *Acquirer) giveBack(ctx context.Context, name, owner string, ttl time.Duration) bool {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 	defer cancel()
@@ -497,8 +497,7 @@ const (
 // statement it has received (or one waiting for the row's lock, once it
 // gets it); pgx asks the server to cancel it, which does nothing when the
 // request comes before the statement starts. Such a grant would hold the
-// row for its ttl with nobody to release it (HAZARDS 6,
-// TestLineCancelAtGrant).
+// row for its ttl with nobody to release it (TestLineCancelAtGrant).
 func (a *Acquirer) watchGrant(name, owner string, ttl time.Duration) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), grantWatchMax)
@@ -536,7 +535,7 @@ func watchPause(ctx context.Context, i int) bool {
 // giveBackRelease releases l, a grant its caller gives back (it came back
 // late, or its Acquire gave up): a release only, never a handoff, which
 // would hand the lock to the head of the line, the very waiter giving it
-// back from inside its attempt (review 8), or to a waiter behind it before
+// back from inside its attempt, or to a waiter behind it before
 // the yield that lets it go first.
 func (l *lease) giveBackRelease(ctx context.Context) error {
 	if err := checkLive("release", ctx); err != nil {
@@ -945,7 +944,7 @@ func (l *lease) releaseOnly(ctx context.Context) error {
 		}
 		if err != nil && uncertain {
 			// A definite error now (a refused connection) says nothing of
-			// the earlier attempt whose reply was lost (HAZARDS 3).
+			// the earlier attempt whose reply was lost.
 			l.a.line.Poke(l.Name())
 			return l.a.wrap("release", fmt.Errorf("%w: an earlier attempt whose reply was lost may have released it: %w", fence.ErrUnknown, err))
 		}

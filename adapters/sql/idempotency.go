@@ -352,7 +352,7 @@ func (s *IdempotencyStore) updateOn(ctx context.Context, c conn, key string, fro
 			rec, err := s.getOn(ctx, c, key)
 			if notSent(err) || notConnected(err) {
 				// The read got no connection, which says nothing of the
-				// change: it was made (HAZARDS 3).
+				// change: it was made.
 				err = fmt.Errorf("%w: the change was made, and the read of the record it wrote was not sent: %w", fence.ErrUnknown, err)
 			}
 			return rec, unknown(err)

@@ -447,7 +447,7 @@ func (a *Acquirer) ringGrant(name string, c *sql.Conn) ringOutcome {
 			// late grants, see wakeup.ErrYield), and the ringer pauses
 			// before it grants again (ringLate).
 			// Withdrawn before the give-back, whose release pokes the
-			// head: a poke while the offer stood would be lost (review 2).
+			// head: a poke while the offer stood would be lost.
 			a.line.Withdraw(p)
 			_ = a.giveBackLate(ctx, l)
 			return ringLate

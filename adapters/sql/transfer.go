@@ -41,7 +41,7 @@ import (
 // gives the grant back at once; when the handoff's outcome is unknown, the
 // row is watched until the handoff can no longer grant (see settleHandoff:
 // in the background after two seconds, for at most the released grant's
-// ttl and 2s), and whatever it granted is given back (review 10: on MySQL a
+// ttl and 2s), and whatever it granted is given back (on MySQL a
 // statement whose context ended runs on in the server, waiting for a row
 // another transaction holds, and landed seconds after the release had
 // returned ErrUnknown); a grant that came back past the head's local deadline is given
@@ -300,7 +300,7 @@ func (l *lease) transfer(ctx context.Context, p *wakeup.Place, r *handReq) error
 		return rerr
 	case uncertain:
 		// A definite error now (a refused connection) says nothing of an
-		// earlier attempt whose reply was lost (HAZARDS 3).
+		// earlier attempt whose reply was lost.
 		hand(wakeup.Handoff{Hint: hint})
 		return a.wrap("release", fmt.Errorf("%w: an earlier attempt whose reply was lost may have handed the lock on: %w", fence.ErrUnknown, err))
 	default:

@@ -1,4 +1,4 @@
-// Command sweep runs the Redis contention curve of issue 28 with fencekit and
+// Command sweep runs the Redis contention curve with fencekit and
 // its peers alternated in one run, and prints one table:
 //
 //	cd bench && go run ./sweep -points 1x20,4x5,8x8,16x8 -rounds 3

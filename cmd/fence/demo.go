@@ -204,7 +204,7 @@ func lockedIncrement(ctx context.Context, b *backend, key string) error {
 	// A worker waits its turn behind every other worker (a line of 19 on
 	// etcd, Redis and SQL); an acquirer's default maximum wait (30s) is
 	// for one call, and a loaded machine took longer than that for 19
-	// increments on etcd (loaded run 2 on 2aa15c9).
+	// increments on etcd.
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
 	l, err := b.acq.Acquire(ctx, key, 10*time.Second)

@@ -10,7 +10,7 @@ import (
 	"strings"
 )
 
-// Connection strings carry passwords (HAZARDS 10). The CLI keeps them out of
+// Connection strings carry passwords. The CLI keeps them out of
 // its output twice over: every connection string it prints goes through
 // redactConn first, and everything it writes passes a redactor that blanks
 // each secret found in the command line and in the credential environment

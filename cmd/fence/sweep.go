@@ -13,7 +13,7 @@ import (
 	"github.com/fencekit/fencekit/internal/sweep"
 )
 
-// fence bench -backend redis -sweep runs the contention curve of issue 28
+// fence bench -backend redis -sweep runs the contention curve
 // (internal/sweep) with fencekit's contenders; its workers run in child
 // processes of this binary ("fence sweep-child", not listed in the usage).
 // The peers (bsm/redislock, go-redsync) are in the bench module, which runs

@@ -90,7 +90,7 @@ type AcquirerSuite struct {
 	// for lock name (the lease row, the Redis keys, the lock object, the
 	// etcd or NATS key), as an operator's DELETE, a lifecycle rule, FLUSHALL
 	// or an eviction would, while the caller may still hold a lease on it.
-	// The TokensSurviveDeletedState case (HAZARDS 1) uses it to check that a
+	// The TokensSurviveDeletedState case uses it to check that a
 	// grant after the deletion carries a token above every token granted
 	// before, or is refused with ErrTokensExhausted (ErrHeld fails the case:
 	// the name's holder was deleted too, so nobody holds it), and that the
@@ -641,7 +641,7 @@ func (s AcquirerSuite) testRenewExtends(t *testing.T) {
 		// The case ends once its check is made; a lease whose local
 		// deadline passed after it (a machine that stalled for two
 		// thirds of the ttl since the last renewal) is lost by contract,
-		// and its Release says so (loaded run 2 on 2aa15c9, etcd).
+		// and its Release says so (seen on etcd on a loaded machine).
 		if l.Context().Err() != nil {
 			if err := l.Release(context.Background()); err != nil && !errors.Is(err, fence.ErrLost) {
 				t.Errorf("Release of a lease past its local deadline: %v, want nil or ErrLost", err)
@@ -985,7 +985,7 @@ func (s AcquirerSuite) testStaleRenew(t *testing.T) {
 	}
 }
 
-// testLateRenew (HAZARDS 6): a Renew asked for after the lease's context is
+// testLateRenew: a Renew asked for after the lease's context is
 // done returns ErrLost and must not hold the name on the backend again, for
 // nobody: another acquirer is granted well before a new ttl could run out. (A
 // Renew that is sent whatever the lease's local state reaches the backend

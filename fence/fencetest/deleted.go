@@ -39,13 +39,13 @@ func deletedGrant(t *testing.T, op string, l fence.Lease, err error, top fence.T
 	}
 	t.Cleanup(func() { _ = l.Release(context.Background()) })
 	if l.Token() <= top {
-		t.Fatalf("%s %s granted token %d, not above %d, a token granted before: a paused holder's writes would beat the new holder's (HAZARDS 1)", op, when, l.Token(), top)
+		t.Fatalf("%s %s granted token %d, not above %d, a token granted before: a paused holder's writes would beat the new holder's", op, when, l.Token(), top)
 	}
 	t.Logf("%s %s: token %d (largest before %d)", op, when, l.Token(), top)
 	return l
 }
 
-// testDeletedState (HAZARDS 1): the state a backend keeps for a name (its
+// testDeletedState: the state a backend keeps for a name (its
 // counter among it) is deleted behind the acquirers' backs, while A holds the
 // name and pauses. A grant to another process after that must carry a token
 // above every token granted before, by TryAcquire, by Acquire after a second
@@ -113,7 +113,7 @@ func (s AcquirerSuite) testDeletedState(t *testing.T) {
 	deletedGrant(t, "TryAcquire", l, err, top, "after a deletion while nobody held the name")
 }
 
-// testRenewAfterDeletedState (HAZARDS 1 and 3): A holds the name, its
+// testRenewAfterDeletedState: A holds the name, its
 // state is deleted behind the acquirers' backs, and B is granted it with a
 // short lease. A's Renew must return ErrLost: the name is B's. A Renew that
 // checks the lease's expiry but not its holder finds B's live lease, extends

@@ -13,7 +13,7 @@ import (
 // (an adapter option, so not a suite case): a ttl not longer than drift leaves
 // no local validity, so TryAcquire and Acquire must refuse it with ErrInvalid
 // naming arg, and not grant a lease whose context is already done with a nil
-// error while the backend holds the name (HAZARDS 6, 8). The refusal must
+// error while the backend holds the name. The refusal must
 // leave the name free: a ttl of drift plus a second is then granted at once,
 // with a live context. drift must be at least the backend's smallest ttl.
 func DriftRefusesShortTTL(t *testing.T, a fence.Acquirer, drift time.Duration, arg string) {
@@ -34,8 +34,8 @@ func DriftRefusesShortTTL(t *testing.T, a fence.Acquirer, drift time.Duration, a
 		}
 	}
 	// mustTry asks again when the grant is given back as confirmed past its
-	// one second of local life (ErrLost, a loaded machine: L6 on 7706196,
-	// etcd with a 5s Drift); ErrHeld, the refusal leaving the name taken,
+	// one second of local life (ErrLost, seen on a loaded machine with
+	// etcd and a 5s Drift); ErrHeld, the refusal leaving the name taken,
 	// fails.
 	l := mustTry(t, a, name, drift+time.Second)
 	defer func() { _ = l.Release(ctx) }()

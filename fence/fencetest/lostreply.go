@@ -259,7 +259,7 @@ func (s WriterSuite) testLostReplyDelete(t *testing.T, w fence.FencedWriter, p *
 	expectStale(t, check.Write(ctxT(t), key, []byte("zombie"), 5), key, 5, 6)
 }
 
-// testLostReplyRenewThenRenew (HAZARDS 3): a Renew's reply is lost (and the
+// testLostReplyRenewThenRenew: a Renew's reply is lost (and the
 // backend unreachable for the rest of that call), the holder waits half a ttl
 // and renews again. Whatever the second Renew
 // returns, the lease's context must end no later than the backend's expiry

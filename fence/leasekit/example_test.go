@@ -18,7 +18,7 @@ import (
 // starts at the backend's clock in microseconds, not at 0, so a name whose
 // state is deleted (an operator, a lifecycle rule, an eviction) never grants
 // a token below one it granted before, as long as the clock does not step
-// back and the name made fewer grants than microseconds passed (HAZARDS 1).
+// back and the name made fewer grants than microseconds passed.
 type memBackend struct {
 	mu    sync.Mutex
 	locks map[string]*memLock

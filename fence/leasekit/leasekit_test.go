@@ -11,7 +11,7 @@ import (
 	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
-// TestSentWithoutMonotonicReading (HAZARDS 5): a send time stripped of its
+// TestSentWithoutMonotonicReading: a send time stripped of its
 // monotonic reading is re-anchored, so the context still ends at the local
 // deadline; one that the wall clock puts after now (as after the wall clock
 // stepped back an hour since the send) ends the lease at once, instead of an
@@ -76,7 +76,7 @@ func TestErrDoesNotWaitForTheTimer(t *testing.T) {
 	}
 }
 
-// TestSentInTheFuture (HAZARDS 2): a send time after now cannot be the time a
+// TestSentInTheFuture: a send time after now cannot be the time a
 // request was sent, with or without its monotonic reading (a time.Now() plus
 // a duration, a time computed from another clock). Taking it as given puts
 // the local deadline after the backend's expiry, by as much as it is ahead:

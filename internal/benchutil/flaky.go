@@ -46,7 +46,7 @@ type Flaky struct {
 // with 1-3 ms jitter each way, then the same on a new proxy, client and name
 // with 2% of the requests also cutting their connection (half before the
 // server saw them, half after it acted). It reports the increments per second
-// of each run and their ratio (issue 23's target is cuts/jitter >= 0.70), logs
+// of each run and their ratio (the target is cuts/jitter >= 0.70), logs
 // them as a table row, and fails on a lost or doubled increment. It asserts no
 // speed.
 func FlakyNetwork(b *testing.B, backends ...Flaky) {

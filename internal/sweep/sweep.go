@@ -1,4 +1,4 @@
-// Package sweep runs the contention curve of issue 28 on Redis: the lesson's
+// Package sweep runs the contention curve on Redis: the lesson's
 // locked increments of one counter, spread over processes x workers per
 // process at several points (1x20 up to 16x8), for several lock libraries
 // alternated within each round, and prints one table per run: wall time,
@@ -45,7 +45,7 @@ type Point struct{ Procs, Workers int }
 
 func (p Point) String() string { return fmt.Sprintf("%dx%d", p.Procs, p.Workers) }
 
-// DefaultPoints is the curve of issue 28.
+// DefaultPoints is the curve's default points.
 const DefaultPoints = "1x20,4x5,8x8,16x8"
 
 // ParsePoints reads "1x20,4x5,8x8": processes x workers per process.

@@ -489,8 +489,7 @@ func (l *Line) AcquireHanded(ctx context.Context, b fence.Backoff, name string, 
 				// returned as held: settled, and the waiter tries now.
 				// While it is settled nobody may offer this waiter the
 				// lock: the release that gives the lease back would hand
-				// it straight back to the waiter (review 2 of the ringer's
-				// grant), again and again.
+				// it straight back to the waiter, again and again.
 				if abandon != nil {
 					p.mu.Lock()
 					p.offered = true
