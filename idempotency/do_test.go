@@ -73,10 +73,10 @@ func arming(k string) func([]byte) bool {
 	}
 }
 
-// Issue 23 item 3: a completion whose reply was lost landed; Do recognises its
+// A completion whose reply was lost landed; Do recognises its
 // own applied change (re-sent by Do, or by the client library) instead of
 // reporting ErrNotRecorded.
-// Issue 23 item 4: an arm whose reply was lost landed; Do goes on with the
+// An arm whose reply was lost landed; Do goes on with the
 // effect instead of leaving the key armed (later unknown) with no effect run.
 // The same for a claim whose reply was lost: Do goes on with its own claim
 // instead of an error, or ErrInProgress against itself.
@@ -228,7 +228,7 @@ func TestCutConnections(t *testing.T) {
 	}
 }
 
-// Issue 25 item 1: Retention Forever keeps the record past every purge, so
+// Retention Forever keeps the record past every purge, so
 // the key never runs again; a finite retention ends the promise, and the
 // claim after it is a new request with a new effect key.
 func TestRetention(t *testing.T) {
@@ -283,7 +283,7 @@ func TestRetention(t *testing.T) {
 	}
 }
 
-// Issue 24 item 4, in Do itself: when the caller's ctx ends, the effect's ctx
+// In Do itself: when the caller's ctx ends, the effect's ctx
 // is cancelled, but renewals go on while the effect runs: another caller gets
 // ErrInProgress (never a takeover, even with a Reconcile hook that says "not
 // done"), then the result.

@@ -86,7 +86,7 @@ func chargeThen500(runs *atomic.Int32) http.Handler {
 	})
 }
 
-// Issue 24 item 1: a 5xx after the effect keeps the key: the retry gets 409
+// A 5xx after the effect keeps the key: the retry gets 409
 // while the lease lasts, then outcome-unknown (no Reconcile) or the result the
 // Reconcile hook found.
 func testServerError(t *testing.T, s idempotency.Store) {
@@ -148,7 +148,7 @@ func testNotSent(t *testing.T, s idempotency.Store) {
 	}
 }
 
-// Issue 24 item 2: one call through Transport to a handler that charges and
+// One call through Transport to a handler that charges and
 // answers 500 charges once, whatever the Transport retries.
 func testTransport5xx(t *testing.T, s idempotency.Store) {
 	var runs atomic.Int32
@@ -194,7 +194,7 @@ func panicAfterCharge(runs *atomic.Int32) http.Handler {
 	})
 }
 
-// Issue 24 item 3: a panic after the effect keeps the key, and the server sees
+// A panic after the effect keeps the key, and the server sees
 // the panic with the handler's own stack.
 func testPanic(t *testing.T, s idempotency.Store) {
 	var runs atomic.Int32
@@ -225,7 +225,7 @@ func testPanic(t *testing.T, s idempotency.Store) {
 	}
 }
 
-// Issue 24 item 4: a client that leaves does not stop the renewals while its
+// A client that leaves does not stop the renewals while its
 // handler runs: a retry gets 409 (never a takeover, with or without a Reconcile
 // hook that says "not done"), and the original answer is replayed once the
 // handler finished.
@@ -286,7 +286,7 @@ func testClientLeft(t *testing.T, s idempotency.Store, reconcile bool) {
 	}
 }
 
-// Issue 24 item 5: each keyed downstream call from one handler gets its own
+// Each keyed downstream call from one handler gets its own
 // Idempotency-Key, and the Transport's retry of one call keeps that call's key.
 func testDownstreamKeys(t *testing.T, s idempotency.Store) {
 	type call struct{ path, key string }
@@ -409,7 +409,7 @@ func testReconcileDownstream(t *testing.T, s idempotency.Store) {
 	}
 }
 
-// Issue 24 item 6: a handler that returns without answering after its client
+// A handler that returns without answering after its client
 // left is not a 200 success: the key stays armed (409, then outcome-unknown),
 // or, when it called NotSent, the key is released and the retry runs it.
 func testNoAnswer(t *testing.T, s idempotency.Store) {
@@ -455,7 +455,7 @@ func testNoAnswer(t *testing.T, s idempotency.Store) {
 	}
 }
 
-// Issue 24 item 7: with default options, a response is replayed only to the
+// With default options, a response is replayed only to the
 // credentials that made it.
 func testDefaultScope(t *testing.T, s idempotency.Store) {
 	e := newEnv(t, s, nil)
@@ -487,7 +487,7 @@ func testDefaultScope(t *testing.T, s idempotency.Store) {
 	}
 }
 
-// Issue 24 item 8: a 103 Early Hints before the final status keeps the final
+// A 103 Early Hints before the final status keeps the final
 // status, for the first answer and the replay.
 func testEarlyHints(t *testing.T, s idempotency.Store) {
 	srv := serveMW(t, s, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -549,7 +549,7 @@ func testInvalidStatus(t *testing.T, s idempotency.Store) {
 	}
 }
 
-// Issue 24 item 9: options that would fail every keyed request are refused,
+// Options that would fail every keyed request are refused,
 // naming the option; the largest accepted MaxResponseSize works.
 func TestBadOptions(t *testing.T) {
 	if _, err := idemhttp.Middleware(nil, nil); !errors.Is(err, fence.ErrInvalid) {
