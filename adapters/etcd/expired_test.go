@@ -888,20 +888,11 @@ func TestExpiredLeaseTryAcquireEveryLeasePooled(t *testing.T) {
 		return faulty && k == txnGrant
 	}}
 	a := revokingAcquirer(t, c, f, nil)
-	l, err := a.TryAcquire(ctx, name, 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if _, _, ok := etcdfence.PooledLease(a, 10*time.Second); !ok {
-		t.Fatal("no lease pooled after a release")
-	}
+	pooledAfterRelease(t, a, name, 10*time.Second)
 	on.Lock()
 	faulty = true
 	on.Unlock()
-	l, err = a.TryAcquire(ctx, name, 10*time.Second)
+	l, err := a.TryAcquire(ctx, name, 10*time.Second)
 	if err == nil {
 		t.Fatalf("TryAcquire granted token %d with every lease revoked", l.Token())
 	}

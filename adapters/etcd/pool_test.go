@@ -22,7 +22,8 @@ import (
 // pooledAfterRelease grants name for ttl and releases it, and returns the
 // etcd lease the pool then holds for ttl and its send time; it fails the
 // test when the release pooled nothing (a release late in its lease's
-// window pools it after a keep-alive: this waits up to a second for it).
+// window pools it after a keep-alive: this waits up to 10s for it, on a
+// loaded machine).
 func pooledAfterRelease(t *testing.T, a *etcdfence.Acquirer, name string, ttl time.Duration) (int64, time.Time) {
 	t.Helper()
 	ctx := context.Background()
@@ -34,7 +35,7 @@ func pooledAfterRelease(t *testing.T, a *etcdfence.Acquirer, name string, ttl ti
 		t.Fatal(err)
 	}
 	id, sent, ok := etcdfence.PooledLease(a, ttl)
-	for deadline := time.Now().Add(time.Second); !ok; id, sent, ok = etcdfence.PooledLease(a, ttl) {
+	for deadline := time.Now().Add(10 * time.Second); !ok; id, sent, ok = etcdfence.PooledLease(a, ttl) {
 		if time.Now().After(deadline) {
 			t.Fatal("the release pooled no lease")
 		}
