@@ -152,6 +152,26 @@ func newGBDialer(target, name string, log func(string, ...any)) *gbDialer {
 		gbRead: make(chan struct{}), watchRel: make(chan struct{}), unhold: make(chan struct{}), log: log}
 }
 
+// logUntilEnd is t.Logf until t's cleanups run, and nothing after: the
+// dialer's goroutines deliver requests held in the network, and may do so
+// after the test has ended (logging then is a data race with its end).
+func logUntilEnd(t *testing.T) func(string, ...any) {
+	var mu sync.Mutex
+	ended := false
+	t.Cleanup(func() {
+		mu.Lock()
+		ended = true
+		mu.Unlock()
+	})
+	return func(format string, args ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		if !ended {
+			t.Logf(format, args...)
+		}
+	}
+}
+
 func (d *gbDialer) deliver() { d.onceDeliver.Do(func() { close(d.deliverA) }) }
 func (d *gbDialer) release() { d.onceUnhold.Do(func() { close(d.unhold) }) }
 func (d *gbDialer) dial(ctx context.Context, addr string) (net.Conn, error) {
@@ -298,7 +318,7 @@ func TestGiveBackSecondGrantOfTheAttempt(t *testing.T) {
 			_, fdb := openMySQL(t, "")
 			other := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{DisableNotify: true})
 			name := fencetest.Name("gbsecond")
-			d := newGBDialer(mysqlAddr(t), name, t.Logf)
+			d := newGBDialer(mysqlAddr(t), name, logUntilEnd(t))
 			cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
 			if err != nil {
 				t.Fatal(err)

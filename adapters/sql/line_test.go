@@ -682,17 +682,28 @@ type panicker struct {
 	armed  atomic.Bool
 }
 
+// panickerGrant marks the context of a grant statement, so that its end is
+// counted.
+type panickerGrant struct{}
+
 func (p *panicker) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	if strings.Contains(d.SQL, "INSERT INTO") && strings.Contains(d.SQL, "RETURNING token") {
 		if p.armed.CompareAndSwap(true, false) {
 			panic("test: the driver panics in the head's grant")
 		}
-		p.grants.Add(1)
+		return context.WithValue(ctx, panickerGrant{}, true)
 	}
 	return ctx
 }
 
-func (p *panicker) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+// TraceQueryEnd counts a grant statement once it has ended: a statement
+// still on its way could run after a release sent later on another
+// connection, and be granted.
+func (p *panicker) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	if ctx.Value(panickerGrant{}) != nil {
+		p.grants.Add(1)
+	}
+}
 
 // panickyPool is a pgx pool on the test database whose connections run tr,
 // a tracer that panics in a statement. It is not closed: pgxpool's Close
@@ -736,12 +747,13 @@ func TestLineHeadPanics(t *testing.T) {
 	}()
 	waitLine(t, a, name, 1)
 	deadline := time.Now().Add(10 * time.Second)
-	for pk.grants.Load() < 2 { // the holder's grant and the head's first attempt
+	for pk.grants.Load() < 2 { // the holder's grant and the head's first attempt, ended
 		if time.Now().After(deadline) {
 			t.Fatal("the head never tried")
 		}
 		time.Sleep(time.Millisecond)
 	}
+	waitHeadIdle(t, a, name) // its first attempt found the name held
 	w2 := goAcquire(ctx, a, name, time.Minute)
 	waitLine(t, a, name, 2)
 	pk.armed.Store(true)
