@@ -299,7 +299,7 @@ func azureContainer(t *testing.T) *container.Client {
 
 func s3Writer(t *testing.T) *s3fence.Writer {
 	c, bucket := s3Client(t)
-	return must(s3fence.New(c, bucket, nil))
+	return must(s3fence.NewWriter(c, bucket, nil))
 }
 
 func writers() []writerCase {
