@@ -346,7 +346,7 @@ func writers() []writerCase {
 			j := natsJS(t, jetstream.KeyValueConfig{Bucket: "fences", History: 1})
 			return must(natsfence.NewWriter(context.Background(), j, "fences", nil))
 		}},
-		{"gcs", func(t *testing.T) store { return must(gcsfence.New(gcsBucket(t), nil)) }},
+		{"gcs", func(t *testing.T) store { return must(gcsfence.NewWriter(gcsBucket(t), nil)) }},
 		{"azure", func(t *testing.T) store { return must(azfence.New(azureContainer(t), nil)) }},
 	}
 }
