@@ -347,7 +347,7 @@ func writers() []writerCase {
 			return must(natsfence.NewWriter(context.Background(), j, "fences", nil))
 		}},
 		{"gcs", func(t *testing.T) store { return must(gcsfence.NewWriter(gcsBucket(t), nil)) }},
-		{"azure", func(t *testing.T) store { return must(azfence.New(azureContainer(t), nil)) }},
+		{"azure", func(t *testing.T) store { return must(azfence.NewWriter(azureContainer(t), nil)) }},
 	}
 }
 
