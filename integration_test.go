@@ -197,7 +197,7 @@ func acquirers() []acquirerCase {
 		// on one of the many embedded members once took a second and came
 		// back past its local deadline.
 		{"etcd", 2 * time.Second, func(t *testing.T) fence.Acquirer {
-			return must(etcdfence.New(etcdtest.Start(t, 1).Client(t), &etcdfence.Options{Drift: drift}))
+			return must(etcdfence.NewAcquirer(etcdtest.Start(t, 1).Client(t), &etcdfence.AcquirerOptions{Drift: drift}))
 		}},
 		// NATS counts key TTLs in whole seconds, at least one.
 		{"nats", time.Second, func(t *testing.T) fence.Acquirer {
