@@ -202,7 +202,7 @@ func acquirers() []acquirerCase {
 		// NATS counts key TTLs in whole seconds, at least one.
 		{"nats", time.Second, func(t *testing.T) fence.Acquirer {
 			j := natsJS(t, natsfence.LockBucket("locks"))
-			return must(natsfence.New(context.Background(), j, "locks", &natsfence.Options{Drift: drift}))
+			return must(natsfence.NewAcquirer(context.Background(), j, "locks", &natsfence.AcquirerOptions{Drift: drift}))
 		}},
 		{"gcs", 300 * time.Millisecond, func(t *testing.T) fence.Acquirer {
 			return must(gcsfence.NewAcquirer(gcsBucket(t), &gcsfence.AcquirerOptions{Drift: drift, Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))

@@ -411,7 +411,7 @@ func TestOperatorNATS(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	a, err := natsfence.New(ctx, j, "ops_locks", nil)
+	a, err := natsfence.NewAcquirer(ctx, j, "ops_locks", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
