@@ -197,12 +197,12 @@ func acquirers() []acquirerCase {
 		// on one of the many embedded members once took a second and came
 		// back past its local deadline.
 		{"etcd", 2 * time.Second, func(t *testing.T) fence.Acquirer {
-			return must(etcdfence.New(etcdtest.Start(t, 1).Client(t), &etcdfence.Options{Drift: drift}))
+			return must(etcdfence.NewAcquirer(etcdtest.Start(t, 1).Client(t), &etcdfence.AcquirerOptions{Drift: drift}))
 		}},
 		// NATS counts key TTLs in whole seconds, at least one.
 		{"nats", time.Second, func(t *testing.T) fence.Acquirer {
 			j := natsJS(t, natsfence.LockBucket("locks"))
-			return must(natsfence.New(context.Background(), j, "locks", &natsfence.Options{Drift: drift}))
+			return must(natsfence.NewAcquirer(context.Background(), j, "locks", &natsfence.AcquirerOptions{Drift: drift}))
 		}},
 		{"gcs", 300 * time.Millisecond, func(t *testing.T) fence.Acquirer {
 			return must(gcsfence.NewAcquirer(gcsBucket(t), &gcsfence.AcquirerOptions{Drift: drift, Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 100 * time.Millisecond}}))
@@ -299,7 +299,7 @@ func azureContainer(t *testing.T) *container.Client {
 
 func s3Writer(t *testing.T) *s3fence.Writer {
 	c, bucket := s3Client(t)
-	return must(s3fence.New(c, bucket, nil))
+	return must(s3fence.NewWriter(c, bucket, nil))
 }
 
 func writers() []writerCase {
@@ -346,8 +346,8 @@ func writers() []writerCase {
 			j := natsJS(t, jetstream.KeyValueConfig{Bucket: "fences", History: 1})
 			return must(natsfence.NewWriter(context.Background(), j, "fences", nil))
 		}},
-		{"gcs", func(t *testing.T) store { return must(gcsfence.New(gcsBucket(t), nil)) }},
-		{"azure", func(t *testing.T) store { return must(azfence.New(azureContainer(t), nil)) }},
+		{"gcs", func(t *testing.T) store { return must(gcsfence.NewWriter(gcsBucket(t), nil)) }},
+		{"azure", func(t *testing.T) store { return must(azfence.NewWriter(azureContainer(t), nil)) }},
 	}
 }
 

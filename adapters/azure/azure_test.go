@@ -113,8 +113,8 @@ func (e *azenv) proxied(t testing.TB) (*container.Client, *faultnet.Proxy) {
 	return newClient(t, e.srv, u, e.container), p
 }
 
-func newWriter(t testing.TB, c *container.Client, o *azfence.Options) *azfence.Writer {
-	w, err := azfence.New(c, o)
+func newWriter(t testing.TB, c *container.Client, o *azfence.WriterOptions) *azfence.Writer {
+	w, err := azfence.NewWriter(c, o)
 	if err != nil {
 		t.Fatal(err)
 	}

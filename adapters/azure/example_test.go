@@ -46,7 +46,7 @@ func nightly(ctx context.Context, reports *container.Client) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	blobs, err := azfence.New(reports, nil)
+	blobs, err := azfence.NewWriter(reports, nil)
 	if err != nil {
 		return nil, err
 	}

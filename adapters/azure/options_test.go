@@ -39,8 +39,8 @@ func TestOptionsRefusedAtConstruction(t *testing.T) {
 		}
 		t.Errorf("NewAcquirer(%#v) accepted the options; TryAcquire then: %v", *o, err)
 	}
-	for _, o := range []*azfence.Options{{Prefix: "x/./"}, {Prefix: "../"}, {Prefix: "x/../y/"}} {
-		w, err := azfence.New(e.c, o)
+	for _, o := range []*azfence.WriterOptions{{Prefix: "x/./"}, {Prefix: "../"}, {Prefix: "x/../y/"}} {
+		w, err := azfence.NewWriter(e.c, o)
 		if errors.Is(err, fence.ErrInvalid) {
 			continue
 		}
@@ -66,7 +66,7 @@ func TestOptionsRefusedAtConstruction(t *testing.T) {
 			t.Error(err)
 		}
 	}
-	for _, o := range []*azfence.Options{{Prefix: "x/."}, {Prefix: "x/.y/"}} {
+	for _, o := range []*azfence.WriterOptions{{Prefix: "x/."}, {Prefix: "x/.y/"}} {
 		w := newWriter(t, e.c, o)
 		if err := w.Write(ctx, fencetest.Name("opt"), []byte("v"), 1); err != nil {
 			t.Errorf("New(%#v), then Write: %v", *o, err)

@@ -233,12 +233,12 @@ func TestNamesByteExact(t *testing.T) {
 // TestBadOptions: every option is checked by the constructors.
 func TestBadOptions(t *testing.T) {
 	e := newEnv(t)
-	for _, o := range []*azfence.Options{{MaxAttempts: -1}, {Prefix: "bad\xff"}, {Prefix: "nul\x00"}, {Prefix: strings.Repeat("p", azfence.MaxKeyBytes)}} {
-		if _, err := azfence.New(e.c, o); !errors.Is(err, fence.ErrInvalid) {
+	for _, o := range []*azfence.WriterOptions{{MaxAttempts: -1}, {Prefix: "bad\xff"}, {Prefix: "nul\x00"}, {Prefix: strings.Repeat("p", azfence.MaxKeyBytes)}} {
+		if _, err := azfence.NewWriter(e.c, o); !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("New(%+v): %v, want ErrInvalid", o, err)
 		}
 	}
-	if _, err := azfence.New(nil, nil); !errors.Is(err, fence.ErrInvalid) {
+	if _, err := azfence.NewWriter(nil, nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("New(nil): %v, want ErrInvalid", err)
 	}
 	for _, o := range []*azfence.AcquirerOptions{{Drift: -1}, {MaxAttempts: -1}, {Drift: math.MaxInt64}, {Drift: azfence.MaxAcquirerTTL},
@@ -266,7 +266,7 @@ func TestUnfencedBlobs(t *testing.T) {
 	if _, err := e.c.NewBlockBlobClient(key).Upload(ctx, streaming.NopCloser(bytes.NewReader([]byte("by hand"))), nil); err != nil {
 		t.Fatal(err)
 	}
-	strict := newWriter(t, e.c, &azfence.Options{RefuseUnfenced: true})
+	strict := newWriter(t, e.c, &azfence.WriterOptions{RefuseUnfenced: true})
 	if _, _, err := strict.Read(ctx, key); !errors.Is(err, azfence.ErrUnfenced) {
 		t.Errorf("strict Read of an unfenced blob: %v, want ErrUnfenced", err)
 	}

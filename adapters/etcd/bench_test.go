@@ -23,7 +23,7 @@ func acquirers(b *testing.B) (map[string][2]fence.Acquirer, *clientv3.Client) {
 	ec, rc := c.Client(b), testenv.RedisClient(b)
 	out := map[string][2]fence.Acquirer{}
 	for i := 0; i < 2; i++ {
-		e, err := etcdfence.New(ec, nil)
+		e, err := etcdfence.NewAcquirer(ec, nil)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -39,7 +39,7 @@ func runSuite(t *testing.T, members, workers, increments int) {
 	// its whole ttl) and on one, the embedded etcd stalling under the run's
 	// own load.
 	shortTTL, renewTTL := 4*time.Second, 10*time.Second
-	a, err := etcdfence.New(c.Client(t), nil)
+	a, err := etcdfence.NewAcquirer(c.Client(t), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,7 +47,7 @@ func runSuite(t *testing.T, members, workers, increments int) {
 		New: func(t *testing.T) fence.Acquirer { return a },
 		// Another process: an acquirer on a client of its own.
 		NewOther: func(t *testing.T) fence.Acquirer {
-			a, err := etcdfence.New(c.Client(t), nil)
+			a, err := etcdfence.NewAcquirer(c.Client(t), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -77,14 +77,14 @@ func runSuite(t *testing.T, members, workers, increments int) {
 
 func TestBadInput(t *testing.T) {
 	c := etcdtest.Start(t, 1)
-	a, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	if _, err := a.TryAcquire(context.Background(), "n", 500*time.Millisecond); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("ttl below a second: %v, want ErrInvalid", err)
 	}
-	if _, err := etcdfence.New(c.Client(t), &etcdfence.Options{Drift: -1}); !errors.Is(err, fence.ErrInvalid) {
+	if _, err := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{Drift: -1}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("negative drift: %v", err)
 	}
-	if _, err := etcdfence.New(nil, nil); !errors.Is(err, fence.ErrInvalid) {
+	if _, err := etcdfence.NewAcquirer(nil, nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("nil client: %v", err)
 	}
 }
@@ -93,7 +93,7 @@ func TestBadInput(t *testing.T) {
 // its queue.
 func TestNamesAreNotNested(t *testing.T) {
 	c := etcdtest.Start(t, 1)
-	a, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	ctx := context.Background()
 	l1, err := a.TryAcquire(ctx, "jobs", 5*time.Second)
 	if err != nil {
@@ -118,7 +118,7 @@ func TestNamesAreNotNested(t *testing.T) {
 func TestWaitersQueueInOrder(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
 	ctx := context.Background()
 	name := fencetest.Name("queue")
 	h, err := a.TryAcquire(ctx, name, 10*time.Second)
@@ -166,7 +166,7 @@ func TestWaitersQueueInOrder(t *testing.T) {
 func TestThreeNodeLeaderLoss(t *testing.T) {
 	c := etcdtest.Start(t, 3)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
 	ctx := context.Background()
 
 	db, err := sqlfence.OpenSQLite(filepath.Join(t.TempDir(), "fence.db"))
@@ -263,7 +263,7 @@ func TestThreeNodeLeaderLoss(t *testing.T) {
 
 func TestInspect(t *testing.T) {
 	c := etcdtest.Start(t, 1)
-	a, _ := etcdfence.New(c.Client(t), &etcdfence.Options{Owner: "worker-7"})
+	a, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{Owner: "worker-7"})
 	ctx := context.Background()
 	info, err := a.Inspect(ctx, "free")
 	if err != nil || info.Held || info.Counter == 0 {
@@ -285,7 +285,7 @@ func TestInspect(t *testing.T) {
 // locks, and each is exclusive with itself.
 func TestNamesByteForByte(t *testing.T) {
 	c := etcdtest.Start(t, 1)
-	a, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	ctx := context.Background()
 	long := strings.Repeat("n", 1023)
 	groups := [][]string{
@@ -321,7 +321,7 @@ func TestNamesByteForByte(t *testing.T) {
 // on etcd for nobody.
 func TestTTLNotAboveDrift(t *testing.T) {
 	c := etcdtest.Start(t, 1)
-	a, err := etcdfence.New(c.Client(t), &etcdfence.Options{Drift: 5 * time.Second})
+	a, err := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{Drift: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

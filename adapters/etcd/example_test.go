@@ -16,14 +16,14 @@ import (
 // of members with no clock assumption. The protected write goes to any fenced
 // writer (here a function standing for one). It needs an etcd cluster, so it
 // is compiled but not run.
-func ExampleNew() {
+func ExampleNewAcquirer() {
 	ctx := context.Background()
 	cl, err := clientv3.New(clientv3.Config{Endpoints: []string{"127.0.0.1:2379"}, DialTimeout: 5 * time.Second})
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer cl.Close()
-	locks, err := etcdfence.New(cl, nil)
+	locks, err := etcdfence.NewAcquirer(cl, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -43,7 +43,7 @@ func ExampleNew() {
 // only after its reconnection backoff, which starts at 1s, and every waiter on
 // the connection waits with it. BenchmarkFlakyNetwork measures this setting
 // against the default.
-func ExampleNew_flakyNetwork() {
+func ExampleNewAcquirer_flakyNetwork() {
 	cl, err := clientv3.New(clientv3.Config{
 		Endpoints:   []string{"127.0.0.1:2379"},
 		DialTimeout: 5 * time.Second,
@@ -56,7 +56,7 @@ func ExampleNew_flakyNetwork() {
 		log.Fatal(err)
 	}
 	defer cl.Close()
-	locks, err := etcdfence.New(cl, nil)
+	locks, err := etcdfence.NewAcquirer(cl, nil)
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -84,7 +84,7 @@ func expiringAcquirer(t *testing.T, c *etcdtest.Cluster, e *expirer) *etcdfence.
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cl.Close() })
-	a, err := etcdfence.New(cl, &etcdfence.Options{NoPool: true})
+	a, err := etcdfence.NewAcquirer(cl, &etcdfence.AcquirerOptions{NoPool: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,7 +153,7 @@ func TestFreshLeaseExpiredBeforeGrant(t *testing.T) {
 		if n := e.count(); n < 2 || n > 5 {
 			t.Fatalf("TryAcquire took %d leases, want a few (more than 1, at most 5)", n)
 		}
-		b, _ := etcdfence.New(c.Client(t), nil)
+		b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 		l, err = b.TryAcquire(ctx, name, 10*time.Second)
 		if err != nil {
 			t.Fatalf("the name after TryAcquire gave up: %v, want it free", err)
@@ -169,7 +169,7 @@ func TestWaiterLeaseExpiredBeforeJoin(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	ctx := context.Background()
 	cl := c.Client(t)
-	h, _ := etcdfence.New(cl, nil)
+	h, _ := etcdfence.NewAcquirer(cl, nil)
 	name := fencetest.Name("expired-join")
 	pfx := "/fencekit/locks/" + url.PathEscape(name) + "/"
 	held, err := h.TryAcquire(ctx, name, 30*time.Second)
@@ -341,7 +341,7 @@ func (f *leaseRevoker) keys() []string {
 }
 
 // revokingAcquirer is an acquirer whose client sends through f.
-func revokingAcquirer(t *testing.T, c *etcdtest.Cluster, f *leaseRevoker, o *etcdfence.Options) *etcdfence.Acquirer {
+func revokingAcquirer(t *testing.T, c *etcdtest.Cluster, f *leaseRevoker, o *etcdfence.AcquirerOptions) *etcdfence.Acquirer {
 	t.Helper()
 	if f.other == nil {
 		f.other = c.Client(t)
@@ -352,7 +352,7 @@ func revokingAcquirer(t *testing.T, c *etcdtest.Cluster, f *leaseRevoker, o *etc
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cl.Close() })
-	a, err := etcdfence.New(cl, o)
+	a, err := etcdfence.NewAcquirer(cl, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -361,8 +361,8 @@ func revokingAcquirer(t *testing.T, c *etcdtest.Cluster, f *leaseRevoker, o *etc
 
 var poolCases = []struct {
 	name string
-	o    *etcdfence.Options
-}{{"Pool", nil}, {"NoPool", &etcdfence.Options{NoPool: true}}}
+	o    *etcdfence.AcquirerOptions
+}{{"Pool", nil}, {"NoPool", &etcdfence.AcquirerOptions{NoPool: true}}}
 
 // leaseOfKey is the lock lease a waiter's key is named after.
 func leaseOfKey(t *testing.T, key string) int64 {
@@ -458,7 +458,7 @@ func TestExpiredLeaseJoinEveryLeaseGivesUp(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.New(cl, nil)
+	h, _ := etcdfence.NewAcquirer(cl, nil)
 	for _, pc := range poolCases {
 		t.Run(pc.name, func(t *testing.T) {
 			name := fencetest.Name("rev-join-all-" + pc.name)
@@ -501,7 +501,7 @@ func TestExpiredLeaseJoinEveryLeaseGivesUp(t *testing.T) {
 			if err := held.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			o, _ := etcdfence.New(c.Client(t), &etcdfence.Options{NoPool: true})
+			o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
 			l2, err := o.TryAcquire(ctx, name, 5*time.Second)
 			if err != nil {
 				t.Fatalf("TryAcquire after the holder released: %v, want a grant", err)
@@ -519,7 +519,7 @@ func TestExpiredLeaseJoinEveryLeaseCancelled(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.New(cl, nil)
+	h, _ := etcdfence.NewAcquirer(cl, nil)
 	for _, pc := range poolCases {
 		t.Run(pc.name, func(t *testing.T) {
 			name := fencetest.Name("rev-join-cancel-" + pc.name)
@@ -559,7 +559,7 @@ func TestExpiredLeaseJoinEveryLeaseCancelled(t *testing.T) {
 			if err := held.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			o, _ := etcdfence.New(c.Client(t), &etcdfence.Options{NoPool: true})
+			o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
 			l2, err := o.TryAcquire(ctx, name, 5*time.Second)
 			if err != nil {
 				t.Fatalf("TryAcquire after the holder released: %v, want a grant", err)
@@ -579,7 +579,7 @@ func TestExpiredLeaseJoinLandedAnswerLostThenRevoked(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.New(cl, nil)
+	h, _ := etcdfence.NewAcquirer(cl, nil)
 	for _, pc := range poolCases {
 		t.Run(pc.name, func(t *testing.T) {
 			name := fencetest.Name("rev-join-lost-" + pc.name)
@@ -627,7 +627,7 @@ func TestExpiredLeaseJoinLandedAnswerLostThenRevoked(t *testing.T) {
 			if err := r.l.Release(ctx); err != nil {
 				t.Errorf("Release: %v", err)
 			}
-			o, _ := etcdfence.New(c.Client(t), &etcdfence.Options{NoPool: true})
+			o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
 			l2, err := o.TryAcquire(ctx, name, 5*time.Second)
 			if err != nil {
 				t.Fatalf("TryAcquire after the waiter released: %v, want a grant", err)
@@ -645,7 +645,7 @@ func TestExpiredLeaseTryAcquireHeldRevokedLease(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.New(cl, nil)
+	h, _ := etcdfence.NewAcquirer(cl, nil)
 	for _, pc := range poolCases {
 		t.Run(pc.name, func(t *testing.T) {
 			name := fencetest.Name("rev-try-held-" + pc.name)
@@ -705,7 +705,7 @@ func TestExpiredLeaseJoinAndMoveLeasesRevoked(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.New(cl, nil)
+	h, _ := etcdfence.NewAcquirer(cl, nil)
 	for _, pc := range poolCases {
 		for _, grantToo := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/grantToo=%v", pc.name, grantToo), func(t *testing.T) {
@@ -813,7 +813,7 @@ func expiredLeaseManyWaiters(t *testing.T, members int) {
 			}
 			return false
 		}}
-		o := &etcdfence.Options{NoPool: i%2 == 1}
+		o := &etcdfence.AcquirerOptions{NoPool: i%2 == 1}
 		a := revokingAcquirer(t, c, f, o)
 		wg.Add(1)
 		go func() {

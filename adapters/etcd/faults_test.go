@@ -26,11 +26,11 @@ const replyWindow = 300 * time.Millisecond
 
 // behindProxy returns an acquirer whose client reaches the cluster's first
 // member through a fault proxy, and the proxy.
-func behindProxy(t *testing.T, c *etcdtest.Cluster, o *etcdfence.Options) (*etcdfence.Acquirer, *faultnet.Proxy) {
+func behindProxy(t *testing.T, c *etcdtest.Cluster, o *etcdfence.AcquirerOptions) (*etcdfence.Acquirer, *faultnet.Proxy) {
 	t.Helper()
 	p := faultnet.Start(t, c.ClientAddr(0))
 	p.ReplyWindow(replyWindow)
-	a, err := etcdfence.New(etcdtest.NewClient(t, p.Addr()), o)
+	a, err := etcdfence.NewAcquirer(etcdtest.NewClient(t, p.Addr()), o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,7 +44,7 @@ func faultSetup(t *testing.T, prefix string) (a *etcdfence.Acquirer, cl *clientv
 	t.Helper()
 	c := etcdtest.Start(t, 1)
 	cl = c.Client(t)
-	a, _ = etcdfence.New(cl, nil)
+	a, _ = etcdfence.NewAcquirer(cl, nil)
 	b, p = behindProxy(t, c, nil)
 	return a, cl, b, p, fencetest.Name(prefix)
 }
@@ -310,7 +310,7 @@ func TestAcquireCutOffWhileWaiting(t *testing.T) {
 func TestRenewAfterLocalDeadline(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	// A wide drift margin ends the local deadline a second before etcd's.
-	a, _ := etcdfence.New(c.Client(t), &etcdfence.Options{Drift: time.Second})
+	a, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{Drift: time.Second})
 	ctx := context.Background()
 	name := fencetest.Name("late-renew")
 	const ttl = 3 * time.Second

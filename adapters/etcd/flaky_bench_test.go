@@ -38,7 +38,7 @@ func BenchmarkFlakyNetwork(b *testing.B) {
 				b.Fatal(err)
 			}
 			b.Cleanup(func() { cl.Close() })
-			a, err := etcdfence.New(cl, nil)
+			a, err := etcdfence.NewAcquirer(cl, nil)
 			if err != nil {
 				b.Fatal(err)
 			}

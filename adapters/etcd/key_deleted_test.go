@@ -22,7 +22,7 @@ import (
 func TestRenewLostAfterKeyDeletedAndRegrantedFromThePool(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
 	ctx := context.Background()
 	name := fencetest.Name("key-deleted-pool")
 	const ttl = 30 * time.Second
@@ -82,8 +82,8 @@ func TestRenewLostAfterKeyDeletedAndRegrantedFromThePool(t *testing.T) {
 func TestRenewLostAfterOperatorRevokedTheLease(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
-	b, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
+	b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	ctx := context.Background()
 	name := fencetest.Name("operator-revoke")
 	const ttl = 30 * time.Second

@@ -112,8 +112,8 @@ func TestLateGrantLoserIsHeld(t *testing.T) {
 	t.Parallel() // its own etcd; no goroutine count
 	for _, noPool := range []bool{false, true} {
 		c := etcdtest.Start(t, 1)
-		a, _ := etcdfence.New(c.Client(t), nil)
-		b, p := behindProxy(t, c, &etcdfence.Options{NoPool: noPool})
+		a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
+		b, p := behindProxy(t, c, &etcdfence.AcquirerOptions{NoPool: noPool})
 		ctx := context.Background()
 		name := fencetest.Name("rv-late-loser")
 		h, err := a.TryAcquire(ctx, name, 30*time.Second)

@@ -43,7 +43,7 @@ func newLockers(ctx context.Context, cl *clientv3.Client, kind string, n int) ([
 	var out []locker
 	switch kind {
 	case "fencekit", "fencekit-nopool":
-		a, err := etcdfence.New(cl, &etcdfence.Options{NoPool: kind == "fencekit-nopool"})
+		a, err := etcdfence.NewAcquirer(cl, &etcdfence.AcquirerOptions{NoPool: kind == "fencekit-nopool"})
 		if err != nil {
 			return nil, nil, err
 		}
@@ -95,12 +95,12 @@ func newLockers(ctx context.Context, cl *clientv3.Client, kind string, n int) ([
 //	go test -run '^$' -bench 'BenchmarkAcquireRelease/etcd-vs-mutex' -benchtime 2000x ./adapters/etcd/
 func acquireReleaseVsMutex(b *testing.B, cl *clientv3.Client) {
 	ctx := context.Background()
-	pool, err := etcdfence.New(cl, nil)
+	pool, err := etcdfence.NewAcquirer(cl, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer pool.Close(ctx)
-	nopool, err := etcdfence.New(cl, &etcdfence.Options{NoPool: true})
+	nopool, err := etcdfence.NewAcquirer(cl, &etcdfence.AcquirerOptions{NoPool: true})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -81,7 +81,7 @@ func waitLeases(t *testing.T, cl *clientv3.Client, n int, within time.Duration) 
 func TestPooledLeaseRevokedBehindThePool(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-revoked")
 	const ttl = 30 * time.Second
@@ -112,7 +112,7 @@ func TestPooledLeaseRevokedBehindThePool(t *testing.T) {
 // can expire the lease and grant the name to anyone else.
 func TestPooledLeaseDeadlineCountsFromItsSend(t *testing.T) {
 	c := etcdtest.Start(t, 1)
-	a, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	// A pooled lease is handed out within a tenth of its ttl; here within
 	// three quarters, so that a loaded machine's pause between the release
 	// and the grant below (up to 2.5s) does not make the grant take a
@@ -149,7 +149,7 @@ func leasekitDrift(ttl time.Duration) time.Duration { return ttl/100 + 2*time.Mi
 func TestPooledLeaseUnusedIsRevoked(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-stale")
 	const ttl = 10 * time.Second
@@ -178,8 +178,8 @@ func TestPooledLeaseUnusedIsRevoked(t *testing.T) {
 func TestPooledLeaseNotTouchedByTheOldGrant(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
-	other, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
+	other, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-old")
 	const ttl = 30 * time.Second
@@ -253,7 +253,7 @@ func TestUnconfirmedRenewalNotPooled(t *testing.T) {
 func TestPoolLeaksNoLease(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-leak")
 	const ttl = 30 * time.Second // longer than the test: a leaked lease stays
@@ -300,7 +300,7 @@ func TestPoolLeaksNoLease(t *testing.T) {
 func TestPooledWaiterLeaseRevokedBehindThePool(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-waiter")
 	const ttl = 30 * time.Second
@@ -356,7 +356,7 @@ func TestPooledWaiterLeaseRevokedBehindThePool(t *testing.T) {
 	if r2.l.Token() <= r.l.Token() || r2.l.Context().Err() != nil {
 		t.Fatalf("token %d after %d, context %v", r2.l.Token(), r.l.Token(), r2.l.Context().Err())
 	}
-	other, _ := etcdfence.New(c.Client(t), nil)
+	other, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	heldThenFree(t, other, r2.l, name)
 }
 
@@ -367,7 +367,7 @@ func TestPooledWaiterLeaseRevokedBehindThePool(t *testing.T) {
 func TestPooledLeaseAcrossLeaderLoss(t *testing.T) {
 	c := etcdtest.Start(t, 3)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(cl, nil)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-leader")
 	const ttl = 30 * time.Second // window 3s: longer than an election here
@@ -397,7 +397,7 @@ func TestPooledLeaseAcrossLeaderLoss(t *testing.T) {
 	if !leaseAlive(t, cl, etcdfence.LeaseID(l)) {
 		t.Fatal("granted on an etcd lease the cluster does not have")
 	}
-	other, _ := etcdfence.New(c.Client(t), nil)
+	other, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	if _, err := other.TryAcquire(tctx, name, ttl); !errors.Is(err, fence.ErrHeld) {
 		t.Fatalf("while it holds: %v, want ErrHeld", err)
 	}
@@ -562,7 +562,7 @@ func TestLateKeepAliveOfAPooledLease(t *testing.T) {
 	r := startStrandRelay(t, c.ClientAddr(0))
 	direct := faultnet.Start(t, c.ClientAddr(0))
 	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
-	b, err := etcdfence.New(bc, nil)
+	b, err := etcdfence.NewAcquirer(bc, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -701,8 +701,8 @@ func TestReleaseLostReplyNotPooled(t *testing.T) {
 func TestPooledLockLeaseRevokedWhileWaiting(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(c.Client(t), nil)
-	b, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
+	b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-revoked-wait")
 	const ttl = 30 * time.Second
@@ -750,8 +750,8 @@ func TestPooledLockLeaseRevokedWhileWaiting(t *testing.T) {
 func TestPooledHolderStopsRenewing(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(c.Client(t), nil)
-	b, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
+	b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-stops")
 	id, sent := pooledAfterRelease(t, b, name, 3*time.Second)
@@ -797,8 +797,8 @@ func TestPooledHolderStopsRenewing(t *testing.T) {
 func TestCloseWithLeasesHeldAndPooled(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(c.Client(t), nil)
-	b, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
+	b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-close")
 	const ttl = 30 * time.Second
@@ -861,11 +861,11 @@ func TestCloseWithLeasesHeldAndPooled(t *testing.T) {
 func TestLateWaiterKeepAliveNotPooled(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, _ := etcdfence.New(c.Client(t), nil)
+	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	r := startStrandRelay(t, c.ClientAddr(0))
 	direct := faultnet.Start(t, c.ClientAddr(0))
 	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
-	b, err := etcdfence.New(bc, nil)
+	b, err := etcdfence.NewAcquirer(bc, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

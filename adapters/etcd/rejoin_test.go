@@ -32,11 +32,11 @@ func rejoinSetup(t *testing.T, prefix string) (*etcdfence.Acquirer, *clientv3.Cl
 	t.Helper()
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	a, err := etcdfence.New(cl, &etcdfence.Options{Owner: "direct"})
+	a, err := etcdfence.NewAcquirer(cl, &etcdfence.AcquirerOptions{Owner: "direct"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, p := behindProxy(t, c, &etcdfence.Options{Owner: rejoinOwner})
+	b, p := behindProxy(t, c, &etcdfence.AcquirerOptions{Owner: rejoinOwner})
 	return a, cl, b, p, fencetest.Name(prefix)
 }
 

@@ -20,7 +20,7 @@ func BenchmarkWrite(b *testing.B) {
 	for _, mode := range []string{"read", "reuse-generation"} {
 		b.Run(mode, func(b *testing.B) {
 			e := fakeGCS(b)
-			w := newWriter(b, e, &gcsfence.Options{ReuseGeneration: mode == "reuse-generation"})
+			w := newWriter(b, e, &gcsfence.WriterOptions{ReuseGeneration: mode == "reuse-generation"})
 			ctx := context.Background()
 			value := bytes.Repeat([]byte("v"), 4096)
 			tok := fence.Token(0)

@@ -29,7 +29,7 @@ func FuzzGCSEntryPoints(f *testing.F) {
 	f.Add(strings.Repeat("k", 1100), "#?[]*%", int64(time.Minute), uint64(4), []byte("z"))
 	e := fakeGCS(f)
 	prefix := fencetest.Name("fuzz") + "/"
-	w, err := gcsfence.New(e.b(), &gcsfence.Options{Prefix: prefix})
+	w, err := gcsfence.NewWriter(e.b(), &gcsfence.WriterOptions{Prefix: prefix})
 	if err != nil {
 		f.Fatal(err)
 	}

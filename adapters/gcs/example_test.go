@@ -37,7 +37,7 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	objects, err := gcsfence.New(bucket, nil)
+	objects, err := gcsfence.NewWriter(bucket, nil)
 	if err != nil {
 		log.Fatal(err)
 	}

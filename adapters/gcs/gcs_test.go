@@ -190,8 +190,8 @@ func servers(t *testing.T, fn func(t *testing.T, e *gcsEnv)) {
 	t.Run("gcs", func(t *testing.T) { fn(t, realGCS(t)) })
 }
 
-func newWriter(t testing.TB, e *gcsEnv, o *gcsfence.Options) *gcsfence.Writer {
-	w, err := gcsfence.New(e.b(), o)
+func newWriter(t testing.TB, e *gcsEnv, o *gcsfence.WriterOptions) *gcsfence.Writer {
+	w, err := gcsfence.NewWriter(e.b(), o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -204,8 +204,8 @@ func TestWriterConformance(t *testing.T) {
 	servers(t, func(t *testing.T, e *gcsEnv) {
 		for _, o := range []struct {
 			name string
-			opts gcsfence.Options
-		}{{"read", gcsfence.Options{}}, {"reuse-generation", gcsfence.Options{ReuseGeneration: true}}} {
+			opts gcsfence.WriterOptions
+		}{{"read", gcsfence.WriterOptions{}}, {"reuse-generation", gcsfence.WriterOptions{ReuseGeneration: true}}} {
 			t.Run(o.name, func(t *testing.T) {
 				w := newWriter(t, e, &o.opts)
 				fencetest.WriterSuite{

@@ -17,7 +17,7 @@ func TestBadBucketNames(t *testing.T) {
 	for _, name := range []string{"", "ab", "Upper", "under space", strings.Repeat("b", 64), "-dash-first", "dot-last.", "a/b"} {
 		b := e.c.Bucket(name)
 		var ie *fence.InvalidError
-		if _, err := gcsfence.New(b, nil); !errors.As(err, &ie) || ie.Arg != "bucket" {
+		if _, err := gcsfence.NewWriter(b, nil); !errors.As(err, &ie) || ie.Arg != "bucket" {
 			t.Errorf("New on bucket %q = %v, want ErrInvalid naming bucket", name, err)
 		}
 		if _, err := gcsfence.NewAcquirer(b, nil); !errors.As(err, &ie) || ie.Arg != "bucket" {
@@ -25,7 +25,7 @@ func TestBadBucketNames(t *testing.T) {
 		}
 	}
 	for _, name := range []string{e.bucket, "a_b", "a.b-c", strings.Repeat("b", 63)} {
-		if _, err := gcsfence.New(e.c.Bucket(name), nil); err != nil {
+		if _, err := gcsfence.NewWriter(e.c.Bucket(name), nil); err != nil {
 			t.Errorf("New on bucket %q: %v", name, err)
 		}
 	}

@@ -12,7 +12,7 @@ import (
 // faultyWriter returns the WriterSuite's Faulty: a writer with opts on a
 // client of its own that reaches e's fake only through a new faultnet proxy.
 // It is nil for real GCS, whose TLS name a loopback proxy would not match.
-func faultyWriter(e *gcsEnv, opts *gcsfence.Options) func(*testing.T) (fence.FencedWriter, *faultnet.Proxy) {
+func faultyWriter(e *gcsEnv, opts *gcsfence.WriterOptions) func(*testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 	if e.url == "" {
 		return nil
 	}

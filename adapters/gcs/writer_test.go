@@ -86,7 +86,7 @@ func TestAmbiguousThenReplaced(t *testing.T) {
 // applied); 429 (rate limited, not applied) is retried and succeeds.
 func TestServerErrorsThenGiveUp(t *testing.T) {
 	e := fakeGCS(t)
-	w := newWriter(t, e, &gcsfence.Options{MaxAttempts: 3})
+	w := newWriter(t, e, &gcsfence.WriterOptions{MaxAttempts: 3})
 	key := fencetest.Name("503")
 	e.f.inject("503", "503", "503")
 	err := w.Write(context.Background(), key, []byte("v"), 1)
@@ -114,7 +114,7 @@ func TestUnfencedObjects(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = e.b().Object(key).Delete(context.Background()) })
-		strict := newWriter(t, e, &gcsfence.Options{RefuseUnfenced: true})
+		strict := newWriter(t, e, &gcsfence.WriterOptions{RefuseUnfenced: true})
 		if _, _, err := strict.Read(ctx, key); !errors.Is(err, gcsfence.ErrUnfenced) {
 			t.Errorf("strict Read = %v, want ErrUnfenced", err)
 		}
@@ -140,7 +140,7 @@ func TestUnfencedObjects(t *testing.T) {
 func TestReuseGenerationSeesOtherWriters(t *testing.T) {
 	e := fakeGCS(t)
 	ctx := context.Background()
-	w := newWriter(t, e, &gcsfence.Options{ReuseGeneration: true})
+	w := newWriter(t, e, &gcsfence.WriterOptions{ReuseGeneration: true})
 	other := newWriter(t, e, nil)
 	key := fencetest.Name("reuse")
 	if err := w.Write(ctx, key, []byte("a"), 1); err != nil {
@@ -161,14 +161,14 @@ func TestWriterBadOptions(t *testing.T) {
 	for _, c := range []struct {
 		what string
 		b    *storage.BucketHandle
-		o    *gcsfence.Options
+		o    *gcsfence.WriterOptions
 	}{
 		{"nil bucket", nil, nil},
-		{"negative MaxAttempts", e.b(), &gcsfence.Options{MaxAttempts: -1}},
-		{"Prefix with a line feed", e.b(), &gcsfence.Options{Prefix: "a\nb/"}},
-		{"Prefix too long", e.b(), &gcsfence.Options{Prefix: strings.Repeat("p", 2000)}},
+		{"negative MaxAttempts", e.b(), &gcsfence.WriterOptions{MaxAttempts: -1}},
+		{"Prefix with a line feed", e.b(), &gcsfence.WriterOptions{Prefix: "a\nb/"}},
+		{"Prefix too long", e.b(), &gcsfence.WriterOptions{Prefix: strings.Repeat("p", 2000)}},
 	} {
-		if _, err := gcsfence.New(c.b, c.o); !errors.Is(err, fence.ErrInvalid) {
+		if _, err := gcsfence.NewWriter(c.b, c.o); !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("%s: %v, want ErrInvalid", c.what, err)
 		}
 	}

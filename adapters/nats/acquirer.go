@@ -35,8 +35,9 @@ func LockBucket(name string) jetstream.KeyValueConfig {
 	return jetstream.KeyValueConfig{Bucket: name, History: 1, LimitMarkerTTL: time.Second}
 }
 
-// Options configures an Acquirer. A nil *Options means the defaults.
-type Options struct {
+// AcquirerOptions configures an Acquirer. A nil *AcquirerOptions means the
+// defaults.
+type AcquirerOptions struct {
 	// Drift is taken off each lease's local deadline: below MaxTTL.
 	// Default: 1% of the ttl plus 2ms. An acquire with a ttl not above
 	// Drift is refused (fence.ErrInvalid).
@@ -60,8 +61,8 @@ type Options struct {
 	Recheck time.Duration
 }
 
-// MaxOwnerBytes is the longest Options.Owner: it travels in every grant and
-// renewal, and a message over the server's max_payload would fail each one.
+// MaxOwnerBytes is the longest AcquirerOptions.Owner: it travels in every grant
+// and renewal, and a message over the server's max_payload would fail each one.
 const MaxOwnerBytes = 1024
 
 // Acquirer grants leases from a JetStream KV bucket made with LockBucket. It is
@@ -113,7 +114,7 @@ type Acquirer struct {
 	// seconds. A create held in the network lands within it of its send,
 	// or never.
 	reserve time.Duration
-	o       Options
+	o       AcquirerOptions
 	// created is the bucket's creation time (Unix µs) last read: a grant
 	// compares it, read before its create, with the one read after.
 	created atomic.Int64
@@ -124,18 +125,18 @@ var (
 	_ fence.Inspector = (*Acquirer)(nil)
 )
 
-// New returns an Acquirer on the existing KV bucket named bucket of js. It
-// refuses, with an error matching fence.ErrInvalid naming the bucket, one
+// NewAcquirer returns an Acquirer on the existing KV bucket named bucket of js.
+// It refuses, with an error matching fence.ErrInvalid naming the bucket, one
 // without limit markers (LimitMarkerTTL: no per-key TTLs, and an expiry would
 // wake no waiter), with a bucket TTL (it would expire a renewed lease early),
 // or a mirror or a bucket with sources. It refuses a negative option, a
 // Timeout, MaxWait or Recheck under MinTimeout (2 meant as seconds is 2ns,
-// which would end every request, wait or pause at once), a Timeout above
-// MaxTTL (it sets the life of a grant's marker), a Drift not below
-// MaxTTL and an Owner over MaxOwnerBytes, naming the option.
-func New(ctx context.Context, js jetstream.JetStream, bucket string, opts *Options) (*Acquirer, error) {
+// which would end every request, wait or pause at once), a Timeout above MaxTTL
+// (it sets the life of a grant's marker), a Drift not below MaxTTL and an Owner
+// over MaxOwnerBytes, naming the option.
+func NewAcquirer(ctx context.Context, js jetstream.JetStream, bucket string, opts *AcquirerOptions) (*Acquirer, error) {
 	const op = "new acquirer"
-	var o Options
+	var o AcquirerOptions
 	if opts != nil {
 		o = *opts
 	}

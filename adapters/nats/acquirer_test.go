@@ -16,10 +16,10 @@ import (
 
 var lockBucket = natsfence.LockBucket("locks")
 
-func newAcquirer(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConfig, opts *natsfence.Options) *natsfence.Acquirer {
+func newAcquirer(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConfig, opts *natsfence.AcquirerOptions) *natsfence.Acquirer {
 	t.Helper()
 	bucket(t, j, cfg)
-	a, err := natsfence.New(context.Background(), j, cfg.Bucket, opts)
+	a, err := natsfence.NewAcquirer(context.Background(), j, cfg.Bucket, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,15 +84,15 @@ func TestAcquirerRefusesBucket(t *testing.T) {
 		{Bucket: "locks-ttl", LimitMarkerTTL: time.Second, TTL: time.Hour},
 	} {
 		bucket(t, j, cfg)
-		_, err := natsfence.New(context.Background(), j, cfg.Bucket, nil)
+		_, err := natsfence.NewAcquirer(context.Background(), j, cfg.Bucket, nil)
 		var ie *fence.InvalidError
 		if !errors.As(err, &ie) || ie.Arg != "bucket" {
 			t.Errorf("bucket %s: %v, want ErrInvalid naming the bucket", cfg.Bucket, err)
 		}
 	}
 	bucket(t, j, lockBucket)
-	for _, o := range []natsfence.Options{{Drift: -1}, {MaxWait: -1}, {Timeout: -1}, {RetryFor: -1}, {Recheck: -1}} {
-		if _, err := natsfence.New(context.Background(), j, lockBucket.Bucket, &o); !errors.Is(err, fence.ErrInvalid) {
+	for _, o := range []natsfence.AcquirerOptions{{Drift: -1}, {MaxWait: -1}, {Timeout: -1}, {RetryFor: -1}, {Recheck: -1}} {
+		if _, err := natsfence.NewAcquirer(context.Background(), j, lockBucket.Bucket, &o); !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("options %+v: %v", o, err)
 		}
 	}
@@ -151,7 +151,7 @@ func TestTokensAfterBucketRecreated(t *testing.T) {
 // expires on the server (the expiry marker wakes it), well before Recheck.
 func TestWaiterWokenByExpiry(t *testing.T) {
 	j := js(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Recheck: time.Minute})
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	ctx := context.Background()
 	name := fencetest.Name("expiry")
 	h, err := a.TryAcquire(ctx, name, time.Second)
@@ -160,7 +160,7 @@ func TestWaiterWokenByExpiry(t *testing.T) {
 	}
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	l, err := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Recheck: time.Minute}).Acquire(wctx, name, 5*time.Second)
+	l, err := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute}).Acquire(wctx, name, 5*time.Second)
 	if err != nil {
 		t.Fatalf("a waiter after the holder's key expired (Recheck 1m): %v", err)
 	}

@@ -24,7 +24,7 @@ func benchAcquirers(b *testing.B) map[string][2]fence.Acquirer {
 	var n, e [2]fence.Acquirer
 	for i := range 2 {
 		n[i] = newAcquirer(b, js(b), lockBucket, nil)
-		a, err := etcdfence.New(c.Client(b), nil)
+		a, err := etcdfence.NewAcquirer(c.Client(b), nil)
 		if err != nil {
 			b.Fatal(err)
 		}

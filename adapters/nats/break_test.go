@@ -67,7 +67,7 @@ func TestLostReplyEndsAtTheBreak(t *testing.T) {
 	}
 
 	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: longTimeout})
+	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: longTimeout})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,7 +129,7 @@ func TestWaiterAfterABreak(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: longTimeout, MaxWait: 2 * longTimeout})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: longTimeout, MaxWait: 2 * longTimeout})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -199,7 +199,7 @@ func TestWaiterWhoseWatchWasCut(t *testing.T) {
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
 	bucket(t, j, lockBucket)
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: longTimeout, MaxWait: 2 * longTimeout})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: longTimeout, MaxWait: 2 * longTimeout})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -397,7 +397,7 @@ func TestCtxEndsWhileAway(t *testing.T) {
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
 	bucket(t, j, lockBucket)
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -442,7 +442,7 @@ func TestWaiterConnClosed(t *testing.T) {
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
 	bucket(t, j, lockBucket)
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -487,7 +487,7 @@ func TestHerdAfterABreak(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -591,7 +591,7 @@ func TestRepeatedBreaksNoLeak(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -665,7 +665,7 @@ func TestGrantInFlightAtABreak(t *testing.T) {
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
 	bucket(t, j, lockBucket)
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute, Timeout: 500 * time.Millisecond, RetryFor: time.Second})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, Timeout: 500 * time.Millisecond, RetryFor: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -781,7 +781,7 @@ func TestWaiterAcrossServerRestart(t *testing.T) {
 	wj := jsOn(t, natstest.Connect(t, url))
 	bucket(t, hj, lockBucket)
 	holderSide := newAcquirer(t, hj, lockBucket, nil)
-	waiter, err := natsfence.New(ctx, wj, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, wj, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -852,7 +852,7 @@ func TestCtxEndsDuringGrantRead(t *testing.T) {
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
 	bucket(t, j, lockBucket)
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -900,7 +900,7 @@ func TestClosedDuringGrantRead(t *testing.T) {
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
 	bucket(t, j, lockBucket)
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -983,7 +983,7 @@ func TestFlappingWhileWaiting(t *testing.T) {
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
 	bucket(t, j, lockBucket)
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1073,7 +1073,7 @@ func TestAcquirersConcurrentCutRate(t *testing.T) {
 		if i < 2 {
 			j, p = proxied(t)
 		}
-		a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 500 * time.Millisecond, RetryFor: 2 * time.Second, Recheck: 500 * time.Millisecond})
+		a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 500 * time.Millisecond, RetryFor: 2 * time.Second, Recheck: 500 * time.Millisecond})
 		if p != nil {
 			p.CutRate(0.05)
 		}

@@ -238,7 +238,7 @@ func TestClusterPartitionedHolder(t *testing.T) {
 	lockCfg := natsfence.LockBucket("locks-part")
 	lockCfg.Replicas = 3
 	fenceCfg := jetstream.KeyValueConfig{Bucket: "fences-part", History: 1, Replicas: 3}
-	opts := &natsfence.Options{Timeout: time.Second, RetryFor: 3 * time.Second}
+	opts := &natsfence.AcquirerOptions{Timeout: time.Second, RetryFor: 3 * time.Second}
 	wopts := &natsfence.WriterOptions{Timeout: time.Second, RetryFor: 3 * time.Second}
 
 	p := faultnet.Start(t, c.ClientAddr(0))
@@ -246,7 +246,7 @@ func TestClusterPartitionedHolder(t *testing.T) {
 	bj := jsOn(t, natstest.Connect(t, "nats://"+c.ClientAddr(1)))
 	bucket(t, bj, lockCfg)
 	bucket(t, bj, fenceCfg)
-	a, err := natsfence.New(ctx, hj, lockCfg.Bucket, opts)
+	a, err := natsfence.NewAcquirer(ctx, hj, lockCfg.Bucket, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -254,7 +254,7 @@ func TestClusterPartitionedHolder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := natsfence.New(ctx, bj, lockCfg.Bucket, opts)
+	b, err := natsfence.NewAcquirer(ctx, bj, lockCfg.Bucket, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

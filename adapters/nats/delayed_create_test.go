@@ -20,7 +20,7 @@ import (
 // within a bound counted from its send, or never.
 func TestCreateHeldPastCleanupDoesNotHoldName(t *testing.T) {
 	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 500 * time.Millisecond, RetryFor: time.Second})
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 500 * time.Millisecond, RetryFor: time.Second})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	name := fencetest.Name("heldcreate")

@@ -2,20 +2,23 @@
 // grants fenced leases from one (github.com/nats-io/nats.go and its jetstream
 // package; NATS Server 2.11 or later for per-key TTLs).
 //
-//   - [Acquirer]: leases on a KV bucket made with [LockBucket]: a grant
-//     creates the lock key if absent with a per-key TTL, so expiry runs on the
-//     server's clock; the token is the bucket's creation time in microseconds
-//     plus the grant's revision; renew and release compare the revision;
-//     waiters watch the key and wake on its release or expiry marker (not
-//     FIFO). It is a fence.Inspector; it has no Bump (tokens are revisions).
-//   - [Writer]: a fence.FencedWriter, fence.Reader and fence.Deleter keeping a
-//     key's value and fence in one KV entry, written by compare-and-set on the
-//     entry's revision.
-//   - [Store]: an idempotency.Store keeping one record per key in a KV
-//     entry, each step a compare-and-set on the entry's revision, leases and
-//     retention counted on the server's clock; a fresh claim's fence is at
-//     least the server's clock in microseconds, so fences never go down,
-//     also after Purge, kv del, kv purge or the bucket re-created.
+//   - [Acquirer] (made by [NewAcquirer], configured by [AcquirerOptions]):
+//     leases on a KV bucket made with [LockBucket]: a grant creates the lock
+//     key if absent with a per-key TTL, so expiry runs on the server's clock;
+//     the token is the bucket's creation time in microseconds plus the grant's
+//     revision; renew and release compare the revision; waiters watch the key
+//     and wake on its release or expiry marker (not FIFO). It is a
+//     fence.Inspector; it has no Bump (tokens are revisions).
+//   - [Writer] (made by [NewWriter], configured by [WriterOptions]): a
+//     fence.FencedWriter, fence.Reader and fence.Deleter keeping a key's value
+//     and fence in one KV entry, written by compare-and-set on the entry's
+//     revision.
+//   - [IdempotencyStore] (made by [NewIdempotencyStore], configured by
+//     [IdempotencyOptions]): an idempotency.Store keeping one record per key in
+//     a KV entry, each step a compare-and-set on the entry's revision, leases
+//     and retention counted on the server's clock; a fresh claim's fence is at
+//     least the server's clock in microseconds, so fences never go down, also
+//     after Purge, kv del, kv purge or the bucket re-created.
 //
 // # Keys
 //

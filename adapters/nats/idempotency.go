@@ -16,8 +16,9 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// StoreOptions configures a Store. A nil *StoreOptions means the defaults.
-type StoreOptions struct {
+// IdempotencyOptions configures an IdempotencyStore. A nil *IdempotencyOptions
+// means the defaults.
+type IdempotencyOptions struct {
 	// Timeout bounds each request to the server: at least MinTimeout.
 	// Default: 2s.
 	Timeout time.Duration
@@ -27,8 +28,8 @@ type StoreOptions struct {
 	RetryFor time.Duration
 }
 
-// Store is an idempotency.Store on a NATS JetStream key-value bucket: one
-// entry per key (the KV key is EncodeKey(key)), each step one
+// IdempotencyStore is an idempotency.Store on a NATS JetStream key-value
+// bucket: one entry per key (the KV key is EncodeKey(key)), each step one
 // compare-and-set on the entry's revision, decided on the server's clock.
 //
 // # Clock
@@ -68,10 +69,10 @@ type StoreOptions struct {
 //
 // # What it cannot keep
 //
-// A record removed by hand while armed (kv del, kv purge, the bucket
-// deleted) takes with it the fact that its effect may have run: a later Do
-// runs the effect again. NewStore refuses a bucket whose entries expire
-// (a bucket TTL) or drop out at a limit (discard old) for that reason.
+// A record removed by hand while armed (kv del, kv purge, the bucket deleted)
+// takes with it the fact that its effect may have run: a later Do runs the
+// effect again. NewIdempotencyStore refuses a bucket whose entries expire (a
+// bucket TTL) or drop out at a limit (discard old) for that reason.
 //
 // A bucket restored from a backup (a stream restore keeps the messages'
 // timestamps) brings back records as they were: a completed key completed
@@ -79,30 +80,29 @@ type StoreOptions struct {
 // takes over gets the old fence + 1 (idempotency.Do's takeover), which can
 // be below fences handed out after the backup. Restore only a
 // bucket that no caller used after the backup was taken.
-type Store struct {
+type IdempotencyStore struct {
 	js         jetstream.JetStream
 	kv         jetstream.KeyValue
 	stream     jetstream.Stream
 	streamName string
 	subj       string
 	marker     time.Duration // the bucket's marker TTL, 0 without markers
-	o          StoreOptions
+	o          IdempotencyOptions
 }
 
-var _ idempotency.Store = (*Store)(nil)
+var _ idempotency.Store = (*IdempotencyStore)(nil)
 
-// NewStore returns a Store on the existing KV bucket named bucket of js
-// (History 1 is enough; a bucket made with LockBucket also lets Purge's
-// markers age out). Give it a bucket of its own: a lock name or a Writer's
-// key equal to a record's key would share its entry (Begin and Update then
-// fail on it, and an Acquirer reports the name held). It returns an error
+// NewIdempotencyStore returns an IdempotencyStore on the existing KV bucket
+// named bucket of js (History 1 is enough; a bucket made with LockBucket also
+// lets Purge's markers age out). Give it a bucket of its own: a lock name or a
+// Writer's key equal to a record's key would share its entry (Begin and Update
+// then fail on it, and an Acquirer reports the name held). It returns an error
 // matching fence.ErrInvalid for a nil js, an empty or invalid bucket name, a
-// negative option or a Timeout under MinTimeout, a bucket whose entries
-// expire (a bucket TTL would remove armed records) or that drops its oldest
-// entries at a message or byte limit (discard old), or a mirror or a bucket
-// with sources. A missing bucket returns an error matching
-// jetstream.ErrBucketNotFound.
-func NewStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *StoreOptions) (*Store, error) {
+// negative option or a Timeout under MinTimeout, a bucket whose entries expire
+// (a bucket TTL would remove armed records) or that drops its oldest entries at
+// a message or byte limit (discard old), or a mirror or a bucket with sources.
+// A missing bucket returns an error matching jetstream.ErrBucketNotFound.
+func NewIdempotencyStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *IdempotencyOptions) (*IdempotencyStore, error) {
 	const op = "new idempotency store"
 	// The same two options, the same defaults, as a Writer's.
 	var wo *WriterOptions
@@ -113,7 +113,7 @@ func NewStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *
 	if err != nil {
 		return nil, err
 	}
-	o := StoreOptions(w)
+	o := IdempotencyOptions(w)
 	kv, stream, err := openBucket(ctx, op, js, bucket)
 	if err != nil {
 		return nil, err
@@ -122,7 +122,7 @@ func NewStore(ctx context.Context, js jetstream.JetStream, bucket string, opts *
 	if cfg.MaxAge != 0 {
 		return nil, &fence.InvalidError{Op: op, Arg: "bucket", Reason: fmt.Sprintf("%q expires its entries after %v, which would remove armed records (and their effect would run again): use a bucket without TTL", bucket, cfg.MaxAge)}
 	}
-	s := &Store{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", o: o}
+	s := &IdempotencyStore{js: js, kv: kv, stream: stream, streamName: "KV_" + bucket, subj: "$KV." + bucket + ".", o: o}
 	if cfg.AllowMsgTTL && cfg.SubjectDeleteMarkerTTL > 0 {
 		s.marker = cfg.SubjectDeleteMarkerTTL
 	}
@@ -158,7 +158,7 @@ type resolvedEntry struct {
 
 const idemVersion = 1
 
-// errNotRecord is an entry that the Store did not write.
+// errNotRecord is an entry that the IdempotencyStore did not write.
 var errNotRecord = errors.New("not a record written by natsfence")
 
 // decodeIdem reads the entry of message m; nil for none or a marker.
@@ -228,7 +228,7 @@ func newWriteID() (string, error) {
 
 // last returns key's entry and its message (nil for none or a marker),
 // retrying ambiguous failures within RetryFor.
-func (s *Store) last(ctx context.Context, key, kvKey string) (*idemEntry, *storedMsg, error) {
+func (s *IdempotencyStore) last(ctx context.Context, key, kvKey string) (*idemEntry, *storedMsg, error) {
 	giveUp := time.Now().Add(s.o.RetryFor)
 	for {
 		m, err := lastMsg(ctx, s.js, s.streamName, s.subj+kvKey, s.o.Timeout)
@@ -244,7 +244,7 @@ func (s *Store) last(ctx context.Context, key, kvKey string) (*idemEntry, *store
 
 // now reads the server's clock (the stream leader's) from a stream info
 // reply, retrying ambiguous failures within RetryFor.
-func (s *Store) now(ctx context.Context) (time.Time, error) {
+func (s *IdempotencyStore) now(ctx context.Context) (time.Time, error) {
 	giveUp := time.Now().Add(s.o.RetryFor)
 	for {
 		actx, cancel := attemptCtx(ctx, s.js, s.o.Timeout)
@@ -264,7 +264,7 @@ func (s *Store) now(ctx context.Context) (time.Time, error) {
 
 // publish writes e under kvKey expecting revision expect (0: no entry), in
 // one request; it returns the new revision.
-func (s *Store) publish(ctx context.Context, kvKey string, e *idemEntry, expect uint64) (uint64, error) {
+func (s *IdempotencyStore) publish(ctx context.Context, kvKey string, e *idemEntry, expect uint64) (uint64, error) {
 	data, err := json.Marshal(e)
 	if err != nil {
 		return 0, err
@@ -288,7 +288,7 @@ func (s *Store) publish(ctx context.Context, kvKey string, e *idemEntry, expect 
 // whether an attempt may have landed, and the last error.
 // It publishes only while the client is connected (see disconnected): a
 // late arm would leave armed a key whose effect never ran.
-func (s *Store) put(ctx context.Context, kvKey string, e *idemEntry, expect uint64, giveUp time.Time) (uint64, bool, error) {
+func (s *IdempotencyStore) put(ctx context.Context, kvKey string, e *idemEntry, expect uint64, giveUp time.Time) (uint64, bool, error) {
 	var maybe bool
 	for {
 		if disconnected(s.js) {
@@ -308,7 +308,7 @@ func (s *Store) put(ctx context.Context, kvKey string, e *idemEntry, expect uint
 	}
 }
 
-func (s *Store) checkKey(ctx context.Context, op, key string) error {
+func (s *IdempotencyStore) checkKey(ctx context.Context, op, key string) error {
 	return checkKey(ctx, op, "key", key)
 }
 
@@ -316,7 +316,7 @@ func (s *Store) checkKey(ctx context.Context, op, key string) error {
 // whose reply was lost is recognised when it landed (created, with its
 // record); an error matching fence.ErrUnknown when that could not be told
 // within RetryFor. A lease that is not positive is fence.ErrInvalid.
-func (s *Store) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
 	const op = "idempotency begin"
 	if err := s.checkKey(ctx, op, key); err != nil {
 		return idempotency.Record{}, false, err
@@ -380,7 +380,7 @@ func (s *Store) Begin(ctx context.Context, key, fingerprint, owner string, lease
 
 // claimed reads the claim stored at rev, for its fence (the server's
 // timestamp of the claim).
-func (s *Store) claimed(ctx context.Context, op, key string, rev uint64) (idempotency.Record, bool, error) {
+func (s *IdempotencyStore) claimed(ctx context.Context, op, key string, rev uint64) (idempotency.Record, bool, error) {
 	giveUp := time.Now().Add(s.o.RetryFor)
 	for {
 		m, err := seqMsg(ctx, s.js, s.streamName, rev, s.o.Timeout)
@@ -401,7 +401,7 @@ func (s *Store) claimed(ctx context.Context, op, key string, rev uint64) (idempo
 }
 
 // Get returns key's record, or fence.ErrNotFound.
-func (s *Store) Get(ctx context.Context, key string) (idempotency.Record, error) {
+func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Record, error) {
 	const op = "idempotency get"
 	if err := s.checkKey(ctx, op, key); err != nil {
 		return idempotency.Record{}, err
@@ -425,7 +425,7 @@ func (s *Store) Get(ctx context.Context, key string) (idempotency.Record, error)
 // matching fence.ErrUnknown when that could not be told within RetryFor or
 // the record changed since. The record returned counts its lease and
 // in-progress time from the change.
-func (s *Store) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
 	const op = "idempotency update"
 	if err := s.checkKey(ctx, op, key); err != nil {
 		return idempotency.Record{}, err
@@ -503,7 +503,7 @@ func (s *Store) Update(ctx context.Context, key string, from idempotency.State, 
 // did not write are left alone. It lists
 // every key of the bucket: run it from one process now and then, not on
 // every request.
-func (s *Store) Purge(ctx context.Context) (int, error) {
+func (s *IdempotencyStore) Purge(ctx context.Context) (int, error) {
 	const op = "idempotency purge"
 	if err := leasekit.CheckContext(op, ctx); err != nil {
 		return 0, err

@@ -27,7 +27,7 @@ func TestClusterStoreLeaderLoss(t *testing.T) {
 	j := jsOn(t, natstest.Connect(t, c.URLs()))
 	cfg := natsfence.LockBucket("idem-r3")
 	cfg.Replicas = 3
-	o := &natsfence.StoreOptions{Timeout: time.Second, RetryFor: 10 * time.Second}
+	o := &natsfence.IdempotencyOptions{Timeout: time.Second, RetryFor: 10 * time.Second}
 	s := newStoreOpts(t, j, cfg, o)
 	const keys = 40
 	var runs [keys]atomic.Int32

@@ -25,19 +25,19 @@ func idemBucket(t testing.TB) jetstream.KeyValueConfig {
 	return natsfence.LockBucket("idem_" + hex.EncodeToString(h[:8]))
 }
 
-func newStore(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConfig) *natsfence.Store {
+func newStore(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConfig) *natsfence.IdempotencyStore {
 	t.Helper()
 	return newStoreOpts(t, j, cfg, nil)
 }
 
 // faultyOpts is for stores behind a proxy: a request on a connection the
 // proxy cut waits for its Timeout, so the cases with many cuts use a short one.
-var faultyOpts = &natsfence.StoreOptions{Timeout: 500 * time.Millisecond}
+var faultyOpts = &natsfence.IdempotencyOptions{Timeout: 500 * time.Millisecond}
 
-func newStoreOpts(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConfig, o *natsfence.StoreOptions) *natsfence.Store {
+func newStoreOpts(t testing.TB, j jetstream.JetStream, cfg jetstream.KeyValueConfig, o *natsfence.IdempotencyOptions) *natsfence.IdempotencyStore {
 	t.Helper()
 	bucket(t, j, cfg)
-	s, err := natsfence.NewStore(context.Background(), j, cfg.Bucket, o)
+	s, err := natsfence.NewIdempotencyStore(context.Background(), j, cfg.Bucket, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -199,7 +199,7 @@ func TestStoreUnknownWhenCutOff(t *testing.T) {
 	j, p := proxied(t)
 	cfg := idemBucket(t)
 	bucket(t, js(t), cfg)
-	s, err := natsfence.NewStore(context.Background(), j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 200 * time.Millisecond, RetryFor: time.Second})
+	s, err := natsfence.NewIdempotencyStore(context.Background(), j, cfg.Bucket, &natsfence.IdempotencyOptions{Timeout: 200 * time.Millisecond, RetryFor: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -240,22 +240,22 @@ func TestNewStoreRefuses(t *testing.T) {
 		what   string
 		js     jetstream.JetStream
 		bucket string
-		o      *natsfence.StoreOptions
+		o      *natsfence.IdempotencyOptions
 		arg    string
 	}{
 		{"nil js", nil, "idem_ok", nil, "js"},
 		{"empty bucket", j, "", nil, "bucket"},
 		{"a bucket with a TTL", j, "idem_ttl", nil, "bucket"},
-		{"negative Timeout", j, "idem_ok", &natsfence.StoreOptions{Timeout: -1}, "Timeout"},
-		{"negative RetryFor", j, "idem_ok", &natsfence.StoreOptions{RetryFor: -1}, "RetryFor"},
+		{"negative Timeout", j, "idem_ok", &natsfence.IdempotencyOptions{Timeout: -1}, "Timeout"},
+		{"negative RetryFor", j, "idem_ok", &natsfence.IdempotencyOptions{RetryFor: -1}, "RetryFor"},
 	} {
-		_, err := natsfence.NewStore(ctx, c.js, c.bucket, c.o)
+		_, err := natsfence.NewIdempotencyStore(ctx, c.js, c.bucket, c.o)
 		var ie *fence.InvalidError
 		if !errors.As(err, &ie) || ie.Arg != c.arg {
 			t.Errorf("%s: %v, want ErrInvalid naming %s", c.what, err, c.arg)
 		}
 	}
-	if _, err := natsfence.NewStore(ctx, j, "idem_missing", nil); !errors.Is(err, jetstream.ErrBucketNotFound) {
+	if _, err := natsfence.NewIdempotencyStore(ctx, j, "idem_missing", nil); !errors.Is(err, jetstream.ErrBucketNotFound) {
 		t.Errorf("a missing bucket: %v", err)
 	}
 }
@@ -274,7 +274,7 @@ func TestStoreUnknownStepDoesNotLandLater(t *testing.T) {
 	j, p := proxied(t)
 	cfg := idemBucket(t)
 	s2 := newStore(t, js(t), cfg)
-	s := newStoreOpts(t, j, cfg, &natsfence.StoreOptions{Timeout: 200 * time.Millisecond, RetryFor: time.Second})
+	s := newStoreOpts(t, j, cfg, &natsfence.IdempotencyOptions{Timeout: 200 * time.Millisecond, RetryFor: time.Second})
 	ctx := context.Background()
 	k := fencetest.Name("late")
 	rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
@@ -324,7 +324,7 @@ func TestStoreDoCutOffOwner(t *testing.T) {
 	j, p := proxied(t)
 	cfg := idemBucket(t)
 	other := newStore(t, js(t), cfg)
-	s := newStoreOpts(t, j, cfg, &natsfence.StoreOptions{Timeout: 300 * time.Millisecond})
+	s := newStoreOpts(t, j, cfg, &natsfence.IdempotencyOptions{Timeout: 300 * time.Millisecond})
 	const lease = 2 * time.Second
 	k := fencetest.Name("cutowner")
 	started := make(chan struct{})

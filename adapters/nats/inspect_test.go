@@ -15,7 +15,7 @@ import (
 // revisions: the token shown stays the grant's), and one released; the
 // counter is at least every token granted and below the next grant's.
 func TestInspect(t *testing.T) {
-	a := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Owner: "inspector"})
+	a := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Owner: "inspector"})
 	ctx := context.Background()
 	name := fencetest.Name("inspect")
 	info, err := a.Inspect(ctx, name)

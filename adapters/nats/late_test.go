@@ -101,7 +101,7 @@ func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 // returned with a nil error: either a live lease or an error.
 func TestGrantConfirmedAfterLocalDeadline(t *testing.T) {
 	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond, RetryFor: 10 * time.Second})
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 10 * time.Second})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
@@ -196,7 +196,7 @@ func TestLateGrantAcquireCancelledDuringTokenRead(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 10 * time.Second})
+	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -239,7 +239,7 @@ func TestLateGrantAcquireCancelledDuringCreate(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 10 * time.Second})
+	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -276,7 +276,7 @@ func TestLateGrantAcquireDoesNotSpin(t *testing.T) {
 	t.Parallel() // its own names and proxies
 	ctx := context.Background()
 	const ttl = natsfence.MinTTL
-	a := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Drift: ttl - 20*time.Microsecond})
+	a := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Drift: ttl - 20*time.Microsecond})
 	name := fencetest.Name("natslate-spin")
 	var writes atomic.Int64
 	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(*nats.Msg) { writes.Add(1) })
@@ -306,7 +306,7 @@ func TestLateGrantPurgeSparesNewerHolder(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 5 * time.Second})
+	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -380,7 +380,7 @@ func TestLateGrantGivenBackAfterCut(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 5 * time.Second})
+	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -438,7 +438,7 @@ func TestLateGrantOwnOrphanNotErrHeld(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 5 * time.Second})
+	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -491,7 +491,7 @@ func TestTryAcquireCancelledDuringCreateNotHeld(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	bucket(t, j, lockBucket)
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: 10 * time.Second})
+	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

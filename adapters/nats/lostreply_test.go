@@ -219,7 +219,7 @@ func TestGrantLostAck(t *testing.T) {
 // name blocked for the whole ttl.
 func TestGrantUnknownDoesNotBlockName(t *testing.T) {
 	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond, RetryFor: 300 * time.Millisecond})
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 300 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
@@ -251,7 +251,7 @@ func TestGrantUnknownDoesNotBlockName(t *testing.T) {
 func TestReleaseLostAckThenRegranted(t *testing.T) {
 	j, p := proxied(t)
 	a := newAcquirer(t, j, lockBucket, nil)
-	other := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Recheck: time.Minute})
+	other := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	ctx := context.Background()
 	name := fencetest.Name("lostrelease")
 	l, err := a.TryAcquire(ctx, name, 30*time.Second)
@@ -337,7 +337,7 @@ func TestWriterLostAckNotReplayed(t *testing.T) {
 // and once the connection is back the name is free well before the ttl.
 func TestCancelledAcquireDoesNotBlockName(t *testing.T) {
 	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 300 * time.Millisecond})
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)

@@ -110,7 +110,7 @@ func TestBucketRecreatedBetweenMarkerAndCreate(t *testing.T) {
 		// Another client of the new bucket reserves the key, so the
 		// marker it writes has the revision A's create expects.
 		bj := js(t)
-		b, err = natsfence.New(ctx, bj, cfg.Bucket, nil)
+		b, err = natsfence.NewAcquirer(ctx, bj, cfg.Bucket, nil)
 		if err != nil {
 			t.Error(err)
 			return

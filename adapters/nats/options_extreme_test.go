@@ -21,7 +21,7 @@ func TestHugeTimeoutRefusedOrWorks(t *testing.T) {
 	j := js(t)
 	bucket(t, j, lockBucket)
 	for _, timeout := range []time.Duration{math.MaxInt64, natsfence.MaxTTL, 200 * 365 * 24 * time.Hour} {
-		a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: timeout})
+		a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: timeout})
 		if err != nil {
 			var ie *fence.InvalidError
 			if !errors.As(err, &ie) || ie.Arg != "Timeout" {

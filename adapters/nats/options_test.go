@@ -32,25 +32,25 @@ func TestConstructorsRefuseUnusableOptions(t *testing.T) {
 	}
 	for _, c := range []struct {
 		arg string
-		o   natsfence.Options
+		o   natsfence.AcquirerOptions
 	}{
-		{"Timeout", natsfence.Options{Timeout: 2}},
-		{"Timeout", natsfence.Options{Timeout: natsfence.MinTimeout - 1}},
-		{"MaxWait", natsfence.Options{MaxWait: 2}},
-		{"Recheck", natsfence.Options{Recheck: 2}},
-		{"Drift", natsfence.Options{Drift: natsfence.MaxTTL}},
-		{"Owner", natsfence.Options{Owner: strings.Repeat("o", 1<<20)}},
+		{"Timeout", natsfence.AcquirerOptions{Timeout: 2}},
+		{"Timeout", natsfence.AcquirerOptions{Timeout: natsfence.MinTimeout - 1}},
+		{"MaxWait", natsfence.AcquirerOptions{MaxWait: 2}},
+		{"Recheck", natsfence.AcquirerOptions{Recheck: 2}},
+		{"Drift", natsfence.AcquirerOptions{Drift: natsfence.MaxTTL}},
+		{"Owner", natsfence.AcquirerOptions{Owner: strings.Repeat("o", 1<<20)}},
 	} {
-		_, err := natsfence.New(ctx, j, lockBucket.Bucket, &c.o)
+		_, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &c.o)
 		wantInvalid("New", c.arg, err)
 	}
 	_, err := natsfence.NewWriter(ctx, j, writerBucket.Bucket, &natsfence.WriterOptions{Timeout: 2})
 	wantInvalid("NewWriter", "Timeout", err)
-	_, err = natsfence.NewStore(ctx, j, writerBucket.Bucket, &natsfence.StoreOptions{Timeout: 2})
+	_, err = natsfence.NewIdempotencyStore(ctx, j, writerBucket.Bucket, &natsfence.IdempotencyOptions{Timeout: 2})
 	wantInvalid("NewStore", "Timeout", err)
 
 	// The shortest accepted values work.
-	a, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Timeout: natsfence.MinTimeout * 100, MaxWait: natsfence.MinTimeout, Recheck: natsfence.MinTimeout})
+	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: natsfence.MinTimeout * 100, MaxWait: natsfence.MinTimeout, Recheck: natsfence.MinTimeout})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -66,7 +66,7 @@ func TestConstructorsRefuseUnusableOptions(t *testing.T) {
 // lease already lost must not come with a nil error, and the
 // name must not be blocked by it.
 func TestDriftNotBelowTTL(t *testing.T) {
-	a := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Drift: 10 * time.Second})
+	a := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Drift: 10 * time.Second})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	name := fencetest.Name("drift")
@@ -97,7 +97,7 @@ func TestTimeoutTooShortRefused(t *testing.T) {
 	cfg := idemBucket(t)
 	bucket(t, j, cfg)
 	ctx := context.Background()
-	if s, err := natsfence.NewStore(ctx, j, cfg.Bucket, &natsfence.StoreOptions{Timeout: 2, RetryFor: 200 * time.Millisecond}); err == nil {
+	if s, err := natsfence.NewIdempotencyStore(ctx, j, cfg.Bucket, &natsfence.IdempotencyOptions{Timeout: 2, RetryFor: 200 * time.Millisecond}); err == nil {
 		_, _, berr := s.Begin(ctx, fencetest.Name("k"), "fp", "me", time.Minute)
 		t.Errorf("NewStore with Timeout 2ns accepted; a Begin then: %v", berr)
 	} else if ie := (*fence.InvalidError)(nil); !errors.As(err, &ie) || ie.Arg != "Timeout" {
@@ -106,7 +106,7 @@ func TestTimeoutTooShortRefused(t *testing.T) {
 	if _, err := natsfence.NewWriter(ctx, j, cfg.Bucket, &natsfence.WriterOptions{Timeout: 2}); err == nil {
 		t.Error("NewWriter with Timeout 2ns accepted")
 	}
-	if _, err := natsfence.NewStore(ctx, j, cfg.Bucket, &natsfence.StoreOptions{Timeout: natsfence.MinTimeout}); err != nil {
+	if _, err := natsfence.NewIdempotencyStore(ctx, j, cfg.Bucket, &natsfence.IdempotencyOptions{Timeout: natsfence.MinTimeout}); err != nil {
 		t.Errorf("NewStore with Timeout MinTimeout: %v", err)
 	}
 }
@@ -128,7 +128,7 @@ func TestDiscardOldBucketRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = j.DeleteStream(context.Background(), "KV_"+name) })
-	s, err := natsfence.NewStore(ctx, j, name, nil)
+	s, err := natsfence.NewIdempotencyStore(ctx, j, name, nil)
 	if err == nil {
 		// What it would do: the third key's record pushes the first out.
 		runs := 0
@@ -149,7 +149,7 @@ func TestDiscardOldBucketRefused(t *testing.T) {
 	if _, err := natsfence.NewWriter(ctx, j, name, nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("NewWriter: %v, want fence.ErrInvalid", err)
 	}
-	if _, err := natsfence.New(ctx, j, name, nil); !errors.Is(err, fence.ErrInvalid) {
+	if _, err := natsfence.NewAcquirer(ctx, j, name, nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("New: %v, want fence.ErrInvalid", err)
 	}
 }

@@ -20,7 +20,7 @@ import (
 func TestRenewalRecognisedLaterCountsFromItsSend(t *testing.T) {
 	ctx := context.Background()
 	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.Options{RetryFor: 300 * time.Millisecond})
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{RetryFor: 300 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	name := fencetest.Name("renewlater")
 	const ttl = 6 * time.Second
@@ -70,7 +70,7 @@ func TestRenewalRecognisedLaterCountsFromItsSend(t *testing.T) {
 func TestRenewalLostTwiceCountsFromTheFirstSend(t *testing.T) {
 	ctx := context.Background()
 	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.Options{RetryFor: 300 * time.Millisecond, Timeout: 500 * time.Millisecond})
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{RetryFor: 300 * time.Millisecond, Timeout: 500 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	name := fencetest.Name("renewtwice")
 	const ttl = 6 * time.Second
@@ -122,7 +122,7 @@ func TestRenewalLostTwiceCountsFromTheFirstSend(t *testing.T) {
 func TestReleaseAfterLostRenewalFreesTheName(t *testing.T) {
 	ctx := context.Background()
 	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.Options{RetryFor: 300 * time.Millisecond})
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{RetryFor: 300 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	name := fencetest.Name("renewrelease")
 	const ttl = 30 * time.Second
@@ -159,8 +159,8 @@ func TestReleaseAfterLostRenewalFreesTheName(t *testing.T) {
 // original grant's server expiry for that fresh ttl.
 func TestLateRenewalDoesNotBlockName(t *testing.T) {
 	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.Options{Timeout: 10 * time.Second})
-	other := newAcquirer(t, js(t), lockBucket, &natsfence.Options{Recheck: time.Minute})
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
+	other := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	ctx := context.Background()
 	name := fencetest.Name("laterenew")
 	// 2.5s is 3s on the server: the renewal lands between the two, and

@@ -177,14 +177,14 @@ func r3(t *testing.T, suffix string) (*natstest.Cluster, jetstream.KeyValueConfi
 	lockCfg := natsfence.LockBucket("locks-" + suffix)
 	lockCfg.Replicas = 3
 	fenceCfg := jetstream.KeyValueConfig{Bucket: "fences-" + suffix, History: 1, Replicas: 3}
-	opts := &natsfence.Options{Timeout: 2 * time.Second, RetryFor: 10 * time.Second}
+	opts := &natsfence.AcquirerOptions{Timeout: 2 * time.Second, RetryFor: 10 * time.Second}
 	a := newAcquirer(t, j, lockCfg, opts)
 	bucket(t, j, fenceCfg)
 	w, err := natsfence.NewWriter(context.Background(), j, fenceCfg.Bucket, &natsfence.WriterOptions{Timeout: 2 * time.Second, RetryFor: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := natsfence.New(context.Background(), jsOn(t, natstest.Connect(t, c.URLs())), lockCfg.Bucket, opts)
+	b, err := natsfence.NewAcquirer(context.Background(), jsOn(t, natstest.Connect(t, c.URLs())), lockCfg.Bucket, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

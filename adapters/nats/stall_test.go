@@ -20,7 +20,7 @@ import (
 func TestWatchRequestFailsThenWaiterWoken(t *testing.T) {
 	ctx := context.Background()
 	holder := newAcquirer(t, js(t), lockBucket, nil)
-	waiter, err := natsfence.New(ctx, js(t), lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, js(t), lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -89,7 +89,7 @@ func TestCreateAnsweredUnavailableIsRecognised(t *testing.T) {
 func TestRenewalAnsweredUnavailableCountsFromItsSend(t *testing.T) {
 	ctx := context.Background()
 	u := &unavailableAfterStore{JetStream: js(t), match: isRenewal}
-	a := newAcquirer(t, u, lockBucket, &natsfence.Options{RetryFor: 300 * time.Millisecond})
+	a := newAcquirer(t, u, lockBucket, &natsfence.AcquirerOptions{RetryFor: 300 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	name := fencetest.Name("renew503")
 	const ttl = 10 * time.Second

@@ -149,7 +149,7 @@ func (c *slowConn) Write(b []byte) (int, error) {
 
 // slowWaiter returns an Acquirer on bucket cfg (created when missing) whose
 // client goes through s, and that client.
-func slowWaiter(t *testing.T, s *slowCreates, cfg jetstream.KeyValueConfig, o *natsfence.Options) (*natsfence.Acquirer, *nats.Conn) {
+func slowWaiter(t *testing.T, s *slowCreates, cfg jetstream.KeyValueConfig, o *natsfence.AcquirerOptions) (*natsfence.Acquirer, *nats.Conn) {
 	t.Helper()
 	nc := natstest.Connect(t, srv.ClientURL(), nats.SetCustomDialer(s))
 	j := jsOn(t, nc)
@@ -203,7 +203,7 @@ func TestWatchSlowAnswer(t *testing.T) {
 	s := newSlowCreates(3 * timeout)
 	direct := js(t)
 	holder := newAcquirer(t, direct, cfg, nil)
-	waiter, _ := slowWaiter(t, s, cfg, &natsfence.Options{Timeout: timeout, Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	waiter, _ := slowWaiter(t, s, cfg, &natsfence.AcquirerOptions{Timeout: timeout, Recheck: time.Minute, MaxWait: 2 * time.Minute})
 	waiting := waitingHook(t)
 	name := fencetest.Name("slowwatch")
 	key := natsfence.EncodeKey(name)
@@ -258,7 +258,7 @@ func TestWatchCancelWhilePending(t *testing.T) {
 	s := newSlowCreates(-1) // held until released
 	direct := js(t)
 	holder := newAcquirer(t, direct, cfg, nil)
-	waiter, nc := slowWaiter(t, s, cfg, &natsfence.Options{Timeout: timeout, Recheck: time.Minute})
+	waiter, nc := slowWaiter(t, s, cfg, &natsfence.AcquirerOptions{Timeout: timeout, Recheck: time.Minute})
 	waiting := waitingHook(t)
 	name := fencetest.Name("cancelpending")
 	key := natsfence.EncodeKey(name)
@@ -320,7 +320,7 @@ func TestWatchManyWaitersThroughFaults(t *testing.T) {
 	holder := newAcquirer(t, direct, cfg, nil)
 	p := faultnet.Start(t, srv.Addr().String())
 	nc := natstest.Connect(t, "nats://"+p.Addr(), nats.SetCustomDialer(s))
-	waiter := newAcquirer(t, jsOn(t, nc), cfg, &natsfence.Options{Timeout: timeout, Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	waiter := newAcquirer(t, jsOn(t, nc), cfg, &natsfence.AcquirerOptions{Timeout: timeout, Recheck: time.Minute, MaxWait: 2 * time.Minute})
 	waiting := waitingHook(t)
 	n0, _ := acquirerGoroutines()
 	s0, c0 := nc.NumSubscriptions(), streamConsumers(t, direct, cfg)
@@ -490,7 +490,7 @@ func TestWatchAcrossLossOfFollowerNode(t *testing.T) {
 	hj := jsOn(t, natstest.Connect(t, urls(holderNode)))
 	wj := jsOn(t, natstest.Connect(t, urls(stop)))
 	holderSide := newAcquirer(t, hj, cfg, nil)
-	waiter, err := natsfence.New(ctx, wj, cfg.Bucket, &natsfence.Options{Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, wj, cfg.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -534,7 +534,7 @@ func TestLateWatchStopped(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waiter, err := natsfence.New(ctx, j, lockBucket.Bucket, &natsfence.Options{Recheck: time.Minute})
+	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}

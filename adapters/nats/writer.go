@@ -32,9 +32,9 @@ type WriterOptions struct {
 	RetryFor time.Duration
 }
 
-// MinTimeout is the shortest Timeout a Writer, a Store or an Acquirer accepts
-// (zero is the default), and an Acquirer's shortest MaxWait and Recheck: a
-// shorter one (2 meant as seconds is 2ns) would end every
+// MinTimeout is the shortest Timeout a Writer, an IdempotencyStore or an
+// Acquirer accepts (zero is the default), and an Acquirer's shortest MaxWait
+// and Recheck: a shorter one (2 meant as seconds is 2ns) would end every
 // request before the server's reply and make every step fail.
 const MinTimeout = 10 * time.Millisecond
 

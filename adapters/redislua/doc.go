@@ -10,6 +10,8 @@
 //     fencing token that a later majority always exceeds.
 //   - [Writer]: a fence.FencedWriter keeping value and fence in one hash.
 //   - [FencedScript]: runs your own Lua body only when the token passes a fence.
+//   - [IdempotencyStore]: an idempotency.Store keeping one hash per key,
+//     changed only by scripts that compare and set on the server's clock.
 //
 // It works with any redis.UniversalClient (standalone, Sentinel, Cluster): the
 // keys of one lock name, or of one protected key, share a hash tag, so each

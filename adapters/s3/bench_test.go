@@ -27,7 +27,7 @@ func BenchmarkWrite(b *testing.B) {
 		b.Run(mode, func(b *testing.B) {
 			e := fakeS3(b)
 			c := e.c
-			w := newWriter(b, e, &s3fence.Options{ReuseETag: mode == "reuse-etag"})
+			w := newWriter(b, e, &s3fence.WriterOptions{ReuseETag: mode == "reuse-etag"})
 			ctx := context.Background()
 			value := bytes.Repeat([]byte("v"), 4096)
 			tok := fence.Token(0)

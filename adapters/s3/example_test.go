@@ -35,7 +35,7 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	objects, err := s3fence.New(client, "reports", nil)
+	objects, err := s3fence.NewWriter(client, "reports", nil)
 	if err != nil {
 		log.Fatal(err)
 	}

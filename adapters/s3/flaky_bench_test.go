@@ -26,7 +26,7 @@ func BenchmarkFlakyNetwork(b *testing.B) {
 		Open: func(b *testing.B, p *faultnet.Proxy) (fence.Acquirer, benchutil.Store) {
 			c := clientVia(e, p)
 			a := newAcquirer(b, &s3env{c: c, bucket: e.bucket})
-			w, err := s3fence.New(c, e.bucket, nil)
+			w, err := s3fence.NewWriter(c, e.bucket, nil)
 			if err != nil {
 				b.Fatal(err)
 			}

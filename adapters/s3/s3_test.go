@@ -275,8 +275,8 @@ func faultServers(t *testing.T, fn func(t *testing.T, e *s3env, f *faults)) {
 	t.Run("real", func(t *testing.T) { t.Parallel(); e := realS3(t); fn(t, e, e.f) })
 }
 
-func newWriter(t testing.TB, e *s3env, o *s3fence.Options) *s3fence.Writer {
-	w, err := s3fence.New(e.c, e.bucket, o)
+func newWriter(t testing.TB, e *s3env, o *s3fence.WriterOptions) *s3fence.Writer {
+	w, err := s3fence.NewWriter(e.c, e.bucket, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -288,8 +288,8 @@ func TestWriterConformance(t *testing.T) { servers(t, testWriterConformance) }
 func testWriterConformance(t *testing.T, e *s3env) {
 	for _, o := range []struct {
 		name string
-		opts s3fence.Options
-	}{{"head", s3fence.Options{}}, {"reuse-etag", s3fence.Options{ReuseETag: true}}} {
+		opts s3fence.WriterOptions
+	}{{"head", s3fence.WriterOptions{}}, {"reuse-etag", s3fence.WriterOptions{ReuseETag: true}}} {
 		t.Run(o.name, func(t *testing.T) {
 			w := newWriter(t, e, &o.opts)
 			fencetest.WriterSuite{
@@ -399,7 +399,7 @@ func TestServerErrorsThenGiveUp(t *testing.T) { faultServers(t, testServerErrors
 
 func testServerErrorsThenGiveUp(t *testing.T, e *s3env, f *faults) {
 	ctx := context.Background()
-	w := newWriter(t, e, &s3fence.Options{MaxAttempts: 3})
+	w := newWriter(t, e, &s3fence.WriterOptions{MaxAttempts: 3})
 	f.inject("500", "500", "500")
 	err := w.Write(ctx, "k-500", []byte("v"), 1)
 	if !errors.Is(err, fence.ErrUnknown) || !errors.Is(err, s3fence.ErrContention) {
@@ -425,7 +425,7 @@ func testConflictThenSuccess(t *testing.T, e *s3env, f *faults) {
 		}
 	}
 	// 409 on every attempt: the writer gives up with ErrContention.
-	w2 := newWriter(t, e, &s3fence.Options{MaxAttempts: 3})
+	w2 := newWriter(t, e, &s3fence.WriterOptions{MaxAttempts: 3})
 	f.inject("409", "409", "409")
 	if err := w2.Write(ctx, "k-busy", []byte("v"), 1); !errors.Is(err, s3fence.ErrContention) {
 		t.Fatalf("409 on every attempt: %v, want ErrContention", err)
@@ -446,7 +446,7 @@ func testUnfencedObjects(t *testing.T, e *s3env) {
 		Body: strings.NewReader("plain bytes")}); err != nil {
 		t.Fatal(err)
 	}
-	strict := newWriter(t, e, &s3fence.Options{RefuseUnfenced: true})
+	strict := newWriter(t, e, &s3fence.WriterOptions{RefuseUnfenced: true})
 	if err := strict.Write(ctx, "legacy", []byte("x"), 1); !errors.Is(err, s3fence.ErrUnfenced) {
 		t.Errorf("RefuseUnfenced write over a legacy object: %v", err)
 	}
@@ -473,7 +473,7 @@ func TestReuseETagSeesOtherWriters(t *testing.T) { servers(t, testReuseETagSeesO
 
 func testReuseETagSeesOtherWriters(t *testing.T, e *s3env) {
 	ctx := context.Background()
-	a := newWriter(t, e, &s3fence.Options{ReuseETag: true})
+	a := newWriter(t, e, &s3fence.WriterOptions{ReuseETag: true})
 	b := newWriter(t, e, nil)
 	if err := a.Write(ctx, "k", []byte("a1"), 1); err != nil {
 		t.Fatal(err)
@@ -494,21 +494,21 @@ func TestBadOptions(t *testing.T) { servers(t, testBadOptions) }
 
 func testBadOptions(t *testing.T, e *s3env) {
 	c := e.c
-	if _, err := s3fence.New(c, "", nil); !errors.Is(err, fence.ErrInvalid) {
+	if _, err := s3fence.NewWriter(c, "", nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("empty bucket: %v", err)
 	}
-	if _, err := s3fence.New(c, "b", &s3fence.Options{MaxAttempts: -1}); !errors.Is(err, fence.ErrInvalid) {
+	if _, err := s3fence.NewWriter(c, "b", &s3fence.WriterOptions{MaxAttempts: -1}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("negative MaxAttempts: %v", err)
 	}
 	var nilClient *s3.Client
-	if _, err := s3fence.New(nil, "b", nil); !errors.Is(err, fence.ErrInvalid) {
+	if _, err := s3fence.NewWriter(nil, "b", nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("nil api: %v", err)
 	}
-	if _, err := s3fence.New(nilClient, "b", nil); !errors.Is(err, fence.ErrInvalid) {
+	if _, err := s3fence.NewWriter(nilClient, "b", nil); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("nil *s3.Client: %v", err)
 	}
 	for _, p := range []string{strings.Repeat("p", s3fence.MaxKeyBytes), "bad \xff", "nul\x00"} {
-		if _, err := s3fence.New(c, "b", &s3fence.Options{Prefix: p}); !errors.Is(err, fence.ErrInvalid) {
+		if _, err := s3fence.NewWriter(c, "b", &s3fence.WriterOptions{Prefix: p}); !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("prefix %.20q: %v", p, err)
 		}
 	}
@@ -516,7 +516,7 @@ func testBadOptions(t *testing.T, e *s3env) {
 	// bytes: versitygw's posix backend stores each part as a file name, which
 	// the file system limits to 255 bytes.
 	long := strings.Repeat(strings.Repeat("k", 99)+"/", 10) + strings.Repeat("k", s3fence.MaxKeyBytes-4-1000)
-	w := newWriter(t, e, &s3fence.Options{Prefix: "app/"})
+	w := newWriter(t, e, &s3fence.WriterOptions{Prefix: "app/"})
 	if err := w.Write(context.Background(), long+"k", []byte("v"), 1); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("a key that fits only without the prefix: %v", err)
 	}

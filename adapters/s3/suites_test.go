@@ -17,13 +17,13 @@ import (
 // client of its own that reaches e's server only through a new faultnet
 // proxy. It is nil for an external server (FENCEKIT_S3_ENDPOINT), whose TLS
 // name a loopback proxy would not match.
-func faultyWriter(e *s3env, opts *s3fence.Options) func(*testing.T) (fence.FencedWriter, *faultnet.Proxy) {
+func faultyWriter(e *s3env, opts *s3fence.WriterOptions) func(*testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 	if testenv.ExternalS3() {
 		return nil
 	}
 	return func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 		c, p := proxiedClient(t, e)
-		w, err := s3fence.New(c, e.bucket, opts)
+		w, err := s3fence.NewWriter(c, e.bucket, opts)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -62,7 +62,7 @@ func TestTornHeadRefused(t *testing.T) {
 					t.Fatal(err)
 				}
 			}}
-			stale, err := s3fence.New(api, e.bucket, nil)
+			stale, err := s3fence.NewWriter(api, e.bucket, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -139,7 +139,7 @@ func TestTornHeadEveryTimeIsContention(t *testing.T) {
 	}
 	api := &tearingAPI{API: e.c, tearing: -1}
 	api.between = func() { _ = other.Write(ctx, "k", []byte("o"), 1) }
-	w, err := s3fence.New(api, e.bucket, nil)
+	w, err := s3fence.NewWriter(api, e.bucket, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,7 +172,7 @@ func TestTornHeadReuseETagAfter412(t *testing.T) {
 			t.Error(err)
 		}
 	}
-	w, err := s3fence.New(api, e.bucket, &s3fence.Options{ReuseETag: true})
+	w, err := s3fence.NewWriter(api, e.bucket, &s3fence.WriterOptions{ReuseETag: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -211,7 +211,7 @@ func TestTornHeadAfterAmbiguousPut(t *testing.T) {
 			t.Error(err)
 		}
 	}
-	w, err := s3fence.New(api, e.bucket, &s3fence.Options{ReuseETag: true})
+	w, err := s3fence.NewWriter(api, e.bucket, &s3fence.WriterOptions{ReuseETag: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -246,7 +246,7 @@ func TestTornHeadBeforeDelete(t *testing.T) {
 			t.Error(err)
 		}
 	}
-	w, err := s3fence.New(api, e.bucket, nil)
+	w, err := s3fence.NewWriter(api, e.bucket, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -281,7 +281,7 @@ func TestTornHeadSameTokenRewriteThenStale(t *testing.T) {
 			t.Error(err)
 		}
 	}
-	w, err := s3fence.New(api, e.bucket, nil)
+	w, err := s3fence.NewWriter(api, e.bucket, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -123,7 +123,7 @@ func openAzureBackend(ctx context.Context, cfg backendConfig) (*backend, error) 
 	if err != nil {
 		return nil, err
 	}
-	w, err := azfence.New(c, nil)
+	w, err := azfence.NewWriter(c, nil)
 	if err != nil {
 		stop()
 		return nil, err

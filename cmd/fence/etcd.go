@@ -45,7 +45,7 @@ func openEtcdBackend(ctx context.Context, endpoints, dbPath string) (*backend, e
 		stopEmbedded()
 		return nil, err
 	}
-	a, err := etcdfence.New(cl, nil)
+	a, err := etcdfence.NewAcquirer(cl, nil)
 	if err != nil {
 		cl.Close()
 		stopEmbedded()

@@ -68,7 +68,7 @@ func openGCSBackend(ctx context.Context, cfg backendConfig) (*backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	w, err := gcsfence.New(bucket, nil)
+	w, err := gcsfence.NewWriter(bucket, nil)
 	if err != nil {
 		closeGCS()
 		return nil, err

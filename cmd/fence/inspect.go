@@ -208,7 +208,7 @@ func openOperator(ctx context.Context, c backendConfig, keys bool) (*backend, er
 		if err != nil {
 			return nil, err
 		}
-		a, err := etcdfence.New(cl, nil)
+		a, err := etcdfence.NewAcquirer(cl, nil)
 		if err != nil {
 			return nil, errors.Join(err, cl.Close())
 		}
@@ -235,7 +235,7 @@ func openOperator(ctx context.Context, c backendConfig, keys bool) (*backend, er
 		if err != nil {
 			return nil, err
 		}
-		w, err := s3fence.New(sc.c, sc.bucket, nil)
+		w, err := s3fence.NewWriter(sc.c, sc.bucket, nil)
 		if err != nil {
 			return nil, err
 		}

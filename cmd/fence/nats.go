@@ -106,7 +106,7 @@ func natsBackend(ctx context.Context, url, name string) (*backend, error) {
 			return fail(fmt.Errorf("nats bucket %s: %w", cfg.Bucket, err))
 		}
 	}
-	a, err := natsfence.New(ctx, js, natsLockBucket, nil)
+	a, err := natsfence.NewAcquirer(ctx, js, natsLockBucket, nil)
 	if err != nil {
 		return fail(err)
 	}
@@ -114,7 +114,7 @@ func natsBackend(ctx context.Context, url, name string) (*backend, error) {
 	if err != nil {
 		return fail(err)
 	}
-	idem, err := natsfence.NewStore(ctx, js, natsIdemBucket, nil)
+	idem, err := natsfence.NewIdempotencyStore(ctx, js, natsIdemBucket, nil)
 	if err != nil {
 		return fail(err)
 	}
@@ -167,7 +167,7 @@ func openNATSOperator(ctx context.Context, c backendConfig, keys bool) (*backend
 	if err != nil {
 		return nil, err
 	}
-	a, err := natsfence.New(ctx, js, c.natsBucket, nil)
+	a, err := natsfence.NewAcquirer(ctx, js, c.natsBucket, nil)
 	if err != nil {
 		nc.Close()
 		return nil, err

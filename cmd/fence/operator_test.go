@@ -240,7 +240,7 @@ func TestOperatorRedis(t *testing.T) {
 
 func TestOperatorEtcd(t *testing.T) {
 	cluster := etcdtest.Start(t, 1)
-	a, err := etcdfence.New(cluster.Client(t), nil)
+	a, err := etcdfence.NewAcquirer(cluster.Client(t), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -411,7 +411,7 @@ func TestOperatorNATS(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	a, err := natsfence.New(ctx, j, "ops_locks", nil)
+	a, err := natsfence.NewAcquirer(ctx, j, "ops_locks", nil)
 	if err != nil {
 		t.Fatal(err)
 	}

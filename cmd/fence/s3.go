@@ -104,7 +104,7 @@ func openS3Backend(ctx context.Context, cfg backendConfig) (*backend, error) {
 		return nil, err
 	}
 	c, bucket := sc.c, sc.bucket
-	w, err := s3fence.New(c, bucket, nil)
+	w, err := s3fence.NewWriter(c, bucket, nil)
 	if err != nil {
 		sc.close()
 		return nil, err

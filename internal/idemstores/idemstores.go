@@ -78,7 +78,7 @@ func Faults(t testing.TB) map[string]Faulty {
 	out["redis"] = Faulty{rs, rp}
 	np := faultnet.Start(t, natsServer(t).Addr().String())
 	// A request on a connection the proxy cut waits for its Timeout.
-	out["nats"] = Faulty{natsStore(t, "nats://"+np.Addr(), &natsfence.StoreOptions{Timeout: 500 * time.Millisecond}), np}
+	out["nats"] = Faulty{natsStore(t, "nats://"+np.Addr(), &natsfence.IdempotencyOptions{Timeout: 500 * time.Millisecond}), np}
 	return out
 }
 
@@ -99,7 +99,7 @@ func natsServer(t testing.TB) interface {
 
 // natsStore is the NATS store on a bucket made with natsfence.LockBucket on
 // the server at url.
-func natsStore(t testing.TB, url string, o *natsfence.StoreOptions) idempotency.Store {
+func natsStore(t testing.TB, url string, o *natsfence.IdempotencyOptions) idempotency.Store {
 	t.Helper()
 	j, err := jetstream.New(natstest.Connect(t, url))
 	if err != nil {
@@ -109,7 +109,7 @@ func natsStore(t testing.TB, url string, o *natsfence.StoreOptions) idempotency.
 	if _, err := j.CreateOrUpdateKeyValue(ctx, natsfence.LockBucket("idempotency")); err != nil {
 		t.Fatal(err)
 	}
-	s, err := natsfence.NewStore(ctx, j, "idempotency", o)
+	s, err := natsfence.NewIdempotencyStore(ctx, j, "idempotency", o)
 	if err != nil {
 		t.Fatal(err)
 	}
