@@ -44,18 +44,18 @@ func connectAzure(ctx context.Context, cfg backendConfig) (*container.Client, st
 		return startAzurite(ctx)
 	}
 	if cfg.azureContainer == "" {
-		return nil, "", nil, fmt.Errorf("%w: -azure-url needs -azure-container", errUsage)
+		return nil, "", nil, usagef("-azure-url needs -azure-container")
 	}
 	if err := checkURLUserinfo("-azure-url", cfg.azureURL); err != nil {
 		return nil, "", nil, err
 	}
 	u, err := url.Parse(cfg.azureURL)
 	if err != nil || u.Scheme == "" || u.Host == "" {
-		return nil, "", nil, fmt.Errorf("%w: -azure-url %s is not a URL such as https://ACCOUNT.blob.core.windows.net/", errUsage, redactConn(cfg.azureURL))
+		return nil, "", nil, usagef("-azure-url %s is not a URL such as https://ACCOUNT.blob.core.windows.net/", redactConn(cfg.azureURL))
 	}
 	cred, err := azblob.NewSharedKeyCredential(os.Getenv("AZURE_STORAGE_ACCOUNT"), os.Getenv("AZURE_STORAGE_KEY"))
 	if err != nil {
-		return nil, "", nil, fmt.Errorf("%w: AZURE_STORAGE_KEY: %v", errUsage, err)
+		return nil, "", nil, usagef("AZURE_STORAGE_KEY: %v", err)
 	}
 	sc, err := azblob.NewClientWithSharedKeyCredential(cfg.azureURL, cred, nil)
 	if err != nil {

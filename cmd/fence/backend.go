@@ -143,23 +143,63 @@ func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
 	}
 }
 
+// flagBackends names, for each backend flag, the backends it is for (-db is
+// also the file of etcd's protected keys).
+var flagBackends = map[string][]string{
+	"db":               {"sqlite", "etcd"},
+	"postgres-url":     {"postgres"},
+	"mysql-dsn":        {"mysql"},
+	"redis-addr":       {"redis"},
+	"redis-url":        {"redis"},
+	"etcd-endpoints":   {"etcd"},
+	"s3-endpoint":      {"s3"},
+	"s3-bucket":        {"s3"},
+	"s3-region":        {"s3"},
+	"nats-url":         {"nats"},
+	"nats-bucket":      {"nats"},
+	"nats-data-bucket": {"nats"},
+	"gcs-bucket":       {"gcs"},
+	"gcs-endpoint":     {"gcs"},
+	"azure-url":        {"azure"},
+	"azure-container":  {"azure"},
+}
+
+// checkFlags refuses, as a usage error, an unknown -backend and a backend flag
+// given on the command line for another backend than -backend names: ignored,
+// it would leave the command acting on (or starting) another backend than the
+// one meant.
+func (c *backendConfig) checkFlags(fs *flag.FlagSet) error {
+	if !slices.Contains(backendNames, c.name) {
+		return usagef("unknown backend %q (have: %s)", c.name, strings.Join(backendNames, ", "))
+	}
+	var err error
+	fs.Visit(func(f *flag.Flag) {
+		owners, ok := flagBackends[f.Name]
+		if err != nil || !ok || slices.Contains(owners, c.name) {
+			return
+		}
+		err = usagef("-%s is for -backend %s, not -backend %s", f.Name, strings.Join(owners, " or "), c.name)
+	})
+	return err
+}
+
 // checkOperator refuses, as a usage error, an operator's command whose flags
 // do not name a real backend: inspect and bump never act on a default, a
 // temporary file or an embedded server.
 func (c *backendConfig) checkOperator(key string) error {
 	missing := func(flagName, what string) error {
-		return fmt.Errorf("%w: -backend %s needs %s naming %s (inspect and bump never act on a default or temporary backend)", errUsage, c.name, flagName, what)
+		return usagef("-backend %s needs %s naming %s (inspect and bump never act on a default or temporary backend)", c.name, flagName, what)
 	}
 	existing := func() error {
 		fi, err := os.Stat(c.dbPath)
 		if err != nil {
-			return fmt.Errorf("%w: -db %s: %v (inspect and bump never create a database)", errUsage, c.dbPath, errors.Unwrap(err))
+			return usagef("-db %s: %v (inspect and bump never create a database)", c.dbPath, errors.Unwrap(err))
 		}
 		if fi.IsDir() {
-			return fmt.Errorf("%w: -db %s is a directory, not a database file", errUsage, c.dbPath)
+			return usagef("-db %s is a directory, not a database file", c.dbPath)
 		}
 		if strings.ContainsAny(c.dbPath, "?#") {
-			return fmt.Errorf("%w: -db %s: the path may not contain ? or #", errUsage, c.dbPath)
+			return usagef("-db %s: the path may not contain ? or #", c.dbPath)
 		}
 		return nil
 	}
@@ -187,10 +227,10 @@ func (c *backendConfig) checkOperator(key string) error {
 			return missing("-etcd-endpoints URLS", "the cluster")
 		}
 		if slices.ContainsFunc(strings.Split(c.etcd, ","), blank) {
-			return fmt.Errorf("%w: -etcd-endpoints holds an empty endpoint: %q", errUsage, c.etcd)
+			return usagef("-etcd-endpoints holds an empty endpoint: %q", c.etcd)
 		}
 		if key != "" && c.dbPath == "" {
-			return fmt.Errorf("%w: -key on -backend etcd needs -db FILE, the SQLite file that holds the protected keys", errUsage)
+			return usagef("-key on -backend etcd needs -db FILE, the SQLite file that holds the protected keys")
 		}
 		if c.dbPath != "" {
 			return existing()
@@ -204,7 +244,7 @@ func (c *backendConfig) checkOperator(key string) error {
 			return missing("-s3-bucket BUCKET", "an existing bucket")
 		}
 		if os.Getenv("AWS_ACCESS_KEY_ID") == "" || os.Getenv("AWS_SECRET_ACCESS_KEY") == "" {
-			return fmt.Errorf("%w: -backend s3 needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment", errUsage)
+			return usagef("-backend s3 needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment")
 		}
 	case "gcs":
 		if blank(c.gcsBucket) {
@@ -215,7 +255,7 @@ func (c *backendConfig) checkOperator(key string) error {
 			return missing("-azure-url URL and -azure-container NAME", "an existing container")
 		}
 		if os.Getenv("AZURE_STORAGE_ACCOUNT") == "" || os.Getenv("AZURE_STORAGE_KEY") == "" {
-			return fmt.Errorf("%w: -backend azure needs AZURE_STORAGE_ACCOUNT and AZURE_STORAGE_KEY in the environment", errUsage)
+			return usagef("-backend azure needs AZURE_STORAGE_ACCOUNT and AZURE_STORAGE_KEY in the environment")
 		}
 	}
 	return nil
@@ -318,7 +358,7 @@ func connectPostgres(ctx context.Context, url string) (*pgxpool.Pool, string, er
 	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
-		return nil, "", fmt.Errorf("%w: -postgres-url %s does not parse: %v", errUsage, redactConn(url), err)
+		return nil, "", usagef("-postgres-url %s does not parse: %v", redactConn(url), err)
 	}
 	p, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err == nil {
@@ -385,7 +425,7 @@ func stdRaw(db *sql.DB, raw rawSQL) rawSQL {
 func connectMySQL(ctx context.Context, dsn string) (*sql.DB, string, error) {
 	cfg, err := mysql.ParseDSN(dsn)
 	if err != nil {
-		return nil, "", fmt.Errorf("%w: -mysql-dsn %s does not parse: %v", errUsage, redactConn(dsn), err)
+		return nil, "", usagef("-mysql-dsn %s does not parse: %v", redactConn(dsn), err)
 	}
 	db, err := sql.Open("mysql", dsn)
 	if err == nil {
@@ -442,7 +482,7 @@ func openBackend(ctx context.Context, c backendConfig) (*backend, error) {
 	case "azure":
 		return openAzureBackend(ctx, c)
 	default:
-		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
+		return nil, usagef("unknown backend %q (have: %s)", c.name, strings.Join(backendNames, ", "))
 	}
 }
 
@@ -463,7 +503,7 @@ func connectRedis(ctx context.Context, cfg backendConfig) (*redis.Client, string
 		}
 		var err error
 		if opts, err = redis.ParseURL(cfg.redisURL); err != nil {
-			return nil, "", fmt.Errorf("%w: -redis-url %s does not parse: %v", errUsage, redactConn(cfg.redisURL), err)
+			return nil, "", usagef("-redis-url %s does not parse: %v", redactConn(cfg.redisURL), err)
 		}
 		shown = redactConn(cfg.redisURL)
 	}

@@ -36,17 +36,20 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
+	if err := bc.checkFlags(fs.FlagSet); err != nil {
+		return err
+	}
 	if *doSweep {
 		return runSweep(*bc, *points, *rounds, *increments, stdout, stderr)
 	}
 	if *processes < 1 || *processes > *workers {
-		return fmt.Errorf("%w: -processes must be between 1 and -workers (%d)", errUsage, *workers)
+		return usagef("-processes must be between 1 and -workers (%d)", *workers)
 	}
 	if *processes > 1 && !slices.Contains(sharedBackends, bc.name) {
-		return fmt.Errorf("%w: -processes needs a backend other processes can reach: %s", errUsage, strings.Join(sharedBackends, ", "))
+		return usagef("-processes needs a backend other processes can reach: %s", strings.Join(sharedBackends, ", "))
 	}
 	if *ops < 1 || *rounds < 1 || *workers < 1 || *each < 1 || *exerciseEach < 1 {
-		return fmt.Errorf("%w: -n, -rounds, -workers, -each and -exercise-each must be at least 1", errUsage)
+		return usagef("-n, -rounds, -workers, -each and -exercise-each must be at least 1")
 	}
 	ctx := context.Background()
 	b, err := openBackend(ctx, *bc)

@@ -60,6 +60,9 @@ func runDemo(args []string, stdout, stderr io.Writer) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
+	if err := bc.checkFlags(fs.FlagSet); err != nil {
+		return err
+	}
 	ctx := context.Background()
 	b, err := openBackend(ctx, *bc)
 	if err != nil {

@@ -41,7 +41,7 @@ func connectGCS(ctx context.Context, cfg backendConfig) (b *storage.BucketHandle
 			return nil, nil, "", nil, err
 		}
 		if u, err := url.Parse(cfg.gcsEndpoint); err != nil || u.Scheme == "" || u.Host == "" {
-			return nil, nil, "", nil, fmt.Errorf("%w: GCS endpoint %s is not a URL such as http://127.0.0.1:4443/storage/v1/", errUsage, redactConn(cfg.gcsEndpoint))
+			return nil, nil, "", nil, usagef("GCS endpoint %s is not a URL such as http://127.0.0.1:4443/storage/v1/", redactConn(cfg.gcsEndpoint))
 		}
 		opts = append(opts, option.WithEndpoint(cfg.gcsEndpoint))
 		where = redactConn(cfg.gcsEndpoint)

@@ -33,8 +33,12 @@ func parseWithName(fs *flagSet, args []string) (string, error) {
 		names = append(names, fs.Arg(0))
 		args = fs.Args()[1:]
 	}
-	if len(names) != 1 {
-		return "", fmt.Errorf("%w: want exactly one lock name, got %q", errUsage, names)
+	switch len(names) {
+	case 0:
+		return "", usagef("missing the lock NAME")
+	case 1:
+	default:
+		return "", usagef("want one lock NAME, got %d: %q", len(names), names)
 	}
 	return names[0], nil
 }
@@ -49,6 +53,9 @@ func runInspect(args []string, stdout, stderr io.Writer) error {
 	key := fs.String("key", "", "also show the token stored for this protected key (the writer's default table, hash or objects)")
 	name, err := parseWithName(fs, args)
 	if err != nil {
+		return err
+	}
+	if err := bc.checkFlags(fs.FlagSet); err != nil {
 		return err
 	}
 	if err := bc.checkOperator(*key); err != nil {
@@ -70,7 +77,21 @@ func runInspect(args []string, stdout, stderr io.Writer) error {
 		if errors.Is(err, fence.ErrNotFound) {
 			return fmt.Errorf("no lock named %q on %s (never granted)", name, b.name)
 		}
-		return err
+		return operatorError(err)
+	}
+	// The key is read before anything is printed: a key the backend refuses
+	// is bad usage, with nothing on stdout.
+	keyLine := ""
+	if *key != "" && b.fenced != nil {
+		v, tok, err := b.fenced.Read(ctx, *key)
+		switch {
+		case errors.Is(err, fence.ErrNotFound):
+			keyLine = fmt.Sprintf("  key %q: no value\n", *key)
+		case err != nil:
+			return operatorError(err)
+		default:
+			keyLine = fmt.Sprintf("  key %q: token %d, %d bytes\n", *key, tok, len(v))
+		}
 	}
 	fmt.Fprintf(stdout, "lock %q on %s\n", name, b.name)
 	if info.Held {
@@ -79,17 +100,7 @@ func runInspect(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "  held:      no\n")
 	}
 	fmt.Fprintf(stdout, "  counter:   %d (every later grant's token is larger)\n", info.Counter)
-	if *key != "" && b.fenced != nil {
-		v, tok, err := b.fenced.Read(ctx, *key)
-		switch {
-		case errors.Is(err, fence.ErrNotFound):
-			fmt.Fprintf(stdout, "  key %q: no value\n", *key)
-		case err != nil:
-			return err
-		default:
-			fmt.Fprintf(stdout, "  key %q: token %d, %d bytes\n", *key, tok, len(v))
-		}
-	}
+	fmt.Fprint(stdout, keyLine)
 	return nil
 }
 
@@ -108,7 +119,10 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 	}
 	n, err := strconv.ParseUint(*to, 10, 64)
 	if err != nil || !fence.Token(n).Valid() {
-		return fmt.Errorf("%w: -to wants a token in 1..%d, got %q", errUsage, uint64(fence.MaxToken), *to)
+		return usagef("-to wants a token in 1..%d, got %q", uint64(fence.MaxToken), *to)
+	}
+	if err := bc.checkFlags(fs.FlagSet); err != nil {
+		return err
 	}
 	if err := bc.checkOperator(""); err != nil {
 		return err
@@ -125,10 +139,31 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("backend %s has no counter to bump (etcd and NATS tokens are revisions; S3 lock objects cannot be bumped)", bc.name)
 	}
 	if err := bu.Bump(ctx, name, fence.Token(n)); err != nil {
-		return err
+		return operatorError(err)
 	}
 	fmt.Fprintf(stdout, "lock %q on %s: counter raised to %d\n", name, b.name, n)
 	return nil
+}
+
+// operatorError words an error of inspect's or bump's backend call for the
+// command line, without the fence package's "fence: OP: invalid ARG:" prefix:
+// a lock name or key the backend refuses is bad usage (exit status 2), a -to
+// that would not raise the counter a refusal (exit status 1).
+func operatorError(err error) error {
+	var inv *fence.InvalidError
+	if !errors.As(err, &inv) {
+		return err
+	}
+	switch inv.Arg {
+	case "name":
+		return usagef("invalid lock NAME: %s", inv.Reason)
+	case "key":
+		return usagef("invalid -key: %s", inv.Reason)
+	case "to":
+		return fmt.Errorf("-to: %s", inv.Reason)
+	default:
+		return fmt.Errorf("invalid %s: %s", inv.Arg, inv.Reason)
+	}
 }
 
 // openOperatorSQLite opens an operator's existing SQLite file as it is: never
@@ -243,6 +278,6 @@ func openOperator(ctx context.Context, c backendConfig, keys bool) (*backend, er
 	case "nats":
 		return openNATSOperator(ctx, c, keys)
 	default:
-		return nil, fmt.Errorf("%w: unknown backend %q (have: %s)", errUsage, c.name, strings.Join(backendNames, ", "))
+		return nil, usagef("unknown backend %q (have: %s)", c.name, strings.Join(backendNames, ", "))
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"io"
 	"log"
 	"os"
+	"strings"
 	"sync"
 
 	"github.com/go-sql-driver/mysql"
@@ -41,11 +42,31 @@ func main() {
 }
 
 var (
-	// errUsage marks a command-line mistake (exit status 2).
+	// errUsage marks a command-line mistake (exit status 2): errors.Is
+	// matches every error usagef returns.
 	errUsage = errors.New("usage")
 	// errReported marks a command-line mistake the flag package already printed.
 	errReported = errors.New("usage error reported")
 )
+
+// usageError is a command-line mistake: its message is printed after the
+// command's prefix, and the exit status is 2.
+type usageError struct{ msg string }
+
+func (e *usageError) Error() string        { return e.msg }
+func (e *usageError) Is(target error) bool { return target == errUsage }
+
+// usagef returns a usageError with a message formatted as by fmt.Sprintf.
+func usagef(format string, args ...any) error {
+	return &usageError{msg: fmt.Sprintf(format, args...)}
+}
+
+// message is err's text for the command's "fence CMD: " prefix: without the
+// fence package's own "fence: " (its errors say "fence: lease held by another
+// holder"), which would repeat it.
+func message(err error) string {
+	return strings.TrimPrefix(err.Error(), "fence: ")
+}
 
 // run runs the command line args, writing through a redactor that blanks the
 // passwords args and the credential variables carry, and returns the exit
@@ -123,10 +144,10 @@ func runCommand(args []string, stdout, stderr io.Writer) int {
 	case errors.Is(err, errReported):
 		return 2
 	case errors.Is(err, errUsage):
-		fmt.Fprintf(stderr, "fence %s: %v\nRun \"fence %s -h\" for usage.\n", args[0], err, args[0])
+		fmt.Fprintf(stderr, "fence %s: %s\nRun \"fence %s -h\" for usage.\n", args[0], message(err), args[0])
 		return 2
 	default:
-		fmt.Fprintf(stderr, "fence %s: %v\n", args[0], err)
+		fmt.Fprintf(stderr, "fence %s: %s\n", args[0], message(err))
 		return 1
 	}
 }
@@ -182,7 +203,7 @@ func parseFlags(fs *flagSet, args []string) error {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("%w: unexpected arguments %q", errUsage, fs.Args())
+		return usagef("unexpected arguments %q", fs.Args())
 	}
 	return nil
 }

@@ -32,6 +32,10 @@ const (
 	natsPlainBucket = "fencekit_demo_plain"
 )
 
+// natsMinServer is the oldest NATS Server whose JetStream has the per-key
+// TTLs and limit markers natsfence.LockBucket asks for.
+const natsMinServer = "2.11"
+
 // connectNATS connects to url (user and password in the URL, or
 // NATS_USER/NATS_PASSWORD) and checks that JetStream answers.
 func connectNATS(ctx context.Context, url string) (*nats.Conn, jetstream.JetStream, error) {
@@ -103,6 +107,12 @@ func natsBackend(ctx context.Context, url, name string) (*backend, error) {
 		{Bucket: natsPlainBucket, History: 1},
 	} {
 		if _, err := js.CreateOrUpdateKeyValue(ctx, cfg); err != nil {
+			if errors.Is(err, jetstream.ErrLimitMarkerTTLNotSupported) {
+				// The server is too old for natsfence's buckets: say which
+				// version answered and which one they need.
+				return fail(fmt.Errorf("nats bucket %s: the server at %s is NATS Server %s, and natsfence's lock buckets need %s or later (per-key TTLs and limit markers): %w",
+					cfg.Bucket, redactNATS(url), nc.ConnectedServerVersion(), natsMinServer, err))
+			}
 			return fail(fmt.Errorf("nats bucket %s: %w", cfg.Bucket, err))
 		}
 	}

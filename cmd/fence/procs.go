@@ -109,7 +109,7 @@ func runBenchChild(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	if *key == "" || *workers < 1 || *each < 1 {
-		return fmt.Errorf("%w: bench-child needs -key, and -workers and -each of at least 1", errUsage)
+		return usagef("bench-child needs -key, and -workers and -each of at least 1")
 	}
 	ctx := context.Background()
 	b, err := openBackend(ctx, *bc)

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"fmt"
 	"io"
 	"net/url"
 	"os"
@@ -112,7 +111,7 @@ func checkURLUserinfo(flagName, s string) error {
 		return nil
 	}
 	if end := strings.IndexAny(rest, "/?#"); (end >= 0 && end < at) || strings.Contains(rest[:at], "@") {
-		return fmt.Errorf("%w: %s %s: the user name or password holds an unescaped @, /, ? or #: percent-encode them (%%40, %%2F, %%3F, %%23)", errUsage, flagName, redactConn(s))
+		return usagef("%s %s: the user name or password holds an unescaped @, /, ? or #: percent-encode them (%%40, %%2F, %%3F, %%23)", flagName, redactConn(s))
 	}
 	return nil
 }

@@ -63,7 +63,7 @@ func connectS3(ctx context.Context, cfg backendConfig) (*s3Client, error) {
 		return &s3Client{c: c, bucket: bucket, name: "in-process S3 (" + srv.URL + ")", close: srv.Close}, nil
 	}
 	if cfg.s3Bucket == "" {
-		return nil, fmt.Errorf("%w: -s3-endpoint needs -s3-bucket", errUsage)
+		return nil, usagef("-s3-endpoint needs -s3-bucket")
 	}
 	// The endpoint the AWS environment names, as the AWS CLI and SDKs read it.
 	endpoint := cmp.Or(cfg.s3Endpoint, os.Getenv("AWS_ENDPOINT_URL_S3"), os.Getenv("AWS_ENDPOINT_URL"))
@@ -80,7 +80,7 @@ func connectS3(ctx context.Context, cfg backendConfig) (*s3Client, error) {
 		}
 		u, err := url.Parse(endpoint)
 		if err != nil || u.Scheme == "" || u.Host == "" {
-			return nil, fmt.Errorf("%w: S3 endpoint %s is not a URL such as http://127.0.0.1:9000", errUsage, redactConn(endpoint))
+			return nil, usagef("S3 endpoint %s is not a URL such as http://127.0.0.1:9000", redactConn(endpoint))
 		}
 		opts.BaseEndpoint, opts.UsePathStyle = aws.String(endpoint), true
 		where = redactConn(endpoint)

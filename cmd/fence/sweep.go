@@ -29,14 +29,14 @@ var sweepNames = []string{"fencekit", "fencekit-spin1ms"}
 
 func runSweep(bc backendConfig, points string, rounds, increments int, stdout, stderr io.Writer) error {
 	if bc.name != "redis" {
-		return fmt.Errorf("%w: -sweep runs on -backend redis only", errUsage)
+		return usagef("-sweep runs on -backend redis only")
 	}
 	pts, err := sweep.ParsePoints(points)
 	if err != nil {
-		return fmt.Errorf("%w: -points: %v", errUsage, err)
+		return usagef("-points: %v", err)
 	}
 	if rounds < 1 || increments < 1 {
-		return fmt.Errorf("%w: -rounds and -increments must be at least 1", errUsage)
+		return usagef("-rounds and -increments must be at least 1")
 	}
 	ctx := context.Background()
 	c, _, err := connectRedis(ctx, bc)
