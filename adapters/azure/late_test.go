@@ -21,6 +21,7 @@ import (
 	azfence "github.com/fencekit/fencekit/adapters/azure"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/internal/linetest"
 	"github.com/fencekit/fencekit/internal/testenv"
 )
 
@@ -607,20 +608,20 @@ func TestLateGrantSeveralWaiters(t *testing.T) {
 	ctx := context.Background()
 	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	var chans []<-chan acquired
+	var chans []<-chan linetest.Acquired
 	for i := 0; i < 3; i++ {
-		chans = append(chans, goAcquire(actx, a, name, ttl))
-		waitLine(t, a, name, i+1)
+		chans = append(chans, linetest.Go(actx, a, name, ttl))
+		linetest.WaitLine(t, lineLen, a, name, i+1)
 	}
 	for i, ch := range chans {
-		r := within(t, ch, 10*time.Second, "a waiter with every grant late")
-		if r.err == nil {
-			_ = r.l.Release(ctx)
-			t.Errorf("waiter %d granted token %d with every grant late (its context: %v)", i, r.l.Token(), context.Cause(r.l.Context()))
+		r := linetest.Within(t, ch, 10*time.Second, "a waiter with every grant late")
+		if r.Err == nil {
+			_ = r.Lease.Release(ctx)
+			t.Errorf("waiter %d granted token %d with every grant late (its context: %v)", i, r.Lease.Token(), context.Cause(r.Lease.Context()))
 			continue
 		}
-		if !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.DeadlineExceeded) || errors.Is(r.err, fence.ErrLost) {
-			t.Errorf("waiter %d: %v, want ErrHeld and DeadlineExceeded, not ErrLost", i, r.err)
+		if !errors.Is(r.Err, fence.ErrHeld) || !errors.Is(r.Err, context.DeadlineExceeded) || errors.Is(r.Err, fence.ErrLost) {
+			t.Errorf("waiter %d: %v, want ErrHeld and DeadlineExceeded, not ErrLost", i, r.Err)
 		}
 	}
 	t.Logf("%d acquires, %d give-backs", h.acquires.Load(), h.releasesOK.Load())
@@ -651,11 +652,11 @@ func TestLateGrantThenOtherTakes(t *testing.T) {
 	ctx := context.Background()
 	actx, cancel := context.WithTimeout(ctx, 40*time.Second)
 	defer cancel()
-	got := goAcquire(actx, a, name, azfence.MinAcquirerTTL)
+	got := linetest.Go(actx, a, name, azfence.MinAcquirerTTL)
 	select {
 	case <-h.released:
 	case r := <-got:
-		t.Fatalf("Acquire returned before any late grant was given back: %v", r.err)
+		t.Fatalf("Acquire returned before any late grant was given back: %v", r.Err)
 	case <-time.After(10 * time.Second):
 		t.Fatal("no late grant given back within 10s")
 	}
@@ -665,10 +666,10 @@ func TestLateGrantThenOtherTakes(t *testing.T) {
 	// The other holds the name: the first Acquire must still wait.
 	select {
 	case r := <-got:
-		if r.err == nil {
-			t.Fatalf("Acquire granted token %d while another acquirer holds token %d", r.l.Token(), bl.Token())
+		if r.Err == nil {
+			t.Fatalf("Acquire granted token %d while another acquirer holds token %d", r.Lease.Token(), bl.Token())
 		}
-		t.Fatalf("Acquire gave up while the other holds the name, its ctx live: %v", r.err)
+		t.Fatalf("Acquire gave up while the other holds the name, its ctx live: %v", r.Err)
 	case <-time.After(1500 * time.Millisecond): // observing that nothing comes
 	}
 	// The name is free at Azure during the Release call, before its answer
@@ -678,19 +679,19 @@ func TestLateGrantThenOtherTakes(t *testing.T) {
 	if err := bl.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	r := within(t, got, 10*time.Second, "Acquire after the other's release")
-	if r.err != nil {
-		t.Fatalf("Acquire after the other's release: %v", r.err)
+	r := linetest.Within(t, got, 10*time.Second, "Acquire after the other's release")
+	if r.Err != nil {
+		t.Fatalf("Acquire after the other's release: %v", r.Err)
 	}
-	defer r.l.Release(ctx)
-	if r.at.Before(released) {
+	defer r.Lease.Release(ctx)
+	if r.At.Before(released) {
 		t.Errorf("Acquire granted before the other's release began")
 	}
-	if err := r.l.Context().Err(); err != nil {
-		t.Errorf("Acquire returned a lease whose context is done: %v", context.Cause(r.l.Context()))
+	if err := r.Lease.Context().Err(); err != nil {
+		t.Errorf("Acquire returned a lease whose context is done: %v", context.Cause(r.Lease.Context()))
 	}
-	if !(first < bl.Token() && bl.Token() < r.l.Token()) {
-		t.Errorf("tokens: first %d, the other's %d, the waiter's %d: not growing", first, bl.Token(), r.l.Token())
+	if !(first < bl.Token() && bl.Token() < r.Lease.Token()) {
+		t.Errorf("tokens: first %d, the other's %d, the waiter's %d: not growing", first, bl.Token(), r.Lease.Token())
 	}
 	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
 }
@@ -736,7 +737,7 @@ func TestLateGrantThenOtherHoldsThenGranted(t *testing.T) {
 	a := lateBlobAcquirer(t, e, h, nil)
 	actx, cancel := context.WithTimeout(ctx, 40*time.Second)
 	defer cancel()
-	got := goAcquire(actx, a, name, azfence.MinAcquirerTTL)
+	got := linetest.Go(actx, a, name, azfence.MinAcquirerTTL)
 	var bl fence.Lease
 	select {
 	case tk := <-took:
@@ -745,16 +746,16 @@ func TestLateGrantThenOtherHoldsThenGranted(t *testing.T) {
 		}
 		bl = tk.l
 	case r := <-got:
-		t.Fatalf("Acquire returned before any late grant was given back: %v", r.err)
+		t.Fatalf("Acquire returned before any late grant was given back: %v", r.Err)
 	case <-time.After(15 * time.Second):
 		t.Fatal("no late grant given back within 15s")
 	}
 	select {
 	case r := <-got:
-		if r.err == nil {
-			t.Fatalf("Acquire granted token %d while another acquirer holds token %d", r.l.Token(), bl.Token())
+		if r.Err == nil {
+			t.Fatalf("Acquire granted token %d while another acquirer holds token %d", r.Lease.Token(), bl.Token())
 		}
-		t.Fatalf("Acquire gave up while the other holds the name, its ctx live: %v", r.err)
+		t.Fatalf("Acquire gave up while the other holds the name, its ctx live: %v", r.Err)
 	case <-time.After(2 * time.Second): // observing that nothing comes
 	}
 	// The name is free at Azure during the Release call, before its answer
@@ -764,19 +765,19 @@ func TestLateGrantThenOtherHoldsThenGranted(t *testing.T) {
 	if err := bl.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	r := within(t, got, 10*time.Second, "Acquire after the other's release")
-	if r.err != nil {
-		t.Fatalf("Acquire after the other's release: %v", r.err)
+	r := linetest.Within(t, got, 10*time.Second, "Acquire after the other's release")
+	if r.Err != nil {
+		t.Fatalf("Acquire after the other's release: %v", r.Err)
 	}
-	defer r.l.Release(ctx)
-	if r.at.Before(released) {
+	defer r.Lease.Release(ctx)
+	if r.At.Before(released) {
 		t.Errorf("Acquire granted before the other's release began")
 	}
-	if err := r.l.Context().Err(); err != nil {
-		t.Errorf("Acquire returned a lease whose context is done: %v", context.Cause(r.l.Context()))
+	if err := r.Lease.Context().Err(); err != nil {
+		t.Errorf("Acquire returned a lease whose context is done: %v", context.Cause(r.Lease.Context()))
 	}
-	if !(first+1 < bl.Token() && bl.Token() < r.l.Token()) {
-		t.Errorf("tokens: first %d, late grant %d, the other's %d, the waiter's %d: not growing", first, first+1, bl.Token(), r.l.Token())
+	if !(first+1 < bl.Token() && bl.Token() < r.Lease.Token()) {
+		t.Errorf("tokens: first %d, late grant %d, the other's %d, the waiter's %d: not growing", first, first+1, bl.Token(), r.Lease.Token())
 	}
 	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
 }
@@ -800,7 +801,7 @@ func TestLateGrantGiveBackReplyLost(t *testing.T) {
 	ctx := context.Background()
 	actx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	got := goAcquire(actx, a, name, azfence.MinAcquirerTTL)
+	got := linetest.Go(actx, a, name, azfence.MinAcquirerTTL)
 	// The first late grant's release landed with its answer lost: Azure
 	// no longer holds a lease on the blob.
 	for end := time.Now().Add(10 * time.Second); h.releases.Load() == 0 || leased(t, e.c, name); {
@@ -811,26 +812,26 @@ func TestLateGrantGiveBackReplyLost(t *testing.T) {
 	}
 	h.slowWrite.Store(0)
 	fast := time.Now()
-	r := within(t, got, 5*time.Second, "a waiter after its late grant's give-back lost its answer")
-	if r.err != nil {
-		t.Fatalf("Acquire: %v", r.err)
+	r := linetest.Within(t, got, 5*time.Second, "a waiter after its late grant's give-back lost its answer")
+	if r.Err != nil {
+		t.Fatalf("Acquire: %v", r.Err)
 	}
-	defer r.l.Release(ctx)
-	t.Logf("granted %v after the link became fast; %d acquires, %d releases sent", r.at.Sub(fast), h.acquires.Load(), h.releases.Load())
-	if r.l.Token() <= first {
-		t.Errorf("token %d not above %d", r.l.Token(), first)
+	defer r.Lease.Release(ctx)
+	t.Logf("granted %v after the link became fast; %d acquires, %d releases sent", r.At.Sub(fast), h.acquires.Load(), h.releases.Load())
+	if r.Lease.Token() <= first {
+		t.Errorf("token %d not above %d", r.Lease.Token(), first)
 	}
-	if d := r.at.Sub(fast); d > 3*time.Second {
+	if d := r.At.Sub(fast); d > 3*time.Second {
 		t.Errorf("granted %v after the name was free: the waiter waited for abandon or Azure's lease", d)
 	}
 	// abandon may still send releases of the late grant's lease ID for
 	// seconds: the new lease must survive them.
 	select {
-	case <-r.l.Context().Done():
-		t.Fatalf("the granted lease ended: %v", context.Cause(r.l.Context()))
+	case <-r.Lease.Context().Done():
+		t.Fatalf("the granted lease ended: %v", context.Cause(r.Lease.Context()))
 	case <-time.After(500 * time.Millisecond): // observing that it stays live
 	}
-	if err := r.l.Renew(ctx); err != nil {
+	if err := r.Lease.Renew(ctx); err != nil {
 		t.Fatalf("Renew of the granted lease: %v", err)
 	}
 	expectHeldBy(t, newAcquirer(t, e.other(t)), name)

@@ -1,5 +1,6 @@
-// Package linetest checks, against a real backend, the order in which one
-// acquirer grants the Acquire calls waiting in its line (internal/wakeup.Line).
+// Package linetest checks, against a real backend, how one acquirer grants
+// the Acquire calls waiting in its line (internal/wakeup.Line): their order
+// (Order), and the cases the object-store adapters share (cases.go).
 package linetest
 
 import (
@@ -76,10 +77,16 @@ func Order(t *testing.T, a fence.Acquirer, lineLen func(name string) int, ttl ti
 	}
 }
 
-// Wait waits until n Acquire calls wait in name's line.
+// Wait waits up to 20s until n Acquire calls wait in name's line.
 func Wait(t *testing.T, lineLen func(name string) int, name string, n int) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
+	waitLen(t, 20*time.Second, lineLen, name, n)
+}
+
+// waitLen waits up to d until n Acquire calls wait in name's line.
+func waitLen(t *testing.T, d time.Duration, lineLen func(name string) int, name string, n int) {
+	t.Helper()
+	deadline := time.Now().Add(d)
 	for lineLen(name) != n {
 		if time.Now().After(deadline) {
 			t.Fatalf("line of %q has %d waiters, want %d", name, lineLen(name), n)
