@@ -212,10 +212,13 @@ func TestRingRefused(t *testing.T) {
 	}
 }
 
-// TestRenewAfterLocalDeadline: a Renew on a lease whose local
-// deadline has passed returns ErrLost and does not hold the lock on Redis for
-// another ttl: another acquirer gets it when the first grant expires.
-func TestRenewAfterLocalDeadline(t *testing.T) {
+// TestRenewInDriftMarginDoesNotExtendKey: the suite's
+// LateRenewHoldsNothing, with a Drift of 100ms (the default is 1% of the
+// ttl plus 2ms), so that the Renew after the local deadline leaves while
+// the key still lives on Redis. It returns ErrLost and does not hold the
+// lock on Redis for another ttl: another acquirer gets it when the first
+// grant expires.
+func TestRenewInDriftMarginDoesNotExtendKey(t *testing.T) {
 	c := testenv.RedisClient(t)
 	ctx := context.Background()
 	a, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Drift: 100 * time.Millisecond})
