@@ -163,9 +163,15 @@ func (s *memServer) grant(name string, ttl time.Duration) (fence.Token, error) {
 }
 
 // extend renews (ttl > 0) or releases (ttl 0) the lock if tok still holds it.
+// The recreate-restarts mutant re-creates a name's deleted state here (an
+// upsert in the renewal's statement) with its counter at 0: only the grant
+// keeps the clock floor.
 func (s *memServer) extend(name string, tok fence.Token, ttl time.Duration) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if k := s.fold("name", name); s.bug == "recreate-restarts" && s.locks[k] == nil {
+		s.locks[k] = &memLock{}
+	}
 	l, now := s.lock(name), s.now()
 	if !now.Before(l.expires) || (l.holder != tok && s.bug != "renew-no-token" && s.bug != "renew-no-holder") {
 		return false

@@ -1,0 +1,89 @@
+package fencetest_test
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"regexp"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+)
+
+// nemesisMutants are the in-memory backend's bugs that need faults in
+// combination; the nemesis must catch each. point says whether the point
+// cases (TestMemoryAcquirer, TestMemoryWriter) catch it too.
+var nemesisMutants = []struct {
+	name, what string
+}{
+	{"renew-no-holder", "Renew checks the expiry but not the holder's token: after DeleteState and a new grant, the old holder's Renew extends the new holder's lease"},
+	{"renew-recognised-late", "a Renew after one whose reply was lost recognises it and counts the local deadline from its own send"},
+	{"recreate-restarts", "a Renew or Release that finds the name's state deleted re-creates it with the counter at 0 (only the grant keeps the clock floor)"},
+	{"delete-restarts", "a lock whose state was deleted restarts its counter at 1"},
+	{"write-retry-unfenced", "a Write whose answer was lost is sent again as an unfenced put, so a stale write is stored"},
+}
+
+// TestMemoryNemesis: the correct in-memory backend, served over TCP behind a
+// proxy per client, passes the nemesis.
+func TestMemoryNemesis(t *testing.T) {
+	srv := newMemServer(memoryBug(t))
+	addr := serveMem(t, srv)
+	fencetest.NemesisSuite{
+		Acquirer: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
+			p := faultnet.Start(t, addr)
+			return memAcquirer{s: srv, via: &memClient{addr: p.Addr()}, maxWait: 3 * time.Second}, p
+		},
+		Writer: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
+			p := faultnet.Start(t, addr)
+			return memNetWriter{s: srv, via: &memClient{addr: p.Addr()}}, p
+		},
+		Direct: func(*testing.T) (fence.Acquirer, fence.FencedWriter) {
+			return memAcquirer{s: srv, maxWait: 3 * time.Second}, memWriter{s: srv}
+		},
+		DeleteState: func(_ *testing.T, name string) { srv.deleteState(name) },
+	}.Run(t)
+}
+
+// TestNemesisMutantsKilled runs the nemesis on each of nemesisMutants in a
+// child process and checks that it failed; it logs the seed that failed,
+// how long the run took, and whether the point suites catch the bug too.
+func TestNemesisMutantsKilled(t *testing.T) {
+	if os.Getenv(mutantEnv) != "" {
+		t.Skip("a child process runs the suites only")
+	}
+	if testing.Short() {
+		t.Skip("runs the nemesis once per mutant")
+	}
+	for _, m := range nemesisMutants {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			child := func(run string) (string, bool, time.Duration) {
+				start := time.Now()
+				cmd := exec.Command(os.Args[0], "-test.run="+run, "-test.count=1", "-test.v", "-test.timeout=5m")
+				cmd.Env = append(os.Environ(), mutantEnv+"="+m.name)
+				out, err := cmd.CombinedOutput()
+				var ee *exec.ExitError
+				if err != nil && !errors.As(err, &ee) {
+					t.Fatalf("mutant %q: %v", m.name, err)
+				}
+				return string(out), err != nil, time.Since(start)
+			}
+			out, failed, took := child("^TestMemoryNemesis$")
+			seeds := regexp.MustCompile(`--- FAIL: TestMemoryNemesis/seed=(\d+)`).FindAllStringSubmatch(out, -1)
+			if !failed || len(seeds) == 0 {
+				t.Fatalf("mutant %q (%s): the nemesis passed (%v):\n%s", m.name, m.what, took, out)
+			}
+			var caught []string
+			for _, s := range seeds {
+				caught = append(caught, s[1])
+			}
+			passed := len(regexp.MustCompile(`--- PASS: TestMemoryNemesis/seed=`).FindAllString(out, -1))
+			_, pointFailed, _ := child("^TestMemory(Acquirer|Writer)$")
+			t.Logf("mutant %q (%s): the nemesis failed seeds %v (%d passed) in %v; point suites catch it: %v",
+				m.name, m.what, caught, passed, took.Round(time.Millisecond), pointFailed)
+		})
+	}
+}
