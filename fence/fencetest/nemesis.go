@@ -93,7 +93,7 @@ type NemesisSuite struct {
 	Clients int
 
 	// Duration is how long each seed runs (faults for its first 70%).
-	// Default: 3s, or NemesisDurationEnv.
+	// Default: 4s, or NemesisDurationEnv.
 	Duration time.Duration
 
 	// Seeds is how many random seeds run, one after the other. Default: 3;
@@ -123,7 +123,7 @@ func (s NemesisSuite) Run(t *testing.T) {
 		s.Duration = d
 	}
 	if s.Duration <= 0 {
-		s.Duration = 3 * time.Second
+		s.Duration = 4 * time.Second
 	}
 	if s.Seeds <= 0 {
 		s.Seeds = 3
@@ -153,6 +153,7 @@ type fault struct {
 	kind   string        // lose-reply, latency, partition, delete
 	client int
 	writer bool          // the client's writer proxy (lose-reply), not its acquirer's
+	call   string        // lose-reply: the kind of call whose reply is lost ("" for the next request)
 	d      time.Duration // how long a latency or partition lasts
 	lat    [2]time.Duration
 	name   string // delete
@@ -161,6 +162,9 @@ type fault struct {
 func (f fault) String() string {
 	switch f.kind {
 	case "lose-reply":
+		if f.call != "" {
+			return fmt.Sprintf("%8v  client %d: lose the reply of its next %s", f.at, f.client, f.call)
+		}
 		which := "acquirer"
 		if f.writer {
 			which = "writer"
@@ -182,18 +186,27 @@ func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration
 		busy = map[[2]int]time.Duration{} // {client, kind}: the end of its last span
 	)
 	between := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(rng.Int64N(int64(hi-lo)+1)) }
-	for at := between(0, ttl/2); at < end; at += between(ttl/8, ttl/2) {
+	for at := between(0, ttl/2); at < end; at += between(ttl/10, ttl/3) {
 		f := fault{at: at, client: rng.IntN(s.Clients)}
 		switch r := rng.IntN(100); {
 		case r < 50:
+			// Two in five lost replies are of the next request, whatever
+			// it is; the others are of the client's next call of one kind,
+			// the proxy armed by the client just before that call.
 			f.kind = "lose-reply"
-			f.writer = s.Writer != nil && rng.IntN(2) == 0
-		case r < 65:
+			f.writer = s.Writer != nil && rng.IntN(5) < 2
+			if rng.IntN(5) < 3 {
+				f.call = []string{"Renew", "Renew", "Renew", "TryAcquire", "Release", "Write"}[rng.IntN(6)]
+				if f.call == "Write" && s.Writer == nil {
+					f.call = "Renew"
+				}
+			}
+		case r < 58:
 			f.kind = "latency"
 			f.lat[0] = between(0, ttl/20)
 			f.lat[1] = f.lat[0] + between(0, ttl/10)
 			f.d = between(ttl, 3*ttl)
-		case r < 88:
+		case r < 75:
 			f.kind = "partition"
 			if rng.IntN(2) == 0 {
 				f.d = between(ttl/4, ttl/2) // shorter than the ttl: the lease may survive
@@ -233,6 +246,10 @@ type nemClient struct {
 	r      fence.Reader
 	rng    *rand.Rand
 	held   map[string]*leaseRec
+
+	mu   sync.Mutex
+	lose map[string]int // armed by the nemesis: lose the reply of the next call of this kind
+
 	old    []*leaseRec // leases it held before, for a paused holder's writes
 	writes int
 }
@@ -249,7 +266,7 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 
 	clients := make([]*nemClient, s.Clients)
 	for i := range clients {
-		c := &nemClient{id: i, rng: rand.New(rand.NewPCG(seed, uint64(i)+1)), held: map[string]*leaseRec{}}
+		c := &nemClient{id: i, rng: rand.New(rand.NewPCG(seed, uint64(i)+1)), held: map[string]*leaseRec{}, lose: map[string]int{}}
 		c.a, c.ap = s.Acquirer(t)
 		if s.Writer != nil {
 			c.w, c.wp = s.Writer(t)
@@ -341,6 +358,14 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 			if f.writer {
 				p = c.wp
 			}
+			if f.call != "" {
+				acts = append(acts, action{f.at, func() {
+					c.mu.Lock()
+					c.lose[f.call]++
+					c.mu.Unlock()
+				}})
+				continue
+			}
 			acts = append(acts, action{f.at, func() { p.LoseReply(nil) }})
 		case "latency":
 			acts = append(acts, action{f.at, func() {
@@ -376,6 +401,7 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 	}
 	time.Sleep(time.Until(h.start.Add(end)))
 	for _, c := range clients {
+		c.disarm()
 		for _, p := range proxies(c) {
 			p.Heal()
 			p.Latency(0, 0)
@@ -421,7 +447,6 @@ func (s NemesisSuite) step(h *history, c *nemClient, names []string) {
 	for _, n := range sortedKeys(c.held) {
 		if l := c.held[n]; time.Now().After(l.nextRenew) {
 			s.renew(h, c, l)
-			s.renewLater(c, l)
 			return
 		}
 	}
@@ -434,9 +459,11 @@ func (s NemesisSuite) step(h *history, c *nemClient, names []string) {
 	if l == nil {
 		switch {
 		case r < 60:
+			// A client waits (Acquire) only while it holds nothing: the
+			// wait would hold up its renewals.
 			wait := time.Duration(0)
-			if c.rng.IntN(3) == 0 {
-				wait = ttl/4 + time.Duration(c.rng.Int64N(int64(ttl)))
+			if len(c.held) == 0 && c.rng.IntN(3) == 0 {
+				wait = ttl/4 + time.Duration(c.rng.Int64N(int64(ttl/2)))
 			}
 			s.grant(h, c, name, wait)
 		case r < 80:
@@ -449,8 +476,6 @@ func (s NemesisSuite) step(h *history, c *nemClient, names []string) {
 		return
 	}
 	switch {
-	case r < 10:
-		s.renew(h, c, l)
 	case r < 15:
 		// Stops renewing this lease for longer than its ttl, then writes
 		// with its token and renews.
@@ -484,11 +509,45 @@ func (s NemesisSuite) writeOld(h *history, c *nemClient) {
 	s.write(h, c, old.name, old.token)
 }
 
-// renewLater sets when l is renewed next: a jittered fifth to 70% of the
-// ttl from now. A lease that lapsed writes with its token first.
-func (s NemesisSuite) renewLater(c *nemClient, l *leaseRec) {
+// renewLater sets when l is renewed next, after a grant or a renewal that
+// returned err: a jittered sixth to a third of the ttl from now. After an
+// unknown outcome, it renews again more than a quarter of the ttl later but
+// before the local deadline when the lease says when that is (a later send
+// that may find the lost one done). After a renewal, half the holders stop
+// renewing and let the lease run out.
+func (s NemesisSuite) renewLater(c *nemClient, l *leaseRec, renewed bool, err error) {
 	ttl := s.ShortTTL
-	l.nextRenew = time.Now().Add(ttl/5 + time.Duration(c.rng.Int64N(int64(ttl/2))))
+	now := time.Now()
+	switch {
+	case err != nil && !errors.Is(err, fence.ErrLost):
+		lo, hi := ttl/4+ttl/20, ttl/2
+		if d, ok := l.lease.(interface{ LocalDeadline() time.Time }); ok {
+			hi = max(lo, d.LocalDeadline().Sub(now)-ttl/20)
+		}
+		l.nextRenew = now.Add(lo + time.Duration(c.rng.Int64N(int64(hi-lo)+1)))
+	case renewed && c.rng.IntN(2) == 0:
+		l.nextRenew = now.Add(time.Hour)
+	default:
+		l.nextRenew = now.Add(ttl/6 + time.Duration(c.rng.Int64N(int64(ttl/6))))
+	}
+}
+
+// armLose arms p to lose the reply of the call about to be made when the
+// nemesis asked for a lost reply of the next call of kind.
+func (c *nemClient) armLose(kind string, p *faultnet.Proxy) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.lose[kind] > 0 {
+		c.lose[kind]--
+		p.LoseReply(nil)
+	}
+}
+
+// disarm drops the lost replies the nemesis asked for and no call took.
+func (c *nemClient) disarm() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	clear(c.lose)
 }
 
 func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Duration) {
@@ -500,11 +559,14 @@ func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Dur
 		kind, call = "Acquire", c.a.Acquire
 	}
 	defer cancel()
+	if wait == 0 {
+		c.armLose("TryAcquire", c.ap)
+	}
 	op := h.begin(c.id, kind, name, 0, "")
 	l, err := call(ctx, name, s.ShortTTL)
 	if rec := h.granted(op, l, err); rec != nil {
 		c.held[name] = rec
-		s.renewLater(c, rec)
+		s.renewLater(c, rec, false, nil)
 	}
 }
 
@@ -515,13 +577,17 @@ func (s NemesisSuite) renew(h *history, c *nemClient, l *leaseRec) {
 		l.lapsed = false
 		s.write(h, c, l.name, l.token)
 	}
+	c.armLose("Renew", c.ap)
 	op := h.begin(c.id, "Renew", l.name, l.token, "")
-	h.renewed(op, l, l.lease.Renew(ctx))
+	err := l.lease.Renew(ctx)
+	h.renewed(op, l, err)
+	s.renewLater(c, l, true, err)
 }
 
 func (s NemesisSuite) release(h *history, c *nemClient, l *leaseRec) {
 	ctx, cancel := s.opCtx()
 	defer cancel()
+	c.armLose("Release", c.ap)
 	op := h.releasing(c.id, l)
 	h.end(op, l.lease.Release(ctx))
 	delete(c.held, l.name)
@@ -536,6 +602,7 @@ func (s NemesisSuite) write(h *history, c *nemClient, key string, tok fence.Toke
 	value := fmt.Sprintf("c%d-w%d-t%d", c.id, c.writes, tok)
 	ctx, cancel := s.opCtx()
 	defer cancel()
+	c.armLose("Write", c.wp)
 	op := h.begin(c.id, "Write", key, tok, value)
 	h.end(op, c.w.Write(ctx, key, []byte(value), tok))
 }
