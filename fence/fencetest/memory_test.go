@@ -484,6 +484,10 @@ func TestMemoryWriter(t *testing.T) {
 	fencetest.WriterSuite{
 		New:     func(*testing.T) fence.FencedWriter { return memWriter{s: srv} },
 		BadKeys: []string{"nul\x00", "bad utf-8 \xff"},
+		Faulty: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
+			p := faultnet.Start(t, serveMem(t, srv))
+			return memNetWriter{s: srv, via: &memClient{addr: p.Addr()}}, p
+		},
 	}.Run(t)
 }
 

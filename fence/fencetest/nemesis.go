@@ -77,8 +77,11 @@ type NemesisSuite struct {
 	Direct func(t *testing.T) (fence.Acquirer, fence.FencedWriter)
 
 	// DeleteState, when set, removes every piece of state the backend keeps
-	// for a lock name, as AcquirerSuite.DeleteState; the nemesis calls it
-	// while clients hold the name. Default: nil, no deletions.
+	// for a lock name, as AcquirerSuite.DeleteState, and leaves the writer's
+	// keys alone (a name is also a key: its fence must stay). The nemesis
+	// calls it, from a goroutine of its own (report with t.Error, not
+	// t.Fatal), while clients may hold the name or it may have no state.
+	// Default: nil, no deletions.
 	DeleteState func(t *testing.T, name string)
 
 	// ShortTTL is every lease's ttl; partitions last from a quarter of it to
