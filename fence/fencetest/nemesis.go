@@ -63,11 +63,14 @@ const NemesisDurationEnv = "FENCETEST_NEMESIS_DURATION"
 type NemesisSuite struct {
 	// Acquirer returns an acquirer with a client of its own that reaches the
 	// backend only through the returned proxy, as AcquirerSuite.Faulty.
-	// Called once per client and seed. Required.
+	// Called once per client and seed. Required. A backend with no network
+	// (an embedded database) returns a nil proxy: its clients then get no
+	// lost replies, latency or partitions, only deletions and their own
+	// pauses.
 	Acquirer func(t *testing.T) (fence.Acquirer, *faultnet.Proxy)
 
 	// Writer returns a fenced writer with a client of its own behind the
-	// returned proxy. The writes and, when it is a fence.Reader, the reads
+	// returned proxy (nil as for Acquirer). The writes and, when it is a fence.Reader, the reads
 	// are checked. Default: nil, lease checks only.
 	Writer func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy)
 
@@ -331,7 +334,7 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		t.Logf("history (%d operations):\n%s", len(h.ops), h.dump())
 		return
 	}
-	t.Logf("nemesis seed %d: %d operations, %d grants, %d faults: history checked", seed, len(h.ops), h.grants(), len(sched))
+	t.Logf("nemesis seed %d: %d operations, %d grants, %d faults scheduled: history checked", seed, len(h.ops), h.grants(), len(sched))
 }
 
 // testPattern is a -run pattern for t's top-level test.
@@ -348,10 +351,13 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 	}
 	var acts []action
 	proxies := func(c *nemClient) []*faultnet.Proxy {
-		if c.wp == nil {
-			return []*faultnet.Proxy{c.ap}
+		var ps []*faultnet.Proxy
+		for _, p := range []*faultnet.Proxy{c.ap, c.wp} {
+			if p != nil {
+				ps = append(ps, p)
+			}
 		}
-		return []*faultnet.Proxy{c.ap, c.wp}
+		return ps
 	}
 	for _, f := range sched {
 		c := clients[f.client]
@@ -369,7 +375,9 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 				}})
 				continue
 			}
-			acts = append(acts, action{f.at, func() { p.LoseReply(nil) }})
+			if p != nil {
+				acts = append(acts, action{f.at, func() { p.LoseReply(nil) }})
+			}
 		case "latency":
 			acts = append(acts, action{f.at, func() {
 				for _, p := range proxies(c) {
@@ -542,7 +550,9 @@ func (c *nemClient) armLose(kind string, p *faultnet.Proxy) {
 	defer c.mu.Unlock()
 	if c.lose[kind] > 0 {
 		c.lose[kind]--
-		p.LoseReply(nil)
+		if p != nil {
+			p.LoseReply(nil)
+		}
 	}
 }
 
