@@ -5,6 +5,8 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -14,39 +16,42 @@ import (
 )
 
 // nemesisMutants are the in-memory backend's bugs that need faults in
-// combination; the nemesis must catch each within its default run.
+// combination; the nemesis must catch each within its default run (3
+// seeds), or within seeds seeds where that is set.
 // TestNemesisMutantsKilled logs whether the point cases (TestMemoryAcquirer,
-// TestMemoryWriter) catch it too. Not here: renew-recognised-late (a
-// recognised renewal counting its deadline from the later send), which the
-// point case LostReplyRenewThenRenew catches and the nemesis did not within
-// its default run: the overlap needs a lost Renew, a second Renew more than
-// the drift margin later but before the local deadline, no renewal after it,
-// and another client's grant in the window between.
+// TestMemoryWriter) catch it too.
 var nemesisMutants = []struct {
 	name, what string
+	seeds      int // more seeds than the default run's 3, for a bug it catches in fewer
 }{
-	{"renew-no-holder", "Renew checks the expiry but not the holder's token: after DeleteState and a new grant, the old holder's Renew extends the new holder's lease"},
-	{"recreate-restarts", "a Renew or Release that finds the name's state deleted re-creates it with the counter at 0 (only the grant keeps the clock floor)"},
-	{"delete-restarts", "a lock whose state was deleted restarts its counter at 1"},
-	{"write-retry-unfenced", "a Write whose answer was lost is sent again as an unfenced put, so a stale write is stored"},
+	{"renew-no-holder", "Renew checks the expiry but not the holder's token: after DeleteState and a new grant, the old holder's Renew extends the new holder's lease", 0},
+	{"recreate-restarts", "a Renew or Release that finds the name's state deleted re-creates it with the counter at 0 (only the grant keeps the clock floor)", 0},
+	{"delete-restarts", "a lock whose state was deleted restarts its counter at 1", 0},
+	// The overlap needs a lost Renew, a second Renew before the local
+	// deadline, no renewal after it until the backend's expiry, and another
+	// client's grant in between: about two seeds in five.
+	{"renew-recognised-late", "a Renew after one whose reply was lost recognises it and counts the local deadline from its own send", 12},
+	{"write-retry-unfenced", "a Write whose answer was lost is sent again as an unfenced put, so a stale write is stored", 0},
 }
 
 // TestMemoryNemesis: the correct in-memory backend, served over TCP behind a
-// proxy per client, passes the nemesis.
+// proxy per client, passes the nemesis. Its leases take leasekit's default
+// drift margin, as a real adapter's: the wide margin of the point suites
+// would hide a local deadline counted from a later send.
 func TestMemoryNemesis(t *testing.T) {
 	srv := newMemServer(memoryBug(t))
 	addr := serveMem(t, srv)
 	fencetest.NemesisSuite{
 		Acquirer: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
 			p := faultnet.Start(t, addr)
-			return memAcquirer{s: srv, via: &memClient{addr: p.Addr()}, maxWait: 3 * time.Second}, p
+			return memAcquirer{s: srv, via: &memClient{addr: p.Addr()}, maxWait: 3 * time.Second, defaultDrift: true}, p
 		},
 		Writer: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 			p := faultnet.Start(t, addr)
 			return memNetWriter{s: srv, via: &memClient{addr: p.Addr()}}, p
 		},
 		Direct: func(*testing.T) (fence.Acquirer, fence.FencedWriter) {
-			return memAcquirer{s: srv, maxWait: 3 * time.Second}, memWriter{s: srv}
+			return memAcquirer{s: srv, maxWait: 3 * time.Second, defaultDrift: true}, memWriter{s: srv}
 		},
 		DeleteState: func(_ *testing.T, name string) { srv.deleteState(name) },
 	}.Run(t)
@@ -69,6 +74,9 @@ func TestNemesisMutantsKilled(t *testing.T) {
 				start := time.Now()
 				cmd := exec.Command(os.Args[0], "-test.run="+run, "-test.count=1", "-test.v", "-test.timeout=5m")
 				cmd.Env = append(os.Environ(), mutantEnv+"="+m.name)
+				if m.seeds > 0 && strings.HasPrefix(run, "^TestMemoryNemesis") {
+					cmd.Env = append(cmd.Env, fencetest.NemesisSeedsEnv+"="+strconv.Itoa(m.seeds))
+				}
 				out, err := cmd.CombinedOutput()
 				var ee *exec.ExitError
 				if err != nil && !errors.As(err, &ee) {

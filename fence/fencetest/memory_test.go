@@ -200,6 +200,9 @@ type memAcquirer struct {
 	s       *memServer
 	via     *memClient
 	maxWait time.Duration
+	// defaultDrift: the lease's drift margin is leasekit's default (1% of
+	// the ttl and 2ms), as a real adapter's, instead of a quarter of the ttl.
+	defaultDrift bool
 }
 
 type memLease struct {
@@ -252,7 +255,11 @@ func (a memAcquirer) try(ctx context.Context, name string, ttl time.Duration) (f
 	// A wide drift margin (a quarter of the ttl) keeps the lease live on the
 	// server for a while after its local deadline, so a Renew sent late
 	// (the late-renew mutant) always lands inside that window.
-	return &memLease{Base: leasekit.New(name, tok, ttl, ttl/4, sent), s: a.s, via: a.via}, nil
+	drift := ttl / 4
+	if a.defaultDrift {
+		drift = 0
+	}
+	return &memLease{Base: leasekit.New(name, tok, ttl, drift, sent), s: a.s, via: a.via}, nil
 }
 
 // Acquire waits for name until ctx is done or the maximum wait passed.

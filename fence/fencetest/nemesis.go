@@ -29,6 +29,10 @@ const NemesisSeedEnv = "FENCETEST_NEMESIS_SEED"
 // each seed's run (a time.Duration, such as 2m), for a soak run.
 const NemesisDurationEnv = "FENCETEST_NEMESIS_DURATION"
 
+// NemesisSeedsEnv names the environment variable that sets how many random
+// seeds run, for a soak run.
+const NemesisSeedsEnv = "FENCETEST_NEMESIS_SEEDS"
+
 // NemesisSuite runs random operations from several clients on a few lock
 // names under combined faults, records the history and checks it. Point cases
 // test one fault at a time; the bugs they miss need two at once (a lost reply
@@ -102,8 +106,8 @@ type NemesisSuite struct {
 	// Default: 4s, or NemesisDurationEnv.
 	Duration time.Duration
 
-	// Seeds is how many random seeds run, one after the other. Default: 3;
-	// 1 when NemesisSeedEnv names the seed.
+	// Seeds is how many random seeds run, one after the other. Default: 3,
+	// or NemesisSeedsEnv; 1 when NemesisSeedEnv names the seed.
 	Seeds int
 }
 
@@ -130,6 +134,13 @@ func (s NemesisSuite) Run(t *testing.T) {
 	}
 	if s.Duration <= 0 {
 		s.Duration = 4 * time.Second
+	}
+	if env := os.Getenv(NemesisSeedsEnv); env != "" {
+		n, err := strconv.Atoi(env)
+		if err != nil || n <= 0 {
+			t.Fatalf("fencetest: %s=%q: not a positive number", NemesisSeedsEnv, env)
+		}
+		s.Seeds = n
 	}
 	if s.Seeds <= 0 {
 		s.Seeds = 3
@@ -196,13 +207,14 @@ func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration
 		f := fault{at: at, client: rng.IntN(s.Clients)}
 		switch r := rng.IntN(100); {
 		case r < 50:
-			// Two in five lost replies are of the next request, whatever
-			// it is; the others are of the client's next call of one kind,
-			// the proxy armed by the client just before that call.
+			// Three in ten lost replies are of the next request, whatever
+			// it is; the others are of the client's next call of one kind
+			// (a Renew more often than not), the proxy armed by the client
+			// just before that call.
 			f.kind = "lose-reply"
 			f.writer = s.Writer != nil && rng.IntN(5) < 2
-			if rng.IntN(5) < 3 {
-				f.call = []string{"Renew", "Renew", "Renew", "TryAcquire", "Release", "Write"}[rng.IntN(6)]
+			if rng.IntN(10) < 7 {
+				f.call = []string{"Renew", "Renew", "Renew", "Renew", "TryAcquire", "Release", "Write"}[rng.IntN(7)]
 				if f.call == "Write" && s.Writer == nil {
 					f.call = "Renew"
 				}
@@ -426,7 +438,7 @@ func (s NemesisSuite) runClient(h *history, c *nemClient, names []string) {
 	ttl := s.ShortTTL
 	for time.Since(h.start) < s.Duration {
 		s.step(h, c, names)
-		time.Sleep(time.Duration(c.rng.Int64N(int64(ttl / 10)))) // pacing
+		c.pause(time.Duration(c.rng.Int64N(int64(ttl / 10)))) // pacing
 	}
 	for _, name := range sortedKeys(c.held) {
 		s.release(h, c, c.held[name])
@@ -482,17 +494,17 @@ func (s NemesisSuite) step(h *history, c *nemClient, names []string) {
 		case r < 95:
 			s.writeOld(h, c)
 		default:
-			time.Sleep(time.Duration(c.rng.Int64N(int64(ttl / 2)))) // idle
+			c.pause(time.Duration(c.rng.Int64N(int64(ttl / 2)))) // idle
 		}
 		return
 	}
 	switch {
-	case r < 15:
+	case r < 5:
 		// Stops renewing this lease for longer than its ttl, then writes
 		// with its token and renews.
 		l.nextRenew = time.Now().Add(ttl + time.Duration(c.rng.Int64N(int64(ttl/2))))
 		l.lapsed = true
-	case r < 23:
+	case r < 11:
 		s.release(h, c, l)
 	case r < 60:
 		s.write(h, c, name, l.token)
@@ -507,8 +519,20 @@ func (s NemesisSuite) step(h *history, c *nemClient, names []string) {
 		s.write(h, c, name, l.token)
 		s.renew(h, c, l)
 	default:
-		time.Sleep(time.Duration(c.rng.Int64N(int64(ttl / 2)))) // idle
+		c.pause(time.Duration(c.rng.Int64N(int64(ttl / 4)))) // idle
 	}
+}
+
+// pause sleeps for d, or until a held lease is due for renewal if that is
+// sooner: only a frozen client misses its renewals.
+func (c *nemClient) pause(d time.Duration) {
+	until := time.Now().Add(d)
+	for _, l := range c.held {
+		if l.nextRenew.Before(until) {
+			until = l.nextRenew
+		}
+	}
+	time.Sleep(time.Until(until)) // pacing, not a synchronisation
 }
 
 // writeOld writes with a token the client held before: a paused holder.
@@ -522,21 +546,23 @@ func (s NemesisSuite) writeOld(h *history, c *nemClient) {
 
 // renewLater sets when l is renewed next, after a grant or a renewal that
 // returned err: a jittered sixth to a third of the ttl from now. After an
-// unknown outcome, it renews again more than a quarter of the ttl later but
-// before the local deadline when the lease says when that is (a later send
-// that may find the lost one done). After a renewal, half the holders stop
-// renewing and let the lease run out.
+// unknown outcome, it renews again a tenth of the ttl later or more and,
+// when the lease says when its local deadline is, in the last two thirds of
+// the time left before it (a later send that may find the lost one done).
+// After a renewal, two holders in three stop renewing and let the lease run
+// out (they finish their work in the time left).
 func (s NemesisSuite) renewLater(c *nemClient, l *leaseRec, renewed bool, err error) {
 	ttl := s.ShortTTL
 	now := time.Now()
 	switch {
 	case err != nil && !errors.Is(err, fence.ErrLost):
-		lo, hi := ttl/4+ttl/20, ttl/2
+		lo, hi := ttl/10, ttl/2
 		if d, ok := l.lease.(interface{ LocalDeadline() time.Time }); ok {
-			hi = max(lo, d.LocalDeadline().Sub(now)-ttl/20)
+			left := d.LocalDeadline().Sub(now)
+			lo, hi = max(lo, left/3), max(lo, left-ttl/30)
 		}
 		l.nextRenew = now.Add(lo + time.Duration(c.rng.Int64N(int64(hi-lo)+1)))
-	case renewed && c.rng.IntN(2) == 0:
+	case renewed && c.rng.IntN(3) > 0:
 		l.nextRenew = now.Add(time.Hour)
 	default:
 		l.nextRenew = now.Add(ttl/6 + time.Duration(c.rng.Int64N(int64(ttl/6))))
@@ -590,7 +616,9 @@ func (s NemesisSuite) renew(h *history, c *nemClient, l *leaseRec) {
 		l.lapsed = false
 		s.write(h, c, l.name, l.token)
 	}
-	c.armLose("Renew", c.ap)
+	if l.lease.Context().Err() == nil { // a lease that ended sends no Renew
+		c.armLose("Renew", c.ap)
+	}
 	op := h.begin(c.id, "Renew", l.name, l.token, "")
 	err := l.lease.Renew(ctx)
 	h.renewed(op, l, err)
