@@ -74,8 +74,8 @@ type NemesisSuite struct {
 	Acquirer func(t *testing.T) (fence.Acquirer, *faultnet.Proxy)
 
 	// Writer returns a fenced writer with a client of its own behind the
-	// returned proxy (nil as for Acquirer). The writes and, when it is a fence.Reader, the reads
-	// are checked. Default: nil, lease checks only.
+	// returned proxy (nil as for Acquirer). Its writes are checked, and its
+	// reads when it is a fence.Reader. Default: nil, lease checks only.
 	Writer func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy)
 
 	// Direct returns an acquirer and a writer (nil when Writer is nil) that
