@@ -341,8 +341,8 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 			b.WriteByte('\n')
 		}
 		t.Logf("nemesis seed %d: %d clients, names %q, ttl %v, %v with faults for %v; the fault schedule:\n%s"+
-			"replay: %s=%d go test -run '%s' (FENCETEST_NEMESIS_DURATION to lengthen)",
-			seed, s.Clients, names, ttl, s.Duration, faultsEnd, b.String(), NemesisSeedEnv, seed, testPattern(t))
+			"replay: %s=%d %s=%v go test -run '%s'",
+			seed, s.Clients, names, ttl, s.Duration, faultsEnd, b.String(), NemesisSeedEnv, seed, NemesisDurationEnv, s.Duration, testPattern(t))
 		t.Logf("history (%d operations):\n%s", len(h.ops), h.dump())
 		return
 	}
