@@ -2,6 +2,20 @@
 // against a real backend, in the manner of gocloud.dev's drivertest: the adapter
 // supplies a constructor, the suite supplies a flat list of subtests that assert
 // the documented contract of package fence.
+//
+// # The nemesis
+//
+// The suites' cases test one fault at a time. NemesisSuite runs random calls
+// from several clients, each behind a faultnet proxy of its own, while a
+// seeded nemesis loses replies, adds latency, partitions clients and deletes
+// lock state, and then checks the recorded history: token order, no two live
+// leases of a name, no Renew succeeding after a newer grant, each key a
+// linearizable fenced register (porcupine), and every name free again once
+// the faults stop. A failure logs its seed and fault schedule;
+// FENCETEST_NEMESIS_SEED=N replays the seed and FENCETEST_NEMESIS_DURATION=2m
+// makes a soak run:
+//
+//	FENCETEST_NEMESIS_DURATION=2m go test -run TestMemoryNemesis ./fence/fencetest/
 package fencetest
 
 import (

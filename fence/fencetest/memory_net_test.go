@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
 // The in-memory server over TCP, one request line and one reply line at a
@@ -23,8 +24,11 @@ import (
 //	G <name> <ttl>        grant:   OK <token> | HELD | EXHAUSTED
 //	E <name> <token> <ttl> extend (ttl 0: release): OK | NO
 //	H <name>              holder:  <token> <1 if live, else 0>
+//	W <key> <token> <value> fenced write: OK | STALE <token held>
+//	P <key> <token> <value> unfenced put (only the write-retry-unfenced mutant sends it): OK
+//	R <key>               read:    VAL <token> <value> | NOTFOUND
 //
-// Names travel hex-encoded, durations in nanoseconds.
+// Names, keys and values travel hex-encoded, durations in nanoseconds.
 
 // serveMem serves s on a loopback port until t ends and returns its address.
 func serveMem(t *testing.T, s *memServer) string {
@@ -112,6 +116,38 @@ func (s *memServer) answer(req string) string {
 			return "OK"
 		}
 		return "NO"
+	case "W", "P":
+		var value []byte
+		if len(f) > 3 {
+			if value, err = hex.DecodeString(f[3]); err != nil {
+				return "ERR value"
+			}
+		}
+		tok := fence.Token(num(2))
+		if f[0] == "P" {
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			s.rows[s.fold("key", name)] = &memRow{value: value, token: tok}
+			return "OK"
+		}
+		err := memWriter{s: s}.Write(context.Background(), name, value, tok)
+		var se *fence.StaleError
+		switch {
+		case err == nil:
+			return "OK"
+		case errors.As(err, &se):
+			return "STALE " + strconv.FormatUint(uint64(se.Current), 10)
+		}
+		return "ERR " + err.Error()
+	case "R":
+		v, tok, err := memWriter{s: s}.Read(context.Background(), name)
+		switch {
+		case err == nil:
+			return fmt.Sprintf("VAL %d %x", uint64(tok), v)
+		case errors.Is(err, fence.ErrNotFound):
+			return "NOTFOUND"
+		}
+		return "ERR " + err.Error()
 	case "H":
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -202,3 +238,77 @@ func (c *memClient) holds(ctx context.Context, name string, tok fence.Token) (bo
 	}
 	return r == fmt.Sprintf("%d 1", uint64(tok)), nil
 }
+
+// memNetWriter is a fence.FencedWriter with Read on a memServer over TCP
+// (through a faultnet proxy, for the nemesis).
+type memNetWriter struct {
+	s   *memServer
+	via *memClient
+}
+
+// Write stores value under key unless key holds a larger token; an answer
+// lost on the way is ErrUnknown. The write-retry-unfenced mutant sends a
+// write whose answer was lost again as an unfenced put, as a "repair" path
+// that skips the fence would.
+func (w memNetWriter) Write(ctx context.Context, key string, value []byte, token fence.Token) error {
+	if err := (memWriter{s: w.s}).check("write", ctx, key); err != nil {
+		return err
+	}
+	if err := leasekit.CheckToken("write", token); err != nil {
+		return err
+	}
+	r, err := w.via.call(ctx, "W %x %d %x", key, uint64(token), value)
+	if err != nil {
+		if w.s.bug == "write-retry-unfenced" {
+			if r, err2 := w.via.call(ctx, "P %x %d %x", key, uint64(token), value); err2 == nil && r == "OK" {
+				return nil
+			}
+		}
+		return fmt.Errorf("mem: write %q: %w: %v", key, fence.ErrUnknown, err)
+	}
+	switch {
+	case r == "OK":
+		return nil
+	case strings.HasPrefix(r, "STALE "):
+		cur, err := strconv.ParseUint(strings.TrimPrefix(r, "STALE "), 10, 64)
+		if err != nil {
+			return fmt.Errorf("mem: write %q: reply %q", key, r)
+		}
+		return &fence.StaleError{Key: key, Offered: token, Current: fence.Token(cur)}
+	}
+	return fmt.Errorf("mem: write %q: reply %q", key, r)
+}
+
+// Read returns the value and token under key.
+func (w memNetWriter) Read(ctx context.Context, key string) ([]byte, fence.Token, error) {
+	if err := (memWriter{s: w.s}).check("read", ctx, key); err != nil {
+		return nil, 0, err
+	}
+	r, err := w.via.call(ctx, "R %x", key)
+	if err != nil {
+		return nil, 0, fmt.Errorf("mem: read %q: %v", key, err)
+	}
+	if r == "NOTFOUND" {
+		return nil, 0, fence.ErrNotFound
+	}
+	f := strings.Fields(r)
+	if len(f) < 2 || f[0] != "VAL" {
+		return nil, 0, fmt.Errorf("mem: read %q: reply %q", key, r)
+	}
+	tok, err := strconv.ParseUint(f[1], 10, 64)
+	if err != nil {
+		return nil, 0, fmt.Errorf("mem: read %q: reply %q", key, r)
+	}
+	var v []byte
+	if len(f) > 2 {
+		if v, err = hex.DecodeString(f[2]); err != nil {
+			return nil, 0, fmt.Errorf("mem: read %q: reply %q", key, r)
+		}
+	}
+	return v, fence.Token(tok), nil
+}
+
+var (
+	_ fence.FencedWriter = memNetWriter{}
+	_ fence.Reader       = memNetWriter{}
+)

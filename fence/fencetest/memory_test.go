@@ -163,9 +163,15 @@ func (s *memServer) grant(name string, ttl time.Duration) (fence.Token, error) {
 }
 
 // extend renews (ttl > 0) or releases (ttl 0) the lock if tok still holds it.
+// The recreate-restarts mutant re-creates a name's deleted state here (an
+// upsert in the renewal's statement) with its counter at 0: only the grant
+// keeps the clock floor.
 func (s *memServer) extend(name string, tok fence.Token, ttl time.Duration) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if k := s.fold("name", name); s.bug == "recreate-restarts" && s.locks[k] == nil {
+		s.locks[k] = &memLock{}
+	}
 	l, now := s.lock(name), s.now()
 	if !now.Before(l.expires) || (l.holder != tok && s.bug != "renew-no-token" && s.bug != "renew-no-holder") {
 		return false
@@ -194,6 +200,9 @@ type memAcquirer struct {
 	s       *memServer
 	via     *memClient
 	maxWait time.Duration
+	// defaultDrift: the lease's drift margin is leasekit's default (1% of
+	// the ttl and 2ms), as a real adapter's, instead of a quarter of the ttl.
+	defaultDrift bool
 }
 
 type memLease struct {
@@ -246,7 +255,11 @@ func (a memAcquirer) try(ctx context.Context, name string, ttl time.Duration) (f
 	// A wide drift margin (a quarter of the ttl) keeps the lease live on the
 	// server for a while after its local deadline, so a Renew sent late
 	// (the late-renew mutant) always lands inside that window.
-	return &memLease{Base: leasekit.New(name, tok, ttl, ttl/4, sent), s: a.s, via: a.via}, nil
+	drift := ttl / 4
+	if a.defaultDrift {
+		drift = 0
+	}
+	return &memLease{Base: leasekit.New(name, tok, ttl, drift, sent), s: a.s, via: a.via}, nil
 }
 
 // Acquire waits for name until ctx is done or the maximum wait passed.
@@ -478,6 +491,10 @@ func TestMemoryWriter(t *testing.T) {
 	fencetest.WriterSuite{
 		New:     func(*testing.T) fence.FencedWriter { return memWriter{s: srv} },
 		BadKeys: []string{"nul\x00", "bad utf-8 \xff"},
+		Faulty: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
+			p := faultnet.Start(t, serveMem(t, srv))
+			return memNetWriter{s: srv, via: &memClient{addr: p.Addr()}}, p
+		},
 	}.Run(t)
 }
 

@@ -1,0 +1,685 @@
+package fencetest
+
+import (
+	"context"
+	crand "crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+)
+
+// NemesisSeedEnv names the environment variable that replays one seed of the
+// NemesisSuite: the same fault schedule and, per client, the same sequence of
+// random decisions (the clients run concurrently, so the interleaving of
+// their calls may still differ).
+const NemesisSeedEnv = "FENCETEST_NEMESIS_SEED"
+
+// NemesisDurationEnv names the environment variable that sets the length of
+// each seed's run (a time.Duration, such as 2m), for a soak run.
+const NemesisDurationEnv = "FENCETEST_NEMESIS_DURATION"
+
+// NemesisSeedsEnv names the environment variable that sets how many random
+// seeds run, for a soak run.
+const NemesisSeedsEnv = "FENCETEST_NEMESIS_SEEDS"
+
+// NemesisSuite runs random operations from several clients on a few lock
+// names under combined faults, records the history and checks it. Point cases
+// test one fault at a time; the bugs they miss need two at once (a lost reply
+// then a recognition on the next send, state deleted between a grant and a
+// renewal). Each seed's run:
+//
+//   - Clients (each an acquirer and a writer behind proxies of their own)
+//     call TryAcquire, Acquire with a short wait, Renew and Release on two or
+//     three names, write the name's key with the token they hold or with one
+//     they held before (a paused holder), read it, and sometimes stop
+//     renewing for longer than the ttl and then write (a frozen client).
+//   - A nemesis, from the same seed, loses the reply of a client's next
+//     request, adds latency with jitter, partitions a client for less and for
+//     more than the ttl, and deletes a name's state (DeleteState). Faults stop
+//     at 70% of the run; the rest is quiet.
+//
+// Checked after the run: (1) per name, no token is granted twice, and a grant
+// that completed before another was asked for has the smaller token; (2) no
+// two leases of one name have live contexts at one moment (tested at each
+// grant, from the grant's return; a lease being released or whose state was
+// deleted since it was asked for is left out), and a Renew asked for after a
+// newer grant of the name had returned does not succeed; (3) each key's
+// writes and reads are linearizable as a fenced register (porcupine): a write
+// with ErrStale or ErrInvalid did not happen, a write with ErrUnknown or any
+// other error may have happened at any time after it was sent, and a read
+// returns what some linearization holds; (4) once the faults have stopped and
+// every lease was released, a Direct TryAcquire of each name succeeds within
+// ShortTTL + ExpiryLag + a margin.
+//
+// A failure logs the seed, the fault schedule and the command that replays
+// the seed (NemesisSeedEnv).
+type NemesisSuite struct {
+	// Acquirer returns an acquirer with a client of its own that reaches the
+	// backend only through the returned proxy, as AcquirerSuite.Faulty.
+	// Called once per client and seed. Required. A backend with no network
+	// (an embedded database) returns a nil proxy: its clients then get no
+	// lost replies, latency or partitions, only deletions and their own
+	// pauses.
+	Acquirer func(t *testing.T) (fence.Acquirer, *faultnet.Proxy)
+
+	// Writer returns a fenced writer with a client of its own behind the
+	// returned proxy (nil as for Acquirer). Its writes are checked, and its
+	// reads when it is a fence.Reader. Default: nil, lease checks only.
+	Writer func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy)
+
+	// Direct returns an acquirer and a writer (nil when Writer is nil) that
+	// reach the backend without a proxy, for the checks after the run.
+	// Required.
+	Direct func(t *testing.T) (fence.Acquirer, fence.FencedWriter)
+
+	// DeleteState, when set, removes every piece of state the backend keeps
+	// for a lock name, as AcquirerSuite.DeleteState, and leaves the writer's
+	// keys alone (a name is also a key: its fence must stay). The nemesis
+	// calls it, from a goroutine of its own (report with t.Error, not
+	// t.Fatal), while clients may hold the name or it may have no state.
+	// Default: nil, no deletions.
+	DeleteState func(t *testing.T, name string)
+
+	// ShortTTL is every lease's ttl; partitions last from a quarter of it to
+	// twice it. Default: 300ms.
+	ShortTTL time.Duration
+
+	// ExpiryLag is how long past a lease's ttl the backend may still hold a
+	// name nobody renewed, as AcquirerSuite.ExpiryLag. Default: 0.
+	ExpiryLag time.Duration
+
+	// Clients is how many clients run at once. Default: 4.
+	Clients int
+
+	// Duration is how long each seed runs (faults for its first 70%).
+	// Default: 4s, or NemesisDurationEnv.
+	Duration time.Duration
+
+	// Seeds is how many random seeds run, one after the other. Default: 3,
+	// or NemesisSeedsEnv; 1 when NemesisSeedEnv names the seed.
+	Seeds int
+}
+
+// nemesisNamesMax is the most lock names a run uses; each name is also a key.
+const nemesisNamesMax = 3
+
+// Run runs each seed as a subtest of t named seed=N.
+func (s NemesisSuite) Run(t *testing.T) {
+	if s.Acquirer == nil || s.Direct == nil {
+		t.Fatal("fencetest: NemesisSuite.Acquirer and Direct are required")
+	}
+	if s.ShortTTL <= 0 {
+		s.ShortTTL = 300 * time.Millisecond
+	}
+	if s.Clients <= 0 {
+		s.Clients = 4
+	}
+	if env := os.Getenv(NemesisDurationEnv); env != "" {
+		d, err := time.ParseDuration(env)
+		if err != nil || d <= 0 {
+			t.Fatalf("fencetest: %s=%q: not a positive duration", NemesisDurationEnv, env)
+		}
+		s.Duration = d
+	}
+	if s.Duration <= 0 {
+		s.Duration = 4 * time.Second
+	}
+	if env := os.Getenv(NemesisSeedsEnv); env != "" {
+		n, err := strconv.Atoi(env)
+		if err != nil || n <= 0 {
+			t.Fatalf("fencetest: %s=%q: not a positive number", NemesisSeedsEnv, env)
+		}
+		s.Seeds = n
+	}
+	if s.Seeds <= 0 {
+		s.Seeds = 3
+	}
+	var seeds []uint64
+	if env := os.Getenv(NemesisSeedEnv); env != "" {
+		seed, err := strconv.ParseUint(env, 10, 64)
+		if err != nil {
+			t.Fatalf("fencetest: %s=%q: %v", NemesisSeedEnv, env, err)
+		}
+		seeds = []uint64{seed}
+	} else {
+		for range s.Seeds {
+			var b [8]byte
+			_, _ = crand.Read(b[:])
+			seeds = append(seeds, binary.LittleEndian.Uint64(b[:])>>1)
+		}
+	}
+	for _, seed := range seeds {
+		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) { s.runSeed(t, seed) })
+	}
+}
+
+// fault is one entry of a run's fault schedule.
+type fault struct {
+	at     time.Duration // since the start of the run
+	kind   string        // lose-reply, latency, partition, delete
+	client int
+	writer bool          // the client's writer proxy (lose-reply), not its acquirer's
+	call   string        // lose-reply: the kind of call whose reply is lost ("" for the next request)
+	d      time.Duration // how long a latency or partition lasts
+	lat    [2]time.Duration
+	name   string // delete
+}
+
+func (f fault) String() string {
+	switch f.kind {
+	case "lose-reply":
+		if f.call != "" {
+			return fmt.Sprintf("%8v  client %d: lose the reply of its next %s", f.at, f.client, f.call)
+		}
+		which := "acquirer"
+		if f.writer {
+			which = "writer"
+		}
+		return fmt.Sprintf("%8v  client %d: lose the reply of the next request on its %s proxy", f.at, f.client, which)
+	case "latency":
+		return fmt.Sprintf("%8v  client %d: latency %v..%v for %v", f.at, f.client, f.lat[0], f.lat[1], f.d)
+	case "partition":
+		return fmt.Sprintf("%8v  client %d: partitioned for %v", f.at, f.client, f.d)
+	}
+	return fmt.Sprintf("%8v  delete the state of %q", f.at, f.name)
+}
+
+// schedule draws a run's faults from rng, all within [0, end).
+func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration) []fault {
+	ttl := s.ShortTTL
+	var (
+		out  []fault
+		busy = map[[2]int]time.Duration{} // {client, kind}: the end of its last span
+	)
+	between := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(rng.Int64N(int64(hi-lo)+1)) }
+	for at := between(0, ttl/2); at < end; at += between(ttl/10, ttl/3) {
+		f := fault{at: at, client: rng.IntN(s.Clients)}
+		switch r := rng.IntN(100); {
+		case r < 50:
+			// Three in ten lost replies are of the next request, whatever
+			// it is; the others are of the client's next call of one kind
+			// (a Renew more often than not), the proxy armed by the client
+			// just before that call.
+			f.kind = "lose-reply"
+			f.writer = s.Writer != nil && rng.IntN(5) < 2
+			if rng.IntN(10) < 7 {
+				f.call = []string{"Renew", "Renew", "Renew", "Renew", "TryAcquire", "Release", "Write"}[rng.IntN(7)]
+				if f.call == "Write" && s.Writer == nil {
+					f.call = "Renew"
+				}
+			}
+		case r < 58:
+			f.kind = "latency"
+			f.lat[0] = between(0, ttl/20)
+			f.lat[1] = f.lat[0] + between(0, ttl/10)
+			f.d = between(ttl, 3*ttl)
+		case r < 75:
+			f.kind = "partition"
+			if rng.IntN(2) == 0 {
+				f.d = between(ttl/4, ttl/2) // shorter than the ttl: the lease may survive
+			} else {
+				f.d = between(ttl+ttl/4, 2*ttl) // longer: the lease is lost
+			}
+		default:
+			if s.DeleteState == nil {
+				continue
+			}
+			f.kind = "delete"
+			f.name = names[rng.IntN(len(names))]
+		}
+		if f.kind == "latency" || f.kind == "partition" {
+			k := [2]int{f.client, 0}
+			if f.kind == "partition" {
+				k[1] = 1
+			}
+			if at < busy[k] {
+				continue // one span of a kind at a time per client
+			}
+			f.d = min(f.d, end-at)
+			busy[k] = at + f.d
+		}
+		out = append(out, f)
+	}
+	return out
+}
+
+// nemClient is one client of a run: an acquirer and a writer, each behind a
+// proxy of its own, and its own random source.
+type nemClient struct {
+	id     int
+	a      fence.Acquirer
+	ap, wp *faultnet.Proxy
+	w      fence.FencedWriter
+	r      fence.Reader
+	rng    *rand.Rand
+	held   map[string]*leaseRec
+
+	mu   sync.Mutex
+	lose map[string]int // armed by the nemesis: lose the reply of the next call of this kind
+
+	old    []*leaseRec // leases it held before, for a paused holder's writes
+	writes int
+}
+
+func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
+	ttl := s.ShortTTL
+	nrng := rand.New(rand.NewPCG(seed, 0))
+	names := make([]string, 2+nrng.IntN(nemesisNamesMax-1))
+	for i := range names {
+		names[i] = Name(fmt.Sprintf("nemesis%d", i))
+	}
+	faultsEnd := s.Duration * 7 / 10
+	sched := s.schedule(nrng, names, faultsEnd)
+
+	clients := make([]*nemClient, s.Clients)
+	for i := range clients {
+		c := &nemClient{id: i, rng: rand.New(rand.NewPCG(seed, uint64(i)+1)), held: map[string]*leaseRec{}, lose: map[string]int{}}
+		c.a, c.ap = s.Acquirer(t)
+		if s.Writer != nil {
+			c.w, c.wp = s.Writer(t)
+			c.r, _ = c.w.(fence.Reader)
+		}
+		clients[i] = c
+	}
+	// Warm up each client, so the first fault takes a request and not a
+	// connection's handshake; the warm-up is not part of the history.
+	for _, c := range clients {
+		if l, err := c.a.TryAcquire(ctxT(t), Name("warm"), ttl); err == nil {
+			_ = l.Release(ctxT(t))
+		}
+		if c.w != nil {
+			_ = c.w.Write(ctxT(t), Name("warm"), []byte("warm"), 1)
+		}
+	}
+
+	h := newHistory()
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		s.runFaults(t, h, sched, clients, faultsEnd)
+	}()
+	for _, c := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s.runClient(h, c, names)
+		}()
+	}
+	wg.Wait()
+	ended := time.Now()
+	direct, dw := s.Direct(t)
+	if r, ok := dw.(fence.Reader); ok {
+		for _, name := range names {
+			op := h.begin(-1, "Read", name, 0, "")
+			v, tok, err := r.Read(ctxT(t), name)
+			h.read(op, string(v), tok, err)
+		}
+	}
+
+	fail := func(format string, args ...any) {
+		t.Helper()
+		t.Errorf(format, args...)
+	}
+	h.check(t, fail)
+	s.checkLive(t, fail, direct, names, ended)
+	if t.Failed() {
+		var b strings.Builder
+		for _, f := range sched {
+			b.WriteString(f.String())
+			b.WriteByte('\n')
+		}
+		t.Logf("nemesis seed %d: %d clients, names %q, ttl %v, %v with faults for %v; the fault schedule:\n%s"+
+			"replay: %s=%d %s=%v go test -run '%s'",
+			seed, s.Clients, names, ttl, s.Duration, faultsEnd, b.String(), NemesisSeedEnv, seed, NemesisDurationEnv, s.Duration, testPattern(t))
+		t.Logf("history (%d operations):\n%s", len(h.ops), h.dump())
+		return
+	}
+	t.Logf("nemesis seed %d: %d operations, %d grants, %d faults scheduled: history checked", seed, len(h.ops), h.grants(), len(sched))
+}
+
+// testPattern is a -run pattern for t's top-level test.
+func testPattern(t *testing.T) string {
+	top, _, _ := strings.Cut(t.Name(), "/")
+	return "^" + top + "$"
+}
+
+// runFaults applies sched, then heals every proxy at end.
+func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients []*nemClient, end time.Duration) {
+	type action struct {
+		at time.Duration
+		do func()
+	}
+	var acts []action
+	proxies := func(c *nemClient) []*faultnet.Proxy {
+		var ps []*faultnet.Proxy
+		for _, p := range []*faultnet.Proxy{c.ap, c.wp} {
+			if p != nil {
+				ps = append(ps, p)
+			}
+		}
+		return ps
+	}
+	for _, f := range sched {
+		c := clients[f.client]
+		switch f.kind {
+		case "lose-reply":
+			p := c.ap
+			if f.writer {
+				p = c.wp
+			}
+			if f.call != "" {
+				acts = append(acts, action{f.at, func() {
+					c.mu.Lock()
+					c.lose[f.call]++
+					c.mu.Unlock()
+				}})
+				continue
+			}
+			if p != nil {
+				acts = append(acts, action{f.at, func() { p.LoseReply(nil) }})
+			}
+		case "latency":
+			acts = append(acts, action{f.at, func() {
+				for _, p := range proxies(c) {
+					p.Latency(f.lat[0], f.lat[1])
+				}
+			}}, action{f.at + f.d, func() {
+				for _, p := range proxies(c) {
+					p.Latency(0, 0)
+				}
+			}})
+		case "partition":
+			acts = append(acts, action{f.at, func() {
+				for _, p := range proxies(c) {
+					p.Partition()
+				}
+			}}, action{f.at + f.d, func() {
+				for _, p := range proxies(c) {
+					p.Heal()
+				}
+			}})
+		case "delete":
+			acts = append(acts, action{f.at, func() {
+				h.deleted(f.name)
+				s.DeleteState(t, f.name)
+			}})
+		}
+	}
+	slices.SortStableFunc(acts, func(a, b action) int { return int(a.at - b.at) })
+	for _, a := range acts {
+		time.Sleep(time.Until(h.start.Add(a.at))) // the schedule's clock, not a synchronisation
+		a.do()
+	}
+	time.Sleep(time.Until(h.start.Add(end)))
+	for _, c := range clients {
+		c.disarm()
+		for _, p := range proxies(c) {
+			p.Heal()
+			p.Latency(0, 0)
+		}
+	}
+}
+
+// runClient makes random calls until the run's Duration has passed, then
+// releases what it holds.
+func (s NemesisSuite) runClient(h *history, c *nemClient, names []string) {
+	ttl := s.ShortTTL
+	for time.Since(h.start) < s.Duration {
+		s.step(h, c, names)
+		c.pause(time.Duration(c.rng.Int64N(int64(ttl / 10)))) // pacing
+	}
+	for _, name := range sortedKeys(c.held) {
+		s.release(h, c, c.held[name])
+	}
+}
+
+// opCtx bounds one call: a partition longer than the ttl outlasts it.
+func (s NemesisSuite) opCtx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), s.ShortTTL+s.ShortTTL/2)
+}
+
+// step makes one random call, more often on a name the client holds.
+func (s NemesisSuite) step(h *history, c *nemClient, names []string) {
+	ttl := s.ShortTTL
+	// A lease whose context ended is no longer held; keep it for the paused
+	// holder's writes.
+	for _, n := range sortedKeys(c.held) {
+		if l := c.held[n]; l.lease.Context().Err() != nil {
+			if c.rng.IntN(4) == 0 {
+				s.release(h, c, l) // a Release of a lease already lost
+			} else {
+				delete(c.held, n)
+				c.old = append(c.old, l)
+			}
+		}
+	}
+	// A holder renews each lease at a jittered third or so of its ttl,
+	// unless it chose to let it lapse.
+	for _, n := range sortedKeys(c.held) {
+		if l := c.held[n]; time.Now().After(l.nextRenew) {
+			s.renew(h, c, l)
+			return
+		}
+	}
+	name := names[c.rng.IntN(len(names))]
+	if held := sortedKeys(c.held); len(held) > 0 && c.rng.IntN(10) < 6 {
+		name = held[c.rng.IntN(len(held))]
+	}
+	l := c.held[name]
+	r := c.rng.IntN(100)
+	if l == nil {
+		switch {
+		case r < 60:
+			// A client waits (Acquire) only while it holds nothing: the
+			// wait would hold up its renewals.
+			wait := time.Duration(0)
+			if len(c.held) == 0 && c.rng.IntN(3) == 0 {
+				wait = ttl/4 + time.Duration(c.rng.Int64N(int64(ttl/2)))
+			}
+			s.grant(h, c, name, wait)
+		case r < 80:
+			s.read(h, c, name)
+		case r < 95:
+			s.writeOld(h, c)
+		default:
+			c.pause(time.Duration(c.rng.Int64N(int64(ttl / 2)))) // idle
+		}
+		return
+	}
+	switch {
+	case r < 5:
+		// Stops renewing this lease for longer than its ttl, then writes
+		// with its token and renews.
+		l.nextRenew = time.Now().Add(ttl + time.Duration(c.rng.Int64N(int64(ttl/2))))
+		l.lapsed = true
+	case r < 11:
+		s.release(h, c, l)
+	case r < 60:
+		s.write(h, c, name, l.token)
+	case r < 70:
+		s.writeOld(h, c)
+	case r < 85:
+		s.read(h, c, name)
+	case r < 88:
+		// A frozen client: holds past the ttl without renewing, then writes
+		// with its token and renews.
+		time.Sleep(ttl + time.Duration(c.rng.Int64N(int64(ttl/2))))
+		s.write(h, c, name, l.token)
+		s.renew(h, c, l)
+	default:
+		c.pause(time.Duration(c.rng.Int64N(int64(ttl / 4)))) // idle
+	}
+}
+
+// pause sleeps for d, or until a held lease is due for renewal if that is
+// sooner: only a frozen client misses its renewals.
+func (c *nemClient) pause(d time.Duration) {
+	until := time.Now().Add(d)
+	for _, l := range c.held {
+		if l.nextRenew.Before(until) {
+			until = l.nextRenew
+		}
+	}
+	time.Sleep(time.Until(until)) // pacing, not a synchronisation
+}
+
+// writeOld writes with a token the client held before: a paused holder.
+func (s NemesisSuite) writeOld(h *history, c *nemClient) {
+	if len(c.old) == 0 {
+		return
+	}
+	old := c.old[c.rng.IntN(len(c.old))]
+	s.write(h, c, old.name, old.token)
+}
+
+// renewLater sets when l is renewed next, after a grant or a renewal that
+// returned err: a jittered sixth to a third of the ttl from now. After an
+// unknown outcome, it renews again a tenth of the ttl later or more and,
+// when the lease says when its local deadline is, in the last two thirds of
+// the time left before it (a later send that may find the lost one done).
+// After a renewal, two holders in three stop renewing and let the lease run
+// out (they finish their work in the time left).
+func (s NemesisSuite) renewLater(c *nemClient, l *leaseRec, renewed bool, err error) {
+	ttl := s.ShortTTL
+	now := time.Now()
+	switch {
+	case err != nil && !errors.Is(err, fence.ErrLost):
+		lo, hi := ttl/10, ttl/2
+		if d, ok := l.lease.(interface{ LocalDeadline() time.Time }); ok {
+			left := d.LocalDeadline().Sub(now)
+			lo, hi = max(lo, left/3), max(lo, left-ttl/30)
+		}
+		l.nextRenew = now.Add(lo + time.Duration(c.rng.Int64N(int64(hi-lo)+1)))
+	case renewed && c.rng.IntN(3) > 0:
+		l.nextRenew = now.Add(time.Hour)
+	default:
+		l.nextRenew = now.Add(ttl/6 + time.Duration(c.rng.Int64N(int64(ttl/6))))
+	}
+}
+
+// armLose arms p to lose the reply of the call about to be made when the
+// nemesis asked for a lost reply of the next call of kind.
+func (c *nemClient) armLose(kind string, p *faultnet.Proxy) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.lose[kind] > 0 {
+		c.lose[kind]--
+		if p != nil {
+			p.LoseReply(nil)
+		}
+	}
+}
+
+// disarm drops the lost replies the nemesis asked for and no call took.
+func (c *nemClient) disarm() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	clear(c.lose)
+}
+
+func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Duration) {
+	kind, call := "TryAcquire", c.a.TryAcquire
+	ctx, cancel := s.opCtx()
+	if wait > 0 {
+		cancel()
+		ctx, cancel = context.WithTimeout(context.Background(), wait)
+		kind, call = "Acquire", c.a.Acquire
+	}
+	defer cancel()
+	if wait == 0 {
+		c.armLose("TryAcquire", c.ap)
+	}
+	op := h.begin(c.id, kind, name, 0, "")
+	l, err := call(ctx, name, s.ShortTTL)
+	if rec := h.granted(op, l, err); rec != nil {
+		c.held[name] = rec
+		s.renewLater(c, rec, false, nil)
+	}
+}
+
+func (s NemesisSuite) renew(h *history, c *nemClient, l *leaseRec) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	if l.lapsed {
+		l.lapsed = false
+		s.write(h, c, l.name, l.token)
+	}
+	if l.lease.Context().Err() == nil { // a lease that ended sends no Renew
+		c.armLose("Renew", c.ap)
+	}
+	op := h.begin(c.id, "Renew", l.name, l.token, "")
+	err := l.lease.Renew(ctx)
+	h.renewed(op, l, err)
+	s.renewLater(c, l, true, err)
+}
+
+func (s NemesisSuite) release(h *history, c *nemClient, l *leaseRec) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	c.armLose("Release", c.ap)
+	op := h.releasing(c.id, l)
+	h.end(op, l.lease.Release(ctx))
+	delete(c.held, l.name)
+	c.old = append(c.old, l)
+}
+
+func (s NemesisSuite) write(h *history, c *nemClient, key string, tok fence.Token) {
+	if c.w == nil {
+		return
+	}
+	c.writes++
+	value := fmt.Sprintf("c%d-w%d-t%d", c.id, c.writes, tok)
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	c.armLose("Write", c.wp)
+	op := h.begin(c.id, "Write", key, tok, value)
+	h.end(op, c.w.Write(ctx, key, []byte(value), tok))
+}
+
+func (s NemesisSuite) read(h *history, c *nemClient, key string) {
+	if c.r == nil {
+		return
+	}
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	op := h.begin(c.id, "Read", key, 0, "")
+	v, tok, err := c.r.Read(ctx, key)
+	h.read(op, string(v), tok, err)
+}
+
+// checkLive checks that each name is granted to a Direct TryAcquire within
+// the ttl, the ExpiryLag and a margin of the clients' end (every lease was
+// released, the faults had stopped).
+func (s NemesisSuite) checkLive(t *testing.T, fail func(string, ...any), a fence.Acquirer, names []string, ended time.Time) {
+	bound := ended.Add(s.ShortTTL + s.ExpiryLag + max(s.ShortTTL, time.Second))
+	for _, name := range names {
+		for {
+			l, err := a.TryAcquire(ctxT(t), name, s.ShortTTL)
+			if err == nil {
+				_ = l.Release(ctxT(t))
+				break
+			}
+			if !errors.Is(err, fence.ErrHeld) && !errors.Is(err, fence.ErrLost) {
+				fail("liveness: a Direct TryAcquire of %q after the run: %v", name, err)
+				break
+			}
+			if time.Now().After(bound) {
+				fail("liveness: %q still not granted %v after the clients released everything and the faults had stopped (last: %v)", name, time.Since(ended), err)
+				break
+			}
+			time.Sleep(5 * time.Millisecond) // a poll with a bound
+		}
+	}
+}
