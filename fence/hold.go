@@ -28,7 +28,9 @@ const releaseTimeout = 5 * time.Second
 // Hold returns the error of Acquire if the lease was never granted. Otherwise it
 // returns work's error, joined with an error matching ErrLost when this lease was
 // lost while work ran (or Release found it already lost), and with any other
-// Release error. A ctx cancelled with cause ErrLost (an outer Hold's lease
+// Release error. A lease that work released itself is not a loss, and is not
+// released again; an end after work returned (a deadline passing while a
+// renewal stalls) is not counted as a loss while work ran. A ctx cancelled with cause ErrLost (an outer Hold's lease
 // lost) cancels work but does not make this lease's result ErrLost. Work should pass l.Token() to every fenced write: Hold cannot
 // stop a process that pauses between checking ctx and writing, the fence can.
 func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work func(ctx context.Context, l Lease) error) error {
@@ -53,48 +55,72 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 	defer cancel(nil)
 	// ownLost records the loss of this lease alone: a ctx that ended with
 	// ErrLost as its cause (an outer Hold's lease lost) says nothing of it.
-	var ownLost atomic.Bool
+	// Only an end while work runs counts: once work has returned, a
+	// deadline that passes (a renewal stalled at that moment) is not its
+	// loss; the release says whether the lease was still held.
+	var ownLost, workReturned atomic.Bool
 	markLost := func() {
+		if workReturned.Load() {
+			return
+		}
 		ownLost.Store(true)
 		cancel(lostError(l))
+	}
+	// lostNow reports whether the lease's context has ended by a loss; an
+	// end with another cause is a release (work released the lease
+	// itself), not a loss.
+	lostNow := func() bool {
+		lc := l.Context()
+		return lc.Err() != nil && errors.Is(context.Cause(lc), ErrLost)
 	}
 	lossSeen := make(chan struct{}) // closed once the loss hook has run
 	stopLoss := context.AfterFunc(l.Context(), func() {
 		defer close(lossSeen)
-		markLost()
+		if lostNow() {
+			markLost()
+		}
 	})
 
-	done := make(chan struct{})
+	stop, stopCancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopCancel()
 	watchdog := make(chan struct{})
 	go func() {
 		defer close(watchdog)
-		renewLoop(ctx, l, ttl, done, markLost)
+		renewLoop(ctx, stop, l, ttl, markLost)
 	}()
 	// The renewals stop when work returns or panics, before the release, so
-	// a release that fails cannot leave them running.
+	// a release that fails cannot leave them running. A renewal in flight is
+	// cancelled, not waited for.
 	stopRenewals := sync.OnceFunc(func() {
-		close(done)
+		stopCancel()
 		<-watchdog
 		if !stopLoss() {
 			// The lease's context ended and its hook has started: wait
-			// for it, so that the loss is counted whatever the order.
+			// for it to finish.
 			<-lossSeen
-		} else if l.Context().Err() != nil {
-			// The context's done channel closes before its AfterFunc
-			// hooks start: work can see the end, return, and stop the
-			// hook before it ran. The lease ended all the same.
-			markLost()
 		}
 	})
 	defer stopRenewals()
 
 	workErr := runWork(workCtx, l, work, stopRenewals)
+	// The context's done channel closes before its AfterFunc hooks start:
+	// work can see the end and return before the hook ran. The lease ended
+	// while work ran all the same.
+	if lostNow() {
+		markLost()
+	}
+	workReturned.Store(true)
 	stopRenewals()
 
 	lost := ownLost.Load()
-	rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
-	relErr := l.Release(rctx)
-	rcancel()
+	var relErr error
+	if lc := l.Context(); lc.Err() == nil || errors.Is(context.Cause(lc), ErrLost) {
+		// Not released by work itself (a lease work released is not
+		// released again: its Release would answer ErrLost).
+		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		relErr = l.Release(rctx)
+		rcancel()
+	}
 	if errors.Is(relErr, ErrLost) {
 		lost, relErr = true, nil
 	}
@@ -178,10 +204,10 @@ func nextRenewal(l Lease, interval, retry time.Duration) time.Duration {
 	return min(interval, max(retry, time.Until(dl)/3))
 }
 
-// renewLoop renews l every ttl/3 until done is closed or the lease ends. A renewal
+// renewLoop renews l every ttl/3 until stop is done or the lease ends (stop also cancels a renewal in flight). A renewal
 // that fails with a transient error is retried sooner; the lease's own local
 // deadline ends it if no renewal is confirmed in time.
-func renewLoop(ctx context.Context, l Lease, ttl time.Duration, done <-chan struct{}, lost func()) {
+func renewLoop(ctx, stop context.Context, l Lease, ttl time.Duration, lost func()) {
 	interval := ttl / 3
 	if interval <= 0 {
 		interval = ttl
@@ -194,7 +220,7 @@ func renewLoop(ctx context.Context, l Lease, ttl time.Duration, done <-chan stru
 	defer timer.Stop()
 	for {
 		select {
-		case <-done:
+		case <-stop.Done():
 			return
 		case <-l.Context().Done():
 			return
@@ -207,12 +233,16 @@ func renewLoop(ctx context.Context, l Lease, ttl time.Duration, done <-chan stru
 			return
 		}
 		select {
-		case <-done:
+		case <-stop.Done():
 			return
 		default:
 		}
 		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), interval)
+		// Work's return cancels a renewal in flight: the release follows
+		// at once, not after a stalled renewal's timeout.
+		unhook := context.AfterFunc(stop, rcancel)
 		err := l.Renew(rctx)
+		unhook()
 		rcancel()
 		switch {
 		case err == nil:
