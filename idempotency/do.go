@@ -285,19 +285,21 @@ func Do(ctx context.Context, s Store, key, fingerprint string, effect Effect, op
 		wake, unsubscribe = n.Subscribe(key)
 		defer unsubscribe()
 	}
+	released := 0 // records found released by a Begin, counted apart from the waits
 	for attempt := 0; ; attempt++ {
 		rec, created, err := begin(ctx, s, key, fingerprint, o)
 		if err != nil {
 			return Result{}, err
 		}
-		if !created && rec.State == Released && attempt < 10 {
+		if !created && rec.State == Released && released < 10 {
 			// Released between the claim and the read of the record (a
 			// store that answers Begin in two statements): claim it again,
 			// after a pause that lets a release still being committed on
 			// another connection land (a background settle's, say).
-			if (fence.Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}).Sleep(ctx, attempt) != nil {
+			if (fence.Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}).Sleep(ctx, released) != nil {
 				return Result{}, fmt.Errorf("idempotency: key %q released while it was claimed: %w", key, context.Cause(ctx))
 			}
+			released++
 			continue
 		}
 		if created {

@@ -387,6 +387,54 @@ func TestBeginSeesRelease(t *testing.T) {
 	}
 }
 
+// lateTwoStepBegin is twoStepBegin from the Begin after waits of them on:
+// the caller has waited that many times for the key's owner first.
+type lateTwoStepBegin struct {
+	twoStepBegin
+	waits *atomic.Int32
+}
+
+func (s lateTwoStepBegin) Begin(ctx context.Context, key, fp, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	if s.waits.Add(-1) >= 0 {
+		return s.Store.Begin(ctx, key, fp, owner, lease)
+	}
+	return s.twoStepBegin.Begin(ctx, key, fp, owner, lease)
+}
+
+// A caller that waited many times for another owner (Wait) and then gets a
+// Begin answered with a record released in the meantime claims the key
+// again too: its waits do not use up the tries it has for a released record.
+func TestBeginSeesReleaseAfterLongWait(t *testing.T) {
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			k := key()
+			next, armed := make(chan struct{}), make(chan struct{})
+			first := make(chan error, 1)
+			go func() {
+				_, err := idempotency.Do(ctxT(t), s, k, "fp", func(context.Context, string) ([]byte, error) {
+					close(armed)
+					<-next
+					return nil, idempotency.NotSent(errors.New("the provider refused the request unread"))
+				}, nil)
+				first <- err
+			}()
+			<-armed
+			var (
+				l     ledger
+				waits atomic.Int32
+			)
+			waits.Store(12)
+			r, err := idempotency.Do(ctxT(t), lateTwoStepBegin{twoStepBegin{s, next}, &waits}, k, "fp", l.effect(k), &idempotency.Options{Wait: true})
+			if err != nil || string(r.Value) != "charged "+k || l.count(k) != 1 {
+				t.Fatalf("after %d waits, Begin answered with a released record: %+v, %v, runs %d; want a claim and a run", 12-max(waits.Load(), 0), r, err, l.count(k))
+			}
+			if err := <-first; err == nil {
+				t.Error("the first call's NotSent error was lost")
+			}
+		})
+	}
+}
+
 // A lease shorter than the stores' millisecond resolution and the local drift
 // margin (1% + 2ms) is no lease: the store records it as already expired, so a
 // second caller whose Reconcile hook says "not done" (the provider has not

@@ -132,7 +132,7 @@ func (c *backendConfig) register(fs *flag.FlagSet, operator bool) {
 	fs.StringVar(&c.gcsBucket, "gcs-bucket", "", need(
 		"Google Cloud Storage bucket, for -backend gcs (it must exist; when empty, an in-process GCS emulator); credentials from Application Default Credentials",
 		"Google Cloud Storage bucket, required for -backend gcs (it must exist); credentials from Application Default Credentials"))
-	fs.StringVar(&c.gcsEndpoint, "gcs-endpoint", "", "GCS JSON API endpoint URL, for -backend gcs with another server (default: Google's)")
+	fs.StringVar(&c.gcsEndpoint, "gcs-endpoint", "", "GCS JSON API endpoint URL, for -backend gcs with another server (default: Google's; an http:// one is taken for an emulator and sent no credentials)")
 	fs.StringVar(&c.azureURL, "azure-url", "", need(
 		"Azure blob service URL, for -backend azure (when empty, an Azurite started for the command); account and key from AZURE_STORAGE_ACCOUNT, AZURE_STORAGE_KEY",
 		"Azure blob service URL, required for -backend azure; account and key from AZURE_STORAGE_ACCOUNT, AZURE_STORAGE_KEY"))

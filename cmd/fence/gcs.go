@@ -44,6 +44,11 @@ func connectGCS(ctx context.Context, cfg backendConfig) (b *storage.BucketHandle
 			return nil, nil, "", nil, usagef("GCS endpoint %s is not a URL such as http://127.0.0.1:4443/storage/v1/", redactConn(cfg.gcsEndpoint))
 		}
 		opts = append(opts, option.WithEndpoint(cfg.gcsEndpoint))
+		if u, _ := url.Parse(cfg.gcsEndpoint); u.Scheme == "http" {
+			// A plain-HTTP endpoint is an emulator (GCS itself is HTTPS
+			// only): no credentials, as STORAGE_EMULATOR_HOST would do.
+			opts = append(opts, option.WithoutAuthentication())
+		}
 		where = redactConn(cfg.gcsEndpoint)
 	}
 	c, err = storage.NewClient(ctx, opts...)

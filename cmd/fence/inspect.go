@@ -11,7 +11,9 @@ import (
 	"strings"
 	"time"
 
+	azfence "github.com/fencekit/fencekit/adapters/azure"
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	gcsfence "github.com/fencekit/fencekit/adapters/gcs"
 	"github.com/fencekit/fencekit/adapters/redislua"
 	s3fence "github.com/fencekit/fencekit/adapters/s3"
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
@@ -109,7 +111,8 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 		"Raises the token counter of lock NAME to N, so every later grant's token is\n"+
 			"larger: for example after a Redis failover lost the counter. It refuses to\n"+
 			"lower a counter (exit status 1). On SQL backends it refuses while the lock is\n"+
-			"held. etcd and NATS tokens are revisions and S3 lock objects have no bump: they refuse.\n"+
+			"held. etcd and NATS tokens are revisions, and S3, GCS and Azure lock objects have\n"+
+			"no bump: they refuse.\n"+
 			"Exit status 2 for bad usage or when the flags do not name a backend: bump\n"+
 			"never acts on a default, temporary or embedded one.", true, stdout, stderr)
 	to := fs.String("to", "", "the value to raise the counter to (required)")
@@ -136,7 +139,7 @@ func runBump(args []string, stdout, stderr io.Writer) error {
 	defer b.close()
 	bu, ok := b.acq.(fence.Bumper)
 	if !ok {
-		return fmt.Errorf("backend %s has no counter to bump (etcd and NATS tokens are revisions; S3 lock objects cannot be bumped)", bc.name)
+		return fmt.Errorf("backend %s has no counter to bump (etcd and NATS tokens are revisions; S3, GCS and Azure lock objects cannot be bumped)", bc.name)
 	}
 	if err := bu.Bump(ctx, name, fence.Token(n)); err != nil {
 		return operatorError(err)
@@ -277,6 +280,38 @@ func openOperator(ctx context.Context, c backendConfig, keys bool) (*backend, er
 		return &backend{name: sc.name, acq: a, fenced: w, close: func() error { sc.close(); return nil }}, nil
 	case "nats":
 		return openNATSOperator(ctx, c, keys)
+	case "gcs":
+		bucket, _, name, closeGCS, err := connectGCS(ctx, c)
+		if err != nil {
+			return nil, err
+		}
+		a, err := gcsfence.NewAcquirer(bucket, nil)
+		if err != nil {
+			closeGCS()
+			return nil, err
+		}
+		w, err := gcsfence.NewWriter(bucket, nil)
+		if err != nil {
+			closeGCS()
+			return nil, err
+		}
+		return &backend{name: name, acq: a, fenced: w, close: func() error { closeGCS(); return nil }}, nil
+	case "azure":
+		cl, name, stop, err := connectAzure(ctx, c)
+		if err != nil {
+			return nil, err
+		}
+		a, err := azfence.NewAcquirer(cl, nil)
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		w, err := azfence.NewWriter(cl, nil)
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		return &backend{name: name, acq: a, fenced: w, close: func() error { stop(); return nil }}, nil
 	default:
 		return nil, usagef("unknown backend %q (have: %s)", c.name, strings.Join(backendNames, ", "))
 	}

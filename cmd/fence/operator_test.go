@@ -13,10 +13,12 @@ import (
 	"testing"
 	"time"
 
+	"cloud.google.com/go/storage"
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
 	etcdfence "github.com/fencekit/fencekit/adapters/etcd"
+	gcsfence "github.com/fencekit/fencekit/adapters/gcs"
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/adapters/redislua"
 	s3fence "github.com/fencekit/fencekit/adapters/s3"
@@ -25,11 +27,13 @@ import (
 	"github.com/fencekit/fencekit/internal/etcdtest"
 	"github.com/fencekit/fencekit/internal/natstest"
 	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/fsouza/fake-gcs-server/fakestorage"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/johannesboyne/gofakes3"
 	"github.com/johannesboyne/gofakes3/backend/s3mem"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
+	"google.golang.org/api/option"
 )
 
 // fenceCmd runs the CLI and returns its exit status and all it printed.
@@ -441,5 +445,37 @@ func TestOperatorNATS(t *testing.T) {
 	}
 	if _, err := j.KeyValue(ctx, "ops_missing"); !errors.Is(err, jetstream.ErrBucketNotFound) {
 		t.Errorf("inspect created the bucket it was refused: %v", err)
+	}
+}
+
+func TestOperatorGCS(t *testing.T) {
+	srv, err := fakestorage.NewServerWithOptions(fakestorage.Options{Scheme: "http", Host: "127.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Stop)
+	srv.CreateBucketWithOpts(fakestorage.CreateBucketOpts{Name: "locks"})
+	ctx := context.Background()
+	c, err := storage.NewClient(ctx, option.WithEndpoint(srv.URL()+"/storage/v1/"), option.WithoutAuthentication(), storage.WithJSONReads())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	a, err := gcsfence.NewAcquirer(c.Bucket("locks"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := a.TryAcquire(ctx, "job", 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Release(context.Background()) })
+	flags := []string{"-backend", "gcs", "-gcs-endpoint", srv.URL() + "/storage/v1/", "-gcs-bucket", "locks"}
+	code, out := fenceCmd(append(append([]string{"inspect"}, flags...), "job")...)
+	if want := fmt.Sprintf("held:      yes, token %d", l.Token()); code != 0 || !strings.Contains(out, want) {
+		t.Errorf("inspect of a held GCS lock: exit %d, want %q\n%s", code, want, out)
+	}
+	if code, out := fenceCmd(append(append([]string{"bump"}, flags...), "job", "-to", "50")...); code != 1 || !strings.Contains(out, "no counter to bump") {
+		t.Errorf("bump on GCS: exit %d\n%s", code, out)
 	}
 }
