@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fencekit/fencekit/adapters/sql"
+	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
@@ -45,5 +45,68 @@ func TestSQLiteNemesis(t *testing.T) {
 			}
 		},
 		ShortTTL: 300 * time.Millisecond,
+	}.Run(t)
+}
+
+// nemesisDeleteLeaseRow is DeleteState for the nemesis: deleteLeaseRow, but
+// reporting with t.Errorf, as the nemesis calls it from a goroutine of its
+// own.
+func nemesisDeleteLeaseRow(exec func(context.Context, string, ...any) error) func(*testing.T, string) {
+	return func(t *testing.T, name string) {
+		if err := exec(context.Background(), "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
+			t.Errorf("deleting the lease row of %q: %v", name, err)
+		}
+	}
+}
+
+// TestPostgresNemesis: clients on one PostgreSQL server, through pgx and
+// through database/sql, each acquirer and writer on a handle of its own
+// behind a proxy of its own, call random lease and write operations while
+// replies are lost, latency added, clients partitioned and lease rows
+// deleted; the history holds (fencetest.NemesisSuite). The ttl is the
+// suite's default, as TestSQLiteNemesis, and twice the acquirer suite's
+// 150ms: a client partitioned for a quarter of it must still be able to
+// renew on a loaded machine.
+func TestPostgresNemesis(t *testing.T) {
+	deleteState := nemesisDeleteLeaseRow(pgxExec(pgPool(t, pgOpts{})))
+	for _, style := range []string{"pgx", "database-sql"} {
+		t.Run(style, func(t *testing.T) {
+			open := pgOpener(style)
+			fencetest.NemesisSuite{
+				Acquirer: faultyAcquirer(open, pgTarget, nil),
+				Writer:   faultyWriter(open, pgTarget),
+				Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
+					fdb := open(t, "")
+					w, err := sqlfence.NewWriter(fdb, nil)
+					if err != nil {
+						t.Fatal(err)
+					}
+					return newAcquirerOn(t, fdb, nil), w
+				},
+				DeleteState: deleteState,
+				ShortTTL:    300 * time.Millisecond,
+			}.Run(t)
+		})
+	}
+}
+
+// TestMySQLNemesis is TestPostgresNemesis on the test MySQL or MariaDB
+// server.
+func TestMySQLNemesis(t *testing.T) {
+	raw, _ := openMySQL(t, "") // creates the tables
+	open := mysqlOpener("")
+	fencetest.NemesisSuite{
+		Acquirer: faultyAcquirer(open, mysqlAddr, nil),
+		Writer:   faultyWriter(open, mysqlAddr),
+		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
+			fdb := open(t, "")
+			w, err := sqlfence.NewWriter(fdb, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return newAcquirerOn(t, fdb, nil), w
+		},
+		DeleteState: nemesisDeleteLeaseRow(stdExec(raw, func(int) string { return "?" })),
+		ShortTTL:    300 * time.Millisecond,
 	}.Run(t)
 }

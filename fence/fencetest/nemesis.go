@@ -52,8 +52,9 @@ const NemesisSeedsEnv = "FENCETEST_NEMESIS_SEEDS"
 // Checked after the run: (1) per name, no token is granted twice, and a grant
 // that completed before another was asked for has the smaller token; (2) no
 // two leases of one name have live contexts at one moment (tested at each
-// grant, from the grant's return; a lease being released or whose state was
-// deleted since it was asked for is left out), and a Renew asked for after a
+// grant, from the grant's return; a lease being released or whose state may
+// have been deleted since it was asked for, by a DeleteState that returned
+// after that, is left out), and a Renew asked for after a
 // newer grant of the name had returned does not succeed; (3) each key's
 // writes and reads are linearizable as a fenced register (porcupine): a write
 // with ErrStale or ErrInvalid did not happen, a write with ErrUnknown or any
@@ -412,8 +413,9 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 			}})
 		case "delete":
 			acts = append(acts, action{f.at, func() {
-				h.deleted(f.name)
+				op := h.deleting(f.name)
 				s.DeleteState(t, f.name)
+				h.end(op, nil)
 			}})
 		}
 	}

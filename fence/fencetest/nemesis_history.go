@@ -27,7 +27,7 @@ type history struct {
 	mu         sync.Mutex
 	ops        []*nemOp
 	leases     map[string][]*leaseRec
-	deletes    map[string][]time.Duration
+	deletes    map[string][]*nemOp // each DeleteState call, ret -1 while it runs
 	violations []string
 }
 
@@ -62,7 +62,7 @@ type leaseRec struct {
 }
 
 func newHistory() *history {
-	return &history{start: time.Now(), leases: map[string][]*leaseRec{}, deletes: map[string][]time.Duration{}}
+	return &history{start: time.Now(), leases: map[string][]*leaseRec{}, deletes: map[string][]*nemOp{}}
 }
 
 func (h *history) now() time.Duration { return time.Since(h.start) }
@@ -87,18 +87,25 @@ func (h *history) end(op *nemOp, err error) {
 	op.ret, op.err = h.now(), err
 }
 
-// deleted records that the state of name is about to be deleted.
-func (h *history) deleted(name string) {
+// deleting records that the state of name is about to be deleted; end the
+// returned op when DeleteState returns. The deletion may take effect at any
+// moment in between: a backend may hold it behind a grant in progress (a
+// row lock) or a loaded server may run it late.
+func (h *history) deleting(name string) *nemOp {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.deletes[name] = append(h.deletes[name], h.now())
-	h.ops = append(h.ops, &nemOp{client: -1, kind: "DeleteState", name: name, call: h.now(), ret: h.now()})
+	op := &nemOp{client: -1, kind: "DeleteState", name: name, call: h.now(), ret: -1}
+	h.deletes[name] = append(h.deletes[name], op)
+	h.ops = append(h.ops, op)
+	return op
 }
 
-// deletedSince reports whether the state of name was deleted at or after from.
+// deletedSince reports whether the state of name may have been deleted at or
+// after from: a DeleteState call that returned then or later, or is still
+// running.
 func (h *history) deletedSince(name string, from time.Duration) bool {
 	for _, d := range h.deletes[name] {
-		if d >= from {
+		if d.ret < 0 || d.ret >= from {
 			return true
 		}
 	}
@@ -109,7 +116,7 @@ func (h *history) deletedSince(name string, from time.Duration) bool {
 // that no other lease of the name has a live context while this one's is
 // live, leaving out a lease whose Release was asked for (the backend may have
 // freed the name before the lease's context ended) and a pair where the
-// name's state was deleted since either was asked for.
+// name's state may have been deleted since either was asked for (deletedSince).
 func (h *history) granted(op *nemOp, l fence.Lease, err error) *leaseRec {
 	h.mu.Lock()
 	defer h.mu.Unlock()
