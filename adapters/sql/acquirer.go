@@ -389,6 +389,16 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 			return nil, a.wrap("acquire", a.db.unknown(err))
 		}
 	}
+	if cerr := ctx.Err(); cerr != nil && uncertain && err != nil && a.db.d != sqliteDialect &&
+		(notSent(err) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) {
+		// The context ended after an attempt whose reply was lost, and
+		// stopped the next one: the row says whether that earlier attempt
+		// holds the lease, as when the retries ran out above.
+		go a.watchGrant(name, owner, ttl)
+		if a.giveBack(ctx, name, owner, ttl) {
+			return nil, fmt.Errorf("sqlfence: acquire %q: not granted (a grant whose reply was lost, if any, is released; %v): %w", name, err, errors.Join(fence.ErrHeld, cerr))
+		}
+	}
 	if cerr := ctx.Err(); cerr != nil && err != nil && !errors.Is(err, errNoRows) && !notSent(err) && a.db.d == sqliteDialect {
 		// SQLite runs the statement in this process, so it has ended when
 		// the call returns; but an error after the context ended does not

@@ -139,7 +139,9 @@ func TestLeaseAcrossKilledConnections(t *testing.T) {
 	if info, err := other.Inspect(ctx, name); err != nil || info.Counter != l.Token() {
 		t.Errorf("counter after the release: %+v, %v; want %d", info, err, l.Token())
 	}
-	l2, err := other.TryAcquire(ctx, name, time.Second)
+	// A 10s lease: a 1s one was granted past its local deadline on a
+	// loaded machine, and given back.
+	l2, err := other.TryAcquire(ctx, name, 10*time.Second)
 	if err != nil {
 		t.Fatalf("after release: %v", err)
 	}
