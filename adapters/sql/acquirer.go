@@ -375,16 +375,10 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 		}
 		uncertain = true
 		if (attempts > 0 && i+1 >= attempts) || !retryPause(ctx, i) {
-			if ctx.Err() != nil && a.db.d != sqliteDialect {
-				// The statement may still run on the server after the
-				// read below (see watchGrant).
-				go a.watchGrant(name, owner, ttl)
-			}
-			if cerr := ctx.Err(); cerr != nil && a.giveBack(ctx, name, owner, ttl) {
-				// The context ended with a grant in flight, and the row
-				// shows this attempt holds nothing (any grant it made is
-				// released): not granted, as any wait that ran out.
-				return nil, fmt.Errorf("sqlfence: acquire %q: not granted (a grant whose reply was lost, if any, is released; %v): %w", name, err, errors.Join(fence.ErrHeld, cerr))
+			if ctx.Err() != nil {
+				if nerr := a.notGranted(ctx, name, owner, ttl, err, "whose reply was lost"); nerr != nil {
+					return nil, nerr
+				}
 			}
 			return nil, a.wrap("acquire", a.db.unknown(err))
 		}
@@ -394,17 +388,16 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 		// The context ended after an attempt whose reply was lost, and
 		// stopped the next one: the row says whether that earlier attempt
 		// holds the lease, as when the retries ran out above.
-		go a.watchGrant(name, owner, ttl)
-		if a.giveBack(ctx, name, owner, ttl) {
-			return nil, fmt.Errorf("sqlfence: acquire %q: not granted (a grant whose reply was lost, if any, is released; %v): %w", name, err, errors.Join(fence.ErrHeld, cerr))
+		if nerr := a.notGranted(ctx, name, owner, ttl, err, "whose reply was lost"); nerr != nil {
+			return nil, nerr
 		}
 	}
 	if cerr := ctx.Err(); cerr != nil && err != nil && !errors.Is(err, errNoRows) && !notSent(err) && a.db.d == sqliteDialect {
 		// SQLite runs the statement in this process, so it has ended when
 		// the call returns; but an error after the context ended does not
 		// say whether it committed first. The row says.
-		if a.giveBack(ctx, name, owner, ttl) {
-			return nil, fmt.Errorf("sqlfence: acquire %q: not granted (a grant made as the context ended, if any, is released; %v): %w", name, err, errors.Join(fence.ErrHeld, cerr))
+		if nerr := a.notGranted(ctx, name, owner, ttl, err, "made as the context ended"); nerr != nil {
+			return nil, nerr
 		}
 		return nil, a.wrap("acquire", fmt.Errorf("%w: the context ended during the grant, which may hold the lease: %w", fence.ErrUnknown, err))
 	}
@@ -427,6 +420,24 @@ func (a *Acquirer) tryAcquire(ctx context.Context, name string, ttl time.Duratio
 		return nil, a.giveBackLate(ctx, l)
 	}
 	return l, nil
+}
+
+// notGranted settles, after ctx ended, an attempt of owner's whose grant may
+// be in flight (err: the attempt's last error; which: what grant it may have
+// made, for the message). On a server the statement can still run after the
+// row is read, so watchGrant gives back, in the background, a grant that lands
+// later; giveBack reads the row now. It returns the error of a wait that ran
+// out (ErrHeld joined with the context's error) when the row shows the attempt
+// holds nothing, any grant it made being released, and nil when the row could
+// not tell.
+func (a *Acquirer) notGranted(ctx context.Context, name, owner string, ttl time.Duration, err error, which string) error {
+	if a.db.d != sqliteDialect {
+		go a.watchGrant(name, owner, ttl)
+	}
+	if !a.giveBack(ctx, name, owner, ttl) {
+		return nil
+	}
+	return fmt.Errorf("sqlfence: acquire %q: not granted (a grant %s, if any, is released; %v): %w", name, which, err, errors.Join(fence.ErrHeld, ctx.Err()))
 }
 
 // errLate is a grant made or confirmed only after its local deadline (the
