@@ -448,8 +448,28 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		l, err := a.grant(ctx, name, ttl)
 		return lOrNil(l), err
 	}
+	// poll is try for a wait that polls: a try that Redis did not run
+	// (ErrNotRun, with too little time left for another send) is a poll
+	// that found the name held, and a wait that runs out after one says so.
+	var notRun error
+	poll := func(ctx context.Context) (fence.Lease, error) {
+		l, err := try(ctx)
+		notRun = nil
+		if errors.Is(err, ErrNotRun) && !errors.Is(err, fence.ErrUnknown) {
+			notRun = err
+			return nil, errors.Join(fence.ErrHeld, err)
+		}
+		return l, err
+	}
+	ranOut := func(err error) error {
+		if notRun != nil && errors.Is(err, fence.ErrHeld) && !errors.Is(err, ErrNotRun) {
+			return errors.Join(err, notRun)
+		}
+		return err
+	}
 	if a.grants == nil {
-		return leasekit.Acquire(ctx, a.o.Backoff, nil, try)
+		l, err := leasekit.Acquire(ctx, a.o.Backoff, nil, poll)
+		return l, ranOut(err)
 	}
 	nonce := newNonce()
 	w, sub := a.grants.join(nonce)
@@ -489,11 +509,11 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		if tried {
 			wait = leasekit.Retry
 		}
-		l, err := wait(ctx, a.o.Backoff, nil, try)
+		l, err := wait(ctx, a.o.Backoff, nil, poll)
 		if err != nil && errors.Is(err, fence.ErrHeld) {
 			err = errors.Join(err, fmt.Errorf("waited by polling, not in line: %w", sub.err))
 		}
-		return l, err
+		return l, ranOut(err)
 	}
 	// inLine: a request of this waiter may have queued it (or been granted);
 	// ran: Redis may have run one (not every request was refused unrun).
@@ -514,7 +534,9 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		r, err := a.lockOp(ctx, name, "wait", nonce, ttl, a.grants.stamp(sent, a.o.HeadSpin > 0))
 		ran = ran || !errors.Is(err, ErrNotRun) || errors.Is(err, fence.ErrUnknown)
 		switch {
-		case err != nil && ctx.Err() != nil:
+		case err != nil && (ctx.Err() != nil || errors.Is(err, ErrNotRun)):
+			// ErrNotRun before ctx ended: too little time was left for
+			// another send. Either way the wait ran out.
 			if errors.Is(err, ErrNotRun) {
 				return nil, errors.Join(fence.ErrHeld, err)
 			}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -428,5 +429,270 @@ func TestAcquireGrantUnheardThenCut(t *testing.T) {
 	p.Heal()
 	if held && !errors.Is(aerr, fence.ErrUnknown) {
 		t.Fatalf("Acquire that may hold the lease (granted while partitioned, leave unanswered): %v, want an error matching fence.ErrUnknown", aerr)
+	}
+}
+
+// replyWindow is how long a lost reply keeps its client waiting in the
+// recognition tests: the send that recognises an earlier one comes at least
+// this long after it, far more than the drift taken off a 1s lease.
+const replyWindow = 300 * time.Millisecond
+
+// recognisedTTL is the ttl of the leases in the recognition tests.
+const recognisedTTL = time.Second
+
+// outlivesNoKey waits until no node of nodes holds the lease's lock key
+// with a value ending in the lease's token, counting as gone once a
+// majority of nodes no longer hold it (then another grant can be made), and
+// fails if the lease's context is still live at that moment: a holder that
+// checks its lease's context before a write must never find it live once
+// Redis let the key expire.
+func outlivesNoKey(t *testing.T, l fence.Lease, nodes []*redis.Client) {
+	t.Helper()
+	ctx := context.Background()
+	lock := "fence:{" + l.Name() + "}:lock"
+	suffix := strconv.FormatUint(uint64(l.Token()), 10)
+	deadline := time.Now().Add(l.(interface{ TTL() time.Duration }).TTL() + 30*time.Second)
+	for {
+		gone := 0
+		for _, c := range nodes {
+			v, err := c.Get(ctx, lock).Result()
+			switch {
+			case errors.Is(err, redis.Nil):
+				gone++
+			case err != nil:
+				t.Fatal(err)
+			case !strings.HasSuffix(v, ":"+suffix) && !strings.Contains(v, "."):
+				gone++ // a single instance's lock of another grant
+			}
+		}
+		if gone > len(nodes)/2 {
+			if err := l.Context().Err(); err == nil {
+				t.Fatalf("lease %q token %d: its context is live after Redis let its lock key expire (local deadline %v ahead)",
+					l.Name(), l.Token(), time.Until(l.(interface{ LocalDeadline() time.Time }).LocalDeadline()))
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("lease %q: the lock key never expired", l.Name())
+		}
+		time.Sleep(time.Millisecond) // polls Redis for the key
+	}
+}
+
+// scriptFor matches a script call that carries name and, when op is not
+// empty, the lock script's operation op.
+func scriptFor(name, op string) func([]byte) bool {
+	return func(b []byte) bool {
+		return isScript(b) && faultnet.Carries(b, name) && (op == "" || faultnet.Carries(b, op))
+	}
+}
+
+// TestRecognisedSendCountsFromFirstSend: a grant or renewal whose reply was
+// lost after Redis ran it, and that the next send (by go-redis, by the
+// acquirer, or a waiter's next poll) recognises as its own, gives a lease
+// whose local deadline is no later than Redis's expiry of the lock key: it
+// counts from the first send that may have set the key, unless the
+// recognising send set the expiry again. A grant handed to a waiter by a
+// release whose reply was lost is recognised at the waiter's next poll, and
+// a renewal whose request never reached Redis moves no deadline.
+func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
+	ctx := context.Background()
+	direct := testenv.RedisClient(t)
+	other, _ := redislua.NewAcquirer(direct, nil)
+	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
+		p.ReplyWindow(replyWindow)
+		a, err := redislua.NewAcquirer(c, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		warm, err := a.TryAcquire(ctx, fencetest.Name("recwarm"), time.Minute) // loads the scripts
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := warm.Renew(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := warm.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		taken := func(t *testing.T) {
+			t.Helper()
+			if p.Pending() != 0 {
+				t.Fatal("the armed fault was never taken")
+			}
+		}
+		t.Run("try", func(t *testing.T) {
+			name := fencetest.Name("rectry")
+			p.LoseReply(scriptFor(name, "try"))
+			l, err := a.TryAcquire(ctx, name, recognisedTTL)
+			if err != nil {
+				t.Fatalf("TryAcquire whose reply was lost: %v, want the grant recognised", err)
+			}
+			taken(t)
+			outlivesNoKey(t, l, []*redis.Client{direct})
+		})
+		t.Run("wait", func(t *testing.T) {
+			// A waiter in line on another name keeps the grant channel
+			// subscribed, so that the Acquire below waits in line from its
+			// first request: a "wait" that grants the free name.
+			keep := fencetest.Name("reckeep")
+			kh, err := other.TryAcquire(ctx, keep, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer kh.Release(ctx)
+			kctx, kcancel := context.WithCancel(ctx)
+			kdone := make(chan struct{})
+			go func() {
+				defer close(kdone)
+				if l, err := a.Acquire(kctx, keep, time.Minute); err == nil {
+					l.Release(ctx)
+				}
+			}()
+			defer func() { kcancel(); <-kdone }()
+			waitInLine(t, direct, keep, 1)
+			name := fencetest.Name("recwait")
+			p.LoseReply(scriptFor(name, "wait"))
+			actx, cancel := context.WithTimeout(ctx, 20*time.Second)
+			defer cancel()
+			l, err := a.Acquire(actx, name, recognisedTTL)
+			if err != nil {
+				t.Fatalf("Acquire whose granting reply was lost: %v, want the grant recognised", err)
+			}
+			taken(t)
+			outlivesNoKey(t, l, []*redis.Client{direct})
+		})
+		t.Run("handoff", func(t *testing.T) {
+			// The holder and the waiter share an acquirer: the release
+			// hands the lease over in its reply only, which is lost.
+			name := fencetest.Name("rechand")
+			h, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			actx, cancel := context.WithTimeout(ctx, 20*time.Second)
+			defer cancel()
+			type result struct {
+				l   fence.Lease
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				l, err := a.Acquire(actx, name, recognisedTTL)
+				done <- result{l, err}
+			}()
+			waitInLine(t, direct, name, 1)
+			p.LoseReply(scriptFor(name, "release"))
+			if err := h.Release(ctx); err != nil {
+				checkUnknown(t, "Release that handed the lease over", err)
+			}
+			r := <-done
+			if r.err != nil {
+				t.Fatalf("the waiter after a release whose reply was lost: %v", r.err)
+			}
+			taken(t)
+			outlivesNoKey(t, r.l, []*redis.Client{direct})
+		})
+		for _, fault := range []string{"lost", "dropped"} {
+			t.Run("renew-"+fault, func(t *testing.T) {
+				name := fencetest.Name("recrenew")
+				l, err := a.TryAcquire(ctx, name, recognisedTTL)
+				if err != nil {
+					t.Fatal(err)
+				}
+				// Renewed a third into the lease, as fence.Hold does: a
+				// deadline counted from the renewal's send would then
+				// lie a third of a ttl past the key's expiry.
+				time.Sleep(recognisedTTL / 3)
+				// The renewal is the only script on name without the
+				// grant channel among its arguments.
+				renewal := func(b []byte) bool { return scriptFor(name, "")(b) && !faultnet.Carries(b, "fence:grant:") }
+				if fault == "lost" {
+					p.LoseReply(renewal)
+				} else {
+					p.DropRequest(renewal)
+				}
+				if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
+					t.Fatalf("Renew whose request was %s: %v, want nil or ErrUnknown", fault, err)
+				}
+				taken(t)
+				outlivesNoKey(t, l, []*redis.Client{direct})
+			})
+		}
+	})
+}
+
+// TestRedlockRecognisedSendCountsFromFirstSend: a Redlock grant whose lock
+// replies were lost on a majority of nodes, which go-redis sends again and
+// the nodes recognise as this grant's without setting the expiry again,
+// gives a lease whose context ends no later than the majority's keys
+// expire: its validity counts from the first send. A renewal whose replies
+// were lost, or whose requests never reached a majority, does the same.
+func TestRedlockRecognisedSendCountsFromFirstSend(t *testing.T) {
+	ctx := context.Background()
+	for _, m := range []struct {
+		name    string
+		retries int
+	}{{"default-retries", 0}, {"no-retries", -1}} {
+		t.Run(m.name, func(t *testing.T) {
+			r, proxies, direct := redlockViaProxies(t, m.retries)
+			for _, p := range proxies {
+				p.ReplyWindow(replyWindow)
+			}
+			warm, err := r.TryAcquire(ctx, fencetest.Name("rlrecwarm"), time.Minute) // loads the scripts
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := warm.Renew(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := warm.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			taken := func(t *testing.T) {
+				t.Helper()
+				for i, p := range proxies {
+					if p.Pending() != 0 {
+						t.Fatalf("node %d: the armed fault was never taken", i)
+					}
+				}
+			}
+			if m.retries == 0 {
+				// Without go-redis's resend, the grant has no majority.
+				t.Run("grant", func(t *testing.T) {
+					name := fencetest.Name("rlrecgrant")
+					proxies[0].LoseReply(scriptFor(name, ""))
+					proxies[1].LoseReply(scriptFor(name, ""))
+					l, err := r.TryAcquire(ctx, name, recognisedTTL)
+					if err != nil {
+						t.Fatalf("TryAcquire whose lock replies were lost on 2 of 3 nodes: %v, want the grant recognised", err)
+					}
+					taken(t)
+					outlivesNoKey(t, l, direct)
+				})
+			}
+			for _, fault := range []string{"lost", "dropped"} {
+				t.Run("renew-"+fault, func(t *testing.T) {
+					name := fencetest.Name("rlrecrenew")
+					l, err := r.TryAcquire(ctx, name, recognisedTTL)
+					if err != nil {
+						t.Fatal(err)
+					}
+					time.Sleep(recognisedTTL / 3) // renewed a third into the lease, as fence.Hold does
+					for _, p := range proxies[:2] {
+						if fault == "lost" {
+							p.LoseReply(scriptFor(name, ""))
+						} else {
+							p.DropRequest(scriptFor(name, ""))
+						}
+					}
+					if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
+						t.Fatalf("Renew whose requests were %s on 2 of 3 nodes: %v, want nil or ErrUnknown", fault, err)
+					}
+					taken(t)
+					outlivesNoKey(t, l, direct)
+				})
+			}
+		})
 	}
 }

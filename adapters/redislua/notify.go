@@ -35,11 +35,15 @@ func (l *listener) run(ctx context.Context) {
 // (re)subscription, message with each message's payload, and broken after a
 // receive error. When Redis refuses the subscription (NOPERM: the user's ACL
 // has no such channel) and refused is set, it calls refused and returns. go-redis reconnects a broken subscription by itself; a
-// message sent while it was down is lost. Receiving here rather than through
-// ps.Channel() saves a goroutine hop per message.
+// message sent while it was down is lost. A SUBSCRIBE that Redis did not run
+// (BUSY while another client's script runs, LOADING) is sent again, paced,
+// until it runs: go-redis keeps the connection, subscribed to nothing.
+// Receiving here rather than through ps.Channel() saves a goroutine hop per
+// message.
 func receive(ctx context.Context, c Client, channel string, subscribed func(), message func(payload string), broken func(), refused func(error)) {
 	ps := c.Subscribe(ctx, channel)
 	defer ps.Close()
+	notRuns := 0 // SUBSCRIBEs refused in a row without being run
 	for ctx.Err() == nil {
 		msg, err := ps.Receive(ctx)
 		if err != nil {
@@ -49,6 +53,15 @@ func receive(ctx context.Context, c Client, channel string, subscribed func(), m
 			if refused != nil && redis.HasErrorPrefix(err, "NOPERM") {
 				refused(err)
 				return
+			}
+			if notRun(err) {
+				// The only commands on this connection are SUBSCRIBEs.
+				if notRunDelay.Sleep(ctx, notRuns) != nil {
+					return
+				}
+				notRuns++
+				_ = ps.Subscribe(ctx, channel) // a failed send shows at the next Receive
+				continue
 			}
 			broken()
 			select {
@@ -62,6 +75,7 @@ func receive(ctx context.Context, c Client, channel string, subscribed func(), m
 		case *redis.Message:
 			message(m.Payload)
 		case *redis.Subscription:
+			notRuns = 0
 			subscribed()
 		}
 	}

@@ -522,3 +522,118 @@ func TestWaiterThatLeavesWhileBusyDoesNotStrandLock(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// TestAcquireStartedWhileBusyWaitsInLine: an Acquire that starts while
+// Redis answers BUSY subscribes to its grant channel then, and Redis refuses
+// the SUBSCRIBE without running it. Once the script ends the waiter still
+// joins the line (its subscription is made again), and the holder's release
+// grants it the lease; a subscription never made would keep it from the line
+// and from polling until its context ended.
+func TestAcquireStartedWhileBusyWaitsInLine(t *testing.T) {
+	b := startBusyRedis(t)
+	ctx := context.Background()
+	holder, err := redislua.NewAcquirer(b.admin, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := redislua.NewAcquirer(b.c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("notrun-sub")
+	h, err := holder.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := b.busy(t)
+	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	type result struct {
+		l   fence.Lease
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		l, err := a.Acquire(wctx, name, time.Minute)
+		done <- result{l, err}
+	}()
+	b.sawBusy(t) // its first try; the SUBSCRIBE went before it
+	stop()
+	line := "fence:{" + name + "}:line"
+	deadline := time.Now().Add(20 * time.Second)
+	for b.admin.LLen(ctx, line).Val() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the waiter never joined the line after Redis stopped answering BUSY")
+		}
+		time.Sleep(5 * time.Millisecond) // polls Redis for the waiter's place
+	}
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("the waiter after the holder's release: %v", r.err)
+	}
+	defer r.l.Release(ctx)
+	if r.l.Token() <= h.Token() {
+		t.Errorf("waiter's token %d, holder's %d", r.l.Token(), h.Token())
+	}
+}
+
+// TestWaitWhoseDeadlineEndsWhileBusySaysHeld: a waiting Acquire whose
+// deadline comes while Redis answers BUSY ends as a wait that ran out:
+// fence.ErrHeld, context.DeadlineExceeded and ErrNotRun, in line (its
+// polls refused) and polling alike.
+func TestWaitWhoseDeadlineEndsWhileBusySaysHeld(t *testing.T) {
+	b := startBusyRedis(t)
+	ctx := context.Background()
+	for _, disable := range []bool{false, true} {
+		t.Run(map[bool]string{false: "in-line", true: "polling"}[disable], func(t *testing.T) {
+			a, err := redislua.NewAcquirer(b.newClient(t), &redislua.AcquirerOptions{DisableNotify: disable})
+			if err != nil {
+				t.Fatal(err)
+			}
+			name := fencetest.Name("notrun-deadline")
+			h, err := a.TryAcquire(ctx, name, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+			defer cancel()
+			done := make(chan error, 1)
+			var wdeadline time.Time
+			started := make(chan struct{})
+			go func() {
+				// The deadline is set once the waiter is in line (or has
+				// polled): it comes while Redis is busy.
+				<-started
+				dctx, dcancel := context.WithDeadline(wctx, wdeadline)
+				defer dcancel()
+				l, err := a.Acquire(dctx, name, time.Minute)
+				if l != nil {
+					_ = l.Release(ctx)
+				}
+				done <- err
+			}()
+			wdeadline = time.Now().Add(time.Second)
+			close(started)
+			if !disable {
+				waitInLine(t, b.admin, name, 1)
+			}
+			stop := b.busy(t)
+			var err2 error
+			select {
+			case err2 = <-done:
+			case <-wctx.Done():
+				t.Fatal("the wait never ended")
+			}
+			if !errors.Is(err2, fence.ErrHeld) || !errors.Is(err2, context.DeadlineExceeded) || !errors.Is(err2, redislua.ErrNotRun) {
+				t.Errorf("a wait whose deadline came while Redis was busy: %v, want ErrHeld, DeadlineExceeded and ErrNotRun", err2)
+			}
+			stop()
+			if err := h.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
