@@ -10,6 +10,7 @@ import (
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // TestBucketRecreatedDuringGrant: the lock bucket is deleted and re-created
@@ -86,5 +87,218 @@ func TestBucketRecreatedDuringGrant(t *testing.T) {
 	defer lb.Release(ctx)
 	if lb.Token() <= r.l.Token() {
 		t.Fatalf("B, granted after A, holds token %d, not above A's %d", lb.Token(), r.l.Token())
+	}
+}
+
+// created returns the creation time, in Unix microseconds, of the stream of
+// bucket: a lease's token less it is the lease's revision.
+func created(t *testing.T, j jetstream.JetStream, bucket string) uint64 {
+	t.Helper()
+	s, err := j.Stream(context.Background(), "KV_"+bucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return uint64(s.CachedInfo().Created.UnixMicro())
+}
+
+// lastSeq returns the last stream sequence of bucket.
+func lastSeq(t *testing.T, j jetstream.JetStream, bucket string) uint64 {
+	t.Helper()
+	s, err := j.Stream(context.Background(), "KV_"+bucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s.CachedInfo().State.LastSeq
+}
+
+// freshBucket deletes bucket cfg if it is there and makes it anew, with n
+// messages on a filler key, so its revisions go on from n.
+func freshBucket(t *testing.T, j jetstream.JetStream, cfg jetstream.KeyValueConfig, n uint64) jetstream.KeyValue {
+	t.Helper()
+	ctx := context.Background()
+	if err := j.DeleteKeyValue(ctx, cfg.Bucket); err != nil && !errors.Is(err, jetstream.ErrBucketNotFound) {
+		t.Fatal(err)
+	}
+	kv := bucket(t, j, cfg)
+	for i := uint64(0); i < n; i++ {
+		if _, err := kv.Put(ctx, "filler", []byte("x")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := lastSeq(t, j, cfg.Bucket); got != n {
+		t.Fatalf("fresh bucket %s: last revision %d, want %d", cfg.Bucket, got, n)
+	}
+	return kv
+}
+
+// holdAcrossRecreation grants A the lease on name in a fresh bucket cfg, then
+// deletes the bucket and makes it again, and returns A's lease, its revision
+// (its token less the old bucket's creation time) and the new bucket, which
+// holds rev-2 messages: a grant on name there writes a marker at rev-1 and
+// its entry at rev, A's revision.
+func holdAcrossRecreation(t *testing.T, cfg jetstream.KeyValueConfig, name string) (fence.Lease, uint64, jetstream.KeyValue) {
+	t.Helper()
+	ctx := context.Background()
+	direct := js(t)
+	freshBucket(t, direct, cfg, 5)
+	a := newAcquirer(t, js(t), cfg, nil)
+	la, err := a.TryAcquire(ctx, name, 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rev := uint64(la.Token()) - created(t, direct, cfg.Bucket)
+	if rev < 2 {
+		t.Fatalf("A's revision %d: the new bucket cannot grant at it", rev)
+	}
+	kv := freshBucket(t, direct, cfg, rev-2)
+	return la, rev, kv
+}
+
+// grantAt grants B the lease on name in the re-created bucket cfg and checks
+// that its entry's revision is rev (A's, from the old bucket).
+func grantAt(t *testing.T, cfg jetstream.KeyValueConfig, name string, rev uint64) fence.Lease {
+	t.Helper()
+	direct := js(t)
+	b := newAcquirer(t, js(t), cfg, nil)
+	lb, err := b.TryAcquire(context.Background(), name, 20*time.Second)
+	if err != nil {
+		t.Fatalf("B in the re-created bucket: %v", err)
+	}
+	if got := uint64(lb.Token()) - created(t, direct, cfg.Bucket); got != rev {
+		t.Fatalf("B's revision in the re-created bucket is %d, not A's %d: the revisions do not collide", got, rev)
+	}
+	return lb
+}
+
+// stillHolds checks that B's lease on name is intact after A's step: its
+// context live, its renewal accepted, another acquirer refused.
+func stillHolds(t *testing.T, cfg jetstream.KeyValueConfig, name string, lb fence.Lease) {
+	t.Helper()
+	ctx := context.Background()
+	if err := lb.Context().Err(); err != nil {
+		t.Fatalf("B's context ended: %v", context.Cause(lb.Context()))
+	}
+	c := newAcquirer(t, js(t), cfg, nil)
+	if lc, err := c.TryAcquire(ctx, name, 20*time.Second); err == nil {
+		_ = lc.Release(ctx)
+		t.Fatalf("two holders: C was granted (token %d) while B's context is live (token %d)", lc.Token(), lb.Token())
+	} else if !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("C while B holds: %v, want ErrHeld", err)
+	}
+	if err := lb.Renew(ctx); err != nil {
+		t.Fatalf("B's renewal after A's step: %v", err)
+	}
+}
+
+// TestRenewAfterBucketRecreatedDoesNotExtendNewHolder: A holds a lease, the
+// lock bucket is deleted and re-created, and B is granted the name in the new
+// bucket at the revision A's lease last wrote in the old one. A's renewal
+// must not take B's entry for its own: it returns ErrLost and ends A's
+// context, and B's entry is untouched.
+func TestRenewAfterBucketRecreatedDoesNotExtendNewHolder(t *testing.T) {
+	ctx := context.Background()
+	cfg := natsfence.LockBucket("locks-recreated-renew")
+	name := fencetest.Name("recreated-renew")
+	la, rev, _ := holdAcrossRecreation(t, cfg, name)
+	lb := grantAt(t, cfg, name, rev)
+	err := la.Renew(ctx)
+	if !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("A's renewal of a lease from the deleted bucket, B holding revision %d in the new one: %v, want ErrLost", rev, err)
+	}
+	if la.Context().Err() == nil {
+		t.Fatal("A's context is live after its renewal was refused, while B holds the name")
+	}
+	stillHolds(t, cfg, name, lb)
+	if err := lb.Release(ctx); err != nil {
+		t.Fatalf("B's release: %v", err)
+	}
+}
+
+// TestRenewAfterBucketRecreatedDoesNotTakeTheName: the lock bucket is deleted
+// and re-created while A holds a lease, and the new bucket's marker on the
+// name (a release's, an expiry's, an operator's purge) stands at A's
+// revision. A's renewal must not write its entry over that marker: A's lease
+// came from the old bucket, where B may have been granted since. It returns
+// ErrLost, and the name stays free for a grant with a larger token.
+func TestRenewAfterBucketRecreatedDoesNotTakeTheName(t *testing.T) {
+	ctx := context.Background()
+	cfg := natsfence.LockBucket("locks-recreated-marker")
+	name := fencetest.Name("recreated-marker")
+	la, rev, kv := holdAcrossRecreation(t, cfg, name)
+	if _, err := kv.Put(ctx, "filler", []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if err := kv.Purge(ctx, natsfence.EncodeKey(name)); err != nil {
+		t.Fatal(err)
+	}
+	if got := lastSeq(t, js(t), cfg.Bucket); got != rev {
+		t.Fatalf("the new bucket's marker is at revision %d, not A's %d", got, rev)
+	}
+	err := la.Renew(ctx)
+	if !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("A's renewal of a lease from the deleted bucket, over a marker at its revision %d in the new one: %v, want ErrLost", rev, err)
+	}
+	if la.Context().Err() == nil {
+		t.Fatal("A's context is live after its renewal was refused")
+	}
+	c := newAcquirer(t, js(t), cfg, nil)
+	lc, err := c.TryAcquire(ctx, name, 20*time.Second)
+	if err != nil {
+		t.Fatalf("C on the free name after A's renewal: %v", err)
+	}
+	defer lc.Release(ctx)
+	if lc.Token() <= la.Token() {
+		t.Fatalf("C's token %d is not above A's %d", lc.Token(), la.Token())
+	}
+}
+
+// TestReleaseAfterBucketRecreatedDoesNotDeleteNewHolder: A holds a lease, the
+// lock bucket is deleted and re-created, and B is granted the name in the new
+// bucket at A's revision. A's release must not purge B's entry (B would lose
+// the name while its context is live, and a third party be granted), and
+// must not report a release: it returns ErrLost.
+func TestReleaseAfterBucketRecreatedDoesNotDeleteNewHolder(t *testing.T) {
+	ctx := context.Background()
+	cfg := natsfence.LockBucket("locks-recreated-release")
+	name := fencetest.Name("recreated-release")
+	la, rev, _ := holdAcrossRecreation(t, cfg, name)
+	lb := grantAt(t, cfg, name, rev)
+	err := la.Release(ctx)
+	if !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("A's release of a lease from the deleted bucket, B holding revision %d in the new one: %v, want ErrLost", rev, err)
+	}
+	stillHolds(t, cfg, name, lb)
+	if err := lb.Release(ctx); err != nil {
+		t.Fatalf("B's release: %v", err)
+	}
+}
+
+// TestRenewAfterBucketDeletedReturnsErrLost: the lock bucket is deleted (and
+// not made again) while A holds a lease. Nothing holds A's entry: A's
+// renewal and release say so at once (ErrLost), not ErrUnknown after
+// RetryFor, and A's context ends.
+func TestRenewAfterBucketDeletedReturnsErrLost(t *testing.T) {
+	ctx := context.Background()
+	cfg := natsfence.LockBucket("locks-deleted-renew")
+	direct := js(t)
+	freshBucket(t, direct, cfg, 0)
+	a := newAcquirer(t, js(t), cfg, &natsfence.AcquirerOptions{RetryFor: time.Minute})
+	la, err := a.TryAcquire(ctx, fencetest.Name("deleted-renew"), 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := direct.DeleteKeyValue(ctx, cfg.Bucket); err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := la.Renew(rctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("A's renewal after its bucket was deleted: %v, want ErrLost", err)
+	}
+	if la.Context().Err() == nil {
+		t.Fatal("A's context is live after its bucket was deleted and its renewal refused")
+	}
+	if err := la.Release(rctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("A's release after its bucket was deleted: %v, want ErrLost", err)
 	}
 }
