@@ -273,6 +273,50 @@ func TestReleaseAfterBucketRecreatedDoesNotDeleteNewHolder(t *testing.T) {
 	}
 }
 
+// TestWriteRetriedAfterBucketRecreatedDoesNotOverwriteNewEntry: a write's
+// reply is lost, and before it is sent again the fence bucket is deleted and
+// re-created and another write puts the key's entry at the revision the
+// first attempt expected. The entry changed since an attempt that may have
+// landed: sending it again would apply it over the later write. The write
+// returns ErrUnknown and the later write stays.
+func TestWriteRetriedAfterBucketRecreatedDoesNotOverwriteNewEntry(t *testing.T) {
+	ctx := context.Background()
+	cfg := jetstream.KeyValueConfig{Bucket: "fences-recreated-retry", History: 1}
+	direct := js(t)
+	freshBucket(t, direct, cfg, 0)
+	other := newWriter(t, direct, cfg)
+	key := fencetest.Name("recreated-write")
+	if err := other.Write(ctx, key, []byte("first"), 5); err != nil {
+		t.Fatal(err)
+	}
+	j, p := proxied(t)
+	w := newWriter(t, j, cfg)
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(cfg.Bucket))
+	p.Refuse(true) // kept away until the bucket is re-created
+	done := make(chan error, 1)
+	go func() { done <- w.Write(ctx, key, []byte("late"), 7) }()
+	waitLost(t, p, before)
+	if got := lastSeq(t, direct, cfg.Bucket); got != 2 {
+		t.Fatalf("the write whose reply was lost: the old bucket's last revision is %d, want 2", got)
+	}
+	freshBucket(t, direct, cfg, 0)
+	if err := other.Write(ctx, key, []byte("new"), 7); err != nil {
+		t.Fatal(err)
+	}
+	if got := lastSeq(t, direct, cfg.Bucket); got != 1 {
+		t.Fatalf("the new bucket's entry is at revision %d, not 1 (the revision the lost write expected)", got)
+	}
+	p.Refuse(false)
+	err := <-done
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("a write whose reply was lost, retried after the bucket was re-created and the key written again at the revision it expected: %v, want ErrUnknown", err)
+	}
+	if v, tok, err := other.Read(ctx, key); err != nil || string(v) != "new" || tok != 7 {
+		t.Fatalf("Read = %q %d %v, want the later write: new 7", v, tok, err)
+	}
+}
+
 // TestRenewAfterBucketDeletedReturnsErrLost: the lock bucket is deleted (and
 // not made again) while A holds a lease. Nothing holds A's entry: A's
 // renewal and release say so at once (ErrLost), not ErrUnknown after
