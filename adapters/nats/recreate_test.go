@@ -10,6 +10,7 @@ import (
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -317,6 +318,69 @@ func TestWriteRetriedAfterBucketRecreatedDoesNotOverwriteNewEntry(t *testing.T) 
 	}
 }
 
+// TestBeginAfterBucketRecreatedDoesNotReportAnotherClaim: A's claim lands,
+// and before A reads it back (for its fence) the bucket is deleted and
+// re-created and B claims the same key, at the revision of A's claim. A must
+// not come back with B's claim as its own: both would then arm the key and
+// run the effect.
+func TestBeginAfterBucketRecreatedDoesNotReportAnotherClaim(t *testing.T) {
+	ctx := context.Background()
+	cfg := natsfence.LockBucket("idem-recreated-begin")
+	direct := js(t)
+	freshBucket(t, direct, cfg, 0)
+	j, p := proxied(t)
+	a := newStore(t, j, cfg)
+	b := newStore(t, direct, cfg)
+	key := fencetest.Name("recreated-begin")
+	// The read of the claim by its revision never reaches the server, and
+	// the client is kept away until the bucket is re-created.
+	p.DropRequest(func(r []byte) bool {
+		return bytes.Contains(r, []byte("STREAM.MSG.GET.KV_"+cfg.Bucket)) && bytes.Contains(r, []byte(`"seq"`))
+	})
+	p.Refuse(true)
+	type result struct {
+		rec     idempotency.Record
+		created bool
+		err     error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rec, created, err := a.Begin(ctx, key, "fp-a", "owner-a", 10*time.Second)
+		done <- result{rec, created, err}
+	}()
+	for giveUp := time.Now().Add(30 * time.Second); p.Pending() != 0; {
+		if time.Now().After(giveUp) {
+			t.Fatal("A's claim was never read back")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if got := lastSeq(t, direct, cfg.Bucket); got != 1 {
+		t.Fatalf("A's claim: the old bucket's last revision is %d, want 1", got)
+	}
+	freshBucket(t, direct, cfg, 0)
+	recB, created, err := b.Begin(ctx, key, "fp-b", "owner-b", 10*time.Second)
+	if err != nil || !created {
+		t.Fatalf("B's claim in the re-created bucket: created %v, %v", created, err)
+	}
+	if got := lastSeq(t, direct, cfg.Bucket); got != 1 {
+		t.Fatalf("B's claim is at revision %d, not A's 1", got)
+	}
+	p.Refuse(false)
+	r := <-done
+	if r.err == nil && r.created && r.rec.Owner != "owner-a" {
+		t.Fatalf("two owners: A's Begin reports B's claim (owner %q, fence %d) as its own", r.rec.Owner, r.rec.Fence)
+	}
+	if r.err == nil && r.created {
+		t.Fatalf("A's Begin reports a claim (fence %d) the re-created bucket does not hold: B's is there (fence %d)", r.rec.Fence, recB.Fence)
+	}
+	if r.err != nil && !errors.Is(r.err, fence.ErrUnknown) {
+		t.Fatalf("A's Begin: %v, want ErrUnknown (or B's record, not created)", r.err)
+	}
+	if r.err == nil && r.rec.Owner != "owner-b" {
+		t.Fatalf("A's Begin, not created, returned the record of %q, want B's", r.rec.Owner)
+	}
+}
+
 // TestRenewAfterBucketDeletedReturnsErrLost: the lock bucket is deleted (and
 // not made again) while A holds a lease. Nothing holds A's entry: A's
 // renewal and release say so at once (ErrLost), not ErrUnknown after
@@ -344,5 +408,109 @@ func TestRenewAfterBucketDeletedReturnsErrLost(t *testing.T) {
 	}
 	if err := la.Release(rctx); !errors.Is(err, fence.ErrLost) {
 		t.Fatalf("A's release after its bucket was deleted: %v, want ErrLost", err)
+	}
+}
+
+// TestBeginRetriedAfterBucketRecreatedDoesNotOverwriteAnotherClaim: A's
+// claim over a released record loses its reply, and before it is sent again
+// the bucket is deleted and re-created and B claims the key at the revision
+// A's claim expected. Sending A's claim again would land over B's: two
+// owners of one key. A's Begin reports ErrUnknown, and B's claim stays.
+func TestBeginRetriedAfterBucketRecreatedDoesNotOverwriteAnotherClaim(t *testing.T) {
+	ctx := context.Background()
+	cfg := natsfence.LockBucket("idem-recreated-claim")
+	direct := js(t)
+	freshBucket(t, direct, cfg, 0)
+	j, p := proxied(t)
+	a := newStore(t, j, cfg)
+	b := newStore(t, direct, cfg)
+	key := fencetest.Name("recreated-claim")
+	rec, _, err := b.Begin(ctx, key, "fp-0", "owner-0", 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Update(ctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Released, Fence: rec.Fence, Owner: "owner-0"}); err != nil {
+		t.Fatal(err)
+	}
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(cfg.Bucket))
+	p.Refuse(true) // kept away until the bucket is re-created
+	type result struct {
+		rec     idempotency.Record
+		created bool
+		err     error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rec, created, err := a.Begin(ctx, key, "fp-a", "owner-a", 10*time.Second)
+		done <- result{rec, created, err}
+	}()
+	waitLost(t, p, before)
+	if got := lastSeq(t, direct, cfg.Bucket); got != 3 {
+		t.Fatalf("A's claim whose reply was lost: the old bucket's last revision is %d, want 3", got)
+	}
+	freshBucket(t, direct, cfg, 1)
+	if _, created, err := b.Begin(ctx, key, "fp-b", "owner-b", 10*time.Second); err != nil || !created {
+		t.Fatalf("B's claim in the re-created bucket: created %v, %v", created, err)
+	}
+	if got := lastSeq(t, direct, cfg.Bucket); got != 2 {
+		t.Fatalf("B's claim is at revision %d, not 2 (the revision A's claim expected)", got)
+	}
+	p.Refuse(false)
+	r := <-done
+	if r.err == nil && r.created {
+		t.Fatalf("two owners: A's claim (owner %q, fence %d) was sent again over B's", r.rec.Owner, r.rec.Fence)
+	}
+	if r.err != nil && !errors.Is(r.err, fence.ErrUnknown) {
+		t.Fatalf("A's Begin: %v, want ErrUnknown (or B's record, not created)", r.err)
+	}
+	if got, err := b.Get(ctx, key); err != nil || got.Owner != "owner-b" || got.State != idempotency.Claimed {
+		t.Fatalf("the key after A's Begin: %+v %v, want B's claim", got, err)
+	}
+}
+
+// TestUpdateRetriedAfterBucketRecreatedDoesNotArmAnotherClaim: A's arm loses
+// its reply, and before it is sent again the bucket is deleted and
+// re-created and B claims the key at the revision A's arm expected. Sending
+// A's arm again would land over B's claim, and both would run the effect.
+// A's Update reports ErrUnknown, and B's claim stays.
+func TestUpdateRetriedAfterBucketRecreatedDoesNotArmAnotherClaim(t *testing.T) {
+	ctx := context.Background()
+	cfg := natsfence.LockBucket("idem-recreated-arm")
+	direct := js(t)
+	freshBucket(t, direct, cfg, 0)
+	j, p := proxied(t)
+	a := newStore(t, j, cfg)
+	b := newStore(t, direct, cfg)
+	key := fencetest.Name("recreated-arm")
+	rec, created, err := a.Begin(ctx, key, "fp-a", "owner-a", 10*time.Second)
+	if err != nil || !created {
+		t.Fatalf("A's claim: created %v, %v", created, err)
+	}
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(cfg.Bucket))
+	p.Refuse(true) // kept away until the bucket is re-created
+	done := make(chan error, 1)
+	go func() {
+		_, err := a.Update(ctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "owner-a", Lease: 10 * time.Second})
+		done <- err
+	}()
+	waitLost(t, p, before)
+	if got := lastSeq(t, direct, cfg.Bucket); got != 2 {
+		t.Fatalf("A's arm whose reply was lost: the old bucket's last revision is %d, want 2", got)
+	}
+	freshBucket(t, direct, cfg, 0)
+	if _, created, err := b.Begin(ctx, key, "fp-b", "owner-b", 10*time.Second); err != nil || !created {
+		t.Fatalf("B's claim in the re-created bucket: created %v, %v", created, err)
+	}
+	if got := lastSeq(t, direct, cfg.Bucket); got != 1 {
+		t.Fatalf("B's claim is at revision %d, not 1 (the revision A's arm expected)", got)
+	}
+	p.Refuse(false)
+	if err := <-done; !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("A's arm sent again after the bucket was re-created and B claimed at the revision it expected: %v, want ErrUnknown", err)
+	}
+	if got, err := b.Get(ctx, key); err != nil || got.Owner != "owner-b" || got.State != idempotency.Claimed {
+		t.Fatalf("the key after A's arm: %+v %v, want B's claim", got, err)
 	}
 }
