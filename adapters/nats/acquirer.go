@@ -73,9 +73,12 @@ const MaxOwnerBytes = 1024
 // the server's clock. The create expects the revision of a marker on the key
 // (a release's or an expiry's, or one the grant writes first) that the
 // server expires within Timeout or LimitMarkerTTL, whichever is longer, so a
-// create delivered later than that is refused. Renew republishes the entry with a fresh TTL, expecting
-// the revision the lease last wrote; Release purges it expecting the same
-// revision; neither touches a key another grant owns.
+// create delivered later than that is refused. Renew republishes the entry
+// with a fresh TTL and Release purges it, each after a read of the key finds
+// the lease's own entry (its random nonce), expecting that entry's revision;
+// neither touches a key another grant owns, also after the bucket was
+// deleted and re-created, which restarts the revisions (with the window
+// Renew describes).
 //
 // # Tokens
 //

@@ -223,8 +223,8 @@ func TestRenewAfterBucketRecreatedDoesNotExtendNewHolder(t *testing.T) {
 // ErrLost, and the name stays free for a grant with a larger token.
 func TestRenewAfterBucketRecreatedDoesNotTakeTheName(t *testing.T) {
 	ctx := context.Background()
-	cfg := natsfence.LockBucket("locks-recreated-marker")
-	name := fencetest.Name("recreated-marker")
+	cfg := natsfence.LockBucket("locks-recreated-renew-marker")
+	name := fencetest.Name("recreated-renew-marker")
 	la, rev, kv := holdAcrossRecreation(t, cfg, name)
 	if _, err := kv.Put(ctx, "filler", []byte("x")); err != nil {
 		t.Fatal(err)
