@@ -73,9 +73,12 @@ const MaxOwnerBytes = 1024
 // the server's clock. The create expects the revision of a marker on the key
 // (a release's or an expiry's, or one the grant writes first) that the
 // server expires within Timeout or LimitMarkerTTL, whichever is longer, so a
-// create delivered later than that is refused. Renew republishes the entry with a fresh TTL, expecting
-// the revision the lease last wrote; Release purges it expecting the same
-// revision; neither touches a key another grant owns.
+// create delivered later than that is refused. Renew republishes the entry
+// with a fresh TTL and Release purges it, each after a read of the key finds
+// the lease's own entry (its random nonce), expecting that entry's revision;
+// neither touches a key another grant owns, also after the bucket was
+// deleted and re-created, which restarts the revisions (with the window
+// Renew describes).
 //
 // # Tokens
 //
@@ -865,13 +868,26 @@ type lease struct {
 	unsure time.Time
 }
 
-// Renew republishes the lock key with a fresh TTL, expecting the revision the
-// lease last wrote. fence.ErrLost when the key expired or another grant owns
-// it, or when the local deadline has passed (nothing is sent then); an error
-// matching fence.ErrUnknown when retries within RetryFor could not tell
-// whether the renewal landed. A renewal that finds the entry of an earlier
-// one that returned ErrUnknown counts the local deadline from that earlier
-// renewal's send, since the server counts the entry's TTL from its landing.
+// Renew republishes the lock key with a fresh TTL. It first reads the key at
+// the stream leader and goes on only when the key holds the lease's own entry
+// (its random nonce), then publishes expecting that entry's revision. The
+// read is what ties the step to the lease's own grant: a revision is a
+// stream sequence, and a bucket deleted and re-created starts them again at
+// 1, so the lease's revision alone may name another grant's entry, or a
+// marker, in the new bucket. fence.ErrLost when the key expired, holds
+// another grant's entry or a marker, or the bucket is gone, or when the
+// local deadline has passed (nothing is sent then); an error matching
+// fence.ErrUnknown when retries within RetryFor could not tell whether the
+// renewal landed. A renewal that finds the entry of an earlier one that
+// returned ErrUnknown counts the local deadline from that earlier renewal's
+// send, since the server counts the entry's TTL from its landing.
+//
+// The read and the publish are two requests: JetStream conditions a publish
+// on a subject's last sequence, not on the stream's identity or the entry's
+// content. A bucket deleted, re-created and granted to another up to the
+// lease's revision between the leader's answer to the read and its receipt
+// of the publish (a round trip, plus any pause of the holder between the
+// two) is not seen.
 func (l *lease) Renew(ctx context.Context) error {
 	if err := leasekit.CheckContext("renew", ctx); err != nil {
 		return err
@@ -889,32 +905,36 @@ func (l *lease) Renew(ctx context.Context) error {
 	giveUp := sent.Add(l.a.o.RetryFor)
 	var lastErr error
 	for {
-		rev, err := l.a.publish(ctx, l.key, l.value, l.rev, l.TTL(), l.grant)
+		cur, ours, err := l.own(ctx)
 		if err == nil {
-			// It expected rev: no earlier renewal landed, nor can now.
-			l.rev, l.unsure = rev, time.Time{}
-			if !l.Extend(sent) {
-				return l.undo(ctx)
-			}
-			return nil
-		}
-		if revisionMismatch(err) {
-			// Expired, taken, or an earlier attempt of ours landed.
-			m, gerr := lastMsg(ctx, l.a.js, l.a.streamName, l.a.subj+l.key, l.a.o.Timeout)
-			if gerr == nil {
-				if m != nil && !isMarker(m) && string(m.Data) == string(l.value) {
-					// Written by this call or by an earlier one that
-					// returned without knowing: count from the earliest.
-					l.rev, l.unsure = m.Sequence, time.Time{}
-					if !l.Extend(from) {
-						return l.undo(ctx)
-					}
-					return nil
-				}
+			switch {
+			case !ours:
+				// Expired, taken, or the bucket deleted (and
+				// perhaps re-created): not this grant's entry.
 				l.End(fence.ErrLost)
 				return l.lost()
+			case cur != l.rev:
+				// Written by this call or by an earlier one that
+				// returned without knowing: count from the earliest.
+				l.rev, l.unsure = cur, time.Time{}
+				if !l.Extend(from) {
+					return l.undo(ctx)
+				}
+				return nil
 			}
-			err = gerr
+			var rev uint64
+			rev, err = l.a.publish(ctx, l.key, l.value, cur, l.TTL(), l.grant)
+			if err == nil {
+				// It expected cur: no earlier renewal landed, nor can now.
+				l.rev, l.unsure = rev, time.Time{}
+				if !l.Extend(sent) {
+					return l.undo(ctx)
+				}
+				return nil
+			}
+			if revisionMismatch(err) {
+				continue // changed since the read: look again
+			}
 		}
 		if !ambiguous(err) {
 			return fmt.Errorf("natsfence: renew %q: %w", l.Name(), err)
@@ -932,11 +952,34 @@ func (l *lease) Renew(ctx context.Context) error {
 	}
 }
 
-// Release ends the lease's context, then purges the lock key expecting the
-// revision the lease last wrote, which wakes the waiters. fence.ErrLost when
-// the key had expired or another grant owns it. After a lost reply it is sent
-// again, and a key found gone or granted to another then counts as released
-// (nil): the purge may have landed and woken the grant.
+// own reads the lock key at the stream leader and returns the revision of
+// the lease's entry, and whether the key holds it: the last message on the
+// key carries the lease's nonce. Another grant's entry, a marker, no message
+// or no bucket is not the lease's.
+func (l *lease) own(ctx context.Context) (uint64, bool, error) {
+	m, err := lastMsg(ctx, l.a.js, l.a.streamName, l.a.subj+l.key, l.a.o.Timeout)
+	if err != nil {
+		var api *jetstream.APIError
+		if errors.As(err, &api) && api.ErrorCode == jetstream.JSErrCodeStreamNotFound {
+			return 0, false, nil // the bucket was deleted
+		}
+		return 0, false, err
+	}
+	if m == nil || isMarker(m) || string(m.Data) != string(l.value) {
+		return 0, false, nil
+	}
+	return m.Sequence, true, nil
+}
+
+// Release ends the lease's context, then purges the lock key, which wakes
+// the waiters. Like Renew, it first reads the key at the stream leader and
+// purges only the lease's own entry (its nonce), expecting that entry's
+// revision, so a release after the bucket was deleted and re-created does
+// not purge another grant's entry at the same revision (with the window
+// Renew describes). fence.ErrLost when the key had expired, holds another
+// grant's entry or a marker, or the bucket is gone. After a lost reply it is
+// sent again, and a key found gone or granted to another then counts as
+// released (nil): the purge may have landed and woken the grant.
 func (l *lease) Release(ctx context.Context) error {
 	if err := leasekit.CheckContext("release", ctx); err != nil {
 		return err
@@ -946,26 +989,29 @@ func (l *lease) Release(ctx context.Context) error {
 	l.End(context.Canceled)
 	giveUp := time.Now().Add(l.a.o.RetryFor)
 	var lastErr error
+	purged := false // a purge whose outcome is unknown was sent
 	for {
-		err := l.a.purge(ctx, l.key, l.rev)
+		cur, ours, err := l.own(ctx)
 		if err == nil {
-			return nil
-		}
-		if revisionMismatch(err) {
-			m, gerr := lastMsg(ctx, l.a.js, l.a.streamName, l.a.subj+l.key, l.a.o.Timeout)
-			if gerr == nil {
-				switch {
-				case m != nil && !isMarker(m) && string(m.Data) == string(l.value):
-					l.rev = m.Sequence // a renewal we could not confirm landed
-					continue
-				case lastErr != nil:
-					// Gone or granted again: ours landed (and a waiter
-					// was woken by it), or it expired.
+			if !ours {
+				if purged {
+					// Gone or granted again: ours landed (and a
+					// waiter was woken by it), or it expired.
 					return nil
 				}
 				return l.lost()
 			}
-			err = gerr
+			l.rev = cur // a renewal we could not confirm may have landed
+			err = l.a.purge(ctx, l.key, cur)
+			if err == nil {
+				return nil
+			}
+			if revisionMismatch(err) {
+				continue // changed since the read: look again
+			}
+			if ambiguous(err) {
+				purged = true
+			}
 		}
 		if !ambiguous(err) {
 			return fmt.Errorf("natsfence: release %q: %w", l.Name(), err)
@@ -978,10 +1024,13 @@ func (l *lease) Release(ctx context.Context) error {
 }
 
 // undo removes a renewal that landed after the local deadline had passed
-// (nobody holds the name it keeps for a fresh ttl), and reports the lease
-// lost.
+// (nobody holds the name it keeps for a fresh ttl), when the key still holds
+// the lease's entry, and reports the lease lost.
 func (l *lease) undo(ctx context.Context) error {
-	_ = l.a.purge(context.WithoutCancel(ctx), l.key, l.rev)
+	ctx = context.WithoutCancel(ctx)
+	if cur, ours, err := l.own(ctx); err == nil && ours {
+		_ = l.a.purge(ctx, l.key, cur)
+	}
 	return l.lost()
 }
 

@@ -6,8 +6,11 @@
 //     leases on a KV bucket made with [LockBucket]: a grant creates the lock
 //     key if absent with a per-key TTL, so expiry runs on the server's clock;
 //     the token is the bucket's creation time in microseconds plus the grant's
-//     revision; renew and release compare the revision; waiters watch the key
-//     and wake on its release or expiry marker (not FIFO). It is a
+//     revision; renew and release read the key and act only on the lease's
+//     own entry (its nonce), expecting its revision, so a lease from a
+//     bucket since deleted and re-created gets fence.ErrLost instead of
+//     extending or purging a new grant's entry at the same revision; waiters
+//     watch the key and wake on its release or expiry marker (not FIFO). It is a
 //     fence.Inspector; it has no Bump (tokens are revisions).
 //   - [Writer] (made by [NewWriter], configured by [WriterOptions]): a
 //     fence.FencedWriter, fence.Reader and fence.Deleter keeping a key's value
@@ -31,10 +34,11 @@
 //
 // A request whose reply never came (a timeout, a dropped connection, a
 // leader election) may have been stored. Every entry carries a random write
-// id: the Writer looks again, returns nil when its entry landed, and otherwise
-// publishes the same entry expecting the same revision, which can land at most
-// once. A grant, renewal or release does the same, recognising its lease's
-// entry by a random nonce. When that does not settle within WriterOptions.RetryFor, or a larger
+// id: the Writer looks again, returns nil when its entry landed, and otherwise,
+// when the key still holds the entry it expected to replace (the same
+// revision and write id), publishes the same entry expecting the same
+// revision, which can land at most once. A grant, renewal or release does the
+// same, recognising its lease's entry by a random nonce. When that does not settle within WriterOptions.RetryFor, or a larger
 // token replaced the entry meanwhile, the error matches fence.ErrUnknown.
 //
 // # What loses a fence
@@ -47,6 +51,25 @@
 // older tokens may be alive, and never run PurgeDeletes (kv compact) on it:
 // it removes those markers, the key then looks never written, and any token
 // is accepted.
+//
+// # A bucket deleted and re-created
+//
+// A revision is a stream sequence: a bucket deleted and re-created numbers
+// them from 1 again, so a revision read before names another entry after.
+// Every step that expects a revision therefore also checks, on a read at the
+// stream leader just before it, that the entry is the one it means (a
+// lease's nonce, a write id): a Renew or Release of a lease granted in the old
+// bucket returns fence.ErrLost and touches nothing in the new one; a write or
+// idempotency step whose reply was lost, and a claim read back for its fence,
+// return fence.ErrUnknown rather than act on a new entry at the same
+// revision. JetStream conditions a publish on a subject's last sequence
+// only, not on the stream's identity or an entry's content, so the read and
+// the publish are two requests: a re-creation, and a new entry reaching the
+// same revision, between the leader's answer to the read and its receipt of
+// the publish (a round trip, plus any pause of the client between the two)
+// is not seen. A grant's create, which expects the revision of the marker it
+// read or wrote, has the same window; a grant that spans a re-creation is
+// given back (the bucket's creation time read after it differs).
 //
 // # Durability and leader changes
 //

@@ -58,10 +58,14 @@ type IdempotencyOptions struct {
 // # Lost replies
 //
 // Every entry carries a random write id. A step whose reply was lost is
-// recognised when it landed, and otherwise sent again expecting the same
-// revision, which can land at most once; when that does not settle within
-// RetryFor, or the record changed meanwhile, the step returns an error
-// matching fence.ErrUnknown (read the record to know). A step is published
+// recognised when it landed, and otherwise, when the key still holds the
+// record it expected to replace (the same revision and write id: a bucket
+// deleted and re-created numbers its revisions from 1 again), sent again
+// expecting the same revision, which can land at most once; when that does
+// not settle within RetryFor, or the record changed meanwhile, the step
+// returns an error matching fence.ErrUnknown (read the record to know). So
+// does a claim whose revision, read back for its fence, holds another
+// message: the bucket was re-created after the claim. A step is published
 // only while the client is connected, so that the client's reconnect buffer
 // cannot send it after the step returned; a connection that breaks while the
 // step is still in its write buffer can deliver it after the reconnect, and
@@ -283,29 +287,22 @@ func (s *IdempotencyStore) publish(ctx context.Context, kvKey string, e *idemEnt
 	return pa.Sequence, nil
 }
 
-// put publishes e expecting expect, sending it again after an ambiguous
-// failure (it lands at most once) until RetryFor. It returns the revision, or
-// whether an attempt may have landed, and the last error.
+// put publishes e expecting expect, once, and returns the revision, or the
+// error and whether the attempt may have landed (an ambiguous failure). The
+// caller reads the record again before it sends the step again: a revision
+// names a record only within one bucket (one deleted and re-created numbers
+// them from 1 again), so the step is sent again only when the key still
+// holds the record it expected to replace, by write id as well as revision.
 // It publishes only while the client is connected (see disconnected): a
 // late arm would leave armed a key whose effect never ran.
 func (s *IdempotencyStore) put(ctx context.Context, kvKey string, e *idemEntry, expect uint64, giveUp time.Time) (uint64, bool, error) {
-	var maybe bool
-	for {
-		if disconnected(s.js) {
-			if time.Now().After(giveUp) || retryWait(ctx, s.js) != nil {
-				return 0, maybe, errors.Join(errNotConnected, context.Cause(ctx))
-			}
-			continue
-		}
-		rev, err := s.publish(ctx, kvKey, e, expect)
-		if err == nil || !ambiguous(err) {
-			return rev, maybe, err
-		}
-		maybe = true
+	for disconnected(s.js) {
 		if time.Now().After(giveUp) || retryWait(ctx, s.js) != nil {
-			return 0, true, errors.Join(err, context.Cause(ctx))
+			return 0, false, errors.Join(errNotConnected, context.Cause(ctx))
 		}
 	}
+	rev, err := s.publish(ctx, kvKey, e, expect)
+	return rev, ambiguous(err), err
 }
 
 func (s *IdempotencyStore) checkKey(ctx context.Context, op, key string) error {
@@ -332,6 +329,7 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 	giveUp := time.Now().Add(s.o.RetryFor)
 	var lastErr error
 	var sentRev uint64
+	var sentWid string // the write id of the record that attempt expected to replace
 	fail := func(err error) (idempotency.Record, bool, error) {
 		if lastErr != nil {
 			return idempotency.Record{}, false, fmt.Errorf("natsfence: %s %q: %w: %w", op, key, fence.ErrUnknown, errors.Join(lastErr, err))
@@ -350,7 +348,11 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 		if m != nil {
 			expect = m.Sequence
 		}
-		if lastErr != nil && expect != sentRev {
+		var curWid string
+		if cur != nil {
+			curWid = cur.WriteID
+		}
+		if lastErr != nil && (expect != sentRev || curWid != sentWid) {
 			return fail(errors.New("the record changed after a claim that may have landed"))
 		}
 		next := &idemEntry{Version: idemVersion, Fingerprint: fingerprint, State: string(idempotency.Claimed), Owner: owner, Lease: lease, WriteID: wid}
@@ -366,10 +368,14 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 		}
 		rev, maybe, err := s.put(ctx, kvKey, next, expect, giveUp)
 		if maybe {
-			lastErr, sentRev = err, expect
+			lastErr, sentRev, sentWid = err, expect, curWid
+			if time.Now().After(giveUp) || retryWait(ctx, s.js) != nil {
+				return fail(errors.Join(err, context.Cause(ctx)))
+			}
+			continue // look again: landed, or the record it expected
 		}
 		if err == nil {
-			return s.claimed(ctx, op, key, rev)
+			return s.claimed(ctx, op, key, kvKey, wid, rev)
 		}
 		if !revisionMismatch(err) {
 			return fail(err)
@@ -378,9 +384,12 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 	}
 }
 
-// claimed reads the claim stored at rev, for its fence (the server's
-// timestamp of the claim).
-func (s *IdempotencyStore) claimed(ctx context.Context, op, key string, rev uint64) (idempotency.Record, bool, error) {
+// claimed reads the claim with write id wid stored at rev, for its fence
+// (the server's timestamp of the claim). Another message at rev (another
+// key's, or another claim's of this key) means the bucket was deleted and
+// re-created since the claim: the claim went with it, and the message is not
+// this claim.
+func (s *IdempotencyStore) claimed(ctx context.Context, op, key, kvKey, wid string, rev uint64) (idempotency.Record, bool, error) {
 	giveUp := time.Now().Add(s.o.RetryFor)
 	for {
 		m, err := seqMsg(ctx, s.js, s.streamName, rev, s.o.Timeout)
@@ -388,9 +397,12 @@ func (s *IdempotencyStore) claimed(ctx context.Context, op, key string, rev uint
 			err = errors.New("replaced before it could be read")
 		}
 		if err == nil {
-			e, err := decodeIdem(key, m)
-			if err != nil {
-				return idempotency.Record{}, false, err
+			var e *idemEntry
+			if m.Subject == s.subj+kvKey {
+				e, _ = decodeIdem(key, m)
+			}
+			if e == nil || e.WriteID != wid {
+				return idempotency.Record{}, false, fmt.Errorf("natsfence: %s %q: claimed at revision %d, but the bucket holds another message there (deleted and re-created since the claim): %w", op, key, rev, fence.ErrUnknown)
 			}
 			return e.record(key, e.resolved.at), true, nil
 		}
@@ -441,6 +453,7 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 	giveUp := time.Now().Add(s.o.RetryFor)
 	var lastErr error
 	var sentRev uint64
+	var sentWid string // the write id of the record that attempt expected to replace
 	fail := func(err error) (idempotency.Record, error) {
 		if lastErr != nil {
 			return idempotency.Record{}, fmt.Errorf("natsfence: %s %q: %w: %w", op, key, fence.ErrUnknown, errors.Join(lastErr, err))
@@ -458,7 +471,7 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 		if cur.WriteID == wid {
 			return cur.record(key, cur.resolved.at), nil // an earlier attempt landed
 		}
-		if lastErr != nil && m.Sequence != sentRev {
+		if lastErr != nil && (m.Sequence != sentRev || cur.WriteID != sentWid) {
 			return fail(errors.New("the record changed after a change that may have landed"))
 		}
 		if cur.resolved.fence != fromFence {
@@ -480,7 +493,11 @@ func (s *IdempotencyStore) Update(ctx context.Context, key string, from idempote
 		}
 		_, maybe, err := s.put(ctx, kvKey, next, m.Sequence, giveUp)
 		if maybe {
-			lastErr, sentRev = err, m.Sequence
+			lastErr, sentRev, sentWid = err, m.Sequence, cur.WriteID
+			if time.Now().After(giveUp) || retryWait(ctx, s.js) != nil {
+				return fail(fmt.Errorf("natsfence: %s %q: %w", op, key, errors.Join(err, context.Cause(ctx))))
+			}
+			continue // look again: landed, or the record it expected
 		}
 		if err == nil {
 			// Counted from the previous message's timestamp: the change's

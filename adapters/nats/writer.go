@@ -65,10 +65,12 @@ func (o *WriterOptions) withDefaults(op string) (WriterOptions, error) {
 // *fence.StaleError, and publishes the new entry expecting the revision it
 // read, so a concurrent change makes the publish fail and the writer look
 // again. Every entry carries a random write id, so a write whose reply was lost
-// is recognised when it landed (nil) and otherwise sent again with the same
-// expected revision, which can land at most once; when neither settles it
-// within RetryFor, Write returns an error matching fence.ErrUnknown. It is safe
-// for concurrent use.
+// is recognised when it landed (nil) and otherwise, when the key still holds
+// the entry it expected to replace (the same revision and write id: a bucket
+// deleted and re-created numbers its revisions from 1 again), sent again with
+// the same expected revision, which can land at most once; when neither
+// settles it within RetryFor, or the entry changed, Write returns an error
+// matching fence.ErrUnknown. It is safe for concurrent use.
 type Writer struct {
 	kv         jetstream.KeyValue
 	stream     jetstream.Stream
@@ -174,10 +176,35 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 	giveUp := time.Now().Add(w.o.RetryFor)
 	var lastErr error  // the last ambiguous failure, if any
 	var sentRev uint64 // the revision that attempt expected
+	// sentWid is the write id of the entry that attempt expected to
+	// replace (zero: none). A revision names an entry only within one
+	// bucket: one deleted and re-created starts its revisions at 1 again.
+	var sentWid [widLen]byte
 	unknown := func(err error) error {
 		return fmt.Errorf("natsfence: %s %q token %d: %w: %w", op, key, e.token, fence.ErrUnknown, err)
 	}
+	// connected waits until the client is connected: a publish is not sent
+	// while it is not, since the client would send it after the reconnect,
+	// however late (after this write returned).
+	connected := func() error {
+		for disconnected(w.js) {
+			if time.Now().After(giveUp) || retryWait(ctx, w.js) != nil {
+				err := errors.Join(errNotConnected, context.Cause(ctx))
+				if lastErr != nil {
+					return unknown(errors.Join(lastErr, err))
+				}
+				return fmt.Errorf("natsfence: %s %q: %w", op, key, err)
+			}
+		}
+		return nil
+	}
 	for {
+		if lastErr != nil {
+			// Read again once connected, as the attempt would be sent.
+			if err := connected(); err != nil {
+				return err
+			}
+		}
 		cur, rev, err := w.get(ctx, op, key, kvKey)
 		if err != nil {
 			if lastErr != nil && !errors.Is(err, ErrFenceGone) {
@@ -197,38 +224,36 @@ func (w *Writer) put(ctx context.Context, op, key string, e entry) error {
 			}
 			return stale
 		}
-		if lastErr != nil && rev != sentRev {
-			// The entry changed since an attempt that may have landed:
+		var curWid [widLen]byte
+		if cur != nil {
+			curWid = cur.wid
+		}
+		if lastErr != nil && (rev != sentRev || curWid != sentWid) {
+			// The entry changed since an attempt that may have landed
+			// (also at the same revision, in a re-created bucket):
 			// publishing again could apply it twice, over a later write.
 			return unknown(lastErr)
 		}
-		// Publish, expecting rev; an ambiguous failure sends the same entry
-		// with the same expectation again, which lands at most once.
-		for {
-			if disconnected(w.js) {
-				// Not sent now: it could be sent after this write returned.
-				if time.Now().After(giveUp) || retryWait(ctx, w.js) != nil {
-					err = errors.Join(errNotConnected, context.Cause(ctx))
-					if lastErr != nil {
-						return unknown(errors.Join(lastErr, err))
-					}
-					return fmt.Errorf("natsfence: %s %q: %w", op, key, err)
-				}
-				continue
-			}
-			actx, cancel := attemptCtx(ctx, w.js, w.o.Timeout)
-			_, err = w.kv.Update(actx, kvKey, data, rev)
-			cancel()
-			if err == nil {
-				return nil
-			}
-			if !ambiguous(err) {
-				break
-			}
-			lastErr, sentRev = err, rev
+		// Publish, expecting rev. After an ambiguous failure the entry is
+		// read again (above) before the same entry is sent with the same
+		// expectation, which lands at most once: the entry must still be
+		// the one that attempt expected to replace, by its write id as well
+		// as its revision, or ours.
+		if err := connected(); err != nil {
+			return err
+		}
+		actx, cancel := attemptCtx(ctx, w.js, w.o.Timeout)
+		_, err = w.kv.Update(actx, kvKey, data, rev)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if ambiguous(err) {
+			lastErr, sentRev, sentWid = err, rev, curWid
 			if time.Now().After(giveUp) || retryWait(ctx, w.js) != nil {
 				return unknown(errors.Join(err, context.Cause(ctx)))
 			}
+			continue // look again: landed, or the entry it expected
 		}
 		if !revisionMismatch(err) {
 			if lastErr != nil {
