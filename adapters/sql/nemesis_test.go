@@ -122,7 +122,9 @@ func TestSQLiteIdempotencyNemesis(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "idemnem.db")
 	direct := idemStore(t, openSQLiteAt(t, path)) // creates the table
 	idempotencytest.NemesisSuite{
-		Store:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return idemStore(t, openSQLiteAt(t, path)), nil },
+		Store: func(t *testing.T) (idempotency.Store, *faultnet.Proxy) {
+			return idemStore(t, openSQLiteAt(t, path)), nil
+		},
 		Direct: func(*testing.T) idempotency.Store { return direct },
 	}.Run(t)
 }
