@@ -46,8 +46,8 @@ var nemesisMutants = []struct {
 	bug   string
 	seeds int
 }{
-	{bugClaimByFingerprint, 6},
-	{bugRenewNotSent, 6},
+	{bugClaimByFingerprint, 12},
+	{bugRenewNotSent, 10},
 	{bugCompleteLostAsDone, 10},
 }
 

@@ -28,8 +28,9 @@ import (
 // NemesisSeedsEnv make a soak run). Each seed's run:
 //
 //   - Clients, each with a store of its own behind a proxy of its own, call
-//     Do on two or three keys at a time (a new set every lease, and one
-//     call in three on a key of the last four sets), so several callers ask for one key at once.
+//     Do on two or three keys at a time (a new set every half lease, and
+//     one call in three on a key of the last six sets), so several callers
+//     ask for one key at once.
 //     Every Do has the suite's short Lease and a CompleteTimeout of one to
 //     three leases; one in four waits for another owner (Options.Wait), two
 //     in three have a Reconcile hook (which asks the ledger, as a provider
@@ -305,7 +306,7 @@ func (c *idemClient) store() idempotency.Store {
 }
 
 // keyRing hands out a run's keys: a set of two or three, a new set every
-// lease.
+// half lease.
 type keyRing struct {
 	base  string
 	n     int
@@ -317,7 +318,7 @@ func (k keyRing) name(gen, i int) string { return fmt.Sprintf("%s-g%d-%d", k.bas
 func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	lease := s.Lease
 	nrng := rand.New(rand.NewPCG(seed, 0))
-	ring := keyRing{base: fencetest.Name("idemnem"), n: 2 + nrng.IntN(2), every: lease}
+	ring := keyRing{base: fencetest.Name("idemnem"), n: 2 + nrng.IntN(2), every: lease / 2}
 	faultsEnd := s.Duration * 7 / 10
 	sched := s.schedule(nrng, faultsEnd)
 
@@ -380,8 +381,12 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		t.Logf("history (%d calls, %d runs of the effect):\n%s", len(h.dos), len(h.runs), h.dump(recs))
 		return
 	}
-	t.Logf("nemesis seed %d: %d calls of Do on %d keys, %d runs of the effect (%s), %d faults scheduled: history checked",
-		seed, len(h.dos), len(keys), len(h.runs), h.outcomes(), len(sched))
+	faults := fmt.Sprintf("%d faults scheduled", len(sched))
+	if clients[0].px == nil {
+		faults = "no network faults (no proxy)"
+	}
+	t.Logf("nemesis seed %d: %d calls of Do on %d keys, %d runs of the effect (%s), %s: history checked",
+		seed, len(h.dos), len(keys), len(h.runs), h.outcomes(), faults)
 }
 
 // runFaults applies sched, then heals every proxy at end.
@@ -445,9 +450,9 @@ func (s NemesisSuite) runClient(h *idemHistory, c *idemClient, ring keyRing) {
 	for time.Since(h.start) < s.Duration {
 		gen := int(time.Since(h.start) / ring.every)
 		if gen > 0 && c.rng.IntN(3) == 0 {
-			// A key of one of the last four sets: a replay, a takeover
+			// A key of one of the last six sets: a replay, a takeover
 			// once its owner's lease ran out, or a wait for it.
-			gen -= 1 + c.rng.IntN(min(gen, 4))
+			gen -= 1 + c.rng.IntN(min(gen, 6))
 		}
 		key := ring.name(gen, c.rng.IntN(ring.n))
 		s.call(h, c, st, key)

@@ -202,6 +202,16 @@ func (h *idemHistory) outcomes() string {
 			parts = append(parts, fmt.Sprintf("%d %s", n[k], k))
 		}
 	}
+	perKey, again, reconciled := map[string]int{}, 0, 0
+	for _, r := range h.runs {
+		if perKey[r.key]++; perKey[r.key] == 2 {
+			again++
+		}
+	}
+	for _, op := range h.dos {
+		reconciled += len(op.reconciled)
+	}
+	parts = append(parts, fmt.Sprintf("%d keys ran again, %d Reconcile calls", again, reconciled))
 	return strings.Join(parts, ", ")
 }
 
