@@ -48,7 +48,7 @@ var nemesisMutants = []struct {
 }{
 	{bugClaimByFingerprint, 12},
 	{bugRenewNotSent, 10},
-	{bugCompleteLostAsDone, 10},
+	{bugCompleteLostAsDone, 16},
 }
 
 // The in-memory store over TCP, one JSON request line and one JSON reply line

@@ -79,10 +79,12 @@ type idemHistory struct {
 	dos  []*doOp
 	runs []*effectRun
 	byEK map[string][]*effectRun
+	// reconciledDone holds the effect keys a Reconcile hook found done.
+	reconciledDone map[string]bool
 }
 
 func newIdemHistory() *idemHistory {
-	return &idemHistory{start: time.Now(), byEK: map[string][]*effectRun{}}
+	return &idemHistory{start: time.Now(), byEK: map[string][]*effectRun{}, reconciledDone: map[string]bool{}}
 }
 
 func (h *idemHistory) now() time.Duration { return time.Since(h.start) }
@@ -180,6 +182,7 @@ func (h *idemHistory) reconcile(op *doOp) idempotency.Reconcile {
 		for _, r := range h.byEK[ek] {
 			if r.happened && r.value != nil {
 				op.reconciled = append(op.reconciled, fmt.Sprintf("%s at %v: done by do%d", ek[:8], h.now().Round(time.Microsecond), r.op.id))
+				h.reconciledDone[ek] = true
 				return true, bytes.Clone(r.value), nil
 			}
 		}
@@ -236,7 +239,7 @@ func (h *idemHistory) check(fail func(string, ...any), recs map[string]*idempote
 	for _, k := range slices.Sorted(maps.Keys(byKey)) {
 		h.checkRuns(report, k, byKey[k])
 	}
-	h.checkDos(report)
+	h.checkDos(report, recs)
 	h.checkRecords(report, recs, byKey)
 }
 
@@ -303,8 +306,11 @@ func happenedWith(runs []*effectRun) []*effectRun {
 // effect returned. Other errors (ErrUnknown, ErrInProgress, a store's error
 // before the effect, the effect's own NotSent or ambiguous error) are allowed
 // whatever the ledger holds, as long as they did not hide a run of this call
-// that succeeded.
-func (h *idemHistory) checkDos(report func(string, ...any)) {
+// that succeeded. docs/idempotency.md adds that Do "never reports 'not
+// recorded' for a completion that landed": ErrNotRecorded from a call whose
+// key ends completed with its run's result, which no Reconcile hook found
+// done (so the completion is this call's own), is a violation.
+func (h *idemHistory) checkDos(report func(string, ...any), recs map[string]*idempotency.Record) {
 	for _, op := range h.dos {
 		if len(op.runs) > 1 {
 			report("do%d (client %d, key %q) ran its effect %d times", op.id, op.client, op.key, len(op.runs))
@@ -333,6 +339,10 @@ func (h *idemHistory) checkDos(report func(string, ...any)) {
 		case own != nil && own.outcome == outSuccess:
 			if !errors.Is(op.err, idempotency.ErrNotRecorded) {
 				report("do%d (client %d, key %q): its effect succeeded (%q), but Do returned %v, not ErrNotRecorded", op.id, op.client, op.key, own.value, op.err)
+			}
+			if rec := recs[op.key]; rec != nil && rec.State == idempotency.Completed && bytes.Equal(rec.Result, own.value) && !h.reconciledDone[own.ek] {
+				report("do%d (client %d, key %q) reported its completion not recorded (%v), but it landed: the record is completed with its result (fence %d), and no Reconcile found it done",
+					op.id, op.client, op.key, op.err, rec.Fence)
 			}
 		case own != nil && own.outcome == outFailed:
 			if !errors.Is(op.err, idempotency.ErrFailed) {
