@@ -543,6 +543,17 @@ func run(ctx context.Context, s Store, rec Record, effect Effect, o Options) (Re
 	ectx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	stop, expired := renew(s, armed, o, sent, cancel)
+	if expired(); errors.Is(context.Cause(ectx), fence.ErrLost) {
+		// The arm's reply came after the lease's local deadline: another
+		// caller may have taken the key over, and even completed it, in
+		// the meantime. The effect never starts; the key is released if
+		// it is still this caller's (a compare-and-set on its fence).
+		stop()
+		cctx, ccancel := context.WithTimeout(context.WithoutCancel(ctx), o.CompleteTimeout)
+		_ = release(cctx, s, armed, Armed)
+		ccancel()
+		return Result{}, fmt.Errorf("idempotency: key %q: not started, the arm's reply came after its lease's local deadline: %w", rec.Key, context.Cause(ectx))
+	}
 	returned := false
 	defer func() {
 		if !returned {

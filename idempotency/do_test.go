@@ -637,3 +637,54 @@ func TestEffectErrReadsTheClock(t *testing.T) {
 		}
 	}
 }
+
+// lateArmReply is a store whose arm's reply comes late: the arm lands, then,
+// before its reply, another caller waits out the lease, finds nothing done,
+// takes the key over and completes it.
+type lateArmReply struct {
+	idempotency.Store
+	other func(ctx context.Context)
+}
+
+func (s lateArmReply) Update(ctx context.Context, k string, from idempotency.State, ff fence.Token, ch idempotency.Change) (idempotency.Record, error) {
+	rec, err := s.Store.Update(ctx, k, from, ff, ch)
+	if err == nil && from == idempotency.Claimed && ch.State == idempotency.Armed {
+		s.other(ctx)
+	}
+	return rec, err
+}
+
+// An arm whose reply comes after its lease's local deadline does not start
+// the effect: another caller may have taken the key over and completed it by
+// then, under another effect key, so a second run could not be told apart.
+func TestLateArmReplyDoesNotStartEffect(t *testing.T) {
+	const lease = 150 * time.Millisecond
+	for name, s := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			k := key()
+			var l ledger
+			var other idempotency.Result
+			var otherErr error
+			notDone := func(context.Context, string) (bool, []byte, error) { return false, nil, nil }
+			late := lateArmReply{Store: s, other: func(ctx context.Context) {
+				other, otherErr = idempotency.Do(ctx, s, k, "fp", l.effect(k),
+					&idempotency.Options{Lease: lease, Wait: true, Reconcile: notDone})
+			}}
+			started := false
+			_, err := idempotency.Do(ctxT(t), late, k, "fp", func(context.Context, string) ([]byte, error) {
+				started = true
+				return []byte("second"), nil
+			}, &idempotency.Options{Lease: lease})
+			if otherErr != nil || string(other.Value) != "charged "+k || l.count(k) != 1 {
+				t.Fatalf("the other caller: %+v, %v, runs %d; want it to take the key over and run", other, otherErr, l.count(k))
+			}
+			if started || !errors.Is(err, fence.ErrLost) {
+				t.Fatalf("the caller whose arm reply came late: started %v, %v; want no start and an error matching fence.ErrLost", started, err)
+			}
+			rec, gerr := s.Get(ctxT(t), k)
+			if gerr != nil || rec.State != idempotency.Completed || string(rec.Result) != "charged "+k {
+				t.Fatalf("the record: %+v, %v; want the other caller's completion", rec, gerr)
+			}
+		})
+	}
+}

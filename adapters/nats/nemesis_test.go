@@ -9,6 +9,8 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 )
 
 // TestNemesis: clients on the package's server, each acquirer and writer on
@@ -47,5 +49,21 @@ func TestNemesis(t *testing.T) {
 		ShortTTL:  natsfence.MinTTL,
 		ExpiryLag: 2 * time.Second,
 		Duration:  12 * time.Second,
+	}.Run(t)
+}
+
+// TestIdempotencyNemesis: clients on the package's server, each store on a
+// connection of its own behind a proxy of its own, call idempotency.Do while
+// replies are lost, requests dropped, latency added and clients partitioned;
+// the history holds (idempotencytest.NemesisSuite).
+func TestIdempotencyNemesis(t *testing.T) {
+	cfg := idemBucket(t) // one bucket for every client and seed
+	direct := newStore(t, js(t), cfg)
+	idempotencytest.NemesisSuite{
+		Store: func(t *testing.T) (idempotency.Store, *faultnet.Proxy) {
+			j, p := proxied(t)
+			return newStoreOpts(t, j, cfg, faultyOpts), p
+		},
+		Direct: func(*testing.T) idempotency.Store { return direct },
 	}.Run(t)
 }

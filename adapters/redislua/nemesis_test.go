@@ -9,6 +9,8 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 	"github.com/fencekit/fencekit/internal/testenv"
 )
 
@@ -60,5 +62,29 @@ func TestNemesis(t *testing.T) {
 			}
 		},
 		ShortTTL: 300 * time.Millisecond,
+	}.Run(t)
+}
+
+// TestIdempotencyNemesis: clients on one Redis server, each store on a client
+// of its own (go-redis's defaults, its retries included) behind a proxy of
+// its own, call idempotency.Do while replies are lost, requests dropped,
+// latency added and clients partitioned; the history holds
+// (idempotencytest.NemesisSuite).
+func TestIdempotencyNemesis(t *testing.T) {
+	opts := &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond}
+	newStore := func(t *testing.T, c redislua.Client) idempotency.Store {
+		s, err := redislua.NewIdempotencyStore(c, opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	direct := newStore(t, testenv.RedisClient(t))
+	idempotencytest.NemesisSuite{
+		Store: func(t *testing.T) (idempotency.Store, *faultnet.Proxy) {
+			c, p := proxiedClient(t)
+			return newStore(t, c), p
+		},
+		Direct: func(*testing.T) idempotency.Store { return direct },
 	}.Run(t)
 }

@@ -10,6 +10,8 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 )
 
 // TestSQLiteNemesis: clients, each on a database handle of its own on one
@@ -108,5 +110,49 @@ func TestMySQLNemesis(t *testing.T) {
 		},
 		DeleteState: nemesisDeleteLeaseRow(stdExec(raw, func(int) string { return "?" })),
 		ShortTTL:    300 * time.Millisecond,
+	}.Run(t)
+}
+
+// TestSQLiteIdempotencyNemesis: clients, each on a database handle of its own
+// on one SQLite file (as separate processes), call idempotency.Do on a few
+// keys with effects that pause past the lease and callers that leave; the
+// history holds (idempotencytest.NemesisSuite). SQLite has no network, so no
+// replies are lost and no client is partitioned.
+func TestSQLiteIdempotencyNemesis(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idemnem.db")
+	direct := idemStore(t, openSQLiteAt(t, path)) // creates the table
+	idempotencytest.NemesisSuite{
+		Store: func(t *testing.T) (idempotency.Store, *faultnet.Proxy) {
+			return idemStore(t, openSQLiteAt(t, path)), nil
+		},
+		Direct: func(*testing.T) idempotency.Store { return direct },
+	}.Run(t)
+}
+
+// TestPostgresIdempotencyNemesis: clients on one PostgreSQL server, through
+// pgx and through database/sql, each store on a pool of its own behind a
+// proxy of its own, call idempotency.Do while replies are lost, requests
+// dropped, latency added and clients partitioned; the history holds
+// (idempotencytest.NemesisSuite).
+func TestPostgresIdempotencyNemesis(t *testing.T) {
+	for style, fdb := range pgHandles(t) {
+		t.Run(style, func(t *testing.T) {
+			direct := idemStore(t, fdb)
+			idempotencytest.NemesisSuite{
+				Store:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyPostgres(t, style) },
+				Direct: func(*testing.T) idempotency.Store { return direct },
+			}.Run(t)
+		})
+	}
+}
+
+// TestMySQLIdempotencyNemesis is TestPostgresIdempotencyNemesis on the test
+// MySQL or MariaDB server.
+func TestMySQLIdempotencyNemesis(t *testing.T) {
+	_, fdb := openMySQL(t, "")
+	direct := idemStore(t, fdb)
+	idempotencytest.NemesisSuite{
+		Store:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyMySQL(t, "") },
+		Direct: func(*testing.T) idempotency.Store { return direct },
 	}.Run(t)
 }

@@ -2,14 +2,10 @@ package fencetest
 
 import (
 	"context"
-	crand "crypto/rand"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -17,21 +13,22 @@ import (
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/internal/nemesisrun"
 )
 
 // NemesisSeedEnv names the environment variable that replays one seed of the
 // NemesisSuite: the same fault schedule and, per client, the same sequence of
 // random decisions (the clients run concurrently, so the interleaving of
 // their calls may still differ).
-const NemesisSeedEnv = "FENCETEST_NEMESIS_SEED"
+const NemesisSeedEnv = nemesisrun.SeedEnv
 
 // NemesisDurationEnv names the environment variable that sets the length of
 // each seed's run (a time.Duration, such as 2m), for a soak run.
-const NemesisDurationEnv = "FENCETEST_NEMESIS_DURATION"
+const NemesisDurationEnv = nemesisrun.DurationEnv
 
 // NemesisSeedsEnv names the environment variable that sets how many random
 // seeds run, for a soak run.
-const NemesisSeedsEnv = "FENCETEST_NEMESIS_SEEDS"
+const NemesisSeedsEnv = nemesisrun.SeedsEnv
 
 // NemesisSuite runs random operations from several clients on a few lock
 // names under combined faults, records the history and checks it. Point cases
@@ -126,40 +123,14 @@ func (s NemesisSuite) Run(t *testing.T) {
 	if s.Clients <= 0 {
 		s.Clients = 4
 	}
-	if env := os.Getenv(NemesisDurationEnv); env != "" {
-		d, err := time.ParseDuration(env)
-		if err != nil || d <= 0 {
-			t.Fatalf("fencetest: %s=%q: not a positive duration", NemesisDurationEnv, env)
-		}
-		s.Duration = d
-	}
 	if s.Duration <= 0 {
 		s.Duration = 4 * time.Second
-	}
-	if env := os.Getenv(NemesisSeedsEnv); env != "" {
-		n, err := strconv.Atoi(env)
-		if err != nil || n <= 0 {
-			t.Fatalf("fencetest: %s=%q: not a positive number", NemesisSeedsEnv, env)
-		}
-		s.Seeds = n
 	}
 	if s.Seeds <= 0 {
 		s.Seeds = 3
 	}
 	var seeds []uint64
-	if env := os.Getenv(NemesisSeedEnv); env != "" {
-		seed, err := strconv.ParseUint(env, 10, 64)
-		if err != nil {
-			t.Fatalf("fencetest: %s=%q: %v", NemesisSeedEnv, env, err)
-		}
-		seeds = []uint64{seed}
-	} else {
-		for range s.Seeds {
-			var b [8]byte
-			_, _ = crand.Read(b[:])
-			seeds = append(seeds, binary.LittleEndian.Uint64(b[:])>>1)
-		}
-	}
+	s.Duration, seeds = nemesisrun.Settings(t, "fencetest", s.Duration, s.Seeds)
 	for _, seed := range seeds {
 		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) { s.runSeed(t, seed) })
 	}
@@ -342,18 +313,12 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 			b.WriteByte('\n')
 		}
 		t.Logf("nemesis seed %d: %d clients, names %q, ttl %v, %v with faults for %v; the fault schedule:\n%s"+
-			"replay: %s=%d %s=%v go test -run '%s'",
-			seed, s.Clients, names, ttl, s.Duration, faultsEnd, b.String(), NemesisSeedEnv, seed, NemesisDurationEnv, s.Duration, testPattern(t))
+			"replay: %s",
+			seed, s.Clients, names, ttl, s.Duration, faultsEnd, b.String(), nemesisrun.Replay(t, seed, s.Duration))
 		t.Logf("history (%d operations):\n%s", len(h.ops), h.dump())
 		return
 	}
 	t.Logf("nemesis seed %d: %d operations, %d grants, %d faults scheduled: history checked", seed, len(h.ops), h.grants(), len(sched))
-}
-
-// testPattern is a -run pattern for t's top-level test.
-func testPattern(t *testing.T) string {
-	top, _, _ := strings.Cut(t.Name(), "/")
-	return "^" + top + "$"
 }
 
 // runFaults applies sched, then heals every proxy at end.

@@ -125,7 +125,8 @@ func (s *memStore) Begin(ctx context.Context, key, fingerprint, owner string, le
 	defer s.mu.Unlock()
 	now := time.Now()
 	if r, ok := s.recs[s.id(key)]; ok && r.state != idempotency.Released && (s.bug == bugBeginIgnoresRetention || !pastRetention(r, now)) {
-		return s.read(key, r, now), false, nil
+		resend := s.bug == bugClaimByFingerprint && r.state == idempotency.Claimed && r.fingerprint == fingerprint
+		return s.read(key, r, now), resend, nil
 	}
 	r := &memRecord{fingerprint: fingerprint, state: idempotency.Claimed, fence: s.high[s.id(key)] + 1, owner: owner, leaseUntil: now.Add(lease), started: now}
 	s.raise(s.id(key), r.fence)
@@ -232,6 +233,11 @@ func mutantFromEnv() (string, error) {
 		return "", nil
 	}
 	for _, k := range mutants {
+		if k.bug == m {
+			return m, nil
+		}
+	}
+	for _, k := range nemesisMutants {
 		if k.bug == m {
 			return m, nil
 		}
