@@ -262,7 +262,8 @@ func claimOwner(o Options) string {
 // another owner holds the key; a *FailedError (ErrFailed) replaying a definitive
 // failure; ErrUnknown when the effect may have happened and nothing can tell;
 // the effect's own error (classified as above); ErrNotRecorded when the effect
-// completed but the result could not be recorded; ErrResultNotStored replaying
+// completed but the result could not be recorded (also matching
+// fence.ErrUnknown when a completion still on its way may record it later); ErrResultNotStored replaying
 // a result that was too large to keep (or discarded: DiscardResult); an error
 // matching fence.ErrInvalid, naming it, for a bad argument or option; a
 // store's error (a step it could not complete, or could not tell whether it
@@ -604,7 +605,10 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 			break
 		}
 		if (fence.Backoff{Min: 10 * time.Millisecond, Max: time.Second}).Sleep(cctx, attempt) != nil {
-			return fmt.Errorf("%w: key %q: %v (the record stays armed)", ErrNotRecorded, rec.Key, err)
+			// A try whose reply never came may still be on its way (held
+			// in the network past CompleteTimeout) and land later: the
+			// record stays armed, or becomes completed by this change.
+			return fmt.Errorf("%w: key %q: %v (the record stays armed, unless a try still on its way records it): %w", ErrNotRecorded, rec.Key, err, fence.ErrUnknown)
 		}
 	}
 	if err != nil && !applied(cctx, s, rec, ch, err) {

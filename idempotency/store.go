@@ -154,7 +154,9 @@ var (
 	// ErrStateChanged: Update found the record in another state.
 	ErrStateChanged = errors.New("idempotency: record changed state")
 	// ErrNotRecorded: the effect completed but its result could not be
-	// recorded; the record stays armed (a later caller reconciles it).
+	// recorded; the record stays armed (a later caller reconciles it). When
+	// the error also matches fence.ErrUnknown, a completion whose reply never
+	// came may still land: the record then becomes completed with the result.
 	ErrNotRecorded = errors.New("idempotency: completion not recorded")
 	// ErrResultNotStored: the key completed, but its result was over the size
 	// limit and was not kept, so it cannot be replayed.

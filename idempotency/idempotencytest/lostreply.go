@@ -216,6 +216,35 @@ func (s Suite) testLostRepliesDo(t *testing.T) {
 	}
 }
 
+// testCompletionHeldPastTimeout: a completion whose request is held in the
+// network past CompleteTimeout (a partition that delivers on heal) may land
+// after Do returned, so Do cannot say it was not recorded: its ErrNotRecorded
+// also matches fence.ErrUnknown. Once the request is delivered, the record is
+// armed or completed with the effect's result, and the effect ran once.
+func (s Suite) testCompletionHeldPastTimeout(t *testing.T) {
+	fs, px, st := s.faulty(t)
+	defer px.Heal()
+	k := key()
+	var runs atomic.Int32
+	_, err := idempotency.Do(stepCtx(t), fs, k, "fp", func(context.Context, string) ([]byte, error) {
+		runs.Add(1)
+		px.Partition()
+		return []byte("done"), nil
+	}, s.opts(func(o *idempotency.Options) { o.CompleteTimeout = 300 * time.Millisecond }))
+	px.Heal()
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("the effect ran %d times, want 1", n)
+	}
+	if !errors.Is(err, idempotency.ErrNotRecorded) || !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("Do whose completion was held past CompleteTimeout: %v, want ErrNotRecorded matching fence.ErrUnknown too (the held request may still land)", err)
+	}
+	rec := state(t, st, k)
+	if rec.State != idempotency.Armed && (rec.State != idempotency.Completed || string(rec.Result) != "done") {
+		t.Errorf("record after the held completion was delivered: %+v, want armed, or completed with %q", rec, "done")
+	}
+	t.Logf("record after heal: %s", rec.State)
+}
+
 // outcome names the class of a Do error, for the log of testLostRepliesDo.
 func outcome(err error) string {
 	for _, c := range []struct {

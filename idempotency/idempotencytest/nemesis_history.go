@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/idempotency"
 )
 
@@ -309,7 +310,9 @@ func happenedWith(runs []*effectRun) []*effectRun {
 // that succeeded. docs/idempotency.md adds that Do "never reports 'not
 // recorded' for a completion that landed": ErrNotRecorded from a call whose
 // key ends completed with its run's result, which no Reconcile hook found
-// done (so the completion is this call's own), is a violation.
+// done (so the completion is this call's own), is a violation, unless it
+// also matches fence.ErrUnknown (a try still on its way may land, as the docs
+// say of a completion whose tries got no reply before CompleteTimeout).
 func (h *idemHistory) checkDos(report func(string, ...any), recs map[string]*idempotency.Record) {
 	for _, op := range h.dos {
 		if len(op.runs) > 1 {
@@ -340,7 +343,7 @@ func (h *idemHistory) checkDos(report func(string, ...any), recs map[string]*ide
 			if !errors.Is(op.err, idempotency.ErrNotRecorded) {
 				report("do%d (client %d, key %q): its effect succeeded (%q), but Do returned %v, not ErrNotRecorded", op.id, op.client, op.key, own.value, op.err)
 			}
-			if rec := recs[op.key]; rec != nil && rec.State == idempotency.Completed && bytes.Equal(rec.Result, own.value) && !h.reconciledDone[own.ek] {
+			if rec := recs[op.key]; rec != nil && rec.State == idempotency.Completed && bytes.Equal(rec.Result, own.value) && !h.reconciledDone[own.ek] && !errors.Is(op.err, fence.ErrUnknown) {
 				report("do%d (client %d, key %q) reported its completion not recorded (%v), but it landed: the record is completed with its result (fence %d), and no Reconcile found it done",
 					op.id, op.client, op.key, op.err, rec.Fence)
 			}

@@ -92,6 +92,7 @@ func (s Suite) Run(t *testing.T) {
 		{"LostReplyComplete", func(t *testing.T) { s.testLostReplyStep(t, stepComplete) }},
 		{"LostReplyRelease", func(t *testing.T) { s.testLostReplyStep(t, stepRelease) }},
 		{"LostRepliesDoAtMostOnce", s.testLostRepliesDo},
+		{"CompletionHeldPastCompleteTimeout", s.testCompletionHeldPastTimeout},
 		{"CancelledDuringClaimFreesKey", func(t *testing.T) { s.testCancelledDuringClaim(t, false) }},
 		{"CancelledDuringTakeoverFreesKey", func(t *testing.T) { s.testCancelledDuringClaim(t, true) }},
 		{"SlowNetworkCancelledClaimFreesKey", s.testSlowNetworkCancelledClaim},
