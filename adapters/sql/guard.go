@@ -74,6 +74,9 @@ func NewGuards(db *DB, opts *GuardOptions) (*Guards, error) {
 		return nil, err
 	}
 	g := &Guards{db: db, table: table, mysql: d == mysqlDialect}
+	if d == postgresDialect {
+		g.keys = newPgKeyColumn("table", table, t, "name", "name")
+	}
 	if g.mysql {
 		g.keys = newKeyColumn("table", table, "name", "name")
 		g.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  name %s PRIMARY KEY,\n  fence BIGINT NOT NULL CHECK (fence BETWEEN 1 AND %d)\n)", t, d.keyType, uint64(fence.MaxToken))

@@ -499,10 +499,17 @@ func (a *Acquirer) ringGrant(name string, c *sql.Conn) ringOutcome {
 // after the key's row refused it (two keys in one row: the table was
 // re-created since it was read). A table re-created in place with another
 // key column is therefore refused from the first statement that shows it.
+//
+// On PostgreSQL the same check refuses CHARACTER(n) (it pads and ignores
+// trailing spaces), NAME (it cuts at 63 bytes), CITEXT, a nondeterministic
+// collation, and any type but TEXT, VARCHAR and BYTEA (a UUID column, for
+// one, takes "A…" and "a…" as one key).
 type keyColumn struct {
 	arg, table, column string // for the error: the option, and what it names
 	keyArg             string // the argument the column stores: "key" or "name"
-	q                  string // reads the column's type from information_schema
+	q                  string // reads the column's type from the catalog
+	args               []any  // q's arguments (PostgreSQL)
+	pg                 bool
 	fit                atomic.Pointer[columnFit]
 }
 
@@ -511,6 +518,16 @@ type columnFit struct {
 	typ      string // as the column was declared, for the error
 	maxBytes int64  // the longest key in bytes (0: no limit known)
 	maxChars int64  // the longest key in characters (0: no limit known)
+}
+
+// newPgKeyColumn returns the PostgreSQL check of column in table (quoted:
+// the table as the statements name it, resolved on the search path).
+func newPgKeyColumn(arg, table, quoted, column, keyArg string) *keyColumn {
+	return &keyColumn{arg: arg, table: table, column: column, keyArg: keyArg, pg: true, args: []any{quoted, column}, q: "SELECT b.typname, COALESCE(co.collisdeterministic, true), format_type(a.atttypid, a.atttypmod), COALESCE(co.collname, '') " +
+		"FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid " +
+		"JOIN pg_type b ON b.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END " +
+		"LEFT JOIN pg_collation co ON co.oid = a.attcollation " +
+		"WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped"}
 }
 
 // newKeyColumn returns the check of column in table (as quoteIdent
@@ -565,6 +582,9 @@ func (k *keyColumn) check(ctx context.Context, c conn, op, key string) error {
 // read reads the column's type and remembers it when it compares bytes; nil
 // when the table was not found or the column is refused.
 func (k *keyColumn) read(ctx context.Context, c conn, op string) (*columnFit, error) {
+	if k.pg {
+		return k.readPg(ctx, c, op)
+	}
 	var typ, colType string
 	var nullColl sql.NullString // NULL for a binary type
 	var chars, octets sql.NullInt64
@@ -601,6 +621,41 @@ func (k *keyColumn) read(ctx context.Context, c conn, op string) (*columnFit, er
 			"column %s of table %s is %s: %s, so two keys would share one row; use VARBINARY(%d), or VARCHAR with a binary NO PAD collation (utf8mb4_nopad_bin on MariaDB, utf8mb4_0900_bin on MySQL 8)",
 			k.column, k.table, strings.TrimSpace(strings.ToUpper(typ)+" "+coll), why, MaxKeyBytes)}
 	}
+	k.fit.Store(f)
+	return f, nil
+}
+
+// readPg is read on PostgreSQL.
+func (k *keyColumn) readPg(ctx context.Context, c conn, op string) (*columnFit, error) {
+	var typ, declared, coll string
+	var deterministic bool
+	err := c.queryRow(ctx, k.q, k.args, &typ, &deterministic, &declared, &coll)
+	if errors.Is(err, errNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("sqlfence: %s: reading the type of column %s of table %s: %w", op, k.column, k.table, err)
+	}
+	var why string
+	switch {
+	case typ == "bpchar":
+		why = "CHARACTER pads keys with spaces and ignores trailing spaces"
+	case typ == "name":
+		why = "NAME cuts keys at 63 bytes"
+	case typ == "citext":
+		why = "CITEXT folds case"
+	case typ != "text" && typ != "varchar" && typ != "bytea":
+		why = "it does not hold every key as its bytes"
+	case !deterministic:
+		declared += " COLLATE " + coll
+		why = "its collation is nondeterministic: it finds keys equal whose bytes differ"
+	}
+	if why != "" {
+		return nil, &fence.InvalidError{Op: op, Arg: k.arg, Reason: fmt.Sprintf(
+			"column %s of table %s is %s: %s, so two keys would share one row; use TEXT or VARCHAR with a deterministic collation",
+			k.column, k.table, declared, why)}
+	}
+	f := &columnFit{typ: declared}
 	k.fit.Store(f)
 	return f, nil
 }

@@ -23,9 +23,11 @@ type WriterOptions struct {
 	// returns an error matching fence.ErrInvalid instead; so does a key
 	// longer than the column holds (a non-strict sql_mode would cut it).
 	// The column is read on first use, and again when the table was found
-	// missing or a write met a row that is not its key's own. The same holds
-	// elsewhere, unchecked: no citext or nondeterministic collation on
-	// PostgreSQL, no COLLATE NOCASE or RTRIM on SQLite.
+	// missing or a write met a row that is not its key's own. On PostgreSQL
+	// it must be TEXT or VARCHAR (or BYTEA) with a deterministic collation:
+	// CHARACTER(n), NAME, CITEXT, another type or a nondeterministic
+	// collation is refused the same way. On SQLite, unchecked: no COLLATE
+	// NOCASE or RTRIM.
 	KeyColumn string
 	// ValueColumn holds the value; it must be nullable, since a fenced delete
 	// sets it to NULL. Default: "value".
@@ -96,6 +98,9 @@ func NewWriter(db *DB, opts *WriterOptions) (*Writer, error) {
 	w := &Writer{db: db, table: o.Table}
 	w.ddl = fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s (\n  %s %s PRIMARY KEY,\n  %s %s,\n  %s %s NOT NULL CHECK (%s BETWEEN 1 AND %d)\n)",
 		t, k, d.keyType, v, d.blobType, f, d.intType, f, uint64(fence.MaxToken))
+	if d == postgresDialect {
+		w.keys = newPgKeyColumn("key column", o.Table, t, o.KeyColumn, "key")
+	}
 	if d == mysqlDialect {
 		w.keys = newKeyColumn("key column", o.Table, o.KeyColumn, "key")
 		// One upsert per write. The value is assigned before the fence, so its
