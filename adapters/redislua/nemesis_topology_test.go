@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"sync"
 	"testing"
 	"time"
 
@@ -164,7 +165,9 @@ func TestSentinelNemesis(t *testing.T) {
 // each name's keys deleted on every node; their tokens fence writes to the
 // test Redis server, each client's writer behind a proxy of its own; the
 // history holds (fencetest.NemesisSuite). Three nodes, not five: a client cut
-// from one of them is left with a bare majority.
+// from one of them is left with a bare majority. The nemesis also kills one
+// node at a time and starts it again empty after one to two ttls, which is
+// as long as Redlock needs a node that lost its data to stay down.
 func TestRedlockNemesis(t *testing.T) {
 	servers := make([]*testenv.RedisServer, 3)
 	nodes := make([]*redis.Client, len(servers))
@@ -184,6 +187,10 @@ func TestRedlockNemesis(t *testing.T) {
 		return r
 	}
 	shared := testenv.RedisClient(t)
+	var (
+		mu   sync.Mutex
+		down = map[int]bool{} // nodes the nemesis stopped
+	)
 	fencetest.NemesisSuite{
 		AcquirerProxies: func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy) {
 			own := make([]redislua.Client, len(servers))
@@ -203,7 +210,35 @@ func TestRedlockNemesis(t *testing.T) {
 		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
 			return newRedlock(t, direct), nemesisWriter(t, shared)
 		},
-		DeleteState: nemesisDeleteKeys(nodes...),
-		ShortTTL:    ttl,
+		// The name's keys on every running node (a stopped node starts
+		// again empty); a crash waits for a deletion in progress.
+		DeleteState: func(t *testing.T, name string) {
+			mu.Lock()
+			defer mu.Unlock()
+			var up []*redis.Client
+			for i, c := range nodes {
+				if !down[i] {
+					up = append(up, c)
+				}
+			}
+			nemesisDeleteKeys(up...)(t, name)
+		},
+		Nodes: len(servers),
+		StopNode: func(t *testing.T, i int) func() {
+			mu.Lock()
+			defer mu.Unlock()
+			down[i] = true
+			servers[i].Kill()
+			return func() {
+				mu.Lock()
+				defer mu.Unlock()
+				if err := servers[i].Relaunch(); err != nil {
+					t.Errorf("starting Redlock node %d again: %v", i, err)
+					return
+				}
+				down[i] = false
+			}
+		},
+		ShortTTL: ttl,
 	}.Run(t)
 }

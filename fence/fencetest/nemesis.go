@@ -94,6 +94,18 @@ type NemesisSuite struct {
 	AcquirerProxies func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy)
 	WriterProxies   func(t *testing.T) (fence.FencedWriter, []*faultnet.Proxy)
 
+	// Nodes and StopNode, when both are set, add server crashes to each
+	// seed's run: StopNode stops server i of the backend (0 <= i < Nodes: a
+	// Redlock node, a cluster member) as a crash would and returns a
+	// function that starts it again. The nemesis stops one server at a time,
+	// each for one to two ttls, about one crash every four ttls of the part
+	// of the run with faults, at times and on servers drawn from a random
+	// source of its own (the seed's other faults are unchanged). It calls
+	// both from a goroutine of its own (report with t.Error, not t.Fatal).
+	// Default: 0, nil.
+	Nodes    int
+	StopNode func(t *testing.T, i int) (start func())
+
 	// Direct returns an acquirer and a writer (nil when Writer is nil) that
 	// reach the backend without a proxy, for the checks after the run.
 	// Required.
@@ -172,6 +184,8 @@ type fault struct {
 	// partition); otherwise it takes all of them.
 	one   bool
 	proxy int
+
+	node int // crash: the server stopped (the client is unused)
 }
 
 func (f fault) String() string {
@@ -189,15 +203,35 @@ func (f fault) String() string {
 		return fmt.Sprintf("%8v  client %d: latency %v..%v for %v", f.at, f.client, f.lat[0], f.lat[1], f.d)
 	case "partition":
 		return fmt.Sprintf("%8v  client %d: partitioned for %v", f.at, f.client, f.d)
+	case "crash":
+		return fmt.Sprintf("%8v  server %d stopped for %v", f.at, f.node, f.d)
 	}
 	return fmt.Sprintf("%8v  delete the state of %q", f.at, f.name)
+}
+
+// crashes draws the server crashes of a run with Nodes and StopNode, all
+// within [0, end), from a source of its own (the seed's stream 1<<63+1).
+func (s NemesisSuite) crashes(seed uint64, end time.Duration) []fault {
+	if s.Nodes <= 0 || s.StopNode == nil {
+		return nil
+	}
+	ttl := s.ShortTTL
+	rng := rand.New(rand.NewPCG(seed, 1<<63+1))
+	between := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(rng.Int64N(int64(hi-lo)+1)) }
+	var out []fault
+	for at := between(ttl/2, 2*ttl); at < end; {
+		f := fault{at: at, kind: "crash", node: rng.IntN(s.Nodes), d: min(between(ttl, 2*ttl), end-at)}
+		out = append(out, f)
+		at += f.d + between(ttl, 4*ttl)
+	}
+	return out
 }
 
 // onProxies is String with the proxies a fault takes, for a run with
 // AcquirerProxies or WriterProxies.
 func (f fault) onProxies() string {
 	switch {
-	case f.kind == "delete":
+	case f.kind == "delete" || f.kind == "crash":
 		return f.String()
 	case f.one:
 		return fmt.Sprintf("%s [its proxy %d only]", f, f.proxy)
@@ -215,7 +249,7 @@ func (s NemesisSuite) pickProxies(seed uint64, sched []fault, clients []*nemClie
 	rng := rand.New(rand.NewPCG(seed, 1<<63))
 	for i := range sched {
 		f := &sched[i]
-		if f.kind == "delete" {
+		if f.kind == "delete" || f.kind == "crash" {
 			continue
 		}
 		if set := f.set(clients[f.client]); rng.IntN(3) > 0 && len(set) > 1 {
@@ -366,6 +400,10 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	if s.multiProxy() {
 		s.pickProxies(seed, sched, clients)
 	}
+	if crashes := s.crashes(seed, faultsEnd); len(crashes) > 0 {
+		sched = append(sched, crashes...)
+		slices.SortStableFunc(sched, func(a, b fault) int { return int(a.at - b.at) })
+	}
 	// Warm up each client, so the first fault takes a request and not a
 	// connection's handshake; the warm-up is not part of the history.
 	for _, c := range clients {
@@ -470,6 +508,14 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 					p.Heal()
 				}
 			}})
+		case "crash":
+			var start func()
+			acts = append(acts, action{f.at, func() { start = s.StopNode(t, f.node) }},
+				action{f.at + f.d, func() {
+					if start != nil {
+						start()
+					}
+				}})
 		case "delete":
 			acts = append(acts, action{f.at, func() {
 				op := h.deleting(f.name)
