@@ -864,7 +864,8 @@ type lease struct {
 	rev uint64     // the revision the lease last wrote
 	// unsure is the send of the earliest renewal since rev whose outcome is
 	// unknown (zero: none): a later renewal that finds its entry counts the
-	// deadline from it, as the server counts the entry's TTL from its landing.
+	// deadline from it, as the server counts the entry's TTL from its
+	// landing. Every such renewal expects rev, so at most one of them lands.
 	unsure time.Time
 }
 
@@ -878,9 +879,15 @@ type lease struct {
 // another grant's entry or a marker, or the bucket is gone, or when the
 // local deadline has passed (nothing is sent then); an error matching
 // fence.ErrUnknown when retries within RetryFor could not tell whether the
-// renewal landed. A renewal that finds the entry of an earlier one that
-// returned ErrUnknown counts the local deadline from that earlier renewal's
-// send, since the server counts the entry's TTL from its landing.
+// renewal landed.
+//
+// A renewal that finds the entry of an earlier one whose outcome it did not
+// know (one that returned ErrUnknown, or an earlier attempt of the same
+// call) takes that entry as confirmed, counting the local deadline from the
+// earliest send that may have written it (the server counts the entry's TTL
+// from its landing), and then renews from it as from any entry of its own:
+// a nil error always means a renewal sent by this call was confirmed, and
+// the local deadline then counts from that renewal's send.
 //
 // The read and the publish are two requests: JetStream conditions a publish
 // on a subject's last sequence, not on the stream's identity or the entry's
@@ -897,31 +904,29 @@ func (l *lease) Renew(ctx context.Context) error {
 	if l.Context().Err() != nil {
 		return l.lost()
 	}
-	sent := time.Now()
-	from := sent // the earliest send that may have written an entry found
-	if !l.unsure.IsZero() {
-		from = l.unsure
-	}
-	giveUp := sent.Add(l.a.o.RetryFor)
+	giveUp := time.Now().Add(l.a.o.RetryFor)
 	var lastErr error
 	for {
 		cur, ours, err := l.own(ctx)
 		if err == nil {
-			switch {
-			case !ours:
+			if !ours {
 				// Expired, taken, or the bucket deleted (and
 				// perhaps re-created): not this grant's entry.
 				l.End(fence.ErrLost)
 				return l.lost()
-			case cur != l.rev:
-				// Written by this call or by an earlier one that
-				// returned without knowing: count from the earliest.
+			}
+			if cur != l.rev {
+				// Written by a renewal whose outcome was unknown, of
+				// this call or an earlier one: it counts from the
+				// earliest send that may have written it. Then renew
+				// from it: it may be most of a ttl old.
+				from := l.unsure
 				l.rev, l.unsure = cur, time.Time{}
-				if !l.Extend(from) {
+				if !l.confirmed(from) {
 					return l.undo(ctx)
 				}
-				return nil
 			}
+			sent := time.Now()
 			var rev uint64
 			rev, err = l.a.publish(ctx, l.key, l.value, cur, l.TTL(), l.grant)
 			if err == nil {
@@ -935,12 +940,12 @@ func (l *lease) Renew(ctx context.Context) error {
 			if revisionMismatch(err) {
 				continue // changed since the read: look again
 			}
+			if ambiguous(err) && l.unsure.IsZero() {
+				l.unsure = sent
+			}
 		}
 		if !ambiguous(err) {
 			return fmt.Errorf("natsfence: renew %q: %w", l.Name(), err)
-		}
-		if l.unsure.IsZero() {
-			l.unsure = sent
 		}
 		lastErr = err
 		if l.Context().Err() != nil {
@@ -950,6 +955,17 @@ func (l *lease) Renew(ctx context.Context) error {
 			return fmt.Errorf("natsfence: renew %q: %w: %w", l.Name(), fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
 		}
 	}
+}
+
+// confirmed moves the local deadline after an entry of the lease, written
+// by a renewal whose earliest possible send was from, was found on the key
+// (a zero from: none is known, and the deadline stays). It returns false
+// when the lease had already ended locally.
+func (l *lease) confirmed(from time.Time) bool {
+	if from.IsZero() {
+		return l.Context().Err() == nil
+	}
+	return l.Extend(from)
 }
 
 // own reads the lock key at the stream leader and returns the revision of
