@@ -877,9 +877,19 @@ type lease struct {
 // 1, so the lease's revision alone may name another grant's entry, or a
 // marker, in the new bucket. fence.ErrLost when the key expired, holds
 // another grant's entry or a marker, or the bucket is gone, or when the
-// local deadline has passed (nothing is sent then); an error matching
-// fence.ErrUnknown when retries within RetryFor could not tell whether the
-// renewal landed.
+// local deadline has passed, also while the read was answered (no renewal
+// is sent then); an error matching fence.ErrUnknown when retries within
+// RetryFor could not tell whether the renewal landed.
+//
+// A renewal that lands after the local deadline (confirmed late, or sent
+// before it with its outcome unknown when the deadline passed, in this call
+// or an earlier one) holds the name for a fresh ttl that nobody holds:
+// Renew gives it back, purging the lease's own entry expecting its
+// revision, and returns fence.ErrLost. The give-back is sent again after a
+// lost reply, in the background, for up to the ttl; Renew waits for it at
+// most twice Timeout. When it cannot reach the server for that long, the
+// renewal's entry holds the name until the server expires it: at most the
+// ttl, rounded up to whole seconds, after it landed.
 //
 // A renewal that finds the entry of an earlier one whose outcome it did not
 // know (one that returned ErrUnknown, or an earlier attempt of the same
@@ -902,7 +912,7 @@ func (l *lease) Renew(ctx context.Context) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.Context().Err() != nil {
-		return l.lost()
+		return l.pastDeadline(ctx)
 	}
 	giveUp := time.Now().Add(l.a.o.RetryFor)
 	var lastErr error
@@ -911,8 +921,11 @@ func (l *lease) Renew(ctx context.Context) error {
 		if err == nil {
 			if !ours {
 				// Expired, taken, or the bucket deleted (and
-				// perhaps re-created): not this grant's entry.
+				// perhaps re-created): not this grant's entry. A
+				// renewal still on its way expects one of ours, and
+				// cannot land.
 				l.End(fence.ErrLost)
+				l.unsure = time.Time{}
 				return l.lost()
 			}
 			if cur != l.rev {
@@ -925,6 +938,11 @@ func (l *lease) Renew(ctx context.Context) error {
 				if !l.confirmed(from) {
 					return l.undo(ctx)
 				}
+			}
+			if l.Context().Err() != nil {
+				// The local deadline passed while the read was
+				// answered: send nothing.
+				return l.pastDeadline(ctx)
 			}
 			sent := time.Now()
 			var rev uint64
@@ -949,7 +967,7 @@ func (l *lease) Renew(ctx context.Context) error {
 		}
 		lastErr = err
 		if l.Context().Err() != nil {
-			return l.lost()
+			return l.pastDeadline(ctx)
 		}
 		if time.Now().After(giveUp) || retryWait(ctx, l.a.js) != nil {
 			return fmt.Errorf("natsfence: renew %q: %w: %w", l.Name(), fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
@@ -1010,6 +1028,7 @@ func (l *lease) Release(ctx context.Context) error {
 		cur, ours, err := l.own(ctx)
 		if err == nil {
 			if !ours {
+				l.unsure = time.Time{} // no renewal of ours can land now
 				if purged {
 					// Gone or granted again: ours landed (and a
 					// waiter was woken by it), or it expired.
@@ -1020,6 +1039,7 @@ func (l *lease) Release(ctx context.Context) error {
 			l.rev = cur // a renewal we could not confirm may have landed
 			err = l.a.purge(ctx, l.key, cur)
 			if err == nil {
+				l.unsure = time.Time{} // no renewal of ours can land now
 				return nil
 			}
 			if revisionMismatch(err) {
@@ -1039,15 +1059,67 @@ func (l *lease) Release(ctx context.Context) error {
 	}
 }
 
-// undo removes a renewal that landed after the local deadline had passed
-// (nobody holds the name it keeps for a fresh ttl), when the key still holds
-// the lease's entry, and reports the lease lost.
-func (l *lease) undo(ctx context.Context) error {
-	ctx = context.WithoutCancel(ctx)
-	if cur, ours, err := l.own(ctx); err == nil && ours {
-		_ = l.a.purge(ctx, l.key, cur)
+// pastDeadline reports the lease lost once its local deadline has passed.
+// A renewal whose outcome is unknown (l.unsure) may have landed, or land
+// still, after that deadline, holding the name for a fresh ttl that nobody
+// holds: it is given back (undo).
+func (l *lease) pastDeadline(ctx context.Context) error {
+	if !l.unsure.IsZero() {
+		return l.undo(ctx)
 	}
 	return l.lost()
+}
+
+// undo gives back a renewal that landed, or may land, after the local
+// deadline had passed (nobody holds the name it keeps for a fresh ttl), and
+// reports the lease lost. The give-back purges the key when it holds the
+// lease's entry (its nonce), expecting that entry's revision: that also
+// keeps a renewal still on its way, which expects an earlier revision of the
+// lease's, from landing after it. It is sent again after a lost reply, in the
+// background, for up to the ttl (see giveBack); undo waits for it at most
+// twice Timeout (a read and a purge).
+func (l *lease) undo(ctx context.Context) error {
+	l.End(fence.ErrLost)
+	l.unsure = time.Time{} // the give-back settles it
+	done := make(chan struct{})
+	gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.TTL())
+	go func() {
+		defer close(done)
+		defer cancel()
+		l.a.giveBack(gctx, l.key, l.value)
+	}()
+	t := time.NewTimer(2 * l.a.o.Timeout)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+	}
+	return l.lost()
+}
+
+// giveBack purges key while it holds value (a lease's nonce), expecting the
+// revision read, until it no longer does: each request bounded by Timeout,
+// a lost reply looked at again, until ctx ends. A key holding anything else
+// (nothing, a marker, another grant's entry) or no bucket is left alone.
+func (a *Acquirer) giveBack(ctx context.Context, key string, value []byte) {
+	for {
+		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
+		if err == nil {
+			if m == nil || isMarker(m) || string(m.Data) != string(value) {
+				return
+			}
+			err = a.purge(ctx, key, m.Sequence)
+			if err == nil {
+				return
+			}
+			if revisionMismatch(err) {
+				continue // changed since the read: look again
+			}
+		}
+		if !ambiguous(err) || retryWait(ctx, a.js) != nil {
+			return
+		}
+	}
 }
 
 func (l *lease) lost() error {
