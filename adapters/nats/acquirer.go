@@ -887,9 +887,10 @@ type lease struct {
 // Renew gives it back, purging the lease's own entry expecting its
 // revision, and returns fence.ErrLost. The give-back is sent again after a
 // lost reply, in the background, for up to the ttl; Renew waits for it at
-// most twice Timeout. When it cannot reach the server for that long, the
-// renewal's entry holds the name until the server expires it: at most the
-// ttl, rounded up to whole seconds, after it landed.
+// most twice Timeout, and not past the end of ctx (the give-back goes on
+// without it). When it cannot reach the server for that long, the renewal's
+// entry holds the name until the server expires it: at most the ttl,
+// rounded up to whole seconds, after it landed.
 //
 // A renewal that finds the entry of an earlier one whose outcome it did not
 // know (one that returned ErrUnknown, or an earlier attempt of the same
@@ -1077,7 +1078,9 @@ func (l *lease) pastDeadline(ctx context.Context) error {
 // keeps a renewal still on its way, which expects an earlier revision of the
 // lease's, from landing after it. It is sent again after a lost reply, in the
 // background, for up to the ttl (see giveBack); undo waits for it at most
-// twice Timeout (a read and a purge).
+// twice Timeout (a read and a purge), or until ctx ends: the give-back does
+// not end with ctx, so the caller is not held up and the name is not left
+// held.
 func (l *lease) undo(ctx context.Context) error {
 	l.End(fence.ErrLost)
 	l.unsure = time.Time{} // the give-back settles it
@@ -1093,6 +1096,7 @@ func (l *lease) undo(ctx context.Context) error {
 	select {
 	case <-done:
 	case <-t.C:
+	case <-ctx.Done():
 	}
 	return l.lost()
 }

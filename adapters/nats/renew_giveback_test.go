@@ -80,3 +80,53 @@ func TestRenewReadAnsweredPastDeadlineSendsNothing(t *testing.T) {
 		t.Fatal("Renew published to the bucket after the local deadline had passed")
 	}
 }
+
+// TestRenewGiveBackBoundedByCallerContext: as in
+// TestRenewLostReplyThenDeadlinePassesGivesBack, a renewal lands with its
+// reply lost and the client is cut off past the local deadline, here with
+// a long Timeout and a caller's context that ends just after that deadline.
+// Renew returns fence.ErrLost at the context's end, not a Timeout or two
+// past it, and the give-back still happens once the client is connected
+// again: another acquirer is granted long before the renewal's ttl runs out.
+func TestRenewGiveBackBoundedByCallerContext(t *testing.T) {
+	j, p := proxied(t)
+	const timeout = 2 * time.Second
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: timeout})
+	other := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
+	ctx := context.Background()
+	name := fencetest.Name("renew-giveback-ctx")
+	const ttl = 5 * time.Second
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Half a ttl before the renewal is the case: its entry outlives the
+	// grant's by as much.
+	time.Sleep(ttl / 2)
+	rctx, cancel := context.WithDeadline(ctx, l.(interface{ LocalDeadline() time.Time }).LocalDeadline().Add(100*time.Millisecond))
+	defer cancel()
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.Refuse(true)
+	err = l.Renew(rctx)
+	returned := time.Now()
+	waitLost(t, p, before)
+	if !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("a renewal whose reply was lost, cut off past the local deadline: %v, want ErrLost", err)
+	}
+	dl, _ := rctx.Deadline()
+	if late := returned.Sub(dl); late > timeout/2 {
+		t.Fatalf("Renew returned %v after its context's deadline (Timeout %v)", late.Round(time.Millisecond), timeout)
+	}
+	p.Refuse(false)
+	// The renewal's entry, if left, holds the name until about 2.5s from
+	// here.
+	wctx, wcancel := context.WithTimeout(ctx, 1200*time.Millisecond)
+	defer wcancel()
+	l2, err := other.Acquire(wctx, name, ttl)
+	if err != nil {
+		info, _ := other.Inspect(ctx, name)
+		t.Fatalf("the name after the holder learnt its lease was lost: %v; the renewal that landed unconfirmed holds it for a fresh ttl nobody holds (server time left %v)", err, info.TimeLeft.Round(time.Millisecond))
+	}
+	_ = l2.Release(ctx)
+}
