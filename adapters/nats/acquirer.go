@@ -864,7 +864,8 @@ type lease struct {
 	rev uint64     // the revision the lease last wrote
 	// unsure is the send of the earliest renewal since rev whose outcome is
 	// unknown (zero: none): a later renewal that finds its entry counts the
-	// deadline from it, as the server counts the entry's TTL from its landing.
+	// deadline from it, as the server counts the entry's TTL from its
+	// landing. Every such renewal expects rev, so at most one of them lands.
 	unsure time.Time
 }
 
@@ -876,11 +877,28 @@ type lease struct {
 // 1, so the lease's revision alone may name another grant's entry, or a
 // marker, in the new bucket. fence.ErrLost when the key expired, holds
 // another grant's entry or a marker, or the bucket is gone, or when the
-// local deadline has passed (nothing is sent then); an error matching
-// fence.ErrUnknown when retries within RetryFor could not tell whether the
-// renewal landed. A renewal that finds the entry of an earlier one that
-// returned ErrUnknown counts the local deadline from that earlier renewal's
-// send, since the server counts the entry's TTL from its landing.
+// local deadline has passed, also while the read was answered (no renewal
+// is sent then); an error matching fence.ErrUnknown when retries within
+// RetryFor could not tell whether the renewal landed.
+//
+// A renewal that lands after the local deadline (confirmed late, or sent
+// before it with its outcome unknown when the deadline passed, in this call
+// or an earlier one) holds the name for a fresh ttl that nobody holds:
+// Renew gives it back, purging the lease's own entry expecting its
+// revision, and returns fence.ErrLost. The give-back is sent again after a
+// lost reply, in the background, for up to the ttl; Renew waits for it at
+// most twice Timeout, and not past the end of ctx (the give-back goes on
+// without it). When it cannot reach the server for that long, the renewal's
+// entry holds the name until the server expires it: at most the ttl,
+// rounded up to whole seconds, after it landed.
+//
+// A renewal that finds the entry of an earlier one whose outcome it did not
+// know (one that returned ErrUnknown, or an earlier attempt of the same
+// call) takes that entry as confirmed, counting the local deadline from the
+// earliest send that may have written it (the server counts the entry's TTL
+// from its landing), and then renews from it as from any entry of its own:
+// a nil error always means a renewal sent by this call was confirmed, and
+// the local deadline then counts from that renewal's send.
 //
 // The read and the publish are two requests: JetStream conditions a publish
 // on a subject's last sequence, not on the stream's identity or the entry's
@@ -895,33 +913,39 @@ func (l *lease) Renew(ctx context.Context) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.Context().Err() != nil {
-		return l.lost()
+		return l.pastDeadline(ctx)
 	}
-	sent := time.Now()
-	from := sent // the earliest send that may have written an entry found
-	if !l.unsure.IsZero() {
-		from = l.unsure
-	}
-	giveUp := sent.Add(l.a.o.RetryFor)
+	giveUp := time.Now().Add(l.a.o.RetryFor)
 	var lastErr error
 	for {
 		cur, ours, err := l.own(ctx)
 		if err == nil {
-			switch {
-			case !ours:
+			if !ours {
 				// Expired, taken, or the bucket deleted (and
-				// perhaps re-created): not this grant's entry.
+				// perhaps re-created): not this grant's entry. A
+				// renewal still on its way expects one of ours, and
+				// cannot land.
 				l.End(fence.ErrLost)
+				l.unsure = time.Time{}
 				return l.lost()
-			case cur != l.rev:
-				// Written by this call or by an earlier one that
-				// returned without knowing: count from the earliest.
+			}
+			if cur != l.rev {
+				// Written by a renewal whose outcome was unknown, of
+				// this call or an earlier one: it counts from the
+				// earliest send that may have written it. Then renew
+				// from it: it may be most of a ttl old.
+				from := l.unsure
 				l.rev, l.unsure = cur, time.Time{}
-				if !l.Extend(from) {
+				if !l.confirmed(from) {
 					return l.undo(ctx)
 				}
-				return nil
 			}
+			if l.Context().Err() != nil {
+				// The local deadline passed while the read was
+				// answered: send nothing.
+				return l.pastDeadline(ctx)
+			}
+			sent := time.Now()
 			var rev uint64
 			rev, err = l.a.publish(ctx, l.key, l.value, cur, l.TTL(), l.grant)
 			if err == nil {
@@ -935,21 +959,32 @@ func (l *lease) Renew(ctx context.Context) error {
 			if revisionMismatch(err) {
 				continue // changed since the read: look again
 			}
+			if ambiguous(err) && l.unsure.IsZero() {
+				l.unsure = sent
+			}
 		}
 		if !ambiguous(err) {
 			return fmt.Errorf("natsfence: renew %q: %w", l.Name(), err)
 		}
-		if l.unsure.IsZero() {
-			l.unsure = sent
-		}
 		lastErr = err
 		if l.Context().Err() != nil {
-			return l.lost()
+			return l.pastDeadline(ctx)
 		}
 		if time.Now().After(giveUp) || retryWait(ctx, l.a.js) != nil {
 			return fmt.Errorf("natsfence: renew %q: %w: %w", l.Name(), fence.ErrUnknown, errors.Join(lastErr, context.Cause(ctx)))
 		}
 	}
+}
+
+// confirmed moves the local deadline after an entry of the lease, written
+// by a renewal whose earliest possible send was from, was found on the key
+// (a zero from: none is known, and the deadline stays). It returns false
+// when the lease had already ended locally.
+func (l *lease) confirmed(from time.Time) bool {
+	if from.IsZero() {
+		return l.Context().Err() == nil
+	}
+	return l.Extend(from)
 }
 
 // own reads the lock key at the stream leader and returns the revision of
@@ -994,6 +1029,7 @@ func (l *lease) Release(ctx context.Context) error {
 		cur, ours, err := l.own(ctx)
 		if err == nil {
 			if !ours {
+				l.unsure = time.Time{} // no renewal of ours can land now
 				if purged {
 					// Gone or granted again: ours landed (and a
 					// waiter was woken by it), or it expired.
@@ -1004,6 +1040,7 @@ func (l *lease) Release(ctx context.Context) error {
 			l.rev = cur // a renewal we could not confirm may have landed
 			err = l.a.purge(ctx, l.key, cur)
 			if err == nil {
+				l.unsure = time.Time{} // no renewal of ours can land now
 				return nil
 			}
 			if revisionMismatch(err) {
@@ -1023,15 +1060,70 @@ func (l *lease) Release(ctx context.Context) error {
 	}
 }
 
-// undo removes a renewal that landed after the local deadline had passed
-// (nobody holds the name it keeps for a fresh ttl), when the key still holds
-// the lease's entry, and reports the lease lost.
-func (l *lease) undo(ctx context.Context) error {
-	ctx = context.WithoutCancel(ctx)
-	if cur, ours, err := l.own(ctx); err == nil && ours {
-		_ = l.a.purge(ctx, l.key, cur)
+// pastDeadline reports the lease lost once its local deadline has passed.
+// A renewal whose outcome is unknown (l.unsure) may have landed, or land
+// still, after that deadline, holding the name for a fresh ttl that nobody
+// holds: it is given back (undo).
+func (l *lease) pastDeadline(ctx context.Context) error {
+	if !l.unsure.IsZero() {
+		return l.undo(ctx)
 	}
 	return l.lost()
+}
+
+// undo gives back a renewal that landed, or may land, after the local
+// deadline had passed (nobody holds the name it keeps for a fresh ttl), and
+// reports the lease lost. The give-back purges the key when it holds the
+// lease's entry (its nonce), expecting that entry's revision: that also
+// keeps a renewal still on its way, which expects an earlier revision of the
+// lease's, from landing after it. It is sent again after a lost reply, in the
+// background, for up to the ttl (see giveBack); undo waits for it at most
+// twice Timeout (a read and a purge), or until ctx ends: the give-back does
+// not end with ctx, so the caller is not held up and the name is not left
+// held.
+func (l *lease) undo(ctx context.Context) error {
+	l.End(fence.ErrLost)
+	l.unsure = time.Time{} // the give-back settles it
+	done := make(chan struct{})
+	gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.TTL())
+	go func() {
+		defer close(done)
+		defer cancel()
+		l.a.giveBack(gctx, l.key, l.value)
+	}()
+	t := time.NewTimer(2 * l.a.o.Timeout)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return l.lost()
+}
+
+// giveBack purges key while it holds value (a lease's nonce), expecting the
+// revision read, until it no longer does: each request bounded by Timeout,
+// a lost reply looked at again, until ctx ends. A key holding anything else
+// (nothing, a marker, another grant's entry) or no bucket is left alone.
+func (a *Acquirer) giveBack(ctx context.Context, key string, value []byte) {
+	for {
+		m, err := lastMsg(ctx, a.js, a.streamName, a.subj+key, a.o.Timeout)
+		if err == nil {
+			if m == nil || isMarker(m) || string(m.Data) != string(value) {
+				return
+			}
+			err = a.purge(ctx, key, m.Sequence)
+			if err == nil {
+				return
+			}
+			if revisionMismatch(err) {
+				continue // changed since the read: look again
+			}
+		}
+		if !ambiguous(err) || retryWait(ctx, a.js) != nil {
+			return
+		}
+	}
 }
 
 func (l *lease) lost() error {

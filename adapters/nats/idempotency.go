@@ -61,7 +61,11 @@ type IdempotencyOptions struct {
 // recognised when it landed, and otherwise, when the key still holds the
 // record it expected to replace (the same revision and write id: a bucket
 // deleted and re-created numbers its revisions from 1 again), sent again
-// expecting the same revision, which can land at most once; when that does
+// expecting the same revision, which can land at most once. A claim sent
+// over a purge or delete marker (no record) is also sent again when the
+// key holds no record still, with nothing or another marker in its place:
+// the first claim expects the old marker's revision, which the key never
+// holds again, so it cannot land any more. When that does
 // not settle within RetryFor, or the record changed meanwhile, the step
 // returns an error matching fence.ErrUnknown (read the record to know). So
 // does a claim whose revision, read back for its fence, holds another
@@ -311,8 +315,11 @@ func (s *IdempotencyStore) checkKey(ctx context.Context, op, key string) error {
 
 // Begin claims key, or returns its record. See idempotency.Store. A claim
 // whose reply was lost is recognised when it landed (created, with its
-// record); an error matching fence.ErrUnknown when that could not be told
-// within RetryFor. A lease that is not positive is fence.ErrInvalid.
+// record), and sent again while that can land at most once (see Lost
+// replies in IdempotencyStore); an error matching
+// fence.ErrUnknown when that could not be told within RetryFor, or the
+// record changed meanwhile. A lease that is not positive is
+// fence.ErrInvalid.
 func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
 	const op = "idempotency begin"
 	if err := s.checkKey(ctx, op, key); err != nil {
@@ -328,8 +335,11 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 	kvKey := EncodeKey(key)
 	giveUp := time.Now().Add(s.o.RetryFor)
 	var lastErr error
+	// The last claim whose outcome is unknown expected revision sentRev
+	// and the record with write id sentWid ("": no record, the key holding
+	// nothing or a marker).
 	var sentRev uint64
-	var sentWid string // the write id of the record that attempt expected to replace
+	var sentWid string
 	fail := func(err error) (idempotency.Record, bool, error) {
 		if lastErr != nil {
 			return idempotency.Record{}, false, fmt.Errorf("natsfence: %s %q: %w: %w", op, key, fence.ErrUnknown, errors.Join(lastErr, err))
@@ -352,7 +362,7 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 		if cur != nil {
 			curWid = cur.WriteID
 		}
-		if lastErr != nil && (expect != sentRev || curWid != sentWid) {
+		if lastErr != nil && (expect != sentRev || curWid != sentWid) && !noRecordStill(cur, sentWid, sentRev) {
 			return fail(errors.New("the record changed after a claim that may have landed"))
 		}
 		next := &idemEntry{Version: idemVersion, Fingerprint: fingerprint, State: string(idempotency.Claimed), Owner: owner, Lease: lease, WriteID: wid}
@@ -382,6 +392,26 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 		}
 		// Changed meanwhile, or an earlier attempt landed: look again.
 	}
+}
+
+// noRecordStill reports whether a claim may be sent again although the key's
+// revision moved on since a claim whose outcome is unknown was sent
+// expecting revision sentRev and the record with write id sentWid: the key
+// held no record then and holds none now (cur nil), and what it held then
+// was a marker (sentRev not 0). A claim decides on records, and a marker
+// and nothing are both no record: the claim sent again decides what the
+// first one would have. The first one, dropped or still on its way, can no
+// longer land: it expects the marker's revision, and the key's last
+// revision, once past a revision, never returns to it (the marker aging out
+// leaves the key with none, and every later message has a higher one), so
+// the server refuses it wherever it arrives. At most one of the two lands.
+// Not when the first one expected nothing (sentRev 0): a key holding a
+// marker now can hold nothing again once the marker ages out, and that
+// claim could then land after all. (A bucket deleted and re-created
+// numbers revisions from 1 again: the window the package documentation
+// describes.)
+func noRecordStill(cur *idemEntry, sentWid string, sentRev uint64) bool {
+	return cur == nil && sentWid == "" && sentRev != 0
 }
 
 // claimed reads the claim with write id wid stored at rev, for its fence

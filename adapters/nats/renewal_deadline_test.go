@@ -115,6 +115,71 @@ func TestRenewalLostTwiceCountsFromTheFirstSend(t *testing.T) {
 	}
 }
 
+// TestRenewalRecognisedThenUnconfirmedCountsFromTheFirstSend: a renewal
+// lands but its reply is lost (ErrUnknown). The next renewal finds that
+// entry and sends one of its own, which never reaches the server, and the
+// client is cut off for its RetryFor (ErrUnknown). The entry the server
+// holds is the first renewal's: the local deadline counts from that
+// renewal's send, not from the second call's, and has passed by the time
+// another acquirer is granted.
+func TestRenewalRecognisedThenUnconfirmedCountsFromTheFirstSend(t *testing.T) {
+	ctx := context.Background()
+	j, p := proxied(t)
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{RetryFor: 300 * time.Millisecond, Timeout: 500 * time.Millisecond})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	name := fencetest.Name("renewrecognised")
+	const ttl = 6 * time.Second
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := p.Stats().LostReplies
+	p.LoseReply(publishTo(lockBucket.Bucket))
+	p.Refuse(true)
+	err = l.Renew(ctx)
+	waitLost(t, p, before)
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("the first renewal, its reply lost: %v, want ErrUnknown", err)
+	}
+	// The gap between the renewals is the case, not a wait for an event.
+	time.Sleep(2 * time.Second)
+	p.Refuse(false)
+	for giveUp := time.Now().Add(10 * time.Second); !j.Conn().IsConnected(); {
+		if time.Now().After(giveUp) {
+			t.Fatal("the client did not reconnect")
+		}
+		time.Sleep(time.Millisecond) // the pace of the polls
+	}
+	// The second renewal reads the first one's entry on this connection;
+	// its own publish is dropped with the connection, and no other is
+	// made within its RetryFor.
+	p.Refuse(true)
+	p.DropRequest(publishTo(lockBucket.Bucket))
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("the second renewal, its publish dropped: %v, want ErrUnknown", err)
+	}
+	if n := p.Pending(); n != 0 {
+		t.Fatalf("the second renewal sent no publish (%d faults still armed)", n)
+	}
+	deadline := l.(interface{ LocalDeadline() time.Time }).LocalDeadline()
+	var lb fence.Lease
+	for giveUp := time.Now().Add(60 * time.Second); ; {
+		lb, err = other.TryAcquire(ctx, name, ttl)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, fence.ErrHeld) || time.Now().After(giveUp) {
+			t.Fatalf("another acquirer after the server expired the entry: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond) // the pace of the tries
+	}
+	granted := time.Now()
+	defer lb.Release(ctx)
+	if deadline.After(granted) {
+		t.Fatalf("two holders: B was granted while A's local deadline was still %v away (it counted from the second renewal's send)", deadline.Sub(granted))
+	}
+}
+
 // TestReleaseAfterLostRenewalFreesTheName: a renewal lands but its reply is
 // lost (ErrUnknown); the Release that follows finds the renewal's entry,
 // removes it and returns nil, and another acquirer is granted at once, not
