@@ -33,6 +33,8 @@ var nemesisMutants = []struct {
 	// under -race beside the other children (the run stops at the first).
 	{"renew-recognised-late", "a Renew after one whose reply was lost recognises it and counts the local deadline from its own send", 40},
 	{"write-retry-unfenced", "a Write whose answer was lost is sent again as an unfenced put, so a stale write is stored", 0},
+	{"leave-busy-done", "a waiter that gives up takes a leave answered BUSY (not run) as done: its place in the line stays, and a release hands the name to it, held by nobody for a ttl", 0},
+	{"cleanup-gives-up", "the cleanup after a TryAcquire whose reply was lost releases only a grant that already landed and gives up after an eighth of the ttl: a grant request held in a partition lands after it and holds the name for nobody for a ttl", 0},
 }
 
 // TestMemoryNemesis: the correct in-memory backend, served over TCP behind a
@@ -55,6 +57,10 @@ func TestMemoryNemesis(t *testing.T) {
 			return memAcquirer{s: srv, maxWait: 3 * time.Second, defaultDrift: true}, memWriter{s: srv}
 		},
 		DeleteState: func(_ *testing.T, name string) { srv.deleteState(name) },
+		NotRun: func(_ *testing.T, d time.Duration) {
+			srv.setBusy(d)
+			time.Sleep(d) // the window's length
+		},
 	}.Run(t)
 }
 

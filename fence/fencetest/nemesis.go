@@ -58,7 +58,17 @@ const NemesisSeedsEnv = nemesisrun.SeedsEnv
 // other error may have happened at any time after it was sent, and a read
 // returns what some linearization holds; (4) once the faults have stopped and
 // every lease was released, a Direct TryAcquire of each name succeeds within
-// ShortTTL + ExpiryLag + a margin.
+// ShortTTL + ExpiryLag + a margin; (5) while the run goes on, no TryAcquire
+// is refused (ErrHeld) at a moment when nothing could hold its name: no
+// lease that was neither released nor a ttl and ExpiryLag past its last
+// renewal that may have landed (a renewal whose reply was lost may land as
+// late as its client's partition heals), and no grant call of unknown
+// outcome (a lost reply, an Acquire that gave up) whose give-back may not
+// have landed yet: a third of the ttl and ExpiryLag after its call returned
+// and every partition of its client and not-run window in between had
+// ended. A waiter that left without its leave reaching the backend, or a
+// TryAcquire's cleanup that gave up before the grant request it cleans up
+// after landed, leaves the name held by nobody for a ttl and fails it.
 //
 // A failure logs the seed, the fault schedule and the command that replays
 // the seed (NemesisSeedEnv).
@@ -107,6 +117,15 @@ type NemesisSuite struct {
 	// Seeds is how many random seeds run, one after the other. Default: 3,
 	// or NemesisSeedsEnv; 1 when NemesisSeedEnv names the seed.
 	Seeds int
+	// NotRun, when set, makes the backend answer every request, for about
+	// d, with a reply that says the step did not run (Redis BUSY while a
+	// script runs past busy-reply-threshold, LOADING, a pool with no free
+	// connection), and returns when that window has ended. The nemesis calls
+	// it, from a goroutine of its own (report with t.Error), for windows of
+	// a tenth to half of ShortTTL: a step answered so is not done, and one
+	// that gives a name back (a waiter's leave) must be sent again. Default:
+	// nil, no such windows.
+	NotRun func(t *testing.T, d time.Duration)
 }
 
 // nemesisNamesMax is the most lock names a run uses; each name is also a key.
@@ -139,7 +158,7 @@ func (s NemesisSuite) Run(t *testing.T) {
 // fault is one entry of a run's fault schedule.
 type fault struct {
 	at     time.Duration // since the start of the run
-	kind   string        // lose-reply, latency, partition, delete
+	kind   string        // lose-reply, latency, partition, delete, not-run
 	client int
 	writer bool          // the client's writer proxy (lose-reply), not its acquirer's
 	call   string        // lose-reply: the kind of call whose reply is lost ("" for the next request)
@@ -163,6 +182,8 @@ func (f fault) String() string {
 		return fmt.Sprintf("%8v  client %d: latency %v..%v for %v", f.at, f.client, f.lat[0], f.lat[1], f.d)
 	case "partition":
 		return fmt.Sprintf("%8v  client %d: partitioned for %v", f.at, f.client, f.d)
+	case "not-run":
+		return fmt.Sprintf("%8v  the backend runs no request for %v", f.at, f.d)
 	}
 	return fmt.Sprintf("%8v  delete the state of %q", f.at, f.name)
 }
@@ -203,6 +224,11 @@ func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration
 			} else {
 				f.d = between(ttl+ttl/4, 2*ttl) // longer: the lease is lost
 			}
+		case r >= 88 && s.NotRun != nil:
+			// A window of replies that say the step did not run, in place
+			// of one deletion in two.
+			f.kind = "not-run"
+			f.d = min(between(ttl/10, ttl/2), end-at)
 		default:
 			if s.DeleteState == nil {
 				continue
@@ -305,6 +331,7 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		t.Errorf(format, args...)
 	}
 	h.check(t, fail)
+	h.checkStalls(fail, ttl, stallBounds{latency: ttl/6 + 10*time.Millisecond, settle: ttl/3 + s.ExpiryLag, expiry: s.ExpiryLag + ttl/6})
 	s.checkLive(t, fail, direct, names, ended)
 	if t.Failed() {
 		var b strings.Builder
@@ -328,6 +355,8 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 		do func()
 	}
 	var acts []action
+	var notRuns sync.WaitGroup
+	defer notRuns.Wait()
 	proxies := func(c *nemClient) []*faultnet.Proxy {
 		var ps []*faultnet.Proxy
 		for _, p := range []*faultnet.Proxy{c.ap, c.wp} {
@@ -367,7 +396,9 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 				}
 			}})
 		case "partition":
+			var sp *faultSpan
 			acts = append(acts, action{f.at, func() {
+				sp = h.spanStart(f.client)
 				for _, p := range proxies(c) {
 					p.Partition()
 				}
@@ -375,6 +406,17 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 				for _, p := range proxies(c) {
 					p.Heal()
 				}
+				h.spanEnd(sp)
+			}})
+		case "not-run":
+			acts = append(acts, action{f.at, func() {
+				notRuns.Add(1)
+				go func() {
+					defer notRuns.Done()
+					sp := h.spanStart(-1)
+					s.NotRun(t, f.d)
+					h.spanEnd(sp)
+				}()
 			}})
 		case "delete":
 			acts = append(acts, action{f.at, func() {
@@ -397,6 +439,13 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 			p.Latency(0, 0)
 		}
 	}
+	h.mu.Lock()
+	for _, sp := range h.spans {
+		if sp.client >= 0 && sp.to < 0 {
+			sp.to = h.now()
+		}
+	}
+	h.mu.Unlock()
 }
 
 // runClient makes random calls until the run's Duration has passed, then
@@ -563,6 +612,12 @@ func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Dur
 		cancel()
 		ctx, cancel = context.WithTimeout(context.Background(), wait)
 		kind, call = "Acquire", c.a.Acquire
+	}
+	if wait == 0 && c.rng.IntN(4) == 0 {
+		// A caller with a short deadline: a partition outlasts it, and
+		// the grant request may land after the call returned.
+		cancel()
+		ctx, cancel = context.WithTimeout(context.Background(), s.ShortTTL/5)
 	}
 	defer cancel()
 	if wait == 0 {

@@ -1,0 +1,159 @@
+package fencetest
+
+import (
+	"errors"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+)
+
+// faultSpan is a stretch of a run during which requests were held back: a
+// client's partition (held on the way, delivered on heal), or the backend's
+// window of replies that say a step did not run (client -1, NotRun).
+type faultSpan struct {
+	client   int
+	from, to time.Duration // to: -1 while it lasts
+}
+
+// spanStart records the start of a fault span.
+func (h *history) spanStart(client int) *faultSpan {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	sp := &faultSpan{client: client, from: h.now(), to: -1}
+	h.spans = append(h.spans, sp)
+	return sp
+}
+
+// spanEnd records the end of sp, if it has not ended.
+func (h *history) spanEnd(sp *faultSpan) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if sp.to < 0 {
+		sp.to = h.now()
+	}
+}
+
+// stallBounds are the margins of the stall check: latency, the most a
+// request without a partition may take to land after its call returned;
+// settle, how long after its last obstacle (a partition of its client, a
+// not-run window) a step that gives a name back (a waiter's leave, a
+// TryAcquire's cleanup) may take to land; expiry, how long past a lease's
+// ttl the backend may hold a name nobody renewed.
+type stallBounds struct {
+	latency, settle, expiry time.Duration
+}
+
+// heldUntil is when a request that client sent before t may land at the
+// latest: t, or the heal of a partition of client that t falls in; then
+// the latency.
+func (h *history) heldUntil(client int, t time.Duration, b stallBounds) time.Duration {
+	end := t
+	for _, sp := range h.spans {
+		if sp.client == client && sp.from <= t && (sp.to < 0 || sp.to >= t) {
+			if sp.to < 0 {
+				return time.Duration(1<<62 - 1)
+			}
+			end = max(end, sp.to)
+		}
+	}
+	return end + b.latency
+}
+
+// settledBy is when a step that client starts at t to give a name back (and
+// sends again until the backend runs it) has landed at the latest: after
+// every partition of client and every not-run window that begins before it
+// could land, and the settle margin.
+func (h *history) settledBy(client int, t time.Duration, b stallBounds) time.Duration {
+	x := t
+	for changed := true; changed; {
+		changed = false
+		for _, sp := range h.spans {
+			if sp.client != client && sp.client != -1 || sp.from > x+b.settle || sp.to >= 0 && sp.to < t {
+				continue
+			}
+			if sp.to < 0 {
+				return time.Duration(1<<62 - 1)
+			}
+			if sp.to > x {
+				x, changed = sp.to, true
+			}
+		}
+	}
+	return x + b.latency + b.settle
+}
+
+// checkStalls reports a TryAcquire refused (ErrHeld) while, by the
+// history, nothing could hold its name: no lease whose grant had been asked
+// for and that was not yet released, or past its last renewal that may
+// have landed by a ttl and the expiry margin; and no grant call of unknown
+// outcome (a lost reply, or a wait that gave up) whose give-back may not
+// have landed yet (settledBy). A name held by nobody for a ttl after a
+// waiter left or a TryAcquire's reply was lost fails it: HAZARDS class 6.
+func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b stallBounds) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	type iv struct {
+		from, to time.Duration
+		why      string
+	}
+	holds := map[string][]iv{}
+	for _, op := range h.ops {
+		if op.client < 0 || (op.kind != "TryAcquire" && op.kind != "Acquire") || op.ret < 0 {
+			continue
+		}
+		if op.err == nil && op.lease != nil {
+			holds[op.name] = append(holds[op.name], iv{op.call, h.leaseEnd(op.lease, ttl, b), "lease"})
+			continue
+		}
+		if op.err == nil || errors.Is(op.err, fence.ErrInvalid) || op.kind == "TryAcquire" && errors.Is(op.err, fence.ErrHeld) && !errors.Is(op.err, fence.ErrUnknown) {
+			continue
+		}
+		// A grant that may have been made for this call: given back by
+		// settledBy.
+		holds[op.name] = append(holds[op.name], iv{op.call, h.settledBy(op.client, op.ret, b), "in doubt"})
+	}
+	n := 0
+	for _, op := range h.ops {
+		if op.client < 0 || op.kind != "TryAcquire" || op.ret < 0 || !errors.Is(op.err, fence.ErrHeld) || errors.Is(op.err, fence.ErrUnknown) {
+			continue
+		}
+		covered := false
+		for _, v := range holds[op.name] {
+			if v.from <= op.ret && v.to >= op.call {
+				covered = true
+				break
+			}
+		}
+		if !covered {
+			if n++; n <= 5 {
+				fail("liveness: client %d's TryAcquire of %q at %v..%v was refused (%v) although no lease could hold the name then and every grant in doubt had been given back: a name held by nobody",
+					op.client, op.name, op.call.Round(time.Microsecond), op.ret.Round(time.Microsecond), op.err)
+			}
+		}
+	}
+	if n > 5 {
+		fail("liveness: ... and %d more refusals of a name held by nobody", n-5)
+	}
+}
+
+// leaseEnd is when l may stop holding its name at the latest: the return of
+// a Release that succeeded, or else a ttl and the expiry margin past the
+// latest renewal (or the grant) that may have landed.
+func (h *history) leaseEnd(l *leaseRec, ttl time.Duration, b stallBounds) time.Duration {
+	last := l.granted
+	for _, op := range h.ops {
+		if op.name != l.name || op.token != l.token || op.client != l.client || op.ret < 0 {
+			continue
+		}
+		switch {
+		case op.kind == "Release" && op.err == nil:
+			return op.ret
+		case op.kind != "Renew" || errors.Is(op.err, fence.ErrLost):
+		case op.err == nil:
+			last = max(last, op.ret)
+		default:
+			last = max(last, h.heldUntil(op.client, op.ret, b))
+		}
+	}
+	return last + ttl + b.expiry
+}
