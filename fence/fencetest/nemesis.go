@@ -184,6 +184,8 @@ func (f fault) String() string {
 		return fmt.Sprintf("%8v  client %d: partitioned for %v", f.at, f.client, f.d)
 	case "not-run":
 		return fmt.Sprintf("%8v  the backend runs no request for %v", f.at, f.d)
+	case "hold-request":
+		return fmt.Sprintf("%8v  client %d: hold its next TryAcquire's request for %v, past the call's deadline", f.at, f.client, f.d)
 	}
 	return fmt.Sprintf("%8v  delete the state of %q", f.at, f.name)
 }
@@ -207,9 +209,17 @@ func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration
 			f.kind = "lose-reply"
 			f.writer = s.Writer != nil && rng.IntN(5) < 2
 			if rng.IntN(10) < 7 {
-				f.call = []string{"Renew", "Renew", "Renew", "Renew", "TryAcquire", "Release", "Write"}[rng.IntN(7)]
+				f.call = []string{"Renew", "Renew", "Renew", "Renew", "TryAcquire", "TryAcquire", "Release", "Write"}[rng.IntN(8)]
 				if f.call == "Write" && s.Writer == nil {
 					f.call = "Renew"
+				}
+				if f.call == "TryAcquire" && rng.IntN(2) == 0 {
+					// Half of these hold the request instead, in a
+					// partition of the client's acquirer proxy that
+					// outlasts the call's short deadline: the grant
+					// may land after the call and its cleanup.
+					f.kind, f.call, f.writer = "hold-request", "", false
+					f.d = between(ttl/2, ttl)
 				}
 			}
 		case r < 58:
@@ -265,6 +275,9 @@ type nemClient struct {
 
 	mu   sync.Mutex
 	lose map[string]int // armed by the nemesis: lose the reply of the next call of this kind
+	// holds: armed by the nemesis: hold the request of the next
+	// TryAcquire for this long (hold-request).
+	holds []time.Duration
 
 	old    []*leaseRec // leases it held before, for a paused holder's writes
 	writes int
@@ -385,6 +398,12 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 			if p != nil {
 				acts = append(acts, action{f.at, func() { p.LoseReply(nil) }})
 			}
+		case "hold-request":
+			acts = append(acts, action{f.at, func() {
+				c.mu.Lock()
+				c.holds = append(c.holds, f.d)
+				c.mu.Unlock()
+			}})
 		case "latency":
 			acts = append(acts, action{f.at, func() {
 				for _, p := range proxies(c) {
@@ -603,6 +622,26 @@ func (c *nemClient) disarm() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	clear(c.lose)
+	c.holds = nil
+}
+
+// holdNext partitions the client's acquirer proxy for the duration of an
+// armed hold-request, if there is one, and reports whether it did.
+func (c *nemClient) holdNext(h *history) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.holds) == 0 || c.ap == nil {
+		return false
+	}
+	d := c.holds[0]
+	c.holds = c.holds[1:]
+	sp := h.spanStart(c.id)
+	c.ap.Partition()
+	time.AfterFunc(d, func() {
+		c.ap.Heal()
+		h.spanEnd(sp)
+	})
+	return true
 }
 
 func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Duration) {
@@ -613,7 +652,7 @@ func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Dur
 		ctx, cancel = context.WithTimeout(context.Background(), wait)
 		kind, call = "Acquire", c.a.Acquire
 	}
-	if wait == 0 && c.rng.IntN(4) == 0 {
+	if wait == 0 && (c.rng.IntN(4) == 0 || c.holdNext(h)) {
 		// A caller with a short deadline: a partition outlasts it, and
 		// the grant request may land after the call returned.
 		cancel()
