@@ -33,8 +33,8 @@ var nemesisMutants = []struct {
 	// under -race beside the other children (the run stops at the first).
 	{"renew-recognised-late", "a Renew after one whose reply was lost recognises it and counts the local deadline from its own send", 40},
 	{"write-retry-unfenced", "a Write whose answer was lost is sent again as an unfenced put, so a stale write is stored", 0},
-	{"leave-busy-done", "a waiter that gives up takes a leave answered BUSY (not run) as done: its place in the line stays, and a release hands the name to it, held by nobody for a ttl", 0},
-	{"cleanup-gives-up", "the cleanup after a TryAcquire whose reply was lost releases only a grant that already landed and gives up after an eighth of the ttl: a grant request held in a partition lands after it and holds the name for nobody for a ttl", 0},
+	{"leave-busy-done", "a waiter that gives up takes a leave answered BUSY (not run) as done: its place in the line stays, and the name goes to it, held by nobody for a ttl", 0},
+	{"cleanup-gives-up", "the cleanup after a TryAcquire whose reply was lost asks whether the server is there, gives up when no answer comes within an eighth of the ttl, and then releases only a grant that already landed: a grant request held in a partition lands after it and holds the name for nobody for a ttl", 0},
 }
 
 // TestMemoryNemesis: the correct in-memory backend, served over TCP behind a
@@ -101,7 +101,7 @@ func TestNemesisMutantsKilled(t *testing.T) {
 			// The first check that failed, not the seeds' summaries or the
 			// schedule and history logged after it.
 			first := "?"
-			for _, l := range regexp.MustCompile(`nemesis(?:_history)?\.go:\d+: (.*)`).FindAllStringSubmatch(out, -1) {
+			for _, l := range regexp.MustCompile(`nemesis(?:_history|_stall)?\.go:\d+: (.*)`).FindAllStringSubmatch(out, -1) {
 				if !strings.HasPrefix(l[1], "nemesis seed ") && !strings.HasPrefix(l[1], "history (") {
 					first = l[1]
 					break

@@ -190,7 +190,12 @@ func (s *memServer) grantNonce(name string, ttl time.Duration, nonce string, wai
 			return l.holder, l.expires.Sub(now), nil
 		}
 	}
-	if l.holder != 0 && now.Before(l.expires) || s.deleted[s.fold("name", name)] {
+	// A free name goes to the first live waiter in line: another request
+	// is refused (a waiter that left without its leave reaching the server
+	// keeps its place, and the name, until its place expires).
+	l.waiters = slices.DeleteFunc(l.waiters, func(w memWaiter) bool { return !now.Before(w.expires) })
+	first := len(l.waiters) > 0 && l.waiters[0].nonce != nonce
+	if l.holder != 0 && now.Before(l.expires) || s.deleted[s.fold("name", name)] || first {
 		if wait && nonce != "" {
 			l.waiters = slices.DeleteFunc(l.waiters, func(w memWaiter) bool { return w.nonce == nonce })
 			l.waiters = append(l.waiters, memWaiter{nonce: nonce, ttl: ttl, expires: now.Add(ttl)})
@@ -438,10 +443,11 @@ func newMemNonce() string { return fmt.Sprintf("n%d", memNonces.Add(1)) }
 // cleanup (kind "cleanup", a TryAcquire whose reply was lost). It sends the
 // request again, paced, until the server runs it, for up to a few ttls: a
 // reply lost or a BUSY is not an answer. Two mutants: leave-busy-done takes
-// a leave answered BUSY as done; cleanup-gives-up's cleanup only releases a
-// grant that has already landed (no refusal of the nonce's later requests)
-// and stops trying after an eighth of the ttl, so that a grant request held
-// in a partition longer than that lands after it.
+// a leave answered BUSY as done; cleanup-gives-up's cleanup first asks
+// whether the server is there and gives up when no answer comes within an
+// eighth of the ttl, then only releases a grant that has already landed (no
+// refusal of the nonce's later requests), so that a grant request held in a
+// partition longer than that lands after it.
 func (a memAcquirer) settle(name, nonce string, ttl time.Duration, kind string) {
 	if a.via == nil || nonce == "" {
 		return
@@ -454,6 +460,16 @@ func (a memAcquirer) settle(name, nonce string, ttl time.Duration, kind string) 
 	}
 	go func() {
 		defer c.close()
+		if req == "K" {
+			// Asks first whether the server is there, and gives up when
+			// no answer comes within its patience.
+			ctx, cancel := context.WithTimeout(context.Background(), patience)
+			_, err := c.call(ctx, "H %x", name)
+			cancel()
+			if err != nil {
+				return
+			}
+		}
 		end := time.Now().Add(patience)
 		for time.Now().Before(end) {
 			ctx, cancel := context.WithTimeout(context.Background(), min(time.Until(end), max(ttl/4, 20*time.Millisecond)))

@@ -213,8 +213,8 @@ func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration
 				if f.call == "Write" && s.Writer == nil {
 					f.call = "Renew"
 				}
-				if f.call == "TryAcquire" && rng.IntN(2) == 0 {
-					// Half of these hold the request instead, in a
+				if f.call == "TryAcquire" && rng.IntN(4) > 0 {
+					// Most of these hold the request instead, in a
 					// partition of the client's acquirer proxy that
 					// outlasts the call's short deadline: the grant
 					// may land after the call and its cleanup.
