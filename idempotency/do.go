@@ -264,7 +264,10 @@ func claimOwner(o Options) string {
 // the effect's own error (classified as above); ErrNotRecorded when the effect
 // completed but the result could not be recorded (also matching
 // fence.ErrUnknown when a completion still on its way may record it later); ErrResultNotStored replaying
-// a result that was too large to keep (or discarded: DiscardResult); an error
+// a result that was too large to keep (or discarded: DiscardResult);
+// fence.ErrLost when the arm was confirmed only after the lease's local
+// deadline (the effect did not start, and the key is released if still this
+// caller's); an error
 // matching fence.ErrInvalid, naming it, for a bad argument or option; a
 // store's error (a step it could not complete, or could not tell whether it
 // did, and that re-reading the record could not settle) before the effect
@@ -395,6 +398,35 @@ func settleClaim(ctx context.Context, s Store, key, owner string, o Options, sen
 		// Not landed yet (or another's record, which a late claim may
 		// still replace once it is released): look again.
 		t := time.NewTimer(settlePause(look))
+		select {
+		case <-cctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// settleArm releases rec's key if it is still claimed or armed by rec's
+// claim: an arm whose outcome Do gave up learning, the effect never started,
+// so that the key is free for the next caller instead of staying armed until
+// its lease ends and then being marked unknown. The release is a
+// compare-and-set on the claim's state and fence, so a takeover (or a mark of
+// unknown) by another caller is never undone. It runs detached from ctx,
+// looking again after errors, until the lease plus CompleteTimeout from now:
+// by then another caller may have found the key abandoned.
+func settleArm(ctx context.Context, s Store, rec Record, o Options) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.Lease+o.CompleteTimeout)
+	defer cancel()
+	for look := 0; ; look++ {
+		got, err := s.Get(cctx, rec.Key)
+		if err == nil || errors.Is(err, fence.ErrNotFound) || errors.Is(err, fence.ErrInvalid) {
+			if err == nil && got.Owner == rec.Owner && got.Fence == rec.Fence && (got.State == Claimed || got.State == Armed) {
+				_ = release(cctx, s, rec, got.State)
+			}
+			return
+		}
+		t := time.NewTimer(min(settlePause(look), max(o.Lease/4, time.Millisecond)))
 		select {
 		case <-cctx.Done():
 			t.Stop()
@@ -611,7 +643,17 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 			return fmt.Errorf("%w: key %q: %v (the record stays armed, unless a try still on its way records it): %w", ErrNotRecorded, rec.Key, err, fence.ErrUnknown)
 		}
 	}
-	if err != nil && !applied(cctx, s, rec, ch, err) {
+	if err != nil {
+		ok, rerr := settled(cctx, s, rec, ch, err)
+		switch {
+		case ok:
+			return nil
+		case rerr != nil && !errors.Is(rerr, fence.ErrNotFound):
+			// The refusal may answer a resend of a try that landed
+			// (its reply lost), and the record could not be read to
+			// tell: it may hold this change.
+			return fmt.Errorf("%w: key %q: %v, then reading it back: %v (a try whose reply was lost may have recorded it): %w", ErrNotRecorded, rec.Key, err, rerr, fence.ErrUnknown)
+		}
 		return fmt.Errorf("%w: key %q: %w", ErrNotRecorded, rec.Key, err)
 	}
 	return nil
@@ -624,12 +666,20 @@ func record(ctx context.Context, s Store, rec Record, ch Change, o Options) erro
 // record that is gone was removed after the release (an armed one is never
 // removed).
 func applied(ctx context.Context, s Store, rec Record, ch Change, err error) bool {
+	ok, _ := settled(ctx, s, rec, ch, err)
+	return ok
+}
+
+// settled is applied, also returning the error of the read when the record
+// could not be read (fence.ErrNotFound for no record): then whether the
+// change landed is not known.
+func settled(ctx context.Context, s Store, rec Record, ch Change, err error) (bool, error) {
 	got, gerr := read(ctx, s, rec.Key)
 	if ch.State == Released && errors.Is(gerr, fence.ErrNotFound) && errors.Is(err, fence.ErrNotFound) {
-		return true
+		return true, nil
 	}
 	return gerr == nil && got.Fence == ch.Fence && got.Owner == ch.Owner && got.State == ch.State &&
-		(ch.State == Released || (bytes.Equal(got.Result, ch.Result) && got.ResultDropped == ch.ResultDropped))
+		(ch.State == Released || (bytes.Equal(got.Result, ch.Result) && got.ResultDropped == ch.ResultDropped)), gerr
 }
 
 // keep is the retention a completed or failed record gets at the store:
@@ -684,14 +734,25 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 	if err == nil || refused(err) {
 		return armed, sent, err
 	}
-	first := err
+	first, firstSent := err, sent
 	for attempt := 0; ; attempt++ {
 		got, gerr := read(cctx, s, rec.Key)
 		if gerr != nil {
-			return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w, then reading it: %w (the effect did not run; the key may stay armed)", rec.Key, first, gerr)
+			go settleArm(ctx, s, rec, o)
+			return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w, then reading it: %w (the effect did not run; the key is released in the background once the store answers)", rec.Key, first, gerr)
 		}
 		if got.Fence != rec.Fence || got.Owner != rec.Owner || (got.State != Claimed && got.State != Armed) {
 			return Record{}, sent, raced(ErrStateChanged, rec)
+		}
+		if got.State == Armed && ctx.Err() == nil {
+			// An arm whose reply was lost landed. Its lease counts from
+			// the earliest send that may have set it, and may have run
+			// out at the store already: another caller may then have
+			// found the key abandoned and be taking it over, and an arm
+			// sent again now would not stop that (a takeover expects
+			// the same state and fence). The caller's check of the
+			// local deadline decides whether the effect starts.
+			return got, firstSent, nil
 		}
 		if ctx.Err() != nil {
 			// The caller is gone: do not start the effect; free the key.
@@ -704,7 +765,8 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 			return armed, sent, err
 		}
 		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(cctx, attempt) != nil {
-			return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w (the effect did not run; the key may stay armed)", rec.Key, err)
+			go settleArm(ctx, s, rec, o)
+			return Record{}, sent, fmt.Errorf("idempotency: key %q: arming: %w (the effect did not run; the key is released in the background once the store answers)", rec.Key, err)
 		}
 	}
 }

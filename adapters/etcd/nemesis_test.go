@@ -29,27 +29,11 @@ import (
 // 2s, and 2s grants came back past their deadline on a loaded machine);
 // partitions then last up to 8s, so each seed runs 24s and two seeds run, a
 // minute in all, instead of the suite's 4s three times. A 3-member cluster
-// is left out: in one process under -race it needs longer leases still
-// (see TestAcquirerConformanceThreeMembers).
+// runs in TestThreeMemberNemesis.
 func TestNemesis(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	path := filepath.Join(t.TempDir(), "nemesis.db")
-	newWriter := func(t *testing.T) fence.FencedWriter {
-		db, err := sqlfence.OpenSQLite(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { db.Close() })
-		w, err := sqlfence.NewWriter(sqlfence.SQLite(db), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := w.CreateTable(context.Background()); err != nil {
-			t.Fatal(err)
-		}
-		return w
-	}
+	newWriter := sqliteWriters(t)
 	fencetest.NemesisSuite{
 		Acquirer: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) { return behindProxy(t, c, nil) },
 		Writer:   func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) { return newWriter(t), nil },
@@ -69,5 +53,76 @@ func TestNemesis(t *testing.T) {
 		ShortTTL: 4 * time.Second,
 		Duration: 24 * time.Second,
 		Seeds:    2,
+	}.Run(t)
+}
+
+// sqliteWriters returns a maker of SQLite writers, each on a handle of its
+// own on one file of t's: the nemesis's fenced resource (the package has no
+// writer).
+func sqliteWriters(t *testing.T) func(t *testing.T) fence.FencedWriter {
+	path := filepath.Join(t.TempDir(), "nemesis.db")
+	return func(t *testing.T) fence.FencedWriter {
+		db, err := sqlfence.OpenSQLite(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { db.Close() })
+		w, err := sqlfence.NewWriter(sqlfence.SQLite(db), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.CreateTable(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		return w
+	}
+}
+
+// TestThreeMemberNemesis: clients on a 3-member cluster, each acquirer on a
+// client of every member whose connection to each member goes through a
+// proxy of its own, call random lease and write operations while replies
+// are lost (from one member or all), latency added, clients partitioned from
+// one member (the leader, or a follower) or from all of them, and a name's
+// keys deleted; the history holds (fencetest.NemesisSuite). The writers are
+// TestNemesis's SQLite handles, with no proxy.
+//
+// The ttl is etcd's shortest, 2s (the members run in processes of their own,
+// not under -race); one seed of 10s, five ttls, keeps the test near 15s with
+// the cluster's start.
+func TestThreeMemberNemesis(t *testing.T) {
+	c := etcdtest.Start(t, 3)
+	cl := c.Client(t)
+	newWriter := sqliteWriters(t)
+	fencetest.NemesisSuite{
+		AcquirerProxies: func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy) {
+			proxies := make([]*faultnet.Proxy, len(c.Nodes))
+			eps := make([]string, len(c.Nodes))
+			for i := range c.Nodes {
+				proxies[i] = faultnet.Start(t, c.ClientAddr(i))
+				proxies[i].ReplyWindow(replyWindow)
+				eps[i] = proxies[i].Addr()
+			}
+			a, err := etcdfence.NewAcquirer(etcdtest.NewClient(t, eps...), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return a, proxies
+		},
+		Writer: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) { return newWriter(t), nil },
+		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
+			a, err := etcdfence.NewAcquirer(cl, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return a, newWriter(t)
+		},
+		DeleteState: func(t *testing.T, name string) {
+			if _, err := cl.Delete(context.Background(), linePrefix(name), clientv3.WithPrefix()); err != nil {
+				t.Errorf("deleting the keys of %q: %v", name, err)
+			}
+		},
+		ShortTTL: 2 * time.Second,
+		Duration: 10 * time.Second,
+		Seeds:    1,
 	}.Run(t)
 }

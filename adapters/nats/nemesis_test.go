@@ -2,6 +2,8 @@ package natsfence_test
 
 import (
 	"context"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -11,6 +13,9 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/idempotency/idempotencytest"
+	"github.com/fencekit/fencekit/internal/natstest"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // TestNemesis: clients on the package's server, each acquirer and writer on
@@ -65,5 +70,64 @@ func TestIdempotencyNemesis(t *testing.T) {
 			return newStoreOpts(t, j, cfg, faultyOpts), p
 		},
 		Direct: func(*testing.T) idempotency.Store { return direct },
+	}.Run(t)
+}
+
+// TestClusterNemesis: clients on a 3-node JetStream cluster with R3 buckets,
+// each acquirer and writer on a connection of its own that may reach each
+// node only through a proxy of its own (client i's connection goes to node
+// i mod 3 first, so the clients spread over the nodes), call random lease
+// and write operations while replies are lost, latency added, clients
+// partitioned from one node or from all of them, and a name's lock key
+// purged; the history holds (fencetest.NemesisSuite). A connection follows
+// the next node's proxy only when its own is cut for long enough to
+// reconnect, so a fault on a node the client is not connected to changes
+// nothing.
+//
+// The ttl and the expiry lag are TestNemesis's; one seed of 10s keeps the
+// test near 15s with the cluster's start.
+func TestClusterNemesis(t *testing.T) {
+	c := natstest.StartCluster(t, 3)
+	direct := jsOn(t, natstest.Connect(t, c.URLs()))
+	lockCfg := natsfence.LockBucket("locks-nemesis")
+	lockCfg.Replicas = 3
+	fenceCfg := jetstream.KeyValueConfig{Bucket: "fences-nemesis", History: 1, Replicas: 3}
+	kv := bucket(t, direct, lockCfg)
+	var conns atomic.Int64
+	// connect returns a JetStream context on a connection of its own whose
+	// servers are the nodes' proxies, the first a different node each time.
+	connect := func(t *testing.T) (jetstream.JetStream, []*faultnet.Proxy) {
+		first := int(conns.Add(1)) % len(c.Nodes)
+		proxies := make([]*faultnet.Proxy, len(c.Nodes))
+		urls := make([]string, len(c.Nodes))
+		for i := range c.Nodes {
+			proxies[i] = faultnet.Start(t, c.ClientAddr(i))
+			urls[(i-first+len(c.Nodes))%len(c.Nodes)] = "nats://" + proxies[i].Addr()
+		}
+		// The connection's breaks are the nemesis's doing: not logged.
+		quiet := nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {})
+		return jsOn(t, natstest.Connect(t, strings.Join(urls, ","), quiet)), proxies
+	}
+	fencetest.NemesisSuite{
+		AcquirerProxies: func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy) {
+			j, ps := connect(t)
+			return newAcquirer(t, j, lockCfg, nil), ps
+		},
+		WriterProxies: func(t *testing.T) (fence.FencedWriter, []*faultnet.Proxy) {
+			j, ps := connect(t)
+			return newWriter(t, j, fenceCfg), ps
+		},
+		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
+			return newAcquirer(t, direct, lockCfg, nil), newWriter(t, direct, fenceCfg)
+		},
+		DeleteState: func(t *testing.T, name string) {
+			if err := kv.Purge(context.Background(), natsfence.EncodeKey(name)); err != nil {
+				t.Errorf("purging the key of %q: %v", name, err)
+			}
+		},
+		ShortTTL:  natsfence.MinTTL,
+		ExpiryLag: 2 * time.Second,
+		Duration:  10 * time.Second,
+		Seeds:     1,
 	}.Run(t)
 }

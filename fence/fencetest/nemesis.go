@@ -86,6 +86,36 @@ type NemesisSuite struct {
 	// reads when it is a fence.Reader. Default: nil, lease checks only.
 	Writer func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy)
 
+	// AcquirerProxies and WriterProxies, when set, are used instead of
+	// Acquirer and Writer, for a backend of several servers (a Redis
+	// Cluster, Redlock's nodes, the members of an etcd or NATS cluster):
+	// each returns an acquirer or a writer whose client reaches every
+	// server, or each of its connections, only through a proxy of its own
+	// (an empty list for no network, as a nil proxy). With either set, each
+	// fault on a client takes all of the proxies it concerns, in one fault
+	// in three, as it takes the one proxy of Acquirer or Writer, or else
+	// only one of them: a lost reply on one connection of the acquirer's
+	// (or the writer's), latency or a partition on one proxy of the
+	// client's (the acquirer's first, then the writer's): a client cut
+	// from one Redlock node, from the etcd leader only, from the NATS node
+	// it is connected to. Which proxies a fault takes comes from a random
+	// source of its own, so a seed's fault schedule (kinds, clients and
+	// times) is the one it has with Acquirer and Writer. Default: nil.
+	AcquirerProxies func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy)
+	WriterProxies   func(t *testing.T) (fence.FencedWriter, []*faultnet.Proxy)
+
+	// Nodes and StopNode, when both are set, add server crashes to each
+	// seed's run: StopNode stops server i of the backend (0 <= i < Nodes: a
+	// Redlock node, a cluster member) as a crash would and returns a
+	// function that starts it again. The nemesis stops one server at a time,
+	// each for one to two ttls, about one crash every four ttls of the part
+	// of the run with faults, at times and on servers drawn from a random
+	// source of its own (the seed's other faults are unchanged). It calls
+	// both from a goroutine of its own (report with t.Error, not t.Fatal).
+	// Default: 0, nil.
+	Nodes    int
+	StopNode func(t *testing.T, i int) (start func())
+
 	// Direct returns an acquirer and a writer (nil when Writer is nil) that
 	// reach the backend without a proxy, for the checks after the run.
 	// Required.
@@ -133,8 +163,8 @@ const nemesisNamesMax = 3
 
 // Run runs each seed as a subtest of t named seed=N.
 func (s NemesisSuite) Run(t *testing.T) {
-	if s.Acquirer == nil || s.Direct == nil {
-		t.Fatal("fencetest: NemesisSuite.Acquirer and Direct are required")
+	if (s.Acquirer == nil && s.AcquirerProxies == nil) || s.Direct == nil {
+		t.Fatal("fencetest: NemesisSuite.Acquirer (or AcquirerProxies) and Direct are required")
 	}
 	if s.ShortTTL <= 0 {
 		s.ShortTTL = 300 * time.Millisecond
@@ -165,6 +195,16 @@ type fault struct {
 	d      time.Duration // how long a latency or partition lasts
 	lat    [2]time.Duration
 	name   string // delete
+
+	// With AcquirerProxies or WriterProxies: one is set when the fault
+	// takes only the proxy at index proxy (resolved when the clients are
+	// made: of the acquirer's proxies for a lost reply, of the writer's
+	// with writer, of the acquirer's then the writer's for latency and a
+	// partition); otherwise it takes all of them.
+	one   bool
+	proxy int
+
+	node int // crash: the server stopped (the client is unused)
 }
 
 func (f fault) String() string {
@@ -186,9 +226,86 @@ func (f fault) String() string {
 		return fmt.Sprintf("%8v  the backend runs no request for %v", f.at, f.d)
 	case "hold-request":
 		return fmt.Sprintf("%8v  client %d: hold its next TryAcquire's request for %v, past the call's deadline", f.at, f.client, f.d)
+	case "crash":
+		return fmt.Sprintf("%8v  server %d stopped for %v", f.at, f.node, f.d)
 	}
 	return fmt.Sprintf("%8v  delete the state of %q", f.at, f.name)
 }
+
+// crashes draws the server crashes of a run with Nodes and StopNode, all
+// within [0, end), from a source of its own (the seed's stream 1<<63+1).
+func (s NemesisSuite) crashes(seed uint64, end time.Duration) []fault {
+	if s.Nodes <= 0 || s.StopNode == nil {
+		return nil
+	}
+	ttl := s.ShortTTL
+	rng := rand.New(rand.NewPCG(seed, 1<<63+1))
+	between := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(rng.Int64N(int64(hi-lo)+1)) }
+	var out []fault
+	for at := between(ttl/2, 2*ttl); at < end; {
+		f := fault{at: at, kind: "crash", node: rng.IntN(s.Nodes), d: min(between(ttl, 2*ttl), end-at)}
+		out = append(out, f)
+		at += f.d + between(ttl, 4*ttl)
+	}
+	return out
+}
+
+// onProxies is String with the proxies a fault takes, for a run with
+// AcquirerProxies or WriterProxies.
+func (f fault) onProxies() string {
+	switch {
+	case f.kind == "delete" || f.kind == "crash":
+		return f.String()
+	case f.one:
+		return fmt.Sprintf("%s [its proxy %d only]", f, f.proxy)
+	}
+	return f.String() + " [all its proxies]"
+}
+
+// multiProxy reports whether the clients may have several proxies each.
+func (s NemesisSuite) multiProxy() bool { return s.AcquirerProxies != nil || s.WriterProxies != nil }
+
+// pickProxies draws, for a run with several proxies per client, which
+// proxies each fault takes (fault.one, fault.proxy), from a source of its
+// own (the seed's stream 1<<63), once the clients' proxies are known.
+func (s NemesisSuite) pickProxies(seed uint64, sched []fault, clients []*nemClient) {
+	rng := rand.New(rand.NewPCG(seed, 1<<63))
+	for i := range sched {
+		f := &sched[i]
+		if f.kind == "delete" || f.kind == "crash" {
+			continue
+		}
+		if set := f.set(clients[f.client]); rng.IntN(3) > 0 && len(set) > 1 {
+			f.one, f.proxy = true, rng.IntN(len(set))
+		}
+	}
+}
+
+// set returns the proxies of c that f concerns: the acquirer's, or the
+// writer's (a Write's, or the next request's on the writer), for a lost
+// reply; the acquirer's then the writer's for latency and a partition.
+func (f fault) set(c *nemClient) []*faultnet.Proxy {
+	switch {
+	case f.kind != "lose-reply":
+		return append(slices.Clip(c.ap), c.wp...)
+	case f.call == "Write" || (f.call == "" && f.writer):
+		return c.wp
+	}
+	return c.ap
+}
+
+// takes returns the proxies of c that f takes: its set, or only one of
+// them (fault.one).
+func (f fault) takes(c *nemClient) []*faultnet.Proxy {
+	set := f.set(c)
+	if f.one {
+		return set[f.proxy : f.proxy+1]
+	}
+	return set
+}
+
+// hasWriter reports whether the clients have writers.
+func (s NemesisSuite) hasWriter() bool { return s.Writer != nil || s.WriterProxies != nil }
 
 // schedule draws a run's faults from rng, all within [0, end).
 func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration) []fault {
@@ -207,10 +324,10 @@ func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration
 			// (a Renew more often than not), the proxy armed by the client
 			// just before that call.
 			f.kind = "lose-reply"
-			f.writer = s.Writer != nil && rng.IntN(5) < 2
+			f.writer = s.hasWriter() && rng.IntN(5) < 2
 			if rng.IntN(10) < 7 {
 				f.call = []string{"Renew", "Renew", "Renew", "Renew", "TryAcquire", "TryAcquire", "Release", "Write"}[rng.IntN(8)]
-				if f.call == "Write" && s.Writer == nil {
+				if f.call == "Write" && !s.hasWriter() {
 					f.call = "Renew"
 				}
 				if f.call == "TryAcquire" && rng.IntN(4) > 0 {
@@ -262,19 +379,20 @@ func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration
 	return out
 }
 
-// nemClient is one client of a run: an acquirer and a writer, each behind a
-// proxy of its own, and its own random source.
+// nemClient is one client of a run: an acquirer and a writer, each behind
+// proxies of its own (one each, but with AcquirerProxies or WriterProxies),
+// and its own random source.
 type nemClient struct {
 	id     int
 	a      fence.Acquirer
-	ap, wp *faultnet.Proxy
+	ap, wp []*faultnet.Proxy // the acquirer's and the writer's proxies; none for no network
 	w      fence.FencedWriter
 	r      fence.Reader
 	rng    *rand.Rand
 	held   map[string]*leaseRec
 
 	mu   sync.Mutex
-	lose map[string]int // armed by the nemesis: lose the reply of the next call of this kind
+	lose map[string][]fault // armed by the nemesis: lose the reply of the next call of this kind
 	// holds: armed by the nemesis: hold the request of the next
 	// TryAcquire for this long (hold-request).
 	holds []time.Duration
@@ -295,13 +413,35 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 
 	clients := make([]*nemClient, s.Clients)
 	for i := range clients {
-		c := &nemClient{id: i, rng: rand.New(rand.NewPCG(seed, uint64(i)+1)), held: map[string]*leaseRec{}, lose: map[string]int{}}
-		c.a, c.ap = s.Acquirer(t)
-		if s.Writer != nil {
-			c.w, c.wp = s.Writer(t)
-			c.r, _ = c.w.(fence.Reader)
+		c := &nemClient{id: i, rng: rand.New(rand.NewPCG(seed, uint64(i)+1)), held: map[string]*leaseRec{}, lose: map[string][]fault{}}
+		var ap, wp *faultnet.Proxy
+		switch {
+		case s.AcquirerProxies != nil:
+			c.a, c.ap = s.AcquirerProxies(t)
+		default:
+			c.a, ap = s.Acquirer(t)
 		}
+		switch {
+		case s.WriterProxies != nil:
+			c.w, c.wp = s.WriterProxies(t)
+		case s.Writer != nil:
+			c.w, wp = s.Writer(t)
+		}
+		if ap != nil {
+			c.ap = []*faultnet.Proxy{ap}
+		}
+		if wp != nil {
+			c.wp = []*faultnet.Proxy{wp}
+		}
+		c.r, _ = c.w.(fence.Reader)
 		clients[i] = c
+	}
+	if s.multiProxy() {
+		s.pickProxies(seed, sched, clients)
+	}
+	if crashes := s.crashes(seed, faultsEnd); len(crashes) > 0 {
+		sched = append(sched, crashes...)
+		slices.SortStableFunc(sched, func(a, b fault) int { return int(a.at - b.at) })
 	}
 	// Warm up each client, so the first fault takes a request and not a
 	// connection's handshake; the warm-up is not part of the history.
@@ -349,7 +489,11 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	if t.Failed() {
 		var b strings.Builder
 		for _, f := range sched {
-			b.WriteString(f.String())
+			if s.multiProxy() {
+				b.WriteString(f.onProxies())
+			} else {
+				b.WriteString(f.String())
+			}
 			b.WriteByte('\n')
 		}
 		t.Logf("nemesis seed %d: %d clients, names %q, ttl %v, %v with faults for %v; the fault schedule:\n%s"+
@@ -358,7 +502,8 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		t.Logf("history (%d operations):\n%s", len(h.ops), h.dump())
 		return
 	}
-	t.Logf("nemesis seed %d: %d operations, %d grants, %d faults scheduled: history checked", seed, len(h.ops), h.grants(), len(sched))
+	t.Logf("nemesis seed %d: %d operations (%.0f/s), %d grants, %d faults scheduled (%.1f/s in the %v with faults): history checked",
+		seed, len(h.ops), float64(len(h.ops))/s.Duration.Seconds(), h.grants(), len(sched), float64(len(sched))/faultsEnd.Seconds(), faultsEnd)
 }
 
 // runFaults applies sched, then heals every proxy at end.
@@ -370,32 +515,19 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 	var acts []action
 	var notRuns sync.WaitGroup
 	defer notRuns.Wait()
-	proxies := func(c *nemClient) []*faultnet.Proxy {
-		var ps []*faultnet.Proxy
-		for _, p := range []*faultnet.Proxy{c.ap, c.wp} {
-			if p != nil {
-				ps = append(ps, p)
-			}
-		}
-		return ps
-	}
 	for _, f := range sched {
 		c := clients[f.client]
 		switch f.kind {
 		case "lose-reply":
-			p := c.ap
-			if f.writer {
-				p = c.wp
-			}
 			if f.call != "" {
 				acts = append(acts, action{f.at, func() {
 					c.mu.Lock()
-					c.lose[f.call]++
+					c.lose[f.call] = append(c.lose[f.call], f)
 					c.mu.Unlock()
 				}})
 				continue
 			}
-			if p != nil {
+			for _, p := range f.takes(c) {
 				acts = append(acts, action{f.at, func() { p.LoseReply(nil) }})
 			}
 		case "hold-request":
@@ -406,11 +538,11 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 			}})
 		case "latency":
 			acts = append(acts, action{f.at, func() {
-				for _, p := range proxies(c) {
+				for _, p := range f.takes(c) {
 					p.Latency(f.lat[0], f.lat[1])
 				}
 			}}, action{f.at + f.d, func() {
-				for _, p := range proxies(c) {
+				for _, p := range f.takes(c) {
 					p.Latency(0, 0)
 				}
 			}})
@@ -418,11 +550,11 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 			var sp *faultSpan
 			acts = append(acts, action{f.at, func() {
 				sp = h.spanStart(f.client)
-				for _, p := range proxies(c) {
+				for _, p := range f.takes(c) {
 					p.Partition()
 				}
 			}}, action{f.at + f.d, func() {
-				for _, p := range proxies(c) {
+				for _, p := range f.takes(c) {
 					p.Heal()
 				}
 				h.spanEnd(sp)
@@ -437,6 +569,14 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 					h.spanEnd(sp)
 				}()
 			}})
+		case "crash":
+			var start func()
+			acts = append(acts, action{f.at, func() { start = s.StopNode(t, f.node) }},
+				action{f.at + f.d, func() {
+					if start != nil {
+						start()
+					}
+				}})
 		case "delete":
 			acts = append(acts, action{f.at, func() {
 				op := h.deleting(f.name)
@@ -453,7 +593,7 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 	time.Sleep(time.Until(h.start.Add(end)))
 	for _, c := range clients {
 		c.disarm()
-		for _, p := range proxies(c) {
+		for _, p := range append(slices.Clip(c.ap), c.wp...) {
 			p.Heal()
 			p.Latency(0, 0)
 		}
@@ -604,14 +744,16 @@ func (s NemesisSuite) renewLater(c *nemClient, l *leaseRec, renewed bool, err er
 	}
 }
 
-// armLose arms p to lose the reply of the call about to be made when the
-// nemesis asked for a lost reply of the next call of kind.
-func (c *nemClient) armLose(kind string, p *faultnet.Proxy) {
+// armLose arms the client's proxies that the fault takes (all of the
+// acquirer's, or of the writer's for a Write, unless the fault takes only
+// one) to lose the reply of the call about to be made when the nemesis asked
+// for a lost reply of the next call of kind.
+func (c *nemClient) armLose(kind string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.lose[kind] > 0 {
-		c.lose[kind]--
-		if p != nil {
+	if q := c.lose[kind]; len(q) > 0 {
+		c.lose[kind] = q[1:]
+		for _, p := range q[0].takes(c) {
 			p.LoseReply(nil)
 		}
 	}
@@ -630,15 +772,19 @@ func (c *nemClient) disarm() {
 func (c *nemClient) holdNext(h *history) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if len(c.holds) == 0 || c.ap == nil {
+	if len(c.holds) == 0 || len(c.ap) == 0 {
 		return false
 	}
 	d := c.holds[0]
 	c.holds = c.holds[1:]
 	sp := h.spanStart(c.id)
-	c.ap.Partition()
+	for _, p := range c.ap {
+		p.Partition()
+	}
 	time.AfterFunc(d, func() {
-		c.ap.Heal()
+		for _, p := range c.ap {
+			p.Heal()
+		}
 		h.spanEnd(sp)
 	})
 	return true
@@ -660,7 +806,7 @@ func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Dur
 	}
 	defer cancel()
 	if wait == 0 {
-		c.armLose("TryAcquire", c.ap)
+		c.armLose("TryAcquire")
 	}
 	op := h.begin(c.id, kind, name, 0, "")
 	l, err := call(ctx, name, s.ShortTTL)
@@ -678,7 +824,7 @@ func (s NemesisSuite) renew(h *history, c *nemClient, l *leaseRec) {
 		s.write(h, c, l.name, l.token)
 	}
 	if l.lease.Context().Err() == nil { // a lease that ended sends no Renew
-		c.armLose("Renew", c.ap)
+		c.armLose("Renew")
 	}
 	op := h.begin(c.id, "Renew", l.name, l.token, "")
 	err := l.lease.Renew(ctx)
@@ -689,7 +835,7 @@ func (s NemesisSuite) renew(h *history, c *nemClient, l *leaseRec) {
 func (s NemesisSuite) release(h *history, c *nemClient, l *leaseRec) {
 	ctx, cancel := s.opCtx()
 	defer cancel()
-	c.armLose("Release", c.ap)
+	c.armLose("Release")
 	op := h.releasing(c.id, l)
 	h.end(op, l.lease.Release(ctx))
 	delete(c.held, l.name)
@@ -704,7 +850,7 @@ func (s NemesisSuite) write(h *history, c *nemClient, key string, tok fence.Toke
 	value := fmt.Sprintf("c%d-w%d-t%d", c.id, c.writes, tok)
 	ctx, cancel := s.opCtx()
 	defer cancel()
-	c.armLose("Write", c.wp)
+	c.armLose("Write")
 	op := h.begin(c.id, "Write", key, tok, value)
 	h.end(op, c.w.Write(ctx, key, []byte(value), tok))
 }

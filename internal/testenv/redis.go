@@ -72,9 +72,16 @@ func startRedisIn(t testing.TB, dir string, extra ...string) *RedisServer {
 
 func (s *RedisServer) start(t testing.TB, bin string) {
 	t.Helper()
+	if err := s.run(bin); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// run starts the server and waits until it answers.
+func (s *RedisServer) run(bin string) error {
 	s.cmd = exec.Command(bin, s.args...)
 	if err := s.cmd.Start(); err != nil {
-		t.Fatalf("starting redis-server: %v", err)
+		return fmt.Errorf("starting redis-server: %v", err)
 	}
 	c := redis.NewClient(&redis.Options{Addr: s.Addr, MaxRetries: -1})
 	defer c.Close()
@@ -84,11 +91,11 @@ func (s *RedisServer) start(t testing.TB, bin string) {
 		err := c.Ping(ctx).Err()
 		cancel()
 		if err == nil {
-			return
+			return nil
 		}
 		if time.Now().After(deadline) {
 			s.Kill()
-			t.Fatalf("redis-server on %s did not start: %v\n%s", s.Addr, err, s.Log())
+			return fmt.Errorf("redis-server on %s did not start: %v\n%s", s.Addr, err, s.Log())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -129,6 +136,17 @@ func (s *RedisServer) Restart(t testing.TB) {
 	s.Kill()
 	bin, _ := exec.LookPath("redis-server")
 	s.start(t, bin)
+}
+
+// Relaunch is Restart for a goroutine other than the test's: it returns
+// an error instead of failing the test.
+func (s *RedisServer) Relaunch() error {
+	s.Kill()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		return err
+	}
+	return s.run(bin)
 }
 
 // Log returns the server's log file.
