@@ -1,6 +1,7 @@
 package fencetest
 
 import (
+	"context"
 	"errors"
 	"time"
 
@@ -82,6 +83,16 @@ func (h *history) settledBy(client int, t time.Duration, b stallBounds) time.Dur
 	return x + b.latency + b.settle
 }
 
+// refusal reports whether err is the backend's answer that the name is held:
+// ErrHeld, neither in doubt (ErrUnknown) nor cut short by the call's context
+// (a call that ran out of time with its own grant in flight answers ErrHeld
+// joined with the context's error once it gave that grant back: its own
+// grant may have held the name, so it is in doubt, not a refusal).
+func refusal(err error) bool {
+	return errors.Is(err, fence.ErrHeld) && !errors.Is(err, fence.ErrUnknown) &&
+		!errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled)
+}
+
 // checkStalls reports a TryAcquire refused (ErrHeld) while, by the
 // history, nothing could hold its name: no lease whose grant had been asked
 // for and that was not yet released, or past its last renewal that may
@@ -105,7 +116,7 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 			holds[op.name] = append(holds[op.name], iv{op.call, h.leaseEnd(op.lease, ttl, b), "lease"})
 			continue
 		}
-		if op.err == nil || errors.Is(op.err, fence.ErrInvalid) || op.kind == "TryAcquire" && errors.Is(op.err, fence.ErrHeld) && !errors.Is(op.err, fence.ErrUnknown) {
+		if op.err == nil || errors.Is(op.err, fence.ErrInvalid) || op.kind == "TryAcquire" && refusal(op.err) {
 			continue
 		}
 		// A grant that may have been made for this call: given back by
@@ -114,7 +125,7 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 	}
 	n := 0
 	for _, op := range h.ops {
-		if op.client < 0 || op.kind != "TryAcquire" || op.ret < 0 || !errors.Is(op.err, fence.ErrHeld) || errors.Is(op.err, fence.ErrUnknown) {
+		if op.client < 0 || op.kind != "TryAcquire" || op.ret < 0 || !refusal(op.err) {
 			continue
 		}
 		covered := false
