@@ -68,7 +68,10 @@ const NemesisSeedsEnv = nemesisrun.SeedsEnv
 // and every partition of its client and not-run window in between had
 // ended. A waiter that left without its leave reaching the backend, or a
 // TryAcquire's cleanup that gave up before the grant request it cleans up
-// after landed, leaves the name held by nobody for a ttl and fails it.
+// after landed, leaves the name held by nobody for a ttl and fails it. So
+// that the name is tried in that stretch, the Direct acquirer tries it (up to
+// three times, releasing a grant at once) within a third of the ttl after
+// each such call's give-back bound has passed.
 //
 // A failure logs the seed, the fault schedule and the command that replays
 // the seed (NemesisSeedEnv).
@@ -399,6 +402,9 @@ type nemClient struct {
 
 	old    []*leaseRec // leases it held before, for a paused holder's writes
 	writes int
+
+	// probe: called after a grant call of unknown outcome (prober.after).
+	probe func(op *nemOp)
 }
 
 func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
@@ -454,7 +460,12 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		}
 	}
 
+	direct, dw := s.Direct(t)
 	h := newHistory()
+	pr := &prober{s: s, h: h, a: direct, id: s.Clients}
+	for _, c := range clients {
+		c.probe = pr.after
+	}
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -469,8 +480,8 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		}()
 	}
 	wg.Wait()
+	pr.wg.Wait()
 	ended := time.Now()
-	direct, dw := s.Direct(t)
 	if r, ok := dw.(fence.Reader); ok {
 		for _, name := range names {
 			op := h.begin(-1, "Read", name, 0, "")
@@ -484,7 +495,7 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		t.Errorf(format, args...)
 	}
 	h.check(t, fail)
-	h.checkStalls(fail, ttl, stallBounds{latency: ttl/6 + 10*time.Millisecond, settle: ttl/3 + s.ExpiryLag, expiry: s.ExpiryLag + ttl/6})
+	h.checkStalls(fail, ttl, s.stallBounds())
 	s.checkLive(t, fail, direct, names, ended)
 	if t.Failed() {
 		var b strings.Builder
@@ -813,6 +824,8 @@ func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Dur
 	if rec := h.granted(op, l, err); rec != nil {
 		c.held[name] = rec
 		s.renewLater(c, rec, false, nil)
+	} else if c.probe != nil && inDoubt(op) {
+		c.probe(op)
 	}
 }
 

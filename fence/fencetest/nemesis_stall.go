@@ -3,6 +3,7 @@ package fencetest
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
@@ -93,6 +94,77 @@ func refusal(err error) bool {
 		!errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled)
 }
 
+// inDoubt reports whether op, a grant call that returned without a lease,
+// may have made a grant all the same: an error other than ErrInvalid and a
+// TryAcquire's refusal.
+func inDoubt(op *nemOp) bool {
+	return op.err != nil && !errors.Is(op.err, fence.ErrInvalid) && !(op.kind == "TryAcquire" && refusal(op.err))
+}
+
+// stallBounds returns the margins of the stall check for s.
+func (s NemesisSuite) stallBounds() stallBounds {
+	ttl := s.ShortTTL
+	return stallBounds{latency: ttl/6 + 10*time.Millisecond, settle: ttl/3 + s.ExpiryLag, expiry: s.ExpiryLag + ttl/6}
+}
+
+// prober tries a name, with the Direct acquirer, shortly after a grant call
+// of unknown outcome on it has been given back by the stall check's bounds
+// (settledBy): the stretch where a give-back that did not land (a leave
+// taken as done though the backend did not run it, a cleanup that gave up
+// before a held grant request landed) holds the name for nobody. The
+// clients alone seldom try the name then. Its grants are released at once.
+type prober struct {
+	s  NemesisSuite
+	h  *history
+	a  fence.Acquirer
+	id int // its client id in the history: after the clients'
+	wg sync.WaitGroup
+}
+
+// after starts the probes that follow op, a grant call of unknown outcome:
+// once settledBy of op's return has passed (recomputed as partitions and
+// not-run windows end), at a twentieth, a sixth and a third of the ttl past
+// it, while the run lasts.
+func (p *prober) after(op *nemOp) {
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		ttl, b := p.s.ShortTTL, p.s.stallBounds()
+		for {
+			p.h.mu.Lock()
+			end := p.h.settledBy(op.client, op.ret, b)
+			p.h.mu.Unlock()
+			wait := end - p.h.now()
+			if wait <= 0 {
+				break
+			}
+			if p.h.now()+min(wait, ttl/10) >= p.s.Duration {
+				return
+			}
+			time.Sleep(min(wait, ttl/10)) // until the bound, recomputed: a span may end or begin
+		}
+		from := p.h.now()
+		for _, d := range []time.Duration{ttl / 20, ttl / 6, ttl / 3} {
+			at := from + d
+			if at >= p.s.Duration {
+				return
+			}
+			time.Sleep(at - p.h.now()) // the probe's time, not a synchronisation
+			ctx, cancel := context.WithTimeout(context.Background(), ttl)
+			pop := p.h.begin(p.id, "TryAcquire", op.name, 0, "")
+			l, err := p.a.TryAcquire(ctx, op.name, ttl)
+			cancel()
+			if rec := p.h.granted(pop, l, err); rec != nil {
+				ctx, cancel := context.WithTimeout(context.Background(), ttl)
+				rop := p.h.releasing(p.id, rec)
+				p.h.end(rop, l.Release(ctx))
+				cancel()
+				return // the name was free
+			}
+		}
+	}()
+}
+
 // checkStalls reports a TryAcquire refused (ErrHeld) while, by the
 // history, nothing could hold its name: no lease whose grant had been asked
 // for and that was not yet released, or past its last renewal that may
@@ -116,7 +188,7 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 			holds[op.name] = append(holds[op.name], iv{op.call, h.leaseEnd(op.lease, ttl, b), "lease"})
 			continue
 		}
-		if op.err == nil || errors.Is(op.err, fence.ErrInvalid) || op.kind == "TryAcquire" && refusal(op.err) {
+		if !inDoubt(op) {
 			continue
 		}
 		// A grant that may have been made for this call: given back by
