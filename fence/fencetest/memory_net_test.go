@@ -21,14 +21,19 @@ import (
 // time, so that a faultnet proxy between it and a memClient can lose a reply
 // (the AcquirerSuite's Faulty harness). Requests:
 //
-//	G <name> <ttl>        grant:   OK <token> | HELD | EXHAUSTED
+//	G <name> <ttl> [<nonce> <wait>] grant: OK <token> | HELD | EXHAUSTED
+//	C <name> <nonce> <ttl> leave: out of the line, the nonce refused for a
+//	                      while, its grant released: OK
+//	K <name> <nonce>      release the nonce's grant only (the
+//	                      cleanup-gives-up mutant sends it): OK
 //	E <name> <token> <ttl> extend (ttl 0: release): OK | NO
 //	H <name>              holder:  <token> <1 if live, else 0>
 //	W <key> <token> <value> fenced write: OK | STALE <token held>
 //	P <key> <token> <value> unfenced put (only the write-retry-unfenced mutant sends it): OK
 //	R <key>               read:    VAL <token> <value> | NOTFOUND
 //
-// Names, keys and values travel hex-encoded, durations in nanoseconds.
+// Names, keys and values travel hex-encoded, durations in nanoseconds. Any
+// request may be answered BUSY instead (NemesisSuite.NotRun): not run.
 
 // serveMem serves s on a loopback port until t ends and returns its address.
 func serveMem(t *testing.T, s *memServer) string {
@@ -89,6 +94,12 @@ func (s *memServer) answer(req string) string {
 		return "ERR name"
 	}
 	name := string(nb)
+	s.mu.Lock()
+	busy := s.now().Before(s.busyUntil)
+	s.mu.Unlock()
+	if busy {
+		return "BUSY"
+	}
 	num := func(i int) int64 {
 		if i >= len(f) {
 			return -1
@@ -100,11 +111,21 @@ func (s *memServer) answer(req string) string {
 		return n
 	}
 	switch f[0] {
+	case "C", "K":
+		if len(f) < 3 {
+			return "ERR malformed"
+		}
+		s.leave(name, f[2], time.Duration(num(3)), f[0] == "C")
+		return "OK"
 	case "G":
-		tok, err := s.grant(name, time.Duration(num(2)))
+		nonce := ""
+		if len(f) > 3 && f[3] != "-" {
+			nonce = f[3]
+		}
+		tok, left, err := s.grantNonce(name, time.Duration(num(2)), nonce, num(4) == 1)
 		switch {
 		case err == nil:
-			return "OK " + strconv.FormatUint(uint64(tok), 10)
+			return fmt.Sprintf("OK %d %d", uint64(tok), int64(left))
 		case errors.Is(err, fence.ErrHeld):
 			return "HELD"
 		case errors.Is(err, fence.ErrTokensExhausted):
@@ -203,29 +224,61 @@ func (c *memClient) call(ctx context.Context, format string, args ...any) (strin
 	return strings.TrimSpace(line), nil
 }
 
-func (c *memClient) grant(ctx context.Context, name string, ttl time.Duration) (fence.Token, error) {
-	r, err := c.call(ctx, "G %x %d", name, int64(ttl))
+// close closes c's connection, if open.
+func (c *memClient) close() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.conn != nil {
+		c.conn.Close()
+		c.conn = nil
+	}
+}
+
+// setBusy makes the server answer BUSY to every request over TCP for d.
+func (s *memServer) setBusy(d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.busyUntil = s.now().Add(d)
+}
+
+// grant asks for name; it returns the token and how much of its lease is
+// left.
+func (c *memClient) grant(ctx context.Context, name string, ttl time.Duration, nonce string, wait bool) (fence.Token, time.Duration, error) {
+	w := 0
+	if wait {
+		w = 1
+	}
+	if nonce == "" {
+		nonce = "-"
+	}
+	r, err := c.call(ctx, "G %x %d %s %d", name, int64(ttl), nonce, w)
 	switch {
 	case err != nil:
-		return 0, fmt.Errorf("mem: acquire %q: %w: %v", name, fence.ErrUnknown, err)
+		return 0, 0, fmt.Errorf("mem: acquire %q: %w: %v", name, fence.ErrUnknown, err)
+	case r == "BUSY":
+		return 0, 0, fmt.Errorf("mem: acquire %q: %w", name, errMemNotRun)
 	case r == "HELD":
-		return 0, fence.ErrHeld
+		return 0, 0, fence.ErrHeld
 	case r == "EXHAUSTED":
-		return 0, fmt.Errorf("mem: acquire %q: %w", name, fence.ErrTokensExhausted)
+		return 0, 0, fmt.Errorf("mem: acquire %q: %w", name, fence.ErrTokensExhausted)
 	case strings.HasPrefix(r, "OK "):
-		tok, err := strconv.ParseUint(strings.TrimPrefix(r, "OK "), 10, 64)
-		if err != nil {
-			return 0, fmt.Errorf("mem: acquire %q: reply %q", name, r)
+		var tok uint64
+		var left int64
+		if _, err := fmt.Sscanf(r, "OK %d %d", &tok, &left); err != nil {
+			return 0, 0, fmt.Errorf("mem: acquire %q: reply %q", name, r)
 		}
-		return fence.Token(tok), nil
+		return fence.Token(tok), time.Duration(left), nil
 	}
-	return 0, fmt.Errorf("mem: acquire %q: reply %q", name, r)
+	return 0, 0, fmt.Errorf("mem: acquire %q: reply %q", name, r)
 }
 
 func (c *memClient) extend(ctx context.Context, name string, tok fence.Token, ttl time.Duration) (bool, error) {
 	r, err := c.call(ctx, "E %x %d %d", name, uint64(tok), int64(ttl))
 	if err != nil {
 		return false, err
+	}
+	if r == "BUSY" {
+		return false, errMemNotRun
 	}
 	return r == "OK", nil
 }

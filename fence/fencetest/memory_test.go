@@ -7,8 +7,10 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unicode/utf8"
@@ -67,11 +69,32 @@ type memServer struct {
 	rows  map[string]*memRow
 	// deleted: names whose state was deleted (the delete-refuses mutant).
 	deleted map[string]bool
+	// gone: per name and nonce, until when a grant request of that nonce is
+	// refused (its sender left or gave the grant back: a copy still on its
+	// way must not grant it when it lands).
+	gone map[[2]string]time.Time
+	// busyUntil: until then every request over TCP is answered BUSY, a
+	// reply that says the step did not run (NemesisSuite.NotRun).
+	busyUntil time.Time
 }
 
 type memLock struct {
 	counter, holder fence.Token
 	expires         time.Time
+	// nonce: the grant request that made the holder's grant (over TCP); a
+	// request of the same nonce sent again adopts it.
+	nonce string
+	// waiters: the waiting Acquires (over TCP) that found the name held, in
+	// order; a release hands the name to the first that is still live.
+	waiters []memWaiter
+}
+
+// memWaiter is a waiting Acquire's place at the server, kept live by its
+// polls and taken out by its leave.
+type memWaiter struct {
+	nonce   string
+	ttl     time.Duration
+	expires time.Time
 }
 
 type memRow struct {
@@ -145,21 +168,91 @@ func (s *memServer) deleteState(name string) {
 
 // grant takes a free or expired lock and advances its counter.
 func (s *memServer) grant(name string, ttl time.Duration) (fence.Token, error) {
+	tok, _, err := s.grantNonce(name, ttl, "", false)
+	return tok, err
+}
+
+// grantNonce is grant for a request over TCP that carries nonce (when not
+// ""): a request sent again adopts the grant an earlier copy made, a nonce
+// that left or gave its grant back is refused, and a waiting Acquire's
+// request (wait) that finds the name held takes or refreshes its place in
+// the name's line for a ttl. It also returns how much of the grant's lease
+// is left: less than ttl for a grant an earlier copy or a release made.
+func (s *memServer) grantNonce(name string, ttl time.Duration, nonce string, wait bool) (fence.Token, time.Duration, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	l, now := s.lock(name), s.now()
-	if l.holder != 0 && now.Before(l.expires) || s.deleted[s.fold("name", name)] {
-		return 0, fence.ErrHeld
+	if nonce != "" {
+		if until, ok := s.gone[[2]string{s.fold("name", name), nonce}]; ok && now.Before(until) {
+			return 0, 0, fence.ErrHeld
+		}
+		if l.holder != 0 && now.Before(l.expires) && l.nonce == nonce {
+			return l.holder, l.expires.Sub(now), nil
+		}
+	}
+	// A free name goes to the first live waiter in line: another request
+	// is refused (a waiter that left without its leave reaching the server
+	// keeps its place, and the name, until its place expires).
+	l.waiters = slices.DeleteFunc(l.waiters, func(w memWaiter) bool { return !now.Before(w.expires) })
+	first := len(l.waiters) > 0 && l.waiters[0].nonce != nonce
+	if l.holder != 0 && now.Before(l.expires) || s.deleted[s.fold("name", name)] || first {
+		if wait && nonce != "" {
+			l.waiters = slices.DeleteFunc(l.waiters, func(w memWaiter) bool { return w.nonce == nonce })
+			l.waiters = append(l.waiters, memWaiter{nonce: nonce, ttl: ttl, expires: now.Add(ttl)})
+		}
+		return 0, 0, fence.ErrHeld
 	}
 	if l.counter >= fence.MaxToken && s.bug != "token-wrap" {
-		return 0, fmt.Errorf("mem: acquire %q: %w", name, fence.ErrTokensExhausted)
+		return 0, 0, fmt.Errorf("mem: acquire %q: %w", name, fence.ErrTokensExhausted)
 	}
 	if s.bug == "ttl-round-down" {
 		ttl -= ttl / 3
 	}
 	l.counter++
-	l.holder, l.expires = l.counter, now.Add(ttl)
-	return l.counter, nil
+	l.holder, l.expires, l.nonce = l.counter, now.Add(ttl), nonce
+	l.waiters = slices.DeleteFunc(l.waiters, func(w memWaiter) bool { return w.nonce == nonce })
+	return l.counter, ttl, nil
+}
+
+// handOver grants l, just released, to its first live waiter, as a waiting
+// line's release does; the waiter's next request adopts the grant.
+func (s *memServer) handOver(l *memLock, now time.Time) {
+	for len(l.waiters) > 0 {
+		w := l.waiters[0]
+		l.waiters = l.waiters[1:]
+		if now.Before(w.expires) && l.counter < fence.MaxToken {
+			l.counter++
+			l.holder, l.expires, l.nonce = l.counter, now.Add(w.ttl), w.nonce
+			return
+		}
+	}
+}
+
+// leave takes nonce out of name's line and releases a grant it holds. With
+// tombstone, it also refuses the nonce's grant requests for a while, so that
+// one still on its way does not grant it when it lands; without (the
+// cleanup-gives-up mutant's request), only a grant that already landed is
+// given back.
+func (s *memServer) leave(name, nonce string, ttl time.Duration, tombstone bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	l, now := s.lock(name), s.now()
+	if tombstone {
+		if s.gone == nil {
+			s.gone = map[[2]string]time.Time{}
+		}
+		for k, until := range s.gone {
+			if !now.Before(until) {
+				delete(s.gone, k)
+			}
+		}
+		s.gone[[2]string{s.fold("name", name), nonce}] = now.Add(4 * ttl)
+	}
+	l.waiters = slices.DeleteFunc(l.waiters, func(w memWaiter) bool { return w.nonce == nonce })
+	if l.holder != 0 && now.Before(l.expires) && l.nonce == nonce {
+		l.holder = 0
+		s.handOver(l, now)
+	}
 }
 
 // extend renews (ttl > 0) or releases (ttl 0) the lock if tok still holds it.
@@ -181,6 +274,7 @@ func (s *memServer) extend(name string, tok fence.Token, ttl time.Duration) bool
 			return false
 		}
 		l.holder = 0
+		s.handOver(l, now)
 		return true
 	}
 	l.expires = now.Add(ttl)
@@ -223,12 +317,17 @@ func (a memAcquirer) check(ctx context.Context, name string, ttl time.Duration) 
 	return leasekit.CheckTTL("acquire", ttl, 0, 0)
 }
 
-// TryAcquire grants name or returns ErrHeld at once.
+// TryAcquire grants name or returns ErrHeld at once. Over TCP, a grant
+// whose reply was lost is given back (settle).
 func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
 	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	l, err := a.try(ctx, name, ttl)
+	nonce := newMemNonce()
+	l, err := a.try(ctx, name, ttl, nonce, false)
+	if errors.Is(err, fence.ErrUnknown) {
+		a.settle(name, nonce, ttl, "cleanup")
+	}
 	if errors.Is(err, fence.ErrHeld) && a.s.bug == "try-waits" {
 		time.Sleep(time.Second)
 	}
@@ -238,14 +337,19 @@ func (a memAcquirer) TryAcquire(ctx context.Context, name string, ttl time.Durat
 	return l, err
 }
 
-func (a memAcquirer) try(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+func (a memAcquirer) try(ctx context.Context, name string, ttl time.Duration, nonce string, wait bool) (fence.Lease, error) {
 	sent := time.Now() // before the request: the local deadline counts from here
 	var (
 		tok fence.Token
 		err error
 	)
 	if a.via != nil {
-		tok, err = a.via.grant(ctx, name, ttl)
+		var left time.Duration
+		tok, left, err = a.via.grant(ctx, name, ttl, nonce, wait)
+		// A grant made before this request (by an earlier copy, or
+		// handed over by a release) has less than the ttl left: the
+		// local deadline counts as if the request had been sent then.
+		sent = sent.Add(left - ttl)
 	} else {
 		tok, err = a.s.grant(name, ttl)
 	}
@@ -270,7 +374,21 @@ func (a memAcquirer) Acquire(ctx context.Context, name string, ttl time.Duration
 	if err := a.check(ctx, name, ttl); err != nil {
 		return nil, err
 	}
-	try := func(ctx context.Context) (fence.Lease, error) { return a.try(ctx, name, ttl) }
+	// Over TCP, every poll of one wait carries the same nonce: it keeps the
+	// waiter's place in the name's line and adopts a grant an earlier poll
+	// (or a release's handover) made. A poll the server did not run is a
+	// poll that found the name held.
+	nonce := ""
+	if a.via != nil {
+		nonce = newMemNonce()
+	}
+	try := func(ctx context.Context) (fence.Lease, error) {
+		l, err := a.try(ctx, name, ttl, nonce, nonce != "")
+		if errors.Is(err, errMemNotRun) {
+			return nil, errors.Join(fence.ErrHeld, err)
+		}
+		return l, err
+	}
 	if err := ctx.Err(); err != nil && a.s.bug == "done-ctx-bare" {
 		return nil, fmt.Errorf("mem: acquire %q: %w", name, err)
 	}
@@ -301,7 +419,69 @@ func (a memAcquirer) Acquire(ctx context.Context, name string, ttl time.Duration
 		}
 		return l, err
 	}
-	return leasekit.Acquire(ctx, fence.Backoff{MaxWait: a.maxWait}, nil, try)
+	l, err := leasekit.Acquire(ctx, fence.Backoff{MaxWait: a.maxWait}, nil, try)
+	if err != nil {
+		// A waiter that gives up leaves the line, which gives back a grant
+		// made to it meanwhile.
+		a.settle(name, nonce, ttl, "leave")
+	}
+	return l, err
+}
+
+// errMemNotRun is the error of a request the server answered BUSY: it did
+// not run it.
+var errMemNotRun = errors.New("mem: the server did not run the request (BUSY)")
+
+var memNonces atomic.Uint64
+
+// newMemNonce returns a nonce no other grant request of this process has.
+func newMemNonce() string { return fmt.Sprintf("n%d", memNonces.Add(1)) }
+
+// settle takes nonce out of name's line and gives back a grant that one of
+// its requests made or may still make (the request may be held on its way),
+// in the background: a leave (kind "leave", a waiter that gave up) or a
+// cleanup (kind "cleanup", a TryAcquire whose reply was lost). It sends the
+// request again, paced, until the server runs it, for up to a few ttls: a
+// reply lost or a BUSY is not an answer. Two mutants: leave-busy-done takes
+// a leave answered BUSY as done; cleanup-gives-up's cleanup first asks
+// whether the server is there and gives up when no answer comes within an
+// eighth of the ttl, then only releases a grant that has already landed (no
+// refusal of the nonce's later requests), so that a grant request held in a
+// partition longer than that lands after it.
+func (a memAcquirer) settle(name, nonce string, ttl time.Duration, kind string) {
+	if a.via == nil || nonce == "" {
+		return
+	}
+	c := &memClient{addr: a.via.addr} // a connection of its own
+	req := "C"
+	patience := 4 * ttl
+	if kind == "cleanup" && a.s.bug == "cleanup-gives-up" {
+		req, patience = "K", ttl/8
+	}
+	go func() {
+		defer c.close()
+		if req == "K" {
+			// Asks first whether the server is there, and gives up when
+			// no answer comes within its patience.
+			ctx, cancel := context.WithTimeout(context.Background(), patience)
+			_, err := c.call(ctx, "H %x", name)
+			cancel()
+			if err != nil {
+				return
+			}
+		}
+		end := time.Now().Add(patience)
+		for time.Now().Before(end) {
+			ctx, cancel := context.WithTimeout(context.Background(), min(time.Until(end), max(ttl/4, 20*time.Millisecond)))
+			r, err := c.call(ctx, "%s %x %s %d", req, name, nonce, int64(ttl))
+			cancel()
+			if err == nil && (r != "BUSY" || kind == "leave" && a.s.bug == "leave-busy-done") {
+				return
+			}
+			time.Sleep(min(time.Until(end), ttl/10)) // pacing between sends
+
+		}
+	}()
 }
 
 // Renew extends the lease on the server by its ttl.

@@ -58,7 +58,20 @@ const NemesisSeedsEnv = nemesisrun.SeedsEnv
 // other error may have happened at any time after it was sent, and a read
 // returns what some linearization holds; (4) once the faults have stopped and
 // every lease was released, a Direct TryAcquire of each name succeeds within
-// ShortTTL + ExpiryLag + a margin.
+// ShortTTL + ExpiryLag + a margin; (5) while the run goes on, no TryAcquire
+// is refused (ErrHeld) at a moment when nothing could hold its name: no
+// lease that was neither released nor a ttl and ExpiryLag past its last
+// renewal that may have landed (a renewal whose reply was lost may land as
+// late as its client's partition heals), and no grant call of unknown
+// outcome (a lost reply, an Acquire that gave up) whose give-back may not
+// have landed yet: a third of the ttl and ExpiryLag after its call returned
+// and every partition of its client and not-run window in between had
+// ended. A waiter that left without its leave reaching the backend, or a
+// TryAcquire's cleanup that gave up before the grant request it cleans up
+// after landed, leaves the name held by nobody for a ttl and fails it. So
+// that the name is tried in that stretch, the Direct acquirer tries it (up to
+// three times, releasing a grant at once) within a third of the ttl after
+// each such call's give-back bound has passed.
 //
 // A failure logs the seed, the fault schedule and the command that replays
 // the seed (NemesisSeedEnv).
@@ -137,6 +150,15 @@ type NemesisSuite struct {
 	// Seeds is how many random seeds run, one after the other. Default: 3,
 	// or NemesisSeedsEnv; 1 when NemesisSeedEnv names the seed.
 	Seeds int
+	// NotRun, when set, makes the backend answer every request, for about
+	// d, with a reply that says the step did not run (Redis BUSY while a
+	// script runs past busy-reply-threshold, LOADING, a pool with no free
+	// connection), and returns when that window has ended. The nemesis calls
+	// it, from a goroutine of its own (report with t.Error), for windows of
+	// a tenth to half of ShortTTL: a step answered so is not done, and one
+	// that gives a name back (a waiter's leave) must be sent again. Default:
+	// nil, no such windows.
+	NotRun func(t *testing.T, d time.Duration)
 }
 
 // nemesisNamesMax is the most lock names a run uses; each name is also a key.
@@ -169,7 +191,7 @@ func (s NemesisSuite) Run(t *testing.T) {
 // fault is one entry of a run's fault schedule.
 type fault struct {
 	at     time.Duration // since the start of the run
-	kind   string        // lose-reply, latency, partition, delete
+	kind   string        // lose-reply, latency, partition, delete, not-run
 	client int
 	writer bool          // the client's writer proxy (lose-reply), not its acquirer's
 	call   string        // lose-reply: the kind of call whose reply is lost ("" for the next request)
@@ -203,6 +225,10 @@ func (f fault) String() string {
 		return fmt.Sprintf("%8v  client %d: latency %v..%v for %v", f.at, f.client, f.lat[0], f.lat[1], f.d)
 	case "partition":
 		return fmt.Sprintf("%8v  client %d: partitioned for %v", f.at, f.client, f.d)
+	case "not-run":
+		return fmt.Sprintf("%8v  the backend runs no request for %v", f.at, f.d)
+	case "hold-request":
+		return fmt.Sprintf("%8v  client %d: hold its next TryAcquire's request for %v, past the call's deadline", f.at, f.client, f.d)
 	case "crash":
 		return fmt.Sprintf("%8v  server %d stopped for %v", f.at, f.node, f.d)
 	}
@@ -303,9 +329,17 @@ func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration
 			f.kind = "lose-reply"
 			f.writer = s.hasWriter() && rng.IntN(5) < 2
 			if rng.IntN(10) < 7 {
-				f.call = []string{"Renew", "Renew", "Renew", "Renew", "TryAcquire", "Release", "Write"}[rng.IntN(7)]
+				f.call = []string{"Renew", "Renew", "Renew", "Renew", "TryAcquire", "TryAcquire", "Release", "Write"}[rng.IntN(8)]
 				if f.call == "Write" && !s.hasWriter() {
 					f.call = "Renew"
+				}
+				if f.call == "TryAcquire" && rng.IntN(4) > 0 {
+					// Most of these hold the request instead, in a
+					// partition of the client's acquirer proxy that
+					// outlasts the call's short deadline: the grant
+					// may land after the call and its cleanup.
+					f.kind, f.call, f.writer = "hold-request", "", false
+					f.d = between(ttl/2, ttl)
 				}
 			}
 		case r < 58:
@@ -320,6 +354,11 @@ func (s NemesisSuite) schedule(rng *rand.Rand, names []string, end time.Duration
 			} else {
 				f.d = between(ttl+ttl/4, 2*ttl) // longer: the lease is lost
 			}
+		case r >= 88 && s.NotRun != nil:
+			// A window of replies that say the step did not run, in place
+			// of one deletion in two.
+			f.kind = "not-run"
+			f.d = min(between(ttl/10, ttl/2), end-at)
 		default:
 			if s.DeleteState == nil {
 				continue
@@ -357,9 +396,15 @@ type nemClient struct {
 
 	mu   sync.Mutex
 	lose map[string][]fault // armed by the nemesis: lose the reply of the next call of this kind
+	// holds: armed by the nemesis: hold the request of the next
+	// TryAcquire for this long (hold-request).
+	holds []time.Duration
 
 	old    []*leaseRec // leases it held before, for a paused holder's writes
 	writes int
+
+	// probe: called after a grant call of unknown outcome (prober.after).
+	probe func(op *nemOp)
 }
 
 func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
@@ -415,7 +460,12 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		}
 	}
 
+	direct, dw := s.Direct(t)
 	h := newHistory()
+	pr := &prober{s: s, h: h, a: direct, id: s.Clients}
+	for _, c := range clients {
+		c.probe = pr.after
+	}
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -430,8 +480,8 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		}()
 	}
 	wg.Wait()
+	pr.wg.Wait()
 	ended := time.Now()
-	direct, dw := s.Direct(t)
 	if r, ok := dw.(fence.Reader); ok {
 		for _, name := range names {
 			op := h.begin(-1, "Read", name, 0, "")
@@ -445,6 +495,7 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		t.Errorf(format, args...)
 	}
 	h.check(t, fail)
+	h.checkStalls(fail, ttl, s.stallBounds())
 	s.checkLive(t, fail, direct, names, ended)
 	if t.Failed() {
 		var b strings.Builder
@@ -473,6 +524,8 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 		do func()
 	}
 	var acts []action
+	var notRuns sync.WaitGroup
+	defer notRuns.Wait()
 	for _, f := range sched {
 		c := clients[f.client]
 		switch f.kind {
@@ -488,6 +541,12 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 			for _, p := range f.takes(c) {
 				acts = append(acts, action{f.at, func() { p.LoseReply(nil) }})
 			}
+		case "hold-request":
+			acts = append(acts, action{f.at, func() {
+				c.mu.Lock()
+				c.holds = append(c.holds, f.d)
+				c.mu.Unlock()
+			}})
 		case "latency":
 			acts = append(acts, action{f.at, func() {
 				for _, p := range f.takes(c) {
@@ -499,7 +558,9 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 				}
 			}})
 		case "partition":
+			var sp *faultSpan
 			acts = append(acts, action{f.at, func() {
+				sp = h.spanStart(f.client)
 				for _, p := range f.takes(c) {
 					p.Partition()
 				}
@@ -507,6 +568,17 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 				for _, p := range f.takes(c) {
 					p.Heal()
 				}
+				h.spanEnd(sp)
+			}})
+		case "not-run":
+			acts = append(acts, action{f.at, func() {
+				notRuns.Add(1)
+				go func() {
+					defer notRuns.Done()
+					sp := h.spanStart(-1)
+					s.NotRun(t, f.d)
+					h.spanEnd(sp)
+				}()
 			}})
 		case "crash":
 			var start func()
@@ -537,6 +609,13 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 			p.Latency(0, 0)
 		}
 	}
+	h.mu.Lock()
+	for _, sp := range h.spans {
+		if sp.client >= 0 && sp.to < 0 {
+			sp.to = h.now()
+		}
+	}
+	h.mu.Unlock()
 }
 
 // runClient makes random calls until the run's Duration has passed, then
@@ -696,6 +775,30 @@ func (c *nemClient) disarm() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	clear(c.lose)
+	c.holds = nil
+}
+
+// holdNext partitions the client's acquirer proxy for the duration of an
+// armed hold-request, if there is one, and reports whether it did.
+func (c *nemClient) holdNext(h *history) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.holds) == 0 || len(c.ap) == 0 {
+		return false
+	}
+	d := c.holds[0]
+	c.holds = c.holds[1:]
+	sp := h.spanStart(c.id)
+	for _, p := range c.ap {
+		p.Partition()
+	}
+	time.AfterFunc(d, func() {
+		for _, p := range c.ap {
+			p.Heal()
+		}
+		h.spanEnd(sp)
+	})
+	return true
 }
 
 func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Duration) {
@@ -706,6 +809,12 @@ func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Dur
 		ctx, cancel = context.WithTimeout(context.Background(), wait)
 		kind, call = "Acquire", c.a.Acquire
 	}
+	if wait == 0 && (c.rng.IntN(4) == 0 || c.holdNext(h)) {
+		// A caller with a short deadline: a partition outlasts it, and
+		// the grant request may land after the call returned.
+		cancel()
+		ctx, cancel = context.WithTimeout(context.Background(), s.ShortTTL/5)
+	}
 	defer cancel()
 	if wait == 0 {
 		c.armLose("TryAcquire")
@@ -715,6 +824,8 @@ func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Dur
 	if rec := h.granted(op, l, err); rec != nil {
 		c.held[name] = rec
 		s.renewLater(c, rec, false, nil)
+	} else if c.probe != nil && inDoubt(op) {
+		c.probe(op)
 	}
 }
 

@@ -28,6 +28,7 @@ type history struct {
 	ops        []*nemOp
 	leases     map[string][]*leaseRec
 	deletes    map[string][]*nemOp // each DeleteState call, ret -1 while it runs
+	spans      []*faultSpan        // partitions and not-run windows, for checkStalls
 	violations []string
 }
 
