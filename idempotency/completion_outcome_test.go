@@ -1,0 +1,61 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/idempotency"
+)
+
+// A completion whose first try landed but lost its reply is sent again, and
+// the second try is refused (the record is no longer armed: it holds this
+// very completion). Do then reads the record to tell its own change from
+// another caller's; when that read gets no answer before CompleteTimeout
+// (the store became unreachable), Do cannot know whether the completion
+// landed, and must not say it was not recorded: the docs promise Do "never
+// reports 'not recorded' for a completion that landed", and an
+// ErrNotRecorded for a step that may have landed matches fence.ErrUnknown.
+func TestCompletionRefusedThenUnreadableIsNotReportedNotRecorded(t *testing.T) {
+	for name, ss := range serverStores(t) {
+		t.Run(name, func(t *testing.T) {
+			k := key()
+			defer ss.proxy.Heal()
+			var completions atomic.Int32
+			var refusal atomic.Value
+			hs := &hookedStore{Store: ss.faulty}
+			hs.beforeUpdate = func(n int, from idempotency.State, ch idempotency.Change) {
+				if ch.State == idempotency.Completed && completions.Add(1) == 1 {
+					ss.proxy.LoseReply(func(b []byte) bool { return faultnet.Carries(b, k) })
+				}
+			}
+			hs.afterUpdate = func(n int, from idempotency.State, ch idempotency.Change, err error) {
+				if ch.State == idempotency.Completed && completions.Load() == 2 && err != nil {
+					refusal.Store(err.Error())
+					ss.proxy.Partition() // the re-read gets no answer
+				}
+			}
+			runs := 0
+			_, err := idempotency.Do(ctxT(t), hs, k, "fp", func(context.Context, string) ([]byte, error) {
+				runs++
+				return []byte("done"), nil
+			}, &idempotency.Options{Lease: 5 * time.Second, CompleteTimeout: 500 * time.Millisecond})
+			ss.proxy.Heal()
+			rec, gerr := ss.direct.Get(context.Background(), k)
+			t.Logf("Do: %v; completion tries %d, the second refused with %v; record %s %q (%v)", err, completions.Load(), refusal.Load(), rec.State, rec.Result, gerr)
+			if runs != 1 || completions.Load() < 2 || refusal.Load() == nil {
+				t.Fatalf("effect runs %d, completion tries %d, refusal %v: the scenario did not happen", runs, completions.Load(), refusal.Load())
+			}
+			if gerr != nil || rec.State != idempotency.Completed || string(rec.Result) != "done" {
+				t.Fatalf("record %+v, %v: want completed with the effect's result (the first try landed)", rec, gerr)
+			}
+			if err != nil && !errors.Is(err, fence.ErrUnknown) {
+				t.Fatalf("Do reported %v for a completion that landed (the record is completed with its result); want nil, or an error matching fence.ErrUnknown", err)
+			}
+		})
+	}
+}
