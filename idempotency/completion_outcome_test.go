@@ -23,33 +23,7 @@ import (
 func TestCompletionRefusedThenUnreadableIsNotReportedNotRecorded(t *testing.T) {
 	for name, ss := range serverStores(t) {
 		t.Run(name, func(t *testing.T) {
-			k := key()
-			defer ss.proxy.Heal()
-			var completions atomic.Int32
-			var refusal atomic.Value
-			hs := &hookedStore{Store: ss.faulty}
-			hs.beforeUpdate = func(n int, from idempotency.State, ch idempotency.Change) {
-				if ch.State == idempotency.Completed && completions.Add(1) == 1 {
-					ss.proxy.LoseReply(func(b []byte) bool { return faultnet.Carries(b, k) })
-				}
-			}
-			hs.afterUpdate = func(n int, from idempotency.State, ch idempotency.Change, err error) {
-				if ch.State == idempotency.Completed && completions.Load() == 2 && err != nil {
-					refusal.Store(err.Error())
-					ss.proxy.Partition() // the re-read gets no answer
-				}
-			}
-			runs := 0
-			_, err := idempotency.Do(ctxT(t), hs, k, "fp", func(context.Context, string) ([]byte, error) {
-				runs++
-				return []byte("done"), nil
-			}, &idempotency.Options{Lease: 5 * time.Second, CompleteTimeout: 500 * time.Millisecond})
-			ss.proxy.Heal()
-			rec, gerr := ss.direct.Get(context.Background(), k)
-			t.Logf("Do: %v; completion tries %d, the second refused with %v; record %s %q (%v)", err, completions.Load(), refusal.Load(), rec.State, rec.Result, gerr)
-			if runs != 1 || completions.Load() < 2 || refusal.Load() == nil {
-				t.Fatalf("effect runs %d, completion tries %d, refusal %v: the scenario did not happen", runs, completions.Load(), refusal.Load())
-			}
+			err, _, rec, gerr := completionRefusedThenUnreadable(t, ss, 500*time.Millisecond)
 			if gerr != nil || rec.State != idempotency.Completed || string(rec.Result) != "done" {
 				t.Fatalf("record %+v, %v: want completed with the effect's result (the first try landed)", rec, gerr)
 			}
@@ -58,4 +32,61 @@ func TestCompletionRefusedThenUnreadableIsNotReportedNotRecorded(t *testing.T) {
 			}
 		})
 	}
+}
+
+// CompleteTimeout bounds recording the result, the re-read that tells a
+// refused try's own change included: with the store unreachable, Do returns
+// about CompleteTimeout after the effect returned, not after the client
+// library's own timeouts and retries.
+func TestCompletionReReadBoundedByCompleteTimeout(t *testing.T) {
+	const completeTimeout = 500 * time.Millisecond
+	for name, ss := range serverStores(t) {
+		t.Run(name, func(t *testing.T) {
+			err, took, _, _ := completionRefusedThenUnreadable(t, ss, completeTimeout)
+			if took > completeTimeout+time.Second {
+				t.Fatalf("Do returned %v after its effect did (CompleteTimeout %v), with %v", took.Round(time.Millisecond), completeTimeout, err)
+			}
+		})
+	}
+}
+
+// completionRefusedThenUnreadable runs Do on ss: the completion's first try
+// lands and its reply is lost, the second try is refused, and the store is
+// then unreachable until Do returns. It returns Do's error, the time from
+// the effect's return to Do's, and the record read back after the store is
+// reachable again.
+func completionRefusedThenUnreadable(t *testing.T, ss serverStore, completeTimeout time.Duration) (error, time.Duration, idempotency.Record, error) {
+	t.Helper()
+	k := key()
+	defer ss.proxy.Heal()
+	var completions atomic.Int32
+	var refusal atomic.Value
+	hs := &hookedStore{Store: ss.faulty}
+	hs.beforeUpdate = func(n int, from idempotency.State, ch idempotency.Change) {
+		if ch.State == idempotency.Completed && completions.Add(1) == 1 {
+			ss.proxy.LoseReply(func(b []byte) bool { return faultnet.Carries(b, k) })
+		}
+	}
+	hs.afterUpdate = func(n int, from idempotency.State, ch idempotency.Change, err error) {
+		if ch.State == idempotency.Completed && completions.Load() == 2 && err != nil {
+			refusal.Store(err.Error())
+			ss.proxy.Partition() // the re-read gets no answer
+		}
+	}
+	runs := 0
+	var returned time.Time
+	_, err := idempotency.Do(ctxT(t), hs, k, "fp", func(context.Context, string) ([]byte, error) {
+		runs++
+		returned = time.Now()
+		return []byte("done"), nil
+	}, &idempotency.Options{Lease: 5 * time.Second, CompleteTimeout: completeTimeout})
+	took := time.Since(returned)
+	ss.proxy.Heal()
+	rec, gerr := ss.direct.Get(context.Background(), k)
+	t.Logf("Do: %v, %v after the effect returned; completion tries %d, the second refused with %v; record %s %q (%v)",
+		err, took.Round(time.Millisecond), completions.Load(), refusal.Load(), rec.State, rec.Result, gerr)
+	if runs != 1 || completions.Load() < 2 || refusal.Load() == nil {
+		t.Fatalf("effect runs %d, completion tries %d, refusal %v: the scenario did not happen", runs, completions.Load(), refusal.Load())
+	}
+	return err, took, rec, gerr
 }
