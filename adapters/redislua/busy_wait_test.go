@@ -3,6 +3,7 @@ package redislua_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -124,5 +125,90 @@ func TestWaitWhoseSubscribeIsBusyUntilDeadlineSaysNotRun(t *testing.T) {
 	t.Logf("Acquire returned %v after its deadline: %v", late.Round(time.Millisecond), werr)
 	if !errors.Is(werr, fence.ErrHeld) || !errors.Is(werr, context.DeadlineExceeded) || !errors.Is(werr, redislua.ErrNotRun) {
 		t.Errorf("a wait whose SUBSCRIBE Redis answered BUSY until its deadline: %v, want ErrHeld, DeadlineExceeded and ErrNotRun", werr)
+	}
+}
+
+// A waiter whose wait ended while Redis answered BUSY keeps its place in
+// line until its leave runs; the leave is sent again in the background for
+// up to the ttl only. When the script runs longer than that, the holder's
+// release after it grants the name to the departed waiter (its acquirer
+// still listens for another waiter), and the name is held by nobody for a
+// whole ttl. The name must be free for the others soon after the release.
+func TestReleaseAfterLongBusyDoesNotGrantDepartedWaiter(t *testing.T) {
+	b := startBusyRedis(t)
+	ctx := context.Background()
+	const ttl = 2 * time.Second
+	holder, err := redislua.NewAcquirer(b.admin, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Places in line live five polls of 2s: the departed waiter's outlives
+	// the script.
+	a, err := redislua.NewAcquirer(b.c, &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name, other := fencetest.Name("busy-departed"), fencetest.Name("busy-other")
+	h, err := holder.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ho, err := holder.TryAcquire(ctx, other, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ho.Release(ctx)
+	// Another waiter of the same acquirer keeps its grant subscription.
+	octx, ocancel := context.WithTimeout(ctx, time.Minute)
+	defer ocancel()
+	go func() {
+		if l, _ := a.Acquire(octx, other, time.Minute); l != nil {
+			_ = l.Release(ctx)
+		}
+	}()
+	wctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		l, err := a.Acquire(wctx, name, ttl)
+		if l != nil {
+			_ = l.Release(ctx)
+		}
+		done <- err
+	}()
+	waitInLine(t, b.admin, name, 1)
+	waitInLine(t, b.admin, other, 1)
+	stop := b.busy(t)
+	werr := <-done
+	t.Logf("the departed waiter: %v", werr)
+	time.Sleep(ttl + 2*time.Second) // the script outlasts the background leave
+	stop()
+	if err := h.Release(ctx); err != nil {
+		t.Fatalf("holder's release: %v", err)
+	}
+	released := time.Now()
+	third, err := redislua.NewAcquirer(b.admin, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var heldBy string
+	for {
+		l, err := third.TryAcquire(ctx, name, time.Second)
+		if err == nil {
+			_ = l.Release(ctx)
+			break
+		}
+		if heldBy == "" {
+			v, _ := b.admin.Get(ctx, "fence:{"+name+"}:lock").Result()
+			pttl, _ := b.admin.PTTL(ctx, "fence:{"+name+"}:lock").Result()
+			heldBy = fmt.Sprintf("%q for %v", v, pttl)
+		}
+		if time.Since(released) > 10*time.Second {
+			t.Fatalf("name still held 10s after its holder released: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if took := time.Since(released); took > 500*time.Millisecond {
+		t.Errorf("the name was free only %v after its holder released (held meanwhile by %s): granted to the waiter that had left", took.Round(time.Millisecond), heldBy)
 	}
 }
