@@ -23,7 +23,7 @@ import (
 func TestCompletionRefusedThenUnreadableIsNotReportedNotRecorded(t *testing.T) {
 	for name, ss := range serverStores(t) {
 		t.Run(name, func(t *testing.T) {
-			err, _, rec, gerr := completionRefusedThenUnreadable(t, ss, 500*time.Millisecond)
+			err, _, rec, gerr := completionRefusedThenUnreadable(t, ss, 500*time.Millisecond, nil)
 			if gerr != nil || rec.State != idempotency.Completed || string(rec.Result) != "done" {
 				t.Fatalf("record %+v, %v: want completed with the effect's result (the first try landed)", rec, gerr)
 			}
@@ -31,6 +31,33 @@ func TestCompletionRefusedThenUnreadableIsNotReportedNotRecorded(t *testing.T) {
 				t.Fatalf("Do reported %v for a completion that landed (the record is completed with its result); want nil, or an error matching fence.ErrUnknown", err)
 			}
 		})
+	}
+}
+
+// The same for the owner's other final changes: the release of an effect
+// that was not sent, and the failure of a definitive one. A change that
+// landed is never reported as not recorded without fence.ErrUnknown.
+func TestFinalChangeRefusedThenUnreadableIsNotReportedNotRecorded(t *testing.T) {
+	for name, ss := range serverStores(t) {
+		for _, c := range []struct {
+			outcome string
+			err     error
+			state   idempotency.State
+		}{
+			{"not-sent", idempotency.NotSent(errors.New("declined before sending")), idempotency.Released},
+			{"definitive", idempotency.Definitive(errors.New("card declined")), idempotency.Failed},
+		} {
+			t.Run(name+"/"+c.outcome, func(t *testing.T) {
+				err, _, rec, gerr := completionRefusedThenUnreadable(t, ss, 500*time.Millisecond, c.err)
+				landed := (gerr == nil && rec.State == c.state) || (c.state == idempotency.Released && errors.Is(gerr, fence.ErrNotFound))
+				if !landed {
+					t.Fatalf("record %+v, %v: want %s (the first try landed)", rec, gerr, c.state)
+				}
+				if errors.Is(err, idempotency.ErrNotRecorded) && !errors.Is(err, fence.ErrUnknown) {
+					t.Fatalf("Do reported %v for a change to %s that landed; want no ErrNotRecorded, or one matching fence.ErrUnknown", err, c.state)
+				}
+			})
+		}
 	}
 }
 
@@ -42,7 +69,7 @@ func TestCompletionReReadBoundedByCompleteTimeout(t *testing.T) {
 	const completeTimeout = 500 * time.Millisecond
 	for name, ss := range serverStores(t) {
 		t.Run(name, func(t *testing.T) {
-			err, took, _, _ := completionRefusedThenUnreadable(t, ss, completeTimeout)
+			err, took, _, _ := completionRefusedThenUnreadable(t, ss, completeTimeout, nil)
 			if took > completeTimeout+time.Second {
 				t.Fatalf("Do returned %v after its effect did (CompleteTimeout %v), with %v", took.Round(time.Millisecond), completeTimeout, err)
 			}
@@ -50,12 +77,13 @@ func TestCompletionReReadBoundedByCompleteTimeout(t *testing.T) {
 	}
 }
 
-// completionRefusedThenUnreadable runs Do on ss: the completion's first try
-// lands and its reply is lost, the second try is refused, and the store is
-// then unreachable until Do returns. It returns Do's error, the time from
+// completionRefusedThenUnreadable runs Do on ss with an effect that returns
+// "done" and effErr: the owner's final change's first try lands and its
+// reply is lost, the second try is refused, and the store is then
+// unreachable until Do returns. It returns Do's error, the time from
 // the effect's return to Do's, and the record read back after the store is
 // reachable again.
-func completionRefusedThenUnreadable(t *testing.T, ss serverStore, completeTimeout time.Duration) (error, time.Duration, idempotency.Record, error) {
+func completionRefusedThenUnreadable(t *testing.T, ss serverStore, completeTimeout time.Duration, effErr error) (error, time.Duration, idempotency.Record, error) {
 	t.Helper()
 	k := key()
 	defer ss.proxy.Heal()
@@ -63,12 +91,12 @@ func completionRefusedThenUnreadable(t *testing.T, ss serverStore, completeTimeo
 	var refusal atomic.Value
 	hs := &hookedStore{Store: ss.faulty}
 	hs.beforeUpdate = func(n int, from idempotency.State, ch idempotency.Change) {
-		if ch.State == idempotency.Completed && completions.Add(1) == 1 {
+		if from == idempotency.Armed && ch.State != idempotency.Armed && completions.Add(1) == 1 {
 			ss.proxy.LoseReply(func(b []byte) bool { return faultnet.Carries(b, k) })
 		}
 	}
 	hs.afterUpdate = func(n int, from idempotency.State, ch idempotency.Change, err error) {
-		if ch.State == idempotency.Completed && completions.Load() == 2 && err != nil {
+		if from == idempotency.Armed && ch.State != idempotency.Armed && completions.Load() == 2 && err != nil {
 			refusal.Store(err.Error())
 			ss.proxy.Partition() // the re-read gets no answer
 		}
@@ -78,7 +106,7 @@ func completionRefusedThenUnreadable(t *testing.T, ss serverStore, completeTimeo
 	_, err := idempotency.Do(ctxT(t), hs, k, "fp", func(context.Context, string) ([]byte, error) {
 		runs++
 		returned = time.Now()
-		return []byte("done"), nil
+		return []byte("done"), effErr
 	}, &idempotency.Options{Lease: 5 * time.Second, CompleteTimeout: completeTimeout})
 	took := time.Since(returned)
 	ss.proxy.Heal()
