@@ -499,6 +499,11 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		select {
 		case <-sub.ready:
 		case <-ctx.Done():
+			if reply := sub.notRunReply(); reply != nil {
+				// Redis refused the SUBSCRIBE unrun until ctx ended: a wait
+				// that ran out while Redis did not run its step.
+				return nil, errors.Join(fence.ErrHeld, notRunError(ctx, reply))
+			}
 			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
 		}
 	}

@@ -79,6 +79,28 @@ func (g *grants) sentAt(stamp string) time.Time {
 type subscription struct {
 	ready chan struct{}
 	err   error
+
+	mu sync.Mutex
+	// notRun is the reply with which Redis last refused the SUBSCRIBE
+	// without running it (BUSY, LOADING), while no other error came after
+	// it; nil once Redis confirmed it.
+	notRun error
+}
+
+// setNotRun records the latest reply that says the SUBSCRIBE did not run
+// (nil: another outcome came after it).
+func (s *subscription) setNotRun(err error) {
+	s.mu.Lock()
+	s.notRun = err
+	s.mu.Unlock()
+}
+
+// notRunReply returns the reply with which Redis last refused the SUBSCRIBE
+// unrun, or nil.
+func (s *subscription) notRunReply() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.notRun
 }
 
 // join registers a waiter and returns its channel and the subscription: until
@@ -137,12 +159,15 @@ func (g *grants) deliver(nonce string, m grantMsg) bool {
 func (g *grants) run(ctx context.Context, sub *subscription) {
 	var once sync.Once
 	receive(ctx, g.c, g.channel,
-		func() { once.Do(func() { close(sub.ready) }) },
+		func() {
+			sub.setNotRun(nil)
+			once.Do(func() { close(sub.ready) })
+		},
 		g.message,
 		// A grant published while the subscription was down found no
 		// receiver and skipped its waiter, which finds itself out of line at
 		// its next poll and queues again.
-		func() {},
+		func() { sub.setNotRun(nil) },
 		func(err error) {
 			once.Do(func() {
 				sub.err = fmt.Errorf("redislua: subscribing to grant channel %s: %w", g.channel, err)
@@ -159,7 +184,8 @@ func (g *grants) run(ctx context.Context, sub *subscription) {
 					g.idle = nil
 				}
 			}
-		})
+		},
+		sub.setNotRun)
 }
 
 // message passes a published grant ("nonce token stamp name") to its waiter,
