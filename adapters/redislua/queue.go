@@ -32,9 +32,12 @@ type grants struct {
 
 	mu      sync.Mutex
 	waiters map[string]*waiter
-	sub     *subscription // the current subscription, nil when none
-	stop    context.CancelFunc
-	idle    *time.Timer // ends the subscription after a spell with no waiter
+	// departed holds the waiters that left while their leave is still sent
+	// in the background: a grant to one of them sends that leave at once.
+	departed map[string]chan struct{}
+	sub      *subscription // the current subscription, nil when none
+	stop     context.CancelFunc
+	idle     *time.Timer // ends the subscription after a spell with no waiter
 }
 
 // waiter is one Acquire's end: its grant, and the notice that it is next in
@@ -141,12 +144,38 @@ func (g *grants) leave(nonce string) {
 	}
 }
 
-// deliver hands a grant to the waiter with nonce; false when it has left.
+// depart registers a waiter that left whose leave Redis has not answered:
+// a grant to it signals the returned channel, until done is called.
+func (g *grants) depart(nonce string) (kick <-chan struct{}, done func()) {
+	k := make(chan struct{}, 1)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.departed == nil {
+		g.departed = map[string]chan struct{}{}
+	}
+	g.departed[nonce] = k
+	return k, func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		if g.departed[nonce] == k {
+			delete(g.departed, nonce)
+		}
+	}
+}
+
+// deliver hands a grant to the waiter with nonce; false when it has left
+// (then a leave of it still sent in the background goes at once).
 func (g *grants) deliver(nonce string, m grantMsg) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	w, ok := g.waiters[nonce]
 	if !ok {
+		if k, ok := g.departed[nonce]; ok {
+			select {
+			case k <- struct{}{}:
+			default:
+			}
+		}
 		return false
 	}
 	select {
