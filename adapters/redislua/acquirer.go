@@ -492,8 +492,10 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		// subscription, since a grant published before it would be missed.
 		tried = true
 		if l, err := try(ctx); err == nil || !errors.Is(err, fence.ErrHeld) {
-			if errors.Is(err, ErrNotRun) {
-				// Redis did not run the try before ctx ended: a wait that ran out.
+			if errors.Is(err, ErrNotRun) || (err != nil && ctx.Err() != nil) {
+				// Redis did not run the try before ctx ended, or ctx ended
+				// with it in flight: a wait that ran out (the error says
+				// whether a grant it may have made is released).
 				return nil, errors.Join(fence.ErrHeld, err)
 			}
 			return l, err
