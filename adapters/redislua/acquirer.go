@@ -438,8 +438,10 @@ func (a *Acquirer) run(ctx context.Context, s *redis.Script, keys []string, args
 // made. When the wait ends without a lease (ctx), the waiter leaves the line
 // in a script that also releases such a grant; if Redis cannot be reached for
 // that either, the error also matches fence.ErrUnknown, and the leave is
-// sent again in the background for up to ttl: a grant a held request makes
-// when it lands is released once Redis is reachable again.
+// sent again in the background for as long as the waiter's place in line can
+// still be granted (the longer of the ttl and the place's life, plus a
+// second): a grant a held request makes when it lands, or a release makes to
+// the departed waiter meanwhile, is released once Redis runs the leave.
 func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) (_ fence.Lease, err error) {
 	if err := checkLease(ctx, name, ttl, a.o.Drift); err != nil {
 		return nil, err
@@ -490,8 +492,10 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		// subscription, since a grant published before it would be missed.
 		tried = true
 		if l, err := try(ctx); err == nil || !errors.Is(err, fence.ErrHeld) {
-			if errors.Is(err, ErrNotRun) {
-				// Redis did not run the try before ctx ended: a wait that ran out.
+			if errors.Is(err, ErrNotRun) || (err != nil && ctx.Err() != nil) {
+				// Redis did not run the try before ctx ended, or ctx ended
+				// with it in flight: a wait that ran out (the error says
+				// whether a grant it may have made is released).
 				return nil, errors.Join(fence.ErrHeld, err)
 			}
 			return l, err
@@ -499,6 +503,11 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 		select {
 		case <-sub.ready:
 		case <-ctx.Done():
+			if reply := sub.notRunReply(); reply != nil {
+				// Redis refused the SUBSCRIBE unrun until ctx ended: a wait
+				// that ran out while Redis did not run its step.
+				return nil, errors.Join(fence.ErrHeld, notRunError(ctx, reply))
+			}
 			return nil, errors.Join(fence.ErrHeld, context.Cause(ctx))
 		}
 	}
@@ -520,7 +529,7 @@ func (a *Acquirer) Acquire(ctx context.Context, name string, ttl time.Duration) 
 	inLine, ran := false, false
 	defer func() {
 		if inLine && !a.leaveLine(ctx, name, nonce, ttl) && ran && err != nil && !errors.Is(err, fence.ErrUnknown) {
-			err = fmt.Errorf("%w: leaving the line got no answer (it is sent again in the background for up to the ttl, releasing a grant to this waiter if one lands): %w", fence.ErrUnknown, err)
+			err = fmt.Errorf("%w: leaving the line got no answer (it is sent again in the background while this waiter's place in line may be granted, releasing a grant to this waiter if one lands): %w", fence.ErrUnknown, err)
 		}
 	}()
 	timer := time.NewTimer(time.Hour)
@@ -767,46 +776,108 @@ func (a *Acquirer) giveUp(ctx context.Context, name, nonce string, ttl time.Dura
 // it the lock when it lands; if a grant to it
 // raced with that (or was made by a request whose reply was lost), the same
 // script releases the grant (to the next waiter). It reports whether Redis
-// answered within a second. When it did not (a partition: the requests of
-// the acquire may be held on their way and land when it heals), the leave is
-// sent again in the background until Redis answers, for up to ttl: a grant
-// that lands late is released then, not held for its ttl. A waiter's entry
-// expires meanwhile anyway (AcquirerOptions.Backoff: five polls, at least 1s).
+// answered within a second. When it did not (a partition, or Redis refusing
+// it unrun while another client's script runs), the leave is sent again in
+// the background until Redis answers, for as long as the waiter's place in
+// line can still be granted: the longer of the ttl and the place's life
+// (AcquirerOptions.Backoff: five polls, at least 1s), plus a second. A
+// grant that lands meanwhile is released when the leave runs; one that this
+// acquirer hears of (it still listens for other waiters) sends the leave at
+// once, and after a reply that said it did not run the leave goes again
+// within notRunDelay.Max. A place that a poll held on its way for longer
+// than that renews is not covered.
 func (a *Acquirer) leaveLine(ctx context.Context, name, nonce string, ttl time.Duration) bool {
 	lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
-	if a.leave(lctx, name, nonce, ttl) {
+	done, unrun := a.leave(lctx, name, nonce, ttl)
+	if done {
 		return true
 	}
+	var (
+		kick     <-chan struct{}
+		departed = func() {}
+	)
+	if a.grants != nil {
+		kick, departed = a.grants.depart(nonce)
+	}
 	go func() {
-		bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ttl+time.Second)
+		defer departed()
+		bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), leaveWindow(ttl, a.life))
 		defer cancel()
-		for attempt := 0; ; attempt++ {
-			if leaveDelay.Sleep(bctx, attempt) != nil {
-				return
-			}
-			actx, cancel := context.WithTimeout(bctx, time.Second)
-			done := a.leave(actx, name, nonce, ttl)
-			cancel()
-			if done {
-				return
-			}
-		}
+		sendLater(bctx, kick, unrun, func(ctx context.Context) (bool, bool) { return a.leave(ctx, name, nonce, ttl) })
 	}()
 	return false
 }
 
-// leaveDelay spaces the leaves sent again in the background.
+// leaveWindow is how long a leave that Redis did not answer is sent again:
+// until the waiter's place, which lives life after its last poll, can no
+// longer be granted, and at least the ttl (a request held on its way is
+// refused by the gone mark the leave sets), plus a second; it saturates.
+func leaveWindow(ttl, life time.Duration) time.Duration {
+	w := max(ttl, life)
+	if w > math.MaxInt64-time.Second {
+		return math.MaxInt64
+	}
+	return w + time.Second
+}
+
+// leaveDelay spaces the leaves and releases sent again in the background
+// after one got no answer.
 var leaveDelay = fence.Backoff{Min: 100 * time.Millisecond, Max: 2 * time.Second}
 
-// leave sends one "leave" and reports whether it is settled: Redis answered,
-// or the client is closed and nothing more can be sent.
-func (a *Acquirer) leave(ctx context.Context, name, nonce string, ttl time.Duration) bool {
+// sendLater sends step again until it is settled or ctx ends, each send
+// within a second; unrun says whether Redis refused the last send without
+// running it. After a send that got no answer it waits leaveDelay
+// (growing); after one that Redis refused without running it (BUSY,
+// LOADING: Redis answers, and will run it soon) only notRunDelay, so that
+// the step runs soon after Redis can run it. A signal on kick (nil: none)
+// sends it at once.
+func sendLater(ctx context.Context, kick <-chan struct{}, unrun bool, step func(ctx context.Context) (settled, unrun bool)) {
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	unanswered, refused := 0, 0
+	for {
+		var d time.Duration
+		if unrun {
+			d = notRunDelay.Delay(refused)
+			refused++
+		} else {
+			d = leaveDelay.Delay(unanswered)
+			unanswered++
+			refused = 0
+		}
+		timer.Reset(d)
+		select {
+		case <-timer.C:
+		case <-kick:
+		case <-ctx.Done():
+			return
+		}
+		actx, cancel := context.WithTimeout(ctx, time.Second)
+		var settled bool
+		settled, unrun = step(actx)
+		cancel()
+		if settled {
+			return
+		}
+	}
+}
+
+// leave sends one "leave" and reports whether it is settled (Redis
+// answered, or the client is closed and nothing more can be sent), and
+// whether Redis refused it without running it.
+func (a *Acquirer) leave(ctx context.Context, name, nonce string, ttl time.Duration) (settled, unrun bool) {
 	sent := time.Now()
 	r, err := a.lockOp(ctx, name, "leave", nonce, ttl, "0")
 	if err == nil {
 		a.handOver(r, sent)
 	}
+	return settledSend(err), notRun(err)
+}
+
+// settledSend reports whether a step sent in the background that ended with
+// err needs no further send.
+func settledSend(err error) bool {
 	return err == nil || errors.Is(err, redis.ErrClosed) || !(errors.Is(err, fence.ErrUnknown) || notSent(err) || notRun(err))
 }
 
@@ -972,26 +1043,20 @@ func (l *lease) release(ctx context.Context) error {
 	return nil
 }
 
-// releaseLater sends a release that Redis did not run again, paced by
-// leaveDelay, until Redis runs it or ttl has passed.
+// releaseLater sends a release that Redis did not run again (sendLater)
+// until Redis runs it or ttl has passed (plus a second): the lock expires by
+// then.
 func (a *Acquirer) releaseLater(ctx context.Context, name, value string, ttl time.Duration) {
 	bctx, cancel := context.WithTimeout(ctx, ttl+time.Second)
 	defer cancel()
-	for attempt := 0; ; attempt++ {
-		if leaveDelay.Sleep(bctx, attempt) != nil {
-			return
-		}
-		actx, cancel := context.WithTimeout(bctx, time.Second)
+	sendLater(bctx, nil, true, func(ctx context.Context) (bool, bool) {
 		sent := time.Now()
-		r, err := a.lockOp(actx, name, "release", value, ttl, "0")
-		cancel()
+		r, err := a.lockOp(ctx, name, "release", value, ttl, "0")
 		if err == nil {
 			a.handOver(r, sent)
 		}
-		if err == nil || errors.Is(err, redis.ErrClosed) || !(errors.Is(err, fence.ErrUnknown) || notSent(err) || notRun(err)) {
-			return
-		}
-	}
+		return settledSend(err), notRun(err)
+	})
 }
 
 func (l *lease) lost() error {

@@ -14,7 +14,8 @@ import (
 // client that does not honour context deadlines (ContextTimeoutEnabled off,
 // go-redis's default, waits its ReadTimeout and sends again): a request then
 // still on its way may land later, so a step that writes returns an error
-// matching fence.ErrUnknown, and a read the context's error.
+// matching fence.ErrUnknown, and a read the context's error (an
+// IdempotencyStore's Get, like its other steps, also fence.ErrUnknown).
 type Client interface {
 	redis.Scripter
 	Do(ctx context.Context, args ...any) *redis.Cmd

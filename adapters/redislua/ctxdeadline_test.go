@@ -3,6 +3,7 @@ package redislua_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -40,6 +41,13 @@ func TestCallsKeepTheirContextDeadline(t *testing.T) {
 	if _, _, err := w.Read(ctx, name); err != nil {
 		t.Fatal(err)
 	}
+	is, err := redislua.NewIdempotencyStore(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := is.Get(ctx, name); err != nil && !errors.Is(err, fence.ErrNotFound) {
+		t.Fatal(err)
+	}
 	const wait = 200 * time.Millisecond
 	tried := fencetest.Name("deadline")
 	calls := []struct {
@@ -65,6 +73,17 @@ func TestCallsKeepTheirContextDeadline(t *testing.T) {
 			return err
 		}, context.DeadlineExceeded},
 		{"Release", 500 * time.Millisecond, l.Release, fence.ErrUnknown},
+		{"IdempotencyStore.Get", 500 * time.Millisecond, func(ctx context.Context) error {
+			_, err := is.Get(ctx, name)
+			if !errors.Is(err, context.DeadlineExceeded) {
+				return fmt.Errorf("%v, want it to match the context's error too", err)
+			}
+			return err
+		}, fence.ErrUnknown},
+		{"IdempotencyStore.Begin", 500 * time.Millisecond, func(ctx context.Context) error {
+			_, _, err := is.Begin(ctx, name, "fp", "owner", time.Minute)
+			return err
+		}, fence.ErrUnknown},
 	}
 	p.Partition()
 	healed := false

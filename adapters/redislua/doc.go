@@ -25,9 +25,14 @@
 // MISCONF. Every step of the Acquirer, Writer, FencedScript and
 // IdempotencyStore sends such a step again, paced, until Redis runs it or the
 // caller's context ends; then the error matches ErrNotRun and the context's
-// error (a waiting Acquire's also fence.ErrHeld). A Release or a waiter's
-// leave that Redis did not run is sent again in the background for up to the
-// ttl. A FencedScript body should not return error replies with these codes.
+// error (a waiting Acquire's also fence.ErrHeld; also when it was its grant
+// channel's SUBSCRIBE that Redis refused). A Release that Redis did not run
+// is sent again in the background for up to the ttl; a waiter's leave for as
+// long as its place in line can still be granted (the longer of the ttl and
+// the place's life, five polls, plus a second), and at once when its acquirer
+// hears of a grant to it; both go again within about 100ms of a reply that said
+// they did not run. A FencedScript body should not return error replies with
+// these codes.
 //
 // # Token durability
 //

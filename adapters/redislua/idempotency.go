@@ -134,18 +134,25 @@ func (s *IdempotencyStore) Begin(ctx context.Context, key, fingerprint, owner st
 	return rec, res[0] == int64(1), err
 }
 
-// Get returns key's record, or fence.ErrNotFound.
+// Get returns key's record, or fence.ErrNotFound. It returns once ctx
+// ends, also when the client would wait its ReadTimeout: a read whose
+// request may have reached Redis unanswered then returns an error matching
+// fence.ErrUnknown and the context's error.
 func (s *IdempotencyStore) Get(ctx context.Context, key string) (idempotency.Record, error) {
 	if err := checkTagged(ctx, "idempotency get", "key", key); err != nil {
 		return idempotency.Record{}, err
 	}
+	// res is read only when the call returned: after errNoReply it goes on
+	// in the background.
 	var res []any
-	err := retryNotRun(ctx, func() (err error) {
-		res, err = idemGetScript.Run(ctx, s.c, []string{s.key(key)}).Slice()
-		return err
+	err := retryNotRun(ctx, func() error {
+		return bounded(ctx, func() (err error) {
+			res, err = idemGetScript.Run(ctx, s.c, []string{s.key(key)}).Slice()
+			return err
+		})
 	})
 	if err != nil {
-		return idempotency.Record{}, fmt.Errorf("redislua: idempotency get %q: %w", key, err)
+		return idempotency.Record{}, fmt.Errorf("redislua: idempotency get %q: %w", key, ambiguous(err))
 	}
 	if len(res) == 0 {
 		return idempotency.Record{}, fence.ErrNotFound

@@ -28,7 +28,8 @@ func (l *listener) run(ctx context.Context) {
 		l.WakeAll, // (re)subscribed: a release may have happened before
 		l.WakeOne,
 		l.WakeAll, // a broken connection may have lost messages
-		nil)       // refused: waiters still wake at their backoff
+		nil,       // refused: waiters still wake at their backoff
+		nil)
 }
 
 // receive subscribes to channel and, until ctx ends, calls subscribed on each
@@ -37,10 +38,11 @@ func (l *listener) run(ctx context.Context) {
 // has no such channel) and refused is set, it calls refused and returns. go-redis reconnects a broken subscription by itself; a
 // message sent while it was down is lost. A SUBSCRIBE that Redis did not run
 // (BUSY while another client's script runs, LOADING) is sent again, paced,
-// until it runs: go-redis keeps the connection, subscribed to nothing.
+// until it runs: go-redis keeps the connection, subscribed to nothing;
+// notRunReply, when set, is called with each such reply.
 // Receiving here rather than through ps.Channel() saves a goroutine hop per
 // message.
-func receive(ctx context.Context, c Client, channel string, subscribed func(), message func(payload string), broken func(), refused func(error)) {
+func receive(ctx context.Context, c Client, channel string, subscribed func(), message func(payload string), broken func(), refused func(error), notRunReply func(error)) {
 	ps := c.Subscribe(ctx, channel)
 	defer ps.Close()
 	notRuns := 0 // SUBSCRIBEs refused in a row without being run
@@ -55,6 +57,9 @@ func receive(ctx context.Context, c Client, channel string, subscribed func(), m
 				return
 			}
 			if notRun(err) {
+				if notRunReply != nil {
+					notRunReply(err)
+				}
 				// The only commands on this connection are SUBSCRIBEs.
 				if notRunDelay.Sleep(ctx, notRuns) != nil {
 					return

@@ -254,9 +254,14 @@ func notRunError(ctx context.Context, reply error) error {
 
 // ambiguous wraps err so that it matches fence.ErrUnknown when it is not a
 // reply from Redis and not a request that was never sent: the request may
-// have been applied, its reply lost.
+// have been applied, its reply lost. A send cut off by the context
+// (errNoReply) is one, also when it holds an earlier send's reply that said
+// the step did not run (inFlight).
 func ambiguous(err error) error {
-	if err == nil || isReply(err) || notSent(err) || errors.Is(err, fence.ErrUnknown) {
+	if err == nil || errors.Is(err, fence.ErrUnknown) {
+		return err
+	}
+	if !errors.Is(err, errNoReply) && (isReply(err) || notSent(err)) {
 		return err
 	}
 	return fmt.Errorf("%w (applied or not): %w", fence.ErrUnknown, err)

@@ -32,9 +32,12 @@ type grants struct {
 
 	mu      sync.Mutex
 	waiters map[string]*waiter
-	sub     *subscription // the current subscription, nil when none
-	stop    context.CancelFunc
-	idle    *time.Timer // ends the subscription after a spell with no waiter
+	// departed holds the waiters that left while their leave is still sent
+	// in the background: a grant to one of them sends that leave at once.
+	departed map[string]chan struct{}
+	sub      *subscription // the current subscription, nil when none
+	stop     context.CancelFunc
+	idle     *time.Timer // ends the subscription after a spell with no waiter
 }
 
 // waiter is one Acquire's end: its grant, and the notice that it is next in
@@ -79,6 +82,28 @@ func (g *grants) sentAt(stamp string) time.Time {
 type subscription struct {
 	ready chan struct{}
 	err   error
+
+	mu sync.Mutex
+	// notRun is the reply with which Redis last refused the SUBSCRIBE
+	// without running it (BUSY, LOADING), while no other error came after
+	// it; nil once Redis confirmed it.
+	notRun error
+}
+
+// setNotRun records the latest reply that says the SUBSCRIBE did not run
+// (nil: another outcome came after it).
+func (s *subscription) setNotRun(err error) {
+	s.mu.Lock()
+	s.notRun = err
+	s.mu.Unlock()
+}
+
+// notRunReply returns the reply with which Redis last refused the SUBSCRIBE
+// unrun, or nil.
+func (s *subscription) notRunReply() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.notRun
 }
 
 // join registers a waiter and returns its channel and the subscription: until
@@ -119,12 +144,38 @@ func (g *grants) leave(nonce string) {
 	}
 }
 
-// deliver hands a grant to the waiter with nonce; false when it has left.
+// depart registers a waiter that left whose leave Redis has not answered:
+// a grant to it signals the returned channel, until done is called.
+func (g *grants) depart(nonce string) (kick <-chan struct{}, done func()) {
+	k := make(chan struct{}, 1)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.departed == nil {
+		g.departed = map[string]chan struct{}{}
+	}
+	g.departed[nonce] = k
+	return k, func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		if g.departed[nonce] == k {
+			delete(g.departed, nonce)
+		}
+	}
+}
+
+// deliver hands a grant to the waiter with nonce; false when it has left
+// (then a leave of it still sent in the background goes at once).
 func (g *grants) deliver(nonce string, m grantMsg) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	w, ok := g.waiters[nonce]
 	if !ok {
+		if k, ok := g.departed[nonce]; ok {
+			select {
+			case k <- struct{}{}:
+			default:
+			}
+		}
 		return false
 	}
 	select {
@@ -137,12 +188,15 @@ func (g *grants) deliver(nonce string, m grantMsg) bool {
 func (g *grants) run(ctx context.Context, sub *subscription) {
 	var once sync.Once
 	receive(ctx, g.c, g.channel,
-		func() { once.Do(func() { close(sub.ready) }) },
+		func() {
+			sub.setNotRun(nil)
+			once.Do(func() { close(sub.ready) })
+		},
 		g.message,
 		// A grant published while the subscription was down found no
 		// receiver and skipped its waiter, which finds itself out of line at
 		// its next poll and queues again.
-		func() {},
+		func() { sub.setNotRun(nil) },
 		func(err error) {
 			once.Do(func() {
 				sub.err = fmt.Errorf("redislua: subscribing to grant channel %s: %w", g.channel, err)
@@ -159,7 +213,8 @@ func (g *grants) run(ctx context.Context, sub *subscription) {
 					g.idle = nil
 				}
 			}
-		})
+		},
+		sub.setNotRun)
 }
 
 // message passes a published grant ("nonce token stamp name") to its waiter,

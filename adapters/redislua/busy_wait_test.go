@@ -1,0 +1,214 @@
+package redislua_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/redis/go-redis/v9"
+)
+
+// A waiting Acquire that was in line when Redis began to answer BUSY, and
+// whose deadline comes while it still does, returns soon after its context
+// ends (the package's Client documentation: "Every call of this package
+// returns once its context ends"; an acquire that gives up spends up to 1s
+// more leaving the line, as TestCallsKeepTheirContextDeadline allows), with
+// an error matching fence.ErrHeld, the context's error and ErrNotRun.
+func TestWaitEndingWhileBusyReturnsSoonAfterDeadline(t *testing.T) {
+	b := startBusyRedis(t)
+	ctx := context.Background()
+	a, err := redislua.NewAcquirer(b.c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("busy-deadline")
+	h, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	wctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		l, err := a.Acquire(wctx, name, time.Minute)
+		if l != nil {
+			_ = l.Release(ctx)
+		}
+		done <- err
+	}()
+	waitInLine(t, b.admin, name, 1)
+	stop := b.busy(t)
+	var werr error
+	select {
+	case werr = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the wait never ended")
+	}
+	late := time.Since(deadline)
+	stop()
+	_ = h.Release(ctx)
+	t.Logf("Acquire returned %v after its deadline: %v", late.Round(time.Millisecond), werr)
+	if !errors.Is(werr, fence.ErrHeld) || !errors.Is(werr, context.DeadlineExceeded) || !errors.Is(werr, redislua.ErrNotRun) {
+		t.Errorf("a wait whose deadline came while Redis was busy: %v, want ErrHeld, DeadlineExceeded and ErrNotRun", werr)
+	}
+	if late > 1500*time.Millisecond {
+		t.Errorf("the wait returned %v after its context's deadline", late.Round(time.Millisecond))
+	}
+}
+
+// lateSubscriber is a client whose pub/sub subscriptions reach Redis only
+// once the test opens gate: a slow dial of the subscription's connection,
+// during which another client's script starts.
+type lateSubscriber struct {
+	*redis.Client
+	gate chan struct{}
+}
+
+func (c lateSubscriber) Subscribe(ctx context.Context, channels ...string) *redis.PubSub {
+	<-c.gate
+	return c.Client.Subscribe(ctx, channels...)
+}
+
+// A waiting Acquire whose grant channel's SUBSCRIBE Redis answers BUSY until
+// the wait's deadline (the try before it ran, and found the name held) is
+// a wait that ran out while Redis did not run its step: its error matches
+// fence.ErrHeld, the context's error and ErrNotRun, as the package
+// documentation says of every step Redis refused until the context ended.
+func TestWaitWhoseSubscribeIsBusyUntilDeadlineSaysNotRun(t *testing.T) {
+	b := startBusyRedis(t)
+	ctx := context.Background()
+	holder, err := redislua.NewAcquirer(b.admin, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := lateSubscriber{Client: b.c, gate: make(chan struct{})}
+	a, err := redislua.NewAcquirer(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fencetest.Name("busy-sub")
+	h, err := holder.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	wctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		l, err := a.Acquire(wctx, name, time.Minute)
+		if l != nil {
+			_ = l.Release(ctx)
+		}
+		done <- err
+	}()
+	// The waiter's first try runs (Redis is not busy yet) and finds the name
+	// held; then another client's script starts, and the SUBSCRIBE goes.
+	time.Sleep(200 * time.Millisecond)
+	stop := b.busy(t)
+	close(c.gate)
+	var werr error
+	select {
+	case werr = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the wait never ended")
+	}
+	late := time.Since(deadline)
+	stop()
+	_ = h.Release(ctx)
+	t.Logf("Acquire returned %v after its deadline: %v", late.Round(time.Millisecond), werr)
+	if !errors.Is(werr, fence.ErrHeld) || !errors.Is(werr, context.DeadlineExceeded) || !errors.Is(werr, redislua.ErrNotRun) {
+		t.Errorf("a wait whose SUBSCRIBE Redis answered BUSY until its deadline: %v, want ErrHeld, DeadlineExceeded and ErrNotRun", werr)
+	}
+}
+
+// A waiter whose wait ended while Redis answered BUSY keeps its place in
+// line until its leave runs; the leave is sent again in the background for
+// up to the ttl only. When the script runs longer than that, the holder's
+// release after it grants the name to the departed waiter (its acquirer
+// still listens for another waiter), and the name is held by nobody for a
+// whole ttl. The name must be free for the others soon after the release.
+func TestReleaseAfterLongBusyDoesNotGrantDepartedWaiter(t *testing.T) {
+	b := startBusyRedis(t)
+	ctx := context.Background()
+	const ttl = 2 * time.Second
+	holder, err := redislua.NewAcquirer(b.admin, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Places in line live five polls of 2s: the departed waiter's outlives
+	// the script.
+	a, err := redislua.NewAcquirer(b.c, &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name, other := fencetest.Name("busy-departed"), fencetest.Name("busy-other")
+	h, err := holder.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ho, err := holder.TryAcquire(ctx, other, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ho.Release(ctx)
+	// Another waiter of the same acquirer keeps its grant subscription.
+	octx, ocancel := context.WithTimeout(ctx, time.Minute)
+	defer ocancel()
+	go func() {
+		if l, _ := a.Acquire(octx, other, time.Minute); l != nil {
+			_ = l.Release(ctx)
+		}
+	}()
+	wctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		l, err := a.Acquire(wctx, name, ttl)
+		if l != nil {
+			_ = l.Release(ctx)
+		}
+		done <- err
+	}()
+	waitInLine(t, b.admin, name, 1)
+	waitInLine(t, b.admin, other, 1)
+	stop := b.busy(t)
+	werr := <-done
+	t.Logf("the departed waiter: %v", werr)
+	time.Sleep(ttl + 2*time.Second) // the script outlasts the background leave
+	stop()
+	if err := h.Release(ctx); err != nil {
+		t.Fatalf("holder's release: %v", err)
+	}
+	released := time.Now()
+	third, err := redislua.NewAcquirer(b.admin, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var heldBy string
+	for {
+		l, err := third.TryAcquire(ctx, name, time.Second)
+		if err == nil {
+			_ = l.Release(ctx)
+			break
+		}
+		if heldBy == "" {
+			v, _ := b.admin.Get(ctx, "fence:{"+name+"}:lock").Result()
+			pttl, _ := b.admin.PTTL(ctx, "fence:{"+name+"}:lock").Result()
+			heldBy = fmt.Sprintf("%q for %v", v, pttl)
+		}
+		if time.Since(released) > 10*time.Second {
+			t.Fatalf("name still held 10s after its holder released: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if took := time.Since(released); took > 500*time.Millisecond {
+		t.Errorf("the name was free only %v after its holder released (held meanwhile by %s): granted to the waiter that had left", took.Round(time.Millisecond), heldBy)
+	}
+}
