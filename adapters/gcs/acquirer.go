@@ -138,6 +138,20 @@ type AcquirerOptions struct {
 // takes about one write a second per object). A stalled holder's write is
 // then refused by the fence. A name's first grant takes two more requests.
 //
+// # Tokens when an older generation is restored
+//
+// With object versioning, an operator may restore an older generation of a
+// lock object (a copy of it over the live object), whose counter is below
+// tokens handed out since. Every grant's token is therefore at least the
+// floor a new object's first grant takes, from the lock object's updated
+// time (the restore's, for a restored generation): max(counter+1, floor),
+// after waiting until GCS's time has passed the floor (up to a millisecond
+// after the read). Every token is then at or below GCS's time when its
+// grant lands, and the first grant after a restore is above every token
+// handed out before it, under the same conditions (a) and (b) as for a
+// deleted object. Restoring a generation that was held makes the name held
+// until its ttl has passed since the restore.
+//
 // # Metadata edited in place
 //
 // Another tool may patch a lock object's metadata (objects.patch or update:
@@ -579,14 +593,15 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			}
 			return nil, fmt.Errorf("gcsfence: acquire %q: %w", name, fence.ErrHeld)
 		}
-		next := o.st.token + 1
-		if o.st.new {
-			t, err := creationToken(ctx, o)
-			if err != nil {
-				return nil, a.failed("acquire", name, err, ambiguous)
-			}
-			next = max(next, t)
+		// Every grant is at least GCS's time at the lock object's last
+		// write: a new object's first, and the first after an older
+		// generation was restored (its counter back, its updated time the
+		// restore's) stay above every token handed out before.
+		t, err := creationToken(ctx, o)
+		if err != nil {
+			return nil, a.failed("acquire", name, err, ambiguous)
 		}
+		next := max(o.st.token+1, t)
 		if !fence.Token(next).Valid() {
 			return nil, fmt.Errorf("gcsfence: acquire %q: %w", name, fence.ErrTokensExhausted)
 		}
@@ -618,14 +633,17 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	return nil, a.failed("acquire", name, fmt.Errorf("%d attempts: %w", a.o.MaxAttempts, ErrContention), ambiguous)
 }
 
-// creationToken is the first token of a new lock object o: its creation time
-// (GCS's, from the object) rounded up to the next millisecond, in
-// microseconds, so at or above the true creation time whatever the
+// creationToken is the floor of a grant's token on lock object o: the time
+// of o's last write (GCS's, from the object: its creation for a new object,
+// the restore for a restored generation) rounded up to the next
+// millisecond, in microseconds, so at or above the true time whatever the
 // timestamp's precision. It first waits until GCS's time has passed that
 // (a millisecond after the read that saw the object, which was served after
-// its creation), so the grant lands at or after the time its token stands
-// for: the next new object, created after this one is deleted and so after
-// all its grants, starts above all of them.
+// that write), so the grant lands at or after the time its token stands
+// for, and every token stays at or below GCS's time when its grant lands:
+// the next new object, created after this one is deleted and so after all
+// its grants, starts above all of them, and so does the next grant on a
+// generation restored after them.
 func creationToken(ctx context.Context, o observed) (uint64, error) {
 	floor := o.updated.Truncate(clockResolution).Add(clockResolution)
 	if wait := clockResolution - time.Since(o.recv); wait > 0 {
