@@ -120,6 +120,20 @@ type AcquirerOptions struct {
 // life (from its first token to the new blob's snapshot) was longer than the
 // clock's step.
 //
+// # Tokens when the lock blob is restored
+//
+// An operator may restore a lock blob from a snapshot or an older version
+// (copied over the base blob), or set its old metadata back (Set Blob
+// Metadata, seal included), when no lease is held on it: its counter is then
+// below tokens handed out since. Every grant's token is therefore at least
+// the blob's Last-Modified (the restore's, after one), in microseconds:
+// max(counter+1, Last-Modified), from the answers the grant already gets.
+// Last-Modified has whole seconds: the first grant after a restore is above
+// every token handed out before, provided Azure's clock does not go back
+// and the restore lands in a later second, on Azure's clock, than the last
+// grant before it. A restore within the same second may give a token that
+// repeats or goes below one handed out before.
+//
 // # Lost answers
 //
 // azcore's retry policy is off for every lease and metadata request; the
@@ -290,7 +304,8 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	created := false
 	granted := false // Azure may hold the lease for id
 	ok := false
-	var etag azcore.ETag // the blob's ETag as the granted acquire saw it
+	var etag azcore.ETag   // the blob's ETag as the granted acquire saw it
+	var modified time.Time // the blob's Last-Modified as the granted acquire saw it
 	defer func() {
 		if granted && !ok {
 			// An attempt without an answer may still be on its way
@@ -313,6 +328,9 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			granted = true
 			if resp.ETag != nil {
 				etag = *resp.ETag
+			}
+			if resp.LastModified != nil {
+				modified = *resp.LastModified
 			}
 			break
 		}
@@ -347,7 +365,7 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			return nil, a.failed("acquire", name, err, ambiguous)
 		}
 	}
-	tok, err := a.advance(ctx, name, id, etag)
+	tok, err := a.advance(ctx, name, id, etag, modified)
 	if err != nil {
 		return nil, a.failed("acquire", name, err, nil)
 	}
@@ -430,8 +448,10 @@ var errNoClock = errors.New("azfence: the server's snapshot has no time, and a n
 // advance writes the next token of name under the lease id and returns it.
 // etag is the blob's ETag from the acquire's answer (lease operations leave
 // it alone): when it is the ETag of this acquirer's own last token write, the
-// token is known and the read is skipped.
-func (a *Acquirer) advance(ctx context.Context, name, id string, etag azcore.ETag) (uint64, error) {
+// token is known and the read is skipped. modified is the blob's
+// Last-Modified from that answer: the token is at least that time (and the
+// Last-Modified of a read), in microseconds (lastModifiedFloor).
+func (a *Acquirer) advance(ctx context.Context, name, id string, etag azcore.ETag, modified time.Time) (uint64, error) {
 	bc := a.c.NewBlobClient(a.blobName(name))
 	write := newID()
 	a.mu.Lock()
@@ -452,6 +472,9 @@ func (a *Acquirer) advance(ctx context.Context, name, id string, etag azcore.ETa
 				return n, nil // our write landed; its answer was lost
 			}
 			lw = lastWrite{etag: *p.ETag}
+			if p.LastModified != nil && p.LastModified.After(modified) {
+				modified = *p.LastModified
+			}
 			if t, ok := meta(p.Metadata, MetaToken); ok {
 				n, err := strconv.ParseUint(t, 10, 64)
 				if err != nil || !fence.Token(n).Valid() {
@@ -479,7 +502,7 @@ func (a *Acquirer) advance(ctx context.Context, name, id string, etag azcore.ETa
 			}
 		}
 		known = false
-		next := lw.token + 1
+		next := max(lw.token+1, lastModifiedFloor(modified))
 		if !fence.Token(next).Valid() {
 			return 0, fence.ErrTokensExhausted
 		}
@@ -512,6 +535,16 @@ func (a *Acquirer) advance(ctx context.Context, name, id string, etag azcore.ETa
 		}
 	}
 	return 0, fmt.Errorf("%d attempts: %w", a.o.MaxAttempts, ErrContention)
+}
+
+// lastModifiedFloor is the least token a grant takes on a blob last
+// modified at t (Azure's clock, whole seconds): t in microseconds. A blob
+// copied from a snapshot or an older version, or whose metadata was set
+// back, has the Last-Modified of that restore, after every grant before it;
+// and t is never ahead of Azure's clock, so no token is ahead of Azure's
+// time when its grant lands (given fewer than a million grants a second).
+func lastModifiedFloor(t time.Time) uint64 {
+	return uint64(max(t.UnixMicro(), 0))
 }
 
 func (a *Acquirer) remember(name string, etag azcore.ETag, tok uint64) {

@@ -55,7 +55,10 @@
 // keeps others from the name for up to 15 s unless it is released. Breaking a
 // lease by hand ends mutual exclusion at once, while the holder's context
 // still runs; the fence still refuses its writes. Tokens keep growing after
-// the lock blob is deleted as long as Azure's clock never goes back. See
+// the lock blob is deleted as long as Azure's clock never goes back, and
+// after it is restored from a snapshot or an older version as long as also
+// the restore lands in a later second than the last grant (every grant's
+// token is at least the blob's Last-Modified, in microseconds). See
 // [Acquirer].
 //
 // Errors are told apart by Azure's error codes and HTTP status, never by

@@ -2,8 +2,11 @@ package gcsfence
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
+	"io"
 	"math"
 	"os"
 	"strconv"
@@ -39,8 +42,10 @@ const clockResolution = time.Millisecond
 // still held without a new one.
 const clockReuse = 10 * time.Second
 
-// Metadata keys of a lock object. Its body is empty: the whole state is in
-// its custom metadata, so one attributes read gives state and generation.
+// Metadata keys of a lock object. The whole state is in its custom
+// metadata, so one attributes read gives state and generation; the same
+// state is also the object's body (lockBody), which an edit of the metadata
+// in place (objects.patch) cannot change.
 const (
 	metaFormat  = "fencekit"
 	metaToken   = "fence-token"
@@ -132,6 +137,35 @@ type AcquirerOptions struct {
 // the old object saw fewer than one grant per microsecond of its life (GCS
 // takes about one write a second per object). A stalled holder's write is
 // then refused by the fence. A name's first grant takes two more requests.
+//
+// # Tokens when an older generation is restored
+//
+// With object versioning, an operator may restore an older generation of a
+// lock object (a copy of it over the live object), whose counter is below
+// tokens handed out since. Every grant's token is therefore at least the
+// floor a new object's first grant takes, from the lock object's updated
+// time (the restore's, for a restored generation): max(counter+1, floor),
+// after waiting until GCS's time has passed the floor (up to a millisecond
+// after the read). Every token is then at or below GCS's time when its
+// grant lands, and the first grant after a restore is above every token
+// handed out before it, under the same conditions (a) and (b) as for a
+// deleted object. Restoring a generation that was held makes the name held
+// until its ttl has passed since the restore.
+//
+// # Metadata edited in place
+//
+// Another tool may patch a lock object's metadata (objects.patch or update:
+// the generation and the body stay) and remove its holder, shorten its ttl
+// or lower its token. Every upload of the acquirer stores the state twice:
+// in the metadata, and as the body. A read takes the metadata when its state
+// keys encode to the body GCS checksummed (its CRC32C), and the body
+// otherwise, so a patch never frees a held lock early nor lowers the counter
+// (a patch moves the object's updated time, and so its expiry, later: the
+// lock is held that much longer). A lock object with an empty body, as
+// older versions of this package wrote, whose metadata GCS reports edited
+// (a metageneration above 1) is refused with an error matching
+// ErrMetadataChanged until someone deletes it; its next upload (a grant or
+// release) gives it a body.
 //
 // # Lost answers
 //
@@ -234,6 +268,32 @@ func (s lockState) metadata() map[string]string {
 	return m
 }
 
+// lockBody is a lock object's body: its state's metadata as JSON (keys
+// sorted, so the same state always gives the same bytes).
+func lockBody(m map[string]string) []byte {
+	b, _ := json.Marshal(m)
+	return b
+}
+
+// maxLockBody bounds the body read of a lock object: the state with the
+// longest Owner is far smaller.
+const maxLockBody = 16 << 10
+
+// stateKeys are the metadata keys that hold a lock object's state.
+var stateKeys = []string{metaFormat, metaToken, metaHolder, metaOwner, metaTTL, metaNew}
+
+// stateMetadata is the part of an object's metadata that holds lock state:
+// the state keys present, whatever their value.
+func stateMetadata(m map[string]string) map[string]string {
+	out := map[string]string{}
+	for _, k := range stateKeys {
+		if v, ok := m[k]; ok {
+			out[k] = v
+		}
+	}
+	return out
+}
+
 func parseLock(m map[string]string) (lockState, bool) {
 	if m[metaFormat] != lockFormat {
 		return lockState{}, false
@@ -293,27 +353,82 @@ func (a *Acquirer) checkTTL(ttl time.Duration) error {
 
 // read reads name's lock object's attributes (the library retries this read
 // on its own: it changes nothing).
+//
+// The state is taken from the metadata when the metadata is the upload's:
+// its state keys, encoded as lockBody does, have the CRC32C that GCS
+// computed for the body. Metadata edited in place since (objects.patch by
+// another tool: a holder removed, a ttl or token rewritten) does not, and
+// the state is then read from the body of the same generation, which an
+// edit of the metadata cannot change. A lock object with an empty body
+// (written by an older fencekit, or by hand) is taken from its metadata
+// unless GCS says its metadata was edited (a metageneration above 1): then
+// its state cannot be known, and read returns an error matching
+// ErrMetadataChanged.
 func (a *Acquirer) read(ctx context.Context, name string) (observed, error) {
-	attrs, err := a.object(name).Attrs(ctx)
-	o := observed{recv: time.Now()}
-	if errors.Is(err, storage.ErrObjectNotExist) {
+	for attempt := 0; ; attempt++ {
+		attrs, err := a.object(name).Attrs(ctx)
+		o := observed{recv: time.Now()}
+		if errors.Is(err, storage.ErrObjectNotExist) {
+			return o, nil
+		}
+		if err != nil {
+			return observed{}, err
+		}
+		if attrs.Updated.IsZero() {
+			return observed{}, fmt.Errorf("gcsfence: lock object %q has no updated time", a.o.Prefix+name)
+		}
+		st, ok := parseLock(attrs.Metadata)
+		switch {
+		case attrs.Size == 0 && attrs.Metageneration > 1 && (ok || attrs.Metadata[metaFormat] != ""):
+			return observed{}, fmt.Errorf("gcsfence: lock object %q (metageneration %d, metadata %v): %w; it holds no copy of its state to check against (written by an older fencekit): delete it to start its name again from GCS's clock", a.o.Prefix+name, attrs.Metageneration, attrs.Metadata, ErrMetadataChanged)
+		case attrs.Size == 0 && !ok:
+			return observed{}, fmt.Errorf("gcsfence: lock object %q is not a fencekit lock (metadata %v)", a.o.Prefix+name, attrs.Metadata)
+		case attrs.Size > 0 && (!ok || crc32.Checksum(lockBody(stateMetadata(attrs.Metadata)), crcTable) != attrs.CRC32C):
+			// The metadata was changed after the upload: the body holds
+			// the state the upload wrote.
+			st, err = a.readBody(ctx, name, attrs)
+			if errors.Is(err, storage.ErrObjectNotExist) && attempt < 3 {
+				continue // replaced since the attributes were read
+			}
+			if err != nil {
+				return observed{}, err
+			}
+		}
+		o.exists, o.gen, o.updated, o.st = true, attrs.Generation, attrs.Updated, st
 		return o, nil
 	}
-	if err != nil {
-		return observed{}, err
-	}
-	st, ok := parseLock(attrs.Metadata)
-	if !ok || attrs.Updated.IsZero() {
-		return observed{}, fmt.Errorf("gcsfence: lock object %q is not a fencekit lock (metadata %v)", a.o.Prefix+name, attrs.Metadata)
-	}
-	o.exists, o.gen, o.updated, o.st = true, attrs.Generation, attrs.Updated, st
-	return o, nil
 }
 
-// write uploads st as name's lock object, conditional on generation gen (0:
-// the object must not exist), without the library's retries.
+// crcTable is GCS's CRC32C.
+var crcTable = crc32.MakeTable(crc32.Castagnoli)
+
+// readBody reads the state from the body of the lock object's generation
+// in attrs, whose metadata was changed after its upload.
+func (a *Acquirer) readBody(ctx context.Context, name string, attrs *storage.ObjectAttrs) (lockState, error) {
+	r, err := a.object(name).Generation(attrs.Generation).NewReader(ctx)
+	if err != nil {
+		return lockState{}, err
+	}
+	defer r.Close()
+	b, err := io.ReadAll(io.LimitReader(r, maxLockBody+1))
+	if err != nil {
+		return lockState{}, err
+	}
+	var m map[string]string
+	if json.Unmarshal(b, &m) == nil {
+		if st, ok := parseLock(m); ok {
+			return st, nil
+		}
+	}
+	return lockState{}, fmt.Errorf("gcsfence: lock object %q (metadata %v): %w, and its body is no lock state to check against: delete it to start its name again from GCS's clock", a.o.Prefix+name, attrs.Metadata, ErrMetadataChanged)
+}
+
+// write uploads st as name's lock object (in its metadata, and as its
+// body), conditional on generation gen (0: the object must not exist),
+// without the library's retries.
 func (a *Acquirer) write(ctx context.Context, name string, gen int64, st lockState) (*storage.ObjectAttrs, error) {
-	attrs, err := upload(ctx, a.object(name), gen, nil, st.metadata())
+	m := st.metadata()
+	attrs, err := upload(ctx, a.object(name), gen, lockBody(m), m)
 	if err == nil && attrs.Updated.IsZero() {
 		return nil, fmt.Errorf("gcsfence: the answer to an upload of lock object %q has no updated time", a.o.Prefix+name)
 	}
@@ -478,14 +593,15 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			}
 			return nil, fmt.Errorf("gcsfence: acquire %q: %w", name, fence.ErrHeld)
 		}
-		next := o.st.token + 1
-		if o.st.new {
-			t, err := creationToken(ctx, o)
-			if err != nil {
-				return nil, a.failed("acquire", name, err, ambiguous)
-			}
-			next = max(next, t)
+		// Every grant is at least GCS's time at the lock object's last
+		// write: a new object's first, and the first after an older
+		// generation was restored (its counter back, its updated time the
+		// restore's) stay above every token handed out before.
+		t, err := creationToken(ctx, o)
+		if err != nil {
+			return nil, a.failed("acquire", name, err, ambiguous)
 		}
+		next := max(o.st.token+1, t)
 		if !fence.Token(next).Valid() {
 			return nil, fmt.Errorf("gcsfence: acquire %q: %w", name, fence.ErrTokensExhausted)
 		}
@@ -517,14 +633,17 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 	return nil, a.failed("acquire", name, fmt.Errorf("%d attempts: %w", a.o.MaxAttempts, ErrContention), ambiguous)
 }
 
-// creationToken is the first token of a new lock object o: its creation time
-// (GCS's, from the object) rounded up to the next millisecond, in
-// microseconds, so at or above the true creation time whatever the
+// creationToken is the floor of a grant's token on lock object o: the time
+// of o's last write (GCS's, from the object: its creation for a new object,
+// the restore for a restored generation) rounded up to the next
+// millisecond, in microseconds, so at or above the true time whatever the
 // timestamp's precision. It first waits until GCS's time has passed that
 // (a millisecond after the read that saw the object, which was served after
-// its creation), so the grant lands at or after the time its token stands
-// for: the next new object, created after this one is deleted and so after
-// all its grants, starts above all of them.
+// that write), so the grant lands at or after the time its token stands
+// for, and every token stays at or below GCS's time when its grant lands:
+// the next new object, created after this one is deleted and so after all
+// its grants, starts above all of them, and so does the next grant on a
+// generation restored after them.
 func creationToken(ctx context.Context, o observed) (uint64, error) {
 	floor := o.updated.Truncate(clockResolution).Add(clockResolution)
 	if wait := clockResolution - time.Since(o.recv); wait > 0 {

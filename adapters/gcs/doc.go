@@ -64,7 +64,10 @@
 // objects (the lock object's updated time), not on the Date header, which a
 // proxy may set; a contender reads GCS's time by rewriting a clock object
 // ([AcquirerOptions.ClockObject]). Tokens keep growing after a lock object is
-// deleted as long as GCS's clock never goes back. GCS takes about one write a
+// deleted as long as GCS's clock never goes back. A lock object's state is
+// in its metadata and, as a copy that an edit of the metadata in place cannot
+// change, in its body: a patched lock object stays held and keeps its
+// counter. GCS takes about one write a
 // second per object: use ttls of 3s or more there. See [Acquirer].
 //
 // Errors are told apart by their HTTP status (googleapi.Error), never by

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"testing"
+	"time"
 
 	"cloud.google.com/go/storage"
 	gcsfence "github.com/fencekit/fencekit/adapters/gcs"
@@ -76,4 +77,89 @@ func TestObjectDeletedByHand(t *testing.T) {
 	if err := w.Write(ctx, key, []byte("stale"), 3); err != nil {
 		t.Fatalf("a lower token after the object was deleted by hand = %v; the README says it is accepted", err)
 	}
+}
+
+// lockMetadataEdits are patches of a lock object's metadata in place
+// (objects.patch by another tool: the generation and the body stay), made
+// while the lease is held or after its release. A value "" removes the key.
+var lockMetadataEdits = []struct {
+	name  string
+	held  bool
+	patch map[string]string
+}{
+	{"holder removed while held", true, map[string]string{"fence-holder": "", "fence-ttl-ns": ""}},
+	{"ttl shortened while held", true, map[string]string{"fence-ttl-ns": "1"}},
+	{"everything removed while held", true, map[string]string{"fencekit": "", "fence-token": "", "fence-holder": "", "fence-ttl-ns": "", "fence-owner": "", "note": "by hand"}},
+	{"token lowered while held", true, map[string]string{"fence-token": "1"}},
+	{"token lowered after release", false, map[string]string{"fence-token": "1"}},
+	{"token removed after release", false, map[string]string{"fence-token": "", "note": "by hand"}},
+	{"holder set after release", false, map[string]string{"fence-holder": "someone", "fence-ttl-ns": "1"}},
+}
+
+// TestGrantAfterLockMetadataReplaced: a lock object whose metadata another
+// tool patched in place never yields two holders (a live lease made to look
+// free, or expired, is still held) nor a token at or below one already
+// handed out: the next grant's token is above the last.
+func TestGrantAfterLockMetadataReplaced(t *testing.T) {
+	servers(t, func(t *testing.T, e *gcsEnv) {
+		for _, edit := range lockMetadataEdits {
+			t.Run(edit.name, func(t *testing.T) {
+				ctx := ctxFor(t)
+				a, other := newAcquirer(t, e), newAcquirer(t, e)
+				name := fencetest.Name("meta")
+				obj := e.b().Object("fencekit-locks/" + name)
+				l0, err := a.TryAcquire(ctx, name, time.Minute)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := l0.Release(ctx); err != nil {
+					t.Fatal(err)
+				}
+				l, err := a.TryAcquire(ctx, name, time.Minute)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !edit.held {
+					if err := l.Release(ctx); err != nil {
+						t.Fatal(err)
+					}
+				}
+				before, err := obj.Attrs(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				after, err := obj.Update(ctx, storage.ObjectAttrsToUpdate{Metadata: edit.patch})
+				if err != nil {
+					t.Fatalf("patching the lock object's metadata: %v", err)
+				}
+				if after.Generation != before.Generation {
+					t.Fatalf("the patch made generation %d of %d: not an edit in place", after.Generation, before.Generation)
+				}
+				t.Logf("metadata %v -> %v (metageneration %d)", before.Metadata, after.Metadata, after.Metageneration)
+				if edit.held {
+					if l2, err := other.TryAcquire(ctx, name, time.Minute); !errors.Is(err, fence.ErrHeld) {
+						if l2 != nil {
+							t.Errorf("granted token %d while token %d is held: two holders", l2.Token(), l.Token())
+							_ = l2.Release(ctx)
+						}
+						t.Fatalf("TryAcquire while held, after the metadata patch: %v, want ErrHeld", err)
+					}
+					if info, err := other.Inspect(ctx, name); err != nil || !info.Held || info.Token != l.Token() {
+						t.Errorf("Inspect while held, after the metadata patch: %+v, %v; want held at token %d", info, err, l.Token())
+					}
+					if err := l.Release(ctx); err != nil {
+						t.Fatalf("Release after the metadata patch: %v", err)
+					}
+				}
+				l2, err := other.TryAcquire(ctx, name, time.Minute)
+				if err != nil {
+					t.Fatalf("TryAcquire after the release: %v", err)
+				}
+				defer l2.Release(ctx)
+				if l2.Token() <= l.Token() {
+					t.Errorf("grant after the metadata patch: token %d, want above the earlier grant's %d", l2.Token(), l.Token())
+				}
+			})
+		}
+	})
 }

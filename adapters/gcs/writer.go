@@ -35,7 +35,10 @@ const (
 // tool): its token no longer matches its seal, or the object has no sealed
 // token and a metageneration above 1. Its fence cannot be known, so nothing
 // is written; a write after the object's metadata was rewritten by hand
-// could otherwise take a lowered or removed token for the fence.
+// could otherwise take a lowered or removed token for the fence. The
+// Acquirer returns it for a lock object whose metadata was changed in place
+// and whose body holds no copy of its state (one written by an older
+// version of this package): it grants nothing on it.
 var ErrMetadataChanged = errors.New("gcsfence: the object's metadata was changed after its upload; its token cannot be trusted")
 
 // seal is MetaSeal's value for an upload.

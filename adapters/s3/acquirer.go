@@ -111,6 +111,22 @@ type AcquirerOptions struct {
 // fewer writes to one object). A stalled holder's write is then refused by
 // the fence.
 //
+// # Tokens when an older version is restored
+//
+// With bucket versioning (or a backup), an operator may restore an older
+// version of a lock object, whose counter is below tokens handed out since.
+// Every grant's token is therefore at least the Date of the read it decides
+// on, in microseconds: max(counter+1, Date). A Date is never ahead of S3's
+// clock, so no token is above S3's time when its grant lands (given fewer
+// than a million grants a second), and the first grant after a restore is
+// above every token handed out before, provided its read's Date is later
+// than the last grant before the restore landed: S3's clock does not go
+// back, and the read comes more than a second plus DateLag (3s by default)
+// after that grant, on S3's clock (a Date has whole seconds, and may be
+// DateLag old). A grant sooner than that may repeat or go below a token
+// handed out before the restore. Restoring a version that was held makes
+// the name held until the expiry it records.
+//
 // # Time
 //
 // Expiry is decided on S3's clock, read from the Date header of its own
@@ -448,7 +464,12 @@ func (a *Acquirer) TryAcquire(ctx context.Context, name string, ttl time.Duratio
 			}
 			continue
 		}
-		next := o.st.Token + 1
+		// Every grant is at least S3's Date at this read, in microseconds
+		// (never ahead of S3's clock, so no token is ahead of S3's time when
+		// its grant lands): the first grant after an older version of the
+		// lock object was restored (its counter back) is above every token
+		// handed out before, once that Date is past them.
+		next := max(o.st.Token+1, uint64(max(o.clock.date.UnixMicro(), 0)))
 		if o.st.New {
 			// A new lock object, seen by this read: start above every token
 			// a deleted one may have handed out.

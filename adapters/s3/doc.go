@@ -41,7 +41,10 @@
 // tells it (whole seconds; [AcquirerOptions.DateLag] allows for a Date served late), never on
 // the client's wall clock. Tokens keep growing after a lock object is deleted
 // as long as S3's clock never goes back and its Date is at most DateLag behind
-// it beyond whole seconds. A Renew after the lease's local deadline returns
+// it beyond whole seconds; after an older version of a lock object is
+// restored, as long as also the next grant reads it more than a second plus
+// DateLag after the last grant before the restore (every grant's token is at
+// least its read's Date, in microseconds). A Renew after the lease's local deadline returns
 // fence.ErrLost and writes nothing. See [Acquirer].
 //
 // [Writer] detects S3 errors by their codes (smithy.APIError) and HTTP status,

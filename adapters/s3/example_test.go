@@ -40,8 +40,9 @@ func Example() {
 		log.Fatal(err)
 	}
 
-	// A new lock object's counter starts at S3's clock in microseconds, so
-	// tokens stay above those of a lock object that was deleted.
+	// Every grant's token is at least S3's clock in microseconds (not
+	// the last token plus one), so tokens stay above those of a lock
+	// object that was deleted or restored from an older version.
 	var tokens []fence.Token
 	for _, run := range []string{"first run", "second run"} {
 		err := fence.Hold(ctx, locks, "nightly", 10*time.Second, func(ctx context.Context, l fence.Lease) error {
@@ -52,7 +53,7 @@ func Example() {
 			log.Fatal(err)
 		}
 	}
-	fmt.Println("the second run's token is the first's plus one:", tokens[1] == tokens[0]+1)
+	fmt.Println("the second run's token is above the first's:", tokens[1] > tokens[0])
 	err = objects.Write(ctx, "nightly.csv", []byte("late"), tokens[0])
 	fmt.Println("a late write with the first run's token is stale:", errors.Is(err, fence.ErrStale))
 	v, tok, err := objects.Read(ctx, "nightly.csv")
@@ -61,7 +62,7 @@ func Example() {
 	}
 	fmt.Printf("stored %q with the second run's token: %v\n", v, tok == tokens[1])
 	// Output:
-	// the second run's token is the first's plus one: true
+	// the second run's token is above the first's: true
 	// a late write with the first run's token is stale: true
 	// stored "second run" with the second run's token: true
 }
