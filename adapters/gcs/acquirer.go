@@ -379,7 +379,10 @@ func (a *Acquirer) read(ctx context.Context, name string) (observed, error) {
 		}
 		st, ok := parseLock(attrs.Metadata)
 		switch {
-		case attrs.Size == 0 && attrs.Metageneration > 1 && (ok || attrs.Metadata[metaFormat] != ""):
+		case attrs.Size == 0 && attrs.Metageneration > 1:
+			// Edited, and no body to check against: also when the edit
+			// removed the keys that say it is a fencekit lock, since its
+			// holder and counter may be among what is gone.
 			return observed{}, fmt.Errorf("gcsfence: lock object %q (metageneration %d, metadata %v): %w; it holds no copy of its state to check against (written by an older fencekit): delete it to start its name again from GCS's clock", a.o.Prefix+name, attrs.Metageneration, attrs.Metadata, ErrMetadataChanged)
 		case attrs.Size == 0 && !ok:
 			return observed{}, fmt.Errorf("gcsfence: lock object %q is not a fencekit lock (metadata %v)", a.o.Prefix+name, attrs.Metadata)
