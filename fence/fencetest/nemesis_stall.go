@@ -231,10 +231,14 @@ func (h *history) leaseEnd(l *leaseRec, ttl time.Duration, b stallBounds) time.D
 		switch {
 		case op.kind == "Release" && op.err == nil:
 			return op.ret
-		case op.kind != "Renew" || errors.Is(op.err, fence.ErrLost):
+		case op.kind != "Renew":
 		case op.err == nil:
 			last = max(last, op.ret)
 		default:
+			// Also a Renew that returned ErrLost: its renewal may have
+			// landed after the local deadline, holding the name until
+			// the give-back that Renew sends before it returns (or, if
+			// that fails, for a ttl).
 			last = max(last, h.heldUntil(op.client, op.ret, b))
 		}
 	}
