@@ -171,6 +171,14 @@ func TestRoundTrips(t *testing.T) {
 		t.Errorf("acquire + release sent %d statements, want 2", n)
 	}
 	w, _ := sqlfence.NewWriter(sqlfence.Pgx(p), nil)
+	// A new Writer's first call also reads its key column's type, once.
+	before = tr.queries.Load()
+	if err := w.Write(ctx, fencetest.Name("rt-first"), []byte("v"), 1); err != nil {
+		t.Fatal(err)
+	}
+	if n := tr.queries.Load() - before; n != 2 {
+		t.Errorf("a new Writer's first write sent %d statements, want 2 (its key column's type, then the write)", n)
+	}
 	key := fencetest.Name("rt")
 	before = tr.queries.Load()
 	if err := w.Write(ctx, key, []byte("v"), 1); err != nil {
