@@ -413,16 +413,20 @@ func settleClaim(ctx context.Context, s Store, key, owner string, o Options, sen
 // its lease ends and then being marked unknown. The release is a
 // compare-and-set on the claim's state and fence, so a takeover (or a mark of
 // unknown) by another caller is never undone. It runs detached from ctx,
-// looking again after errors, until the lease plus CompleteTimeout from now:
-// by then another caller may have found the key abandoned.
+// looking again after errors, until the lease plus CompleteTimeout from now
+// (by then another caller may have found the key abandoned); a release
+// started on the store's answer has CompleteTimeout of its own to land.
 func settleArm(ctx context.Context, s Store, rec Record, o Options) {
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.Lease+o.CompleteTimeout)
+	bg := context.WithoutCancel(ctx)
+	cctx, cancel := context.WithTimeout(bg, o.Lease+o.CompleteTimeout)
 	defer cancel()
 	for look := 0; ; look++ {
 		got, err := s.Get(cctx, rec.Key)
 		if err == nil || errors.Is(err, fence.ErrNotFound) || errors.Is(err, fence.ErrInvalid) {
 			if err == nil && got.Owner == rec.Owner && got.Fence == rec.Fence && (got.State == Claimed || got.State == Armed) {
-				_ = release(cctx, s, rec, got.State)
+				rctx, rcancel := context.WithTimeout(bg, o.CompleteTimeout)
+				_ = release(rctx, s, rec, got.State)
+				rcancel()
 			}
 			return
 		}

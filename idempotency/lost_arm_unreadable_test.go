@@ -46,8 +46,21 @@ func TestLostArmReplyUnreadableDoesNotLeaveKeyUnknown(t *testing.T) {
 			if arms.Load() == 0 || started || err == nil {
 				t.Fatalf("arms %d, started %v, Do %v: the scenario did not happen", arms.Load(), started, err)
 			}
-			time.Sleep(2 * lease) // the store answers again; the arm's lease is over
-			rec, gerr := ss.direct.Get(context.Background(), k)
+			// The store answers again: the arm Do gave up on is freed in
+			// the background. Wait for the record to leave the arm, and
+			// fail if it is still armed well past the arm's lease.
+			var rec idempotency.Record
+			var gerr error
+			for deadline := time.Now().Add(lease + 5*time.Second); ; {
+				rec, gerr = ss.direct.Get(context.Background(), k)
+				if gerr != nil || rec.State != idempotency.Armed {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("the arm Do gave up on is still armed (fence %d) %v after the store answered again", rec.Fence, lease+5*time.Second)
+				}
+				time.Sleep(10 * time.Millisecond) // polling the record's state
+			}
 			t.Logf("Do: %v; record after the store answered again: %s fence %d (%v)", err, rec.State, rec.Fence, gerr)
 			var l ledger
 			res, nerr := idempotency.Do(ctxT(t), ss.direct, k, "fp", l.effect(k), &idempotency.Options{Lease: lease})
