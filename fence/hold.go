@@ -7,6 +7,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/fencekit/fencekit/fence/internal/testbug"
 )
 
 // releaseTimeout bounds the release that Hold makes after the work returns.
@@ -58,7 +60,7 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 	// Only an end while work runs counts: once work has returned, a
 	// deadline that passes (a renewal stalled at that moment) is not its
 	// loss; the release says whether the lease was still held.
-	var ownLost, workReturned atomic.Bool
+	var ownLost, workReturned, workPanicked atomic.Bool
 	markLost := func() {
 		if workReturned.Load() {
 			return
@@ -82,7 +84,6 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 	})
 
 	stop, stopCancel := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopCancel()
 	watchdog := make(chan struct{})
 	go func() {
 		defer close(watchdog)
@@ -92,6 +93,9 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 	// a release that fails cannot leave them running. A renewal in flight is
 	// cancelled, not waited for.
 	stopRenewals := sync.OnceFunc(func() {
+		if testbug.HoldRenewsAfterPanic.Load() && workPanicked.Load() {
+			return
+		}
 		stopCancel()
 		<-watchdog
 		if !stopLoss() {
@@ -102,7 +106,7 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 	})
 	defer stopRenewals()
 
-	workErr := runWork(workCtx, l, work, stopRenewals)
+	workErr := runWork(workCtx, l, work, stopRenewals, &workPanicked)
 	// The context's done channel closes before its AfterFunc hooks start:
 	// work can see the end and return before the hook ran. The lease ended
 	// while work ran all the same.
@@ -139,13 +143,17 @@ func lostError(l Lease) error {
 // lease and re-raises the panic, so that it is not swallowed. When work ends
 // its goroutine with runtime.Goexit (t.FailNow in a test), it stops the
 // renewals and releases the lease too, and the goroutine goes on exiting.
-func runWork(ctx context.Context, l Lease, work func(context.Context, Lease) error, stopRenewals func()) (err error) {
+func runWork(ctx context.Context, l Lease, work func(context.Context, Lease) error, stopRenewals func(), panicked *atomic.Bool) (err error) {
 	returned := false
 	defer func() {
 		if returned {
 			return
 		}
 		p := recover() // nil for runtime.Goexit
+		if p != nil && testbug.HoldRenewsAfterPanic.Load() {
+			panicked.Store(true)
+			panic(p)
+		}
 		stopRenewals()
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 		_ = l.Release(rctx)

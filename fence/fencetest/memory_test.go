@@ -18,6 +18,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/fence/internal/testbug"
 	"github.com/fencekit/fencekit/fence/leasekit"
 )
 
@@ -629,6 +630,9 @@ func memoryBug(t *testing.T) string {
 	bug := os.Getenv(mutantEnv)
 	if bug != "" {
 		t.Logf("running the in-memory backend with the bug %q", bug)
+	}
+	if bug == "hold-renews-after-panic" {
+		testbug.HoldRenewsAfterPanic.Store(true)
 	}
 	return bug
 }

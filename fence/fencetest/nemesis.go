@@ -679,6 +679,10 @@ func (s NemesisSuite) step(h *history, c *nemClient, names []string) {
 			wait := time.Duration(0)
 			if len(c.held) == 0 && c.rng.IntN(3) == 0 {
 				wait = ttl/4 + time.Duration(c.rng.Int64N(int64(ttl/2)))
+				if c.rng.IntN(3) == 0 {
+					s.hold(h, c, name, wait)
+					return
+				}
 			}
 			s.grant(h, c, name, wait)
 		case r < 80:
@@ -833,6 +837,81 @@ func (s NemesisSuite) grant(h *history, c *nemClient, name string, wait time.Dur
 	} else if c.probe != nil && inDoubt(op) {
 		c.probe(op)
 	}
+}
+
+// holdPanic is the panic of a Hold's work that the nemesis raises and
+// recovers.
+type holdPanic struct{}
+
+// waitBound bounds the wait of Acquire alone: Hold's renewals and work go on
+// without a deadline.
+type waitBound struct {
+	fence.Acquirer
+	wait time.Duration
+}
+
+func (w waitBound) Acquire(ctx context.Context, name string, ttl time.Duration) (fence.Lease, error) {
+	ctx, cancel := context.WithTimeout(ctx, w.wait)
+	defer cancel()
+	return w.Acquirer.Acquire(ctx, name, ttl)
+}
+
+// errHeldRelease is the outcome recorded for the release inside a Hold that
+// returned an error or panicked: Hold does not say whether it landed.
+var errHeldRelease = errors.New("fencetest: the release inside Hold may not have landed")
+
+// hold runs fence.Hold on name, waiting up to wait for the grant, with work
+// that writes with the lease's token, sometimes pauses past the ttl (Hold
+// renews meanwhile), and sometimes panics (recovered here). The lease is
+// recorded as renewed until Hold returned, and released by Hold: a Hold
+// that keeps renewing after its work ended holds the name for nobody, which
+// the stall check and the end-of-run check report.
+func (s NemesisSuite) hold(h *history, c *nemClient, name string, wait time.Duration) {
+	ttl, b := s.ShortTTL, s.stallBounds()
+	op := h.begin(c.id, "Acquire", name, 0, "")
+	var rec *leaseRec
+	var rop *nemOp
+	panicked := false
+	err := func() (err error) {
+		defer func() {
+			if p := recover(); p != nil {
+				if _, ok := p.(holdPanic); !ok {
+					panic(p)
+				}
+			}
+		}()
+		return fence.Hold(context.Background(), waitBound{c.a, wait}, name, ttl, func(ctx context.Context, l fence.Lease) error {
+			if rec = h.granted(op, l, nil); rec == nil {
+				return nil
+			}
+			for range 1 + c.rng.IntN(2) {
+				s.write(h, c, name, l.Token())
+			}
+			if c.rng.IntN(3) == 0 {
+				time.Sleep(ttl + time.Duration(c.rng.Int64N(int64(ttl/2)))) // a pause that Hold's renewals cover
+				s.write(h, c, name, l.Token())
+			}
+			rop = h.releasing(c.id, rec) // Hold releases once work ends
+			if c.rng.IntN(3) == 0 {
+				panic(holdPanic{})
+			}
+			return nil
+		})
+	}()
+	if rec == nil {
+		if !panicked {
+			h.granted(op, nil, err)
+			if c.probe != nil && inDoubt(op) {
+				c.probe(op)
+			}
+		}
+		return
+	}
+	if err != nil || panicked {
+		err = errHeldRelease
+	}
+	h.heldBy(rec, c.id, b)
+	h.end(rop, err)
 }
 
 func (s NemesisSuite) renew(h *history, c *nemClient, l *leaseRec) {

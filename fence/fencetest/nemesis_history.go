@@ -56,6 +56,10 @@ type leaseRec struct {
 	release time.Duration // when its Release was first asked for; -1 before
 	ended   atomic.Int64  // when its context was seen done (ns since start); 0 before
 
+	// renewedUntil: when a renewal sent by Hold's watchdog may have landed
+	// at the latest; 0 for a lease the client renews itself.
+	renewedUntil time.Duration
+
 	// The client's own: when it renews next, and whether it let the lease
 	// lapse (it writes with its token before that renewal).
 	nextRenew time.Time
@@ -174,6 +178,14 @@ func (h *history) renewed(op *nemOp, l *leaseRec, err error) {
 }
 
 // releasing records the invocation of a Release of l.
+// heldBy records that Hold, which renewed l, has returned: its renewals
+// may land as late as a request of client's sent now.
+func (h *history) heldBy(l *leaseRec, client int, b stallBounds) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	l.renewedUntil = h.heldUntil(client, h.now(), b)
+}
+
 func (h *history) releasing(client int, l *leaseRec) *nemOp {
 	h.mu.Lock()
 	defer h.mu.Unlock()

@@ -223,7 +223,7 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 // a Release that succeeded, or else a ttl and the expiry margin past the
 // latest renewal (or the grant) that may have landed.
 func (h *history) leaseEnd(l *leaseRec, ttl time.Duration, b stallBounds) time.Duration {
-	last := l.granted
+	last := max(l.granted, l.renewedUntil)
 	for _, op := range h.ops {
 		if op.name != l.name || op.token != l.token || op.client != l.client || op.ret < 0 {
 			continue
