@@ -35,7 +35,7 @@ var nemesisMutants = []struct {
 	// client's grant in between: two seeds in five alone, one in fifteen
 	// under -race beside the other children (the run stops at the first).
 	{"renew-recognised-late", "a Renew after one whose reply was lost recognises it and counts the local deadline from its own send", 40},
-	{"hold-renews-after-panic", "when Hold's work panics, Hold re-raises the panic but leaves its renewals running and sends no release: the name stays held for nobody", 0},
+	{"hold-renews-after-panic", "when Hold's work panics, Hold re-raises the panic but leaves its renewals running and sends no release: the name stays held for nobody", 6},
 	{"write-retry-unfenced", "a Write whose answer was lost is sent again as an unfenced put, so a stale write is stored", 0},
 	// The two stall mutants need a rare schedule (a not-run window at a
 	// waiter's give-up; a request held past a TryAcquire's deadline that

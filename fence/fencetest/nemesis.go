@@ -878,6 +878,7 @@ func (s NemesisSuite) hold(h *history, c *nemClient, name string, wait time.Dura
 				if _, ok := p.(holdPanic); !ok {
 					panic(p)
 				}
+				panicked = true
 			}
 		}()
 		return fence.Hold(context.Background(), waitBound{c.a, wait}, name, ttl, func(ctx context.Context, l fence.Lease) error {

@@ -385,33 +385,38 @@ func (h *history) dump() string {
 			fmt.Fprintf(&b, "... %d more\n", len(h.ops)-i)
 			break
 		}
-		who := fmt.Sprintf("client %d", op.client)
-		if op.client < 0 {
-			who = "nemesis "
-		}
-		fmt.Fprintf(&b, "%9v..%-9v %s %-11s %s", op.call.Round(time.Microsecond), op.ret.Round(time.Microsecond), who, op.kind, op.name)
-		switch op.kind {
-		case "Write":
-			fmt.Fprintf(&b, " token %d %q", op.token, op.value)
-		case "Read":
-			if op.readOK && !op.readMissing {
-				fmt.Fprintf(&b, " -> %q token %d", op.value, op.token)
-			}
-		case "Renew", "Release":
-			fmt.Fprintf(&b, " token %d", op.token)
-		case "TryAcquire", "Acquire":
-			if op.lease != nil {
-				ended := "live at the end"
-				if e := op.lease.ended.Load(); e != 0 {
-					ended = fmt.Sprintf("context done at %v", time.Duration(e).Round(time.Microsecond))
-				}
-				fmt.Fprintf(&b, " -> token %d (%s)", op.token, ended)
-			}
-		}
-		if op.err != nil {
-			fmt.Fprintf(&b, ": %v", op.err)
-		}
+		h.opLine(&b, op)
 		b.WriteByte('\n')
 	}
 	return b.String()
+}
+
+// opLine writes op as dump shows it, without a line end; h.mu is held.
+func (h *history) opLine(b *strings.Builder, op *nemOp) {
+	who := fmt.Sprintf("client %d", op.client)
+	if op.client < 0 {
+		who = "nemesis "
+	}
+	fmt.Fprintf(b, "%9v..%-9v %s %-11s %s", op.call.Round(time.Microsecond), op.ret.Round(time.Microsecond), who, op.kind, op.name)
+	switch op.kind {
+	case "Write":
+		fmt.Fprintf(b, " token %d %q", op.token, op.value)
+	case "Read":
+		if op.readOK && !op.readMissing {
+			fmt.Fprintf(b, " -> %q token %d", op.value, op.token)
+		}
+	case "Renew", "Release":
+		fmt.Fprintf(b, " token %d", op.token)
+	case "TryAcquire", "Acquire":
+		if op.lease != nil {
+			ended := "live at the end"
+			if e := op.lease.ended.Load(); e != 0 {
+				ended = fmt.Sprintf("context done at %v", time.Duration(e).Round(time.Microsecond))
+			}
+			fmt.Fprintf(b, " -> token %d (%s)", op.token, ended)
+		}
+	}
+	if op.err != nil {
+		fmt.Fprintf(b, ": %v", op.err)
+	}
 }

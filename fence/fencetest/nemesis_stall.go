@@ -3,6 +3,8 @@ package fencetest
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -175,17 +177,13 @@ func (p *prober) after(op *nemOp) {
 func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b stallBounds) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	type iv struct {
-		from, to time.Duration
-		why      string
-	}
-	holds := map[string][]iv{}
+	holds := map[string][]holdSpan{}
 	for _, op := range h.ops {
 		if op.client < 0 || (op.kind != "TryAcquire" && op.kind != "Acquire") || op.ret < 0 {
 			continue
 		}
 		if op.err == nil && op.lease != nil {
-			holds[op.name] = append(holds[op.name], iv{op.call, h.leaseEnd(op.lease, ttl, b), "lease"})
+			holds[op.name] = append(holds[op.name], holdSpan{op.call, h.leaseEnd(op.lease, ttl, b), op})
 			continue
 		}
 		if !inDoubt(op) {
@@ -193,7 +191,7 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 		}
 		// A grant that may have been made for this call: given back by
 		// settledBy.
-		holds[op.name] = append(holds[op.name], iv{op.call, h.settledBy(op.client, op.ret, b), "in doubt"})
+		holds[op.name] = append(holds[op.name], holdSpan{op.call, h.settledBy(op.client, op.ret, b), op})
 	}
 	n := 0
 	for _, op := range h.ops {
@@ -209,14 +207,43 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 		}
 		if !covered {
 			if n++; n <= 5 {
-				fail("liveness: client %d's TryAcquire of %q at %v..%v was refused (%v) although no lease could hold the name then and every grant in doubt had been given back: a name held by nobody",
-					op.client, op.name, op.call.Round(time.Microsecond), op.ret.Round(time.Microsecond), op.err)
+				fail("liveness: client %d's TryAcquire of %q at %v..%v was refused (%v) although no lease could hold the name then and every grant in doubt had been given back: a name held by nobody%s",
+					op.client, op.name, op.call.Round(time.Microsecond), op.ret.Round(time.Microsecond), op.err, h.nearStall(op, holds[op.name], ttl))
 			}
 		}
 	}
 	if n > 5 {
 		fail("liveness: ... and %d more refusals of a name held by nobody", n-5)
 	}
+}
+
+// holdSpan is when a grant call (op) may have held its name, by the stall
+// check's bounds.
+type holdSpan struct {
+	from, to time.Duration
+	op       *nemOp
+}
+
+// nearStall describes, for a refusal (op) the stall check reports, what
+// might have held the name: the spans of its grants that ended within a ttl
+// before the refusal, and every call on the name from a ttl before it to its
+// end; h.mu is held.
+func (h *history) nearStall(op *nemOp, spans []holdSpan, ttl time.Duration) string {
+	var b strings.Builder
+	for _, v := range spans {
+		if v.to < op.call && v.to >= op.call-ttl {
+			fmt.Fprintf(&b, "\n    held by the check until %v: ", v.to.Round(time.Microsecond))
+			h.opLine(&b, v.op)
+		}
+	}
+	b.WriteString("\n    calls on the name from a ttl before:")
+	for _, o := range h.ops {
+		if o.name == op.name && o.call <= op.ret && (o.ret < 0 || o.ret >= op.call-ttl) {
+			b.WriteString("\n      ")
+			h.opLine(&b, o)
+		}
+	}
+	return b.String()
 }
 
 // leaseEnd is when l may stop holding its name at the latest: the return of
