@@ -472,6 +472,12 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	for _, c := range clients {
 		c.probe = pr.after
 	}
+	stopLag := make(chan struct{})
+	lagDone := make(chan struct{})
+	go func() {
+		defer close(lagDone)
+		h.meterLag(stopLag)
+	}()
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -487,6 +493,8 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	}
 	wg.Wait()
 	pr.wg.Wait()
+	close(stopLag)
+	<-lagDone
 	ended := time.Now()
 	if r, ok := dw.(fence.Reader); ok {
 		for _, name := range names {

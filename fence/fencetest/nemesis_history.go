@@ -29,6 +29,7 @@ type history struct {
 	leases     map[string][]*leaseRec
 	deletes    map[string][]*nemOp // each DeleteState call, ret -1 while it runs
 	spans      []*faultSpan        // partitions and not-run windows, for checkStalls
+	lags       []lagSample         // moments the test process ran late, for checkStalls
 	violations []string
 }
 

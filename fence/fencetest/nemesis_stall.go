@@ -47,9 +47,49 @@ type stallBounds struct {
 	latency, settle, expiry time.Duration
 }
 
+// lagSample is a moment when the test process ran late: a timer due at
+// at-lag fired at at.
+type lagSample struct{ at, lag time.Duration }
+
+// meterLag records, until stop is closed, each moment a 5ms timer fires
+// more than a millisecond late. On a loaded machine the clients, the proxies
+// and a local backend run late by as much, so the stall check's bounds
+// stretch by the largest lag seen around the moment each one bounds (lagIn):
+// a request may land that much later than an idle machine would let it.
+func (h *history) meterLag(stop <-chan struct{}) {
+	const tick = 5 * time.Millisecond
+	t := time.NewTimer(tick)
+	defer t.Stop()
+	for {
+		due := time.Now().Add(tick)
+		t.Reset(tick)
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+		}
+		if lag := time.Since(due); lag > time.Millisecond {
+			h.mu.Lock()
+			h.lags = append(h.lags, lagSample{h.now(), lag})
+			h.mu.Unlock()
+		}
+	}
+}
+
+// lagIn is the largest lag recorded from from to to; h.mu is held.
+func (h *history) lagIn(from, to time.Duration) time.Duration {
+	var most time.Duration
+	for _, l := range h.lags {
+		if l.at >= from && l.at-l.lag <= to {
+			most = max(most, l.lag)
+		}
+	}
+	return most
+}
+
 // heldUntil is when a request that client sent before t may land at the
 // latest: t, or the heal of a partition of client that t falls in; then
-// the latency.
+// the latency, stretched by the lag around then.
 func (h *history) heldUntil(client int, t time.Duration, b stallBounds) time.Duration {
 	end := t
 	for _, sp := range h.spans {
@@ -60,13 +100,13 @@ func (h *history) heldUntil(client int, t time.Duration, b stallBounds) time.Dur
 			end = max(end, sp.to)
 		}
 	}
-	return end + b.latency
+	return end + b.latency + h.lagIn(t, end+2*b.latency)
 }
 
 // settledBy is when a step that client starts at t to give a name back (and
 // sends again until the backend runs it) has landed at the latest: after
 // every partition of client and every not-run window that begins before it
-// could land, and the settle margin.
+// could land, and the settle margin, stretched by the lag around then.
 func (h *history) settledBy(client int, t time.Duration, b stallBounds) time.Duration {
 	x := t
 	for changed := true; changed; {
@@ -83,7 +123,7 @@ func (h *history) settledBy(client int, t time.Duration, b stallBounds) time.Dur
 			}
 		}
 	}
-	return x + b.latency + b.settle
+	return x + b.latency + b.settle + h.lagIn(t, x+2*(b.latency+b.settle))
 }
 
 // refusal reports whether err is the backend's answer that the name is held:
@@ -207,8 +247,9 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 		}
 		if !covered {
 			if n++; n <= 5 {
-				fail("liveness: client %d's TryAcquire of %q at %v..%v was refused (%v) although no lease could hold the name then and every grant in doubt had been given back: a name held by nobody%s",
-					op.client, op.name, op.call.Round(time.Microsecond), op.ret.Round(time.Microsecond), op.err, h.nearStall(op, holds[op.name], ttl))
+				fail("liveness: client %d's TryAcquire of %q at %v..%v was refused (%v) although no lease could hold the name then and every grant in doubt had been given back: a name held by nobody (the test process ran up to %v late in the ttl before)%s",
+					op.client, op.name, op.call.Round(time.Microsecond), op.ret.Round(time.Microsecond), op.err,
+					h.lagIn(op.call-ttl, op.ret).Round(time.Microsecond), h.nearStall(op, holds[op.name], ttl))
 			}
 		}
 	}
