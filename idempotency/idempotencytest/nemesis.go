@@ -274,19 +274,46 @@ type nemStore struct {
 	c *idemClient
 }
 
+// Begin, Update and Get also tell the history about the claims of the Do
+// they serve (see nemCall).
 func (n nemStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	nc := callOf(ctx)
+	nc.claiming(owner)
 	n.c.arm(nemClaim)
-	return n.Store.Begin(ctx, key, fingerprint, owner, lease)
+	rec, created, err := n.Store.Begin(ctx, key, fingerprint, owner, lease)
+	if err == nil && rec.Owner == owner && rec.State == idempotency.Claimed {
+		nc.answered(owner)
+	}
+	return rec, created, err
 }
 
 func (n nemStore) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
-	n.c.arm(stepOf(from, ch))
-	return n.Store.Update(ctx, key, from, fromFence, ch)
+	nc, step := callOf(ctx), stepOf(from, ch)
+	switch step {
+	case nemTakeover:
+		nc.claiming(ch.Owner)
+	case nemArm:
+		nc.arming(ch.Owner)
+	}
+	n.c.arm(step)
+	rec, err := n.Store.Update(ctx, key, from, fromFence, ch)
+	switch {
+	case err != nil:
+	case step == nemTakeover:
+		nc.answered(ch.Owner)
+	case step == nemRelease:
+		nc.released(ch.Owner)
+	}
+	return rec, err
 }
 
 func (n nemStore) Get(ctx context.Context, key string) (idempotency.Record, error) {
 	n.c.arm(nemGet)
-	return n.Store.Get(ctx, key)
+	rec, err := n.Store.Get(ctx, key)
+	if err == nil {
+		callOf(ctx).read(rec)
+	}
+	return rec, err
 }
 
 // nemNotifier is nemStore for a store that wakes waiters.
@@ -341,20 +368,23 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		defer wg.Done()
 		s.runFaults(h, sched, clients, faultsEnd)
 	}()
+	pr := &prober{s: s, h: h, c: &idemClient{id: s.Clients, st: s.Direct(t), rng: rand.New(rand.NewPCG(seed, 0))}}
 	for _, c := range clients {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			s.runClient(h, c, ring)
+			s.runClient(h, c, ring, pr)
 		}()
 	}
 	wg.Wait()
+	pr.wg.Wait()
 	ended := time.Now()
 
 	fail := func(format string, args ...any) {
 		t.Helper()
 		t.Errorf(format, args...)
 	}
+	h.checkStalls(fail, lease, s.stallBounds())
 	direct := s.Direct(t)
 	keys := h.keys()
 	s.checkLive(fail, h, direct, keys, ended)
@@ -385,8 +415,8 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	if clients[0].px == nil {
 		faults = "no network faults (no proxy)"
 	}
-	t.Logf("nemesis seed %d: %d calls of Do on %d keys, %d runs of the effect (%s), %s: history checked",
-		seed, len(h.dos), len(keys), len(h.runs), h.outcomes(), faults)
+	t.Logf("nemesis seed %d: %d calls of Do on %d keys, %d runs of the effect (%s), %s, %s: history checked",
+		seed, len(h.dos), len(keys), len(h.runs), h.outcomes(), h.stallCounts(), faults)
 }
 
 // runFaults applies sched, then heals every proxy at end.
@@ -425,7 +455,9 @@ func (s NemesisSuite) runFaults(h *idemHistory, sched []idemFault, clients []*id
 			acts = append(acts, action{f.at, func() { p.Latency(f.lat[0], f.lat[1]) }},
 				action{f.at + f.d, func() { p.Latency(0, 0) }})
 		case "partition":
-			acts = append(acts, action{f.at, p.Partition}, action{f.at + f.d, p.Heal})
+			var sp *faultSpan
+			acts = append(acts, action{f.at, func() { sp = h.spanStart(f.client); p.Partition() }},
+				action{f.at + f.d, func() { p.Heal(); h.spanEnd(sp) }})
 		}
 	}
 	slices.SortStableFunc(acts, func(a, b action) int { return int(a.at - b.at) })
@@ -441,10 +473,17 @@ func (s NemesisSuite) runFaults(h *idemHistory, sched []idemFault, clients []*id
 			c.px.Latency(0, 0)
 		}
 	}
+	h.mu.Lock()
+	for _, sp := range h.spans {
+		if sp.to < 0 {
+			sp.to = h.now()
+		}
+	}
+	h.mu.Unlock()
 }
 
 // runClient calls Do until the run's Duration has passed.
-func (s NemesisSuite) runClient(h *idemHistory, c *idemClient, ring keyRing) {
+func (s NemesisSuite) runClient(h *idemHistory, c *idemClient, ring keyRing, pr *prober) {
 	lease := s.Lease
 	st := c.store()
 	for time.Since(h.start) < s.Duration {
@@ -455,13 +494,14 @@ func (s NemesisSuite) runClient(h *idemHistory, c *idemClient, ring keyRing) {
 			gen -= 1 + c.rng.IntN(min(gen, 6))
 		}
 		key := ring.name(gen, c.rng.IntN(ring.n))
-		s.call(h, c, st, key)
+		pr.after(s.call(h, c, st, key))
 		time.Sleep(time.Duration(c.rng.Int64N(int64(lease / 10)))) // pacing, not a synchronisation
 	}
 }
 
-// call makes one Do with choices drawn from the client's random source.
-func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, key string) {
+// call makes one Do with choices drawn from the client's random source and
+// returns it.
+func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, key string) *doOp {
 	lease := s.Lease
 	rng := c.rng
 	between := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(rng.Int64N(int64(hi-lo)+1)) }
@@ -493,6 +533,12 @@ func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, 
 	if rng.IntN(100) < 22 {
 		bound = between(0, lease+lease/2) // the caller leaves mid-Do
 		op.leaves = bound
+	} else if r := rng.IntN(100); r < 12 {
+		// The caller leaves while Do holds the claim, before the effect.
+		op.leaveAt = leaveClaim
+		if r < 4 {
+			op.leaveAt = leaveArm
+		}
 	}
 	o := &idempotency.Options{
 		Owner:           fmt.Sprintf("c%d", c.id),
@@ -501,6 +547,13 @@ func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, 
 		Wait:            op.wait,
 		CompleteTimeout: between(lease, 3*lease),
 	}
+	s.do(h, op, st, o, bound)
+	return op
+}
+
+// do calls Do for op with o, its context ending after bound (or when the
+// nemesis makes its caller leave), and records it.
+func (s NemesisSuite) do(h *idemHistory, op *doOp, st idempotency.Store, o *idempotency.Options, bound time.Duration) {
 	op.completeTimeout = o.CompleteTimeout
 	h.begin(op)
 	if op.reconcile {
@@ -508,7 +561,8 @@ func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, 
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
-	res, err := idempotency.Do(ctx, st, key, "fp", h.effect(op), o)
+	ctx = context.WithValue(ctx, nemCallKey{}, &nemCall{h: h, op: op, leave: cancel})
+	res, err := idempotency.Do(ctx, st, op.key, "fp", h.effect(op), o)
 	h.end(op, res, err)
 }
 
