@@ -346,18 +346,23 @@ func (p *prober) after(op *doOp) {
 	}()
 }
 
-// stallCounts tells what the stall check had to look at: the callers that
-// left while their Do held a claim, the probes, and the Do calls turned away
-// by a claim the history knows.
+// stallCounts tells what the stall check had to look at: the claims given
+// back after their callers left while Do held them, the probes, and the Do
+// calls turned away by a claim the history knows.
 func (h *idemHistory) stallCounts() string {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	left, probes, refused := 0, 0, 0
+	left, atArm, probes, refused := 0, 0, 0, 0
 	for _, op := range h.dos {
 		var ip *idempotency.InProgressError
 		switch {
 		case op.claims.left:
-			left++
+			if ok, _ := op.gaveBack(); ok {
+				left++
+				if op.leaveAt == leaveArm {
+					atArm++
+				}
+			}
 		case op.probe:
 			probes++
 		}
@@ -365,5 +370,5 @@ func (h *idemHistory) stallCounts() string {
 			refused++
 		}
 	}
-	return fmt.Sprintf("%d callers left holding a claim, %d probes, %d calls turned away by a known claim", left, probes, refused)
+	return fmt.Sprintf("%d claims given back after their callers left (%d at the arm), %d probes, %d calls turned away by a known claim", left, atArm, probes, refused)
 }
