@@ -34,8 +34,12 @@ import (
 //     Every Do has the suite's short Lease and a CompleteTimeout of one to
 //     three leases; one in four waits for another owner (Options.Wait), two
 //     in three have a Reconcile hook (which asks the ledger, as a provider
-//     would be asked), and about one in five has a caller that leaves (its
-//     context ends) at a random moment within 1.5 leases. The effect pauses
+//     would be asked), about one in five has a caller that leaves (its
+//     context ends) at a random moment within 1.5 leases, and about one in
+//     eleven one that leaves while Do holds the claim, before the effect: as
+//     the claim's (or takeover's) reply comes, or as the arm is sent. After
+//     such a claim was given back, a probe (a Do that does not wait, on a
+//     Direct store) tries the key a little later. The effect pauses
 //     (at times past the lease, cooperatively or not), then, in one step with
 //     the ledger, checks its context: done, it returns NotSent; live, it
 //     succeeds, fails definitively, says NotSent, or returns an ambiguous
@@ -62,7 +66,13 @@ import (
 // allowed unless a Do reported the key completed or failed; (4) once the
 // faults have healed, a Do on every key, waiting for other owners, returns a
 // result, ErrUnknown or a replayed failure within the settle time of the
-// clients' last claims (3 leases), a lease and a margin.
+// clients' last claims (3 leases), a lease and a margin; (5) a Do turned
+// away (ErrInProgress) by another Do's claim was turned away while that
+// claim could be live: not after the claim was given back (a release of it
+// returned, or its caller left before the effect and Do frees the key
+// before it returns) and the give-back could land, allowing for partitions,
+// latency and a settle margin, nor after its lease ran out past every
+// request of its Do that may have landed (see checkStalls).
 //
 // A failure logs the seed, the fault schedule, the command that replays the
 // seed and the history.
@@ -368,7 +378,7 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		defer wg.Done()
 		s.runFaults(h, sched, clients, faultsEnd)
 	}()
-	pr := &prober{s: s, h: h, c: &idemClient{id: s.Clients, st: s.Direct(t), rng: rand.New(rand.NewPCG(seed, 0))}}
+	pr := &prober{s: s, h: h, c: &idemClient{id: s.Clients, st: s.Direct(t)}}
 	for _, c := range clients {
 		wg.Add(1)
 		go func() {

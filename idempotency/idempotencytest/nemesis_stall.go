@@ -332,11 +332,11 @@ func (p *prober) after(op *doOp) {
 		}
 		from := p.h.now()
 		for _, d := range []time.Duration{lease / 20, lease / 6, lease / 3} {
-			at := from + d
-			if at >= p.s.Duration {
+			when := from + d
+			if when >= p.s.Duration {
 				return
 			}
-			time.Sleep(at - p.h.now()) // the probe's time, not a synchronisation
+			time.Sleep(when - p.h.now()) // the probe's time, not a synchronisation
 			pop := &doOp{client: p.c.id, probe: true, key: op.key, plan: effectPlan{outcome: outSuccess}, reconcile: true}
 			p.s.do(p.h, pop, p.c.store(), &idempotency.Options{Owner: fmt.Sprintf("c%d", p.c.id), Lease: lease, Retention: time.Hour, CompleteTimeout: lease}, 2*lease)
 			if !errors.Is(pop.err, idempotency.ErrInProgress) {
