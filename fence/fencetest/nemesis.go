@@ -564,7 +564,7 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 				}
 			}})
 		case "partition":
-			var sp *faultSpan
+			var sp *nemesisrun.Span
 			acts = append(acts, action{f.at, func() {
 				sp = h.spanStart(f.client)
 				for _, p := range f.takes(c) {
@@ -616,11 +616,7 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 		}
 	}
 	h.mu.Lock()
-	for _, sp := range h.spans {
-		if sp.client >= 0 && sp.to < 0 {
-			sp.to = h.now()
-		}
-	}
+	h.spans.EndClients(h.now())
 	h.mu.Unlock()
 }
 

@@ -7,32 +7,22 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/nemesisrun"
 )
 
-// faultSpan is a stretch of a run during which requests were held back: a
-// client's partition (held on the way, delivered on heal), or the backend's
-// window of replies that say a step did not run (client -1, NotRun).
-type faultSpan struct {
-	client   int
-	from, to time.Duration // to: -1 while it lasts
-}
-
-// spanStart records the start of a fault span.
-func (h *history) spanStart(client int) *faultSpan {
+// spanStart records the start of a fault span of client (-1: the backend's
+// not-run window).
+func (h *history) spanStart(client int) *nemesisrun.Span {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	sp := &faultSpan{client: client, from: h.now(), to: -1}
-	h.spans = append(h.spans, sp)
-	return sp
+	return h.spans.Start(client, h.now())
 }
 
 // spanEnd records the end of sp, if it has not ended.
-func (h *history) spanEnd(sp *faultSpan) {
+func (h *history) spanEnd(sp *nemesisrun.Span) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if sp.to < 0 {
-		sp.to = h.now()
-	}
+	sp.End(h.now())
 }
 
 // stallBounds are the margins of the stall check: latency, the most a
@@ -46,42 +36,16 @@ type stallBounds struct {
 }
 
 // heldUntil is when a request that client sent before t may land at the
-// latest: t, or the heal of a partition of client that t falls in; then
-// the latency.
+// latest (see nemesisrun.Spans.HeldUntil).
 func (h *history) heldUntil(client int, t time.Duration, b stallBounds) time.Duration {
-	end := t
-	for _, sp := range h.spans {
-		if sp.client == client && sp.from <= t && (sp.to < 0 || sp.to >= t) {
-			if sp.to < 0 {
-				return time.Duration(1<<62 - 1)
-			}
-			end = max(end, sp.to)
-		}
-	}
-	return end + b.latency
+	return h.spans.HeldUntil(client, t, b.latency)
 }
 
-// settledBy is when a step that client starts at t to give a name back (and
-// sends again until the backend runs it) has landed at the latest: after
-// every partition of client and every not-run window that begins before it
-// could land, and the settle margin.
+// settledBy is when a step that client starts at t to give a name back (a
+// waiter's leave, a TryAcquire's cleanup) has landed at the latest (see
+// nemesisrun.Spans.SettledBy).
 func (h *history) settledBy(client int, t time.Duration, b stallBounds) time.Duration {
-	x := t
-	for changed := true; changed; {
-		changed = false
-		for _, sp := range h.spans {
-			if sp.client != client && sp.client != -1 || sp.from > x+b.settle || sp.to >= 0 && sp.to < t {
-				continue
-			}
-			if sp.to < 0 {
-				return time.Duration(1<<62 - 1)
-			}
-			if sp.to > x {
-				x, changed = sp.to, true
-			}
-		}
-	}
-	return x + b.latency + b.settle
+	return h.spans.SettledBy(client, t, b.latency, b.settle)
 }
 
 // refusal reports whether err is the backend's answer that the name is held:

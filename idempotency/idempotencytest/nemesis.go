@@ -465,7 +465,7 @@ func (s NemesisSuite) runFaults(h *idemHistory, sched []idemFault, clients []*id
 			acts = append(acts, action{f.at, func() { p.Latency(f.lat[0], f.lat[1]) }},
 				action{f.at + f.d, func() { p.Latency(0, 0) }})
 		case "partition":
-			var sp *faultSpan
+			var sp *nemesisrun.Span
 			acts = append(acts, action{f.at, func() { sp = h.spanStart(f.client); p.Partition() }},
 				action{f.at + f.d, func() { p.Heal(); h.spanEnd(sp) }})
 		}
@@ -484,11 +484,7 @@ func (s NemesisSuite) runFaults(h *idemHistory, sched []idemFault, clients []*id
 		}
 	}
 	h.mu.Lock()
-	for _, sp := range h.spans {
-		if sp.to < 0 {
-			sp.to = h.now()
-		}
-	}
+	h.spans.EndClients(h.now())
 	h.mu.Unlock()
 }
 

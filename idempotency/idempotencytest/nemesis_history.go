@@ -13,6 +13,7 @@ import (
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/internal/nemesisrun"
 )
 
 // The outcomes an effect is planned to have when its context is live at its
@@ -89,7 +90,7 @@ type idemHistory struct {
 	// its Do.
 	owners map[string]*doOp
 	// spans are the clients' partitions, as applied.
-	spans []*faultSpan
+	spans nemesisrun.Spans
 }
 
 func newIdemHistory() *idemHistory {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/internal/nemesisrun"
 )
 
 // The moments at which the nemesis ends a caller's context while its Do
@@ -17,29 +18,18 @@ const (
 	leaveArm   = "arm"   // as its arm is about to be sent
 )
 
-// faultSpan is a stretch of a run during which a client's requests were held
-// back by a partition (held on the way, delivered on heal).
-type faultSpan struct {
-	client   int
-	from, to time.Duration // to: -1 while it lasts
-}
-
 // spanStart records the start of a partition of client.
-func (h *idemHistory) spanStart(client int) *faultSpan {
+func (h *idemHistory) spanStart(client int) *nemesisrun.Span {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	sp := &faultSpan{client: client, from: h.now(), to: -1}
-	h.spans = append(h.spans, sp)
-	return sp
+	return h.spans.Start(client, h.now())
 }
 
 // spanEnd records the heal of sp, if it has not healed.
-func (h *idemHistory) spanEnd(sp *faultSpan) {
+func (h *idemHistory) spanEnd(sp *nemesisrun.Span) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if sp.to < 0 {
-		sp.to = h.now()
-	}
+	sp.End(h.now())
 }
 
 // stallBounds are the margins of the stall check: latency, the most a
@@ -56,47 +46,17 @@ func (s NemesisSuite) stallBounds() stallBounds {
 	return stallBounds{latency: s.Lease/6 + 10*time.Millisecond, settle: s.Lease / 3, expiry: s.Lease / 6}
 }
 
-// forever stands for a bound that a partition still open at the end of the
-// run leaves unbounded.
-const forever = time.Duration(1<<62 - 1)
-
 // heldUntil is when a request that client sent before t may land at the
-// latest: t, or the heal of a partition of client that t falls in; then the
-// latency. Called with h.mu held.
+// latest (see nemesisrun.Spans.HeldUntil). Called with h.mu held.
 func (h *idemHistory) heldUntil(client int, t time.Duration, b stallBounds) time.Duration {
-	end := t
-	for _, sp := range h.spans {
-		if sp.client == client && sp.from <= t && (sp.to < 0 || sp.to >= t) {
-			if sp.to < 0 {
-				return forever
-			}
-			end = max(end, sp.to)
-		}
-	}
-	return end + b.latency
+	return h.spans.HeldUntil(client, t, b.latency)
 }
 
 // settledBy is when a give-back that client started by t (and sends again
-// until the store answers) has landed at the latest: after every partition
-// of client that begins before it could land, then the latency and the
-// settle margin. Called with h.mu held.
+// until the store answers) has landed at the latest (see
+// nemesisrun.Spans.SettledBy). Called with h.mu held.
 func (h *idemHistory) settledBy(client int, t time.Duration, b stallBounds) time.Duration {
-	x := t
-	for changed := true; changed; {
-		changed = false
-		for _, sp := range h.spans {
-			if sp.client != client || sp.from > x+b.settle || sp.to >= 0 && sp.to < t {
-				continue
-			}
-			if sp.to < 0 {
-				return forever
-			}
-			if sp.to > x {
-				x, changed = sp.to, true
-			}
-		}
-	}
-	return x + b.latency + b.settle
+	return h.spans.SettledBy(client, t, b.latency, b.settle)
 }
 
 // claimTrace is what the store saw of one Do's claims: the owners of the
