@@ -13,6 +13,7 @@ import (
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
+	"github.com/fencekit/fencekit/idempotency/internal/testbug"
 )
 
 // Effect performs the side effect once. effectKey is derived from the key and
@@ -729,7 +730,9 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 	if ctx.Err() != nil {
 		// The caller left while the claim was answered: never arm, and free
 		// the key, whether or not the store would still take the arm.
-		releaseClaim(cctx, s, rec)
+		if !testbug.ClaimLeftHeld.Load() {
+			releaseClaim(cctx, s, rec)
+		}
 		return Record{}, time.Time{}, fmt.Errorf("idempotency: key %q: not started: %w", rec.Key, context.Cause(ctx))
 	}
 	sent := time.Now() // the arm's lease starts no earlier than this
@@ -760,7 +763,10 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 		}
 		if ctx.Err() != nil {
 			// The caller is gone: do not start the effect; free the key.
-			rerr := release(cctx, s, rec, got.State)
+			var rerr error
+			if got.State != Claimed || !testbug.ClaimLeftHeld.Load() {
+				rerr = release(cctx, s, rec, got.State)
+			}
 			return Record{}, sent, errors.Join(fmt.Errorf("idempotency: key %q: not started: %w", rec.Key, context.Cause(ctx)), rerr)
 		}
 		sent = time.Now()

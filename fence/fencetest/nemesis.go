@@ -472,12 +472,11 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	for _, c := range clients {
 		c.probe = pr.after
 	}
-	stopLag := make(chan struct{})
-	lagDone := make(chan struct{})
-	go func() {
-		defer close(lagDone)
-		h.meterLag(stopLag)
-	}()
+	stopLag := nemesisrun.MeterLag(func(late time.Duration) {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		h.lags = append(h.lags, nemesisrun.Lag{At: h.now(), Late: late})
+	})
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -493,8 +492,7 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	}
 	wg.Wait()
 	pr.wg.Wait()
-	close(stopLag)
-	<-lagDone
+	stopLag()
 	ended := time.Now()
 	if r, ok := dw.(fence.Reader); ok {
 		for _, name := range names {
@@ -572,7 +570,7 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 				}
 			}})
 		case "partition":
-			var sp *faultSpan
+			var sp *nemesisrun.Span
 			acts = append(acts, action{f.at, func() {
 				sp = h.spanStart(f.client)
 				for _, p := range f.takes(c) {
@@ -624,11 +622,7 @@ func (s NemesisSuite) runFaults(t *testing.T, h *history, sched []fault, clients
 		}
 	}
 	h.mu.Lock()
-	for _, sp := range h.spans {
-		if sp.client >= 0 && sp.to < 0 {
-			sp.to = h.now()
-		}
-	}
+	h.spans.EndClients(h.now())
 	h.mu.Unlock()
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/anishathalye/porcupine"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/nemesisrun"
 )
 
 // history is the record of one nemesis run: every call with its invocation
@@ -28,8 +29,8 @@ type history struct {
 	ops        []*nemOp
 	leases     map[string][]*leaseRec
 	deletes    map[string][]*nemOp // each DeleteState call, ret -1 while it runs
-	spans      []*faultSpan        // partitions and not-run windows, for checkStalls
-	lags       []lagSample         // moments the test process ran late, for checkStalls
+	spans      nemesisrun.Spans    // partitions and not-run windows, for checkStalls
+	lags       nemesisrun.Lags     // moments the test process ran late, for checkStalls
 	violations []string
 }
 

@@ -9,32 +9,22 @@ import (
 	"time"
 
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/nemesisrun"
 )
 
-// faultSpan is a stretch of a run during which requests were held back: a
-// client's partition (held on the way, delivered on heal), or the backend's
-// window of replies that say a step did not run (client -1, NotRun).
-type faultSpan struct {
-	client   int
-	from, to time.Duration // to: -1 while it lasts
-}
-
-// spanStart records the start of a fault span.
-func (h *history) spanStart(client int) *faultSpan {
+// spanStart records the start of a fault span of client (-1: the backend's
+// not-run window).
+func (h *history) spanStart(client int) *nemesisrun.Span {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	sp := &faultSpan{client: client, from: h.now(), to: -1}
-	h.spans = append(h.spans, sp)
-	return sp
+	return h.spans.Start(client, h.now())
 }
 
 // spanEnd records the end of sp, if it has not ended.
-func (h *history) spanEnd(sp *faultSpan) {
+func (h *history) spanEnd(sp *nemesisrun.Span) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if sp.to < 0 {
-		sp.to = h.now()
-	}
+	sp.End(h.now())
 }
 
 // stallBounds are the margins of the stall check: latency, the most a
@@ -47,83 +37,18 @@ type stallBounds struct {
 	latency, settle, expiry time.Duration
 }
 
-// lagSample is a moment when the test process ran late: a timer due at
-// at-lag fired at at.
-type lagSample struct{ at, lag time.Duration }
-
-// meterLag records, until stop is closed, each moment a 5ms timer fires
-// more than a millisecond late. On a loaded machine the clients, the proxies
-// and a local backend run late by as much, so the stall check's bounds
-// stretch by the largest lag seen around the moment each one bounds (lagIn):
-// a request may land that much later than an idle machine would let it.
-func (h *history) meterLag(stop <-chan struct{}) {
-	const tick = 5 * time.Millisecond
-	t := time.NewTimer(tick)
-	defer t.Stop()
-	for {
-		due := time.Now().Add(tick)
-		t.Reset(tick)
-		select {
-		case <-stop:
-			return
-		case <-t.C:
-		}
-		if lag := time.Since(due); lag > time.Millisecond {
-			h.mu.Lock()
-			h.lags = append(h.lags, lagSample{h.now(), lag})
-			h.mu.Unlock()
-		}
-	}
-}
-
-// lagIn is the largest lag recorded from from to to; h.mu is held.
-func (h *history) lagIn(from, to time.Duration) time.Duration {
-	var most time.Duration
-	for _, l := range h.lags {
-		if l.at >= from && l.at-l.lag <= to {
-			most = max(most, l.lag)
-		}
-	}
-	return most
-}
-
 // heldUntil is when a request that client sent before t may land at the
-// latest: t, or the heal of a partition of client that t falls in; then
-// the latency, stretched by the lag around then.
+// latest (see nemesisrun.Spans.HeldUntil), stretched by the lag around
+// then (nemesisrun.Lags.In).
 func (h *history) heldUntil(client int, t time.Duration, b stallBounds) time.Duration {
-	end := t
-	for _, sp := range h.spans {
-		if sp.client == client && sp.from <= t && (sp.to < 0 || sp.to >= t) {
-			if sp.to < 0 {
-				return time.Duration(1<<62 - 1)
-			}
-			end = max(end, sp.to)
-		}
-	}
-	return end + b.latency + h.lagIn(t, end+2*b.latency)
+	return h.lags.Stretch(t, h.spans.HeldUntil(client, t, b.latency), b.latency)
 }
 
-// settledBy is when a step that client starts at t to give a name back (and
-// sends again until the backend runs it) has landed at the latest: after
-// every partition of client and every not-run window that begins before it
-// could land, and the settle margin, stretched by the lag around then.
+// settledBy is when a step that client starts at t to give a name back (a
+// waiter's leave, a TryAcquire's cleanup) has landed at the latest (see
+// nemesisrun.Spans.SettledBy), stretched by the lag around then.
 func (h *history) settledBy(client int, t time.Duration, b stallBounds) time.Duration {
-	x := t
-	for changed := true; changed; {
-		changed = false
-		for _, sp := range h.spans {
-			if sp.client != client && sp.client != -1 || sp.from > x+b.settle || sp.to >= 0 && sp.to < t {
-				continue
-			}
-			if sp.to < 0 {
-				return time.Duration(1<<62 - 1)
-			}
-			if sp.to > x {
-				x, changed = sp.to, true
-			}
-		}
-	}
-	return x + b.latency + b.settle + h.lagIn(t, x+2*(b.latency+b.settle))
+	return h.lags.Stretch(t, h.spans.SettledBy(client, t, b.latency, b.settle), b.latency+b.settle)
 }
 
 // refusal reports whether err is the backend's answer that the name is held:
@@ -249,7 +174,7 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 			if n++; n <= 5 {
 				fail("liveness: client %d's TryAcquire of %q at %v..%v was refused (%v) although no lease could hold the name then and every grant in doubt had been given back: a name held by nobody (the test process ran up to %v late in the ttl before)%s",
 					op.client, op.name, op.call.Round(time.Microsecond), op.ret.Round(time.Microsecond), op.err,
-					h.lagIn(op.call-ttl, op.ret).Round(time.Microsecond), h.nearStall(op, holds[op.name], ttl))
+					h.lags.In(op.call-ttl, op.ret).Round(time.Microsecond), h.nearStall(op, holds[op.name], ttl))
 			}
 		}
 	}

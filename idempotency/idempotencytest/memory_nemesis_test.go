@@ -38,6 +38,11 @@ const (
 	// (a cut connection, a timeout) as done, as a Do that takes a lost
 	// completion reply for success would.
 	bugCompleteLostAsDone = "complete-lost-as-done"
+	// Do leaves a claim whose effect never started held, instead of giving
+	// it back, when the caller's context ends before the arm: the key is in
+	// progress for nobody until the claim's lease ends (the switch is
+	// testbug.ClaimLeftHeld, set by mutantFromEnv).
+	bugClaimLeftHeld = "claim-left-held"
 )
 
 // nemesisMutants are the bugs TestNemesisMutantsKilled shows the nemesis
@@ -49,6 +54,7 @@ var nemesisMutants = []struct {
 	{bugClaimByFingerprint, 12},
 	{bugRenewNotSent, 10},
 	{bugCompleteLostAsDone, 16},
+	{bugClaimLeftHeld, 4},
 }
 
 // The in-memory store over TCP, one JSON request line and one JSON reply line
@@ -323,7 +329,7 @@ func TestNemesisMutantsKilled(t *testing.T) {
 			}
 			passed := len(regexp.MustCompile(`--- PASS: TestMemoryNemesis/seed=`).FindAllString(string(out), -1))
 			first := "?"
-			for _, l := range regexp.MustCompile(`nemesis(?:_history)?\.go:\d+: (.*)`).FindAllStringSubmatch(string(out), -1) {
+			for _, l := range regexp.MustCompile(`nemesis(?:_history|_stall)?\.go:\d+: (.*)`).FindAllStringSubmatch(string(out), -1) {
 				if !strings.HasPrefix(l[1], "nemesis seed ") && !strings.HasPrefix(l[1], "history (") {
 					first = l[1]
 					break

@@ -14,6 +14,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/internal/testbug"
 )
 
 // The mutants: each switch gives memStore one realistic bug, and TestMutantsKilled
@@ -226,7 +227,8 @@ func (s *memStore) Purge(ctx context.Context) (int, error) {
 const mutantEnv = "IDEMPOTENCYTEST_MUTANT"
 
 // mutantFromEnv returns the mutant named by mutantEnv, or an error for a name
-// that is not a mutant (so a typo cannot pass for a kill).
+// that is not a mutant (so a typo cannot pass for a kill). For a mutant of Do
+// itself (bugClaimLeftHeld) it turns on Do's test-only switch.
 func mutantFromEnv() (string, error) {
 	m := os.Getenv(mutantEnv)
 	if m == "" {
@@ -239,6 +241,10 @@ func mutantFromEnv() (string, error) {
 	}
 	for _, k := range nemesisMutants {
 		if k.bug == m {
+			if m == bugClaimLeftHeld {
+				// A bug of Do itself, not of the store: its switch is Do's.
+				testbug.ClaimLeftHeld.Store(true)
+			}
 			return m, nil
 		}
 	}

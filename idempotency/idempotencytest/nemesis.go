@@ -34,8 +34,12 @@ import (
 //     Every Do has the suite's short Lease and a CompleteTimeout of one to
 //     three leases; one in four waits for another owner (Options.Wait), two
 //     in three have a Reconcile hook (which asks the ledger, as a provider
-//     would be asked), and about one in five has a caller that leaves (its
-//     context ends) at a random moment within 1.5 leases. The effect pauses
+//     would be asked), about one in five has a caller that leaves (its
+//     context ends) at a random moment within 1.5 leases, and about one in
+//     eleven one that leaves while Do holds the claim, before the effect: as
+//     the claim's (or takeover's) reply comes, or as the arm is sent. After
+//     such a claim was given back, a probe (a Do that does not wait, on a
+//     Direct store) tries the key a little later. The effect pauses
 //     (at times past the lease, cooperatively or not), then, in one step with
 //     the ledger, checks its context: done, it returns NotSent; live, it
 //     succeeds, fails definitively, says NotSent, or returns an ambiguous
@@ -62,7 +66,13 @@ import (
 // allowed unless a Do reported the key completed or failed; (4) once the
 // faults have healed, a Do on every key, waiting for other owners, returns a
 // result, ErrUnknown or a replayed failure within the settle time of the
-// clients' last claims (3 leases), a lease and a margin.
+// clients' last claims (3 leases), a lease and a margin; (5) a Do turned
+// away (ErrInProgress) by another Do's claim was turned away while that
+// claim could be live: not after the claim was given back (a release of it
+// returned, or its caller left before the effect and Do frees the key
+// before it returns) and the give-back could land, allowing for partitions,
+// latency and a settle margin, nor after its lease ran out past every
+// request of its Do that may have landed (see checkStalls).
 //
 // A failure logs the seed, the fault schedule, the command that replays the
 // seed and the history.
@@ -274,19 +284,46 @@ type nemStore struct {
 	c *idemClient
 }
 
+// Begin, Update and Get also tell the history about the claims of the Do
+// they serve (see nemCall).
 func (n nemStore) Begin(ctx context.Context, key, fingerprint, owner string, lease time.Duration) (idempotency.Record, bool, error) {
+	nc := callOf(ctx)
+	nc.claiming(owner)
 	n.c.arm(nemClaim)
-	return n.Store.Begin(ctx, key, fingerprint, owner, lease)
+	rec, created, err := n.Store.Begin(ctx, key, fingerprint, owner, lease)
+	if err == nil && rec.Owner == owner && rec.State == idempotency.Claimed {
+		nc.answered(owner)
+	}
+	return rec, created, err
 }
 
 func (n nemStore) Update(ctx context.Context, key string, from idempotency.State, fromFence fence.Token, ch idempotency.Change) (idempotency.Record, error) {
-	n.c.arm(stepOf(from, ch))
-	return n.Store.Update(ctx, key, from, fromFence, ch)
+	nc, step := callOf(ctx), stepOf(from, ch)
+	switch step {
+	case nemTakeover:
+		nc.claiming(ch.Owner)
+	case nemArm:
+		nc.arming(ch.Owner)
+	}
+	n.c.arm(step)
+	rec, err := n.Store.Update(ctx, key, from, fromFence, ch)
+	switch {
+	case err != nil:
+	case step == nemTakeover:
+		nc.answered(ch.Owner)
+	case step == nemRelease:
+		nc.released(ch.Owner)
+	}
+	return rec, err
 }
 
 func (n nemStore) Get(ctx context.Context, key string) (idempotency.Record, error) {
 	n.c.arm(nemGet)
-	return n.Store.Get(ctx, key)
+	rec, err := n.Store.Get(ctx, key)
+	if err == nil {
+		callOf(ctx).read(rec)
+	}
+	return rec, err
 }
 
 // nemNotifier is nemStore for a store that wakes waiters.
@@ -335,26 +372,35 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	}
 
 	h := newIdemHistory()
+	stopLag := nemesisrun.MeterLag(func(late time.Duration) {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		h.lags = append(h.lags, nemesisrun.Lag{At: h.now(), Late: late})
+	})
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		s.runFaults(h, sched, clients, faultsEnd)
 	}()
+	pr := &prober{s: s, h: h, c: &idemClient{id: s.Clients, st: s.Direct(t)}}
 	for _, c := range clients {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			s.runClient(h, c, ring)
+			s.runClient(h, c, ring, pr)
 		}()
 	}
 	wg.Wait()
+	pr.wg.Wait()
+	stopLag()
 	ended := time.Now()
 
 	fail := func(format string, args ...any) {
 		t.Helper()
 		t.Errorf(format, args...)
 	}
+	h.checkStalls(fail, lease, s.stallBounds())
 	direct := s.Direct(t)
 	keys := h.keys()
 	s.checkLive(fail, h, direct, keys, ended)
@@ -385,8 +431,8 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 	if clients[0].px == nil {
 		faults = "no network faults (no proxy)"
 	}
-	t.Logf("nemesis seed %d: %d calls of Do on %d keys, %d runs of the effect (%s), %s: history checked",
-		seed, len(h.dos), len(keys), len(h.runs), h.outcomes(), faults)
+	t.Logf("nemesis seed %d: %d calls of Do on %d keys, %d runs of the effect (%s), %s, %s: history checked",
+		seed, len(h.dos), len(keys), len(h.runs), h.outcomes(), h.stallCounts(), faults)
 }
 
 // runFaults applies sched, then heals every proxy at end.
@@ -425,7 +471,9 @@ func (s NemesisSuite) runFaults(h *idemHistory, sched []idemFault, clients []*id
 			acts = append(acts, action{f.at, func() { p.Latency(f.lat[0], f.lat[1]) }},
 				action{f.at + f.d, func() { p.Latency(0, 0) }})
 		case "partition":
-			acts = append(acts, action{f.at, p.Partition}, action{f.at + f.d, p.Heal})
+			var sp *nemesisrun.Span
+			acts = append(acts, action{f.at, func() { sp = h.spanStart(f.client); p.Partition() }},
+				action{f.at + f.d, func() { p.Heal(); h.spanEnd(sp) }})
 		}
 	}
 	slices.SortStableFunc(acts, func(a, b action) int { return int(a.at - b.at) })
@@ -441,10 +489,13 @@ func (s NemesisSuite) runFaults(h *idemHistory, sched []idemFault, clients []*id
 			c.px.Latency(0, 0)
 		}
 	}
+	h.mu.Lock()
+	h.spans.EndClients(h.now())
+	h.mu.Unlock()
 }
 
 // runClient calls Do until the run's Duration has passed.
-func (s NemesisSuite) runClient(h *idemHistory, c *idemClient, ring keyRing) {
+func (s NemesisSuite) runClient(h *idemHistory, c *idemClient, ring keyRing, pr *prober) {
 	lease := s.Lease
 	st := c.store()
 	for time.Since(h.start) < s.Duration {
@@ -455,13 +506,14 @@ func (s NemesisSuite) runClient(h *idemHistory, c *idemClient, ring keyRing) {
 			gen -= 1 + c.rng.IntN(min(gen, 6))
 		}
 		key := ring.name(gen, c.rng.IntN(ring.n))
-		s.call(h, c, st, key)
+		pr.after(s.call(h, c, st, key))
 		time.Sleep(time.Duration(c.rng.Int64N(int64(lease / 10)))) // pacing, not a synchronisation
 	}
 }
 
-// call makes one Do with choices drawn from the client's random source.
-func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, key string) {
+// call makes one Do with choices drawn from the client's random source and
+// returns it.
+func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, key string) *doOp {
 	lease := s.Lease
 	rng := c.rng
 	between := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(rng.Int64N(int64(hi-lo)+1)) }
@@ -493,6 +545,12 @@ func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, 
 	if rng.IntN(100) < 22 {
 		bound = between(0, lease+lease/2) // the caller leaves mid-Do
 		op.leaves = bound
+	} else if r := rng.IntN(100); r < 12 {
+		// The caller leaves while Do holds the claim, before the effect.
+		op.leaveAt = leaveClaim
+		if r < 4 {
+			op.leaveAt = leaveArm
+		}
 	}
 	o := &idempotency.Options{
 		Owner:           fmt.Sprintf("c%d", c.id),
@@ -501,6 +559,13 @@ func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, 
 		Wait:            op.wait,
 		CompleteTimeout: between(lease, 3*lease),
 	}
+	s.do(h, op, st, o, bound)
+	return op
+}
+
+// do calls Do for op with o, its context ending after bound (or when the
+// nemesis makes its caller leave), and records it.
+func (s NemesisSuite) do(h *idemHistory, op *doOp, st idempotency.Store, o *idempotency.Options, bound time.Duration) {
 	op.completeTimeout = o.CompleteTimeout
 	h.begin(op)
 	if op.reconcile {
@@ -508,7 +573,8 @@ func (s NemesisSuite) call(h *idemHistory, c *idemClient, st idempotency.Store, 
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
-	res, err := idempotency.Do(ctx, st, key, "fp", h.effect(op), o)
+	ctx = context.WithValue(ctx, nemCallKey{}, &nemCall{h: h, op: op, leave: cancel})
+	res, err := idempotency.Do(ctx, st, op.key, "fp", h.effect(op), o)
 	h.end(op, res, err)
 }
 

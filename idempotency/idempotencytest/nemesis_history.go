@@ -13,6 +13,7 @@ import (
 
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/internal/nemesisrun"
 )
 
 // The outcomes an effect is planned to have when its context is live at its
@@ -38,12 +39,15 @@ type effectPlan struct {
 // doOp is one call of Do.
 type doOp struct {
 	id              int
-	client          int // -1: the liveness check after the run
+	client          int  // -1: the liveness check after the run
+	probe           bool // a probe after a give-back (see prober)
 	key             string
 	plan            effectPlan
 	wait, reconcile bool
 	leaves          time.Duration // the caller's context ends this long after the call; 0: 8 leases
+	leaveAt         string        // the caller's context ends as its claim's reply comes (leaveClaim) or as its arm is sent (leaveArm)
 	completeTimeout time.Duration
+	claims          claimTrace // its claims as the store saw them
 
 	call, ret  time.Duration
 	res        idempotency.Result
@@ -82,10 +86,17 @@ type idemHistory struct {
 	byEK map[string][]*effectRun
 	// reconciledDone holds the effect keys a Reconcile hook found done.
 	reconciledDone map[string]bool
+	// owners maps the owner of every claim and takeover a client sent to
+	// its Do.
+	owners map[string]*doOp
+	// spans are the clients' partitions, as applied.
+	spans nemesisrun.Spans
+	// lags are the moments the test process ran late.
+	lags nemesisrun.Lags
 }
 
 func newIdemHistory() *idemHistory {
-	return &idemHistory{start: time.Now(), byEK: map[string][]*effectRun{}, reconciledDone: map[string]bool{}}
+	return &idemHistory{start: time.Now(), byEK: map[string][]*effectRun{}, reconciledDone: map[string]bool{}, owners: map[string]*doOp{}}
 }
 
 func (h *idemHistory) now() time.Duration { return time.Since(h.start) }
@@ -453,8 +464,11 @@ func (h *idemHistory) dump(recs map[string]*idempotency.Record) string {
 	var lines []line
 	for _, op := range h.dos {
 		who := fmt.Sprintf("client %d", op.client)
-		if op.client < 0 {
+		switch {
+		case op.client < 0:
 			who = "liveness"
+		case op.probe:
+			who = "probe"
 		}
 		var opts []string
 		if op.wait {
@@ -465,6 +479,16 @@ func (h *idemHistory) dump(recs map[string]*idempotency.Record) string {
 		}
 		if op.leaves > 0 {
 			opts = append(opts, fmt.Sprintf("caller leaves at +%v", op.leaves.Round(time.Microsecond)))
+		}
+		switch {
+		case !op.claims.left:
+		case op.leaveAt == leaveClaim:
+			opts = append(opts, "caller left at its claim's reply")
+		case op.leaveAt == leaveArm:
+			opts = append(opts, "caller left at its arm")
+		}
+		if ok, at := op.gaveBack(); ok {
+			opts = append(opts, fmt.Sprintf("claim %s given back by %v", op.claims.last(), at.Round(time.Microsecond)))
 		}
 		opts = append(opts, fmt.Sprintf("complete within %v", op.completeTimeout.Round(time.Millisecond)))
 		plan := op.plan.outcome
