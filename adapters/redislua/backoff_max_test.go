@@ -21,19 +21,13 @@ import (
 func TestWaiterKeepsItsPlaceWithAHugeBackoffMax(t *testing.T) {
 	c := testenv.RedisClient(t)
 	ctx := context.Background()
-	holder, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	holder := newAcquirerOn(t, c, nil)
 	waiter, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Backoff: fence.Backoff{Max: 1 << 61}})
 	if err != nil {
 		t.Fatalf("NewAcquirer with Backoff.Max 1<<61: %v", err)
 	}
 	name := fencetest.Name("hugemax")
-	held, err := holder.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	held := mustTryAcquire(ctx, t, holder, name, time.Minute)
 	defer func() { _ = held.Release(ctx) }()
 
 	const ttl = 8 * time.Second // the waiter polls every ttl/4 = 2s

@@ -22,15 +22,9 @@ import (
 func TestWaitEndingWhileBusyReturnsSoonAfterDeadline(t *testing.T) {
 	b := startBusyRedis(t)
 	ctx := context.Background()
-	a, err := redislua.NewAcquirer(b.c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, b.c, nil)
 	name := fencetest.Name("busy-deadline")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, time.Minute)
 	deadline := time.Now().Add(2 * time.Second)
 	wctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
@@ -83,20 +77,11 @@ func (c lateSubscriber) Subscribe(ctx context.Context, channels ...string) *redi
 func TestWaitWhoseSubscribeIsBusyUntilDeadlineSaysNotRun(t *testing.T) {
 	b := startBusyRedis(t)
 	ctx := context.Background()
-	holder, err := redislua.NewAcquirer(b.admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	holder := newAcquirerOn(t, b.admin, nil)
 	c := lateSubscriber{Client: b.c, gate: make(chan struct{})}
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, c, nil)
 	name := fencetest.Name("busy-sub")
-	h, err := holder.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, holder, name, time.Minute)
 	deadline := time.Now().Add(2 * time.Second)
 	wctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
@@ -138,25 +123,13 @@ func TestReleaseAfterLongBusyDoesNotGrantDepartedWaiter(t *testing.T) {
 	b := startBusyRedis(t)
 	ctx := context.Background()
 	const ttl = 2 * time.Second
-	holder, err := redislua.NewAcquirer(b.admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	holder := newAcquirerOn(t, b.admin, nil)
 	// Places in line live five polls of 2s: the departed waiter's outlives
 	// the script.
-	a, err := redislua.NewAcquirer(b.c, &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: 2 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, b.c, &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: 2 * time.Second}})
 	name, other := fencetest.Name("busy-departed"), fencetest.Name("busy-other")
-	h, err := holder.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ho, err := holder.TryAcquire(ctx, other, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, holder, name, time.Minute)
+	ho := mustTryAcquire(ctx, t, holder, other, time.Minute)
 	defer ho.Release(ctx)
 	// Another waiter of the same acquirer keeps its grant subscription.
 	octx, ocancel := context.WithTimeout(ctx, time.Minute)
@@ -187,10 +160,7 @@ func TestReleaseAfterLongBusyDoesNotGrantDepartedWaiter(t *testing.T) {
 		t.Fatalf("holder's release: %v", err)
 	}
 	released := time.Now()
-	third, err := redislua.NewAcquirer(b.admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	third := newAcquirerOn(t, b.admin, nil)
 	var heldBy string
 	for {
 		l, err := third.TryAcquire(ctx, name, time.Second)

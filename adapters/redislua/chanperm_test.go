@@ -42,15 +42,9 @@ func noChannelUser(t *testing.T) (nochan, admin *redis.Client) {
 func TestAcquireWithoutChannelPermissionPolls(t *testing.T) {
 	nochan, _ := noChannelUser(t)
 	ctx := context.Background()
-	a, err := redislua.NewAcquirer(nochan, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, nochan, nil)
 	name := fencetest.Name("nochan")
-	h, err := a.TryAcquire(ctx, name, 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, 2*time.Second)
 	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	l, err := a.Acquire(wctx, name, time.Minute)
@@ -72,19 +66,13 @@ func TestAcquireWithoutChannelPermissionPolls(t *testing.T) {
 func TestWaitWithoutChannelPermissionSaysWhy(t *testing.T) {
 	nochan, _ := noChannelUser(t)
 	ctx := context.Background()
-	a, err := redislua.NewAcquirer(nochan, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, nochan, nil)
 	name := fencetest.Name("nochan-why")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, time.Minute)
 	defer h.Release(ctx)
 	wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 	defer cancel()
-	_, err = a.Acquire(wctx, name, time.Minute)
+	_, err := a.Acquire(wctx, name, time.Minute)
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || err == nil || !strings.Contains(err.Error(), "NOPERM") {
 		t.Errorf("a wait that ended without channel permission: %v, want ErrHeld, DeadlineExceeded and Redis's NOPERM", err)
 	}
@@ -97,52 +85,22 @@ func TestWaitWithoutChannelPermissionSaysWhy(t *testing.T) {
 func TestReleaseWithoutChannelPermissionToWaiterInLine(t *testing.T) {
 	nochan, admin := noChannelUser(t)
 	ctx := context.Background()
-	ha, err := redislua.NewAcquirer(nochan, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	wa, err := redislua.NewAcquirer(admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ha := newAcquirerOn(t, nochan, nil)
+	wa := newAcquirerOn(t, admin, nil)
 	name := fencetest.Name("nochan-release")
-	h, err := ha.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, ha, name, time.Minute)
 	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		l, err := wa.Acquire(wctx, name, time.Minute)
-		done <- result{l, err}
-	}()
+	done := acquireInBackground(wctx, wa, name, time.Minute)
 	line := "fence:{" + name + "}:line"
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if n, _ := admin.LLen(ctx, line).Result(); n > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the waiter never joined the line")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitUntil(t, 30*time.Second, 5*time.Millisecond, func() (bool, string) {
+		n, _ := admin.LLen(ctx, line).Result()
+		return n > 0, "the waiter never joined the line"
+	})
 	if err := h.Release(ctx); err != nil {
 		t.Errorf("release by a user without channel permission, a waiter in line: %v", err)
 	}
-	r := <-done
-	if r.err != nil {
-		t.Fatalf("the waiter after the release: %v", r.err)
-	}
-	defer r.l.Release(ctx)
-	if r.l.Token() <= h.Token() {
-		t.Errorf("token %d after the holder's %d", r.l.Token(), h.Token())
-	}
+	grantedAfter(t, done, h, "the waiter after the release")
 }
 
 // TestIdempotencyCompletionWithoutChannelPermission: a store whose Redis user

@@ -27,10 +27,7 @@ func TestCluster(t *testing.T) {
 		opts redislua.AcquirerOptions
 	}{{"acquirer", redislua.AcquirerOptions{}}, {"acquirer-counter-tokens", redislua.AcquirerOptions{CounterTokens: true}}} {
 		t.Run(o.name, func(t *testing.T) {
-			a, err := redislua.NewAcquirer(c, &o.opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, c, &o.opts)
 			// With CounterTokens a deleted counter restarts at 1, as that
 			// option documents: that mode does not claim to survive it.
 			deleteState := deleteClusterNameKeys(c)
@@ -72,10 +69,7 @@ func TestClusterSlotMigration(t *testing.T) {
 	rc := testenv.StartRedisCluster(t, 3)
 	c := rc.Client(t)
 	ctx := context.Background()
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, c, nil)
 	w, err := redislua.NewWriter(c, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -92,10 +86,7 @@ func TestClusterSlotMigration(t *testing.T) {
 	// The lease must outlast the migration's steps up to its Renew (moving
 	// keys, one refused grant bounded at 2s): 15s, for a loaded machine (a
 	// 5s lease ended before its Renew under a full run's load).
-	l1, err := a.TryAcquire(ctx, name, 15*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l1 := mustTryAcquire(ctx, t, a, name, 15*time.Second)
 	if err := w.Write(ctx, name, []byte("first holder"), l1.Token()); err != nil {
 		t.Fatal(err)
 	}

@@ -31,10 +31,7 @@ func TestCallsKeepTheirContextDeadline(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := fencetest.Name("deadline")
-	l, err := a.TryAcquire(ctx, name, time.Minute) // connects and loads the scripts
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, a, name, time.Minute) // connects and loads the scripts
 	if err := w.Write(ctx, name, []byte("v"), l.Token()); err != nil {
 		t.Fatal(err)
 	}
@@ -114,10 +111,7 @@ func TestCallsKeepTheirContextDeadline(t *testing.T) {
 	// gone (a try landing later is refused) or releases what it granted.
 	p.Heal()
 	healed = true
-	other, err := redislua.NewAcquirer(testenv.RedisClient(t), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
 	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	ol, err := other.Acquire(actx, tried, time.Minute)
@@ -135,10 +129,7 @@ func proxiedAcquirer(t *testing.T, o redis.Options) (*faultnet.Proxy, *redis.Cli
 	o.Addr = p.Addr()
 	c := redis.NewClient(&o)
 	t.Cleanup(func() { c.Close() })
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, c, nil)
 	return p, c, a
 }
 
@@ -155,22 +146,10 @@ func TestAbandonedLockCallLandsLate(t *testing.T) {
 	// calls return (and write their results) while the test still runs.
 	p, _, a := proxiedAcquirer(t, redis.Options{ReadTimeout: 300 * time.Millisecond, MaxRetries: 1})
 	warm := fencetest.Name("late")
-	l, err := a.TryAcquire(ctx, warm, time.Minute) // connects and loads the scripts
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
+	warmUp(ctx, t, a, warm, time.Minute, false) // connects and loads the scripts
 	tried, waited := fencetest.Name("late"), fencetest.Name("late")
-	other, err := redislua.NewAcquirer(testenv.RedisClient(t), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	held, err := other.TryAcquire(ctx, waited, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
+	held := mustTryAcquire(ctx, t, other, waited, time.Minute)
 	p.Partition()
 	cctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
 	_, terr := a.TryAcquire(cctx, tried, time.Minute)
@@ -217,22 +196,13 @@ func TestAcquireEndsWithARequestInFlight(t *testing.T) {
 	ctx := context.Background()
 	p, _, a := proxiedAcquirer(t, redis.Options{ContextTimeoutEnabled: true})
 	warm := fencetest.Name("inflight")
-	l, err := a.TryAcquire(ctx, warm, time.Minute) // connects and loads the scripts
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, a, warm, time.Minute) // connects and loads the scripts
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	holder, err := redislua.NewAcquirer(testenv.RedisClient(t), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	holder := newAcquirerOn(t, testenv.RedisClient(t), nil)
 	name := fencetest.Name("inflight")
-	h, err := holder.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, holder, name, time.Minute)
 	defer h.Release(ctx)
 	p.Latency(100*time.Millisecond, 100*time.Millisecond)
 	wctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)

@@ -64,10 +64,7 @@ func TestFailoverLosesCounter(t *testing.T) {
 			primary, replica := replicated(t)
 			pc := redis.NewClient(&redis.Options{Addr: primary.Addr, MaxRetries: -1, DialTimeout: time.Second, ReadTimeout: 4 * time.Second})
 			t.Cleanup(func() { pc.Close() })
-			a, err := redislua.NewAcquirer(pc, &opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, pc, &opts)
 			if mode == "wait-replicas" {
 				long := opts
 				long.WaitTimeout = 5 * time.Second // the test client reads with a 4s timeout
@@ -76,10 +73,7 @@ func TestFailoverLosesCounter(t *testing.T) {
 				}
 			}
 			handedOut := []fence.Token{}
-			l1, err := a.TryAcquire(ctx, "job", time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l1 := mustTryAcquire(ctx, t, a, "job", time.Minute)
 			handedOut = append(handedOut, l1.Token())
 			if err := l1.Release(ctx); err != nil {
 				t.Fatal(err)
@@ -112,10 +106,7 @@ func TestFailoverLosesCounter(t *testing.T) {
 			opts.WaitReplicas = 0 // the promoted node has no replica left
 			a2, _ := redislua.NewAcquirer(rc, &opts)
 			// The lost grant's lock key is gone too: the new primary grants at once.
-			l3, err := a2.TryAcquire(ctx, "job", time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l3 := mustTryAcquire(ctx, t, a2, "job", time.Minute)
 			maxOut := handedOut[len(handedOut)-1]
 			t.Logf("%s: tokens handed out before the failover %v, after it %d", mode, handedOut, l3.Token())
 			switch mode {
@@ -160,10 +151,7 @@ func TestRestartWhileHeld(t *testing.T) {
 			if !errors.Is(cause, fence.ErrLost) || !errors.Is(err, fence.ErrLost) {
 				t.Fatalf("Hold across a restart: cause %v, returned %v; want ErrLost", cause, err)
 			}
-			l, err := a.TryAcquire(ctx, "job", time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustTryAcquire(ctx, t, a, "job", time.Second)
 			defer l.Release(ctx)
 			if floor && l.Token() <= token {
 				t.Errorf("with the floor, token %d after the restart is not above %d", l.Token(), token)

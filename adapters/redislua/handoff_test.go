@@ -46,10 +46,7 @@ func TestHandoffToLocalWaiter(t *testing.T) {
 	a, _ := redislua.NewAcquirer(c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("handoff")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, time.Minute)
 	got := make(chan fence.Lease, 1)
 	go func() {
 		l, err := a.Acquire(ctx, name, 30*time.Second)
@@ -99,10 +96,7 @@ func TestHandoffExpiredHolder(t *testing.T) {
 	a, _ := redislua.NewAcquirer(c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("expired")
-	h, err := a.TryAcquire(ctx, name, 100*time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, 100*time.Millisecond)
 	got := make(chan fence.Lease, 1)
 	go func() {
 		l, err := a.Acquire(ctx, name, time.Second)
@@ -200,10 +194,7 @@ func TestHandoffFairAcrossAcquirers(t *testing.T) {
 	)
 	// A blocker holds the lock until every local waiter and the remote one
 	// are in line, so the remote waiter always queues.
-	blocker, err := local.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	blocker := mustTryAcquire(ctx, t, local, name, time.Minute)
 	for w := 0; w < workers; w++ {
 		wg.Add(1)
 		go func() {

@@ -43,10 +43,7 @@ func TestHeadSpinOneWaiterInOrder(t *testing.T) {
 	})
 	var acqs []*redislua.Acquirer
 	for i := 0; i < 3; i++ {
-		a, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{HeadSpin: 20 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
+		a := newAcquirerOn(t, c, &redislua.AcquirerOptions{HeadSpin: 20 * time.Millisecond})
 		acqs = append(acqs, a)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -120,21 +117,12 @@ func TestHeadSpinOptions(t *testing.T) {
 // the wait, fence.Acquirer), and Acquire returns ErrHeld and the ctx error.
 func TestHeadSpinCtxEndsTheSpin(t *testing.T) {
 	c := testenv.RedisClient(t)
-	a, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, c, &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond})
+	b := newAcquirerOn(t, c, &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	name := fencetest.Name("spinctx")
-	h0, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h0 := mustTryAcquire(ctx, t, a, name, time.Minute)
 	// X, first in line, of a: its grant tells W (of b, second) it is next.
 	xGot := make(chan fence.Lease, 1)
 	go func() {
@@ -223,10 +211,7 @@ func TestHeadSpinCtxEndsTheSpin(t *testing.T) {
 // later poll round than its notice.
 func TestHeadSpinStopsForLongHolds(t *testing.T) {
 	c := testenv.RedisClient(t)
-	a, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{HeadSpin: 20 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, c, &redislua.AcquirerOptions{HeadSpin: 20 * time.Millisecond})
 	b, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{HeadSpin: 20 * time.Millisecond,
 		Backoff: fence.Backoff{Min: time.Millisecond, Max: 10 * time.Millisecond}})
 	if err != nil {
@@ -243,10 +228,7 @@ func TestHeadSpinStopsForLongHolds(t *testing.T) {
 	name := fencetest.Name("spinlong")
 	const rounds = 4
 	for r := 0; r < rounds; r++ {
-		h0, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		h0 := mustTryAcquire(ctx, t, a, name, time.Minute)
 		var wg sync.WaitGroup
 		wg.Add(2)
 		go func() {
@@ -299,10 +281,7 @@ func TestHeadSpinMixedLine(t *testing.T) {
 	}
 	var acqs []*redislua.Acquirer
 	for _, o := range opts {
-		a, err := redislua.NewAcquirer(c, o)
-		if err != nil {
-			t.Fatal(err)
-		}
+		a := newAcquirerOn(t, c, o)
 		acqs = append(acqs, a)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -317,10 +296,7 @@ func TestHeadSpinMixedLine(t *testing.T) {
 	// The dead waiter: second in line (told it is next when the first is
 	// granted), on a client that closes, as a process that died.
 	dc := testenv.RedisClient(t)
-	dead, err := redislua.NewAcquirer(dc, &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
+	dead := newAcquirerOn(t, dc, &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond})
 	const waiters = 10
 	var (
 		inside atomic.Int64
@@ -411,20 +387,14 @@ func TestHeadSpinLostReleaseReply(t *testing.T) {
 	pc := redis.NewClient(&redis.Options{Addr: p.Addr(), ReadTimeout: 500 * time.Millisecond})
 	t.Cleanup(func() { pc.Close() })
 	spin := &redislua.AcquirerOptions{HeadSpin: 50 * time.Millisecond}
-	ha, err := redislua.NewAcquirer(pc, spin)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ha := newAcquirerOn(t, pc, spin)
 	a, _ := redislua.NewAcquirer(direct, spin)
 	b, _ := redislua.NewAcquirer(direct, spin)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	name := fencetest.Name("spinlost")
 	const ttl = 20 * time.Second
-	h0, err := ha.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h0 := mustTryAcquire(ctx, t, ha, name, ttl)
 	got := make(chan string, 2)
 	errs := make(chan error, 2)
 	for i, acq := range []*redislua.Acquirer{a, b} {
@@ -472,19 +442,13 @@ func TestHeadSpinCutWhileSpinning(t *testing.T) {
 	t.Cleanup(func() { pc.Close() })
 	spin := &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond}
 	a, _ := redislua.NewAcquirer(direct, spin)
-	w, err := redislua.NewAcquirer(pc, spin)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newAcquirerOn(t, pc, spin)
 	c, _ := redislua.NewAcquirer(direct, spin)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	name := fencetest.Name("spincut")
 	const ttl = 20 * time.Second
-	h0, err := a.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h0 := mustTryAcquire(ctx, t, a, name, ttl)
 	cut := make(chan struct{})
 	var once sync.Once
 	redislua.ObserveSpins(t, func(acq *redislua.Acquirer, d int) {

@@ -20,10 +20,7 @@ func TestInspectAndBump(t *testing.T) {
 	if _, err := a.Inspect(ctx, name); !errors.Is(err, fence.ErrNotFound) {
 		t.Errorf("Inspect of an unknown name: %v", err)
 	}
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, a, name, time.Minute)
 	info, err := a.Inspect(ctx, name)
 	if err != nil || !info.Held || info.Token != l.Token() || info.Owner == "" || info.TimeLeft <= 50*time.Second || info.Counter != l.Token() {
 		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)

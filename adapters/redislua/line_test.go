@@ -25,24 +25,15 @@ func TestTokensSurviveCounterDelete(t *testing.T) {
 	w, _ := redislua.NewWriter(c, nil)
 	name, key := fencetest.Name("del"), fencetest.Name("delkey")
 	for i := 0; i < 3; i++ { // a few grants before the holder that stalls
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustTryAcquire(ctx, t, a, name, time.Minute)
 		l.Release(ctx)
 	}
-	stalled, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	stalled := mustTryAcquire(ctx, t, a, name, time.Minute)
 	lock := redislua.DefaultPrefix + "{" + name + "}"
 	if err := c.Del(ctx, lock+":token", lock+":lock").Err(); err != nil {
 		t.Fatal(err)
 	}
-	b, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := mustTryAcquire(ctx, t, a, name, time.Minute)
 	defer b.Release(ctx)
 	checkStaleRefused(t, w, key, b.Token(), stalled.Token(), "after the counter was deleted")
 }
@@ -112,10 +103,7 @@ func TestLineOutlivesItsExpiry(t *testing.T) {
 	redislua.SetLineLife(a1, life)
 	redislua.SetLineLife(a2, life)
 	name := fencetest.Name("linelife")
-	h, err := a1.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a1, name, time.Minute)
 	w1 := acquireAsync(ctx, a1, name)
 	waitInLine(t, c, name, 1)
 	// Three lives of the list pass with nobody new; the old waiter polls.
@@ -156,10 +144,7 @@ func TestUnheardWaiterKeepsPlace(t *testing.T) {
 	a1, _ := redislua.NewAcquirer(viaProxy(t, p, 0), &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: time.Second}})
 	a2, _ := redislua.NewAcquirer(c, nil)
 	name := fencetest.Name("unheard")
-	h, err := a2.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a2, name, time.Minute)
 	w1 := acquireAsync(ctx, a1, name)
 	waitInLine(t, c, name, 1)
 	channel := redislua.DefaultPrefix + "grant:" + redislua.AcquirerID(a1)
@@ -225,10 +210,7 @@ func TestRenewInDriftMarginDoesNotExtendKey(t *testing.T) {
 	other, _ := redislua.NewAcquirer(c, nil)
 	name := fencetest.Name("latrenew")
 	const ttl = 3 * time.Second
-	l, err := a.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, a, name, ttl)
 	<-l.Context().Done() // the local deadline: at most ttl - drift after the grant
 	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
 		t.Fatalf("Renew after the local deadline: %v, want ErrLost", err)

@@ -161,16 +161,11 @@ func TestAcquirerLostReply(t *testing.T) {
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
 		a, _ := redislua.NewAcquirer(c, nil)
 		name := fencetest.Name("lostacq")
-		warm, err := a.TryAcquire(ctx, name, ttl) // loads the script
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := warm.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
+		warmUp(ctx, t, a, name, ttl, false) // loads the script
 		for _, how := range []string{"TryAcquire", "Acquire"} {
 			loseNextScript(t, p)
 			var l fence.Lease
+			var err error
 			if how == "TryAcquire" {
 				l, err = a.TryAcquire(ctx, name, ttl)
 			} else {
@@ -254,10 +249,7 @@ func redlockViaProxies(t *testing.T, retries int) (*redislua.Redlock, []*faultne
 		nodes = append(nodes, viaProxy(t, p, retries))
 		direct = append(direct, srv.Client(t))
 	}
-	r, err := redislua.NewRedlock(nodes, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, nodes, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	return r, proxies, direct
 }
 
@@ -274,21 +266,9 @@ func TestRedlockLostReply(t *testing.T) {
 			ctx := context.Background()
 			// One lease loads the lock, renew and release scripts on every
 			// node, so the lost replies are the scripts' own, not NOSCRIPT.
-			warm, err := r.TryAcquire(ctx, fencetest.Name("rlwarm"), time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := warm.Renew(ctx); err != nil {
-				t.Fatal(err)
-			}
-			if err := warm.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
+			warmUp(ctx, t, r, fencetest.Name("rlwarm"), time.Minute, true)
 			name := fencetest.Name("rllost")
-			l, err := r.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustTryAcquire(ctx, t, r, name, time.Minute)
 			for _, p := range proxies {
 				loseNextScript(t, p)
 			}
@@ -324,13 +304,7 @@ func TestRedlockGrantLostReply(t *testing.T) {
 		t.Run(m.name, func(t *testing.T) {
 			r, proxies, direct := redlockViaProxies(t, m.retries)
 			ctx := context.Background()
-			warm, err := r.TryAcquire(ctx, fencetest.Name("rlwarm"), time.Minute) // loads the lock script
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := warm.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
+			warmUp(ctx, t, r, fencetest.Name("rlwarm"), time.Minute, false) // loads the lock script
 			name := fencetest.Name("rlgrant")
 			loseNextScript(t, proxies[0])
 			loseNextScript(t, proxies[1])
@@ -397,10 +371,7 @@ func TestAcquireGrantUnheardThenCut(t *testing.T) {
 	t.Cleanup(func() { c.Close() })
 	a, _ := redislua.NewAcquirer(c, nil)
 	name := fencetest.Name("unheard")
-	h, err := holderAcq.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, holderAcq, name, time.Minute)
 	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	done := make(chan error, 1)
@@ -501,20 +472,8 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 	other, _ := redislua.NewAcquirer(direct, nil)
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
 		p.ReplyWindow(replyWindow)
-		a, err := redislua.NewAcquirer(c, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		warm, err := a.TryAcquire(ctx, fencetest.Name("recwarm"), time.Minute) // loads the scripts
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := warm.Renew(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if err := warm.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
+		a := newAcquirerOn(t, c, nil)
+		warmUp(ctx, t, a, fencetest.Name("recwarm"), time.Minute, true) // loads the scripts
 		taken := func(t *testing.T) {
 			t.Helper()
 			if p.Pending() != 0 {
@@ -536,10 +495,7 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 			// subscribed, so that the Acquire below waits in line from its
 			// first request: a "wait" that grants the free name.
 			keep := fencetest.Name("reckeep")
-			kh, err := other.TryAcquire(ctx, keep, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			kh := mustTryAcquire(ctx, t, other, keep, time.Minute)
 			defer kh.Release(ctx)
 			kctx, kcancel := context.WithCancel(ctx)
 			kdone := make(chan struct{})
@@ -566,10 +522,7 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 			// The holder and the waiter share an acquirer: the release
 			// hands the lease over in its reply only, which is lost.
 			name := fencetest.Name("rechand")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustTryAcquire(ctx, t, a, name, time.Minute)
 			actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 			defer cancel()
 			type result struct {
@@ -596,10 +549,7 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 		for _, fault := range []string{"lost", "dropped"} {
 			t.Run("renew-"+fault, func(t *testing.T) {
 				name := fencetest.Name("recrenew")
-				l, err := a.TryAcquire(ctx, name, recognisedTTL)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustTryAcquire(ctx, t, a, name, recognisedTTL)
 				// Renewed a third into the lease, as fence.Hold does: a
 				// deadline counted from the renewal's send would then
 				// lie a third of a ttl past the key's expiry.
@@ -639,16 +589,7 @@ func TestRedlockRecognisedSendCountsFromFirstSend(t *testing.T) {
 			for _, p := range proxies {
 				p.ReplyWindow(replyWindow)
 			}
-			warm, err := r.TryAcquire(ctx, fencetest.Name("rlrecwarm"), time.Minute) // loads the scripts
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := warm.Renew(ctx); err != nil {
-				t.Fatal(err)
-			}
-			if err := warm.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
+			warmUp(ctx, t, r, fencetest.Name("rlrecwarm"), time.Minute, true) // loads the scripts
 			taken := func(t *testing.T) {
 				t.Helper()
 				for i, p := range proxies {
@@ -674,10 +615,7 @@ func TestRedlockRecognisedSendCountsFromFirstSend(t *testing.T) {
 			for _, fault := range []string{"lost", "dropped"} {
 				t.Run("renew-"+fault, func(t *testing.T) {
 					name := fencetest.Name("rlrecrenew")
-					l, err := r.TryAcquire(ctx, name, recognisedTTL)
-					if err != nil {
-						t.Fatal(err)
-					}
+					l := mustTryAcquire(ctx, t, r, name, recognisedTTL)
 					time.Sleep(recognisedTTL / 3) // renewed a third into the lease, as fence.Hold does
 					for _, p := range proxies[:2] {
 						if fault == "lost" {

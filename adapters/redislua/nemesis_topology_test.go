@@ -180,10 +180,7 @@ func TestRedlockNemesis(t *testing.T) {
 	const ttl = 600 * time.Millisecond
 	opts := &redislua.RedlockOptions{NodeTimeout: ttl / 4}
 	newRedlock := func(t *testing.T, clients []redislua.Client) *redislua.Redlock {
-		r, err := redislua.NewRedlock(clients, opts)
-		if err != nil {
-			t.Fatal(err)
-		}
+		r := newRedlock(t, clients, opts)
 		return r
 	}
 	shared := testenv.RedisClient(t)

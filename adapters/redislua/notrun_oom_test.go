@@ -136,13 +136,10 @@ func TestReleaseRefusedOOMDoesNotFreeNextHolder(t *testing.T) {
 	a2, _ := redislua.NewAcquirer(srv.Client(t), nil)
 	name := fencetest.Name("oom-release")
 	lock := "fence:{" + name + "}:lock"
-	l1, err := a1.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l1 := mustTryAcquire(ctx, t, a1, name, time.Minute)
 	undo := oom(t, admin)
 	rctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-	err = l1.Release(rctx)
+	err := l1.Release(rctx)
 	cancel()
 	if !errors.Is(err, redislua.ErrNotRun) {
 		undo()

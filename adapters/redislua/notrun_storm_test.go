@@ -19,15 +19,9 @@ func TestRedlockWithOneNodeBusyForever(t *testing.T) {
 	b := startBusyRedis(t)
 	n1, n2 := testenv.StartRedis(t), testenv.StartRedis(t)
 	ctx := context.Background()
-	r, err := redislua.NewRedlock([]redislua.Client{n1.Client(t), n2.Client(t), b.c}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, []redislua.Client{n1.Client(t), n2.Client(t), b.c}, nil)
 	name := fencetest.Name("redlock-busy")
-	warm, err := r.TryAcquire(ctx, fencetest.Name("warm"), time.Minute) // loads the scripts
-	if err != nil {
-		t.Fatal(err)
-	}
+	warm := mustTryAcquire(ctx, t, r, fencetest.Name("warm"), time.Minute) // loads the scripts
 	_ = warm.Release(ctx)
 	b.busy(t)
 	var last fence.Token

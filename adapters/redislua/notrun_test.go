@@ -366,10 +366,7 @@ func notRunSteps() []notRunStep {
 
 func newNotRunEnv(t *testing.T, c *redis.Client) *notRunEnv {
 	t.Helper()
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, c, nil)
 	w, err := redislua.NewWriter(c, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -463,16 +460,10 @@ func TestStepNotRunWhileBusySaysSo(t *testing.T) {
 func TestWaiterThatLeavesWhileBusyDoesNotStrandLock(t *testing.T) {
 	b := startBusyRedis(t)
 	ctx := context.Background()
-	a, err := redislua.NewAcquirer(b.c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, b.c, nil)
 	name := fencetest.Name("notrun-leave")
 	const ttl = 5 * time.Minute
-	h, err := a.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, ttl)
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, 1)
@@ -503,10 +494,7 @@ func TestWaiterThatLeavesWhileBusyDoesNotStrandLock(t *testing.T) {
 	if err := h.Release(ctx); err != nil {
 		t.Fatalf("holder's release: %v", err)
 	}
-	other, err := redislua.NewAcquirer(b.admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	other := newAcquirerOn(t, b.admin, nil)
 	deadline = time.Now().Add(20 * time.Second)
 	for {
 		l, err := other.TryAcquire(ctx, name, time.Second)
@@ -532,19 +520,10 @@ func TestWaiterThatLeavesWhileBusyDoesNotStrandLock(t *testing.T) {
 func TestAcquireStartedWhileBusyWaitsInLine(t *testing.T) {
 	b := startBusyRedis(t)
 	ctx := context.Background()
-	holder, err := redislua.NewAcquirer(b.admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := redislua.NewAcquirer(b.c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	holder := newAcquirerOn(t, b.admin, nil)
+	a := newAcquirerOn(t, b.c, nil)
 	name := fencetest.Name("notrun-sub")
-	h, err := holder.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, holder, name, time.Minute)
 	stop := b.busy(t)
 	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
@@ -589,15 +568,9 @@ func TestWaitWhoseDeadlineEndsWhileBusySaysHeld(t *testing.T) {
 	ctx := context.Background()
 	for _, disable := range []bool{false, true} {
 		t.Run(map[bool]string{false: "in-line", true: "polling"}[disable], func(t *testing.T) {
-			a, err := redislua.NewAcquirer(b.newClient(t), &redislua.AcquirerOptions{DisableNotify: disable})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, b.newClient(t), &redislua.AcquirerOptions{DisableNotify: disable})
 			name := fencetest.Name("notrun-deadline")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustTryAcquire(ctx, t, a, name, time.Minute)
 			wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 			defer cancel()
 			done := make(chan error, 1)

@@ -82,10 +82,7 @@ func TestQueueOrderAcrossProcesses(t *testing.T) {
 	a, _ := redislua.NewAcquirer(c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("xorder")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, time.Minute)
 	var kids []*child
 	for i := 0; i < 3; i++ {
 		kids = append(kids, startChild(t, name, 30*time.Millisecond))
@@ -123,10 +120,7 @@ func TestQueueSkipsKilledWaiter(t *testing.T) {
 	a, _ := redislua.NewAcquirer(c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("xkilled")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, time.Minute)
 	dead := startChild(t, name, 0)
 	waitInLine(t, c, name, 1)
 	live := startChild(t, name, 0)
@@ -172,10 +166,7 @@ func TestQueueExpiredHolder(t *testing.T) {
 	holder, _ := redislua.NewAcquirer(c, nil)
 	// The lease covers the two waiters joining the line (each an event, seen
 	// in Redis), with room for a loaded machine; it is checked below.
-	h, err := holder.TryAcquire(ctx, name, 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, holder, name, 2*time.Second)
 	type got struct {
 		i   int
 		l   fence.Lease

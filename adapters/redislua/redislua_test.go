@@ -37,10 +37,7 @@ func TestAcquirerConformance(t *testing.T) {
 		{"counter-tokens", redislua.AcquirerOptions{CounterTokens: true}},
 	} {
 		t.Run(o.name, func(t *testing.T) {
-			a, err := redislua.NewAcquirer(c, &o.opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, c, &o.opts)
 			// With CounterTokens a deleted counter restarts at 1, as that
 			// option documents: that mode does not claim to survive it.
 			deleteState := deleteNameKeys(c)
@@ -103,10 +100,7 @@ func TestTokenFloor(t *testing.T) {
 	a, _ := redislua.NewAcquirer(c, nil) // the floor is the default
 	ctx := context.Background()
 	before := uint64(time.Now().Add(-time.Minute).UnixMicro())
-	l, err := a.TryAcquire(ctx, fencetest.Name("floor"), time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, a, fencetest.Name("floor"), time.Second)
 	defer l.Release(ctx)
 	if uint64(l.Token()) < before || !l.Token().Valid() {
 		t.Errorf("token %d with the floor, want at least the clock in µs (%d) and valid", l.Token(), before)
@@ -216,10 +210,7 @@ func TestKeysAreBytes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, c, nil)
 	for _, k := range []string{"nul\x00byte", "bad utf-8 \xff\xfe", strings.Repeat("k", 1<<20)} {
 		k += fencetest.Name("")
 		if err := w.Write(ctx, k, []byte("v"), 3); err != nil {
@@ -259,14 +250,8 @@ const shortTTL = time.Second
 // validity for is refused (ErrInvalid), not granted as a lease that is
 // already lost with a nil error while Redis holds the name for the ttl.
 func TestDriftOverTTL(t *testing.T) {
-	a, err := redislua.NewAcquirer(testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := redislua.NewRedlock([]redislua.Client{testenv.RedisClient(t)}, &redislua.RedlockOptions{Drift: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: time.Second})
+	r := newRedlock(t, []redislua.Client{testenv.RedisClient(t)}, &redislua.RedlockOptions{Drift: time.Second})
 	t.Run("Acquirer", func(t *testing.T) { fencetest.DriftRefusesShortTTL(t, a, time.Second, "ttl") })
 	t.Run("Redlock", func(t *testing.T) { fencetest.DriftRefusesShortTTL(t, r, time.Second, "ttl") })
 }

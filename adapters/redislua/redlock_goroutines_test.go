@@ -80,13 +80,7 @@ func TestRedlockGoroutinesAfterPausedWaits(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("bgreleasegoroutines")
 	const ttl = 4 * time.Second
-	warm, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := warm.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
+	warmUp(ctx, t, r, name, ttl, false)
 	base := runtime.NumGoroutine()
 	pauseNodes(t, servers, 0, 1, 2)
 	var wg sync.WaitGroup
@@ -130,13 +124,7 @@ func TestRedlockCloseClientsDuringBackgroundRelease(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("bgreleaseclose")
 	const ttl = 30 * time.Second
-	warm, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := warm.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
+	warmUp(ctx, t, r, name, ttl, false)
 	base := runtime.NumGoroutine()
 	pauseNodes(t, servers, 0, 1, 2)
 	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
@@ -161,26 +149,17 @@ func TestRedlockCloseClientsDuringBackgroundRelease(t *testing.T) {
 // ttl after the wait, the nodes still down.
 func TestRedlockGoroutinesWhileMajorityDown(t *testing.T) {
 	servers, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, clients, nil)
 	ctx := context.Background()
 	name := fencetest.Name("bgreleasedead")
 	const ttl = 10 * time.Second
-	warm, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := warm.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
+	warmUp(ctx, t, r, name, ttl, false)
 	base := runtime.NumGoroutine()
 	for _, i := range []int{0, 1, 2} {
 		servers[i].Kill()
 	}
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	_, err = r.Acquire(wctx, name, ttl)
+	_, err := r.Acquire(wctx, name, ttl)
 	cancel()
 	if !errors.Is(err, redislua.ErrNoQuorum) {
 		t.Errorf("Acquire with 3 of 5 killed: %v", err)

@@ -63,10 +63,7 @@ func TestRedlockFailedWaitLeavesNoLock(t *testing.T) {
 	name := fencetest.Name("outagestray")
 	const ttl = time.Minute
 	// One grant: the scripts are loaded, each client has a connection.
-	first, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	first := mustTryAcquire(ctx, t, r, name, ttl)
 	if err := first.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -102,20 +99,11 @@ func TestRedlockFailedWaitLeavesNoLock(t *testing.T) {
 func TestRedlockReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
 	t.Parallel()
 	servers, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 	ctx := context.Background()
 	name := fencetest.Name("outagereleased")
 	const ttl = time.Minute
-	first, err := r.TryAcquire(ctx, name, ttl) // loads the scripts, one connection per node
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := first.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
+	warmUp(ctx, t, r, name, ttl, false) // loads the scripts, one connection per node
 	pauseNodes(t, servers, 3, 4)
 	l, err := r.TryAcquire(ctx, name, ttl)
 	if err != nil {
@@ -169,10 +157,7 @@ func TestRedlockWaitEndsAtItsDeadline(t *testing.T) {
 	const wait, slack = 500 * time.Millisecond, 1500 * time.Millisecond
 	ctx := context.Background()
 	name := fencetest.Name("outagedeadline")
-	warm, err := redislua.NewRedlock(clients, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	warm := newRedlock(t, clients, nil)
 	// The warm-up opens each client's connection before nodes are paused;
 	// on a loaded machine five just-started servers may answer too late for
 	// one grant (2 of 5 answered in time once), so it is asked again.
@@ -203,10 +188,7 @@ func TestRedlockWaitEndsAtItsDeadline(t *testing.T) {
 		// the wait: tries end, find no majority, and the error says so.
 		for _, nt := range []time.Duration{4 * time.Second, wait / 5} {
 			t.Run(fmt.Sprintf("%s/node timeout %v", tc.name, nt), func(t *testing.T) {
-				r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: nt, Backoff: tc.b})
-				if err != nil {
-					t.Fatal(err)
-				}
+				r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: nt, Backoff: tc.b})
 				wctx, cancel := tc.ctx()
 				defer cancel()
 				start := time.Now()
@@ -242,10 +224,7 @@ func TestRedlockWaitThroughKilledMajority(t *testing.T) {
 	name := fencetest.Name("outagekilled")
 	var last fence.Token
 	for range 3 {
-		l, err := r.TryAcquire(ctx, name, 5*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustTryAcquire(ctx, t, r, name, 5*time.Second)
 		if l.Token() <= last {
 			t.Fatalf("token %d not above %d", l.Token(), last)
 		}
@@ -302,18 +281,12 @@ func TestRedlockTwoWaitersThroughMinorityOutage(t *testing.T) {
 		for i, s := range servers {
 			own[i] = s.Client(t)
 		}
-		r, err := redislua.NewRedlock(own, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
+		r := newRedlock(t, own, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 		return r
 	}
 	waiters := []*redislua.Redlock{newRedlock(), newRedlock()}
 	for _, r := range waiters { // load the scripts, open a connection per node
-		l, err := r.TryAcquire(ctx, name, 10*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustTryAcquire(ctx, t, r, name, 10*time.Second)
 		if err := l.Release(ctx); err != nil {
 			t.Fatal(err)
 		}

@@ -83,17 +83,11 @@ func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 		servers[i] = testenv.StartRedis(t, "--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024")
 		clients[i] = servers[i].Client(t)
 	}
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	ctx := context.Background()
 	name := fencetest.Name("bgreleaseloading")
 	const ttl = time.Minute
-	l, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, r, name, ttl)
 	waitLockedEverywhere(ctx, t, servers, name)
 	loading := []int{0, 1, 2}
 	var wg sync.WaitGroup
@@ -127,7 +121,7 @@ func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
-	err = l.Release(ctx)
+	err := l.Release(ctx)
 	t.Logf("Release while nodes 0-2 load: %v", err)
 	wg.Wait()
 	for _, i := range loading {
@@ -145,10 +139,7 @@ func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 	for i, s := range servers {
 		other[i] = s.Client(t)
 	}
-	r2, err := redislua.NewRedlock(other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r2 := newRedlock(t, other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	l2, err := r2.Acquire(actx, name, ttl)
@@ -233,17 +224,11 @@ func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 		procs[i] = startPersistentRedis(t, "--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024")
 		clients[i] = procs[i].client(t)
 	}
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	ctx := context.Background()
 	name := fencetest.Name("bgreleaserestart")
 	const ttl = time.Minute
-	l, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, r, name, ttl)
 	lockKey := "fence:{" + name + "}:lock"
 	// Every node has the lock (the grant returned at a majority).
 	deadline := time.Now().Add(15 * time.Second)
@@ -269,7 +254,7 @@ func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 		}
 		procs[i].kill()
 	}
-	err = l.Release(ctx)
+	err := l.Release(ctx)
 	t.Logf("Release with nodes 0-2 down: %v", err)
 	bin, _ := exec.LookPath("redis-server")
 	for _, i := range down {
@@ -293,10 +278,7 @@ func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 	for i, p := range procs {
 		other[i] = p.client(t)
 	}
-	r2, err := redislua.NewRedlock(other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r2 := newRedlock(t, other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	l2, err := r2.Acquire(actx, name, ttl)
@@ -320,17 +302,11 @@ func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 	t.Parallel()
 	servers, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	ctx := context.Background()
 	name := fencetest.Name("bgreleasebusy")
 	const ttl = time.Minute
-	l, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, r, name, ttl)
 	waitLockedEverywhere(ctx, t, servers, name)
 	busy := []int{0, 1, 2}
 	var wg sync.WaitGroup
@@ -358,7 +334,7 @@ func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
-	err = l.Release(ctx)
+	err := l.Release(ctx)
 	t.Logf("Release while nodes 0-2 run a script: %v", err)
 	for _, i := range busy {
 		if err := servers[i].Client(t).ScriptKill(ctx).Err(); err != nil {
@@ -370,10 +346,7 @@ func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 	for i, s := range servers {
 		other[i] = s.Client(t)
 	}
-	r2, err := redislua.NewRedlock(other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r2 := newRedlock(t, other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	l2, err := r2.Acquire(actx, name, ttl)
@@ -392,25 +365,13 @@ func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 // the name is free at once.
 func TestRedlockBackgroundReleaseSparesLaterGrant(t *testing.T) {
 	servers, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 	ctx := context.Background()
 	name := fencetest.Name("bgreleaselater")
 	const ttl = 10 * time.Second
-	warm, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := warm.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
+	warmUp(ctx, t, r, name, ttl, false)
 	base := runtime.NumGoroutine()
-	a, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := mustTryAcquire(ctx, t, r, name, ttl)
 	nonceA := waitLockedEverywhere(ctx, t, servers, name)
 	pauseNodes(t, servers, 3, 4)
 	if err := a.Renew(ctx); err != nil {
@@ -465,10 +426,7 @@ func TestRedlockBackgroundReleaseSparesLaterGrant(t *testing.T) {
 func TestRedlockReleaseWithEndedContext(t *testing.T) {
 	t.Parallel()
 	servers, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	ctx := context.Background()
 	const ttl = time.Minute
 	free := func(name string) {
@@ -487,14 +445,11 @@ func TestRedlockReleaseWithEndedContext(t *testing.T) {
 	}
 
 	name := fencetest.Name("bgreleasedone")
-	l, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, r, name, ttl)
 	waitLockedEverywhere(ctx, t, servers, name)
 	done, cancel := context.WithCancel(ctx)
 	cancel()
-	err = l.Release(done)
+	err := l.Release(done)
 	if !errors.Is(err, fence.ErrUnknown) && err != nil {
 		t.Errorf("Release with an ended context: %v, want nil or ErrUnknown", err)
 	}
@@ -504,10 +459,7 @@ func TestRedlockReleaseWithEndedContext(t *testing.T) {
 	}
 
 	name = fencetest.Name("bgreleasemid")
-	l, err = r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l = mustTryAcquire(ctx, t, r, name, ttl)
 	waitLockedEverywhere(ctx, t, servers, name)
 	pauseNodes(t, servers, 2, 3, 4)
 	mid, cancel := context.WithTimeout(ctx, 300*time.Millisecond)

@@ -65,10 +65,7 @@ func TestRedlockConformance(t *testing.T) {
 	// where 3 of 5 nodes missed it, and 1s in another, where all 5 did), so
 	// the shortest lease is 4s.
 	opts := &redislua.RedlockOptions{NodeTimeout: 2 * time.Second}
-	r, err := redislua.NewRedlock(clients, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, clients, opts)
 	fencetest.AcquirerSuite{
 		New: func(t *testing.T) fence.Acquirer { return r },
 		// Another process: a Redlock on clients of its own to the same nodes.
@@ -77,10 +74,7 @@ func TestRedlockConformance(t *testing.T) {
 			for i, s := range servers {
 				own[i] = s.Client(t)
 			}
-			r, err := redislua.NewRedlock(own, opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			r := newRedlock(t, own, opts)
 			return r
 		},
 		// A Redlock on clients of its own, each node behind a proxy of its
@@ -95,10 +89,7 @@ func TestRedlockConformance(t *testing.T) {
 				t.Cleanup(func() { c.Close() })
 				own[i] = c
 			}
-			r, err := redislua.NewRedlock(own, opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			r := newRedlock(t, own, opts)
 			return r, proxies[0]
 		},
 		ShortTTL: 4 * time.Second,
@@ -164,10 +155,7 @@ func TestRedlockNodeLoss(t *testing.T) {
 		}
 	}
 	// A holder's lease survives on the three nodes left; a second holder is refused.
-	l, err := r.TryAcquire(ctx, "job", 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, r, "job", 2*time.Second)
 	if _, err := r.TryAcquire(ctx, "job", time.Second); !errors.Is(err, fence.ErrHeld) {
 		t.Errorf("second holder with 3 of 5 nodes up: %v, want ErrHeld", err)
 	}
@@ -175,7 +163,7 @@ func TestRedlockNodeLoss(t *testing.T) {
 		t.Fatal(err)
 	}
 	servers[2].Kill()
-	_, err = r.TryAcquire(ctx, "job", time.Second)
+	_, err := r.TryAcquire(ctx, "job", time.Second)
 	if !errors.Is(err, redislua.ErrNoQuorum) || errors.Is(err, fence.ErrHeld) {
 		t.Fatalf("with 3 of 5 nodes killed: %v, want ErrNoQuorum", err)
 	}
@@ -203,10 +191,7 @@ func TestRedlockAcquireWaitsForAMajority(t *testing.T) {
 		Backoff: fence.Backoff{Min: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
 	ctx := context.Background()
 	name := fencetest.Name("majority")
-	first, err := r.TryAcquire(ctx, name, 5*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	first := mustTryAcquire(ctx, t, r, name, 5*time.Second)
 	if err := first.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -341,18 +326,12 @@ func TestRedlockLateLockAfterRelease(t *testing.T) {
 			servers, clients := fiveNodes(t)
 			held, proxy := newHeldNode(t, servers[4])
 			clients[4] = held
-			r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
+			r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 			ctx := context.Background()
 			name := fencetest.Name("late")
 			// One grant loads the scripts on every node, so the held call is
 			// the lock script itself, not a NOSCRIPT round.
-			l, err := r.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustTryAcquire(ctx, t, r, name, ttl)
 			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -364,10 +343,7 @@ func TestRedlockLateLockAfterRelease(t *testing.T) {
 			held.armed.Store(true)
 			switch tc {
 			case "released":
-				l, err := r.TryAcquire(ctx, name, ttl)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustTryAcquire(ctx, t, r, name, ttl)
 				if err := l.Release(ctx); err != nil {
 					t.Fatal(err)
 				}
@@ -414,7 +390,7 @@ func TestRedlockLateLockAfterRelease(t *testing.T) {
 				servers[0].Kill()
 				servers[1].Kill()
 			}
-			l, err = r.TryAcquire(ctx, name, ttl)
+			l, err := r.TryAcquire(ctx, name, ttl)
 			if err != nil {
 				t.Fatalf("after the %s grant's lock call landed late on node 4 (reply %v), with 2 of 5 nodes killed: %v", tc, landed.Val(), err)
 			}
@@ -434,10 +410,7 @@ func TestRedlockRenewAfterLocalDeadline(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("rlrenew")
 	const ttl = 4 * time.Second
-	l, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, r, name, ttl)
 	<-l.Context().Done() // the local deadline, up to the drift before the nodes' expiry
 	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
 		t.Fatalf("Renew after the local deadline: %v, want ErrLost", err)

@@ -96,10 +96,7 @@ func TestSentinelFailover(t *testing.T) {
 			nodes := map[string]*testenv.RedisServer{primary.Addr: primary, replica.Addr: replica}
 			sent := testenv.StartSentinels(t, primary, 3, 1)
 			fc := sent.FailoverClient(t)
-			a, err := redislua.NewAcquirer(fc, &opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, fc, &opts)
 			// The protected resource lives elsewhere and survives the failovers.
 			w, err := redislua.NewWriter(testenv.RedisClient(t), nil)
 			if err != nil {

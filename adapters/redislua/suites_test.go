@@ -25,7 +25,10 @@ func proxiedClient(t *testing.T) (*redis.Client, *faultnet.Proxy) {
 	return c, p
 }
 
-func newAcquirerOn(t *testing.T, c redislua.Client, opts *redislua.AcquirerOptions) *redislua.Acquirer {
+// newAcquirerOn returns an Acquirer on c with opts, failing t if NewAcquirer
+// refuses them.
+func newAcquirerOn(t testing.TB, c redislua.Client, opts *redislua.AcquirerOptions) *redislua.Acquirer {
+	t.Helper()
 	a, err := redislua.NewAcquirer(c, opts)
 	if err != nil {
 		t.Fatal(err)

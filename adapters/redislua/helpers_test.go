@@ -1,0 +1,108 @@
+package redislua_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/fencekit/fencekit/adapters/redislua"
+	"github.com/fencekit/fencekit/fence"
+)
+
+// newRedlock returns a Redlock over clients with opts, failing t if
+// NewRedlock refuses them.
+func newRedlock(t testing.TB, clients []redislua.Client, opts *redislua.RedlockOptions) *redislua.Redlock {
+	t.Helper()
+	r, err := redislua.NewRedlock(clients, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// warmUp grants name for ttl and releases it, renewing it in between when
+// renew is set: the scripts are loaded and a connection is open before the
+// test's own calls.
+func warmUp(ctx context.Context, t testing.TB, a fence.Acquirer, name string, ttl time.Duration, renew bool) {
+	t.Helper()
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if renew {
+		if err := l.Renew(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// mustTryAcquire grants name for ttl, failing t if TryAcquire does not.
+func mustTryAcquire(ctx context.Context, t testing.TB, a fence.Acquirer, name string, ttl time.Duration) fence.Lease {
+	t.Helper()
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// acquireWithin runs a.Acquire for at most within; the wait's context
+// lives until the test ends, as the lease's may depend on it.
+func acquireWithin(ctx context.Context, t testing.TB, a fence.Acquirer, name string, ttl, within time.Duration) (fence.Lease, error) {
+	actx, cancel := context.WithTimeout(ctx, within)
+	t.Cleanup(cancel)
+	return a.Acquire(actx, name, ttl)
+}
+
+// acquired is the outcome of an Acquire run in the background.
+type acquired struct {
+	l   fence.Lease
+	err error
+}
+
+// acquireInBackground runs a.Acquire(ctx, name, ttl) in a goroutine and
+// delivers its outcome.
+func acquireInBackground(ctx context.Context, a fence.Acquirer, name string, ttl time.Duration) <-chan acquired {
+	done := make(chan acquired, 1)
+	go func() {
+		l, err := a.Acquire(ctx, name, ttl)
+		done <- acquired{l, err}
+	}()
+	return done
+}
+
+// grantedAfter waits for the background Acquire in done, fails t with what
+// unless it was granted with a token above the holder's h, and releases
+// the lease when the test ends.
+func grantedAfter(t testing.TB, done <-chan acquired, h fence.Lease, what string) fence.Lease {
+	t.Helper()
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("%s: %v", what, r.err)
+	}
+	t.Cleanup(func() { _ = r.l.Release(context.Background()) })
+	if r.l.Token() <= h.Token() {
+		t.Errorf("%s: token %d, the holder's %d", what, r.l.Token(), h.Token())
+	}
+	return r.l
+}
+
+// waitUntil calls cond every poll until it reports true, and fails t with
+// cond's last message once within has passed without it.
+func waitUntil(t testing.TB, within, poll time.Duration, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		ok, why := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(why)
+		}
+		time.Sleep(poll)
+	}
+}
