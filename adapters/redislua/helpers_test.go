@@ -7,6 +7,7 @@ import (
 
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/internal/testenv"
 )
 
 // newRedlock returns a Redlock over clients with opts, failing t if
@@ -105,4 +106,21 @@ func waitUntil(t testing.TB, within, poll time.Duration, cond func() (bool, stri
 		}
 		time.Sleep(poll)
 	}
+}
+
+// nodeClients returns a new client of each server, in order.
+func nodeClients(t testing.TB, servers []*testenv.RedisServer) []redislua.Client {
+	clients := make([]redislua.Client, len(servers))
+	for i, s := range servers {
+		clients[i] = s.Client(t)
+	}
+	return clients
+}
+
+// acquireAfresh waits up to 20s for name on a new Redlock over clients
+// (NodeTimeout 2s): one that never granted it and has no call of its own in
+// flight.
+func acquireAfresh(ctx context.Context, t testing.TB, clients []redislua.Client, name string, ttl time.Duration) (fence.Lease, error) {
+	t.Helper()
+	return acquireWithin(ctx, t, newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second}), name, ttl, 20*time.Second)
 }

@@ -65,23 +65,29 @@ func defaultTimeoutClients(t *testing.T, servers []*testenv.RedisServer) []redis
 	return clients
 }
 
+// warmRedlockOnDefaultClients starts five nodes, reached through
+// defaultTimeoutClients, and returns a Redlock over them (NodeTimeout 300ms,
+// a fast Backoff) that has granted and released name once, with the count
+// of goroutines after that.
+func warmRedlockOnDefaultClients(ctx context.Context, t *testing.T, name string, ttl time.Duration) ([]*testenv.RedisServer, []redislua.Client, *redislua.Redlock, int) {
+	t.Helper()
+	servers, _ := fiveNodes(t)
+	clients := defaultTimeoutClients(t, servers)
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 300 * time.Millisecond,
+		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}})
+	warmUp(ctx, t, r, name, ttl, false)
+	return servers, clients, r, runtime.NumGoroutine()
+}
+
 // TestRedlockGoroutinesAfterPausedWaits: four waiters try for 5s while 3 of
 // 5 nodes are paused, on clients with default timeouts and tiny pools. Once
 // the nodes resume, the goroutines return to the baseline within the ttl
 // (plus slack), and a new Acquire is granted.
 func TestRedlockGoroutinesAfterPausedWaits(t *testing.T) {
-	servers, _ := fiveNodes(t)
-	clients := defaultTimeoutClients(t, servers)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 300 * time.Millisecond,
-		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx := context.Background()
 	name := fencetest.Name("bgreleasegoroutines")
 	const ttl = 4 * time.Second
-	warmUp(ctx, t, r, name, ttl, false)
-	base := runtime.NumGoroutine()
+	servers, _, r, base := warmRedlockOnDefaultClients(ctx, t, name, ttl)
 	pauseNodes(t, servers, 0, 1, 2)
 	var wg sync.WaitGroup
 	for range 4 {
@@ -100,9 +106,7 @@ func TestRedlockGoroutinesAfterPausedWaits(t *testing.T) {
 	t.Logf("goroutines: %d before, %d after the waits", base, runtime.NumGoroutine())
 	resumeNodes(t, servers, 0, 1, 2)
 	settleGoroutines(t, base, ttl+20*time.Second, "after the nodes resumed")
-	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	l, err := r.Acquire(actx, name, ttl)
+	l, err := acquireWithin(ctx, t, r, name, ttl, 20*time.Second)
 	if err != nil {
 		t.Fatalf("Acquire after the nodes resumed: %v%s", err, redlockLocks(ctx, t, servers, name))
 	}
@@ -114,21 +118,13 @@ func TestRedlockGoroutinesAfterPausedWaits(t *testing.T) {
 // closed, then the nodes resume. Nothing panics or hangs, and the
 // goroutines return to the baseline.
 func TestRedlockCloseClientsDuringBackgroundRelease(t *testing.T) {
-	servers, _ := fiveNodes(t)
-	clients := defaultTimeoutClients(t, servers)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 300 * time.Millisecond,
-		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx := context.Background()
 	name := fencetest.Name("bgreleaseclose")
 	const ttl = 30 * time.Second
-	warmUp(ctx, t, r, name, ttl, false)
-	base := runtime.NumGoroutine()
+	servers, clients, r, base := warmRedlockOnDefaultClients(ctx, t, name, ttl)
 	pauseNodes(t, servers, 0, 1, 2)
 	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	_, err = r.Acquire(wctx, name, ttl)
+	_, err := r.Acquire(wctx, name, ttl)
 	cancel()
 	if !errors.Is(err, fence.ErrHeld) {
 		t.Errorf("Acquire with 3 of 5 paused: %v", err)

@@ -54,11 +54,8 @@ func redlockLocks(ctx context.Context, t *testing.T, servers []*testenv.RedisSer
 func TestRedlockFailedWaitLeavesNoLock(t *testing.T) {
 	t.Parallel()
 	servers, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
 		Backoff: fence.Backoff{Min: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx := context.Background()
 	name := fencetest.Name("outagestray")
 	const ttl = time.Minute
@@ -69,7 +66,7 @@ func TestRedlockFailedWaitLeavesNoLock(t *testing.T) {
 	}
 	pauseNodes(t, servers, 0, 1, 2)
 	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	_, err = r.Acquire(wctx, name, ttl)
+	_, err := r.Acquire(wctx, name, ttl)
 	cancel()
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, redislua.ErrNoQuorum) {
 		t.Errorf("Acquire with 3 of 5 nodes paused: %v, want ErrHeld, DeadlineExceeded and ErrNoQuorum", err)
@@ -77,9 +74,7 @@ func TestRedlockFailedWaitLeavesNoLock(t *testing.T) {
 	resumeNodes(t, servers, 0, 1, 2)
 	// The nodes are all up; no grant is alive. A waiter must not be kept
 	// out for the failed tries' ttl.
-	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	l, err := r.Acquire(actx, name, ttl)
+	l, err := acquireWithin(ctx, t, r, name, ttl, 20*time.Second)
 	if err != nil {
 		t.Fatalf("Acquire after the failed wait ended and every node resumed: %v\nkeys on the nodes:%s", err, redlockLocks(ctx, t, servers, name))
 	}
@@ -215,11 +210,8 @@ func TestRedlockWaitEndsAtItsDeadline(t *testing.T) {
 // and the goroutines of all those tries are gone.
 func TestRedlockWaitThroughKilledMajority(t *testing.T) {
 	servers, clients := fiveNodes(t)
-	r, err := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
 		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond, MaxWait: 2 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx := context.Background()
 	name := fencetest.Name("outagekilled")
 	var last fence.Token
@@ -237,16 +229,14 @@ func TestRedlockWaitThroughKilledMajority(t *testing.T) {
 	for _, i := range []int{0, 1, 2} {
 		servers[i].Kill()
 	}
-	_, err = r.Acquire(ctx, name, 5*time.Second)
+	_, err := r.Acquire(ctx, name, 5*time.Second)
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, redislua.ErrNoQuorum) {
 		t.Fatalf("Acquire with 3 of 5 nodes killed: %v, want ErrHeld, DeadlineExceeded and ErrNoQuorum", err)
 	}
 	for _, i := range []int{0, 1, 2} {
 		servers[i].Restart(t) // empty
 	}
-	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	l, err := r.Acquire(actx, name, 5*time.Second)
+	l, err := acquireWithin(ctx, t, r, name, 5*time.Second, 20*time.Second)
 	if err != nil {
 		t.Fatalf("Acquire after the three nodes came back: %v", err)
 	}
@@ -258,13 +248,10 @@ func TestRedlockWaitThroughKilledMajority(t *testing.T) {
 	}
 	// Every try's calls have ended; go-redis's own goroutines may differ by
 	// a few.
-	deadline := time.Now().Add(15 * time.Second)
-	for n := runtime.NumGoroutine(); n > base+10; n = runtime.NumGoroutine() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d goroutines 15s after the wait, %d before it", n, base)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	waitUntil(t, 15*time.Second, 50*time.Millisecond, func() (bool, string) {
+		n := runtime.NumGoroutine()
+		return n <= base+10, fmt.Sprintf("%d goroutines 15s after the wait, %d before it", n, base)
+	})
 }
 
 // TestRedlockTwoWaitersThroughMinorityOutage: two Redlocks (each with its
@@ -276,20 +263,12 @@ func TestRedlockTwoWaitersThroughMinorityOutage(t *testing.T) {
 	servers, _ := fiveNodes(t)
 	ctx := context.Background()
 	name := fencetest.Name("outagetwo")
-	newRedlock := func() *redislua.Redlock {
-		own := make([]redislua.Client, len(servers))
-		for i, s := range servers {
-			own[i] = s.Client(t)
-		}
-		r := newRedlock(t, own, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
-		return r
+	ownRedlock := func() *redislua.Redlock {
+		return newRedlock(t, nodeClients(t, servers), &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 	}
-	waiters := []*redislua.Redlock{newRedlock(), newRedlock()}
+	waiters := []*redislua.Redlock{ownRedlock(), ownRedlock()}
 	for _, r := range waiters { // load the scripts, open a connection per node
-		l := mustTryAcquire(ctx, t, r, name, 10*time.Second)
-		if err := l.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
+		warmUp(ctx, t, r, name, 10*time.Second, false)
 	}
 	pauseNodes(t, servers, 3, 4)
 	var (

@@ -3,6 +3,7 @@ package redislua_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"os/exec"
 	"path/filepath"
@@ -109,17 +110,10 @@ func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 			reloadErrs[i] = reloader.Do(ctx, "DEBUG", "RELOAD").Err()
 		}()
 		// Wait until the node is loading (INFO is answered while loading).
-		deadline := time.Now().Add(20 * time.Second)
-		for {
+		waitUntil(t, 20*time.Second, 5*time.Millisecond, func() (bool, string) {
 			info, err := admin.Info(ctx, "persistence").Result()
-			if err == nil && strings.Contains(info, "loading:1") {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("node %d never started loading: %v %q", i, err, info)
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
+			return err == nil && strings.Contains(info, "loading:1"), fmt.Sprintf("node %d never started loading: %v %q", i, err, info)
+		})
 	}
 	err := l.Release(ctx)
 	t.Logf("Release while nodes 0-2 load: %v", err)
@@ -135,14 +129,7 @@ func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 	}
 	// Every node is up and answering; the lease was released. A new holder
 	// must not wait for the 60s ttl.
-	other := make([]redislua.Client, len(servers))
-	for i, s := range servers {
-		other[i] = s.Client(t)
-	}
-	r2 := newRedlock(t, other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	l2, err := r2.Acquire(actx, name, ttl)
+	l2, err := acquireAfresh(ctx, t, nodeClients(t, servers), name, ttl)
 	if err != nil {
 		t.Fatalf("Acquire 20s after a Release (%v) that met 3 loading nodes, all nodes up since: %v\nkeys on the nodes:%s", l.Context().Err(), err, redlockLocks(ctx, t, servers, name))
 	}
@@ -232,16 +219,11 @@ func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 	lockKey := "fence:{" + name + "}:lock"
 	// Every node has the lock (the grant returned at a majority).
 	deadline := time.Now().Add(15 * time.Second)
-	for i := 0; i < len(procs); {
-		n, err := procs[i].client(t).Exists(ctx, lockKey).Result()
-		if err == nil && n == 1 {
-			i++
-			continue
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("node %d never got the lock: %v", i, err)
-		}
-		time.Sleep(10 * time.Millisecond)
+	for i, p := range procs {
+		waitUntil(t, time.Until(deadline), 10*time.Millisecond, func() (bool, string) {
+			n, err := p.client(t).Exists(ctx, lockKey).Result()
+			return err == nil && n == 1, fmt.Sprintf("node %d never got the lock: %v", i, err)
+		})
 	}
 	down := []int{0, 1, 2}
 	for _, i := range down {
@@ -262,26 +244,16 @@ func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 	}
 	for _, i := range down {
 		admin := procs[i].client(t)
-		deadline := time.Now().Add(60 * time.Second)
-		for {
+		waitUntil(t, 60*time.Second, 20*time.Millisecond, func() (bool, string) {
 			info, err := admin.Info(ctx, "persistence").Result()
-			if err == nil && strings.Contains(info, "loading:0") {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("node %d still loading: %v", i, err)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+			return err == nil && strings.Contains(info, "loading:0"), fmt.Sprintf("node %d still loading: %v", i, err)
+		})
 	}
 	other := make([]redislua.Client, len(procs))
 	for i, p := range procs {
 		other[i] = p.client(t)
 	}
-	r2 := newRedlock(t, other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	l2, err := r2.Acquire(actx, name, ttl)
+	l2, err := acquireAfresh(ctx, t, other, name, ttl)
 	if err != nil {
 		var locked []string
 		for i, p := range procs {
@@ -322,17 +294,10 @@ func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 			defer wg.Done()
 			_ = spinner.Eval(ctx, "while true do end", nil).Err() // ends with SCRIPT KILL
 		}()
-		deadline := time.Now().Add(20 * time.Second)
-		for {
+		waitUntil(t, 20*time.Second, 5*time.Millisecond, func() (bool, string) {
 			err := admin.Ping(ctx).Err()
-			if err != nil && strings.HasPrefix(err.Error(), "BUSY") {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("node %d never busy: %v", i, err)
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
+			return err != nil && strings.HasPrefix(err.Error(), "BUSY"), fmt.Sprintf("node %d never busy: %v", i, err)
+		})
 	}
 	err := l.Release(ctx)
 	t.Logf("Release while nodes 0-2 run a script: %v", err)
@@ -342,14 +307,7 @@ func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 		}
 	}
 	wg.Wait()
-	other := make([]redislua.Client, len(servers))
-	for i, s := range servers {
-		other[i] = s.Client(t)
-	}
-	r2 := newRedlock(t, other, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	l2, err := r2.Acquire(actx, name, ttl)
+	l2, err := acquireAfresh(ctx, t, nodeClients(t, servers), name, ttl)
 	if err != nil {
 		t.Fatalf("Acquire 20s after a released grant's busy nodes finished their script: %v\nkeys on the nodes:%s", err, redlockLocks(ctx, t, servers, name))
 	}
