@@ -13,6 +13,38 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
+// waitThroughBusy runs a.Acquire of name, held by h, with a deadline 2s
+// ahead, and calls busy once the wait has started: busy makes Redis answer
+// BUSY and returns what ends that. Once the wait has ended (within 30s),
+// Redis answers again and h is released; it returns how long after its
+// deadline the wait returned, and its error.
+func waitThroughBusy(ctx context.Context, t *testing.T, a *redislua.Acquirer, h fence.Lease, name string, busy func() (stop func())) (time.Duration, error) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	wctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		l, err := a.Acquire(wctx, name, time.Minute)
+		if l != nil {
+			_ = l.Release(ctx)
+		}
+		done <- err
+	}()
+	stop := busy()
+	var werr error
+	select {
+	case werr = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the wait never ended")
+	}
+	late := time.Since(deadline)
+	stop()
+	_ = h.Release(ctx)
+	t.Logf("Acquire returned %v after its deadline: %v", late.Round(time.Millisecond), werr)
+	return late, werr
+}
+
 // A waiting Acquire that was in line when Redis began to answer BUSY, and
 // whose deadline comes while it still does, returns soon after its context
 // ends (the package's Client documentation: "Every call of this package
@@ -25,29 +57,10 @@ func TestWaitEndingWhileBusyReturnsSoonAfterDeadline(t *testing.T) {
 	a := newAcquirerOn(t, b.c, nil)
 	name := fencetest.Name("busy-deadline")
 	h := mustTryAcquire(ctx, t, a, name, time.Minute)
-	deadline := time.Now().Add(2 * time.Second)
-	wctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		l, err := a.Acquire(wctx, name, time.Minute)
-		if l != nil {
-			_ = l.Release(ctx)
-		}
-		done <- err
-	}()
-	waitInLine(t, b.admin, name, 1)
-	stop := b.busy(t)
-	var werr error
-	select {
-	case werr = <-done:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the wait never ended")
-	}
-	late := time.Since(deadline)
-	stop()
-	_ = h.Release(ctx)
-	t.Logf("Acquire returned %v after its deadline: %v", late.Round(time.Millisecond), werr)
+	late, werr := waitThroughBusy(ctx, t, a, h, name, func() (stop func()) {
+		waitInLine(t, b.admin, name, 1)
+		return b.busy(t)
+	})
 	if !errors.Is(werr, fence.ErrHeld) || !errors.Is(werr, context.DeadlineExceeded) || !errors.Is(werr, redislua.ErrNotRun) {
 		t.Errorf("a wait whose deadline came while Redis was busy: %v, want ErrHeld, DeadlineExceeded and ErrNotRun", werr)
 	}
@@ -82,32 +95,15 @@ func TestWaitWhoseSubscribeIsBusyUntilDeadlineSaysNotRun(t *testing.T) {
 	a := newAcquirerOn(t, c, nil)
 	name := fencetest.Name("busy-sub")
 	h := mustTryAcquire(ctx, t, holder, name, time.Minute)
-	deadline := time.Now().Add(2 * time.Second)
-	wctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		l, err := a.Acquire(wctx, name, time.Minute)
-		if l != nil {
-			_ = l.Release(ctx)
-		}
-		done <- err
-	}()
-	// The waiter's first try runs (Redis is not busy yet) and finds the name
-	// held; then another client's script starts, and the SUBSCRIBE goes.
-	time.Sleep(200 * time.Millisecond)
-	stop := b.busy(t)
-	close(c.gate)
-	var werr error
-	select {
-	case werr = <-done:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the wait never ended")
-	}
-	late := time.Since(deadline)
-	stop()
-	_ = h.Release(ctx)
-	t.Logf("Acquire returned %v after its deadline: %v", late.Round(time.Millisecond), werr)
+	_, werr := waitThroughBusy(ctx, t, a, h, name, func() (stop func()) {
+		// The waiter's first try runs (Redis is not busy yet) and finds the
+		// name held; then another client's script starts, and the SUBSCRIBE
+		// goes.
+		time.Sleep(200 * time.Millisecond)
+		stop = b.busy(t)
+		close(c.gate)
+		return stop
+	})
 	if !errors.Is(werr, fence.ErrHeld) || !errors.Is(werr, context.DeadlineExceeded) || !errors.Is(werr, redislua.ErrNotRun) {
 		t.Errorf("a wait whose SUBSCRIBE Redis answered BUSY until its deadline: %v, want ErrHeld, DeadlineExceeded and ErrNotRun", werr)
 	}

@@ -36,13 +36,27 @@ func isScript(b []byte) bool { return bytes.Contains(bytes.ToLower(b), []byte("e
 // eachRetryMode runs f with a proxy to the test Redis and a client through
 // it, once with go-redis's default retries and once with none.
 func eachRetryMode(t *testing.T, f func(t *testing.T, p *faultnet.Proxy, c *redis.Client)) {
-	for _, m := range []struct {
-		name    string
-		retries int
-	}{{"default-retries", 0}, {"no-retries", -1}} {
+	for _, m := range retryModes {
 		t.Run(m.name, func(t *testing.T) {
 			p := faultnet.Start(t, testenv.RedisAddr())
 			f(t, p, viaProxy(t, p, m.retries))
+		})
+	}
+}
+
+// retryModes are go-redis's default retries (MaxRetries 0) and none (-1).
+var retryModes = []struct {
+	name    string
+	retries int
+}{{"default-retries", 0}, {"no-retries", -1}}
+
+// eachRedlockRetryMode runs f with a Redlock from redlockViaProxies, once
+// with go-redis's default retries and once with none.
+func eachRedlockRetryMode(t *testing.T, f func(t *testing.T, retries int, r *redislua.Redlock, proxies []*faultnet.Proxy, direct []*redis.Client)) {
+	for _, m := range retryModes {
+		t.Run(m.name, func(t *testing.T) {
+			r, proxies, direct := redlockViaProxies(t, m.retries)
+			f(t, m.retries, r, proxies, direct)
 		})
 	}
 }
@@ -257,81 +271,69 @@ func redlockViaProxies(t *testing.T, retries int) (*redislua.Redlock, []*faultne
 // replies were lost after every node ran it is nil or fence.ErrUnknown,
 // never ErrLost (it was held) nor a bare transport error.
 func TestRedlockLostReply(t *testing.T) {
-	for _, m := range []struct {
-		name    string
-		retries int
-	}{{"default-retries", 0}, {"no-retries", -1}} {
-		t.Run(m.name, func(t *testing.T) {
-			r, proxies, direct := redlockViaProxies(t, m.retries)
-			ctx := context.Background()
-			// One lease loads the lock, renew and release scripts on every
-			// node, so the lost replies are the scripts' own, not NOSCRIPT.
-			warmUp(ctx, t, r, fencetest.Name("rlwarm"), time.Minute, true)
-			name := fencetest.Name("rllost")
-			l := mustTryAcquire(ctx, t, r, name, time.Minute)
-			for _, p := range proxies {
-				loseNextScript(t, p)
+	eachRedlockRetryMode(t, func(t *testing.T, retries int, r *redislua.Redlock, proxies []*faultnet.Proxy, direct []*redis.Client) {
+		ctx := context.Background()
+		// One lease loads the lock, renew and release scripts on every
+		// node, so the lost replies are the scripts' own, not NOSCRIPT.
+		warmUp(ctx, t, r, fencetest.Name("rlwarm"), time.Minute, true)
+		name := fencetest.Name("rllost")
+		l := mustTryAcquire(ctx, t, r, name, time.Minute)
+		for _, p := range proxies {
+			loseNextScript(t, p)
+		}
+		if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
+			t.Errorf("Renew whose replies were lost on every node: %v, want nil or ErrUnknown", err)
+		}
+		for _, p := range proxies {
+			loseNextScript(t, p)
+		}
+		if err := l.Release(ctx); err != nil {
+			checkUnknown(t, "Redlock Release", err)
+		}
+		for i, p := range proxies {
+			if p.Pending() != 0 {
+				t.Fatalf("node %d: a lost reply was never taken", i)
 			}
-			if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
-				t.Errorf("Renew whose replies were lost on every node: %v, want nil or ErrUnknown", err)
+			if n, err := direct[i].Exists(ctx, "fence:{"+name+"}:lock").Result(); err != nil || n != 0 {
+				t.Fatalf("node %d after the release: lock exists %d, %v", i, n, err)
 			}
-			for _, p := range proxies {
-				loseNextScript(t, p)
-			}
-			if err := l.Release(ctx); err != nil {
-				checkUnknown(t, "Redlock Release", err)
-			}
-			for i, p := range proxies {
-				if p.Pending() != 0 {
-					t.Fatalf("node %d: a lost reply was never taken", i)
-				}
-				if n, err := direct[i].Exists(ctx, "fence:{"+name+"}:lock").Result(); err != nil || n != 0 {
-					t.Fatalf("node %d after the release: lock exists %d, %v", i, n, err)
-				}
-			}
-		})
-	}
+		}
+	})
 }
 
 // TestRedlockGrantLostReply: a grant whose lock replies were lost
 // on a majority of nodes, with the name free, is never ErrHeld (nobody holds
 // it), and leaves the name free once it is given up or released.
 func TestRedlockGrantLostReply(t *testing.T) {
-	for _, m := range []struct {
-		name    string
-		retries int
-	}{{"default-retries", 0}, {"no-retries", -1}} {
-		t.Run(m.name, func(t *testing.T) {
-			r, proxies, direct := redlockViaProxies(t, m.retries)
-			ctx := context.Background()
-			warmUp(ctx, t, r, fencetest.Name("rlwarm"), time.Minute, false) // loads the lock script
-			name := fencetest.Name("rlgrant")
-			loseNextScript(t, proxies[0])
-			loseNextScript(t, proxies[1])
-			l, err := r.TryAcquire(ctx, name, time.Minute)
-			if errors.Is(err, fence.ErrHeld) {
-				t.Fatalf("TryAcquire of a free name whose lock replies were lost on 2 of 3 nodes: %v, want a lease, ErrUnknown or ErrNoQuorum", err)
+	eachRedlockRetryMode(t, func(t *testing.T, retries int, r *redislua.Redlock, proxies []*faultnet.Proxy, direct []*redis.Client) {
+		ctx := context.Background()
+		warmUp(ctx, t, r, fencetest.Name("rlwarm"), time.Minute, false) // loads the lock script
+		name := fencetest.Name("rlgrant")
+		loseNextScript(t, proxies[0])
+		loseNextScript(t, proxies[1])
+		l, err := r.TryAcquire(ctx, name, time.Minute)
+		if errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("TryAcquire of a free name whose lock replies were lost on 2 of 3 nodes: %v, want a lease, ErrUnknown or ErrNoQuorum", err)
+		}
+		if err == nil {
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
 			}
-			if err == nil {
-				if err := l.Release(ctx); err != nil {
-					t.Fatal(err)
-				}
-			}
-			if proxies[0].Pending()+proxies[1].Pending() != 0 {
-				t.Fatal("a lost reply was never taken")
-			}
-			var nodes []redislua.Client
-			for _, c := range direct {
-				nodes = append(nodes, c)
-			}
-			other, _ := redislua.NewRedlock(nodes, nil)
-			ol, err := other.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatalf("the name after the grant: %v, want free", err)
-			}
-			ol.Release(ctx)
-		})
-	}
+		}
+		if proxies[0].Pending()+proxies[1].Pending() != 0 {
+			t.Fatal("a lost reply was never taken")
+		}
+		var nodes []redislua.Client
+		for _, c := range direct {
+			nodes = append(nodes, c)
+		}
+		other, _ := redislua.NewRedlock(nodes, nil)
+		ol, err := other.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			t.Fatalf("the name after the grant: %v, want free", err)
+		}
+		ol.Release(ctx)
+	})
 }
 
 // TestBumpLostReply: a Bump whose reply was lost after Redis
@@ -458,6 +460,44 @@ func scriptFor(name, op string) func([]byte) bool {
 	}
 }
 
+// allTaken fails t unless every fault armed on proxies was taken.
+func allTaken(t *testing.T, proxies ...*faultnet.Proxy) {
+	t.Helper()
+	for i, p := range proxies {
+		if p.Pending() != 0 {
+			t.Fatalf("proxy %d: the armed fault was never taken", i)
+		}
+	}
+}
+
+// armFault arms p to lose the reply ("lost") or drop the request
+// ("dropped") of the next call that match accepts.
+func armFault(p *faultnet.Proxy, fault string, match func([]byte) bool) {
+	if fault == "lost" {
+		p.LoseReply(match)
+	} else {
+		p.DropRequest(match)
+	}
+}
+
+// checkRecognisedRenew grants name for recognisedTTL and renews it a third
+// into the lease, as fence.Hold does (a deadline counted from the renewal's
+// send would then lie a third of a ttl past the key's expiry), once arm has
+// armed the renewal's fault on proxies: the renewal (what) is nil or
+// ErrUnknown, every fault is taken, and the lease outlives no lock key on
+// nodes.
+func checkRecognisedRenew(ctx context.Context, t *testing.T, a fence.Acquirer, name, what string, arm func(name string), proxies []*faultnet.Proxy, nodes []*redis.Client) {
+	t.Helper()
+	l := mustTryAcquire(ctx, t, a, name, recognisedTTL)
+	time.Sleep(recognisedTTL / 3)
+	arm(name)
+	if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("%s: %v, want nil or ErrUnknown", what, err)
+	}
+	allTaken(t, proxies...)
+	outlivesNoKey(t, l, nodes)
+}
+
 // TestRecognisedSendCountsFromFirstSend: a grant or renewal whose reply was
 // lost after Redis ran it, and that the next send (by go-redis, by the
 // acquirer, or a waiter's next poll) recognises as its own, gives a lease
@@ -474,12 +514,6 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 		p.ReplyWindow(replyWindow)
 		a := newAcquirerOn(t, c, nil)
 		warmUp(ctx, t, a, fencetest.Name("recwarm"), time.Minute, true) // loads the scripts
-		taken := func(t *testing.T) {
-			t.Helper()
-			if p.Pending() != 0 {
-				t.Fatal("the armed fault was never taken")
-			}
-		}
 		t.Run("try", func(t *testing.T) {
 			name := fencetest.Name("rectry")
 			p.LoseReply(scriptFor(name, "try"))
@@ -487,7 +521,7 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 			if err != nil {
 				t.Fatalf("TryAcquire whose reply was lost: %v, want the grant recognised", err)
 			}
-			taken(t)
+			allTaken(t, p)
 			outlivesNoKey(t, l, []*redis.Client{direct})
 		})
 		t.Run("wait", func(t *testing.T) {
@@ -515,7 +549,7 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Acquire whose granting reply was lost: %v, want the grant recognised", err)
 			}
-			taken(t)
+			allTaken(t, p)
 			outlivesNoKey(t, l, []*redis.Client{direct})
 		})
 		t.Run("handoff", func(t *testing.T) {
@@ -543,30 +577,16 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 			if r.err != nil {
 				t.Fatalf("the waiter after a release whose reply was lost: %v", r.err)
 			}
-			taken(t)
+			allTaken(t, p)
 			outlivesNoKey(t, r.l, []*redis.Client{direct})
 		})
 		for _, fault := range []string{"lost", "dropped"} {
 			t.Run("renew-"+fault, func(t *testing.T) {
-				name := fencetest.Name("recrenew")
-				l := mustTryAcquire(ctx, t, a, name, recognisedTTL)
-				// Renewed a third into the lease, as fence.Hold does: a
-				// deadline counted from the renewal's send would then
-				// lie a third of a ttl past the key's expiry.
-				time.Sleep(recognisedTTL / 3)
-				// The renewal is the only script on name without the
-				// grant channel among its arguments.
-				renewal := func(b []byte) bool { return scriptFor(name, "")(b) && !faultnet.Carries(b, "fence:grant:") }
-				if fault == "lost" {
-					p.LoseReply(renewal)
-				} else {
-					p.DropRequest(renewal)
-				}
-				if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
-					t.Fatalf("Renew whose request was %s: %v, want nil or ErrUnknown", fault, err)
-				}
-				taken(t)
-				outlivesNoKey(t, l, []*redis.Client{direct})
+				checkRecognisedRenew(ctx, t, a, fencetest.Name("recrenew"), "Renew whose request was "+fault, func(name string) {
+					// The renewal is the only script on name without the
+					// grant channel among its arguments.
+					armFault(p, fault, func(b []byte) bool { return scriptFor(name, "")(b) && !faultnet.Carries(b, "fence:grant:") })
+				}, []*faultnet.Proxy{p}, []*redis.Client{direct})
 			})
 		}
 	})
@@ -580,57 +600,33 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 // were lost, or whose requests never reached a majority, does the same.
 func TestRedlockRecognisedSendCountsFromFirstSend(t *testing.T) {
 	ctx := context.Background()
-	for _, m := range []struct {
-		name    string
-		retries int
-	}{{"default-retries", 0}, {"no-retries", -1}} {
-		t.Run(m.name, func(t *testing.T) {
-			r, proxies, direct := redlockViaProxies(t, m.retries)
-			for _, p := range proxies {
-				p.ReplyWindow(replyWindow)
-			}
-			warmUp(ctx, t, r, fencetest.Name("rlrecwarm"), time.Minute, true) // loads the scripts
-			taken := func(t *testing.T) {
-				t.Helper()
-				for i, p := range proxies {
-					if p.Pending() != 0 {
-						t.Fatalf("node %d: the armed fault was never taken", i)
-					}
+	eachRedlockRetryMode(t, func(t *testing.T, retries int, r *redislua.Redlock, proxies []*faultnet.Proxy, direct []*redis.Client) {
+		for _, p := range proxies {
+			p.ReplyWindow(replyWindow)
+		}
+		warmUp(ctx, t, r, fencetest.Name("rlrecwarm"), time.Minute, true) // loads the scripts
+		if retries == 0 {
+			// Without go-redis's resend, the grant has no majority.
+			t.Run("grant", func(t *testing.T) {
+				name := fencetest.Name("rlrecgrant")
+				proxies[0].LoseReply(scriptFor(name, ""))
+				proxies[1].LoseReply(scriptFor(name, ""))
+				l, err := r.TryAcquire(ctx, name, recognisedTTL)
+				if err != nil {
+					t.Fatalf("TryAcquire whose lock replies were lost on 2 of 3 nodes: %v, want the grant recognised", err)
 				}
-			}
-			if m.retries == 0 {
-				// Without go-redis's resend, the grant has no majority.
-				t.Run("grant", func(t *testing.T) {
-					name := fencetest.Name("rlrecgrant")
-					proxies[0].LoseReply(scriptFor(name, ""))
-					proxies[1].LoseReply(scriptFor(name, ""))
-					l, err := r.TryAcquire(ctx, name, recognisedTTL)
-					if err != nil {
-						t.Fatalf("TryAcquire whose lock replies were lost on 2 of 3 nodes: %v, want the grant recognised", err)
-					}
-					taken(t)
-					outlivesNoKey(t, l, direct)
-				})
-			}
-			for _, fault := range []string{"lost", "dropped"} {
-				t.Run("renew-"+fault, func(t *testing.T) {
-					name := fencetest.Name("rlrecrenew")
-					l := mustTryAcquire(ctx, t, r, name, recognisedTTL)
-					time.Sleep(recognisedTTL / 3) // renewed a third into the lease, as fence.Hold does
+				allTaken(t, proxies...)
+				outlivesNoKey(t, l, direct)
+			})
+		}
+		for _, fault := range []string{"lost", "dropped"} {
+			t.Run("renew-"+fault, func(t *testing.T) {
+				checkRecognisedRenew(ctx, t, r, fencetest.Name("rlrecrenew"), "Renew whose requests were "+fault+" on 2 of 3 nodes", func(name string) {
 					for _, p := range proxies[:2] {
-						if fault == "lost" {
-							p.LoseReply(scriptFor(name, ""))
-						} else {
-							p.DropRequest(scriptFor(name, ""))
-						}
+						armFault(p, fault, scriptFor(name, ""))
 					}
-					if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
-						t.Fatalf("Renew whose requests were %s on 2 of 3 nodes: %v, want nil or ErrUnknown", fault, err)
-					}
-					taken(t)
-					outlivesNoKey(t, l, direct)
-				})
-			}
-		})
-	}
+				}, proxies, direct)
+			})
+		}
+	})
 }
