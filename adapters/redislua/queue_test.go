@@ -9,12 +9,14 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/redis/go-redis/v9"
 )
@@ -301,5 +303,520 @@ func TestQueuedWaiterPollPace(t *testing.T) {
 	// The first attempt, its place in line, 5 to 10 polls, leaving.
 	if n := calls() - before; n > 15 {
 		t.Errorf("%d scripts in 500ms of waiting, want at most 15", n)
+	}
+}
+
+// TestTokensSurviveCounterDelete: holder A has a token and
+// stalls; the name's counter and lock are deleted (a DEL, FLUSHALL, eviction);
+// the next grant's token must still be above A's, so the fenced writer
+// refuses A's late write. Without the clock floor the counter restarted at 1.
+func TestTokensSurviveCounterDelete(t *testing.T) {
+	c := testenv.RedisClient(t)
+	ctx := context.Background()
+	a, _ := redislua.NewAcquirer(c, nil)
+	w, _ := redislua.NewWriter(c, nil)
+	name, key := fencetest.Name("del"), fencetest.Name("delkey")
+	for i := 0; i < 3; i++ { // a few grants before the holder that stalls
+		l := mustTryAcquire(ctx, t, a, name, time.Minute)
+		l.Release(ctx)
+	}
+	stalled := mustTryAcquire(ctx, t, a, name, time.Minute)
+	lock := redislua.DefaultPrefix + "{" + name + "}"
+	if err := c.Del(ctx, lock+":token", lock+":lock").Err(); err != nil {
+		t.Fatal(err)
+	}
+	b := mustTryAcquire(ctx, t, a, name, time.Minute)
+	defer b.Release(ctx)
+	checkStaleRefused(t, w, key, b.Token(), stalled.Token(), "after the counter was deleted")
+}
+
+// checkStaleRefused checks that a newer grant's token is above a stalled
+// holder's, that the newer holder's write lands, and that the stalled
+// holder's late write is refused and changes nothing.
+func checkStaleRefused(t *testing.T, w *redislua.Writer, key string, newer, stalled fence.Token, when string) {
+	t.Helper()
+	ctx := context.Background()
+	if newer <= stalled {
+		t.Fatalf("token %d %s, not above the stalled holder's %d", newer, when, stalled)
+	}
+	if err := w.Write(ctx, key, []byte("second holder"), newer); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("paused holder"), stalled); !errors.Is(err, fence.ErrStale) {
+		t.Fatalf("the paused holder's write %s: %v, want ErrStale", when, err)
+	}
+	if v, _, err := w.Read(ctx, key); err != nil || string(v) != "second holder" {
+		t.Errorf("stored %q, %v", v, err)
+	}
+}
+
+// acquireAsync runs a.Acquire in the background and delivers its outcome.
+func acquireAsync(ctx context.Context, a fence.Acquirer, name string) <-chan fence.Lease {
+	ch := make(chan fence.Lease, 1)
+	go func() {
+		l, err := a.Acquire(ctx, name, time.Minute)
+		if err != nil {
+			l = nil
+		}
+		ch <- l
+	}()
+	return ch
+}
+
+// first waits for the lease of want and checks that other is still waiting.
+func first(t *testing.T, what string, want, other <-chan fence.Lease) fence.Lease {
+	t.Helper()
+	select {
+	case l := <-want:
+		if l == nil {
+			t.Fatalf("%s: Acquire failed", what)
+		}
+		return l
+	case l := <-other:
+		t.Fatalf("%s: the wrong waiter was granted first (%v)", what, l != nil)
+	case <-time.After(30 * time.Second):
+		t.Fatalf("%s: never granted", what)
+	}
+	return nil
+}
+
+// TestLineOutlivesItsExpiry: the line's list expires a while
+// after the last poll of any waiter, not after the last newcomer: a long
+// waiter keeps its place however long nobody new comes. Before, a waiter
+// that had waited longer than the list's life was served after every later
+// newcomer.
+func TestLineOutlivesItsExpiry(t *testing.T) {
+	c := testenv.RedisClient(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const life = time.Second
+	a1, _ := redislua.NewAcquirer(c, nil)
+	a2, _ := redislua.NewAcquirer(c, nil)
+	redislua.SetLineLife(a1, life)
+	redislua.SetLineLife(a2, life)
+	name := fencetest.Name("linelife")
+	h := mustTryAcquire(ctx, t, a1, name, time.Minute)
+	w1 := acquireAsync(ctx, a1, name)
+	waitInLine(t, c, name, 1)
+	// Three lives of the list pass with nobody new; the old waiter polls.
+	end := time.Now().Add(3 * life)
+	line := redislua.DefaultPrefix + "{" + name + "}:line"
+	for time.Now().Before(end) {
+		n, err := c.LLen(ctx, line).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n != 1 {
+			t.Fatalf("the line holds %d waiters while the old waiter waits, want 1", n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	w2 := acquireAsync(ctx, a2, name)
+	waitInLine(t, c, name, 2)
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l := first(t, "after the line's life passed", w1, w2)
+	l.Release(ctx)
+	first(t, "the newcomer", w2, nil).Release(ctx)
+}
+
+// TestUnheardWaiterKeepsPlace: the first waiter's acquirer cannot
+// hear a grant (its pub/sub connection is down and reconnecting). The grant
+// goes to the next waiter, but the first keeps its place at the head of the
+// line: the next grant is its, not a later newcomer's. Before, it was dropped
+// and queued again at the back on its next poll.
+func TestUnheardWaiterKeepsPlace(t *testing.T) {
+	c := testenv.RedisClient(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	p := faultnet.Start(t, testenv.RedisAddr())
+	// Polls every 0.5-1s and a place that lives 5s: the waiter keeps its
+	// entry through the outage.
+	a1, _ := redislua.NewAcquirer(viaProxy(t, p, 0), &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: time.Second}})
+	a2, _ := redislua.NewAcquirer(c, nil)
+	name := fencetest.Name("unheard")
+	h := mustTryAcquire(ctx, t, a2, name, time.Minute)
+	w1 := acquireAsync(ctx, a1, name)
+	waitInLine(t, c, name, 1)
+	channel := redislua.DefaultPrefix + "grant:" + redislua.AcquirerID(a1)
+	p.Refuse(true)
+	p.CutAll()
+	waitSubscribers(t, c, channel, 0)
+	w2 := acquireAsync(ctx, a2, name)
+	waitInLine(t, c, name, 2)
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l2 := first(t, "while the first waiter cannot hear", w2, w1)
+	w3 := acquireAsync(ctx, a2, name)
+	waitInLine(t, c, name, 2) // the unheard waiter and the newcomer
+	p.Refuse(false)
+	waitSubscribers(t, c, channel, 1)
+	if err := l2.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	first(t, "the unheard waiter, back", w1, w3).Release(ctx)
+	first(t, "the newcomer", w3, nil).Release(ctx)
+}
+
+// waitSubscribers waits until channel has n subscribers.
+func waitSubscribers(t *testing.T, c *redis.Client, channel string, n int64) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		got, err := c.PubSubNumSub(context.Background(), channel).Result()
+		if err == nil && got[channel] == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("channel %s has %d subscribers (%v), want %d", channel, got[channel], err, n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestRingRefused: a redis.Ring routes the grant channel and the lock key
+// (and the idempotency notifications and records) to different shards.
+func TestRingRefused(t *testing.T) {
+	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": testenv.RedisAddr()}})
+	defer ring.Close()
+	if _, err := redislua.NewAcquirer(ring, nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("NewAcquirer on a Ring: %v, want ErrInvalid", err)
+	}
+	if _, err := redislua.NewIdempotencyStore(ring, nil); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("NewIdempotencyStore on a Ring: %v, want ErrInvalid", err)
+	}
+}
+
+// TestRenewInDriftMarginDoesNotExtendKey: the suite's
+// LateRenewHoldsNothing, with a Drift of 100ms (the default is 1% of the
+// ttl plus 2ms), so that the Renew after the local deadline leaves while
+// the key still lives on Redis. It returns ErrLost and does not hold the
+// lock on Redis for another ttl: another acquirer gets it when the first
+// grant expires.
+func TestRenewInDriftMarginDoesNotExtendKey(t *testing.T) {
+	c := testenv.RedisClient(t)
+	ctx := context.Background()
+	a, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Drift: 100 * time.Millisecond})
+	other, _ := redislua.NewAcquirer(c, nil)
+	name := fencetest.Name("latrenew")
+	const ttl = 3 * time.Second
+	l := mustTryAcquire(ctx, t, a, name, ttl)
+	<-l.Context().Done() // the local deadline: at most ttl - drift after the grant
+	if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("Renew after the local deadline: %v, want ErrLost", err)
+	}
+	// The grant expires on Redis within the drift; a renewal would have held
+	// it for another 3s.
+	actx, cancel := context.WithTimeout(ctx, ttl/2)
+	defer cancel()
+	ol, err := other.Acquire(actx, name, time.Second)
+	if err != nil {
+		t.Fatalf("another acquirer after a Renew past the local deadline: %v", err)
+	}
+	ol.Release(ctx)
+}
+
+// counterOf reads name's token counter: a grant sets it to the token it
+// handed out.
+func counterOf(t *testing.T, c *redis.Client, name string) uint64 {
+	t.Helper()
+	n, err := c.Get(context.Background(), redislua.DefaultPrefix+"{"+name+"}:token").Uint64()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// lockHeld reports whether name's lock key exists.
+func lockHeld(t *testing.T, c *redis.Client, name string) bool {
+	t.Helper()
+	n, err := c.Exists(context.Background(), redislua.DefaultPrefix+"{"+name+"}:lock").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n == 1
+}
+
+// TestHandoffToLocalWaiter: a Release hands the lease to the Acquire waiting in
+// the same process, with a larger token, and the old lease is over. The
+// release script itself makes the grant: right after Release the lock is held
+// and the counter is at the waiter's token, before the waiter asked again.
+func TestHandoffToLocalWaiter(t *testing.T) {
+	c := testenv.RedisClient(t)
+	a, _ := redislua.NewAcquirer(c, nil)
+	ctx := context.Background()
+	name := fencetest.Name("handoff")
+	h := mustTryAcquire(ctx, t, a, name, time.Minute)
+	got := make(chan fence.Lease, 1)
+	go func() {
+		l, err := a.Acquire(ctx, name, 30*time.Second)
+		if err != nil {
+			t.Error(err)
+		}
+		got <- l
+	}()
+	waitInLine(t, c, name, 1)
+	if err := h.Release(ctx); err != nil {
+		t.Fatalf("Release with a waiter: %v", err)
+	}
+	held, byRelease := lockHeld(t, c, name), counterOf(t, c, name)
+	w := <-got
+	if w == nil {
+		t.FailNow()
+	}
+	if w.Token() <= h.Token() {
+		t.Errorf("handed-over token %d not above %d", w.Token(), h.Token())
+	}
+	if !held || uint64(w.Token()) != byRelease {
+		t.Errorf("right after Release: lock held %v, counter %d; the waiter got %d: not handed over by the release", held, byRelease, w.Token())
+	}
+	if h.Context().Err() == nil {
+		t.Error("the releasing holder's context is not done")
+	}
+	if err := h.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("old holder's Renew after the hand-over: %v, want ErrLost", err)
+	}
+	// The new holder holds it on Redis, with its own ttl.
+	other, _ := redislua.NewAcquirer(c, nil)
+	if _, err := other.TryAcquire(ctx, name, time.Second); !errors.Is(err, fence.ErrHeld) {
+		t.Errorf("another acquirer after the hand-over: %v, want ErrHeld", err)
+	}
+	if pttl, _ := c.PTTL(ctx, "fence:{"+name+"}:lock").Result(); pttl > 30*time.Second || pttl < 25*time.Second {
+		t.Errorf("handed-over lock expires in %v, want the waiter's 30s", pttl)
+	}
+	if err := w.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestHandoffExpiredHolder: a holder whose lease expired cannot hand it over;
+// its Release reports the loss and the waiter gets the lease by itself.
+func TestHandoffExpiredHolder(t *testing.T) {
+	c := testenv.RedisClient(t)
+	a, _ := redislua.NewAcquirer(c, nil)
+	ctx := context.Background()
+	name := fencetest.Name("expired")
+	h := mustTryAcquire(ctx, t, a, name, 100*time.Millisecond)
+	got := make(chan fence.Lease, 1)
+	go func() {
+		l, err := a.Acquire(ctx, name, time.Second)
+		if err != nil {
+			t.Error(err)
+		}
+		got <- l
+	}()
+	time.Sleep(150 * time.Millisecond) // h expired; the waiter may already have the lease
+	if err := h.Release(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Errorf("expired holder's Release: %v, want ErrLost", err)
+	}
+	select {
+	case w := <-got:
+		if w == nil {
+			t.FailNow()
+		}
+		if w.Token() <= h.Token() {
+			t.Errorf("token %d not above %d", w.Token(), h.Token())
+		}
+		_ = w.Release(ctx)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the waiter never got the lease")
+	}
+}
+
+// TestHandoffToGivenUpWaiter: a waiter whose context ends while the lease is
+// being handed to it releases what it was handed; the lock does not stay held.
+// The race must happen: a round where the release granted the waiter (the
+// counter moved past the holder's token) and the waiter still gave up.
+func TestHandoffToGivenUpWaiter(t *testing.T) {
+	c := testenv.RedisClient(t)
+	a, _ := redislua.NewAcquirer(c, nil)
+	ctx := context.Background()
+	name := fencetest.Name("givenup")
+	raced := 0
+	const rounds = 40
+	for i := 0; i < rounds; i++ {
+		h, err := a.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			t.Fatalf("round %d: %v", i, err)
+		}
+		wctx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() {
+			l, err := a.Acquire(wctx, name, time.Minute)
+			if err == nil {
+				err = l.Release(ctx)
+			}
+			done <- err
+		}()
+		waitInLine(t, c, name, 1)
+		// Cancel and release at about the same moment, in varying order.
+		if i%2 == 0 {
+			cancel()
+		}
+		relErr := h.Release(ctx)
+		cancel()
+		werr := <-done
+		if werr != nil && !errors.Is(werr, context.Canceled) {
+			t.Fatalf("round %d: waiter: %v", i, werr)
+		}
+		if relErr != nil {
+			t.Fatalf("round %d: Release: %v", i, relErr)
+		}
+		if werr != nil && counterOf(t, c, name) > uint64(h.Token()) {
+			raced++ // handed to the waiter, which gave up anyway
+		}
+		// Whatever happened, the lock is free now.
+		if lockHeld(t, c, name) {
+			t.Fatalf("round %d: the lock is still held after the waiter gave up", i)
+		}
+	}
+	t.Logf("the release granted a waiter that gave up in %d of %d rounds", raced, rounds)
+	if raced == 0 {
+		t.Fatalf("in %d rounds the release never granted a waiter that was giving up: the race was not tested", rounds)
+	}
+}
+
+// TestHandoffFairAcrossAcquirers: waiters of one acquirer keep the lease
+// busy, yet a waiter of another acquirer (another process) that joins the line
+// gets it after exactly one grant to each waiter ahead of it, though those
+// waiters queue again at once: the line is FIFO across processes.
+func TestHandoffFairAcrossAcquirers(t *testing.T) {
+	c := testenv.RedisClient(t)
+	local, _ := redislua.NewAcquirer(c, nil)
+	remote, _ := redislua.NewAcquirer(c, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	name := fencetest.Name("fair")
+	const workers = 4
+	var (
+		wg    sync.WaitGroup
+		total atomic.Int64
+	)
+	// A blocker holds the lock until every local waiter and the remote one
+	// are in line, so the remote waiter always queues.
+	blocker := mustTryAcquire(ctx, t, local, name, time.Minute)
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				l, err := local.Acquire(ctx, name, 10*time.Second)
+				if err != nil {
+					return
+				}
+				total.Add(1)
+				time.Sleep(time.Millisecond)
+				_ = l.Release(context.Background())
+			}
+		}()
+	}
+	waitInLine(t, c, name, workers)
+	got := make(chan error, 1)
+	var grantsAtGrant int64
+	go func() {
+		rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
+		defer rcancel()
+		l, err := remote.Acquire(rctx, name, 10*time.Second)
+		if err == nil {
+			grantsAtGrant = total.Load()
+			_ = l.Release(context.Background())
+		}
+		got <- err
+	}()
+	// The remote waiter's entry is in line behind the local ones.
+	waitInLine(t, c, name, workers+1)
+	entries := redislua.DefaultPrefix + "{" + name + "}:w:*"
+	id := redislua.AcquirerID(remote) + " "
+	keys, err := c.Keys(ctx, entries).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	queued := false
+	for _, k := range keys {
+		v, err := c.Get(ctx, k).Result()
+		if err != nil && !errors.Is(err, redis.Nil) {
+			t.Fatal(err)
+		}
+		queued = queued || strings.HasPrefix(v, id)
+	}
+	if !queued {
+		t.Fatal("the other acquirer's waiter is not in line")
+	}
+	grantsAtJoin := total.Load() // 0: the blocker still holds the lock
+	if err := blocker.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-got; err != nil {
+		t.Fatalf("the other acquirer's waiter never got in: %v", err)
+	}
+	n := grantsAtGrant - grantsAtJoin
+	t.Logf("the other acquirer's waiter got the lease after %d local grants", n)
+	if n != workers {
+		t.Errorf("%d local grants after the remote waiter joined the line, want %d (one per waiter ahead, in line order)", n, workers)
+	}
+	cancel()
+	wg.Wait()
+}
+
+// TestWaiterKeepsItsPlaceWithAHugeBackoffMax: NewAcquirer
+// accepts Backoff{Max: 1<<61} (fence.Backoff.Validate: every field up to
+// math.MaxInt64 is valid). A waiter in line polls at least every ttl/4, and
+// its place must outlive its last poll ("by five times Max, at least 1s").
+// Five times Max overflows int64: the place lived 1s, and a waiter with an 8s
+// ttl, polling every 2s, lost its place between polls (a later waiter got
+// ahead of it).
+func TestWaiterKeepsItsPlaceWithAHugeBackoffMax(t *testing.T) {
+	c := testenv.RedisClient(t)
+	ctx := context.Background()
+	holder := newAcquirerOn(t, c, nil)
+	waiter, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Backoff: fence.Backoff{Max: 1 << 61}})
+	if err != nil {
+		t.Fatalf("NewAcquirer with Backoff.Max 1<<61: %v", err)
+	}
+	name := fencetest.Name("hugemax")
+	held := mustTryAcquire(ctx, t, holder, name, time.Minute)
+	defer func() { _ = held.Release(ctx) }()
+
+	const ttl = 8 * time.Second // the waiter polls every ttl/4 = 2s
+	wctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	got := make(chan error, 1)
+	go func() {
+		l, err := waiter.Acquire(wctx, name, ttl)
+		if err == nil {
+			_ = l.Release(ctx)
+		}
+		got <- err
+	}()
+	defer func() { cancel(); <-got }()
+
+	pattern := redislua.DefaultPrefix + "{" + name + "}:w:*"
+	entries := func() int {
+		keys, err := c.Keys(ctx, pattern).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(keys)
+	}
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for entries() == 0 {
+		select {
+		case err := <-got:
+			t.Fatalf("Acquire ended before its waiter joined the line: %v", err)
+		case <-time.After(10 * time.Second):
+			t.Fatal("the waiter never joined the line")
+		case <-tick.C:
+		}
+	}
+	joined := time.Now()
+	// Two poll rounds: the place must be there all along.
+	for time.Since(joined) < ttl/2 {
+		if entries() == 0 {
+			t.Fatalf("the waiter's place in line expired %v after it joined, while it was still waiting (it polls every %v)", time.Since(joined), ttl/4)
+		}
+		<-tick.C
 	}
 }
