@@ -7,6 +7,7 @@ import (
 
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/testenv"
 )
 
@@ -123,4 +124,15 @@ func nodeClients(t testing.TB, servers []*testenv.RedisServer) []redislua.Client
 func acquireAfresh(ctx context.Context, t testing.TB, clients []redislua.Client, name string, ttl time.Duration) (fence.Lease, error) {
 	t.Helper()
 	return acquireWithin(ctx, t, newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second}), name, ttl, 20*time.Second)
+}
+
+// writtenKey writes value under token to a new key named after prefix, and
+// returns the key.
+func writtenKey(ctx context.Context, t testing.TB, w fence.FencedWriter, prefix, value string, token fence.Token) string {
+	t.Helper()
+	key := fencetest.Name(prefix)
+	if err := w.Write(ctx, key, []byte(value), token); err != nil {
+		t.Fatal(err)
+	}
+	return key
 }

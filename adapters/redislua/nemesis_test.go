@@ -28,43 +28,19 @@ const nemesisWriterPrefix = "fencew:"
 // (fencetest.NemesisSuite).
 func TestNemesis(t *testing.T) {
 	direct := testenv.RedisClient(t)
-	wopts := &redislua.WriterOptions{Prefix: nemesisWriterPrefix}
-	newWriter := func(t *testing.T, c redislua.Client) fence.FencedWriter {
-		w, err := redislua.NewWriter(c, wopts)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return w
-	}
 	fencetest.NemesisSuite{
 		Acquirer: faultyAcquirer(&redislua.AcquirerOptions{}),
 		Writer: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 			c, p := proxiedClient(t)
-			return newWriter(t, c), p
+			return nemesisWriter(t, c), p
 		},
 		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
-			return newAcquirerOn(t, direct, nil), newWriter(t, direct)
+			return newAcquirerOn(t, direct, nil), nemesisWriter(t, direct)
 		},
 		// The lock, the counter, the line and the waiters of the name (the
 		// writer's keys have a prefix of their own); a name with no state
 		// yet is fine.
-		DeleteState: func(t *testing.T, name string) {
-			ctx := context.Background()
-			var keys []string
-			iter := direct.Scan(ctx, 0, redislua.DefaultPrefix+"{"+name+"}*", 100).Iterator()
-			for iter.Next(ctx) {
-				keys = append(keys, iter.Val())
-			}
-			if err := iter.Err(); err != nil {
-				t.Errorf("listing the keys of %q: %v", name, err)
-				return
-			}
-			if len(keys) > 0 {
-				if err := direct.Del(ctx, keys...).Err(); err != nil {
-					t.Errorf("deleting the keys of %q: %v", name, err)
-				}
-			}
-		},
+		DeleteState: nemesisDeleteKeys(direct),
 		ShortTTL: 300 * time.Millisecond,
 	}.Run(t)
 }
@@ -128,12 +104,8 @@ func nemesisDeleteKeys(clients ...*redis.Client) func(*testing.T, string) {
 	return func(t *testing.T, name string) {
 		ctx := context.Background()
 		for _, c := range clients {
-			var keys []string
-			iter := c.Scan(ctx, 0, redislua.DefaultPrefix+"{"+name+"}*", 100).Iterator()
-			for iter.Next(ctx) {
-				keys = append(keys, iter.Val())
-			}
-			if err := iter.Err(); err != nil {
+			keys, err := nameKeys(ctx, c, name)
+			if err != nil {
 				t.Errorf("listing the keys of %q: %v", name, err)
 				return
 			}

@@ -259,10 +259,7 @@ func notRunSteps() []notRunStep {
 				}
 		}},
 		{name: "write", prep: func(t *testing.T, e *notRunEnv) (func(context.Context) error, func(), func(*testing.T)) {
-			key := fencetest.Name("notrun-write")
-			if err := e.w.Write(ctx, key, []byte("old"), 5); err != nil {
-				t.Fatal(err)
-			}
+			key := writtenKey(ctx, t, e.w, "notrun-write", "old", 5)
 			return func(ctx context.Context) error {
 				if err := e.w.Write(ctx, key, []byte("new"), 6); err != nil {
 					return err
@@ -274,10 +271,7 @@ func notRunSteps() []notRunStep {
 			}, nil, readIs(e, key, "old", 5)
 		}},
 		{name: "delete", prep: func(t *testing.T, e *notRunEnv) (func(context.Context) error, func(), func(*testing.T)) {
-			key := fencetest.Name("notrun-delete")
-			if err := e.w.Write(ctx, key, []byte("old"), 5); err != nil {
-				t.Fatal(err)
-			}
+			key := writtenKey(ctx, t, e.w, "notrun-delete", "old", 5)
 			return func(ctx context.Context) error {
 				if err := e.w.Delete(ctx, key, 6); err != nil {
 					return err
@@ -289,10 +283,7 @@ func notRunSteps() []notRunStep {
 			}, nil, readIs(e, key, "old", 5)
 		}},
 		{name: "read", prep: func(t *testing.T, e *notRunEnv) (func(context.Context) error, func(), func(*testing.T)) {
-			key := fencetest.Name("notrun-read")
-			if err := e.w.Write(ctx, key, []byte("v"), 7); err != nil {
-				t.Fatal(err)
-			}
+			key := writtenKey(ctx, t, e.w, "notrun-read", "v", 7)
 			return func(ctx context.Context) error {
 				v, tok, err := e.w.Read(ctx, key)
 				if err == nil && (string(v) != "v" || tok != 7) {
@@ -658,10 +649,7 @@ func TestStepsRefusedOOMSayWhatHappened(t *testing.T) {
 	}
 
 	t.Run("write", func(t *testing.T) {
-		key := fencetest.Name("oom-write")
-		if err := w.Write(ctx, key, []byte("old"), 5); err != nil {
-			t.Fatal(err)
-		}
+		key := writtenKey(ctx, t, w, "oom-write", "old", 5)
 		undo := oom(t, admin)
 		sctx, cancel := short()
 		err := w.Write(sctx, key, []byte("new-and-longer-value"), 6)
@@ -671,10 +659,7 @@ func TestStepsRefusedOOMSayWhatHappened(t *testing.T) {
 		check(t, "write", err, string(v) == "new-and-longer-value" && tok == 6)
 	})
 	t.Run("delete", func(t *testing.T) {
-		key := fencetest.Name("oom-delete")
-		if err := w.Write(ctx, key, []byte("old"), 5); err != nil {
-			t.Fatal(err)
-		}
+		key := writtenKey(ctx, t, w, "oom-delete", "old", 5)
 		undo := oom(t, admin)
 		sctx, cancel := short()
 		err := w.Delete(sctx, key, 6)

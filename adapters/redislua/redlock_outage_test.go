@@ -57,8 +57,7 @@ func redlockLocks(ctx context.Context, t *testing.T, servers []*testenv.RedisSer
 // would keep the nodes for.
 func TestRedlockFailedWaitLeavesNoLock(t *testing.T) {
 	t.Parallel()
-	servers, clients := fiveNodes(t)
-	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
+	servers, r := fiveNodeRedlock(t, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
 		Backoff: fence.Backoff{Min: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
 	ctx := context.Background()
 	name := fencetest.Name("outagestray")
@@ -213,8 +212,7 @@ func TestRedlockWaitEndsAtItsDeadline(t *testing.T) {
 // the three come back empty, a grant has a token above every earlier one,
 // and the goroutines of all those tries are gone.
 func TestRedlockWaitThroughKilledMajority(t *testing.T) {
-	servers, clients := fiveNodes(t)
-	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
+	servers, r := fiveNodeRedlock(t, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
 		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond, MaxWait: 2 * time.Second}})
 	ctx := context.Background()
 	name := fencetest.Name("outagekilled")
@@ -444,8 +442,7 @@ func TestRedlockCloseClientsDuringBackgroundRelease(t *testing.T) {
 // Backoff, and checks that the goroutines return to the baseline about a
 // ttl after the wait, the nodes still down.
 func TestRedlockGoroutinesWhileMajorityDown(t *testing.T) {
-	servers, clients := fiveNodes(t)
-	r := newRedlock(t, clients, nil)
+	servers, r := fiveNodeRedlock(t, nil)
 	ctx := context.Background()
 	name := fencetest.Name("bgreleasedead")
 	const ttl = 10 * time.Second
@@ -716,8 +713,7 @@ func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 // script ends, those nodes hold the released grant's lock for the ttl.
 func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 	t.Parallel()
-	servers, clients := fiveNodes(t)
-	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	servers, r := fiveNodeRedlock(t, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	ctx := context.Background()
 	name := fencetest.Name("bgreleasebusy")
 	const ttl = time.Minute
@@ -765,8 +761,7 @@ func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 // the new one still holds its majority (Renew nil), and once it is released
 // the name is free at once.
 func TestRedlockBackgroundReleaseSparesLaterGrant(t *testing.T) {
-	servers, clients := fiveNodes(t)
-	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
+	servers, r := fiveNodeRedlock(t, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 	ctx := context.Background()
 	name := fencetest.Name("bgreleaselater")
 	const ttl = 10 * time.Second
@@ -826,8 +821,7 @@ func TestRedlockBackgroundReleaseSparesLaterGrant(t *testing.T) {
 // held), the release still reaches every node, and a later Renew is ErrLost.
 func TestRedlockReleaseWithEndedContext(t *testing.T) {
 	t.Parallel()
-	servers, clients := fiveNodes(t)
-	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	servers, r := fiveNodeRedlock(t, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	ctx := context.Background()
 	const ttl = time.Minute
 	free := func(name string) {

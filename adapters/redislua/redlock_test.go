@@ -21,6 +21,7 @@ type quietLogger struct{}
 
 func (quietLogger) Printf(context.Context, string, ...any) {}
 
+// fiveNodes starts five Redis servers and returns them with a client of each.
 func fiveNodes(t *testing.T) ([]*testenv.RedisServer, []redislua.Client) {
 	servers := make([]*testenv.RedisServer, 5)
 	clients := make([]redislua.Client, 5)
@@ -29,6 +30,14 @@ func fiveNodes(t *testing.T) ([]*testenv.RedisServer, []redislua.Client) {
 		clients[i] = servers[i].Client(t)
 	}
 	return servers, clients
+}
+
+// fiveNodeRedlock starts five Redis servers and returns them with a Redlock
+// over a client of each, built with opts.
+func fiveNodeRedlock(t *testing.T, opts *redislua.RedlockOptions) ([]*testenv.RedisServer, *redislua.Redlock) {
+	t.Helper()
+	servers, clients := fiveNodes(t)
+	return servers, newRedlock(t, clients, opts)
 }
 
 // pauseNodes pauses the given nodes (SIGSTOP), and resumes them when t ends

@@ -59,6 +59,17 @@ func faultyWriter(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 	return w, p
 }
 
+// nameKeys lists every key on c under name's hash tag with the default
+// prefix.
+func nameKeys(ctx context.Context, c *redis.Client, name string) ([]string, error) {
+	var keys []string
+	iter := c.Scan(ctx, 0, redislua.DefaultPrefix+"{"+name+"}*", 100).Iterator()
+	for iter.Next(ctx) {
+		keys = append(keys, iter.Val())
+	}
+	return keys, iter.Err()
+}
+
 // deleteNameKeys returns DeleteState: on each of clients (every node, for
 // Redlock), it deletes every key under the name's hash tag with the default
 // prefix (the lock, the token counter, the line and the waiters' entries), as
@@ -69,12 +80,8 @@ func deleteNameKeys(clients ...*redis.Client) func(*testing.T, string) {
 		ctx := context.Background()
 		deleted := int64(0)
 		for _, c := range clients {
-			var keys []string
-			iter := c.Scan(ctx, 0, redislua.DefaultPrefix+"{"+name+"}*", 100).Iterator()
-			for iter.Next(ctx) {
-				keys = append(keys, iter.Val())
-			}
-			if err := iter.Err(); err != nil {
+			keys, err := nameKeys(ctx, c, name)
+			if err != nil {
 				t.Fatalf("listing the keys of %q: %v", name, err)
 			}
 			if len(keys) == 0 {
