@@ -92,11 +92,7 @@ func TestReleaseWithoutChannelPermissionToWaiterInLine(t *testing.T) {
 	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	done := acquireInBackground(wctx, wa, name, time.Minute)
-	line := "fence:{" + name + "}:line"
-	waitUntil(t, 30*time.Second, 5*time.Millisecond, func() (bool, string) {
-		n, _ := admin.LLen(ctx, line).Result()
-		return n > 0, "the waiter never joined the line"
-	})
+	waitJoined(t, admin, name, 30*time.Second, "the waiter never joined the line")
 	if err := h.Release(ctx); err != nil {
 		t.Errorf("release by a user without channel permission, a waiter in line: %v", err)
 	}

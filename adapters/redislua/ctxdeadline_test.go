@@ -216,15 +216,7 @@ func TestAcquireEndsWithARequestInFlight(t *testing.T) {
 	// on a loaded machine took longer than the leave's 1s and
 	// made the Acquire ErrUnknown. A leave sent before the latency is off
 	// still has that 1s.
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	res := make(chan result, 1)
-	go func() {
-		l, err := a.Acquire(wctx, name, time.Minute)
-		res <- result{l, err}
-	}()
+	res := acquireInBackground(wctx, a, name, time.Minute)
 	<-wctx.Done()
 	p.Latency(0, 0)
 	r := <-res

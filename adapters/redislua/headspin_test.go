@@ -145,15 +145,7 @@ func TestHeadSpinCtxEndsTheSpin(t *testing.T) {
 			wcancel() // W's caller gives up while W spins
 		}
 	})
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	wres := make(chan result, 1)
-	go func() {
-		l, err := b.Acquire(wctx, name, time.Minute)
-		wres <- result{l, err}
-	}()
+	wres := acquireInBackground(wctx, b, name, time.Minute)
 	waitInLine(t, c, name, 2)
 	if err := h0.Release(ctx); err != nil {
 		t.Fatal(err)
@@ -165,7 +157,7 @@ func TestHeadSpinCtxEndsTheSpin(t *testing.T) {
 	// The spin's signal comes before the cancel, so W's answer may also be
 	// ready when this select runs (it picks either): an answer counts as
 	// "without spinning" only when no spin was signalled.
-	var early *result
+	var early *acquired
 	select {
 	case <-spinning:
 	case r := <-wres:
@@ -182,7 +174,7 @@ func TestHeadSpinCtxEndsTheSpin(t *testing.T) {
 	if err := x.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	var r result
+	var r acquired
 	if early != nil {
 		r = *early
 	} else {

@@ -9,6 +9,7 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
 )
 
 // newRedlock returns a Redlock over clients with opts, failing t if
@@ -135,4 +136,14 @@ func writtenKey(ctx context.Context, t testing.TB, w fence.FencedWriter, prefix,
 		t.Fatal(err)
 	}
 	return key
+}
+
+// waitJoined waits up to within until name's line holds a waiter, and
+// fails t with what if it does not.
+func waitJoined(t testing.TB, c *redis.Client, name string, within time.Duration, what string) {
+	t.Helper()
+	line := redislua.DefaultPrefix + "{" + name + "}:line"
+	waitUntil(t, within, 5*time.Millisecond, func() (bool, string) {
+		return c.LLen(context.Background(), line).Val() > 0, what
+	})
 }

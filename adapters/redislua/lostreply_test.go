@@ -559,15 +559,7 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 			h := mustTryAcquire(ctx, t, a, name, time.Minute)
 			actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 			defer cancel()
-			type result struct {
-				l   fence.Lease
-				err error
-			}
-			done := make(chan result, 1)
-			go func() {
-				l, err := a.Acquire(actx, name, recognisedTTL)
-				done <- result{l, err}
-			}()
+			done := acquireInBackground(actx, a, name, recognisedTTL)
 			waitInLine(t, direct, name, 1)
 			p.LoseReply(scriptFor(name, "release"))
 			if err := h.Release(ctx); err != nil {

@@ -519,36 +519,14 @@ func TestAcquireStartedWhileBusyWaitsInLine(t *testing.T) {
 	stop := b.busy(t)
 	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		l, err := a.Acquire(wctx, name, time.Minute)
-		done <- result{l, err}
-	}()
+	done := acquireInBackground(wctx, a, name, time.Minute)
 	b.sawBusy(t) // its first try; the SUBSCRIBE went before it
 	stop()
-	line := "fence:{" + name + "}:line"
-	deadline := time.Now().Add(20 * time.Second)
-	for b.admin.LLen(ctx, line).Val() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the waiter never joined the line after Redis stopped answering BUSY")
-		}
-		time.Sleep(5 * time.Millisecond) // polls Redis for the waiter's place
-	}
+	waitJoined(t, b.admin, name, 20*time.Second, "the waiter never joined the line after Redis stopped answering BUSY")
 	if err := h.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	r := <-done
-	if r.err != nil {
-		t.Fatalf("the waiter after the holder's release: %v", r.err)
-	}
-	defer r.l.Release(ctx)
-	if r.l.Token() <= h.Token() {
-		t.Errorf("waiter's token %d, holder's %d", r.l.Token(), h.Token())
-	}
+	grantedAfter(t, done, h, "the waiter after the holder's release")
 }
 
 // TestWaitWhoseDeadlineEndsWhileBusySaysHeld: a waiting Acquire whose

@@ -207,17 +207,9 @@ func TestRedlockAcquireWaitsForAMajority(t *testing.T) {
 	for _, i := range []int{0, 1, 2} {
 		servers[i].Kill()
 	}
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	res := make(chan result, 1)
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	go func() {
-		l, err := r.Acquire(wctx, name, 5*time.Second)
-		res <- result{l, err}
-	}()
+	res := acquireInBackground(wctx, r, name, 5*time.Second)
 	// Each failed try marks its grant released on the nodes it reached:
 	// three marks on node 3 are three tries that found no majority.
 	gone := "fence:{" + name + "}:gone:*"
