@@ -4,12 +4,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
+	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/redis/go-redis/v9"
 )
@@ -161,4 +167,336 @@ func TestRestartWhileHeld(t *testing.T) {
 			}
 		})
 	}
+}
+
+// grants records every token handed out, in the order the grants returned.
+type grants struct {
+	mu     sync.Mutex
+	tokens []fence.Token
+}
+
+func (g *grants) add(t fence.Token) {
+	g.mu.Lock()
+	g.tokens = append(g.tokens, t)
+	g.mu.Unlock()
+}
+
+func (g *grants) max() fence.Token {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var m fence.Token
+	for _, t := range g.tokens {
+		m = max(m, t)
+	}
+	return m
+}
+
+// reused counts the grants from index from on whose token was not above every
+// earlier one, and describes the first.
+func (g *grants) reused(from int) (n int, first string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var m fence.Token
+	for i, t := range g.tokens {
+		if i >= from && t <= m {
+			if n == 0 {
+				first = fmt.Sprintf("grant %d: token %d after %d", i, t, m)
+			}
+			n++
+		}
+		m = max(m, t)
+	}
+	return n, first
+}
+
+func (g *grants) len() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return len(g.tokens)
+}
+
+// TestSentinelFailover runs a primary, a replica and three sentinels, with
+// grants going on through a redis.NewFailoverClient. Two failovers happen under
+// that load: one forced with SENTINEL FAILOVER, then one where the primary
+// acknowledges a grant its replica never gets and is killed (SIGKILL). Every
+// grant writes its token to a fenced writer on another Redis, the protected
+// resource. With the clock floor (the default) or WaitReplicas no token is
+// handed out twice and the resource never accepts a write from a reused
+// token; with CounterTokens and no WaitReplicas the
+// killed primary's last grant is handed out again, as the package
+// documentation says.
+func TestSentinelFailover(t *testing.T) {
+	t.Parallel() // servers of its own
+	// "none" is CounterTokens (the clock floor off), "wait-replicas" adds
+	// WaitReplicas to it, "token-floor" is the default.
+	for _, mode := range []string{"none", "wait-replicas", "token-floor"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel() // servers of its own
+			ctx := context.Background()
+			opts := redislua.AcquirerOptions{DisableNotify: true, Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}}
+			switch mode {
+			case "wait-replicas":
+				opts.WaitReplicas, opts.WaitTimeout = 1, 800*time.Millisecond // below the client's 1s ReadTimeout
+			}
+			opts.CounterTokens = mode != "token-floor"
+			primary := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0")
+			replica := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0", "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
+			waitPrimaryReplicated(t, primary)
+			nodes := map[string]*testenv.RedisServer{primary.Addr: primary, replica.Addr: replica}
+			sent := testenv.StartSentinels(t, primary, 3, 1)
+			fc := sent.FailoverClient(t)
+			a := newAcquirerOn(t, fc, &opts)
+			// The protected resource lives elsewhere and survives the failovers.
+			w, err := redislua.NewWriter(testenv.RedisClient(t), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			key := fencetest.Name("sentinel")
+			g := &grants{}
+			var staleRefused int
+			grant := func(ctx context.Context) error {
+				// A grant whose release was lost in a failover holds the lock for
+				// its ttl: wait for it.
+				l, err := a.Acquire(ctx, "job", time.Second)
+				if err != nil {
+					return err
+				}
+				g.add(l.Token())
+				err = w.Write(ctx, key, []byte(fmt.Sprint(l.Token())), l.Token())
+				if errors.Is(err, fence.ErrStale) {
+					staleRefused++
+				} else if err != nil {
+					return err
+				}
+				return l.Release(ctx)
+			}
+
+			// Load: grants one after another until stopped; errors while the
+			// primary changes are expected. wait returns once the load has
+			// made k more grants (the event the scenes wait for, not a
+			// duration), and fails the test when none comes within 30s.
+			load := func() (wait func(k int), stop func() int) {
+				done := make(chan struct{})
+				finished := make(chan int)
+				var n atomic.Int64
+				granted := make(chan struct{}, 1)
+				go func() {
+					for {
+						select {
+						case <-done:
+							finished <- int(n.Load())
+							return
+						default:
+						}
+						cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+						if grant(cctx) == nil {
+							n.Add(1)
+							select {
+							case granted <- struct{}{}:
+							default:
+							}
+						}
+						cancel()
+					}
+				}()
+				wait = func(k int) {
+					t.Helper()
+					want := n.Load() + int64(k)
+					timeout := time.After(30 * time.Second)
+					for n.Load() < want {
+						select {
+						case <-granted:
+						case <-timeout:
+							t.Fatalf("%d of %d grants within 30s", n.Load()-want+int64(k), k)
+						}
+					}
+				}
+				return wait, func() int { close(done); return <-finished }
+			}
+
+			// 1. A forced failover under load.
+			wait, stop := load()
+			wait(3)
+			old := sent.Primary(t)
+			if err := sent.Nodes[0].Client(t).Do(ctx, "SENTINEL", "FAILOVER", testenv.SentinelMaster).Err(); err != nil {
+				t.Fatalf("SENTINEL FAILOVER: %v", err)
+			}
+			now := sent.WaitPrimary(t, old)
+			wait(3) // grants continue on the new primary
+			n := stop()
+			r1, first1 := g.reused(0)
+			t.Logf("%s: forced failover %s -> %s: %d grants, %d of them with a token handed out before (%s)", mode, old, now, n, r1, first1)
+			if n == 0 {
+				t.Fatal("no grant succeeded around the forced failover")
+			}
+
+			// 2. The replica (the old primary) stops hearing from the primary, the
+			// primary grants once more, and is killed.
+			oldNode, newNode := nodes[old], nodes[now]
+			// Sentinel turns the old primary into a replica of the new one when
+			// it next looks at it; do it now rather than wait.
+			if err := oldNode.Client(t).Do(ctx, "REPLICAOF", "127.0.0.1", fmt.Sprint(newNode.Port)).Err(); err != nil {
+				t.Fatal(err)
+			}
+			waitPrimaryReplicated(t, newNode)
+			if err := oldNode.Client(t).Do(ctx, "REPLICAOF", "127.0.0.1", "1").Err(); err != nil {
+				t.Fatal(err)
+			}
+			cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+			err = grant(cctx)
+			cancel()
+			switch mode {
+			case "wait-replicas":
+				if !errors.Is(err, redislua.ErrNotReplicated) {
+					t.Fatalf("a grant the replica cannot acknowledge: %v, want ErrNotReplicated", err)
+				}
+			default:
+				if err != nil {
+					t.Fatalf("grant before the kill: %v", err)
+				}
+			}
+			before, killedAt := g.max(), g.len()
+			newNode.Kill()
+			third := sent.WaitPrimary(t, now)
+			if third != old {
+				t.Fatalf("the sentinels promoted %s, want %s", third, old)
+			}
+			// The promoted node has no replica left to wait for.
+			opts.WaitReplicas = 0
+			if a, err = redislua.NewAcquirer(fc, &opts); err != nil {
+				t.Fatal(err)
+			}
+			wait, stop = load()
+			wait(3)
+			n = stop()
+			if n == 0 {
+				t.Fatal("no grant succeeded after the primary was killed")
+			}
+			r2, first2 := g.reused(killedAt)
+			t.Logf("%s: primary killed: max token before %d, %d grants after, %d of them with a token handed out before (%s); stale writes refused by the resource in all: %d",
+				mode, before, n, r2, first2, staleRefused)
+			switch mode {
+			case "none":
+				if r2 == 0 {
+					t.Error("with CounterTokens and no WaitReplicas the killed primary's last token was expected to be handed out again")
+				}
+			default:
+				if r1+r2 > 0 {
+					t.Errorf("tokens handed out again: %d at the forced failover (%s), %d after the kill (%s)", r1, first1, r2, first2)
+				}
+				if staleRefused > 0 {
+					t.Errorf("%d writes refused as stale: a token came back", staleRefused)
+				}
+			}
+		})
+	}
+}
+
+// waitPrimaryReplicated waits until the primary's replica has everything.
+func waitPrimaryReplicated(t *testing.T, primary *testenv.RedisServer) {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: primary.Addr})
+	defer c.Close()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		n, err := c.Do(context.Background(), "WAIT", 1, 1000).Int()
+		if err == nil && n == 1 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the new primary's replica did not catch up: %d, %v", n, err)
+		}
+	}
+}
+
+// TestSentinelSuites runs the acquirer, writer and idempotency suites through
+// Redis Sentinel: a primary, its replica and three sentinels, every client a
+// redis.NewFailoverClient that finds the primary by asking the sentinels.
+// The acquirer runs with WaitReplicas, the option meant for a replicated
+// deployment (its path is the default's plus a WAIT; the defaults run on the
+// plain server in TestAcquirerConformance); its second acquirer (NewOther)
+// has a failover client of its own. Each suite must leave keys on the primary
+// the sentinels name, so it ran through Sentinel and not on another server.
+func TestSentinelSuites(t *testing.T) {
+	t.Parallel() // servers of its own
+	primary := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0")
+	replica := testenv.StartRedis(t, "--repl-diskless-sync-delay", "0", "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
+	waitPrimaryReplicated(t, primary)
+	sent := testenv.StartSentinels(t, primary, 3, 1)
+	if got := sent.Primary(t); got != primary.Addr {
+		t.Fatalf("the sentinels name %s the primary, want %s", got, primary.Addr)
+	}
+	fc := sent.FailoverClient(t)
+	ctx := context.Background()
+	pc := primary.Client(t)
+	// onPrimary runs a suite and fails when the primary ran none of its
+	// writes (the number of keys is no measure: earlier suites' keys expire
+	// meanwhile).
+	onPrimary := func(name string, suite func(t *testing.T)) {
+		t.Run(name, func(t *testing.T) {
+			before, err := scriptCalls(ctx, pc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			suite(t)
+			if after, err := scriptCalls(ctx, pc); err != nil || after <= before {
+				t.Errorf("the %s suite ran no script on the Sentinel primary %s (%d script calls before, %d after, %v)", name, primary.Addr, before, after, err)
+			}
+		})
+	}
+	opts := redislua.AcquirerOptions{WaitReplicas: 1, WaitTimeout: 800 * time.Millisecond} // below the client's 1s ReadTimeout
+	onPrimary("acquirer", func(t *testing.T) {
+		a := newAcquirerOn(t, fc, &opts)
+		fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: redislua.MaxTTL, ShortTTL: shortTTL, BadNames: []string{"a{b}", "x}"},
+			NewOther:    func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, sent.FailoverClient(t), &opts) },
+			DeleteState: deleteNameKeys(pc), // on the primary, which replicates the DEL
+		}.Run(t)
+	})
+	onPrimary("writer", func(t *testing.T) {
+		w, err := redislua.NewWriter(fc, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: []string{"a{b}", "x}"}}.Run(t)
+	})
+	onPrimary("idempotency", func(t *testing.T) {
+		s, err := redislua.NewIdempotencyStore(fc, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true, BadKeys: []string{"a{b}"}}.Run(t)
+	})
+	if got := sent.Primary(t); got != primary.Addr {
+		t.Fatalf("the primary changed during the suites: %s, want %s", got, primary.Addr)
+	}
+	waitPrimaryReplicated(t, primary)
+	if n, err := replica.Client(t).DBSize(ctx).Result(); err != nil || n == 0 {
+		t.Errorf("the replica holds %d keys (%v) after the suites", n, err)
+	}
+}
+
+// scriptCalls is how many scripts (EVAL, EVALSHA) c's server has run, from
+// INFO commandstats: fencekit's writes are scripts, and Sentinel's own
+// traffic (PING, INFO, PUBLISH) runs none.
+func scriptCalls(ctx context.Context, c *redis.Client) (int64, error) {
+	info, err := c.Info(ctx, "commandstats").Result()
+	if err != nil {
+		return 0, err
+	}
+	var n int64
+	for _, line := range strings.Split(info, "\n") {
+		for _, cmd := range []string{"cmdstat_eval:", "cmdstat_evalsha:"} {
+			rest, ok := strings.CutPrefix(strings.TrimSpace(line), cmd)
+			if !ok {
+				continue
+			}
+			calls, _, _ := strings.Cut(strings.TrimPrefix(rest, "calls="), ",")
+			v, err := strconv.ParseInt(calls, 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("commandstats %q: %w", line, err)
+			}
+			n += v
+		}
+	}
+	return n, nil
 }
