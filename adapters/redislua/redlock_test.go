@@ -454,6 +454,16 @@ func TestRedlockOneServerTwice(t *testing.T) {
 	}
 }
 
+// grantedOnNodes returns l, or fails t with what, err and the name's lock
+// on every node when err is not nil.
+func grantedOnNodes(ctx context.Context, t *testing.T, servers []*testenv.RedisServer, name, what string, l fence.Lease, err error) fence.Lease {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: %v\nkeys on the nodes:%s", what, err, redlockLocks(ctx, t, servers, name))
+	}
+	return l
+}
+
 // redlockLocks describes the name's lock key on every node (its holder,
 // its remaining ttl, whether that grant is marked released there) and how
 // many release marks the node has, for failure messages.
@@ -510,9 +520,7 @@ func TestRedlockFailedWaitLeavesNoLock(t *testing.T) {
 	// The nodes are all up; no grant is alive. A waiter must not be kept
 	// out for the failed tries' ttl.
 	l, err := acquireWithin(ctx, t, r, name, ttl, 20*time.Second)
-	if err != nil {
-		t.Fatalf("Acquire after the failed wait ended and every node resumed: %v\nkeys on the nodes:%s", err, redlockLocks(ctx, t, servers, name))
-	}
+	grantedOnNodes(ctx, t, servers, name, "Acquire after the failed wait ended and every node resumed", l, err)
 	if l.Token() <= first.Token() {
 		t.Errorf("token %d not above the earlier %d", l.Token(), first.Token())
 	}
@@ -557,13 +565,8 @@ func TestRedlockReleasedLeaveNoLockOnPausedNodes(t *testing.T) {
 	resumeNodes(t, servers, 3, 4)
 	servers[0].Kill()
 	servers[1].Kill()
-	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
-	defer cancel()
-	next, err := r.Acquire(actx, name, ttl)
-	if err != nil {
-		t.Fatalf("Acquire on nodes 2-4 after a released grant, nodes 3 and 4 resumed: %v\nthe nodes:%s", err, redlockLocks(ctx, t, servers, name))
-	}
-	_ = next.Release(ctx)
+	next, err := acquireWithin(ctx, t, r, name, ttl, 15*time.Second)
+	_ = grantedOnNodes(ctx, t, servers, name, "Acquire on nodes 2-4 after a released grant, nodes 3 and 4 resumed", next, err).Release(ctx)
 }
 
 // TestRedlockWaitEndsAtItsDeadline: with 3 of 5 nodes paused and a
@@ -837,10 +840,7 @@ func TestRedlockGoroutinesAfterPausedWaits(t *testing.T) {
 	resumeNodes(t, servers, 0, 1, 2)
 	settleGoroutines(t, base, ttl+20*time.Second, "after the nodes resumed")
 	l, err := acquireWithin(ctx, t, r, name, ttl, 20*time.Second)
-	if err != nil {
-		t.Fatalf("Acquire after the nodes resumed: %v%s", err, redlockLocks(ctx, t, servers, name))
-	}
-	_ = l.Release(ctx)
+	_ = grantedOnNodes(ctx, t, servers, name, "Acquire after the nodes resumed", l, err).Release(ctx)
 }
 
 // TestRedlockCloseClientsDuringBackgroundRelease: failed tries against 3
@@ -1002,10 +1002,7 @@ func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 	// Every node is up and answering; the lease was released. A new holder
 	// must not wait for the 60s ttl.
 	l2, err := acquireAfresh(ctx, t, nodeClients(t, servers), name, ttl)
-	if err != nil {
-		t.Fatalf("Acquire 20s after a Release (%v) that met 3 loading nodes, all nodes up since: %v\nkeys on the nodes:%s", l.Context().Err(), err, redlockLocks(ctx, t, servers, name))
-	}
-	_ = l2.Release(ctx)
+	_ = grantedOnNodes(ctx, t, servers, name, fmt.Sprintf("Acquire 20s after a Release (%v) that met 3 loading nodes, all nodes up since", l.Context().Err()), l2, err).Release(ctx)
 }
 
 // persistentRedis is a redis-server that keeps its directory across a restart
@@ -1179,10 +1176,7 @@ func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 	}
 	wg.Wait()
 	l2, err := acquireAfresh(ctx, t, nodeClients(t, servers), name, ttl)
-	if err != nil {
-		t.Fatalf("Acquire 20s after a released grant's busy nodes finished their script: %v\nkeys on the nodes:%s", err, redlockLocks(ctx, t, servers, name))
-	}
-	_ = l2.Release(ctx)
+	_ = grantedOnNodes(ctx, t, servers, name, "Acquire 20s after a released grant's busy nodes finished their script", l2, err).Release(ctx)
 }
 
 // TestRedlockBackgroundReleaseSparesLaterGrant: a lease renewed and released
@@ -1241,10 +1235,7 @@ func TestRedlockBackgroundReleaseSparesLaterGrant(t *testing.T) {
 		t.Errorf("release of the new grant: %v", err)
 	}
 	c, err := r.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatalf("TryAcquire after both grants were released, all nodes up: %v%s", err, redlockLocks(ctx, t, servers, name))
-	}
-	_ = c.Release(ctx)
+	_ = grantedOnNodes(ctx, t, servers, name, "TryAcquire after both grants were released, all nodes up", c, err).Release(ctx)
 }
 
 // TestRedlockReleaseWithEndedContext: Release with a context that has
