@@ -474,6 +474,34 @@ func allTaken(t *testing.T, proxies ...*faultnet.Proxy) {
 	}
 }
 
+// checkRecognised fails t with what unless the grant (l, err) was
+// recognised as the client's own, every fault armed on proxies was taken,
+// and l outlives no lock key on nodes.
+func checkRecognised(t *testing.T, what string, l fence.Lease, err error, proxies []*faultnet.Proxy, nodes []*redis.Client) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: %v, want the grant recognised", what, err)
+	}
+	allTaken(t, proxies...)
+	outlivesNoKey(t, l, nodes)
+}
+
+// lateCall waits up to 30s for a held call to come back on landed, and
+// fails t with what unless it did without an error.
+func lateCall(t *testing.T, landed <-chan *redis.Cmd, what string) *redis.Cmd {
+	t.Helper()
+	select {
+	case c := <-landed:
+		if c.Err() != nil {
+			t.Fatalf("%s: %v", what, c.Err())
+		}
+		return c
+	case <-time.After(30 * time.Second):
+		t.Fatalf("%s never came back", what)
+	}
+	return nil
+}
+
 // armFault arms p to lose the reply ("lost") or drop the request
 // ("dropped") of the next call that match accepts.
 func armFault(p *faultnet.Proxy, fault string, match func([]byte) bool) {
@@ -522,11 +550,7 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 			name := fencetest.Name("rectry")
 			p.LoseReply(scriptFor(name, "try"))
 			l, err := a.TryAcquire(ctx, name, recognisedTTL)
-			if err != nil {
-				t.Fatalf("TryAcquire whose reply was lost: %v, want the grant recognised", err)
-			}
-			allTaken(t, p)
-			outlivesNoKey(t, l, []*redis.Client{direct})
+			checkRecognised(t, "TryAcquire whose reply was lost", l, err, []*faultnet.Proxy{p}, []*redis.Client{direct})
 		})
 		t.Run("wait", func(t *testing.T) {
 			// A waiter in line on another name keeps the grant channel
@@ -550,11 +574,7 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 			actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 			defer cancel()
 			l, err := a.Acquire(actx, name, recognisedTTL)
-			if err != nil {
-				t.Fatalf("Acquire whose granting reply was lost: %v, want the grant recognised", err)
-			}
-			allTaken(t, p)
-			outlivesNoKey(t, l, []*redis.Client{direct})
+			checkRecognised(t, "Acquire whose granting reply was lost", l, err, []*faultnet.Proxy{p}, []*redis.Client{direct})
 		})
 		t.Run("handoff", func(t *testing.T) {
 			// The holder and the waiter share an acquirer: the release
@@ -570,11 +590,7 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 				checkUnknown(t, "Release that handed the lease over", err)
 			}
 			r := <-done
-			if r.err != nil {
-				t.Fatalf("the waiter after a release whose reply was lost: %v", r.err)
-			}
-			allTaken(t, p)
-			outlivesNoKey(t, r.l, []*redis.Client{direct})
+			checkRecognised(t, "the waiter after a release whose reply was lost", r.l, r.err, []*faultnet.Proxy{p}, []*redis.Client{direct})
 		})
 		for _, fault := range []string{"lost", "dropped"} {
 			t.Run("renew-"+fault, func(t *testing.T) {
@@ -608,11 +624,7 @@ func TestRedlockRecognisedSendCountsFromFirstSend(t *testing.T) {
 				proxies[0].LoseReply(scriptFor(name, ""))
 				proxies[1].LoseReply(scriptFor(name, ""))
 				l, err := r.TryAcquire(ctx, name, recognisedTTL)
-				if err != nil {
-					t.Fatalf("TryAcquire whose lock replies were lost on 2 of 3 nodes: %v, want the grant recognised", err)
-				}
-				allTaken(t, proxies...)
-				outlivesNoKey(t, l, direct)
+				checkRecognised(t, "TryAcquire whose lock replies were lost on 2 of 3 nodes", l, err, proxies, direct)
 			})
 		}
 		for _, fault := range []string{"lost", "dropped"} {
@@ -891,15 +903,7 @@ func TestAcquirerLateTryAfterRelease(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.Heal()
-	var landed *redis.Cmd
-	select {
-	case landed = <-c.landed:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the late try never landed")
-	}
-	if landed.Err() != nil {
-		t.Fatalf("late try: %v", landed.Err())
-	}
+	landed := lateCall(t, c.landed, "the late try")
 	ol, err := other.TryAcquire(ctx, name, ttl)
 	if err != nil {
 		t.Fatalf("after a released lease's first try landed late (reply %v): %v", landed.Val(), err)

@@ -386,15 +386,7 @@ func TestRedlockLateLockAfterRelease(t *testing.T) {
 				t.Fatal("the grant never called node 4")
 			}
 			proxy.Heal()
-			var landed *redis.Cmd
-			select {
-			case landed = <-held.landed:
-			case <-time.After(30 * time.Second):
-				t.Fatal("the held lock call never came back")
-			}
-			if landed.Err() != nil {
-				t.Fatalf("held lock call: %v", landed.Err())
-			}
+			landed := lateCall(t, held.landed, "the held lock call")
 			if tc == "released" {
 				servers[0].Kill()
 				servers[1].Kill()
