@@ -127,6 +127,28 @@ func nemesisWriter(t *testing.T, c redislua.Client) fence.FencedWriter {
 	return w
 }
 
+// proxiedNemesis returns the NemesisSuite of a topology whose clients come
+// from newClient, each with the proxies of its connections: every acquirer
+// (with opts) and every writer has a client of its own, and the direct
+// ones share a client of direct. The caller sets DeleteState.
+func proxiedNemesis(newClient func(*testing.T) (redislua.Client, []*faultnet.Proxy), opts *redislua.AcquirerOptions, direct func(*testing.T) redislua.Client) fencetest.NemesisSuite {
+	return fencetest.NemesisSuite{
+		AcquirerProxies: func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy) {
+			c, ps := newClient(t)
+			return newAcquirerOn(t, c, opts), ps
+		},
+		WriterProxies: func(t *testing.T) (fence.FencedWriter, []*faultnet.Proxy) {
+			c, ps := newClient(t)
+			return nemesisWriter(t, c), ps
+		},
+		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
+			c := direct(t)
+			return newAcquirerOn(t, c, opts), nemesisWriter(t, c)
+		},
+		ShortTTL: 300 * time.Millisecond,
+	}
+}
+
 // TestClusterNemesis: clients on a 3-primary Redis Cluster, each acquirer and
 // writer on a cluster client of its own whose connection to each node goes
 // through a proxy of its own, call random lease and write operations while
@@ -137,7 +159,7 @@ func nemesisWriter(t *testing.T, c redislua.Client) fence.FencedWriter {
 func TestClusterNemesis(t *testing.T) {
 	rc := testenv.StartRedisCluster(t, 3)
 	direct := rc.Client(t)
-	clusterClient := func(t *testing.T) (*redis.ClusterClient, []*faultnet.Proxy) {
+	clusterClient := func(t *testing.T) (redislua.Client, []*faultnet.Proxy) {
 		dial, proxies := proxiedDialer(t, rc.Addrs())
 		c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: rc.Addrs(), Dialer: dial, DialTimeout: time.Second, ReadTimeout: 2 * time.Second})
 		t.Cleanup(func() { c.Close() })
@@ -147,21 +169,9 @@ func TestClusterNemesis(t *testing.T) {
 	for i, n := range rc.Nodes {
 		primaries[i] = n.Client(t)
 	}
-	fencetest.NemesisSuite{
-		AcquirerProxies: func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy) {
-			c, ps := clusterClient(t)
-			return newAcquirerOn(t, c, nil), ps
-		},
-		WriterProxies: func(t *testing.T) (fence.FencedWriter, []*faultnet.Proxy) {
-			c, ps := clusterClient(t)
-			return nemesisWriter(t, c), ps
-		},
-		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
-			return newAcquirerOn(t, direct, nil), nemesisWriter(t, direct)
-		},
-		DeleteState: nemesisDeleteKeys(primaries...),
-		ShortTTL:    300 * time.Millisecond,
-	}.Run(t)
+	s := proxiedNemesis(clusterClient, nil, func(*testing.T) redislua.Client { return direct })
+	s.DeleteState = nemesisDeleteKeys(primaries...)
+	s.Run(t)
 }
 
 // TestSentinelNemesis: clients on a Sentinel deployment (a primary, its
@@ -178,30 +188,16 @@ func TestSentinelNemesis(t *testing.T) {
 	testenv.StartRedis(t, "--repl-diskless-sync-delay", "0", "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
 	waitPrimaryReplicated(t, primary)
 	sent := testenv.StartSentinels(t, primary, 3, 1)
-	failoverClient := func(t *testing.T) (*redis.Client, []*faultnet.Proxy) {
+	failoverClient := func(t *testing.T) (redislua.Client, []*faultnet.Proxy) {
 		dial, proxies := proxiedDialer(t, append([]string{primary.Addr}, sent.Addrs()...))
 		c := redis.NewFailoverClient(&redis.FailoverOptions{MasterName: testenv.SentinelMaster, SentinelAddrs: sent.Addrs(), Dialer: dial,
 			DialTimeout: time.Second, ReadTimeout: time.Second, WriteTimeout: time.Second})
 		t.Cleanup(func() { c.Close() })
 		return c, proxies
 	}
-	opts := &redislua.AcquirerOptions{WaitReplicas: 1}
-	fencetest.NemesisSuite{
-		AcquirerProxies: func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy) {
-			c, ps := failoverClient(t)
-			return newAcquirerOn(t, c, opts), ps
-		},
-		WriterProxies: func(t *testing.T) (fence.FencedWriter, []*faultnet.Proxy) {
-			c, ps := failoverClient(t)
-			return nemesisWriter(t, c), ps
-		},
-		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
-			fc := sent.FailoverClient(t)
-			return newAcquirerOn(t, fc, opts), nemesisWriter(t, fc)
-		},
-		DeleteState: nemesisDeleteKeys(primary.Client(t)), // the replica follows
-		ShortTTL:    300 * time.Millisecond,
-	}.Run(t)
+	s := proxiedNemesis(failoverClient, &redislua.AcquirerOptions{WaitReplicas: 1}, func(t *testing.T) redislua.Client { return sent.FailoverClient(t) })
+	s.DeleteState = nemesisDeleteKeys(primary.Client(t)) // the replica follows
+	s.Run(t)
 	if got := sent.Primary(t); got != primary.Addr {
 		t.Errorf("the primary changed during the run: %s, want %s (the run then tested a failover it did not mean to)", got, primary.Addr)
 	}
@@ -228,10 +224,6 @@ func TestRedlockNemesis(t *testing.T) {
 	}
 	const ttl = 600 * time.Millisecond
 	opts := &redislua.RedlockOptions{NodeTimeout: ttl / 4}
-	newRedlock := func(t *testing.T, clients []redislua.Client) *redislua.Redlock {
-		r := newRedlock(t, clients, opts)
-		return r
-	}
 	shared := testenv.RedisClient(t)
 	var (
 		mu   sync.Mutex
@@ -247,14 +239,14 @@ func TestRedlockNemesis(t *testing.T) {
 				t.Cleanup(func() { c.Close() })
 				own[i] = c
 			}
-			return newRedlock(t, own), proxies
+			return newRedlock(t, own, opts), proxies
 		},
 		Writer: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 			c, p := proxiedClient(t)
 			return nemesisWriter(t, c), p
 		},
 		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
-			return newRedlock(t, direct), nemesisWriter(t, shared)
+			return newRedlock(t, direct, opts), nemesisWriter(t, shared)
 		},
 		// The name's keys on every running node (a stopped node starts
 		// again empty); a crash waits for a deletion in progress.

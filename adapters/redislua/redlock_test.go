@@ -446,6 +446,19 @@ func TestRedlockOneServerTwice(t *testing.T) {
 	}
 }
 
+// goOnOwnClient runs f in a goroutine that wg counts, on a new client of s
+// that neither retries nor times out a read: for a call that keeps the
+// server busy.
+func goOnOwnClient(t *testing.T, wg *sync.WaitGroup, s *testenv.RedisServer, f func(c *redis.Client)) {
+	c := redis.NewClient(&redis.Options{Addr: s.Addr, MaxRetries: -1, ReadTimeout: -1})
+	t.Cleanup(func() { c.Close() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		f(c)
+	}()
+}
+
 // grantedOnNodes returns l, or fails t with what, err and the name's lock
 // on every node when err is not nil.
 func grantedOnNodes(ctx context.Context, t *testing.T, servers []*testenv.RedisServer, name, what string, l fence.Lease, err error) fence.Lease {
@@ -966,13 +979,9 @@ func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 		if err := admin.ConfigSet(ctx, "key-load-delay", "2000").Err(); err != nil {
 			t.Fatal(err)
 		}
-		reloader := redis.NewClient(&redis.Options{Addr: servers[i].Addr, MaxRetries: -1, ReadTimeout: -1})
-		t.Cleanup(func() { reloader.Close() })
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		goOnOwnClient(t, &wg, servers[i], func(reloader *redis.Client) {
 			reloadErrs[i] = reloader.Do(ctx, "DEBUG", "RELOAD").Err()
-		}()
+		})
 		// Wait until the node is loading (INFO is answered while loading).
 		waitUntil(t, 20*time.Second, 5*time.Millisecond, func() (bool, string) {
 			info, err := admin.Info(ctx, "persistence").Result()
@@ -1147,13 +1156,9 @@ func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 		if err := admin.ConfigSet(ctx, "busy-reply-threshold", "100").Err(); err != nil {
 			t.Fatal(err)
 		}
-		spinner := redis.NewClient(&redis.Options{Addr: servers[i].Addr, MaxRetries: -1, ReadTimeout: -1})
-		t.Cleanup(func() { spinner.Close() })
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		goOnOwnClient(t, &wg, servers[i], func(spinner *redis.Client) {
 			_ = spinner.Eval(ctx, "while true do end", nil).Err() // ends with SCRIPT KILL
-		}()
+		})
 		waitUntil(t, 20*time.Second, 5*time.Millisecond, func() (bool, string) {
 			err := admin.Ping(ctx).Err()
 			return err != nil && strings.HasPrefix(err.Error(), "BUSY"), fmt.Sprintf("node %d never busy: %v", i, err)
