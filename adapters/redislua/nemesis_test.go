@@ -41,7 +41,7 @@ func TestNemesis(t *testing.T) {
 		// writer's keys have a prefix of their own); a name with no state
 		// yet is fine.
 		DeleteState: nemesisDeleteKeys(direct),
-		ShortTTL: 300 * time.Millisecond,
+		ShortTTL:    300 * time.Millisecond,
 	}.Run(t)
 }
 
