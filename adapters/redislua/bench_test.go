@@ -26,10 +26,7 @@ import (
 // same value size (baseline), interleaved in one run. Target: <= 1.3.
 func BenchmarkWrite(b *testing.B) {
 	c := testenv.RedisClient(b)
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	w := newWriterOn(b, c, nil)
 	ctx := context.Background()
 	key := fencetest.Name("bench")
 	value := []byte("a value of a typical small size, 64 bytes long.................")
@@ -56,10 +53,7 @@ func BenchmarkWrite(b *testing.B) {
 // against two PINGs (baseline, the two round trips it needs), interleaved.
 func BenchmarkAcquireRelease(b *testing.B) {
 	c := testenv.RedisClient(b)
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("bench")
 	benchutil.Pair(b, func(int) error {
@@ -85,10 +79,7 @@ func BenchmarkHandoff(b *testing.B) {
 	for _, mode := range []string{"same-acquirer", "other-acquirer", "poll"} {
 		b.Run(mode, func(b *testing.B) {
 			opts := &redislua.AcquirerOptions{DisableNotify: mode == "poll"}
-			holder, err := redislua.NewAcquirer(c, opts)
-			if err != nil {
-				b.Fatal(err)
-			}
+			holder := newAcquirerOn(b, c, opts)
 			waiter := holder
 			if mode == "other-acquirer" {
 				waiter, _ = redislua.NewAcquirer(c, opts)
@@ -165,14 +156,8 @@ func BenchmarkFlakyNetwork(b *testing.B) {
 			testenv.RedisClient(b) // skips when there is no server
 			c := redis.NewClient(&redis.Options{Addr: p.Addr(), PoolSize: 16})
 			b.Cleanup(func() { c.Close() })
-			a, err := redislua.NewAcquirer(c, nil)
-			if err != nil {
-				b.Fatal(err)
-			}
-			w, err := redislua.NewWriter(c, nil)
-			if err != nil {
-				b.Fatal(err)
-			}
+			a := newAcquirerOn(b, c, nil)
+			w := newWriterOn(b, c, nil)
 			return a, w
 		},
 	})

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/idempotency"
@@ -107,14 +106,8 @@ func TestReleaseWithoutChannelPermissionToWaiterInLine(t *testing.T) {
 func TestIdempotencyCompletionWithoutChannelPermission(t *testing.T) {
 	nochan, admin := noChannelUser(t)
 	ctx := context.Background()
-	s, err := redislua.NewIdempotencyStore(nochan, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rs, err := redislua.NewIdempotencyStore(admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := newStoreOn(t, nochan, nil)
+	rs := newStoreOn(t, admin, nil)
 	for _, final := range []idempotency.State{idempotency.Completed, idempotency.Failed} {
 		t.Run(string(final), func(t *testing.T) {
 			key := fencetest.Name("nochan-idem")

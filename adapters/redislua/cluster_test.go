@@ -39,18 +39,12 @@ func TestCluster(t *testing.T) {
 		})
 	}
 	t.Run("writer", func(t *testing.T) {
-		w, err := redislua.NewWriter(c, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		w := newWriterOn(t, c, nil)
 		fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: []string{"a{b}"}}.Run(t)
 	})
 	t.Run("fenced-script", func(t *testing.T) { fencedScriptCase(t, c) })
 	t.Run("idempotency", func(t *testing.T) {
-		s, err := redislua.NewIdempotencyStore(c, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
+		s := newStoreOn(t, c, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
 		idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true, BadKeys: []string{"a{b}"}}.Run(t)
 	})
 	t.Run("wait-replicas-refused", func(t *testing.T) {
@@ -70,10 +64,7 @@ func TestClusterSlotMigration(t *testing.T) {
 	c := rc.Client(t)
 	ctx := context.Background()
 	a := newAcquirerOn(t, c, nil)
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, c, nil)
 	name := fencetest.Name("migrate")
 	lock := redislua.DefaultPrefix + "{" + name + "}:lock"
 	slot := rc.Slot(t, lock)

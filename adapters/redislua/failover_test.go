@@ -247,10 +247,7 @@ func TestSentinelFailover(t *testing.T) {
 			fc := sent.FailoverClient(t)
 			a := newAcquirerOn(t, fc, &opts)
 			// The protected resource lives elsewhere and survives the failovers.
-			w, err := redislua.NewWriter(testenv.RedisClient(t), nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, testenv.RedisClient(t), nil)
 			key := fencetest.Name("sentinel")
 			g := &grants{}
 			var staleRefused int
@@ -343,7 +340,7 @@ func TestSentinelFailover(t *testing.T) {
 				t.Fatal(err)
 			}
 			cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-			err = grant(cctx)
+			err := grant(cctx)
 			cancel()
 			switch mode {
 			case "wait-replicas":
@@ -453,17 +450,11 @@ func TestSentinelSuites(t *testing.T) {
 		}.Run(t)
 	})
 	onPrimary("writer", func(t *testing.T) {
-		w, err := redislua.NewWriter(fc, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		w := newWriterOn(t, fc, nil)
 		fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: []string{"a{b}", "x}"}}.Run(t)
 	})
 	onPrimary("idempotency", func(t *testing.T) {
-		s, err := redislua.NewIdempotencyStore(fc, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
+		s := newStoreOn(t, fc, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
 		idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true, BadKeys: []string{"a{b}"}}.Run(t)
 	})
 	if got := sent.Primary(t); got != primary.Addr {

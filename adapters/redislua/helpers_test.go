@@ -12,6 +12,39 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
+// newAcquirerOn returns an Acquirer on c with opts, failing t if NewAcquirer
+// refuses them.
+func newAcquirerOn(t testing.TB, c redislua.Client, opts *redislua.AcquirerOptions) *redislua.Acquirer {
+	t.Helper()
+	a, err := redislua.NewAcquirer(c, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// newWriterOn returns a Writer on c with opts, failing t if NewWriter
+// refuses them.
+func newWriterOn(t testing.TB, c redislua.Client, opts *redislua.WriterOptions) *redislua.Writer {
+	t.Helper()
+	w, err := redislua.NewWriter(c, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
+// newStoreOn returns an IdempotencyStore on c with opts, failing t if
+// NewIdempotencyStore refuses them.
+func newStoreOn(t testing.TB, c redislua.Client, opts *redislua.IdempotencyOptions) *redislua.IdempotencyStore {
+	t.Helper()
+	s, err := redislua.NewIdempotencyStore(c, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
 // newRedlock returns a Redlock over clients with opts, failing t if
 // NewRedlock refuses them.
 func newRedlock(t testing.TB, clients []redislua.Client, opts *redislua.RedlockOptions) *redislua.Redlock {

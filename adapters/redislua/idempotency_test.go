@@ -19,10 +19,7 @@ import (
 
 func TestIdempotencyStore(t *testing.T) {
 	opts := &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond}
-	s, err := redislua.NewIdempotencyStore(testenv.RedisClient(t), opts)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := newStoreOn(t, testenv.RedisClient(t), opts)
 	idempotencytest.Suite{
 		New:          func(t *testing.T) idempotency.Store { return s },
 		SelfExpiring: true,
@@ -32,10 +29,7 @@ func TestIdempotencyStore(t *testing.T) {
 			px := faultnet.Start(t, testenv.RedisAddr())
 			c := redis.NewClient(&redis.Options{Addr: px.Addr()})
 			t.Cleanup(func() { c.Close() })
-			fs, err := redislua.NewIdempotencyStore(c, opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			fs := newStoreOn(t, c, opts)
 			return fs, px
 		},
 	}.Run(t)

@@ -116,14 +116,8 @@ func FuzzRedisEntryPoints(f *testing.F) {
 	f.Add("k", "n", int64(999*time.Microsecond), uint64(2), []byte("x"))
 	c := testenv.RedisClient(f)
 	prefix := fencetest.Name("fuzz") + ":" // this process's own keys
-	w, err := redislua.NewWriter(c, &redislua.WriterOptions{Prefix: prefix})
-	if err != nil {
-		f.Fatal(err)
-	}
-	a, err := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Prefix: prefix})
-	if err != nil {
-		f.Fatal(err)
-	}
+	w := newWriterOn(f, c, &redislua.WriterOptions{Prefix: prefix})
+	a := newAcquirerOn(f, c, &redislua.AcquirerOptions{Prefix: prefix})
 	f.Cleanup(func() {
 		ctx := context.Background()
 		iter := c.Scan(ctx, 0, prefix+"*", 1000).Iterator()

@@ -650,10 +650,7 @@ func TestRedlockRecognisedSendCountsFromFirstSend(t *testing.T) {
 func TestCallsKeepTheirContextDeadline(t *testing.T) {
 	ctx := context.Background()
 	p, c, a := proxiedAcquirer(t, redis.Options{}) // ContextTimeoutEnabled off
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, c, nil)
 	name := fencetest.Name("deadline")
 	l := mustTryAcquire(ctx, t, a, name, time.Minute) // connects and loads the scripts
 	if err := w.Write(ctx, name, []byte("v"), l.Token()); err != nil {
@@ -662,10 +659,7 @@ func TestCallsKeepTheirContextDeadline(t *testing.T) {
 	if _, _, err := w.Read(ctx, name); err != nil {
 		t.Fatal(err)
 	}
-	is, err := redislua.NewIdempotencyStore(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	is := newStoreOn(t, c, nil)
 	if _, err := is.Get(ctx, name); err != nil && !errors.Is(err, fence.ErrNotFound) {
 		t.Fatal(err)
 	}

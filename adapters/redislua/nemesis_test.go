@@ -53,10 +53,7 @@ func TestNemesis(t *testing.T) {
 func TestIdempotencyNemesis(t *testing.T) {
 	opts := &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond}
 	newStore := func(t *testing.T, c redislua.Client) idempotency.Store {
-		s, err := redislua.NewIdempotencyStore(c, opts)
-		if err != nil {
-			t.Fatal(err)
-		}
+		s := newStoreOn(t, c, opts)
 		return s
 	}
 	direct := newStore(t, testenv.RedisClient(t))
@@ -120,10 +117,7 @@ func nemesisDeleteKeys(clients ...*redis.Client) func(*testing.T, string) {
 
 // nemesisWriter is a writer on c with the nemesis's key prefix.
 func nemesisWriter(t *testing.T, c redislua.Client) fence.FencedWriter {
-	w, err := redislua.NewWriter(c, &redislua.WriterOptions{Prefix: nemesisWriterPrefix})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, c, &redislua.WriterOptions{Prefix: nemesisWriterPrefix})
 	return w
 }
 

@@ -359,14 +359,8 @@ func notRunSteps() []notRunStep {
 func newNotRunEnv(t *testing.T, c *redis.Client) *notRunEnv {
 	t.Helper()
 	a := newAcquirerOn(t, c, nil)
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := redislua.NewIdempotencyStore(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, c, nil)
+	s := newStoreOn(t, c, nil)
 	return &notRunEnv{a: a, w: w, s: s, c: c}
 }
 

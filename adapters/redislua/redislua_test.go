@@ -15,10 +15,7 @@ import (
 )
 
 func TestWriterConformance(t *testing.T) {
-	w, err := redislua.NewWriter(testenv.RedisClient(t), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, testenv.RedisClient(t), nil)
 	fencetest.WriterSuite{
 		New:     func(t *testing.T) fence.FencedWriter { return w },
 		BadKeys: []string{"a{b}", "x}"},
@@ -206,10 +203,7 @@ func TestNilClientsAndBadOptions(t *testing.T) {
 func TestKeysAreBytes(t *testing.T) {
 	c := testenv.RedisClient(t)
 	ctx := context.Background()
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, c, nil)
 	a := newAcquirerOn(t, c, nil)
 	for _, k := range []string{"nul\x00byte", "bad utf-8 \xff\xfe", strings.Repeat("k", 1<<20)} {
 		k += fencetest.Name("")

@@ -25,17 +25,6 @@ func proxiedClient(t *testing.T) (*redis.Client, *faultnet.Proxy) {
 	return c, p
 }
 
-// newAcquirerOn returns an Acquirer on c with opts, failing t if NewAcquirer
-// refuses them.
-func newAcquirerOn(t testing.TB, c redislua.Client, opts *redislua.AcquirerOptions) *redislua.Acquirer {
-	t.Helper()
-	a, err := redislua.NewAcquirer(c, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
-}
-
 // otherAcquirer returns NewOther: an acquirer with opts on a client of its own.
 func otherAcquirer(opts *redislua.AcquirerOptions) func(*testing.T) fence.Acquirer {
 	return func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, testenv.RedisClient(t), opts) }
@@ -52,10 +41,7 @@ func faultyAcquirer(opts *redislua.AcquirerOptions) func(*testing.T) (fence.Acqu
 // faultyWriter is Faulty: a default writer behind a new proxy.
 func faultyWriter(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 	c, p := proxiedClient(t)
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, c, nil)
 	return w, p
 }
 
