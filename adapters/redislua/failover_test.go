@@ -41,6 +41,30 @@ func replicated(t *testing.T) (primary, replica *testenv.RedisServer) {
 	}
 }
 
+// cutFromPrimary points the replica c at a port nobody listens on: it stops
+// hearing from its primary (SIGSTOP would not do, since the kernel still
+// buffers the stream for it).
+func cutFromPrimary(ctx context.Context, t *testing.T, c *redis.Client) {
+	t.Helper()
+	if err := c.Do(ctx, "REPLICAOF", "127.0.0.1", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkUnreplicatedGrant checks the outcome of a grant (what) that the
+// replica cannot acknowledge: ErrNotReplicated when the acquirers wait for
+// replicas (mode "wait-replicas"), a grant otherwise.
+func checkUnreplicatedGrant(t *testing.T, mode, what string, err error) {
+	t.Helper()
+	if mode == "wait-replicas" {
+		if !errors.Is(err, redislua.ErrNotReplicated) {
+			t.Fatalf("%s: %v, want ErrNotReplicated", what, err)
+		}
+	} else if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+}
+
 // waitReplicated waits until the replica has everything the primary wrote.
 func waitReplicated(t *testing.T, pc *redis.Client) {
 	if n, err := pc.Do(context.Background(), "WAIT", 1, 5000).Int(); err != nil || n != 1 {
@@ -90,19 +114,10 @@ func TestFailoverLosesCounter(t *testing.T) {
 			// port: SIGSTOP would not do, since the kernel still buffers the
 			// stream for it); the primary grants again.
 			rc := replica.Client(t)
-			if err := rc.Do(ctx, "REPLICAOF", "127.0.0.1", "1").Err(); err != nil {
-				t.Fatal(err)
-			}
+			cutFromPrimary(ctx, t, rc)
 			l2, err := a.TryAcquire(ctx, "job", time.Minute)
-			switch mode {
-			case "wait-replicas":
-				if !errors.Is(err, redislua.ErrNotReplicated) {
-					t.Fatalf("grant while the replica cannot acknowledge: %v, want ErrNotReplicated", err)
-				}
-			default:
-				if err != nil {
-					t.Fatal(err)
-				}
+			checkUnreplicatedGrant(t, mode, "grant while the replica cannot acknowledge", err)
+			if mode != "wait-replicas" {
 				handedOut = append(handedOut, l2.Token())
 			}
 			primary.Kill()
@@ -336,22 +351,11 @@ func TestSentinelFailover(t *testing.T) {
 				t.Fatal(err)
 			}
 			waitPrimaryReplicated(t, newNode)
-			if err := oldNode.Client(t).Do(ctx, "REPLICAOF", "127.0.0.1", "1").Err(); err != nil {
-				t.Fatal(err)
-			}
+			cutFromPrimary(ctx, t, oldNode.Client(t))
 			cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 			err := grant(cctx)
 			cancel()
-			switch mode {
-			case "wait-replicas":
-				if !errors.Is(err, redislua.ErrNotReplicated) {
-					t.Fatalf("a grant the replica cannot acknowledge: %v, want ErrNotReplicated", err)
-				}
-			default:
-				if err != nil {
-					t.Fatalf("grant before the kill: %v", err)
-				}
-			}
+			checkUnreplicatedGrant(t, mode, "a grant before the kill, which the replica cannot acknowledge", err)
 			before, killedAt := g.max(), g.len()
 			newNode.Kill()
 			third := sent.WaitPrimary(t, now)

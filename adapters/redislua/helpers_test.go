@@ -12,15 +12,22 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
+// must returns v, or fails t with err when a constructor refused its
+// options.
+func must[T any](t testing.TB, v T, err error) T {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
 // newAcquirerOn returns an Acquirer on c with opts, failing t if NewAcquirer
 // refuses them.
 func newAcquirerOn(t testing.TB, c redislua.Client, opts *redislua.AcquirerOptions) *redislua.Acquirer {
 	t.Helper()
 	a, err := redislua.NewAcquirer(c, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
+	return must(t, a, err)
 }
 
 // newWriterOn returns a Writer on c with opts, failing t if NewWriter
@@ -28,10 +35,7 @@ func newAcquirerOn(t testing.TB, c redislua.Client, opts *redislua.AcquirerOptio
 func newWriterOn(t testing.TB, c redislua.Client, opts *redislua.WriterOptions) *redislua.Writer {
 	t.Helper()
 	w, err := redislua.NewWriter(c, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return w
+	return must(t, w, err)
 }
 
 // newStoreOn returns an IdempotencyStore on c with opts, failing t if
@@ -39,10 +43,7 @@ func newWriterOn(t testing.TB, c redislua.Client, opts *redislua.WriterOptions) 
 func newStoreOn(t testing.TB, c redislua.Client, opts *redislua.IdempotencyOptions) *redislua.IdempotencyStore {
 	t.Helper()
 	s, err := redislua.NewIdempotencyStore(c, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
+	return must(t, s, err)
 }
 
 // newRedlock returns a Redlock over clients with opts, failing t if
@@ -50,10 +51,7 @@ func newStoreOn(t testing.TB, c redislua.Client, opts *redislua.IdempotencyOptio
 func newRedlock(t testing.TB, clients []redislua.Client, opts *redislua.RedlockOptions) *redislua.Redlock {
 	t.Helper()
 	r, err := redislua.NewRedlock(clients, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return r
+	return must(t, r, err)
 }
 
 // warmUp grants name for ttl and releases it, renewing it in between when

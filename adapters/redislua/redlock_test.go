@@ -29,22 +29,23 @@ type quietLogger struct{}
 
 func (quietLogger) Printf(context.Context, string, ...any) {}
 
-// fiveNodes starts five Redis servers and returns them with a client of each.
-func fiveNodes(t *testing.T) ([]*testenv.RedisServer, []redislua.Client) {
+// fiveNodes starts five Redis servers with the extra arguments and returns
+// them with a client of each.
+func fiveNodes(t *testing.T, extra ...string) ([]*testenv.RedisServer, []redislua.Client) {
 	servers := make([]*testenv.RedisServer, 5)
 	clients := make([]redislua.Client, 5)
 	for i := range servers {
-		servers[i] = testenv.StartRedis(t)
+		servers[i] = testenv.StartRedis(t, extra...)
 		clients[i] = servers[i].Client(t)
 	}
 	return servers, clients
 }
 
-// fiveNodeRedlock starts five Redis servers and returns them with a Redlock
-// over a client of each, built with opts.
-func fiveNodeRedlock(t *testing.T, opts *redislua.RedlockOptions) ([]*testenv.RedisServer, *redislua.Redlock) {
+// fiveNodeRedlock starts five Redis servers with the extra arguments and
+// returns them with a Redlock over a client of each, built with opts.
+func fiveNodeRedlock(t *testing.T, opts *redislua.RedlockOptions, extra ...string) ([]*testenv.RedisServer, *redislua.Redlock) {
 	t.Helper()
-	servers, clients := fiveNodes(t)
+	servers, clients := fiveNodes(t, extra...)
 	return servers, newRedlock(t, clients, opts)
 }
 
@@ -955,13 +956,8 @@ func waitLockedEverywhere(ctx context.Context, t *testing.T, servers []*testenv.
 // ttl: a new Acquire is refused long after every node is up.
 func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 	t.Parallel()
-	servers := make([]*testenv.RedisServer, 5)
-	clients := make([]redislua.Client, 5)
-	for i := range servers {
-		servers[i] = testenv.StartRedis(t, "--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024")
-		clients[i] = servers[i].Client(t)
-	}
-	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
+	servers, r := fiveNodeRedlock(t, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second},
+		"--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024")
 	ctx := context.Background()
 	name := fencetest.Name("bgreleaseloading")
 	const ttl = time.Minute
