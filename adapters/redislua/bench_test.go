@@ -94,7 +94,7 @@ func BenchmarkHandoff(b *testing.B) {
 // child's grant, on the host's clock, p50 and p90.
 func BenchmarkHandoffAcrossProcesses(b *testing.B) {
 	c := testenv.RedisClient(b)
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(b, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("xhandoff")
 	h, err := a.TryAcquire(ctx, name, time.Minute)

@@ -85,7 +85,7 @@ func TestClusterSlotMigration(t *testing.T) {
 	// Half-way: the lock key has moved, the counter has not.
 	m := rc.BeginMigration(t, slot, from, to)
 	m.Move(t, lock)
-	other, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{DisableNotify: true})
+	other := newAcquirerOn(t, c, &redislua.AcquirerOptions{DisableNotify: true})
 	tctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	l, err := other.TryAcquire(tctx, name, time.Second)
 	cancel()

@@ -125,7 +125,7 @@ func TestFailoverLosesCounter(t *testing.T) {
 				t.Fatal(err)
 			}
 			opts.WaitReplicas = 0 // the promoted node has no replica left
-			a2, _ := redislua.NewAcquirer(rc, &opts)
+			a2 := newAcquirerOn(t, rc, &opts)
 			// The lost grant's lock key is gone too: the new primary grants at once.
 			l3 := mustTryAcquire(ctx, t, a2, "job", time.Minute)
 			maxOut := handedOut[len(handedOut)-1]
@@ -152,7 +152,7 @@ func TestRestartWhileHeld(t *testing.T) {
 		t.Run(fmt.Sprintf("floor=%v", floor), func(t *testing.T) {
 			s := testenv.StartRedis(t)
 			c := s.Client(t)
-			a, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{CounterTokens: !floor})
+			a := newAcquirerOn(t, c, &redislua.AcquirerOptions{CounterTokens: !floor})
 			ctx := context.Background()
 			var (
 				token fence.Token

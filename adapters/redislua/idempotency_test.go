@@ -63,7 +63,7 @@ func (c *countingClient) Eval(ctx context.Context, script string, keys []string,
 // arm, complete), 1 on a replay (the claim script returns the record).
 func TestIdempotencyRoundTrips(t *testing.T) {
 	c := &countingClient{Client: testenv.RedisClient(t)}
-	s, _ := redislua.NewIdempotencyStore(c, nil)
+	s := newStoreOn(t, c, nil)
 	ctx := context.Background()
 	k := fencetest.Name("rt")
 	effect := func(context.Context, string) ([]byte, error) { return []byte("ok"), nil }
@@ -90,7 +90,7 @@ func TestIdempotencyRoundTrips(t *testing.T) {
 // negative lease.
 func TestIdempotencyBeginBadLease(t *testing.T) {
 	ctx := context.Background()
-	s, _ := redislua.NewIdempotencyStore(testenv.RedisClient(t), nil)
+	s := newStoreOn(t, testenv.RedisClient(t), nil)
 	for _, lease := range []time.Duration{-time.Second, 0} {
 		k := fencetest.Name("badlease")
 		_, created, err := s.Begin(ctx, k, "fp", "o", lease)

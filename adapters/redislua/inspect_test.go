@@ -15,7 +15,7 @@ import (
 func TestInspectAndBump(t *testing.T) {
 	ctx := context.Background()
 	// Counter tokens, so that the grant after a bump to 1000 is exactly 1001.
-	a, _ := redislua.NewAcquirer(testenv.RedisClient(t), &redislua.AcquirerOptions{CounterTokens: true})
+	a := newAcquirerOn(t, testenv.RedisClient(t), &redislua.AcquirerOptions{CounterTokens: true})
 	name := fencetest.Name("inspect")
 	if _, err := a.Inspect(ctx, name); !errors.Is(err, fence.ErrNotFound) {
 		t.Errorf("Inspect of an unknown name: %v", err)

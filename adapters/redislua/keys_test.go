@@ -31,8 +31,8 @@ func namePairs() [][2]string {
 // tokens: every step must see two locks and two keys.
 func checkNamesApart(t *testing.T, c redis.UniversalClient) {
 	ctx := context.Background()
-	a, _ := redislua.NewAcquirer(c, nil)
-	w, _ := redislua.NewWriter(c, nil)
+	a := newAcquirerOn(t, c, nil)
+	w := newWriterOn(t, c, nil)
 	for _, p := range namePairs() {
 		pre := fencetest.Name("names") + ":"
 		n1, n2 := pre+p[0], pre+p[1]
@@ -82,8 +82,8 @@ func TestClusterNamesApart(t *testing.T) {
 func TestWriterIdempotencyKeysApart(t *testing.T) {
 	ctx := context.Background()
 	c := testenv.RedisClient(t)
-	w, _ := redislua.NewWriter(c, nil)
-	s, _ := redislua.NewIdempotencyStore(c, nil)
+	w := newWriterOn(t, c, nil)
+	s := newStoreOn(t, c, nil)
 	k := fencetest.Name("apart")
 	wkey := "idem:" + k
 	err := w.Write(ctx, wkey, []byte("new"), 10)

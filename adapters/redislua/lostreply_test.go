@@ -87,8 +87,8 @@ func TestWriterLostReply(t *testing.T) {
 	direct := testenv.RedisClient(t)
 	ctx := context.Background()
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
-		w, _ := redislua.NewWriter(c, nil)
-		rw, _ := redislua.NewWriter(direct, nil)
+		w := newWriterOn(t, c, nil)
+		rw := newWriterOn(t, direct, nil)
 		key := fencetest.Name("lostw")
 		if err := w.Write(ctx, key, []byte("v1"), 3); err != nil { // loads the script
 			t.Fatal(err)
@@ -141,8 +141,8 @@ func TestIdempotencyLostReply(t *testing.T) {
 	direct := testenv.RedisClient(t)
 	ctx := context.Background()
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
-		s, _ := redislua.NewIdempotencyStore(c, nil)
-		rs, _ := redislua.NewIdempotencyStore(direct, nil)
+		s := newStoreOn(t, c, nil)
+		rs := newStoreOn(t, direct, nil)
 		if _, _, err := s.Begin(ctx, fencetest.Name("warm"), "fp", "o", time.Second); err != nil { // loads the script
 			t.Fatal(err)
 		}
@@ -174,10 +174,10 @@ func TestIdempotencyLostReply(t *testing.T) {
 // name for its ttl, never a bare transport error.
 func TestAcquirerLostReply(t *testing.T) {
 	ctx := context.Background()
-	other, _ := redislua.NewAcquirer(testenv.RedisClient(t), nil)
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
 	const ttl = time.Minute // an orphan lease would outlive the test
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
-		a, _ := redislua.NewAcquirer(c, nil)
+		a := newAcquirerOn(t, c, nil)
 		name := fencetest.Name("lostacq")
 		warmUp(ctx, t, a, name, ttl, false) // loads the script
 		for _, how := range []string{"TryAcquire", "Acquire"} {
@@ -224,9 +224,9 @@ func TestAcquirerLostReply(t *testing.T) {
 // block the name for its ttl.
 func TestAcquirerGrantUnreachable(t *testing.T) {
 	ctx := context.Background()
-	other, _ := redislua.NewAcquirer(testenv.RedisClient(t), nil)
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
 	p := faultnet.Start(t, testenv.RedisAddr())
-	a, _ := redislua.NewAcquirer(viaProxy(t, p, -1), nil)
+	a := newAcquirerOn(t, viaProxy(t, p, -1), nil)
 	name := fencetest.Name("unreach")
 	if l, err := a.TryAcquire(ctx, name, time.Minute); err != nil { // loads the script
 		t.Fatal(err)
@@ -331,7 +331,7 @@ func TestRedlockGrantLostReply(t *testing.T) {
 		for _, c := range direct {
 			nodes = append(nodes, c)
 		}
-		other, _ := redislua.NewRedlock(nodes, nil)
+		other := newRedlock(t, nodes, nil)
 		ol, err := other.TryAcquire(ctx, name, time.Minute)
 		if err != nil {
 			t.Fatalf("the name after the grant: %v, want free", err)
@@ -346,7 +346,7 @@ func TestRedlockGrantLostReply(t *testing.T) {
 func TestBumpLostReply(t *testing.T) {
 	ctx := context.Background()
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
-		a, _ := redislua.NewAcquirer(c, nil)
+		a := newAcquirerOn(t, c, nil)
 		name := fencetest.Name("lostbump")
 		if err := a.Bump(ctx, name, 10); err != nil { // loads the script
 			t.Fatal(err)
@@ -370,12 +370,12 @@ func TestBumpLostReply(t *testing.T) {
 func TestAcquireGrantUnheardThenCut(t *testing.T) {
 	ctx := context.Background()
 	direct := testenv.RedisClient(t)
-	holderAcq, _ := redislua.NewAcquirer(direct, nil)
+	holderAcq := newAcquirerOn(t, direct, nil)
 	p := faultnet.Start(t, testenv.RedisAddr())
 	// go-redis bounds a request by ReadTimeout, not by ctx: keep it short.
 	c := redis.NewClient(&redis.Options{Addr: p.Addr(), ReadTimeout: 500 * time.Millisecond})
 	t.Cleanup(func() { c.Close() })
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(t, c, nil)
 	name := fencetest.Name("unheard")
 	h := mustTryAcquire(ctx, t, holderAcq, name, time.Minute)
 	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
@@ -541,7 +541,7 @@ func checkRecognisedRenew(ctx context.Context, t *testing.T, a fence.Acquirer, n
 func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 	ctx := context.Background()
 	direct := testenv.RedisClient(t)
-	other, _ := redislua.NewAcquirer(direct, nil)
+	other := newAcquirerOn(t, direct, nil)
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
 		p.ReplyWindow(replyWindow)
 		a := newAcquirerOn(t, c, nil)
@@ -875,8 +875,8 @@ func TestAcquirerLateTryAfterRelease(t *testing.T) {
 	slow := redis.NewClient(&redis.Options{Addr: p.Addr(), MaxRetries: -1, ReadTimeout: time.Minute})
 	t.Cleanup(func() { slow.Close() })
 	c := &lateClient{Client: testenv.RedisClient(t), slow: slow, landed: make(chan *redis.Cmd, 1)}
-	a, _ := redislua.NewAcquirer(c, nil)
-	other, _ := redislua.NewAcquirer(testenv.RedisClient(t), nil)
+	a := newAcquirerOn(t, c, nil)
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
 	const ttl = 20 * time.Second
 	name := fencetest.Name("latetry")
 	if err := slow.Ping(ctx).Err(); err != nil { // the slow connection is open

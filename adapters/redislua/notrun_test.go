@@ -604,9 +604,9 @@ func TestStepsRefusedOOMSayWhatHappened(t *testing.T) {
 	admin := srv.Client(t)
 	c := srv.Client(t)
 	ctx := context.Background()
-	w, _ := redislua.NewWriter(c, nil)
-	a, _ := redislua.NewAcquirer(c, nil)
-	s, _ := redislua.NewIdempotencyStore(c, nil)
+	w := newWriterOn(t, c, nil)
+	a := newAcquirerOn(t, c, nil)
+	s := newStoreOn(t, c, nil)
 	short := func() (context.Context, context.CancelFunc) { return context.WithTimeout(ctx, 300*time.Millisecond) }
 	check := func(t *testing.T, what string, err error, landed bool) {
 		t.Helper()
@@ -687,8 +687,8 @@ func TestReleaseRefusedOOMDoesNotFreeNextHolder(t *testing.T) {
 	srv := testenv.StartRedis(t)
 	admin := srv.Client(t)
 	ctx := context.Background()
-	a1, _ := redislua.NewAcquirer(srv.Client(t), nil)
-	a2, _ := redislua.NewAcquirer(srv.Client(t), nil)
+	a1 := newAcquirerOn(t, srv.Client(t), nil)
+	a2 := newAcquirerOn(t, srv.Client(t), nil)
 	name := fencetest.Name("oom-release")
 	lock := "fence:{" + name + "}:lock"
 	l1 := mustTryAcquire(ctx, t, a1, name, time.Minute)

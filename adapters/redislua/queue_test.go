@@ -83,7 +83,7 @@ func waitInLine(t *testing.T, c *redis.Client, name string, n int64) {
 // the previous holder's release.
 func TestQueueOrderAcrossProcesses(t *testing.T) {
 	c := testenv.RedisClient(t)
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(t, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("xorder")
 	h := mustTryAcquire(ctx, t, a, name, time.Minute)
@@ -121,7 +121,7 @@ func TestQueueOrderAcrossProcesses(t *testing.T) {
 // granted is the live waiter's.
 func TestQueueSkipsKilledWaiter(t *testing.T) {
 	c := testenv.RedisClient(t)
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(t, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("xkilled")
 	h := mustTryAcquire(ctx, t, a, name, time.Minute)
@@ -167,7 +167,7 @@ func TestQueueExpiredHolder(t *testing.T) {
 	c := testenv.RedisClient(t)
 	ctx := context.Background()
 	name := fencetest.Name("xexpired")
-	holder, _ := redislua.NewAcquirer(c, nil)
+	holder := newAcquirerOn(t, c, nil)
 	// The lease covers the two waiters joining the line (each an event, seen
 	// in Redis), with room for a loaded machine; it is checked below.
 	h := mustTryAcquire(ctx, t, holder, name, 2*time.Second)
@@ -178,7 +178,7 @@ func TestQueueExpiredHolder(t *testing.T) {
 	}
 	res := make(chan got, 2)
 	for i := 0; i < 2; i++ {
-		a, _ := redislua.NewAcquirer(c, nil)
+		a := newAcquirerOn(t, c, nil)
 		go func() {
 			l, err := a.Acquire(ctx, name, 5*time.Second)
 			res <- got{i, l, err}
@@ -215,8 +215,8 @@ func TestQueueExpiredHolder(t *testing.T) {
 // holder's token) and the waiter gave up anyway.
 func TestQueueCancelAtGrant(t *testing.T) {
 	c := testenv.RedisClient(t)
-	holder, _ := redislua.NewAcquirer(c, nil)
-	waiter, _ := redislua.NewAcquirer(c, nil)
+	holder := newAcquirerOn(t, c, nil)
+	waiter := newAcquirerOn(t, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("xcancel")
 	var took, givenUp int
@@ -276,8 +276,8 @@ func TestQueuedWaiterPollPace(t *testing.T) {
 	srv := testenv.StartRedis(t)
 	c := srv.Client(t)
 	opts := &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: time.Millisecond}}
-	holder, _ := redislua.NewAcquirer(c, opts)
-	waiter, _ := redislua.NewAcquirer(c, opts)
+	holder := newAcquirerOn(t, c, opts)
+	waiter := newAcquirerOn(t, c, opts)
 	ctx := context.Background()
 	name := fencetest.Name("pace")
 	if _, err := holder.TryAcquire(ctx, name, time.Minute); err != nil {
@@ -315,8 +315,8 @@ func TestQueuedWaiterPollPace(t *testing.T) {
 func TestTokensSurviveCounterDelete(t *testing.T) {
 	c := testenv.RedisClient(t)
 	ctx := context.Background()
-	a, _ := redislua.NewAcquirer(c, nil)
-	w, _ := redislua.NewWriter(c, nil)
+	a := newAcquirerOn(t, c, nil)
+	w := newWriterOn(t, c, nil)
 	name, key := fencetest.Name("del"), fencetest.Name("delkey")
 	for i := 0; i < 3; i++ { // a few grants before the holder that stalls
 		l := mustTryAcquire(ctx, t, a, name, time.Minute)
@@ -392,8 +392,8 @@ func TestLineOutlivesItsExpiry(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	const life = time.Second
-	a1, _ := redislua.NewAcquirer(c, nil)
-	a2, _ := redislua.NewAcquirer(c, nil)
+	a1 := newAcquirerOn(t, c, nil)
+	a2 := newAcquirerOn(t, c, nil)
 	redislua.SetLineLife(a1, life)
 	redislua.SetLineLife(a2, life)
 	name := fencetest.Name("linelife")
@@ -435,8 +435,8 @@ func TestUnheardWaiterKeepsPlace(t *testing.T) {
 	p := faultnet.Start(t, testenv.RedisAddr())
 	// Polls every 0.5-1s and a place that lives 5s: the waiter keeps its
 	// entry through the outage.
-	a1, _ := redislua.NewAcquirer(viaProxy(t, p, 0), &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: time.Second}})
-	a2, _ := redislua.NewAcquirer(c, nil)
+	a1 := newAcquirerOn(t, viaProxy(t, p, 0), &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: time.Second}})
+	a2 := newAcquirerOn(t, c, nil)
 	name := fencetest.Name("unheard")
 	h := mustTryAcquire(ctx, t, a2, name, time.Minute)
 	w1 := acquireAsync(ctx, a1, name)
@@ -500,8 +500,8 @@ func TestRingRefused(t *testing.T) {
 func TestRenewInDriftMarginDoesNotExtendKey(t *testing.T) {
 	c := testenv.RedisClient(t)
 	ctx := context.Background()
-	a, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{Drift: 100 * time.Millisecond})
-	other, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(t, c, &redislua.AcquirerOptions{Drift: 100 * time.Millisecond})
+	other := newAcquirerOn(t, c, nil)
 	name := fencetest.Name("latrenew")
 	const ttl = 3 * time.Second
 	l := mustTryAcquire(ctx, t, a, name, ttl)
@@ -547,7 +547,7 @@ func lockHeld(t *testing.T, c *redis.Client, name string) bool {
 // and the counter is at the waiter's token, before the waiter asked again.
 func TestHandoffToLocalWaiter(t *testing.T) {
 	c := testenv.RedisClient(t)
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(t, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("handoff")
 	h := mustTryAcquire(ctx, t, a, name, time.Minute)
@@ -581,7 +581,7 @@ func TestHandoffToLocalWaiter(t *testing.T) {
 		t.Errorf("old holder's Renew after the hand-over: %v, want ErrLost", err)
 	}
 	// The new holder holds it on Redis, with its own ttl.
-	other, _ := redislua.NewAcquirer(c, nil)
+	other := newAcquirerOn(t, c, nil)
 	if _, err := other.TryAcquire(ctx, name, time.Second); !errors.Is(err, fence.ErrHeld) {
 		t.Errorf("another acquirer after the hand-over: %v, want ErrHeld", err)
 	}
@@ -597,7 +597,7 @@ func TestHandoffToLocalWaiter(t *testing.T) {
 // its Release reports the loss and the waiter gets the lease by itself.
 func TestHandoffExpiredHolder(t *testing.T) {
 	c := testenv.RedisClient(t)
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(t, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("expired")
 	h := mustTryAcquire(ctx, t, a, name, 100*time.Millisecond)
@@ -633,7 +633,7 @@ func TestHandoffExpiredHolder(t *testing.T) {
 // counter moved past the holder's token) and the waiter still gave up.
 func TestHandoffToGivenUpWaiter(t *testing.T) {
 	c := testenv.RedisClient(t)
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(t, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("givenup")
 	raced := 0
@@ -686,8 +686,8 @@ func TestHandoffToGivenUpWaiter(t *testing.T) {
 // waiters queue again at once: the line is FIFO across processes.
 func TestHandoffFairAcrossAcquirers(t *testing.T) {
 	c := testenv.RedisClient(t)
-	local, _ := redislua.NewAcquirer(c, nil)
-	remote, _ := redislua.NewAcquirer(c, nil)
+	local := newAcquirerOn(t, c, nil)
+	remote := newAcquirerOn(t, c, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	name := fencetest.Name("fair")
@@ -1185,8 +1185,8 @@ func TestHeadSpinLostReleaseReply(t *testing.T) {
 	t.Cleanup(func() { pc.Close() })
 	spin := &redislua.AcquirerOptions{HeadSpin: 50 * time.Millisecond}
 	ha := newAcquirerOn(t, pc, spin)
-	a, _ := redislua.NewAcquirer(direct, spin)
-	b, _ := redislua.NewAcquirer(direct, spin)
+	a := newAcquirerOn(t, direct, spin)
+	b := newAcquirerOn(t, direct, spin)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	name := fencetest.Name("spinlost")
@@ -1238,9 +1238,9 @@ func TestHeadSpinCutWhileSpinning(t *testing.T) {
 	pc := redis.NewClient(&redis.Options{Addr: p.Addr(), ReadTimeout: 500 * time.Millisecond})
 	t.Cleanup(func() { pc.Close() })
 	spin := &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond}
-	a, _ := redislua.NewAcquirer(direct, spin)
+	a := newAcquirerOn(t, direct, spin)
 	w := newAcquirerOn(t, pc, spin)
-	c, _ := redislua.NewAcquirer(direct, spin)
+	c := newAcquirerOn(t, direct, spin)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	name := fencetest.Name("spincut")

@@ -59,7 +59,7 @@ func TestBadInput(t *testing.T) {
 	if _, err := redislua.NewWriter(c, &redislua.WriterOptions{Prefix: "}"}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("writer prefix with a brace: %v", err)
 	}
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(t, c, nil)
 	for _, ttl := range []time.Duration{time.Microsecond, 999 * time.Microsecond} {
 		if _, err := a.TryAcquire(ctx, "n", ttl); !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("ttl %v: %v, want ErrInvalid", ttl, err)
@@ -94,7 +94,7 @@ func TestBadInput(t *testing.T) {
 
 func TestTokenFloor(t *testing.T) {
 	c := testenv.RedisClient(t)
-	a, _ := redislua.NewAcquirer(c, nil) // the floor is the default
+	a := newAcquirerOn(t, c, nil) // the floor is the default
 	ctx := context.Background()
 	before := uint64(time.Now().Add(-time.Minute).UnixMicro())
 	l := mustTryAcquire(ctx, t, a, fencetest.Name("floor"), time.Second)

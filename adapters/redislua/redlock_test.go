@@ -144,7 +144,7 @@ func TestRedlockNodeLoss(t *testing.T) {
 	servers, clients := fiveNodes(t)
 	// 500ms per node: the default 200ms is too short under -race on a loaded
 	// 2-CPU machine ("0 of 5 nodes granted" once in 20 runs).
-	r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 	ctx := context.Background()
 	var last fence.Token
 	grant := func(stage string) error {
@@ -205,7 +205,7 @@ func TestRedlockNodeLoss(t *testing.T) {
 // node is back, with a token above every earlier one.
 func TestRedlockAcquireWaitsForAMajority(t *testing.T) {
 	servers, clients := fiveNodes(t)
-	r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond,
 		Backoff: fence.Backoff{Min: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
 	ctx := context.Background()
 	name := fencetest.Name("majority")
@@ -261,7 +261,7 @@ func TestRedlockTokensAcrossMajorities(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
+		r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond})
 		l, err := r.TryAcquire(ctx, "rotating", 4*time.Second)
 		if err != nil {
 			t.Fatalf("round %d (nodes %v paused): %v", round, down, err)
@@ -408,7 +408,7 @@ func TestRedlockLateLockAfterRelease(t *testing.T) {
 // another ttl: the next grant succeeds once the first grant expires.
 func TestRedlockRenewAfterLocalDeadline(t *testing.T) {
 	_, clients := fiveNodes(t)
-	r, _ := redislua.NewRedlock(clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond, Drift: 200 * time.Millisecond})
+	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 500 * time.Millisecond, Drift: 200 * time.Millisecond})
 	ctx := context.Background()
 	name := fencetest.Name("rlrenew")
 	const ttl = 4 * time.Second
