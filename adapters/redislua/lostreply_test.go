@@ -371,10 +371,8 @@ func TestAcquireGrantUnheardThenCut(t *testing.T) {
 	ctx := context.Background()
 	direct := testenv.RedisClient(t)
 	holderAcq := newAcquirerOn(t, direct, nil)
-	p := faultnet.Start(t, testenv.RedisAddr())
 	// go-redis bounds a request by ReadTimeout, not by ctx: keep it short.
-	c := redis.NewClient(&redis.Options{Addr: p.Addr(), ReadTimeout: 500 * time.Millisecond})
-	t.Cleanup(func() { c.Close() })
+	c, p := clientVia(t, testenv.RedisAddr(), redis.Options{ReadTimeout: 500 * time.Millisecond})
 	a := newAcquirerOn(t, c, nil)
 	name := fencetest.Name("unheard")
 	h := mustTryAcquire(ctx, t, holderAcq, name, time.Minute)
@@ -871,9 +869,7 @@ func (h *lateClient) EvalSha(ctx context.Context, sha string, keys []string, arg
 // a ttl on behalf of a lease that is gone.
 func TestAcquirerLateTryAfterRelease(t *testing.T) {
 	ctx := context.Background()
-	p := faultnet.Start(t, testenv.RedisAddr())
-	slow := redis.NewClient(&redis.Options{Addr: p.Addr(), MaxRetries: -1, ReadTimeout: time.Minute})
-	t.Cleanup(func() { slow.Close() })
+	slow, p := clientVia(t, testenv.RedisAddr(), redis.Options{MaxRetries: -1, ReadTimeout: time.Minute})
 	c := &lateClient{Client: testenv.RedisClient(t), slow: slow, landed: make(chan *redis.Cmd, 1)}
 	a := newAcquirerOn(t, c, nil)
 	other := newAcquirerOn(t, testenv.RedisClient(t), nil)

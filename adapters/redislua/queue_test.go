@@ -1180,9 +1180,7 @@ func TestHeadSpinMixedLine(t *testing.T) {
 // second (told it is next) after it, neither after a ttl.
 func TestHeadSpinLostReleaseReply(t *testing.T) {
 	direct := testenv.RedisClient(t)
-	p := faultnet.Start(t, testenv.RedisAddr())
-	pc := redis.NewClient(&redis.Options{Addr: p.Addr(), ReadTimeout: 500 * time.Millisecond})
-	t.Cleanup(func() { pc.Close() })
+	pc, p := clientVia(t, testenv.RedisAddr(), redis.Options{ReadTimeout: 500 * time.Millisecond})
 	spin := &redislua.AcquirerOptions{HeadSpin: 50 * time.Millisecond}
 	ha := newAcquirerOn(t, pc, spin)
 	a := newAcquirerOn(t, direct, spin)
@@ -1234,9 +1232,7 @@ func TestHeadSpinLostReleaseReply(t *testing.T) {
 // granted, and the cut waiter is granted after its process reconnects.
 func TestHeadSpinCutWhileSpinning(t *testing.T) {
 	direct := testenv.RedisClient(t)
-	p := faultnet.Start(t, testenv.RedisAddr())
-	pc := redis.NewClient(&redis.Options{Addr: p.Addr(), ReadTimeout: 500 * time.Millisecond})
-	t.Cleanup(func() { pc.Close() })
+	pc, p := clientVia(t, testenv.RedisAddr(), redis.Options{ReadTimeout: 500 * time.Millisecond})
 	spin := &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond}
 	a := newAcquirerOn(t, direct, spin)
 	w := newAcquirerOn(t, pc, spin)

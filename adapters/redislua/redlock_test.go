@@ -308,9 +308,7 @@ type heldNode struct {
 }
 
 func newHeldNode(t *testing.T, s *testenv.RedisServer) (*heldNode, *faultnet.Proxy) {
-	p := faultnet.Start(t, s.Addr)
-	slow := redis.NewClient(&redis.Options{Addr: p.Addr(), MaxRetries: -1, ReadTimeout: time.Minute})
-	t.Cleanup(func() { slow.Close() })
+	slow, p := clientVia(t, s.Addr, redis.Options{MaxRetries: -1, ReadTimeout: time.Minute})
 	return &heldNode{Client: s.Client(t), slow: slow, landed: make(chan *redis.Cmd, 1)}, p
 }
 

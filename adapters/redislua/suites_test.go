@@ -19,8 +19,15 @@ import (
 // proxiedClient returns a client of the test Redis server that dials it only
 // through a new proxy.
 func proxiedClient(t *testing.T) (*redis.Client, *faultnet.Proxy) {
-	p := faultnet.Start(t, testenv.RedisAddr())
-	c := redis.NewClient(&redis.Options{Addr: p.Addr()})
+	return clientVia(t, testenv.RedisAddr(), redis.Options{})
+}
+
+// clientVia starts a proxy to addr and returns a client with the options o
+// that dials addr only through it, and the proxy.
+func clientVia(t *testing.T, addr string, o redis.Options) (*redis.Client, *faultnet.Proxy) {
+	p := faultnet.Start(t, addr)
+	o.Addr = p.Addr()
+	c := redis.NewClient(&o)
 	t.Cleanup(func() { c.Close() })
 	return c, p
 }
