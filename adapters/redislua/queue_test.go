@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"strconv"
@@ -1173,38 +1172,58 @@ func TestHeadSpinMixedLine(t *testing.T) {
 	}
 }
 
+// headSpinLine returns a context that ends 30s later, a client of the test
+// Redis, and three acquirers with HeadSpin spin: one on a client that
+// reaches Redis through the proxy p (ReadTimeout 500ms), then two on the
+// direct client.
+func headSpinLine(t *testing.T, spin time.Duration) (ctx context.Context, direct *redis.Client, p *faultnet.Proxy, proxied, a, b *redislua.Acquirer) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	pc, p := clientVia(t, testenv.RedisAddr(), redis.Options{ReadTimeout: 500 * time.Millisecond})
+	direct = testenv.RedisClient(t)
+	opts := &redislua.AcquirerOptions{HeadSpin: spin}
+	return ctx, direct, p, newAcquirerOn(t, pc, opts), newAcquirerOn(t, direct, opts), newAcquirerOn(t, direct, opts)
+}
+
+// workerDone is how the lineWorkers waiter at index i ended.
+type workerDone struct {
+	i   int
+	err error
+}
+
+// lineWorkers queues a waiter on each of acqs in turn, behind the ahead
+// waiters already in line and each other: each takes the lease, sends its
+// index on granted, works under it for 5ms and releases it. done gets each
+// waiter's end (the error of its Acquire or its Release).
+func lineWorkers(ctx context.Context, t *testing.T, direct *redis.Client, name string, ttl time.Duration, ahead int, acqs ...*redislua.Acquirer) (granted <-chan int, done <-chan workerDone) {
+	t.Helper()
+	g, d := make(chan int, len(acqs)), make(chan workerDone, len(acqs))
+	for i, acq := range acqs {
+		go func() {
+			l, err := acq.Acquire(ctx, name, ttl)
+			if err == nil {
+				g <- i
+				time.Sleep(5 * time.Millisecond) // the work under the lease
+				err = l.Release(ctx)
+			}
+			d <- workerDone{i, err}
+		}()
+		waitInLine(t, direct, name, int64(ahead+i+1))
+	}
+	return g, d
+}
+
 // TestHeadSpinLostReleaseReply: the release whose script
 // grants the next waiter and tells the one after it that it is next loses its
 // reply. The release reports nil or fence.ErrUnknown (never "not the
 // holder"), and the line goes on in order: the first waiter is granted, the
 // second (told it is next) after it, neither after a ttl.
 func TestHeadSpinLostReleaseReply(t *testing.T) {
-	direct := testenv.RedisClient(t)
-	pc, p := clientVia(t, testenv.RedisAddr(), redis.Options{ReadTimeout: 500 * time.Millisecond})
-	spin := &redislua.AcquirerOptions{HeadSpin: 50 * time.Millisecond}
-	ha := newAcquirerOn(t, pc, spin)
-	a := newAcquirerOn(t, direct, spin)
-	b := newAcquirerOn(t, direct, spin)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	ctx, direct, p, ha, a, b := headSpinLine(t, 50*time.Millisecond)
 	name := fencetest.Name("spinlost")
 	const ttl = 20 * time.Second
 	h0 := mustTryAcquire(ctx, t, ha, name, ttl)
-	got := make(chan string, 2)
-	errs := make(chan error, 2)
-	for i, acq := range []*redislua.Acquirer{a, b} {
-		go func() {
-			l, err := acq.Acquire(ctx, name, ttl)
-			if err != nil {
-				errs <- err
-				return
-			}
-			got <- fmt.Sprint(i)
-			time.Sleep(5 * time.Millisecond) // the work under the lease
-			errs <- l.Release(ctx)
-		}()
-		waitInLine(t, direct, name, int64(i+1))
-	}
+	got, done := lineWorkers(ctx, t, direct, name, ttl, 0, a, b)
 	start := time.Now()
 	p.LoseReply(func(req []byte) bool { return bytes.Contains(req, []byte("release")) })
 	if err := h0.Release(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
@@ -1214,15 +1233,15 @@ func TestHeadSpinLostReleaseReply(t *testing.T) {
 		t.Fatal("the release's reply was not lost")
 	}
 	for i := 0; i < 2; i++ {
-		if err := <-errs; err != nil {
-			t.Fatal(err)
+		if r := <-done; r.err != nil {
+			t.Fatal(r.err)
 		}
 	}
 	if took := time.Since(start); took > ttl/2 {
 		t.Errorf("the line took %v after the release: a ttl (%v)", took, ttl)
 	}
-	if first, second := <-got, <-got; first != "0" || second != "1" {
-		t.Errorf("granted %s then %s, want 0 then 1", first, second)
+	if first, second := <-got, <-got; first != 0 || second != 1 {
+		t.Errorf("granted %d then %d, want 0 then 1", first, second)
 	}
 }
 
@@ -1231,14 +1250,7 @@ func TestHeadSpinLostReleaseReply(t *testing.T) {
 // nobody listening for it. Nobody waits for a ttl: the waiter behind it is
 // granted, and the cut waiter is granted after its process reconnects.
 func TestHeadSpinCutWhileSpinning(t *testing.T) {
-	direct := testenv.RedisClient(t)
-	pc, p := clientVia(t, testenv.RedisAddr(), redis.Options{ReadTimeout: 500 * time.Millisecond})
-	spin := &redislua.AcquirerOptions{HeadSpin: 100 * time.Millisecond}
-	a := newAcquirerOn(t, direct, spin)
-	w := newAcquirerOn(t, pc, spin)
-	c := newAcquirerOn(t, direct, spin)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	ctx, direct, p, w, a, c := headSpinLine(t, 100*time.Millisecond)
 	name := fencetest.Name("spincut")
 	const ttl = 20 * time.Second
 	h0 := mustTryAcquire(ctx, t, a, name, ttl)
@@ -1258,22 +1270,7 @@ func TestHeadSpinCutWhileSpinning(t *testing.T) {
 		xGot <- l
 	}()
 	waitInLine(t, direct, name, 1)
-	type result struct {
-		who string
-		err error
-	}
-	res := make(chan result, 2)
-	for i, acq := range []*redislua.Acquirer{w, c} {
-		go func() {
-			l, err := acq.Acquire(ctx, name, ttl)
-			if err == nil {
-				time.Sleep(5 * time.Millisecond) // the work under the lease
-				err = l.Release(ctx)
-			}
-			res <- result{[]string{"cut", "behind"}[i], err}
-		}()
-		waitInLine(t, direct, name, int64(i+2))
-	}
+	_, res := lineWorkers(ctx, t, direct, name, ttl, 1, w, c)
 	if err := h0.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -1293,7 +1290,7 @@ func TestHeadSpinCutWhileSpinning(t *testing.T) {
 	for i := 0; i < 2; i++ {
 		r := <-res
 		if r.err != nil {
-			t.Fatalf("%s: %v", r.who, r.err)
+			t.Fatalf("%s: %v", []string{"cut", "behind"}[r.i], r.err)
 		}
 	}
 	if took := time.Since(start); took > ttl/2 {

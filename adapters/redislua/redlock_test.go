@@ -954,50 +954,66 @@ func waitLockedEverywhere(ctx context.Context, t *testing.T, servers []*testenv.
 // ttl: a new Acquire is refused long after every node is up.
 func TestRedlockReleaseDuringLoadingLeavesLock(t *testing.T) {
 	t.Parallel()
-	servers, r := fiveNodeRedlock(t, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second},
-		"--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024")
+	reloadErrs := make([]error, 3)
+	releaseWhileStalled(t, "bgreleaseloading", "load", []string{"--enable-debug-command", "yes", "--loading-process-events-interval-bytes", "1024"},
+		func(ctx context.Context, i int, s *testenv.RedisServer, wg *sync.WaitGroup) {
+			admin := s.Client(t)
+			// 4000 filler keys read back at 2ms each: about 8s of loading.
+			if err := admin.Do(ctx, "DEBUG", "POPULATE", 4000, "loadfiller", 10).Err(); err != nil {
+				t.Fatal(err)
+			}
+			if err := admin.ConfigSet(ctx, "key-load-delay", "2000").Err(); err != nil {
+				t.Fatal(err)
+			}
+			goOnOwnClient(t, wg, s, func(reloader *redis.Client) {
+				reloadErrs[i] = reloader.Do(ctx, "DEBUG", "RELOAD").Err()
+			})
+			// Wait until the node is loading (INFO is answered while loading).
+			waitUntil(t, 20*time.Second, 5*time.Millisecond, func() (bool, string) {
+				info, err := admin.Info(ctx, "persistence").Result()
+				return err == nil && strings.Contains(info, "loading:1"), fmt.Sprintf("node %d never started loading: %v %q", i, err, info)
+			})
+		},
+		func(ctx context.Context, stalled []*testenv.RedisServer, wg *sync.WaitGroup) {
+			wg.Wait()
+			for i, s := range stalled {
+				if reloadErrs[i] != nil {
+					t.Fatalf("node %d: DEBUG RELOAD: %v", i, reloadErrs[i])
+				}
+				if err := s.Client(t).ConfigSet(ctx, "key-load-delay", "0").Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
+}
+
+// releaseWhileStalled starts five nodes with the extra arguments; a
+// Redlock over them grants a name after prefix (ttl 60s), and every node
+// holds its lock. stall then makes each of nodes 0-2 refuse commands with
+// an error reply (what refuses them runs in a goroutine that wg counts), and
+// returns once the node does. The lease is released while the three
+// stalled nodes do what how says (logged), and resume makes them answer
+// again. Every node is up and answering then, and the lease was released: a
+// new Redlock must be granted the name within 20s, not after the ttl.
+func releaseWhileStalled(t *testing.T, prefix, how string, extra []string,
+	stall func(ctx context.Context, i int, s *testenv.RedisServer, wg *sync.WaitGroup),
+	resume func(ctx context.Context, stalled []*testenv.RedisServer, wg *sync.WaitGroup)) {
+	t.Helper()
+	servers, r := fiveNodeRedlock(t, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second}, extra...)
 	ctx := context.Background()
-	name := fencetest.Name("bgreleaseloading")
+	name := fencetest.Name(prefix)
 	const ttl = time.Minute
 	l := mustTryAcquire(ctx, t, r, name, ttl)
 	waitLockedEverywhere(ctx, t, servers, name)
-	loading := []int{0, 1, 2}
 	var wg sync.WaitGroup
-	reloadErrs := make([]error, len(servers))
-	for _, i := range loading {
-		admin := servers[i].Client(t)
-		// 4000 filler keys read back at 2ms each: about 8s of loading.
-		if err := admin.Do(ctx, "DEBUG", "POPULATE", 4000, "loadfiller", 10).Err(); err != nil {
-			t.Fatal(err)
-		}
-		if err := admin.ConfigSet(ctx, "key-load-delay", "2000").Err(); err != nil {
-			t.Fatal(err)
-		}
-		goOnOwnClient(t, &wg, servers[i], func(reloader *redis.Client) {
-			reloadErrs[i] = reloader.Do(ctx, "DEBUG", "RELOAD").Err()
-		})
-		// Wait until the node is loading (INFO is answered while loading).
-		waitUntil(t, 20*time.Second, 5*time.Millisecond, func() (bool, string) {
-			info, err := admin.Info(ctx, "persistence").Result()
-			return err == nil && strings.Contains(info, "loading:1"), fmt.Sprintf("node %d never started loading: %v %q", i, err, info)
-		})
+	for i, s := range servers[:3] {
+		stall(ctx, i, s, &wg)
 	}
 	err := l.Release(ctx)
-	t.Logf("Release while nodes 0-2 load: %v", err)
-	wg.Wait()
-	for _, i := range loading {
-		if reloadErrs[i] != nil {
-			t.Fatalf("node %d: DEBUG RELOAD: %v", i, reloadErrs[i])
-		}
-		admin := servers[i].Client(t)
-		if err := admin.ConfigSet(ctx, "key-load-delay", "0").Err(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Every node is up and answering; the lease was released. A new holder
-	// must not wait for the 60s ttl.
+	t.Logf("Release while nodes 0-2 %s: %v", how, err)
+	resume(ctx, servers[:3], &wg)
 	l2, err := acquireAfresh(ctx, t, nodeClients(t, servers), name, ttl)
-	_ = grantedOnNodes(ctx, t, servers, name, fmt.Sprintf("Acquire 20s after a Release (%v) that met 3 loading nodes, all nodes up since", l.Context().Err()), l2, err).Release(ctx)
+	_ = grantedOnNodes(ctx, t, servers, name, fmt.Sprintf("Acquire 20s after a Release (lease context: %v) that met 3 nodes that %s, all nodes up since", l.Context().Err(), how), l2, err).Release(ctx)
 }
 
 // persistentRedis is a redis-server that keeps its directory across a restart
@@ -1137,37 +1153,28 @@ func TestRedlockReleaseLaterStopsAtLoading(t *testing.T) {
 // script ends, those nodes hold the released grant's lock for the ttl.
 func TestRedlockReleaseDuringBusyScriptLeavesLock(t *testing.T) {
 	t.Parallel()
-	servers, r := fiveNodeRedlock(t, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	ctx := context.Background()
-	name := fencetest.Name("bgreleasebusy")
-	const ttl = time.Minute
-	l := mustTryAcquire(ctx, t, r, name, ttl)
-	waitLockedEverywhere(ctx, t, servers, name)
-	busy := []int{0, 1, 2}
-	var wg sync.WaitGroup
-	for _, i := range busy {
-		admin := servers[i].Client(t)
-		if err := admin.ConfigSet(ctx, "busy-reply-threshold", "100").Err(); err != nil {
-			t.Fatal(err)
-		}
-		goOnOwnClient(t, &wg, servers[i], func(spinner *redis.Client) {
-			_ = spinner.Eval(ctx, "while true do end", nil).Err() // ends with SCRIPT KILL
+	releaseWhileStalled(t, "bgreleasebusy", "run a script", nil,
+		func(ctx context.Context, i int, s *testenv.RedisServer, wg *sync.WaitGroup) {
+			admin := s.Client(t)
+			if err := admin.ConfigSet(ctx, "busy-reply-threshold", "100").Err(); err != nil {
+				t.Fatal(err)
+			}
+			goOnOwnClient(t, wg, s, func(spinner *redis.Client) {
+				_ = spinner.Eval(ctx, "while true do end", nil).Err() // ends with SCRIPT KILL
+			})
+			waitUntil(t, 20*time.Second, 5*time.Millisecond, func() (bool, string) {
+				err := admin.Ping(ctx).Err()
+				return err != nil && strings.HasPrefix(err.Error(), "BUSY"), fmt.Sprintf("node %d never busy: %v", i, err)
+			})
+		},
+		func(ctx context.Context, stalled []*testenv.RedisServer, wg *sync.WaitGroup) {
+			for _, s := range stalled {
+				if err := s.Client(t).ScriptKill(ctx).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			wg.Wait()
 		})
-		waitUntil(t, 20*time.Second, 5*time.Millisecond, func() (bool, string) {
-			err := admin.Ping(ctx).Err()
-			return err != nil && strings.HasPrefix(err.Error(), "BUSY"), fmt.Sprintf("node %d never busy: %v", i, err)
-		})
-	}
-	err := l.Release(ctx)
-	t.Logf("Release while nodes 0-2 run a script: %v", err)
-	for _, i := range busy {
-		if err := servers[i].Client(t).ScriptKill(ctx).Err(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	wg.Wait()
-	l2, err := acquireAfresh(ctx, t, nodeClients(t, servers), name, ttl)
-	_ = grantedOnNodes(ctx, t, servers, name, "Acquire 20s after a released grant's busy nodes finished their script", l2, err).Release(ctx)
 }
 
 // TestRedlockBackgroundReleaseSparesLaterGrant: a lease renewed and released
