@@ -802,18 +802,21 @@ func defaultTimeoutClients(t *testing.T, servers []*testenv.RedisServer) []redis
 	return clients
 }
 
-// warmRedlockOnDefaultClients starts five nodes, reached through
-// defaultTimeoutClients, and returns a Redlock over them (NodeTimeout 300ms,
-// a fast Backoff) that has granted and released name once, with the count
-// of goroutines after that.
-func warmRedlockOnDefaultClients(ctx context.Context, t *testing.T, name string, ttl time.Duration) ([]*testenv.RedisServer, []redislua.Client, *redislua.Redlock, int) {
+// pausedMajorityRedlock starts five nodes, reached through
+// defaultTimeoutClients, and a Redlock over them (NodeTimeout 300ms, a fast
+// Backoff) that grants and releases name once; it counts the goroutines
+// then, pauses nodes 0-2, and returns the servers, the clients, the Redlock
+// and that count.
+func pausedMajorityRedlock(ctx context.Context, t *testing.T, name string, ttl time.Duration) ([]*testenv.RedisServer, []redislua.Client, *redislua.Redlock, int) {
 	t.Helper()
 	servers, _ := fiveNodes(t)
 	clients := defaultTimeoutClients(t, servers)
 	r := newRedlock(t, clients, &redislua.RedlockOptions{NodeTimeout: 300 * time.Millisecond,
 		Backoff: fence.Backoff{Min: time.Millisecond, Max: 20 * time.Millisecond}})
 	warmUp(ctx, t, r, name, ttl, false)
-	return servers, clients, r, runtime.NumGoroutine()
+	base := runtime.NumGoroutine()
+	pauseNodes(t, servers, 0, 1, 2)
+	return servers, clients, r, base
 }
 
 // TestRedlockGoroutinesAfterPausedWaits: four waiters try for 5s while 3 of
@@ -824,8 +827,7 @@ func TestRedlockGoroutinesAfterPausedWaits(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("bgreleasegoroutines")
 	const ttl = 4 * time.Second
-	servers, _, r, base := warmRedlockOnDefaultClients(ctx, t, name, ttl)
-	pauseNodes(t, servers, 0, 1, 2)
+	servers, _, r, base := pausedMajorityRedlock(ctx, t, name, ttl)
 	var wg sync.WaitGroup
 	for range 4 {
 		wg.Add(1)
@@ -855,8 +857,7 @@ func TestRedlockCloseClientsDuringBackgroundRelease(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("bgreleaseclose")
 	const ttl = 30 * time.Second
-	servers, clients, r, base := warmRedlockOnDefaultClients(ctx, t, name, ttl)
-	pauseNodes(t, servers, 0, 1, 2)
+	servers, clients, r, base := pausedMajorityRedlock(ctx, t, name, ttl)
 	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	_, err := r.Acquire(wctx, name, ttl)
 	cancel()
