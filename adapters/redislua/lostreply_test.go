@@ -89,10 +89,7 @@ func TestWriterLostReply(t *testing.T) {
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
 		w := newWriterOn(t, c, nil)
 		rw := newWriterOn(t, direct, nil)
-		key := fencetest.Name("lostw")
-		if err := w.Write(ctx, key, []byte("v1"), 3); err != nil { // loads the script
-			t.Fatal(err)
-		}
+		key := writtenKey(ctx, t, w, "lostw", "v1", 3) // loads the script
 		loseNextScript(t, p)
 		checkUnknown(t, "Write", w.Write(ctx, key, []byte("v2"), 4))
 		if v, tok, err := rw.Read(ctx, key); err != nil || string(v) != "v2" || tok != 4 {
