@@ -97,6 +97,20 @@ type acquired struct {
 	err error
 }
 
+// acquireReleasing runs a.Acquire(wctx, name, ttl) in a goroutine, releases
+// (with ctx) any lease it gets, and delivers its error.
+func acquireReleasing(ctx, wctx context.Context, a fence.Acquirer, name string, ttl time.Duration) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		l, err := a.Acquire(wctx, name, ttl)
+		if l != nil {
+			_ = l.Release(ctx)
+		}
+		done <- err
+	}()
+	return done
+}
+
 // acquireInBackground runs a.Acquire(ctx, name, ttl) in a goroutine and
 // delivers its outcome.
 func acquireInBackground(ctx context.Context, a fence.Acquirer, name string, ttl time.Duration) <-chan acquired {

@@ -225,14 +225,7 @@ func TestRedlockNemesis(t *testing.T) {
 	)
 	fencetest.NemesisSuite{
 		AcquirerProxies: func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy) {
-			own := make([]redislua.Client, len(servers))
-			proxies := make([]*faultnet.Proxy, len(servers))
-			for i, s := range servers {
-				proxies[i] = faultnet.Start(t, s.Addr)
-				c := redis.NewClient(&redis.Options{Addr: proxies[i].Addr()})
-				t.Cleanup(func() { c.Close() })
-				own[i] = c
-			}
+			own, proxies := proxiedNodes(t, servers)
 			return newRedlock(t, own, opts), proxies
 		},
 		Writer: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {

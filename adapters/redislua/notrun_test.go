@@ -452,14 +452,7 @@ func TestWaiterThatLeavesWhileBusyDoesNotStrandLock(t *testing.T) {
 	h := mustTryAcquire(ctx, t, a, name, ttl)
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		l, err := a.Acquire(wctx, name, ttl)
-		if l != nil {
-			_ = l.Release(ctx)
-		}
-		done <- err
-	}()
+	done := acquireReleasing(ctx, wctx, a, name, ttl)
 	line := "fence:{" + name + "}:line"
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -776,14 +769,7 @@ func waitThroughBusy(ctx context.Context, t *testing.T, a *redislua.Acquirer, h 
 	deadline := time.Now().Add(2 * time.Second)
 	wctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		l, err := a.Acquire(wctx, name, time.Minute)
-		if l != nil {
-			_ = l.Release(ctx)
-		}
-		done <- err
-	}()
+	done := acquireReleasing(ctx, wctx, a, name, time.Minute)
 	stop := busy()
 	var werr error
 	select {
@@ -890,14 +876,7 @@ func TestReleaseAfterLongBusyDoesNotGrantDepartedWaiter(t *testing.T) {
 	}()
 	wctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
 	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		l, err := a.Acquire(wctx, name, ttl)
-		if l != nil {
-			_ = l.Release(ctx)
-		}
-		done <- err
-	}()
+	done := acquireReleasing(ctx, wctx, a, name, ttl)
 	waitInLine(t, b.admin, name, 1)
 	waitInLine(t, b.admin, other, 1)
 	stop := b.busy(t)

@@ -49,6 +49,17 @@ func fiveNodeRedlock(t *testing.T, opts *redislua.RedlockOptions, extra ...strin
 	return servers, newRedlock(t, clients, opts)
 }
 
+// proxiedNodes returns a client of each of servers that reaches it only
+// through a proxy of its own, and the proxies.
+func proxiedNodes(t *testing.T, servers []*testenv.RedisServer) ([]redislua.Client, []*faultnet.Proxy) {
+	clients := make([]redislua.Client, len(servers))
+	proxies := make([]*faultnet.Proxy, len(servers))
+	for i, s := range servers {
+		clients[i], proxies[i] = clientVia(t, s.Addr, redis.Options{})
+	}
+	return clients, proxies
+}
+
 // pauseNodes pauses the given nodes (SIGSTOP), and resumes them when t ends
 // if the test has not.
 func pauseNodes(t *testing.T, servers []*testenv.RedisServer, nodes ...int) {
@@ -88,27 +99,14 @@ func TestRedlockConformance(t *testing.T) {
 		New: func(t *testing.T) fence.Acquirer { return r },
 		// Another process: a Redlock on clients of its own to the same nodes.
 		NewOther: func(t *testing.T) fence.Acquirer {
-			own := make([]redislua.Client, len(servers))
-			for i, s := range servers {
-				own[i] = s.Client(t)
-			}
-			r := newRedlock(t, own, opts)
-			return r
+			return newRedlock(t, nodeClients(t, servers), opts)
 		},
 		// A Redlock on clients of its own, each node behind a proxy of its
 		// own; the suite loses the reply of the first node's next request
 		// (one proxy is all it arms), the others answer.
 		Faulty: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) {
-			own := make([]redislua.Client, len(servers))
-			proxies := make([]*faultnet.Proxy, len(servers))
-			for i, s := range servers {
-				proxies[i] = faultnet.Start(t, s.Addr)
-				c := redis.NewClient(&redis.Options{Addr: proxies[i].Addr()})
-				t.Cleanup(func() { c.Close() })
-				own[i] = c
-			}
-			r := newRedlock(t, own, opts)
-			return r, proxies[0]
+			own, proxies := proxiedNodes(t, servers)
+			return newRedlock(t, own, opts), proxies[0]
 		},
 		ShortTTL: 4 * time.Second,
 		// Contenders split the votes and retry: keep the contention test to a
