@@ -16,18 +16,17 @@ import (
 	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/benchutil"
 	"github.com/fencekit/fencekit/internal/testenv"
+	"github.com/redis/go-redis/v9"
 )
 
 // BenchmarkWrite compares a fenced Lua write (subject) with a plain SET of the
 // same value size (baseline), interleaved in one run. Target: <= 1.3.
 func BenchmarkWrite(b *testing.B) {
 	c := testenv.RedisClient(b)
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	w := newWriterOn(b, c, nil)
 	ctx := context.Background()
 	key := fencetest.Name("bench")
 	value := []byte("a value of a typical small size, 64 bytes long.................")
@@ -54,10 +53,7 @@ func BenchmarkWrite(b *testing.B) {
 // against two PINGs (baseline, the two round trips it needs), interleaved.
 func BenchmarkAcquireRelease(b *testing.B) {
 	c := testenv.RedisClient(b)
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("bench")
 	benchutil.Pair(b, func(int) error {
@@ -83,10 +79,7 @@ func BenchmarkHandoff(b *testing.B) {
 	for _, mode := range []string{"same-acquirer", "other-acquirer", "poll"} {
 		b.Run(mode, func(b *testing.B) {
 			opts := &redislua.AcquirerOptions{DisableNotify: mode == "poll"}
-			holder, err := redislua.NewAcquirer(c, opts)
-			if err != nil {
-				b.Fatal(err)
-			}
+			holder := newAcquirerOn(b, c, opts)
 			waiter := holder
 			if mode == "other-acquirer" {
 				waiter, _ = redislua.NewAcquirer(c, opts)
@@ -101,7 +94,7 @@ func BenchmarkHandoff(b *testing.B) {
 // child's grant, on the host's clock, p50 and p90.
 func BenchmarkHandoffAcrossProcesses(b *testing.B) {
 	c := testenv.RedisClient(b)
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(b, c, nil)
 	ctx := context.Background()
 	name := fencetest.Name("xhandoff")
 	h, err := a.TryAcquire(ctx, name, time.Minute)
@@ -146,4 +139,26 @@ func BenchmarkHandoffAcrossProcesses(b *testing.B) {
 	slices.Sort(handoffs)
 	b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
 	b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
+}
+
+// BenchmarkFlakyNetwork: 8 workers x 200 locked increments of one counter
+// (Acquire, Read, fenced Write with the Writer, Release), the acquirer and the
+// writer on one client that reaches Redis only through a fault proxy with
+// 1-3 ms jitter, then with 2% cuts too (benchutil.FlakyNetwork). Run it alone,
+// once:
+//
+//	go test -run '^$' -bench BenchmarkFlakyNetwork -benchtime 1x ./adapters/redislua/
+func BenchmarkFlakyNetwork(b *testing.B) {
+	benchutil.FlakyNetwork(b, benchutil.Flaky{
+		Name:   "redis",
+		Target: func(*testing.B) string { return testenv.RedisAddr() },
+		Open: func(b *testing.B, p *faultnet.Proxy) (fence.Acquirer, benchutil.Store) {
+			testenv.RedisClient(b) // skips when there is no server
+			c := redis.NewClient(&redis.Options{Addr: p.Addr(), PoolSize: 16})
+			b.Cleanup(func() { c.Close() })
+			a := newAcquirerOn(b, c, nil)
+			w := newWriterOn(b, c, nil)
+			return a, w
+		},
+	})
 }

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fencekit/fencekit/adapters/redislua"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/idempotency"
@@ -42,15 +41,9 @@ func noChannelUser(t *testing.T) (nochan, admin *redis.Client) {
 func TestAcquireWithoutChannelPermissionPolls(t *testing.T) {
 	nochan, _ := noChannelUser(t)
 	ctx := context.Background()
-	a, err := redislua.NewAcquirer(nochan, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, nochan, nil)
 	name := fencetest.Name("nochan")
-	h, err := a.TryAcquire(ctx, name, 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, 2*time.Second)
 	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	l, err := a.Acquire(wctx, name, time.Minute)
@@ -72,19 +65,13 @@ func TestAcquireWithoutChannelPermissionPolls(t *testing.T) {
 func TestWaitWithoutChannelPermissionSaysWhy(t *testing.T) {
 	nochan, _ := noChannelUser(t)
 	ctx := context.Background()
-	a, err := redislua.NewAcquirer(nochan, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, nochan, nil)
 	name := fencetest.Name("nochan-why")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, time.Minute)
 	defer h.Release(ctx)
 	wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 	defer cancel()
-	_, err = a.Acquire(wctx, name, time.Minute)
+	_, err := a.Acquire(wctx, name, time.Minute)
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || err == nil || !strings.Contains(err.Error(), "NOPERM") {
 		t.Errorf("a wait that ended without channel permission: %v, want ErrHeld, DeadlineExceeded and Redis's NOPERM", err)
 	}
@@ -97,52 +84,18 @@ func TestWaitWithoutChannelPermissionSaysWhy(t *testing.T) {
 func TestReleaseWithoutChannelPermissionToWaiterInLine(t *testing.T) {
 	nochan, admin := noChannelUser(t)
 	ctx := context.Background()
-	ha, err := redislua.NewAcquirer(nochan, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	wa, err := redislua.NewAcquirer(admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ha := newAcquirerOn(t, nochan, nil)
+	wa := newAcquirerOn(t, admin, nil)
 	name := fencetest.Name("nochan-release")
-	h, err := ha.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, ha, name, time.Minute)
 	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		l, err := wa.Acquire(wctx, name, time.Minute)
-		done <- result{l, err}
-	}()
-	line := "fence:{" + name + "}:line"
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if n, _ := admin.LLen(ctx, line).Result(); n > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the waiter never joined the line")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	done := acquireInBackground(wctx, wa, name, time.Minute)
+	waitJoined(t, admin, name, 30*time.Second, "the waiter never joined the line")
 	if err := h.Release(ctx); err != nil {
 		t.Errorf("release by a user without channel permission, a waiter in line: %v", err)
 	}
-	r := <-done
-	if r.err != nil {
-		t.Fatalf("the waiter after the release: %v", r.err)
-	}
-	defer r.l.Release(ctx)
-	if r.l.Token() <= h.Token() {
-		t.Errorf("token %d after the holder's %d", r.l.Token(), h.Token())
-	}
+	grantedAfter(t, done, h, "the waiter after the release")
 }
 
 // TestIdempotencyCompletionWithoutChannelPermission: a store whose Redis user
@@ -153,14 +106,8 @@ func TestReleaseWithoutChannelPermissionToWaiterInLine(t *testing.T) {
 func TestIdempotencyCompletionWithoutChannelPermission(t *testing.T) {
 	nochan, admin := noChannelUser(t)
 	ctx := context.Background()
-	s, err := redislua.NewIdempotencyStore(nochan, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rs, err := redislua.NewIdempotencyStore(admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := newStoreOn(t, nochan, nil)
+	rs := newStoreOn(t, admin, nil)
 	for _, final := range []idempotency.State{idempotency.Completed, idempotency.Failed} {
 		t.Run(string(final), func(t *testing.T) {
 			key := fencetest.Name("nochan-idem")

@@ -27,10 +27,7 @@ func TestCluster(t *testing.T) {
 		opts redislua.AcquirerOptions
 	}{{"acquirer", redislua.AcquirerOptions{}}, {"acquirer-counter-tokens", redislua.AcquirerOptions{CounterTokens: true}}} {
 		t.Run(o.name, func(t *testing.T) {
-			a, err := redislua.NewAcquirer(c, &o.opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, c, &o.opts)
 			// With CounterTokens a deleted counter restarts at 1, as that
 			// option documents: that mode does not claim to survive it.
 			deleteState := deleteClusterNameKeys(c)
@@ -42,18 +39,12 @@ func TestCluster(t *testing.T) {
 		})
 	}
 	t.Run("writer", func(t *testing.T) {
-		w, err := redislua.NewWriter(c, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		w := newWriterOn(t, c, nil)
 		fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: []string{"a{b}"}}.Run(t)
 	})
 	t.Run("fenced-script", func(t *testing.T) { fencedScriptCase(t, c) })
 	t.Run("idempotency", func(t *testing.T) {
-		s, err := redislua.NewIdempotencyStore(c, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
+		s := newStoreOn(t, c, &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond})
 		idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, SelfExpiring: true, BadKeys: []string{"a{b}"}}.Run(t)
 	})
 	t.Run("wait-replicas-refused", func(t *testing.T) {
@@ -72,14 +63,8 @@ func TestClusterSlotMigration(t *testing.T) {
 	rc := testenv.StartRedisCluster(t, 3)
 	c := rc.Client(t)
 	ctx := context.Background()
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, c, nil)
+	w := newWriterOn(t, c, nil)
 	name := fencetest.Name("migrate")
 	lock := redislua.DefaultPrefix + "{" + name + "}:lock"
 	slot := rc.Slot(t, lock)
@@ -92,10 +77,7 @@ func TestClusterSlotMigration(t *testing.T) {
 	// The lease must outlast the migration's steps up to its Renew (moving
 	// keys, one refused grant bounded at 2s): 15s, for a loaded machine (a
 	// 5s lease ended before its Renew under a full run's load).
-	l1, err := a.TryAcquire(ctx, name, 15*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l1 := mustTryAcquire(ctx, t, a, name, 15*time.Second)
 	if err := w.Write(ctx, name, []byte("first holder"), l1.Token()); err != nil {
 		t.Fatal(err)
 	}
@@ -103,7 +85,7 @@ func TestClusterSlotMigration(t *testing.T) {
 	// Half-way: the lock key has moved, the counter has not.
 	m := rc.BeginMigration(t, slot, from, to)
 	m.Move(t, lock)
-	other, _ := redislua.NewAcquirer(c, &redislua.AcquirerOptions{DisableNotify: true})
+	other := newAcquirerOn(t, c, &redislua.AcquirerOptions{DisableNotify: true})
 	tctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	l, err := other.TryAcquire(tctx, name, time.Second)
 	cancel()

@@ -2,7 +2,6 @@ package redislua
 
 import (
 	"context"
-	_ "embed"
 	"fmt"
 	"strconv"
 	"time"
@@ -10,20 +9,6 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/fencekit/fencekit/idempotency"
-	"github.com/redis/go-redis/v9"
-)
-
-var (
-	//go:embed scripts/idem_begin.lua
-	idemBeginLua string
-	//go:embed scripts/idem_update.lua
-	idemUpdateLua string
-	//go:embed scripts/idem_get.lua
-	idemGetLua string
-
-	idemBeginScript  = redis.NewScript(idemBeginLua)
-	idemUpdateScript = redis.NewScript(idemUpdateLua)
-	idemGetScript    = redis.NewScript(idemGetLua)
 )
 
 // IdempotencyOptions configures an IdempotencyStore. A nil pointer means the defaults.

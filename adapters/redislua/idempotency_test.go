@@ -19,10 +19,7 @@ import (
 
 func TestIdempotencyStore(t *testing.T) {
 	opts := &redislua.IdempotencyOptions{ReleasedRetention: 500 * time.Millisecond}
-	s, err := redislua.NewIdempotencyStore(testenv.RedisClient(t), opts)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := newStoreOn(t, testenv.RedisClient(t), opts)
 	idempotencytest.Suite{
 		New:          func(t *testing.T) idempotency.Store { return s },
 		SelfExpiring: true,
@@ -32,10 +29,7 @@ func TestIdempotencyStore(t *testing.T) {
 			px := faultnet.Start(t, testenv.RedisAddr())
 			c := redis.NewClient(&redis.Options{Addr: px.Addr()})
 			t.Cleanup(func() { c.Close() })
-			fs, err := redislua.NewIdempotencyStore(c, opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			fs := newStoreOn(t, c, opts)
 			return fs, px
 		},
 	}.Run(t)
@@ -69,7 +63,7 @@ func (c *countingClient) Eval(ctx context.Context, script string, keys []string,
 // arm, complete), 1 on a replay (the claim script returns the record).
 func TestIdempotencyRoundTrips(t *testing.T) {
 	c := &countingClient{Client: testenv.RedisClient(t)}
-	s, _ := redislua.NewIdempotencyStore(c, nil)
+	s := newStoreOn(t, c, nil)
 	ctx := context.Background()
 	k := fencetest.Name("rt")
 	effect := func(context.Context, string) ([]byte, error) { return []byte("ok"), nil }
@@ -96,7 +90,7 @@ func TestIdempotencyRoundTrips(t *testing.T) {
 // negative lease.
 func TestIdempotencyBeginBadLease(t *testing.T) {
 	ctx := context.Background()
-	s, _ := redislua.NewIdempotencyStore(testenv.RedisClient(t), nil)
+	s := newStoreOn(t, testenv.RedisClient(t), nil)
 	for _, lease := range []time.Duration{-time.Second, 0} {
 		k := fencetest.Name("badlease")
 		_, created, err := s.Begin(ctx, k, "fp", "o", lease)

@@ -2,7 +2,6 @@ package redislua
 
 import (
 	"context"
-	_ "embed"
 	"fmt"
 	"strconv"
 	"strings"
@@ -13,13 +12,8 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-var (
-	//go:embed scripts/bump.lua
-	bumpLua    string
-	bumpScript = redis.NewScript(bumpLua)
-	// inspectScript reads the lock value, its time left and the counter at once.
-	inspectScript = redis.NewScript(`return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2])}`)
-)
+// inspectScript reads the lock value, its time left and the counter at once.
+var inspectScript = redis.NewScript(`return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2])}`)
 
 var (
 	_ fence.Inspector = (*Acquirer)(nil)

@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"net"
+	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -36,13 +40,27 @@ func isScript(b []byte) bool { return bytes.Contains(bytes.ToLower(b), []byte("e
 // eachRetryMode runs f with a proxy to the test Redis and a client through
 // it, once with go-redis's default retries and once with none.
 func eachRetryMode(t *testing.T, f func(t *testing.T, p *faultnet.Proxy, c *redis.Client)) {
-	for _, m := range []struct {
-		name    string
-		retries int
-	}{{"default-retries", 0}, {"no-retries", -1}} {
+	for _, m := range retryModes {
 		t.Run(m.name, func(t *testing.T) {
 			p := faultnet.Start(t, testenv.RedisAddr())
 			f(t, p, viaProxy(t, p, m.retries))
+		})
+	}
+}
+
+// retryModes are go-redis's default retries (MaxRetries 0) and none (-1).
+var retryModes = []struct {
+	name    string
+	retries int
+}{{"default-retries", 0}, {"no-retries", -1}}
+
+// eachRedlockRetryMode runs f with a Redlock from redlockViaProxies, once
+// with go-redis's default retries and once with none.
+func eachRedlockRetryMode(t *testing.T, f func(t *testing.T, retries int, r *redislua.Redlock, proxies []*faultnet.Proxy, direct []*redis.Client)) {
+	for _, m := range retryModes {
+		t.Run(m.name, func(t *testing.T) {
+			r, proxies, direct := redlockViaProxies(t, m.retries)
+			f(t, m.retries, r, proxies, direct)
 		})
 	}
 }
@@ -69,12 +87,9 @@ func TestWriterLostReply(t *testing.T) {
 	direct := testenv.RedisClient(t)
 	ctx := context.Background()
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
-		w, _ := redislua.NewWriter(c, nil)
-		rw, _ := redislua.NewWriter(direct, nil)
-		key := fencetest.Name("lostw")
-		if err := w.Write(ctx, key, []byte("v1"), 3); err != nil { // loads the script
-			t.Fatal(err)
-		}
+		w := newWriterOn(t, c, nil)
+		rw := newWriterOn(t, direct, nil)
+		key := writtenKey(ctx, t, w, "lostw", "v1", 3) // loads the script
 		loseNextScript(t, p)
 		checkUnknown(t, "Write", w.Write(ctx, key, []byte("v2"), 4))
 		if v, tok, err := rw.Read(ctx, key); err != nil || string(v) != "v2" || tok != 4 {
@@ -123,8 +138,8 @@ func TestIdempotencyLostReply(t *testing.T) {
 	direct := testenv.RedisClient(t)
 	ctx := context.Background()
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
-		s, _ := redislua.NewIdempotencyStore(c, nil)
-		rs, _ := redislua.NewIdempotencyStore(direct, nil)
+		s := newStoreOn(t, c, nil)
+		rs := newStoreOn(t, direct, nil)
 		if _, _, err := s.Begin(ctx, fencetest.Name("warm"), "fp", "o", time.Second); err != nil { // loads the script
 			t.Fatal(err)
 		}
@@ -156,21 +171,16 @@ func TestIdempotencyLostReply(t *testing.T) {
 // name for its ttl, never a bare transport error.
 func TestAcquirerLostReply(t *testing.T) {
 	ctx := context.Background()
-	other, _ := redislua.NewAcquirer(testenv.RedisClient(t), nil)
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
 	const ttl = time.Minute // an orphan lease would outlive the test
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
-		a, _ := redislua.NewAcquirer(c, nil)
+		a := newAcquirerOn(t, c, nil)
 		name := fencetest.Name("lostacq")
-		warm, err := a.TryAcquire(ctx, name, ttl) // loads the script
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := warm.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
+		warmUp(ctx, t, a, name, ttl, false) // loads the script
 		for _, how := range []string{"TryAcquire", "Acquire"} {
 			loseNextScript(t, p)
 			var l fence.Lease
+			var err error
 			if how == "TryAcquire" {
 				l, err = a.TryAcquire(ctx, name, ttl)
 			} else {
@@ -211,9 +221,9 @@ func TestAcquirerLostReply(t *testing.T) {
 // block the name for its ttl.
 func TestAcquirerGrantUnreachable(t *testing.T) {
 	ctx := context.Background()
-	other, _ := redislua.NewAcquirer(testenv.RedisClient(t), nil)
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
 	p := faultnet.Start(t, testenv.RedisAddr())
-	a, _ := redislua.NewAcquirer(viaProxy(t, p, -1), nil)
+	a := newAcquirerOn(t, viaProxy(t, p, -1), nil)
 	name := fencetest.Name("unreach")
 	if l, err := a.TryAcquire(ctx, name, time.Minute); err != nil { // loads the script
 		t.Fatal(err)
@@ -254,10 +264,7 @@ func redlockViaProxies(t *testing.T, retries int) (*redislua.Redlock, []*faultne
 		nodes = append(nodes, viaProxy(t, p, retries))
 		direct = append(direct, srv.Client(t))
 	}
-	r, err := redislua.NewRedlock(nodes, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRedlock(t, nodes, &redislua.RedlockOptions{NodeTimeout: 2 * time.Second})
 	return r, proxies, direct
 }
 
@@ -265,99 +272,69 @@ func redlockViaProxies(t *testing.T, retries int) (*redislua.Redlock, []*faultne
 // replies were lost after every node ran it is nil or fence.ErrUnknown,
 // never ErrLost (it was held) nor a bare transport error.
 func TestRedlockLostReply(t *testing.T) {
-	for _, m := range []struct {
-		name    string
-		retries int
-	}{{"default-retries", 0}, {"no-retries", -1}} {
-		t.Run(m.name, func(t *testing.T) {
-			r, proxies, direct := redlockViaProxies(t, m.retries)
-			ctx := context.Background()
-			// One lease loads the lock, renew and release scripts on every
-			// node, so the lost replies are the scripts' own, not NOSCRIPT.
-			warm, err := r.TryAcquire(ctx, fencetest.Name("rlwarm"), time.Minute)
-			if err != nil {
-				t.Fatal(err)
+	eachRedlockRetryMode(t, func(t *testing.T, retries int, r *redislua.Redlock, proxies []*faultnet.Proxy, direct []*redis.Client) {
+		ctx := context.Background()
+		// One lease loads the lock, renew and release scripts on every
+		// node, so the lost replies are the scripts' own, not NOSCRIPT.
+		warmUp(ctx, t, r, fencetest.Name("rlwarm"), time.Minute, true)
+		name := fencetest.Name("rllost")
+		l := mustTryAcquire(ctx, t, r, name, time.Minute)
+		for _, p := range proxies {
+			loseNextScript(t, p)
+		}
+		if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
+			t.Errorf("Renew whose replies were lost on every node: %v, want nil or ErrUnknown", err)
+		}
+		for _, p := range proxies {
+			loseNextScript(t, p)
+		}
+		if err := l.Release(ctx); err != nil {
+			checkUnknown(t, "Redlock Release", err)
+		}
+		for i, p := range proxies {
+			if p.Pending() != 0 {
+				t.Fatalf("node %d: a lost reply was never taken", i)
 			}
-			if err := warm.Renew(ctx); err != nil {
-				t.Fatal(err)
+			if n, err := direct[i].Exists(ctx, "fence:{"+name+"}:lock").Result(); err != nil || n != 0 {
+				t.Fatalf("node %d after the release: lock exists %d, %v", i, n, err)
 			}
-			if err := warm.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			name := fencetest.Name("rllost")
-			l, err := r.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, p := range proxies {
-				loseNextScript(t, p)
-			}
-			if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
-				t.Errorf("Renew whose replies were lost on every node: %v, want nil or ErrUnknown", err)
-			}
-			for _, p := range proxies {
-				loseNextScript(t, p)
-			}
-			if err := l.Release(ctx); err != nil {
-				checkUnknown(t, "Redlock Release", err)
-			}
-			for i, p := range proxies {
-				if p.Pending() != 0 {
-					t.Fatalf("node %d: a lost reply was never taken", i)
-				}
-				if n, err := direct[i].Exists(ctx, "fence:{"+name+"}:lock").Result(); err != nil || n != 0 {
-					t.Fatalf("node %d after the release: lock exists %d, %v", i, n, err)
-				}
-			}
-		})
-	}
+		}
+	})
 }
 
 // TestRedlockGrantLostReply: a grant whose lock replies were lost
 // on a majority of nodes, with the name free, is never ErrHeld (nobody holds
 // it), and leaves the name free once it is given up or released.
 func TestRedlockGrantLostReply(t *testing.T) {
-	for _, m := range []struct {
-		name    string
-		retries int
-	}{{"default-retries", 0}, {"no-retries", -1}} {
-		t.Run(m.name, func(t *testing.T) {
-			r, proxies, direct := redlockViaProxies(t, m.retries)
-			ctx := context.Background()
-			warm, err := r.TryAcquire(ctx, fencetest.Name("rlwarm"), time.Minute) // loads the lock script
-			if err != nil {
+	eachRedlockRetryMode(t, func(t *testing.T, retries int, r *redislua.Redlock, proxies []*faultnet.Proxy, direct []*redis.Client) {
+		ctx := context.Background()
+		warmUp(ctx, t, r, fencetest.Name("rlwarm"), time.Minute, false) // loads the lock script
+		name := fencetest.Name("rlgrant")
+		loseNextScript(t, proxies[0])
+		loseNextScript(t, proxies[1])
+		l, err := r.TryAcquire(ctx, name, time.Minute)
+		if errors.Is(err, fence.ErrHeld) {
+			t.Fatalf("TryAcquire of a free name whose lock replies were lost on 2 of 3 nodes: %v, want a lease, ErrUnknown or ErrNoQuorum", err)
+		}
+		if err == nil {
+			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			if err := warm.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			name := fencetest.Name("rlgrant")
-			loseNextScript(t, proxies[0])
-			loseNextScript(t, proxies[1])
-			l, err := r.TryAcquire(ctx, name, time.Minute)
-			if errors.Is(err, fence.ErrHeld) {
-				t.Fatalf("TryAcquire of a free name whose lock replies were lost on 2 of 3 nodes: %v, want a lease, ErrUnknown or ErrNoQuorum", err)
-			}
-			if err == nil {
-				if err := l.Release(ctx); err != nil {
-					t.Fatal(err)
-				}
-			}
-			if proxies[0].Pending()+proxies[1].Pending() != 0 {
-				t.Fatal("a lost reply was never taken")
-			}
-			var nodes []redislua.Client
-			for _, c := range direct {
-				nodes = append(nodes, c)
-			}
-			other, _ := redislua.NewRedlock(nodes, nil)
-			ol, err := other.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatalf("the name after the grant: %v, want free", err)
-			}
-			ol.Release(ctx)
-		})
-	}
+		}
+		if proxies[0].Pending()+proxies[1].Pending() != 0 {
+			t.Fatal("a lost reply was never taken")
+		}
+		var nodes []redislua.Client
+		for _, c := range direct {
+			nodes = append(nodes, c)
+		}
+		other := newRedlock(t, nodes, nil)
+		ol, err := other.TryAcquire(ctx, name, time.Minute)
+		if err != nil {
+			t.Fatalf("the name after the grant: %v, want free", err)
+		}
+		ol.Release(ctx)
+	})
 }
 
 // TestBumpLostReply: a Bump whose reply was lost after Redis
@@ -366,7 +343,7 @@ func TestRedlockGrantLostReply(t *testing.T) {
 func TestBumpLostReply(t *testing.T) {
 	ctx := context.Background()
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
-		a, _ := redislua.NewAcquirer(c, nil)
+		a := newAcquirerOn(t, c, nil)
 		name := fencetest.Name("lostbump")
 		if err := a.Bump(ctx, name, 10); err != nil { // loads the script
 			t.Fatal(err)
@@ -390,17 +367,12 @@ func TestBumpLostReply(t *testing.T) {
 func TestAcquireGrantUnheardThenCut(t *testing.T) {
 	ctx := context.Background()
 	direct := testenv.RedisClient(t)
-	holderAcq, _ := redislua.NewAcquirer(direct, nil)
-	p := faultnet.Start(t, testenv.RedisAddr())
+	holderAcq := newAcquirerOn(t, direct, nil)
 	// go-redis bounds a request by ReadTimeout, not by ctx: keep it short.
-	c := redis.NewClient(&redis.Options{Addr: p.Addr(), ReadTimeout: 500 * time.Millisecond})
-	t.Cleanup(func() { c.Close() })
-	a, _ := redislua.NewAcquirer(c, nil)
+	c, p := clientVia(t, testenv.RedisAddr(), redis.Options{ReadTimeout: 500 * time.Millisecond})
+	a := newAcquirerOn(t, c, nil)
 	name := fencetest.Name("unheard")
-	h, err := holderAcq.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, holderAcq, name, time.Minute)
 	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	done := make(chan error, 1)
@@ -487,6 +459,72 @@ func scriptFor(name, op string) func([]byte) bool {
 	}
 }
 
+// allTaken fails t unless every fault armed on proxies was taken.
+func allTaken(t *testing.T, proxies ...*faultnet.Proxy) {
+	t.Helper()
+	for i, p := range proxies {
+		if p.Pending() != 0 {
+			t.Fatalf("proxy %d: the armed fault was never taken", i)
+		}
+	}
+}
+
+// checkRecognised fails t with what unless the grant (l, err) was
+// recognised as the client's own, every fault armed on proxies was taken,
+// and l outlives no lock key on nodes.
+func checkRecognised(t *testing.T, what string, l fence.Lease, err error, proxies []*faultnet.Proxy, nodes []*redis.Client) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: %v, want the grant recognised", what, err)
+	}
+	allTaken(t, proxies...)
+	outlivesNoKey(t, l, nodes)
+}
+
+// lateCall waits up to 30s for a held call to come back on landed, and
+// fails t with what unless it did without an error.
+func lateCall(t *testing.T, landed <-chan *redis.Cmd, what string) *redis.Cmd {
+	t.Helper()
+	select {
+	case c := <-landed:
+		if c.Err() != nil {
+			t.Fatalf("%s: %v", what, c.Err())
+		}
+		return c
+	case <-time.After(30 * time.Second):
+		t.Fatalf("%s never came back", what)
+	}
+	return nil
+}
+
+// armFault arms p to lose the reply ("lost") or drop the request
+// ("dropped") of the next call that match accepts.
+func armFault(p *faultnet.Proxy, fault string, match func([]byte) bool) {
+	if fault == "lost" {
+		p.LoseReply(match)
+	} else {
+		p.DropRequest(match)
+	}
+}
+
+// checkRecognisedRenew grants name for recognisedTTL and renews it a third
+// into the lease, as fence.Hold does (a deadline counted from the renewal's
+// send would then lie a third of a ttl past the key's expiry), once arm has
+// armed the renewal's fault on proxies: the renewal (what) is nil or
+// ErrUnknown, every fault is taken, and the lease outlives no lock key on
+// nodes.
+func checkRecognisedRenew(ctx context.Context, t *testing.T, a fence.Acquirer, name, what string, arm func(name string), proxies []*faultnet.Proxy, nodes []*redis.Client) {
+	t.Helper()
+	l := mustTryAcquire(ctx, t, a, name, recognisedTTL)
+	time.Sleep(recognisedTTL / 3)
+	arm(name)
+	if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("%s: %v, want nil or ErrUnknown", what, err)
+	}
+	allTaken(t, proxies...)
+	outlivesNoKey(t, l, nodes)
+}
+
 // TestRecognisedSendCountsFromFirstSend: a grant or renewal whose reply was
 // lost after Redis ran it, and that the next send (by go-redis, by the
 // acquirer, or a waiter's next poll) recognises as its own, gives a lease
@@ -498,48 +536,23 @@ func scriptFor(name, op string) func([]byte) bool {
 func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 	ctx := context.Background()
 	direct := testenv.RedisClient(t)
-	other, _ := redislua.NewAcquirer(direct, nil)
+	other := newAcquirerOn(t, direct, nil)
 	eachRetryMode(t, func(t *testing.T, p *faultnet.Proxy, c *redis.Client) {
 		p.ReplyWindow(replyWindow)
-		a, err := redislua.NewAcquirer(c, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		warm, err := a.TryAcquire(ctx, fencetest.Name("recwarm"), time.Minute) // loads the scripts
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := warm.Renew(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if err := warm.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
-		taken := func(t *testing.T) {
-			t.Helper()
-			if p.Pending() != 0 {
-				t.Fatal("the armed fault was never taken")
-			}
-		}
+		a := newAcquirerOn(t, c, nil)
+		warmUp(ctx, t, a, fencetest.Name("recwarm"), time.Minute, true) // loads the scripts
 		t.Run("try", func(t *testing.T) {
 			name := fencetest.Name("rectry")
 			p.LoseReply(scriptFor(name, "try"))
 			l, err := a.TryAcquire(ctx, name, recognisedTTL)
-			if err != nil {
-				t.Fatalf("TryAcquire whose reply was lost: %v, want the grant recognised", err)
-			}
-			taken(t)
-			outlivesNoKey(t, l, []*redis.Client{direct})
+			checkRecognised(t, "TryAcquire whose reply was lost", l, err, []*faultnet.Proxy{p}, []*redis.Client{direct})
 		})
 		t.Run("wait", func(t *testing.T) {
 			// A waiter in line on another name keeps the grant channel
 			// subscribed, so that the Acquire below waits in line from its
 			// first request: a "wait" that grants the free name.
 			keep := fencetest.Name("reckeep")
-			kh, err := other.TryAcquire(ctx, keep, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			kh := mustTryAcquire(ctx, t, other, keep, time.Minute)
 			defer kh.Release(ctx)
 			kctx, kcancel := context.WithCancel(ctx)
 			kdone := make(chan struct{})
@@ -556,67 +569,31 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 			actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 			defer cancel()
 			l, err := a.Acquire(actx, name, recognisedTTL)
-			if err != nil {
-				t.Fatalf("Acquire whose granting reply was lost: %v, want the grant recognised", err)
-			}
-			taken(t)
-			outlivesNoKey(t, l, []*redis.Client{direct})
+			checkRecognised(t, "Acquire whose granting reply was lost", l, err, []*faultnet.Proxy{p}, []*redis.Client{direct})
 		})
 		t.Run("handoff", func(t *testing.T) {
 			// The holder and the waiter share an acquirer: the release
 			// hands the lease over in its reply only, which is lost.
 			name := fencetest.Name("rechand")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustTryAcquire(ctx, t, a, name, time.Minute)
 			actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 			defer cancel()
-			type result struct {
-				l   fence.Lease
-				err error
-			}
-			done := make(chan result, 1)
-			go func() {
-				l, err := a.Acquire(actx, name, recognisedTTL)
-				done <- result{l, err}
-			}()
+			done := acquireInBackground(actx, a, name, recognisedTTL)
 			waitInLine(t, direct, name, 1)
 			p.LoseReply(scriptFor(name, "release"))
 			if err := h.Release(ctx); err != nil {
 				checkUnknown(t, "Release that handed the lease over", err)
 			}
 			r := <-done
-			if r.err != nil {
-				t.Fatalf("the waiter after a release whose reply was lost: %v", r.err)
-			}
-			taken(t)
-			outlivesNoKey(t, r.l, []*redis.Client{direct})
+			checkRecognised(t, "the waiter after a release whose reply was lost", r.l, r.err, []*faultnet.Proxy{p}, []*redis.Client{direct})
 		})
 		for _, fault := range []string{"lost", "dropped"} {
 			t.Run("renew-"+fault, func(t *testing.T) {
-				name := fencetest.Name("recrenew")
-				l, err := a.TryAcquire(ctx, name, recognisedTTL)
-				if err != nil {
-					t.Fatal(err)
-				}
-				// Renewed a third into the lease, as fence.Hold does: a
-				// deadline counted from the renewal's send would then
-				// lie a third of a ttl past the key's expiry.
-				time.Sleep(recognisedTTL / 3)
-				// The renewal is the only script on name without the
-				// grant channel among its arguments.
-				renewal := func(b []byte) bool { return scriptFor(name, "")(b) && !faultnet.Carries(b, "fence:grant:") }
-				if fault == "lost" {
-					p.LoseReply(renewal)
-				} else {
-					p.DropRequest(renewal)
-				}
-				if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
-					t.Fatalf("Renew whose request was %s: %v, want nil or ErrUnknown", fault, err)
-				}
-				taken(t)
-				outlivesNoKey(t, l, []*redis.Client{direct})
+				checkRecognisedRenew(ctx, t, a, fencetest.Name("recrenew"), "Renew whose request was "+fault, func(name string) {
+					// The renewal is the only script on name without the
+					// grant channel among its arguments.
+					armFault(p, fault, func(b []byte) bool { return scriptFor(name, "")(b) && !faultnet.Carries(b, "fence:grant:") })
+				}, []*faultnet.Proxy{p}, []*redis.Client{direct})
 			})
 		}
 	})
@@ -630,69 +607,295 @@ func TestRecognisedSendCountsFromFirstSend(t *testing.T) {
 // were lost, or whose requests never reached a majority, does the same.
 func TestRedlockRecognisedSendCountsFromFirstSend(t *testing.T) {
 	ctx := context.Background()
-	for _, m := range []struct {
-		name    string
-		retries int
-	}{{"default-retries", 0}, {"no-retries", -1}} {
-		t.Run(m.name, func(t *testing.T) {
-			r, proxies, direct := redlockViaProxies(t, m.retries)
-			for _, p := range proxies {
-				p.ReplyWindow(replyWindow)
-			}
-			warm, err := r.TryAcquire(ctx, fencetest.Name("rlrecwarm"), time.Minute) // loads the scripts
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := warm.Renew(ctx); err != nil {
-				t.Fatal(err)
-			}
-			if err := warm.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			taken := func(t *testing.T) {
-				t.Helper()
-				for i, p := range proxies {
-					if p.Pending() != 0 {
-						t.Fatalf("node %d: the armed fault was never taken", i)
-					}
-				}
-			}
-			if m.retries == 0 {
-				// Without go-redis's resend, the grant has no majority.
-				t.Run("grant", func(t *testing.T) {
-					name := fencetest.Name("rlrecgrant")
-					proxies[0].LoseReply(scriptFor(name, ""))
-					proxies[1].LoseReply(scriptFor(name, ""))
-					l, err := r.TryAcquire(ctx, name, recognisedTTL)
-					if err != nil {
-						t.Fatalf("TryAcquire whose lock replies were lost on 2 of 3 nodes: %v, want the grant recognised", err)
-					}
-					taken(t)
-					outlivesNoKey(t, l, direct)
-				})
-			}
-			for _, fault := range []string{"lost", "dropped"} {
-				t.Run("renew-"+fault, func(t *testing.T) {
-					name := fencetest.Name("rlrecrenew")
-					l, err := r.TryAcquire(ctx, name, recognisedTTL)
-					if err != nil {
-						t.Fatal(err)
-					}
-					time.Sleep(recognisedTTL / 3) // renewed a third into the lease, as fence.Hold does
+	eachRedlockRetryMode(t, func(t *testing.T, retries int, r *redislua.Redlock, proxies []*faultnet.Proxy, direct []*redis.Client) {
+		for _, p := range proxies {
+			p.ReplyWindow(replyWindow)
+		}
+		warmUp(ctx, t, r, fencetest.Name("rlrecwarm"), time.Minute, true) // loads the scripts
+		if retries == 0 {
+			// Without go-redis's resend, the grant has no majority.
+			t.Run("grant", func(t *testing.T) {
+				name := fencetest.Name("rlrecgrant")
+				proxies[0].LoseReply(scriptFor(name, ""))
+				proxies[1].LoseReply(scriptFor(name, ""))
+				l, err := r.TryAcquire(ctx, name, recognisedTTL)
+				checkRecognised(t, "TryAcquire whose lock replies were lost on 2 of 3 nodes", l, err, proxies, direct)
+			})
+		}
+		for _, fault := range []string{"lost", "dropped"} {
+			t.Run("renew-"+fault, func(t *testing.T) {
+				checkRecognisedRenew(ctx, t, r, fencetest.Name("rlrecrenew"), "Renew whose requests were "+fault+" on 2 of 3 nodes", func(name string) {
 					for _, p := range proxies[:2] {
-						if fault == "lost" {
-							p.LoseReply(scriptFor(name, ""))
-						} else {
-							p.DropRequest(scriptFor(name, ""))
-						}
+						armFault(p, fault, scriptFor(name, ""))
 					}
-					if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
-						t.Fatalf("Renew whose requests were %s on 2 of 3 nodes: %v, want nil or ErrUnknown", fault, err)
-					}
-					taken(t)
-					outlivesNoKey(t, l, direct)
-				})
+				}, proxies, direct)
+			})
+		}
+	})
+}
+
+// TestCallsKeepTheirContextDeadline: with a go-redis client that
+// does not honour context deadlines (ContextTimeoutEnabled off, the default:
+// it waits ReadTimeout, 3s, and sends again), a call through a partition
+// returns soon after its context's deadline, with an error that says the
+// outcome is unknown (a read: the context's error), instead of after the
+// client's own timeouts. An acquire that gives up spends up to 1s more
+// trying to undo a grant it may have made (leaving the line), and since
+// that cannot reach Redis either, its error matches fence.ErrUnknown.
+func TestCallsKeepTheirContextDeadline(t *testing.T) {
+	ctx := context.Background()
+	p, c, a := proxiedAcquirer(t, redis.Options{}) // ContextTimeoutEnabled off
+	w := newWriterOn(t, c, nil)
+	name := fencetest.Name("deadline")
+	l := mustTryAcquire(ctx, t, a, name, time.Minute) // connects and loads the scripts
+	if err := w.Write(ctx, name, []byte("v"), l.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := w.Read(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	is := newStoreOn(t, c, nil)
+	if _, err := is.Get(ctx, name); err != nil && !errors.Is(err, fence.ErrNotFound) {
+		t.Fatal(err)
+	}
+	const wait = 200 * time.Millisecond
+	tried := fencetest.Name("deadline")
+	calls := []struct {
+		name  string
+		slack time.Duration // allowed past the deadline
+		call  func(ctx context.Context) error
+		want  error // the error must match this
+	}{
+		{"TryAcquire", 1500 * time.Millisecond, func(ctx context.Context) error {
+			_, err := a.TryAcquire(ctx, tried, time.Minute)
+			return err
+		}, fence.ErrUnknown},
+		{"Acquire", 1500 * time.Millisecond, func(ctx context.Context) error {
+			_, err := a.Acquire(ctx, name, time.Minute)
+			return err
+		}, fence.ErrUnknown},
+		{"Renew", 500 * time.Millisecond, l.Renew, fence.ErrUnknown},
+		{"Write", 500 * time.Millisecond, func(ctx context.Context) error {
+			return w.Write(ctx, name, []byte("w"), l.Token())
+		}, fence.ErrUnknown},
+		{"Read", 500 * time.Millisecond, func(ctx context.Context) error {
+			_, _, err := w.Read(ctx, name)
+			return err
+		}, context.DeadlineExceeded},
+		{"Release", 500 * time.Millisecond, l.Release, fence.ErrUnknown},
+		{"IdempotencyStore.Get", 500 * time.Millisecond, func(ctx context.Context) error {
+			_, err := is.Get(ctx, name)
+			if !errors.Is(err, context.DeadlineExceeded) {
+				return fmt.Errorf("%v, want it to match the context's error too", err)
 			}
-		})
+			return err
+		}, fence.ErrUnknown},
+		{"IdempotencyStore.Begin", 500 * time.Millisecond, func(ctx context.Context) error {
+			_, _, err := is.Begin(ctx, name, "fp", "owner", time.Minute)
+			return err
+		}, fence.ErrUnknown},
+	}
+	p.Partition()
+	healed := false
+	defer func() {
+		if !healed {
+			p.Heal()
+		}
+	}()
+	for _, tc := range calls {
+		cctx, cancel := context.WithTimeout(ctx, wait)
+		start := time.Now()
+		err := tc.call(cctx)
+		took := time.Since(start)
+		cancel()
+		t.Logf("%s through a partition with a %v context: %v after %v", tc.name, wait, err, took.Round(time.Millisecond))
+		if err == nil {
+			t.Errorf("%s through a partition: nil error", tc.name)
+		}
+		if tc.want != nil && !errors.Is(err, tc.want) {
+			t.Errorf("%s through a partition: %v, want an error matching %v", tc.name, err, tc.want)
+		}
+		if took > wait+tc.slack {
+			t.Errorf("%s with a %v context returned after %v (allowed %v)", tc.name, wait, took, wait+tc.slack)
+		}
+	}
+	// The TryAcquire that gave up must not hold its name for the
+	// minute's ttl once its held requests land: its leave marks its nonce
+	// gone (a try landing later is refused) or releases what it granted.
+	p.Heal()
+	healed = true
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
+	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	ol, err := other.Acquire(actx, tried, time.Minute)
+	if err != nil {
+		t.Fatalf("the name of a TryAcquire that gave up in a partition, after healing: %v, want it free", err)
+	}
+	_ = ol.Release(ctx)
+}
+
+// proxiedAcquirer returns a fault proxy to Redis, a go-redis client with
+// options o (its Addr the proxy's) and an acquirer on that client.
+func proxiedAcquirer(t *testing.T, o redis.Options) (*faultnet.Proxy, *redis.Client, *redislua.Acquirer) {
+	t.Helper()
+	p := faultnet.Start(t, testenv.RedisAddr())
+	o.Addr = p.Addr()
+	c := redis.NewClient(&o)
+	t.Cleanup(func() { c.Close() })
+	a := newAcquirerOn(t, c, nil)
+	return p, c, a
+}
+
+// TestAbandonedLockCallLandsLate: a TryAcquire and an Acquire whose context
+// ends in a partition that outlasts the client's ReadTimeout return
+// fence.ErrUnknown while their lock script calls (on connections opened
+// before the partition) are held; their leave, which needs a new connection,
+// cannot even be sent before the client gives up. After the partition heals
+// the held "try" lands and grants: the name must still be free soon for
+// another acquirer, not held for the minute's ttl.
+func TestAbandonedLockCallLandsLate(t *testing.T) {
+	ctx := context.Background()
+	// ContextTimeoutEnabled off; a short ReadTimeout so that the abandoned
+	// calls return (and write their results) while the test still runs.
+	p, _, a := proxiedAcquirer(t, redis.Options{ReadTimeout: 300 * time.Millisecond, MaxRetries: 1})
+	warm := fencetest.Name("late")
+	warmUp(ctx, t, a, warm, time.Minute, false) // connects and loads the scripts
+	tried, waited := fencetest.Name("late"), fencetest.Name("late")
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
+	held := mustTryAcquire(ctx, t, other, waited, time.Minute)
+	p.Partition()
+	cctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	_, terr := a.TryAcquire(cctx, tried, time.Minute)
+	cancel()
+	cctx, cancel = context.WithTimeout(ctx, 100*time.Millisecond)
+	_, aerr := a.Acquire(cctx, waited, time.Minute)
+	cancel()
+	p.Heal()
+	t.Logf("through a partition: TryAcquire(%s) %v; Acquire(%s) %v", tried, terr, waited, aerr)
+	if terr == nil || aerr == nil {
+		t.Fatalf("through a partition: TryAcquire %v, Acquire %v; want errors", terr, aerr)
+	}
+	if !errors.Is(terr, fence.ErrUnknown) && !errors.Is(terr, fence.ErrHeld) {
+		t.Errorf("TryAcquire through a partition: %v", terr)
+	}
+	// The held calls land now; each of the two names must be free for the
+	// other acquirer soon (not after the minute's ttl).
+	if err := held.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{tried, waited} {
+		actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		start := time.Now()
+		ol, err := other.Acquire(actx, name, time.Minute)
+		cancel()
+		if err != nil {
+			t.Fatalf("%s after the partition healed: %v, want it free", name, err)
+		}
+		t.Logf("%s free for another acquirer after %v", name, time.Since(start).Round(time.Millisecond))
+		_ = ol.Release(ctx)
+	}
+	// Let the abandoned calls' client timeouts pass, so that any result
+	// they write lands while the test runs.
+	time.Sleep(time.Second)
+}
+
+// TestAcquireEndsWithARequestInFlight: an Acquire whose context ends while
+// its request is on a slow link (faultnet latency above the wait), whose
+// leave then lands and settles that it was not granted, returns what any
+// wait that ran out returns: fence.ErrHeld joined with the context's error,
+// not fence.ErrUnknown (the conformance suite's AcquireGivesUpAtDeadline and
+// AcquireCancelled failed so on a loaded machine, through Sentinel).
+func TestAcquireEndsWithARequestInFlight(t *testing.T) {
+	ctx := context.Background()
+	p, _, a := proxiedAcquirer(t, redis.Options{ContextTimeoutEnabled: true})
+	warm := fencetest.Name("inflight")
+	l := mustTryAcquire(ctx, t, a, warm, time.Minute) // connects and loads the scripts
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	holder := newAcquirerOn(t, testenv.RedisClient(t), nil)
+	name := fencetest.Name("inflight")
+	h := mustTryAcquire(ctx, t, holder, name, time.Minute)
+	defer h.Release(ctx)
+	p.Latency(100*time.Millisecond, 100*time.Millisecond)
+	wctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	// The link is slow while the wait runs, and fast again once it ended: the
+	// leave (on a new connection: go-redis drops the one whose request timed
+	// out) then needs no 200ms round trips for its dial, HELLO and script, which
+	// on a loaded machine took longer than the leave's 1s and
+	// made the Acquire ErrUnknown. A leave sent before the latency is off
+	// still has that 1s.
+	res := acquireInBackground(wctx, a, name, time.Minute)
+	<-wctx.Done()
+	p.Latency(0, 0)
+	r := <-res
+	got, err := r.l, r.err
+	if err == nil {
+		_ = got.Release(ctx)
+		t.Fatal("granted a held name")
+	}
+	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("Acquire whose context ended with its request in flight: %v, want ErrHeld joined with DeadlineExceeded (and not ErrUnknown)", err)
+	}
+}
+
+// lateClient sends its next script call through a partitioned proxy and
+// reports a read timeout at once, as go-redis does when ReadTimeout passes
+// while the request is still on its way: the call lands when the proxy heals.
+type lateClient struct {
+	*redis.Client
+	slow   *redis.Client
+	armed  atomic.Bool
+	landed chan *redis.Cmd
+}
+
+func (h *lateClient) EvalSha(ctx context.Context, sha string, keys []string, args ...any) *redis.Cmd {
+	if h.armed.CompareAndSwap(true, false) {
+		go func() { h.landed <- h.slow.EvalSha(context.WithoutCancel(ctx), sha, keys, args...) }()
+		cmd := redis.NewCmd(ctx)
+		cmd.SetErr(&net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded})
+		return cmd
+	}
+	return h.Client.EvalSha(ctx, sha, keys, args...)
+}
+
+// TestAcquirerLateTryAfterRelease (a grant landing after its
+// sender gave up, on a single instance): a try that timed out on the way is sent again and granted; the
+// lease is released; then the first try lands. It must not lock the name for
+// a ttl on behalf of a lease that is gone.
+func TestAcquirerLateTryAfterRelease(t *testing.T) {
+	ctx := context.Background()
+	slow, p := clientVia(t, testenv.RedisAddr(), redis.Options{MaxRetries: -1, ReadTimeout: time.Minute})
+	c := &lateClient{Client: testenv.RedisClient(t), slow: slow, landed: make(chan *redis.Cmd, 1)}
+	a := newAcquirerOn(t, c, nil)
+	other := newAcquirerOn(t, testenv.RedisClient(t), nil)
+	const ttl = 20 * time.Second
+	name := fencetest.Name("latetry")
+	if err := slow.Ping(ctx).Err(); err != nil { // the slow connection is open
+		t.Fatal(err)
+	}
+	if l, err := a.TryAcquire(ctx, name, ttl); err != nil { // loads the script
+		t.Fatal(err)
+	} else if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	p.Partition()
+	c.armed.Store(true)
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatalf("TryAcquire whose first try timed out: %v", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	p.Heal()
+	landed := lateCall(t, c.landed, "the late try")
+	ol, err := other.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatalf("after a released lease's first try landed late (reply %v): %v", landed.Val(), err)
+	}
+	if err := ol.Release(ctx); err != nil && !errors.Is(err, context.Canceled) {
+		t.Fatal(err)
 	}
 }

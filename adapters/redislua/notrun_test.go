@@ -3,6 +3,7 @@ package redislua_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -258,10 +259,7 @@ func notRunSteps() []notRunStep {
 				}
 		}},
 		{name: "write", prep: func(t *testing.T, e *notRunEnv) (func(context.Context) error, func(), func(*testing.T)) {
-			key := fencetest.Name("notrun-write")
-			if err := e.w.Write(ctx, key, []byte("old"), 5); err != nil {
-				t.Fatal(err)
-			}
+			key := writtenKey(ctx, t, e.w, "notrun-write", "old", 5)
 			return func(ctx context.Context) error {
 				if err := e.w.Write(ctx, key, []byte("new"), 6); err != nil {
 					return err
@@ -273,10 +271,7 @@ func notRunSteps() []notRunStep {
 			}, nil, readIs(e, key, "old", 5)
 		}},
 		{name: "delete", prep: func(t *testing.T, e *notRunEnv) (func(context.Context) error, func(), func(*testing.T)) {
-			key := fencetest.Name("notrun-delete")
-			if err := e.w.Write(ctx, key, []byte("old"), 5); err != nil {
-				t.Fatal(err)
-			}
+			key := writtenKey(ctx, t, e.w, "notrun-delete", "old", 5)
 			return func(ctx context.Context) error {
 				if err := e.w.Delete(ctx, key, 6); err != nil {
 					return err
@@ -288,10 +283,7 @@ func notRunSteps() []notRunStep {
 			}, nil, readIs(e, key, "old", 5)
 		}},
 		{name: "read", prep: func(t *testing.T, e *notRunEnv) (func(context.Context) error, func(), func(*testing.T)) {
-			key := fencetest.Name("notrun-read")
-			if err := e.w.Write(ctx, key, []byte("v"), 7); err != nil {
-				t.Fatal(err)
-			}
+			key := writtenKey(ctx, t, e.w, "notrun-read", "v", 7)
 			return func(ctx context.Context) error {
 				v, tok, err := e.w.Read(ctx, key)
 				if err == nil && (string(v) != "v" || tok != 7) {
@@ -366,18 +358,9 @@ func notRunSteps() []notRunStep {
 
 func newNotRunEnv(t *testing.T, c *redis.Client) *notRunEnv {
 	t.Helper()
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := redislua.NewIdempotencyStore(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, c, nil)
+	w := newWriterOn(t, c, nil)
+	s := newStoreOn(t, c, nil)
 	return &notRunEnv{a: a, w: w, s: s, c: c}
 }
 
@@ -463,26 +446,13 @@ func TestStepNotRunWhileBusySaysSo(t *testing.T) {
 func TestWaiterThatLeavesWhileBusyDoesNotStrandLock(t *testing.T) {
 	b := startBusyRedis(t)
 	ctx := context.Background()
-	a, err := redislua.NewAcquirer(b.c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, b.c, nil)
 	name := fencetest.Name("notrun-leave")
 	const ttl = 5 * time.Minute
-	h, err := a.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, a, name, ttl)
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		l, err := a.Acquire(wctx, name, ttl)
-		if l != nil {
-			_ = l.Release(ctx)
-		}
-		done <- err
-	}()
+	done := acquireReleasing(ctx, wctx, a, name, ttl)
 	line := "fence:{" + name + "}:line"
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -503,10 +473,7 @@ func TestWaiterThatLeavesWhileBusyDoesNotStrandLock(t *testing.T) {
 	if err := h.Release(ctx); err != nil {
 		t.Fatalf("holder's release: %v", err)
 	}
-	other, err := redislua.NewAcquirer(b.admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	other := newAcquirerOn(t, b.admin, nil)
 	deadline = time.Now().Add(20 * time.Second)
 	for {
 		l, err := other.TryAcquire(ctx, name, time.Second)
@@ -532,52 +499,21 @@ func TestWaiterThatLeavesWhileBusyDoesNotStrandLock(t *testing.T) {
 func TestAcquireStartedWhileBusyWaitsInLine(t *testing.T) {
 	b := startBusyRedis(t)
 	ctx := context.Background()
-	holder, err := redislua.NewAcquirer(b.admin, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := redislua.NewAcquirer(b.c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	holder := newAcquirerOn(t, b.admin, nil)
+	a := newAcquirerOn(t, b.c, nil)
 	name := fencetest.Name("notrun-sub")
-	h, err := holder.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustTryAcquire(ctx, t, holder, name, time.Minute)
 	stop := b.busy(t)
 	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		l, err := a.Acquire(wctx, name, time.Minute)
-		done <- result{l, err}
-	}()
+	done := acquireInBackground(wctx, a, name, time.Minute)
 	b.sawBusy(t) // its first try; the SUBSCRIBE went before it
 	stop()
-	line := "fence:{" + name + "}:line"
-	deadline := time.Now().Add(20 * time.Second)
-	for b.admin.LLen(ctx, line).Val() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the waiter never joined the line after Redis stopped answering BUSY")
-		}
-		time.Sleep(5 * time.Millisecond) // polls Redis for the waiter's place
-	}
+	waitJoined(t, b.admin, name, 20*time.Second, "the waiter never joined the line after Redis stopped answering BUSY")
 	if err := h.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	r := <-done
-	if r.err != nil {
-		t.Fatalf("the waiter after the holder's release: %v", r.err)
-	}
-	defer r.l.Release(ctx)
-	if r.l.Token() <= h.Token() {
-		t.Errorf("waiter's token %d, holder's %d", r.l.Token(), h.Token())
-	}
+	grantedAfter(t, done, h, "the waiter after the holder's release")
 }
 
 // TestWaitWhoseDeadlineEndsWhileBusySaysHeld: a waiting Acquire whose
@@ -589,15 +525,9 @@ func TestWaitWhoseDeadlineEndsWhileBusySaysHeld(t *testing.T) {
 	ctx := context.Background()
 	for _, disable := range []bool{false, true} {
 		t.Run(map[bool]string{false: "in-line", true: "polling"}[disable], func(t *testing.T) {
-			a, err := redislua.NewAcquirer(b.newClient(t), &redislua.AcquirerOptions{DisableNotify: disable})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, b.newClient(t), &redislua.AcquirerOptions{DisableNotify: disable})
 			name := fencetest.Name("notrun-deadline")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustTryAcquire(ctx, t, a, name, time.Minute)
 			wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 			defer cancel()
 			done := make(chan error, 1)
@@ -635,5 +565,348 @@ func TestWaitWhoseDeadlineEndsWhileBusySaysHeld(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// oom sets maxmemory so low that Redis refuses every command that may grow
+// memory (OOM, with noeviction), and returns the undo.
+func oom(t *testing.T, admin *redis.Client) (undo func()) {
+	t.Helper()
+	ctx := context.Background()
+	if err := admin.ConfigSet(ctx, "maxmemory-policy", "noeviction").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := admin.ConfigSet(ctx, "maxmemory", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	return func() {
+		if err := admin.ConfigSet(ctx, "maxmemory", "0").Err(); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// TestStepsRefusedOOMSayWhatHappened: with maxmemory reached (noeviction),
+// Redis refuses a script's first write that may grow memory. A write, a
+// fenced delete, a grant and an idempotency completion sent then either
+// happen (nil error, the effect is there) or end with their context
+// matching redislua.ErrNotRun with nothing changed: never an error for a
+// step Redis kept, never nil for one it refused.
+func TestStepsRefusedOOMSayWhatHappened(t *testing.T) {
+	srv := testenv.StartRedis(t)
+	admin := srv.Client(t)
+	c := srv.Client(t)
+	ctx := context.Background()
+	w := newWriterOn(t, c, nil)
+	a := newAcquirerOn(t, c, nil)
+	s := newStoreOn(t, c, nil)
+	short := func() (context.Context, context.CancelFunc) { return context.WithTimeout(ctx, 300*time.Millisecond) }
+	check := func(t *testing.T, what string, err error, landed bool) {
+		t.Helper()
+		switch {
+		case err == nil && !landed:
+			t.Errorf("%s under OOM: nil error, but Redis did not keep it", what)
+		case err != nil && landed:
+			t.Errorf("%s under OOM: %v, but Redis kept it", what, err)
+		case err != nil && (!errors.Is(err, redislua.ErrNotRun) || errors.Is(err, fence.ErrUnknown)):
+			t.Errorf("%s under OOM: %v, want ErrNotRun alone", what, err)
+		}
+	}
+
+	t.Run("write", func(t *testing.T) {
+		key := writtenKey(ctx, t, w, "oom-write", "old", 5)
+		undo := oom(t, admin)
+		sctx, cancel := short()
+		err := w.Write(sctx, key, []byte("new-and-longer-value"), 6)
+		cancel()
+		undo()
+		v, tok, _ := w.Read(ctx, key)
+		check(t, "write", err, string(v) == "new-and-longer-value" && tok == 6)
+	})
+	t.Run("delete", func(t *testing.T) {
+		key := writtenKey(ctx, t, w, "oom-delete", "old", 5)
+		undo := oom(t, admin)
+		sctx, cancel := short()
+		err := w.Delete(sctx, key, 6)
+		cancel()
+		undo()
+		_, _, rerr := w.Read(ctx, key)
+		check(t, "delete", err, errors.Is(rerr, fence.ErrNotFound))
+		if werr := w.Write(ctx, key, []byte("stale"), 5); errors.Is(rerr, fence.ErrNotFound) && !errors.Is(werr, fence.ErrStale) {
+			t.Errorf("a stale write after the delete: %v, want ErrStale", werr)
+		}
+	})
+	t.Run("grant", func(t *testing.T) {
+		name := fencetest.Name("oom-grant")
+		undo := oom(t, admin)
+		sctx, cancel := short()
+		l, err := a.TryAcquire(sctx, name, time.Minute)
+		cancel()
+		undo()
+		held := admin.Exists(ctx, "fence:{"+name+"}:lock").Val() == 1
+		check(t, "grant", err, held)
+		if l != nil {
+			if err := l.Renew(ctx); err != nil {
+				t.Errorf("renew of the grant made under OOM: %v", err)
+			}
+			_ = l.Release(ctx)
+		}
+	})
+	t.Run("idempotency-completion", func(t *testing.T) {
+		key := fencetest.Name("oom-idem")
+		rec, _, err := s.Begin(ctx, key, "fp", "me", time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		undo := oom(t, admin)
+		sctx, cancel := short()
+		_, err = s.Update(sctx, key, idempotency.Claimed, rec.Fence, idempotency.Change{
+			State: idempotency.Completed, Fence: rec.Fence, Owner: "me", Result: []byte("result"), Retention: time.Hour})
+		cancel()
+		undo()
+		got, gerr := s.Get(ctx, key)
+		if gerr != nil {
+			t.Fatal(gerr)
+		}
+		check(t, "idempotency completion", err, got.State == idempotency.Completed)
+	})
+}
+
+// TestReleaseRefusedOOMDoesNotFreeNextHolder: a release that Redis refused
+// (OOM) goes on in the background. When the name has meanwhile passed to
+// another holder, that background release, once Redis runs it, must leave
+// the new holder's lease alone (it is checked against the old grant).
+func TestReleaseRefusedOOMDoesNotFreeNextHolder(t *testing.T) {
+	srv := testenv.StartRedis(t)
+	admin := srv.Client(t)
+	ctx := context.Background()
+	a1 := newAcquirerOn(t, srv.Client(t), nil)
+	a2 := newAcquirerOn(t, srv.Client(t), nil)
+	name := fencetest.Name("oom-release")
+	lock := "fence:{" + name + "}:lock"
+	l1 := mustTryAcquire(ctx, t, a1, name, time.Minute)
+	undo := oom(t, admin)
+	rctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	err := l1.Release(rctx)
+	cancel()
+	if !errors.Is(err, redislua.ErrNotRun) {
+		undo()
+		t.Fatalf("release under OOM: %v, want ErrNotRun (sent again in the background)", err)
+	}
+	// The old grant ends as if it had expired; another holder takes the
+	// name while Redis still refuses the release.
+	if err := admin.Del(ctx, lock).Err(); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := a2.TryAcquire(ctx, name, time.Minute)
+	undo()
+	if err != nil {
+		t.Fatalf("the next holder: %v", err)
+	}
+	holder := admin.Get(ctx, lock).Val()
+	// The background release has run once the old grant's nonce is marked gone.
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		keys, _ := admin.Keys(ctx, "fence:{"+name+"}:gone:*").Result()
+		if len(keys) > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the background release never ran")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if got := admin.Get(ctx, lock).Val(); got != holder {
+		t.Errorf("the lock after the old holder's background release: %q, want the new holder's %q", got, holder)
+	}
+	if err := l2.Renew(ctx); err != nil {
+		t.Errorf("the new holder's renewal after the old holder's background release: %v", err)
+	}
+	_ = l2.Release(ctx)
+}
+
+// TestRedlockWithOneNodeBusyForever: one of three Redlock nodes answers BUSY
+// for the whole test. A try still gets a majority within its node timeout,
+// the release frees the name on the other two (and returns nil), and the
+// next try is granted a larger token.
+func TestRedlockWithOneNodeBusyForever(t *testing.T) {
+	b := startBusyRedis(t)
+	n1, n2 := testenv.StartRedis(t), testenv.StartRedis(t)
+	ctx := context.Background()
+	r := newRedlock(t, []redislua.Client{n1.Client(t), n2.Client(t), b.c}, nil)
+	name := fencetest.Name("redlock-busy")
+	warm := mustTryAcquire(ctx, t, r, fencetest.Name("warm"), time.Minute) // loads the scripts
+	_ = warm.Release(ctx)
+	b.busy(t)
+	var last fence.Token
+	for i := 0; i < 3; i++ {
+		tctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		l, err := r.TryAcquire(tctx, name, 10*time.Second)
+		cancel()
+		if err != nil {
+			t.Fatalf("try %d with one node busy: %v", i, err)
+		}
+		if l.Token() <= last {
+			t.Errorf("token %d after %d", l.Token(), last)
+		}
+		last = l.Token()
+		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		err = l.Release(rctx)
+		cancel()
+		if err != nil {
+			t.Errorf("release %d with one node busy: %v", i, err)
+		}
+	}
+}
+
+// waitThroughBusy runs a.Acquire of name, held by h, with a deadline 2s
+// ahead, and calls busy once the wait has started: busy makes Redis answer
+// BUSY and returns what ends that. Once the wait has ended (within 30s),
+// Redis answers again and h is released; it returns how long after its
+// deadline the wait returned, and its error.
+func waitThroughBusy(ctx context.Context, t *testing.T, a *redislua.Acquirer, h fence.Lease, name string, busy func() (stop func())) (time.Duration, error) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	wctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	done := acquireReleasing(ctx, wctx, a, name, time.Minute)
+	stop := busy()
+	var werr error
+	select {
+	case werr = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the wait never ended")
+	}
+	late := time.Since(deadline)
+	stop()
+	_ = h.Release(ctx)
+	t.Logf("Acquire returned %v after its deadline: %v", late.Round(time.Millisecond), werr)
+	return late, werr
+}
+
+// A waiting Acquire that was in line when Redis began to answer BUSY, and
+// whose deadline comes while it still does, returns soon after its context
+// ends (the package's Client documentation: "Every call of this package
+// returns once its context ends"; an acquire that gives up spends up to 1s
+// more leaving the line, as TestCallsKeepTheirContextDeadline allows), with
+// an error matching fence.ErrHeld, the context's error and ErrNotRun.
+func TestWaitEndingWhileBusyReturnsSoonAfterDeadline(t *testing.T) {
+	b := startBusyRedis(t)
+	ctx := context.Background()
+	a := newAcquirerOn(t, b.c, nil)
+	name := fencetest.Name("busy-deadline")
+	h := mustTryAcquire(ctx, t, a, name, time.Minute)
+	late, werr := waitThroughBusy(ctx, t, a, h, name, func() (stop func()) {
+		waitInLine(t, b.admin, name, 1)
+		return b.busy(t)
+	})
+	if !errors.Is(werr, fence.ErrHeld) || !errors.Is(werr, context.DeadlineExceeded) || !errors.Is(werr, redislua.ErrNotRun) {
+		t.Errorf("a wait whose deadline came while Redis was busy: %v, want ErrHeld, DeadlineExceeded and ErrNotRun", werr)
+	}
+	if late > 1500*time.Millisecond {
+		t.Errorf("the wait returned %v after its context's deadline", late.Round(time.Millisecond))
+	}
+}
+
+// lateSubscriber is a client whose pub/sub subscriptions reach Redis only
+// once the test opens gate: a slow dial of the subscription's connection,
+// during which another client's script starts.
+type lateSubscriber struct {
+	*redis.Client
+	gate chan struct{}
+}
+
+func (c lateSubscriber) Subscribe(ctx context.Context, channels ...string) *redis.PubSub {
+	<-c.gate
+	return c.Client.Subscribe(ctx, channels...)
+}
+
+// A waiting Acquire whose grant channel's SUBSCRIBE Redis answers BUSY until
+// the wait's deadline (the try before it ran, and found the name held) is
+// a wait that ran out while Redis did not run its step: its error matches
+// fence.ErrHeld, the context's error and ErrNotRun, as the package
+// documentation says of every step Redis refused until the context ended.
+func TestWaitWhoseSubscribeIsBusyUntilDeadlineSaysNotRun(t *testing.T) {
+	b := startBusyRedis(t)
+	ctx := context.Background()
+	holder := newAcquirerOn(t, b.admin, nil)
+	c := lateSubscriber{Client: b.c, gate: make(chan struct{})}
+	a := newAcquirerOn(t, c, nil)
+	name := fencetest.Name("busy-sub")
+	h := mustTryAcquire(ctx, t, holder, name, time.Minute)
+	_, werr := waitThroughBusy(ctx, t, a, h, name, func() (stop func()) {
+		// The waiter's first try runs (Redis is not busy yet) and finds the
+		// name held; then another client's script starts, and the SUBSCRIBE
+		// goes.
+		time.Sleep(200 * time.Millisecond)
+		stop = b.busy(t)
+		close(c.gate)
+		return stop
+	})
+	if !errors.Is(werr, fence.ErrHeld) || !errors.Is(werr, context.DeadlineExceeded) || !errors.Is(werr, redislua.ErrNotRun) {
+		t.Errorf("a wait whose SUBSCRIBE Redis answered BUSY until its deadline: %v, want ErrHeld, DeadlineExceeded and ErrNotRun", werr)
+	}
+}
+
+// A waiter whose wait ended while Redis answered BUSY keeps its place in
+// line until its leave runs; the leave is sent again in the background for
+// up to the ttl only. When the script runs longer than that, the holder's
+// release after it grants the name to the departed waiter (its acquirer
+// still listens for another waiter), and the name is held by nobody for a
+// whole ttl. The name must be free for the others soon after the release.
+func TestReleaseAfterLongBusyDoesNotGrantDepartedWaiter(t *testing.T) {
+	b := startBusyRedis(t)
+	ctx := context.Background()
+	const ttl = 2 * time.Second
+	holder := newAcquirerOn(t, b.admin, nil)
+	// Places in line live five polls of 2s: the departed waiter's outlives
+	// the script.
+	a := newAcquirerOn(t, b.c, &redislua.AcquirerOptions{Backoff: fence.Backoff{Min: 20 * time.Millisecond, Max: 2 * time.Second}})
+	name, other := fencetest.Name("busy-departed"), fencetest.Name("busy-other")
+	h := mustTryAcquire(ctx, t, holder, name, time.Minute)
+	ho := mustTryAcquire(ctx, t, holder, other, time.Minute)
+	defer ho.Release(ctx)
+	// Another waiter of the same acquirer keeps its grant subscription.
+	octx, ocancel := context.WithTimeout(ctx, time.Minute)
+	defer ocancel()
+	go func() {
+		if l, _ := a.Acquire(octx, other, time.Minute); l != nil {
+			_ = l.Release(ctx)
+		}
+	}()
+	wctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
+	defer cancel()
+	done := acquireReleasing(ctx, wctx, a, name, ttl)
+	waitInLine(t, b.admin, name, 1)
+	waitInLine(t, b.admin, other, 1)
+	stop := b.busy(t)
+	werr := <-done
+	t.Logf("the departed waiter: %v", werr)
+	time.Sleep(ttl + 2*time.Second) // the script outlasts the background leave
+	stop()
+	if err := h.Release(ctx); err != nil {
+		t.Fatalf("holder's release: %v", err)
+	}
+	released := time.Now()
+	third := newAcquirerOn(t, b.admin, nil)
+	var heldBy string
+	for {
+		l, err := third.TryAcquire(ctx, name, time.Second)
+		if err == nil {
+			_ = l.Release(ctx)
+			break
+		}
+		if heldBy == "" {
+			v, _ := b.admin.Get(ctx, "fence:{"+name+"}:lock").Result()
+			pttl, _ := b.admin.PTTL(ctx, "fence:{"+name+"}:lock").Result()
+			heldBy = fmt.Sprintf("%q for %v", v, pttl)
+		}
+		if time.Since(released) > 10*time.Second {
+			t.Fatalf("name still held 10s after its holder released: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if took := time.Since(released); took > 500*time.Millisecond {
+		t.Errorf("the name was free only %v after its holder released (held meanwhile by %s): granted to the waiter that had left", took.Round(time.Millisecond), heldBy)
 	}
 }

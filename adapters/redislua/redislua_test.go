@@ -15,10 +15,7 @@ import (
 )
 
 func TestWriterConformance(t *testing.T) {
-	w, err := redislua.NewWriter(testenv.RedisClient(t), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, testenv.RedisClient(t), nil)
 	fencetest.WriterSuite{
 		New:     func(t *testing.T) fence.FencedWriter { return w },
 		BadKeys: []string{"a{b}", "x}"},
@@ -37,10 +34,7 @@ func TestAcquirerConformance(t *testing.T) {
 		{"counter-tokens", redislua.AcquirerOptions{CounterTokens: true}},
 	} {
 		t.Run(o.name, func(t *testing.T) {
-			a, err := redislua.NewAcquirer(c, &o.opts)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, c, &o.opts)
 			// With CounterTokens a deleted counter restarts at 1, as that
 			// option documents: that mode does not claim to survive it.
 			deleteState := deleteNameKeys(c)
@@ -65,7 +59,7 @@ func TestBadInput(t *testing.T) {
 	if _, err := redislua.NewWriter(c, &redislua.WriterOptions{Prefix: "}"}); !errors.Is(err, fence.ErrInvalid) {
 		t.Errorf("writer prefix with a brace: %v", err)
 	}
-	a, _ := redislua.NewAcquirer(c, nil)
+	a := newAcquirerOn(t, c, nil)
 	for _, ttl := range []time.Duration{time.Microsecond, 999 * time.Microsecond} {
 		if _, err := a.TryAcquire(ctx, "n", ttl); !errors.Is(err, fence.ErrInvalid) {
 			t.Errorf("ttl %v: %v, want ErrInvalid", ttl, err)
@@ -100,13 +94,10 @@ func TestBadInput(t *testing.T) {
 
 func TestTokenFloor(t *testing.T) {
 	c := testenv.RedisClient(t)
-	a, _ := redislua.NewAcquirer(c, nil) // the floor is the default
+	a := newAcquirerOn(t, c, nil) // the floor is the default
 	ctx := context.Background()
 	before := uint64(time.Now().Add(-time.Minute).UnixMicro())
-	l, err := a.TryAcquire(ctx, fencetest.Name("floor"), time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustTryAcquire(ctx, t, a, fencetest.Name("floor"), time.Second)
 	defer l.Release(ctx)
 	if uint64(l.Token()) < before || !l.Token().Valid() {
 		t.Errorf("token %d with the floor, want at least the clock in µs (%d) and valid", l.Token(), before)
@@ -212,14 +203,8 @@ func TestNilClientsAndBadOptions(t *testing.T) {
 func TestKeysAreBytes(t *testing.T) {
 	c := testenv.RedisClient(t)
 	ctx := context.Background()
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := redislua.NewAcquirer(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, c, nil)
+	a := newAcquirerOn(t, c, nil)
 	for _, k := range []string{"nul\x00byte", "bad utf-8 \xff\xfe", strings.Repeat("k", 1<<20)} {
 		k += fencetest.Name("")
 		if err := w.Write(ctx, k, []byte("v"), 3); err != nil {
@@ -259,14 +244,8 @@ const shortTTL = time.Second
 // validity for is refused (ErrInvalid), not granted as a lease that is
 // already lost with a nil error while Redis holds the name for the ttl.
 func TestDriftOverTTL(t *testing.T) {
-	a, err := redislua.NewAcquirer(testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := redislua.NewRedlock([]redislua.Client{testenv.RedisClient(t)}, &redislua.RedlockOptions{Drift: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, testenv.RedisClient(t), &redislua.AcquirerOptions{Drift: time.Second})
+	r := newRedlock(t, []redislua.Client{testenv.RedisClient(t)}, &redislua.RedlockOptions{Drift: time.Second})
 	t.Run("Acquirer", func(t *testing.T) { fencetest.DriftRefusesShortTTL(t, a, time.Second, "ttl") })
 	t.Run("Redlock", func(t *testing.T) { fencetest.DriftRefusesShortTTL(t, r, time.Second, "ttl") })
 }
@@ -290,4 +269,37 @@ func TestFencedScriptPipeline(t *testing.T) {
 	if runErr != nil && n != 1 {
 		t.Fatalf("Run through a pipeline: %v, but Exec (%v) ran the body: counter %d, want 1", runErr, execErr, n)
 	}
+}
+
+func TestInspectAndBump(t *testing.T) {
+	ctx := context.Background()
+	// Counter tokens, so that the grant after a bump to 1000 is exactly 1001.
+	a := newAcquirerOn(t, testenv.RedisClient(t), &redislua.AcquirerOptions{CounterTokens: true})
+	name := fencetest.Name("inspect")
+	if _, err := a.Inspect(ctx, name); !errors.Is(err, fence.ErrNotFound) {
+		t.Errorf("Inspect of an unknown name: %v", err)
+	}
+	l := mustTryAcquire(ctx, t, a, name, time.Minute)
+	info, err := a.Inspect(ctx, name)
+	if err != nil || !info.Held || info.Token != l.Token() || info.Owner == "" || info.TimeLeft <= 50*time.Second || info.Counter != l.Token() {
+		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
+	}
+	// A bump while held raises the counter and leaves the holder its lease.
+	if err := a.Bump(ctx, name, 1000); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Bump(ctx, name, 999); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Bump downwards: %v, want ErrInvalid", err)
+	}
+	if err := l.Renew(ctx); err != nil {
+		t.Errorf("the holder's Renew after a bump: %v", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil || l2.Token() != 1001 {
+		t.Fatalf("grant after the bump: %v, %v; want token 1001", l2, err)
+	}
+	_ = l2.Release(ctx)
 }

@@ -2,7 +2,6 @@ package redislua
 
 import (
 	"context"
-	_ "embed"
 	"errors"
 	"fmt"
 	"strconv"
@@ -12,19 +11,6 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/leasekit"
 	"github.com/redis/go-redis/v9"
-)
-
-var (
-	//go:embed scripts/redlock_lock.lua
-	redlockLockLua string
-	//go:embed scripts/redlock_raise.lua
-	redlockRaiseLua string
-	//go:embed scripts/redlock_release.lua
-	redlockReleaseLua string
-
-	redlockLockScript    = redis.NewScript(redlockLockLua)
-	redlockRaiseScript   = redis.NewScript(redlockRaiseLua)
-	redlockReleaseScript = redis.NewScript(redlockReleaseLua)
 )
 
 // ErrNoQuorum is returned by Redlock when too few nodes answered to decide: a

@@ -19,18 +19,17 @@ import (
 // proxiedClient returns a client of the test Redis server that dials it only
 // through a new proxy.
 func proxiedClient(t *testing.T) (*redis.Client, *faultnet.Proxy) {
-	p := faultnet.Start(t, testenv.RedisAddr())
-	c := redis.NewClient(&redis.Options{Addr: p.Addr()})
-	t.Cleanup(func() { c.Close() })
-	return c, p
+	return clientVia(t, testenv.RedisAddr(), redis.Options{})
 }
 
-func newAcquirerOn(t *testing.T, c redislua.Client, opts *redislua.AcquirerOptions) *redislua.Acquirer {
-	a, err := redislua.NewAcquirer(c, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
+// clientVia starts a proxy to addr and returns a client with the options o
+// that dials addr only through it, and the proxy.
+func clientVia(t *testing.T, addr string, o redis.Options) (*redis.Client, *faultnet.Proxy) {
+	p := faultnet.Start(t, addr)
+	o.Addr = p.Addr()
+	c := redis.NewClient(&o)
+	t.Cleanup(func() { c.Close() })
+	return c, p
 }
 
 // otherAcquirer returns NewOther: an acquirer with opts on a client of its own.
@@ -49,11 +48,19 @@ func faultyAcquirer(opts *redislua.AcquirerOptions) func(*testing.T) (fence.Acqu
 // faultyWriter is Faulty: a default writer behind a new proxy.
 func faultyWriter(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) {
 	c, p := proxiedClient(t)
-	w, err := redislua.NewWriter(c, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, c, nil)
 	return w, p
+}
+
+// nameKeys lists every key on c under name's hash tag with the default
+// prefix.
+func nameKeys(ctx context.Context, c *redis.Client, name string) ([]string, error) {
+	var keys []string
+	iter := c.Scan(ctx, 0, redislua.DefaultPrefix+"{"+name+"}*", 100).Iterator()
+	for iter.Next(ctx) {
+		keys = append(keys, iter.Val())
+	}
+	return keys, iter.Err()
 }
 
 // deleteNameKeys returns DeleteState: on each of clients (every node, for
@@ -66,12 +73,8 @@ func deleteNameKeys(clients ...*redis.Client) func(*testing.T, string) {
 		ctx := context.Background()
 		deleted := int64(0)
 		for _, c := range clients {
-			var keys []string
-			iter := c.Scan(ctx, 0, redislua.DefaultPrefix+"{"+name+"}*", 100).Iterator()
-			for iter.Next(ctx) {
-				keys = append(keys, iter.Val())
-			}
-			if err := iter.Err(); err != nil {
+			keys, err := nameKeys(ctx, c, name)
+			if err != nil {
 				t.Fatalf("listing the keys of %q: %v", name, err)
 			}
 			if len(keys) == 0 {

@@ -3,6 +3,7 @@ package redislua_test
 import (
 	"context"
 	"errors"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -30,8 +31,8 @@ func namePairs() [][2]string {
 // tokens: every step must see two locks and two keys.
 func checkNamesApart(t *testing.T, c redis.UniversalClient) {
 	ctx := context.Background()
-	a, _ := redislua.NewAcquirer(c, nil)
-	w, _ := redislua.NewWriter(c, nil)
+	a := newAcquirerOn(t, c, nil)
+	w := newWriterOn(t, c, nil)
 	for _, p := range namePairs() {
 		pre := fencetest.Name("names") + ":"
 		n1, n2 := pre+p[0], pre+p[1]
@@ -81,8 +82,8 @@ func TestClusterNamesApart(t *testing.T) {
 func TestWriterIdempotencyKeysApart(t *testing.T) {
 	ctx := context.Background()
 	c := testenv.RedisClient(t)
-	w, _ := redislua.NewWriter(c, nil)
-	s, _ := redislua.NewIdempotencyStore(c, nil)
+	w := newWriterOn(t, c, nil)
+	s := newStoreOn(t, c, nil)
 	k := fencetest.Name("apart")
 	wkey := "idem:" + k
 	err := w.Write(ctx, wkey, []byte("new"), 10)
@@ -99,4 +100,36 @@ func TestWriterIdempotencyKeysApart(t *testing.T) {
 		v, tok, _ := w.Read(ctx, wkey)
 		t.Fatalf("token 5 after token 10 and an idempotency Begin on %q: %v (key holds %q at %d), want ErrStale", k, err, v, tok)
 	}
+}
+
+// FuzzRedisEntryPoints drives the public entry points with arbitrary keys,
+// names, ttls, tokens and values on a real Redis. Every call either succeeds
+// with the documented outcome or fails with a documented error (ErrInvalid
+// before any script runs, ErrStale, ErrHeld): never a panic, never a raw Redis
+// error such as "invalid expire time", never a lease that does not exclude.
+func FuzzRedisEntryPoints(f *testing.F) {
+	f.Add("k", "n", int64(time.Second), uint64(1), []byte("v"))
+	f.Add("", "", int64(0), uint64(0), []byte(nil))
+	f.Add("nul\x00", "bad\xff", int64(-1), uint64(math.MaxUint64), []byte{0})
+	f.Add("k", "n", int64(math.MaxInt64), uint64(fence.MaxToken), []byte("top"))
+	f.Add("a{b}", "x}", int64(math.MinInt64), uint64(fence.MaxToken+1), []byte(""))
+	f.Add("k", "n", int64(999*time.Microsecond), uint64(2), []byte("x"))
+	c := testenv.RedisClient(f)
+	prefix := fencetest.Name("fuzz") + ":" // this process's own keys
+	w := newWriterOn(f, c, &redislua.WriterOptions{Prefix: prefix})
+	a := newAcquirerOn(f, c, &redislua.AcquirerOptions{Prefix: prefix})
+	f.Cleanup(func() {
+		ctx := context.Background()
+		iter := c.Scan(ctx, 0, prefix+"*", 1000).Iterator()
+		for iter.Next(ctx) {
+			c.Del(ctx, iter.Val())
+		}
+	})
+	e := &fencetest.EntryPoints{Writer: w, Acquirer: a, MinTTL: 3 * time.Millisecond, MaxTTL: redislua.MaxTTL,
+		// Redis stores any bytes; braces would be read as a Cluster hash tag;
+		// a Writer key "idem:..." would name an IdempotencyStore record.
+		Refuses: func(s string) bool { return strings.ContainsAny(s, "{}") || strings.HasPrefix(s, "idem:") }}
+	f.Fuzz(func(t *testing.T, key, name string, ttlNs int64, token uint64, value []byte) {
+		e.Check(t, key, name, ttlNs, token, value)
+	})
 }
