@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"net"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -19,7 +18,6 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/testenv"
-	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -275,27 +273,11 @@ func proxiedPool(t testing.TB, proxy *faultnet.Proxy, maxConns int32) *pgxpool.P
 }
 
 // mysqlAddr is the test MySQL server's address.
-func mysqlAddr(t testing.TB) string {
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cfg.Addr
-}
+func mysqlAddr(t testing.TB) string { return mysqlConfig(t).Addr }
 
 // proxiedMySQL is a database/sql handle on the test MySQL server through proxy.
 func proxiedMySQL(t testing.TB, proxy *faultnet.Proxy) *sql.DB {
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.Addr = proxy.Addr()
-	db, err := sql.Open("mysql", cfg.FormatDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	return db
+	return mysqlDB(t, proxy.Addr(), "")
 }
 
 // pgTarget is the test PostgreSQL server's address.
@@ -604,23 +586,7 @@ func TestMySQLLostReplyOfParameterPath(t *testing.T) {
 			ctx := context.Background()
 			_, direct := openMySQL(t, params)
 			px := faultnet.Start(t, mysqlAddr(t))
-			cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.Addr = px.Addr()
-			dsn := cfg.FormatDSN()
-			if params != "" {
-				dsn += "&" + params
-				if !strings.Contains(cfg.FormatDSN(), "?") {
-					dsn = cfg.FormatDSN() + "?" + params
-				}
-			}
-			my, err := sql.Open("mysql", dsn)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { my.Close() })
+			my := mysqlDB(t, px.Addr(), params)
 			w, _ := sqlfence.NewWriter(sqlfence.MySQL(my), nil)
 			check, _ := sqlfence.NewWriter(direct, nil)
 			for _, existing := range []bool{false, true} {
@@ -943,16 +909,7 @@ func TestUnreachableServerIsDefinite(t *testing.T) {
 	t.Cleanup(pool.Close)
 	std := stdlib.OpenDBFromPool(pool)
 	t.Cleanup(func() { std.Close() })
-	mcfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	mcfg.Addr = addr
-	my, err := sql.Open("mysql", mcfg.FormatDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { my.Close() })
+	my := mysqlDB(t, addr, "")
 	for name, db := range map[string]*sqlfence.DB{"postgres-pgx": sqlfence.Pgx(pool), "postgres-database-sql": sqlfence.Postgres(std), "mysql": sqlfence.MySQL(my)} {
 		t.Run(name, func(t *testing.T) {
 			ctx := context.Background()

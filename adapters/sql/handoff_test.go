@@ -19,7 +19,6 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/testenv"
-	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -1177,26 +1176,11 @@ func TestHandoffLateGivenBack(t *testing.T) {
 // with extra DSN parameters.
 func handoffMySQLDB(t *testing.T, px *faultnet.Proxy, params string) *sql.DB {
 	t.Helper()
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
+	addr := ""
 	if px != nil {
-		cfg.Addr = px.Addr()
+		addr = px.Addr()
 	}
-	dsn := cfg.FormatDSN()
-	if params != "" {
-		if strings.Contains(dsn, "?") {
-			dsn += "&" + params
-		} else {
-			dsn += "?" + params
-		}
-	}
-	db, err := sql.Open("mysql", dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	db := mysqlDB(t, addr, params)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := db.PingContext(ctx); err != nil {

@@ -149,21 +149,7 @@ func mysqlOpener(params string) opener {
 			_, fdb := openMySQL(t, params)
 			return fdb
 		}
-		cfg := mysqlConfig(t)
-		cfg.Addr = addr
-		dsn := cfg.FormatDSN()
-		if params != "" {
-			sep := "?"
-			if strings.Contains(dsn, "?") {
-				sep = "&"
-			}
-			dsn += sep + params
-		}
-		db, err := sql.Open("mysql", dsn)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { db.Close() })
+		db := mysqlDB(t, addr, params)
 		// Two idle connections, dialled before any fault is armed: a grant
 		// pins one (see the bell), and a renewal runs on the other, so an
 		// armed fault takes the renewal's statement, not a new handshake.
@@ -183,7 +169,8 @@ func mysqlOpener(params string) opener {
 	}
 }
 
-func mysqlConfig(t *testing.T) *mysql.Config {
+// mysqlConfig is the test MySQL server's DSN, parsed.
+func mysqlConfig(t testing.TB) *mysql.Config {
 	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
 	if err != nil {
 		t.Fatal(err)
@@ -224,4 +211,31 @@ func faultyWriter(open opener, target func(testing.TB) string) func(*testing.T) 
 		}
 		return w, p
 	}
+}
+
+// withParams appends extra DSN parameters (such as "clientFoundRows=true") to dsn.
+func withParams(dsn, params string) string {
+	if params == "" {
+		return dsn
+	}
+	if strings.Contains(dsn, "?") {
+		return dsn + "&" + params
+	}
+	return dsn + "?" + params
+}
+
+// mysqlDB is a database/sql handle on the test MySQL server reached at addr
+// (the server's own address when addr is ""), with extra DSN parameters.
+func mysqlDB(t testing.TB, addr, params string) *sql.DB {
+	t.Helper()
+	cfg := mysqlConfig(t)
+	if addr != "" {
+		cfg.Addr = addr
+	}
+	db, err := sql.Open("mysql", withParams(cfg.FormatDSN(), params))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
 }

@@ -27,17 +27,7 @@ import (
 // (such as "clientFoundRows=true"), and creates the package's tables on it.
 func openMySQL(t testing.TB, params string) (*sql.DB, *sqlfence.DB) {
 	t.Helper()
-	dsn := testenv.MySQLDSN()
-	if params != "" {
-		sep := "?"
-		for _, c := range dsn {
-			if c == '?' {
-				sep = "&"
-			}
-		}
-		dsn += sep + params
-	}
-	db, err := sql.Open("mysql", dsn)
+	db, err := sql.Open("mysql", withParams(testenv.MySQLDSN(), params))
 	if err == nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		err = db.PingContext(ctx)
@@ -121,25 +111,8 @@ func TestMySQLIdempotency(t *testing.T) {
 // faultyMySQL returns an idempotency store on the test MySQL or MariaDB server,
 // reached through a fault proxy, with openMySQL's extra DSN parameters.
 func faultyMySQL(t *testing.T, params string) (idempotency.Store, *faultnet.Proxy) {
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	px := faultnet.Start(t, cfg.Addr)
-	cfg.Addr = px.Addr()
-	dsn := cfg.FormatDSN()
-	if params != "" {
-		sep := "?"
-		if strings.Contains(dsn, "?") {
-			sep = "&"
-		}
-		dsn += sep + params
-	}
-	db, err := sql.Open("mysql", dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	px := faultnet.Start(t, mysqlAddr(t))
+	db := mysqlDB(t, px.Addr(), params)
 	s, err := sqlfence.NewIdempotencyStore(sqlfence.MySQL(db), nil)
 	if err != nil {
 		t.Fatal(err)
