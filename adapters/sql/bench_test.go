@@ -99,10 +99,7 @@ func BenchmarkPostgresWrite(b *testing.B) {
 	for _, mode := range []string{"on", "off"} {
 		b.Run("synchronous-commit-"+mode, func(b *testing.B) {
 			p := pgPool(b, pgOpts{params: map[string]string{"synchronous_commit": mode}})
-			w, err := sqlfence.NewWriter(sqlfence.Pgx(p), nil)
-			if err != nil {
-				b.Fatal(err)
-			}
+			w := newWriterOn(b, sqlfence.Pgx(p), nil)
 			key := fencetest.Name("bench")
 			pairWrites(b, w, key, func(ctx context.Context, value []byte) (int64, error) {
 				tag, err := p.Exec(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, key)
@@ -116,10 +113,7 @@ func BenchmarkPostgresWrite(b *testing.B) {
 // (two statements, see TestRoundTrips) next to a plain SELECT 1 round trip (benchutil.AcquireRelease).
 func BenchmarkPostgresAcquireRelease(b *testing.B) {
 	p := pgPool(b, pgOpts{})
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, sqlfence.Pgx(p), nil)
 	benchutil.AcquireRelease(b, a, func(ctx context.Context) error { _, err := p.Exec(ctx, "SELECT 1"); return err })
 }
 
@@ -133,14 +127,8 @@ func BenchmarkPostgresHandoff(b *testing.B) {
 	p := pgPool(b, pgOpts{})
 	for _, mode := range []string{"notify", "poll"} {
 		opts := &sqlfence.AcquirerOptions{DisableNotify: mode == "poll"}
-		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), opts)
-		if err != nil {
-			b.Fatal(err)
-		}
-		other, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), opts)
-		if err != nil {
-			b.Fatal(err)
-		}
+		a := newAcquirerOn(b, sqlfence.Pgx(p), opts)
+		other := newAcquirerOn(b, sqlfence.Pgx(p), opts)
 		b.Run(mode+"/same-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, a, fencetest.Name("handoff")) })
 		b.Run(mode+"/other-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, other, fencetest.Name("handoff")) })
 	}
@@ -164,14 +152,8 @@ func BenchmarkFlakyNetwork(b *testing.B) {
 func sqlFlaky(open func(b *testing.B, p *faultnet.Proxy) *sqlfence.DB) func(b *testing.B, p *faultnet.Proxy) (fence.Acquirer, benchutil.Store) {
 	return func(b *testing.B, p *faultnet.Proxy) (fence.Acquirer, benchutil.Store) {
 		db := open(b, p)
-		a, err := sqlfence.NewAcquirer(db, nil)
-		if err != nil {
-			b.Fatal(err)
-		}
-		w, err := sqlfence.NewWriter(db, nil)
-		if err != nil {
-			b.Fatal(err)
-		}
+		a := newAcquirerOn(b, db, nil)
+		w := newWriterOn(b, db, nil)
 		return a, w
 	}
 }
@@ -750,17 +732,11 @@ const advisoryKey = 7_100_031
 func BenchmarkPostgresVsAdvisory(b *testing.B) {
 	p := pgPool(b, pgOpts{})
 	ctx := context.Background()
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, sqlfence.Pgx(p), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		b.Fatal(err)
 	}
-	async, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
-	if err != nil {
-		b.Fatal(err)
-	}
+	async := newAcquirerOn(b, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
 	for _, c := range []struct {
 		name string
 		a    *sqlfence.Acquirer
@@ -1009,10 +985,7 @@ const getLockName = "fencekit-bench-peer"
 func BenchmarkMySQLVsGetLock(b *testing.B) {
 	db, fdb := openMySQL(b, "")
 	ctx := context.Background()
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, fdb, nil)
 	if err := a.CreateTable(ctx); err != nil {
 		b.Fatal(err)
 	}

@@ -192,10 +192,7 @@ func TestPostgresTokensGrowAcrossCrash(t *testing.T) {
 	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on")
 	ctx := context.Background()
 	p := pg.pool(t)
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -281,10 +278,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
 	p := pg.pool(t)
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -387,10 +381,7 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
-	pa, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pa := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	if err := pa.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -399,16 +390,10 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pc.Release()
-	ca, err := sqlfence.NewAcquirer(sqlfence.Pgx(pc.Conn()), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ca := newAcquirerOn(t, sqlfence.Pgx(pc.Conn()), nil)
 	sdb := stdlib.OpenDBFromPool(p)
 	defer sdb.Close()
-	sa, err := sqlfence.NewAcquirer(sqlfence.Postgres(sdb), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sa := newAcquirerOn(t, sqlfence.Postgres(sdb), nil)
 	const n = 10
 	for _, c := range []struct {
 		how string
@@ -460,10 +445,7 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ta, err := sqlfence.NewAcquirer(sqlfence.Pgx(tx), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ta := newAcquirerOn(t, sqlfence.Pgx(tx), nil)
 	inTx("pgx.Tx", func() error { return nil }, func() error { return tx.Commit(ctx) }, ta)
 	exec := func(q string) func() error {
 		return func() error { _, err := pc.Exec(ctx, q); return err }
@@ -484,14 +466,8 @@ func TestPostgresAsyncGrants(t *testing.T) {
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
-	durable, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	durable := newAcquirerOn(t, sqlfence.Pgx(p), nil)
+	a := newAcquirerOn(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -728,10 +704,7 @@ func crashRestart(t *testing.T, flush string) {
 	ctx := context.Background()
 	open := func() (*sql.DB, *sqlfence.Acquirer) {
 		db := m.open(t, "test")
-		a, err := sqlfence.NewAcquirer(sqlfence.MySQL(db), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		a := newAcquirerOn(t, sqlfence.MySQL(db), nil)
 		return db, a
 	}
 	_, a := open()
@@ -812,10 +785,7 @@ func asyncServer(t *testing.T) (*ownPostgres, *pgxpool.Pool) {
 
 func asyncAcquirer(t *testing.T, db *sqlfence.DB, o *sqlfence.AcquirerOptions) *sqlfence.Acquirer {
 	t.Helper()
-	a, err := sqlfence.NewAcquirer(db, o)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, db, o)
 	return a
 }
 

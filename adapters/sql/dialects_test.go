@@ -67,14 +67,8 @@ func everyDialect(t *testing.T) []dialectDB {
 // default tables of d.
 func (d dialectDB) parts(t *testing.T) (*sqlfence.Writer, *sqlfence.Acquirer, *sqlfence.IdempotencyStore) {
 	t.Helper()
-	w, err := sqlfence.NewWriter(d.db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := sqlfence.NewAcquirer(d.db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, d.db, nil)
+	a := newAcquirerOn(t, d.db, nil)
 	s, err := sqlfence.NewIdempotencyStore(d.db, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -189,10 +183,7 @@ func TestLateRenewHoldsNothingOnMySQLSessions(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			_, db := openMySQL(t, params)
-			a, err := sqlfence.NewAcquirer(db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, db, nil)
 			name := fencetest.Name("late-renew")
 			sent := time.Now()
 			l, err := a.TryAcquire(ctx, name, ttl)

@@ -75,10 +75,7 @@ func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	}
 	defer pc.Release()
 	conn := pc.Conn()
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(conn), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(conn), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -179,10 +176,7 @@ func TestPostgresAsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 	if err := g.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	pa, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AdvanceGuards: g})
-	if err != nil {
-		t.Fatal(err)
-	}
+	pa := newAcquirerOn(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AdvanceGuards: g})
 	if err := pa.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -191,10 +185,7 @@ func TestPostgresAsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pc.Release()
-	ca, err := sqlfence.NewAcquirer(sqlfence.Pgx(pc.Conn()), &sqlfence.AcquirerOptions{AdvanceGuards: g, DisableNotify: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	ca := newAcquirerOn(t, sqlfence.Pgx(pc.Conn()), &sqlfence.AcquirerOptions{AdvanceGuards: g, DisableNotify: true})
 	type held struct {
 		l    fence.Lease
 		name string
@@ -277,10 +268,7 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	ctx := context.Background()
 	for _, v := range []string{"off", "local", "remote_write", "on", "remote_apply"} {
 		p := syncCommitPool(t, map[string]string{"synchronous_commit": v}, 0)
-		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{Table: "durable_leases"})
-		if err != nil {
-			t.Fatal(err)
-		}
+		a := newAcquirerOn(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{Table: "durable_leases"})
 		if err := a.CreateTable(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -343,10 +331,7 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	}
 	defer pc.Release()
 	conn := pc.Conn()
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{Table: "durable_leases"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{Table: "durable_leases"})
 	name := fmt.Sprintf("durable-setting-tx-%d", time.Now().UnixNano())
 	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
 		t.Fatal(err)
@@ -416,10 +401,7 @@ func TestPostgresOutcomesThroughWrappedStatements(t *testing.T) {
 	for _, h := range handles {
 		for _, dn := range []bool{false, true} {
 			how := fmt.Sprintf("%s DisableNotify=%v", h.how, dn)
-			a, err := sqlfence.NewAcquirer(h.db(), &sqlfence.AcquirerOptions{Table: "durable_leases", DisableNotify: dn})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, h.db(), &sqlfence.AcquirerOptions{Table: "durable_leases", DisableNotify: dn})
 			if err := a.CreateTable(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -540,10 +522,7 @@ func TestPostgresAsyncServerWithAbsentSyncStandby(t *testing.T) {
 	pg := startOwnPostgres(t, "synchronous_commit = off", "synchronous_standby_names = 'absent_standby'")
 	ctx := context.Background()
 	p := pg.pool(t)
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -572,14 +551,8 @@ func TestPostgresWriterFenceAcrossCrash(t *testing.T) {
 	ctx := context.Background()
 	p := pg.pool(t)
 	db := sqlfence.Pgx(p)
-	a, err := sqlfence.NewAcquirer(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := sqlfence.NewWriter(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, db, nil)
+	w := newWriterOn(t, db, nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}

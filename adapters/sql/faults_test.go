@@ -850,10 +850,7 @@ func TestLostGrantReplyWithAdvanceGuards(t *testing.T) {
 				if err := p.guards.CreateTable(ctx); err != nil {
 					t.Fatal(err)
 				}
-				a, err := sqlfence.NewAcquirer(p.db, &sqlfence.AcquirerOptions{AdvanceGuards: p.guards})
-				if err != nil {
-					t.Fatal(err)
-				}
+				a := newAcquirerOn(t, p.db, &sqlfence.AcquirerOptions{AdvanceGuards: p.guards})
 				other, _ := sqlfence.NewAcquirer(p.direct, nil)
 				name := fencetest.Name("lost-grant-adv")
 				match := carrying(name)
@@ -861,7 +858,7 @@ func TestLostGrantReplyWithAdvanceGuards(t *testing.T) {
 					match = committing
 				}
 				var l fence.Lease
-				err = lose(t, p.proxy, match, func() (err error) {
+				err := lose(t, p.proxy, match, func() (err error) {
 					l, err = a.TryAcquire(ctx, name, time.Minute)
 					return err
 				})

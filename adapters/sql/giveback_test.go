@@ -38,14 +38,8 @@ func TestGiveBackInFlightStress(t *testing.T) {
 	ctx := context.Background()
 	for _, p := range lostReplyTargets(t) {
 		t.Run(p.name, func(t *testing.T) {
-			a, err := sqlfence.NewAcquirer(p.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			other, err := sqlfence.NewAcquirer(p.direct, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, p.db, nil)
+			other := newAcquirerOn(t, p.direct, nil)
 			for i := 0; i < 3; i++ {
 				l, err := a.TryAcquire(ctx, fencetest.Name("gbwarm"), time.Minute)
 				if err != nil {
@@ -393,14 +387,8 @@ func TestAcquireEndsWithAGrantInFlight(t *testing.T) {
 	ctx := context.Background()
 	for _, p := range lostReplyTargets(t) {
 		t.Run(p.name, func(t *testing.T) {
-			a, err := sqlfence.NewAcquirer(p.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			other, err := sqlfence.NewAcquirer(p.direct, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, p.db, nil)
+			other := newAcquirerOn(t, p.direct, nil)
 			warm := fencetest.Name("inflight")
 			l, err := a.TryAcquire(ctx, warm, time.Minute) // connects and prepares
 			if err != nil {

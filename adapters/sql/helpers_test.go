@@ -183,12 +183,24 @@ func otherAcquirer(open opener, opts *sqlfence.AcquirerOptions) func(*testing.T)
 	return func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, open(t, ""), opts) }
 }
 
-func newAcquirerOn(t *testing.T, fdb *sqlfence.DB, opts *sqlfence.AcquirerOptions) *sqlfence.Acquirer {
+// newAcquirerOn is an acquirer with opts on fdb; an error ends the test.
+func newAcquirerOn(t testing.TB, fdb *sqlfence.DB, opts *sqlfence.AcquirerOptions) *sqlfence.Acquirer {
+	t.Helper()
 	a, err := sqlfence.NewAcquirer(fdb, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return a
+}
+
+// newWriterOn is a writer with opts on fdb; an error ends the test.
+func newWriterOn(t testing.TB, fdb *sqlfence.DB, opts *sqlfence.WriterOptions) *sqlfence.Writer {
+	t.Helper()
+	w, err := sqlfence.NewWriter(fdb, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
 }
 
 // faultyAcquirer returns Faulty: an acquirer with opts on a handle that

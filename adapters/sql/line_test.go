@@ -1372,10 +1372,7 @@ const smallPoolWaiters = 3
 func holdWhileWaiting(t *testing.T, size int, newDB func() *sqlfence.DB, ready func(t *testing.T, waiters []*sqlfence.Acquirer, name string)) {
 	hdb := newDB()
 	ha := newAcquirerOn(t, hdb, nil)
-	w, err := sqlfence.NewWriter(hdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, hdb, nil)
 	name := "smallpool-" + randomSuffix()
 	ctx := context.Background()
 	l, err := ha.TryAcquire(ctx, name, time.Minute)
@@ -1464,10 +1461,7 @@ func TestStatementNotSentIsNotUnknown(t *testing.T) {
 		t.Run(style, func(t *testing.T) {
 			h := open(t)
 			ctx := context.Background()
-			w, err := sqlfence.NewWriter(h.fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, h.fdb, nil)
 			a := newAcquirerOn(t, h.fdb, nil)
 			s, err := sqlfence.NewIdempotencyStore(h.fdb, nil)
 			if err != nil {

@@ -61,10 +61,7 @@ func TestMySQLWriterConformance(t *testing.T) {
 	for _, params := range []string{"", "clientFoundRows=true"} {
 		t.Run("params="+params, func(t *testing.T) {
 			_, fdb := openMySQL(t, params)
-			w, err := sqlfence.NewWriter(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, fdb, nil)
 			fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys,
 				Faulty: faultyWriter(mysqlOpener(params), mysqlAddr),
 			}.Run(t)
@@ -77,10 +74,7 @@ func TestMySQLAcquirerConformance(t *testing.T) {
 	for _, params := range []string{"", "clientFoundRows=true"} {
 		t.Run("params="+params, func(t *testing.T) {
 			raw, fdb := openMySQL(t, params)
-			a, err := sqlfence.NewAcquirer(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, fdb, nil)
 			fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
 				NewOther:    otherAcquirer(mysqlOpener(params), nil),
 				Faulty:      faultyAcquirer(mysqlOpener(params), mysqlAddr, nil),
@@ -311,10 +305,7 @@ func TestMySQLInspectAndBump(t *testing.T) {
 // (innodb_flush_log_at_trx_commit), which is global, not per session.
 func BenchmarkMySQLWrite(b *testing.B) {
 	db, fdb := openMySQL(b, "")
-	w, err := sqlfence.NewWriter(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	w := newWriterOn(b, fdb, nil)
 	key := fencetest.Name("bench")
 	pairWrites(b, w, key, func(ctx context.Context, value []byte) (int64, error) {
 		return rowsAffected(db.ExecContext(ctx, "UPDATE fence_values SET value = ? WHERE `key` = ?", value, key))
@@ -325,10 +316,7 @@ func BenchmarkMySQLWrite(b *testing.B) {
 // (two statements, see TestMySQLRoundTrips) next to a plain SELECT 1 (benchutil.AcquireRelease).
 func BenchmarkMySQLAcquireRelease(b *testing.B) {
 	db, fdb := openMySQL(b, "")
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, fdb, nil)
 	benchutil.AcquireRelease(b, a, func(ctx context.Context) error { _, err := db.ExecContext(ctx, "SELECT 1"); return err })
 }
 
@@ -340,14 +328,8 @@ func BenchmarkMySQLAcquireRelease(b *testing.B) {
 // 100ms).
 func BenchmarkMySQLHandoff(b *testing.B) {
 	_, fdb := openMySQL(b, "")
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
-	other, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, fdb, nil)
+	other := newAcquirerOn(b, fdb, nil)
 	b.Run("same-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, a, fencetest.Name("handoff")) })
 	b.Run("other-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, other, fencetest.Name("handoff")) })
 }
@@ -366,10 +348,7 @@ func TestMySQLEmptyStringIsNull(t *testing.T) {
 	if !strings.Contains(mode, "EMPTY_STRING_IS_NULL") {
 		t.Skipf("the server does not have EMPTY_STRING_IS_NULL (MariaDB only): sql_mode %q", mode)
 	}
-	w, err := sqlfence.NewWriter(fdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, fdb, nil)
 	key := fencetest.Name("empty")
 	for _, tok := range []fence.Token{1, 2} { // a new key (upsert), then an existing one (update)
 		if err := w.Write(ctx, key, []byte{}, tok); err != nil {
@@ -379,10 +358,7 @@ func TestMySQLEmptyStringIsNull(t *testing.T) {
 			t.Fatalf("Read of an empty value = %q, %d, %v; want empty, %d", v, got, err, tok)
 		}
 	}
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, fdb, nil)
 	name := fencetest.Name("empty-bump")
 	if err := a.Bump(ctx, name, fence.MaxToken-10); err != nil {
 		t.Fatalf("Bump of a new name: %v", err)
@@ -417,10 +393,7 @@ func TestMySQLSessionTimeZone(t *testing.T) {
 	for _, zone := range []string{"'+05:00'", "'-09:30'", "SYSTEM"} {
 		t.Run(zone, func(t *testing.T) {
 			_, fdb := openMySQL(t, "time_zone="+url.QueryEscape(zone))
-			a, err := sqlfence.NewAcquirer(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, fdb, nil)
 			name := fencetest.Name("tz")
 			before := time.Now()
 			l, err := a.TryAcquire(ctx, name, time.Hour)
@@ -494,10 +467,7 @@ func TestMySQLSessionTimeZoneDST(t *testing.T) {
 			_, ny := openMySQL(t, "time_zone="+url.QueryEscape("'America/New_York'")+"&"+frozen)
 			_, utc := openMySQL(t, "time_zone="+url.QueryEscape("'+00:00'")+"&"+frozen)
 			want := c.at.UnixMicro()
-			a, err := sqlfence.NewAcquirer(ny, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, ny, nil)
 			name := fencetest.Name("dst")
 			l, err := a.TryAcquire(ctx, name, time.Hour)
 			if err != nil {
@@ -510,10 +480,7 @@ func TestMySQLSessionTimeZoneDST(t *testing.T) {
 			}
 			// In UTC at the same instant the lease has its whole hour left,
 			// and a second acquirer is refused.
-			au, err := sqlfence.NewAcquirer(utc, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			au := newAcquirerOn(t, utc, nil)
 			if info, err := au.Inspect(ctx, name); err != nil || !info.Held || info.TimeLeft != time.Hour {
 				t.Errorf("Inspect in UTC = %+v, %v; want held with exactly an hour left", info, err)
 			}
@@ -659,11 +626,8 @@ func TestMySQLWriterRefusesPaddingKeyColumn(t *testing.T) {
 	for _, typ := range paddingKeyTypes {
 		t.Run(typ, func(t *testing.T) {
 			table := userTable(t, raw, "acct_key", typ, rest)
-			w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			err = w.Write(ctx, "acct", []byte("a"), 100)
+			w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
+			err := w.Write(ctx, "acct", []byte("a"), 100)
 			if !errors.Is(err, fence.ErrInvalid) || !strings.Contains(err.Error(), "acct_key") || !strings.Contains(err.Error(), "VARBINARY") {
 				t.Fatalf("Write on a %s key column: %v, want ErrInvalid naming acct_key and VARBINARY", typ, err)
 			}
@@ -688,10 +652,7 @@ func TestMySQLWriterRefusesPaddingKeyColumn(t *testing.T) {
 	for _, typ := range exactKeyTypes {
 		t.Run(typ, func(t *testing.T) {
 			table := userTable(t, raw, "acct_key", typ, rest)
-			w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
 			if err := w.Write(ctx, "acct", []byte("a"), 100); err != nil {
 				t.Fatal(err)
 			}
@@ -754,10 +715,7 @@ func TestMySQLKeyLongerThanUserKeyColumn(t *testing.T) {
 			for _, typ := range []string{"VARBINARY(16)", "VARCHAR(16) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin"} {
 				t.Run(typ, func(t *testing.T) {
 					table := userTable(t, raw, "k", typ, ", v LONGBLOB, f BIGINT NOT NULL")
-					w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"})
-					if err != nil {
-						t.Fatal(err)
-					}
+					w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"})
 					a, b := "0123456789abcdef-account-a", "0123456789abcdef-account-b"
 					errA := w.Write(ctx, a, []byte("a"), 100)
 					if errA != nil && !refusedTooLong(errA) {
@@ -880,10 +838,7 @@ func TestMySQLKeyColumnCheckedAfterTableRecreated(t *testing.T) {
 	raw, fdb := openMySQL(t, "")
 	const rest = ", v LONGBLOB, f BIGINT NOT NULL"
 	table := userTable(t, raw, "k", "VARBINARY(255)", rest)
-	w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"})
 	if err := w.Write(ctx, "acct", []byte("a"), 1); err != nil {
 		t.Fatal(err)
 	}

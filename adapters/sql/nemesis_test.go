@@ -79,10 +79,7 @@ func TestPostgresNemesis(t *testing.T) {
 				Writer:   faultyWriter(open, pgTarget),
 				Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
 					fdb := open(t, "")
-					w, err := sqlfence.NewWriter(fdb, nil)
-					if err != nil {
-						t.Fatal(err)
-					}
+					w := newWriterOn(t, fdb, nil)
 					return newAcquirerOn(t, fdb, nil), w
 				},
 				DeleteState: deleteState,
@@ -102,10 +99,7 @@ func TestMySQLNemesis(t *testing.T) {
 		Writer:   faultyWriter(open, mysqlAddr),
 		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
 			fdb := open(t, "")
-			w, err := sqlfence.NewWriter(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, fdb, nil)
 			return newAcquirerOn(t, fdb, nil), w
 		},
 		DeleteState: nemesisDeleteLeaseRow(stdExec(raw, func(int) string { return "?" })),

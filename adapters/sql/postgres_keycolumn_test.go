@@ -76,15 +76,12 @@ func TestPostgresWriterRefusesMergingKeyColumn(t *testing.T) {
 		for _, typ := range pgMergingKeyTypes {
 			t.Run(style+"/"+typ, func(t *testing.T) {
 				table := pgUserTable(t, raw, "acct_key", typ, rest)
-				w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-				if err != nil {
-					t.Fatal(err)
-				}
+				w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
 				key := "acct"
 				if typ == "UUID" {
 					key = "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
 				}
-				err = w.Write(ctx, key, []byte("a"), 100)
+				err := w.Write(ctx, key, []byte("a"), 100)
 				if !errors.Is(err, fence.ErrInvalid) || !strings.Contains(err.Error(), "acct_key") || !strings.Contains(err.Error(), "TEXT") {
 					t.Fatalf("Write on a %s key column: %v, want ErrInvalid naming acct_key and TEXT", typ, err)
 				}
@@ -106,10 +103,7 @@ func TestPostgresWriterRefusesMergingKeyColumn(t *testing.T) {
 		for _, typ := range pgExactKeyTypes {
 			t.Run(style+"/"+typ, func(t *testing.T) {
 				table := pgUserTable(t, raw, "acct_key", typ, rest)
-				w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-				if err != nil {
-					t.Fatal(err)
-				}
+				w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
 				if err := w.Write(ctx, "acct", []byte("a"), 100); err != nil {
 					t.Fatal(err)
 				}

@@ -28,10 +28,7 @@ func pgHandles(t *testing.T) map[string]*sqlfence.DB {
 func TestPostgresWriterConformance(t *testing.T) {
 	for style, fdb := range pgHandles(t) {
 		t.Run(style, func(t *testing.T) {
-			w, err := sqlfence.NewWriter(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, fdb, nil)
 			fencetest.WriterSuite{
 				New:     func(t *testing.T) fence.FencedWriter { return w },
 				BadKeys: badKeys,
@@ -74,10 +71,7 @@ func TestPostgresAcquirerConformance(t *testing.T) {
 		for _, notify := range []bool{true, false} {
 			t.Run(fmt.Sprintf("%s/notify=%v", style, notify), func(t *testing.T) {
 				opts := &sqlfence.AcquirerOptions{DisableNotify: !notify}
-				a, err := sqlfence.NewAcquirer(fdb, opts)
-				if err != nil {
-					t.Fatal(err)
-				}
+				a := newAcquirerOn(t, fdb, opts)
 				fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
 					NewOther:    otherAcquirer(pgOpener(style), opts),
 					Faulty:      faultyAcquirer(pgOpener(style), pgTarget, opts),
@@ -121,19 +115,13 @@ func TestMissingTable(t *testing.T) {
 		t.Run(style, func(t *testing.T) {
 			table := fencetest.Name("missing")
 			table = strings.ReplaceAll(table, "-", "_")
-			w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table})
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table})
 			var te *sqlfence.TableError
-			err = w.Write(ctx, "k", []byte("v"), 1)
+			err := w.Write(ctx, "k", []byte("v"), 1)
 			if !errors.As(err, &te) || te.Table != table || !strings.Contains(err.Error(), "CREATE TABLE") {
 				t.Errorf("Write to a missing table: %v, want a *TableError naming %s with its DDL", err, table)
 			}
-			a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{Table: table})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Table: table})
 			_, err = a.TryAcquire(ctx, "n", time.Second)
 			if !errors.As(err, &te) || te.Table != table {
 				t.Errorf("TryAcquire on a missing table: %v, want a *TableError naming %s", err, table)
@@ -153,10 +141,7 @@ func TestMissingTable(t *testing.T) {
 func TestRoundTrips(t *testing.T) {
 	tr := &counter{}
 	p := pgPool(t, pgOpts{tracer: tr})
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	ctx := context.Background()
 	name := fencetest.Name("rt")
 	before := tr.queries.Load()
@@ -237,10 +222,7 @@ func TestAdvanceOnGrant(t *testing.T) {
 			if err := g.CreateTable(ctx); err != nil {
 				t.Fatal(err)
 			}
-			a, err := sqlfence.NewAcquirer(c.fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, c.fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 			name := fencetest.Name("advance")
 			// A second's ttl: a grant on a loaded machine can take longer
 			// than 100ms (on SQLite three grants in a row have come back

@@ -34,10 +34,7 @@ func openSQLite(t testing.TB) (*sql.DB, *sqlfence.DB) {
 
 func newSQLiteWriter(t testing.TB, fdb *sqlfence.DB) *sqlfence.Writer {
 	t.Helper()
-	w, err := sqlfence.NewWriter(fdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, fdb, nil)
 	if err := w.CreateTable(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -46,10 +43,7 @@ func newSQLiteWriter(t testing.TB, fdb *sqlfence.DB) *sqlfence.Writer {
 
 func newSQLiteAcquirer(t testing.TB, fdb *sqlfence.DB) *sqlfence.Acquirer {
 	t.Helper()
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, fdb, nil)
 	if err := a.CreateTable(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -590,10 +584,7 @@ func TestSQLiteDeadlinesOnALockedFile(t *testing.T) {
 	if err := g.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	ag, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
-	if err != nil {
-		t.Fatal(err)
-	}
+	ag := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 	st, err := sqlfence.NewIdempotencyStore(fdb, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -929,10 +920,7 @@ func TestSQLiteAcquireDeadlinePastTheBusyTimeout(t *testing.T) {
 	if err := g.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	ag, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
-	if err != nil {
-		t.Fatal(err)
-	}
+	ag := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 	unlock := lockSQLiteFile(t, path)
 	const wait = 12 * time.Second
 	var wg sync.WaitGroup
