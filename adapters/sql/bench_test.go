@@ -77,10 +77,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 	a := newSQLiteAcquirer(b, fdb)
 	ctx := context.Background()
 	for i := 0; i < b.N; i++ {
-		l, err := a.TryAcquire(ctx, "bench", 1e10)
-		if err != nil {
-			b.Fatal(err)
-		}
+		l := mustGrant(b, ctx, a, "bench", 1e10)
 		if err := l.Release(ctx); err != nil {
 			b.Fatal(err)
 		}

@@ -198,10 +198,7 @@ func TestPostgresTokensGrowAcrossCrash(t *testing.T) {
 	}
 	name := "crash"
 	// A durable starting point: a checkpoint after the first grant.
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -210,10 +207,7 @@ func TestPostgresTokensGrowAcrossCrash(t *testing.T) {
 	}
 	var last fence.Token
 	for i := 0; i < 50; i++ {
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, name, time.Minute)
 		if l.Token() <= last {
 			t.Fatalf("token %d after %d", l.Token(), last)
 		}
@@ -243,10 +237,7 @@ func TestPostgresTokensGrowAcrossCrash(t *testing.T) {
 	if err := held.Release(ctx); err != nil {
 		t.Errorf("releasing the lease held across the crash: %v", err)
 	}
-	l, err = a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l = mustGrant(t, ctx, a, name, time.Minute)
 	if l.Token() <= last {
 		t.Errorf("after the crash a grant got token %d, not above %d", l.Token(), last)
 	}
@@ -286,10 +277,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 	name := "async"
 	var grants, renewals, releases, bumps int // statements whose commit was on disk when they returned
 	for i := 0; i < n; i++ {
-		l, err := a.TryAcquire(ctx, fmt.Sprintf("%s-%d", name, i), time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, fmt.Sprintf("%s-%d", name, i), time.Minute)
 		if flushed(t, p) {
 			grants++
 		}
@@ -321,10 +309,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 	}
 
 	// A grant just before the crash.
-	held, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	held := mustGrant(t, ctx, a, name, time.Minute)
 	pg.crash(t)
 	p.Reset()
 	info, err := a.Inspect(ctx, name)
@@ -340,10 +325,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 
 	// A release just before the crash: lost or not, the lease is free
 	// within its ttl, and the next token is above the released one.
-	l, err := a.TryAcquire(ctx, name, 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, 2*time.Second)
 	if l.Token() <= held.Token() {
 		t.Fatalf("token %d after %d", l.Token(), held.Token())
 	}
@@ -427,10 +409,7 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 		if err := begin(); err != nil {
 			t.Fatal(err)
 		}
-		l, err := a.TryAcquire(ctx, "in-tx-"+how, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, "in-tx-"+how, time.Minute)
 		if err := l.Release(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -484,10 +463,7 @@ func TestPostgresAsyncGrants(t *testing.T) {
 	onDisk := 0
 	last := first.Token()
 	for i := 0; i < n; i++ {
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, name, time.Minute)
 		if flushed(t, p) {
 			onDisk++
 		}
@@ -533,10 +509,7 @@ func TestPostgresAsyncGrants(t *testing.T) {
 	if err := a.Bump(ctx, name, bumped); err != nil {
 		t.Fatal(err)
 	}
-	ahead, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ahead := mustGrant(t, ctx, a, name, time.Minute)
 	if ahead.Token() != bumped+1 {
 		t.Fatalf("token %d after a bump to %d", ahead.Token(), bumped)
 	}
@@ -714,24 +687,15 @@ func crashRestart(t *testing.T, flush string) {
 	released, held, dead := fencetest.Name("crash"), fencetest.Name("crash"), fencetest.Name("crash")
 	var last fence.Token
 	for range 5 { // a row that made several grants
-		l, err := a.TryAcquire(ctx, released, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, released, time.Minute)
 		if err := l.Release(ctx); err != nil {
 			t.Fatal(err)
 		}
 		last = l.Token()
 	}
-	lh, err := a.TryAcquire(ctx, held, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	lh := mustGrant(t, ctx, a, held, time.Minute)
 	const deadTTL = 2 * time.Second
-	ld, err := a.TryAcquire(ctx, dead, deadTTL)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ld := mustGrant(t, ctx, a, dead, deadTTL)
 	granted := time.Now()
 
 	m.kill(t)
@@ -806,29 +770,20 @@ func TestAsyncGrantsMixedAcquirersAfterCrash(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := "mixed"
-	first, err := durable.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	first := mustGrant(t, ctx, durable, name, time.Minute)
 	if err := first.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
 		t.Fatal(err)
 	}
-	l, err := async.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, async, name, time.Minute)
 	if flushed(t, p) {
 		t.Skip("the async grant was flushed before the crash: nothing to lose")
 	}
 	pg.crash(t)
 	p.Reset()
-	next, err := durable.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	next := mustGrant(t, ctx, durable, name, time.Minute)
 	t.Logf("before: durable token %d, async token %d; after the crash the default acquirer granted %d", first.Token(), l.Token(), next.Token())
 	if next.Token() <= l.Token() {
 		t.Errorf("after the crash the default acquirer granted token %d, not above the async grant's %d that its holder still uses: fencing broken (%d behind)", next.Token(), l.Token(), l.Token()-next.Token())
@@ -869,10 +824,7 @@ func TestAsyncGrantsInCallerTx(t *testing.T) {
 		t.Fatal(err)
 	}
 	a := asyncAcquirer(t, sqlfence.Pgx(tx), &sqlfence.AcquirerOptions{AsyncGrants: true, DisableNotify: true})
-	l, err := a.TryAcquire(ctx, "in-tx", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, "in-tx", time.Minute)
 	var setting string
 	if err := tx.QueryRow(ctx, "SHOW synchronous_commit").Scan(&setting); err != nil {
 		t.Fatal(err)
@@ -929,10 +881,7 @@ func TestAsyncGrantsLostInCrash(t *testing.T) {
 		t.Fatal(err)
 	}
 	// An existing row, on disk.
-	old, err := a.TryAcquire(ctx, "existing", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	old := mustGrant(t, ctx, a, "existing", time.Minute)
 	if err := old.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -943,10 +892,7 @@ func TestAsyncGrantsLostInCrash(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lostOld, err := a.TryAcquire(ctx, "existing", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	lostOld := mustGrant(t, ctx, a, "existing", time.Minute)
 	if flushed(t, p) {
 		t.Skip("the async grants were flushed before the crash")
 	}
@@ -974,10 +920,7 @@ func TestAsyncGrantsLostInCrash(t *testing.T) {
 		name string
 		lost fence.Lease
 	}{{"created", lostNew}, {"existing", lostOld}} {
-		next, err := b.TryAcquire(ctx, c.name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		next := mustGrant(t, ctx, b, c.name, time.Minute)
 		if next.Token() <= c.lost.Token() {
 			t.Errorf("%s: token %d after the crash, not above the lost %d", c.name, next.Token(), c.lost.Token())
 		}
@@ -1018,10 +961,7 @@ func TestAsyncGrantsAboveClockOnAsyncSession(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := "ahead"
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -1029,10 +969,7 @@ func TestAsyncGrantsAboveClockOnAsyncSession(t *testing.T) {
 	if err := a.Bump(ctx, name, bumped); err != nil {
 		t.Fatal(err)
 	}
-	ahead, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ahead := mustGrant(t, ctx, a, name, time.Minute)
 	if !flushed(t, p) {
 		t.Errorf("a grant above the clock (token %d) on a synchronous_commit off session returned before it was on disk", ahead.Token())
 	}
@@ -1074,10 +1011,7 @@ func TestAsyncGrantsMixedAcquirersSameToken(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := "same-token"
-	first, err := durable.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	first := mustGrant(t, ctx, durable, name, time.Minute)
 	if err := first.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -1086,10 +1020,7 @@ func TestAsyncGrantsMixedAcquirersSameToken(t *testing.T) {
 	}
 	var lost fence.Lease
 	for i := 0; i < 10000 && lost == nil; i++ {
-		l, err := async.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, async, name, time.Minute)
 		if !flushed(t, p) {
 			lost = l
 			break
@@ -1118,10 +1049,7 @@ func TestAsyncGrantsMixedAcquirersSameToken(t *testing.T) {
 	}
 	var l fence.Lease
 	for {
-		l, err = durable.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l = mustGrant(t, ctx, durable, name, time.Minute)
 		if l.Token() >= lost.Token() {
 			break
 		}

@@ -104,39 +104,41 @@ func TestTokenAfterLeaseRowDeleted(t *testing.T) {
 		t.Run(d.name, func(t *testing.T) {
 			w, a, _ := d.parts(t)
 			name := fencetest.Name("deleted")
-			la, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			la := mustGrant(t, ctx, a, name, time.Minute)
 			// A few grants and releases first, so the counter is not where a
 			// new row starts.
 			for i := 0; i < 3; i++ {
 				if err := la.Release(ctx); err != nil {
 					t.Fatal(err)
 				}
-				if la, err = a.TryAcquire(ctx, name, time.Minute); err != nil {
-					t.Fatal(err)
-				}
+				la = mustGrant(t, ctx, a, name, time.Minute)
 			}
-			if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
-				t.Fatal(err)
-			}
-			lb, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatalf("grant after the row was deleted: %v", err)
-			}
-			t.Cleanup(func() { _ = lb.Release(context.Background()) })
-			if lb.Token() <= la.Token() {
-				t.Fatalf("B's token %d is not above the paused holder's %d", lb.Token(), la.Token())
-			}
-			key := name + "/data"
-			if err := w.Write(ctx, key, []byte("B"), lb.Token()); err != nil {
-				t.Fatal(err)
-			}
-			if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
-				t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
-			}
+			deleteLeaseRow(d.exec)(t, name)
+			checkPausedHolderFenced(t, w, a, name, la, "grant after the row was deleted")
 		})
+	}
+}
+
+// checkPausedHolderFenced grants name to a new holder B (what says which grant
+// this is in an error) and checks that B's token is above the paused holder
+// la's and that la's write after B's is refused as stale.
+func checkPausedHolderFenced(t *testing.T, w *sqlfence.Writer, a *sqlfence.Acquirer, name string, la fence.Lease, what string) {
+	t.Helper()
+	ctx := context.Background()
+	lb, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	t.Cleanup(func() { _ = lb.Release(context.Background()) })
+	if lb.Token() <= la.Token() {
+		t.Fatalf("B's token %d is not above the paused holder's %d", lb.Token(), la.Token())
+	}
+	key := name + "/data"
+	if err := w.Write(ctx, key, []byte("B"), lb.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
 	}
 }
 
@@ -160,9 +162,7 @@ func TestTokenAfterLeaseRowDeletedAtOnce(t *testing.T) {
 					t.Fatalf("grant %d after the row was deleted: token %d, not above the previous holder's %d", i, l.Token(), prev)
 				}
 				prev = l.Token()
-				if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
-					t.Fatal(err)
-				}
+				deleteLeaseRow(d.exec)(t, name)
 			}
 		})
 	}
@@ -186,10 +186,7 @@ func TestLateRenewHoldsNothingOnMySQLSessions(t *testing.T) {
 			a := newAcquirerOn(t, db, nil)
 			name := fencetest.Name("late-renew")
 			sent := time.Now()
-			l, err := a.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, ttl)
 			<-l.Context().Done()
 			renewed := time.Now()
 			if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
@@ -232,31 +229,12 @@ func TestBumpOfMissingRowKeepsClockFloor(t *testing.T) {
 		t.Run(d.name, func(t *testing.T) {
 			w, a, _ := d.parts(t)
 			name := fencetest.Name("bump-deleted")
-			la, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
-				t.Fatal(err)
-			}
+			la := mustGrant(t, ctx, a, name, time.Minute)
+			deleteLeaseRow(d.exec)(t, name)
 			if err := a.Bump(ctx, name, 1000); err != nil && !errors.Is(err, fence.ErrInvalid) {
 				t.Fatalf("Bump of the deleted row: %v", err)
 			}
-			lb, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = lb.Release(context.Background()) })
-			if lb.Token() <= la.Token() {
-				t.Fatalf("B's token %d is not above the paused holder's %d", lb.Token(), la.Token())
-			}
-			key := name + "/data"
-			if err := w.Write(ctx, key, []byte("B"), lb.Token()); err != nil {
-				t.Fatal(err)
-			}
-			if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
-				t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
-			}
+			checkPausedHolderFenced(t, w, a, name, la, "grant after the Bump")
 		})
 	}
 }
@@ -268,10 +246,7 @@ func TestInspectAndBump(t *testing.T) {
 	if _, err := a.Inspect(ctx, "never"); !errors.Is(err, fence.ErrNotFound) {
 		t.Errorf("Inspect of an unknown name: %v", err)
 	}
-	l, err := a.TryAcquire(ctx, "job", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, "job", time.Minute)
 	info, err := a.Inspect(ctx, "job")
 	if err != nil || !info.Held || info.Token != l.Token() || info.Owner != a.Owner() || info.TimeLeft <= 50*time.Second || info.Counter != l.Token() {
 		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)

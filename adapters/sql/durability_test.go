@@ -102,10 +102,7 @@ func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	} {
 		var l fence.Lease
 		if round.withLease {
-			l, err = a.TryAcquire(ctx, "durable-in-tx", time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l = mustGrant(t, ctx, a, "durable-in-tx", time.Minute)
 			if !flushed(t, p) {
 				t.Fatalf("%s: the grant outside a transaction block was not on disk when it returned", round.how)
 			}
@@ -279,10 +276,7 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 				t.Errorf("session synchronous_commit %s: after %s it is %q", v, step, s)
 			}
 		}
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, name, time.Minute)
 		after("a grant")
 		if _, err := a.TryAcquire(ctx, name, time.Minute); !errors.Is(err, fence.ErrHeld) {
 			t.Fatalf("second grant: %v", err)
@@ -339,10 +333,7 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	if _, err := conn.Exec(ctx, "SET LOCAL synchronous_commit = local"); err != nil {
 		t.Fatal(err)
 	}
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	if s := showSyncCommit(t, conn); s != "local" {
 		t.Errorf("inside BEGIN with SET LOCAL synchronous_commit = local, a grant made it %q (a setting that is not off is to be kept)", s)
 	}
@@ -559,10 +550,7 @@ func TestPostgresWriterFenceAcrossCrash(t *testing.T) {
 	if err := w.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	old, err := a.TryAcquire(ctx, "durable-writer", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	old := mustGrant(t, ctx, a, "durable-writer", time.Minute)
 	if err := w.Write(ctx, "k", []byte("old"), old.Token()); err != nil {
 		t.Fatal(err)
 	}

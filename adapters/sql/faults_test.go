@@ -106,10 +106,7 @@ func TestLeaseAcrossKilledConnections(t *testing.T) {
 	a, _ := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
 	other, _ := sqlfence.NewAcquirer(sqlfence.Pgx(admin), nil)
 	name := fencetest.Name("killconn")
-	l, err := a.TryAcquire(ctx, name, 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, 10*time.Second)
 	if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1`, app); err != nil {
 		t.Fatal(err)
 	}
@@ -480,10 +477,7 @@ func TestLostReplies(t *testing.T) {
 				a, _ := sqlfence.NewAcquirer(p.db, nil)
 				other, _ := sqlfence.NewAcquirer(p.direct, nil)
 				name := fencetest.Name("lost-renew")
-				l, err := a.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, a, name, time.Minute)
 				if err := lose(t, p.proxy, carrying(name), func() error { return l.Renew(ctx) }); err != nil {
 					t.Errorf("Renew whose reply was lost: %v, want nil (it landed, or its retry did)", err)
 				}
@@ -541,10 +535,7 @@ func TestRenewConfirmedAfterLocalDeadline(t *testing.T) {
 			other, _ := sqlfence.NewAcquirer(p.direct, nil)
 			for try := 1; ; try++ {
 				name := fencetest.Name("slow-renew")
-				l, err := a.TryAcquire(ctx, name, ttl)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, a, name, ttl)
 				if l.Context().Err() != nil {
 					// A loaded machine took the whole second before the
 					// Renew could be sent (it happens: the Renew then
@@ -558,7 +549,7 @@ func TestRenewConfirmedAfterLocalDeadline(t *testing.T) {
 					continue
 				}
 				p.proxy.Latency(delay, delay)
-				err = l.Renew(ctx)
+				err := l.Renew(ctx)
 				p.proxy.Latency(0, 0)
 				if !errors.Is(err, fence.ErrLost) {
 					t.Fatalf("Renew confirmed after the local deadline: %v, want ErrLost", err)
@@ -760,14 +751,11 @@ func TestRenewReplyLostPastLocalDeadline(t *testing.T) {
 			a, _ := sqlfence.NewAcquirer(p.db, &sqlfence.AcquirerOptions{Drift: drift})
 			other, _ := sqlfence.NewAcquirer(p.direct, nil)
 			name := fencetest.Name("lost-late-renew")
-			l, err := a.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, ttl)
 			// The renewal's request waits in the proxy until the local
 			// deadline (300ms after the grant) has passed, then reaches the
 			// server (which holds the lease for 10s) and its reply is lost.
-			err = lose(t, p.proxy, func(b []byte) bool {
+			err := lose(t, p.proxy, func(b []byte) bool {
 				if !faultnet.Carries(b, name) {
 					return false
 				}
@@ -803,10 +791,7 @@ func TestReleaseReplyLostThenRegranted(t *testing.T) {
 			a, _ := sqlfence.NewAcquirer(p.db, nil)
 			other, _ := sqlfence.NewAcquirer(p.direct, nil)
 			name := fencetest.Name("lost-release-regrant")
-			l, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, time.Minute)
 			var l2 fence.Lease
 			var otherErr error
 			seen := 0
@@ -823,7 +808,7 @@ func TestReleaseReplyLostThenRegranted(t *testing.T) {
 				return false
 			})
 			p.proxy.LoseReply(carrying(name))
-			err = l.Release(ctx)
+			err := l.Release(ctx)
 			if otherErr != nil || l2 == nil {
 				t.Fatalf("the other acquirer after the applied release: %v", otherErr)
 			}
@@ -970,10 +955,7 @@ func TestDoneContextIsDefinite(t *testing.T) {
 			_, tryErr := a.TryAcquire(done, "done-ctx", time.Minute)
 			_, _, beginErr := s.Begin(done, "done-ctx", "fp", "me", time.Minute)
 			_, updErr := s.Update(done, "done-ctx", idempotency.Claimed, 1, idempotency.Change{State: idempotency.Armed, Fence: 1, Owner: "me", Lease: time.Minute})
-			l, err := a.TryAcquire(context.Background(), fencetest.Name("done-ctx"), time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, context.Background(), a, fencetest.Name("done-ctx"), time.Minute)
 			renewErr, releaseErr := l.Renew(done), l.Release(done)
 			if err := l.Release(context.Background()); err != nil {
 				t.Errorf("Release after a Release with a cancelled context: %v; want the lease still held and released now", err)

@@ -71,10 +71,7 @@ func TestHandoffOneStatement(t *testing.T) {
 	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	name := fencetest.Name("handoff")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	head := goAcquire(ctx, a, name, time.Minute)
 	waitLine(t, a, name, 1)
 	waitHeadIdle(t, a, name)
@@ -122,10 +119,7 @@ func TestHandoffHeadGivesUp(t *testing.T) {
 	admin := pgPool(t, pgOpts{})
 	check := newAcquirerOn(t, sqlfence.Pgx(admin), nil)
 	name := fencetest.Name("handoff-gone")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	hctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	head := goAcquire(hctx, a, name, time.Minute)
@@ -200,10 +194,7 @@ func TestHandoffLostReplies(t *testing.T) {
 		Backoff: idleHead, DisableNotify: true})
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	name := fencetest.Name("handoff-lost")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	head := goAcquire(ctx, a, name, time.Minute)
 	waitLine(t, a, name, 1)
 	waitHeadIdle(t, a, name)
@@ -211,7 +202,7 @@ func TestHandoffLostReplies(t *testing.T) {
 	for range 7 {
 		px.LoseReply(carrying(name))
 	}
-	err = h.Release(ctx)
+	err := h.Release(ctx)
 	if !errors.Is(err, fence.ErrUnknown) {
 		t.Fatalf("Release with its replies lost: %v, want ErrUnknown (the test did not test it)", err)
 	}
@@ -249,10 +240,7 @@ func TestHandoffChainBound(t *testing.T) {
 				// it running, so that each round's head is not woken by
 				// a start (it would be trying when the release comes).
 				other := fencetest.Name("handoff-chain-other")
-				ol, err := a.TryAcquire(ctx, other, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				ol := mustGrant(t, ctx, a, other, time.Minute)
 				octx, ocancel := context.WithCancel(ctx)
 				sentinel := goAcquire(octx, a, other, time.Minute)
 				defer func() {
@@ -263,10 +251,7 @@ func TestHandoffChainBound(t *testing.T) {
 				waitLine(t, a, other, 1)
 				waitHeadIdle(t, a, other)
 			}
-			l, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, time.Minute)
 			checkChainBound(t, a, name, l, c.handoffs.Load)
 		})
 	}
@@ -339,10 +324,7 @@ func TestHandoffPanicFreesHead(t *testing.T) {
 	pk := &handoffPanicker{}
 	a := newAcquirerOn(t, sqlfence.Pgx(panickyPool(t, pk)), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	name := fencetest.Name("handoff-panic")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	hctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	head := goAcquire(hctx, a, name, time.Minute)
@@ -735,10 +717,7 @@ func TestHandoffHintedGrantDeadline(t *testing.T) {
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	name := fencetest.Name("handoff-hint-deadline")
 	const ttl = 3 * time.Second
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	head := goAcquire(ctx, a, name, ttl)
 	waitLine(t, a, name, 1)
 	waitHeadIdle(t, a, name)
@@ -748,7 +727,7 @@ func TestHandoffHintedGrantDeadline(t *testing.T) {
 	rctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	sent := time.Now()
-	err = h.Release(rctx)
+	err := h.Release(rctx)
 	if !errors.Is(err, fence.ErrUnknown) {
 		t.Fatalf("Release whose reply came after its context ended: %v, want ErrUnknown (the test did not test it)", err)
 	}
@@ -809,10 +788,7 @@ func TestHandoffGoneHeadLostReplies(t *testing.T) {
 	admin := pgPool(t, pgOpts{})
 	b := newAcquirerOn(t, sqlfence.Pgx(admin), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 20 * time.Millisecond}})
 	name := fencetest.Name("handoff-gone-lost")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	hctx, hcancel := context.WithCancel(ctx)
 	defer hcancel()
 	head := goAcquire(hctx, a, name, time.Minute)
@@ -881,16 +857,13 @@ func TestHandoffUncertainThenRefused(t *testing.T) {
 		Backoff: idleHead, DisableNotify: true})
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	name := fencetest.Name("handoff-refused")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	head := goAcquire(ctx, a, name, time.Minute)
 	waitLine(t, a, name, 1)
 	waitHeadIdle(t, a, name)
 	px.Refuse(true) // the pool's one connection stays; a new one is refused
 	px.LoseReply(carrying(name))
-	err = h.Release(ctx)
+	err := h.Release(ctx)
 	px.Refuse(false)
 	if px.Pending() != 0 {
 		t.Fatal("the lost reply was not taken: the test did not test it")
@@ -919,10 +892,7 @@ func TestHandoffChainEndPokesHead(t *testing.T) {
 			ctx := context.Background()
 			a := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), &sqlfence.AcquirerOptions{DisableNotify: !notify, Backoff: idleHead})
 			name := fencetest.Name("handoff-chain-end")
-			cur, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			cur := mustGrant(t, ctx, a, name, time.Minute)
 			for i := 1; i <= 12; i++ {
 				w := goAcquire(ctx, a, name, time.Minute)
 				waitLine(t, a, name, 1)
@@ -972,10 +942,7 @@ func TestHandoffReleasedEndsBeforeHanded(t *testing.T) {
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(8))
 	for chain := 0; chain < 60; chain++ {
 		name := fencetest.Name("handoff-end-order")
-		cur, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		cur := mustGrant(t, ctx, a, name, time.Minute)
 		for i := 0; i < 7; i++ {
 			old := cur
 			type res struct {
@@ -1034,10 +1001,7 @@ func checkHandoffMaxToken(t *testing.T, fdb *sqlfence.DB) {
 	if err := a.Bump(ctx, name, fence.MaxToken-1); err != nil {
 		t.Fatal(err)
 	}
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	if h.Token() != fence.MaxToken {
 		t.Fatalf("token %d, want MaxToken", h.Token())
 	}
@@ -1074,10 +1038,7 @@ func TestHandoffTTLs(t *testing.T) {
 			}
 			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 			name := fencetest.Name("handoff-ttls")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			w1 := goAcquire(ctx, a, name, 7*time.Second)
 			waitLine(t, a, name, 1)
 			waitHeadIdle(t, a, name)
@@ -1127,10 +1088,7 @@ func TestHandoffLateGivenBack(t *testing.T) {
 	check := newAcquirerOn(t, sqlfence.Pgx(admin), nil)
 	name := fencetest.Name("handoff-late")
 	const ttl = 300 * time.Millisecond
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	head := goAcquire(ctx, a, name, ttl)
 	waitLine(t, a, name, 1)
 	waitHeadIdle(t, a, name)
@@ -1232,10 +1190,7 @@ func TestHandoffMySQLNamesAndSessions(t *testing.T) {
 					na, nb := unique(p.a, p.b)
 					// b first, so that a request carrying a's bytes is a's
 					// (with "k"/"k " b's name contains a's).
-					la, err := a.TryAcquire(ctx, na, time.Minute)
-					if err != nil {
-						t.Fatal(err)
-					}
+					la := mustGrant(t, ctx, a, na, time.Minute)
 					lb, err := a.TryAcquire(ctx, nb, time.Minute)
 					if err != nil {
 						t.Fatalf("TryAcquire %q while %q is held: %v (one row?)", nb, na, err)
@@ -1312,10 +1267,7 @@ func TestHandoffMySQLLateGivenBack(t *testing.T) {
 	a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("handoff-my-late")
 	const ttl = 300 * time.Millisecond
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	head := goAcquire(ctx, a, name, ttl)
 	waitLine(t, a, name, 1)
 	waitHeadIdle(t, a, name)
@@ -1363,10 +1315,7 @@ func TestHandoffMySQLKilled(t *testing.T) {
 			check := newAcquirerOn(t, direct, nil)
 			a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 			name := fencetest.Name("handoff-my-kill")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			hctx, hcancel := context.WithCancel(ctx)
 			defer hcancel()
 			head := goAcquire(hctx, a, name, time.Minute)
@@ -1434,10 +1383,7 @@ func TestHandoffMySQLHeadCancelSweep(t *testing.T) {
 	var headGot, headGaveUp int
 	for i := range 40 {
 		name := fencetest.Name("handoff-my-sweep")
-		h, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		h := mustGrant(t, ctx, a, name, time.Minute)
 		hctx, hcancel := context.WithCancel(ctx)
 		head := goAcquire(hctx, a, name, time.Minute)
 		waitLine(t, a, name, 1)
@@ -1619,10 +1565,7 @@ func TestHandoffMySQLReleaseCtxEnds(t *testing.T) {
 			check := newAcquirerOn(t, direct, &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: 5 * time.Millisecond, Max: 20 * time.Millisecond}})
 			a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, nil, "")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 			name := fencetest.Name("handoff-my-relctx")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			hctx, hcancel := context.WithCancel(ctx)
 			defer hcancel()
 			head := goAcquire(hctx, a, name, time.Minute)
@@ -1702,10 +1645,7 @@ func TestHandoffMySQLGoneHeadLostReplies(t *testing.T) {
 	// Without the bell, as in TestHandoffMySQLNamesAndSessions.
 	a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, px, "")), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	name := fencetest.Name("handoff-my-gone-lost")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	hctx, hcancel := context.WithCancel(ctx)
 	defer hcancel()
 	head := goAcquire(hctx, a, name, time.Minute)
@@ -1754,10 +1694,7 @@ func TestHandoffMySQLTTLs(t *testing.T) {
 	check := newAcquirerOn(t, direct, nil)
 	a := newAcquirerOn(t, sqlfence.MySQL(handoffMySQLDB(t, nil, "interpolateParams=true")), &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("handoff-my-ttls")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	w1 := goAcquire(ctx, a, name, 7*time.Second)
 	waitLine(t, a, name, 1)
 	waitHeadIdle(t, a, name)
@@ -1829,10 +1766,7 @@ func TestHandoffMySQLOrphanOutlivesReleasedTTL(t *testing.T) {
 	name := fencetest.Name("handoff-my-orphan")
 	const hTTL = 5 * time.Second
 	granted := time.Now()
-	h, err := a.TryAcquire(ctx, name, hTTL)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, hTTL)
 	hctx, hcancel := context.WithCancel(ctx)
 	defer hcancel()
 	head := goAcquire(hctx, a, name, time.Minute)
@@ -1980,10 +1914,7 @@ func TestHandoffSecondOfferWhileHeadTries(t *testing.T) {
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	name := fencetest.Name("offer-second-offer")
 
-	l1, err := a.TryAcquire(ctx, name, 300*time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l1 := mustGrant(t, ctx, a, name, 300*time.Millisecond)
 	grant.armed.Store(true)
 	hctx, cancel := context.WithCancel(ctx)
 	t.Cleanup(cancel)
@@ -2055,10 +1986,7 @@ func TestHandoffLateGrantYields(t *testing.T) {
 
 	// Another acquirer holds the lock, so the head's release is not a
 	// handoff and the second waiter joins behind a head stuck in its grant.
-	other, err := check.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	other := mustGrant(t, ctx, check, name, time.Minute)
 	grant.armed.Store(true)
 	head := goAcquire(ctx, a, name, ttl)
 	<-grant.started
@@ -2120,10 +2048,7 @@ func TestHandoffOwnGrantDuringOffer(t *testing.T) {
 	sqlfence.SetLineStall(a, time.Minute)
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	name := fencetest.Name("offer-own-grant")
-	l1, err := a.TryAcquire(ctx, name, 300*time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l1 := mustGrant(t, ctx, a, name, 300*time.Millisecond)
 	grant.armed.Store(true)
 	head := goAcquire(ctx, a, name, time.Minute)
 	<-grant.started
@@ -2173,10 +2098,7 @@ func TestHandoffTakeBackRace(t *testing.T) {
 		sqlfence.SetLineStall(a, stall)
 		check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 		name := fencetest.Name("offer-take-back")
-		l1, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l1 := mustGrant(t, ctx, a, name, time.Minute)
 		grant.armed.Store(true)
 		head := goAcquire(ctx, a, name, time.Minute)
 		<-grant.started
@@ -2263,10 +2185,7 @@ func TestHandoffPostgresEndedAttemptHandedToItself(t *testing.T) {
 	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, tr)), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true, Drift: ttl - 150*time.Millisecond})
 	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	name := fencetest.Name("rr2-selfhand")
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	// The waiter's grants now take 400ms to be sent: longer than the 150ms
 	// its handed leases are valid for.
 	tr.delay.Store(int64(400 * time.Millisecond))

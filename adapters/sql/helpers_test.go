@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
@@ -201,6 +202,16 @@ func newWriterOn(t testing.TB, fdb *sqlfence.DB, opts *sqlfence.WriterOptions) *
 		t.Fatal(err)
 	}
 	return w
+}
+
+// mustGrant is a.TryAcquire(ctx, name, ttl); an error ends the test.
+func mustGrant(t testing.TB, ctx context.Context, a fence.Acquirer, name string, ttl time.Duration) fence.Lease {
+	t.Helper()
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
 }
 
 // faultyAcquirer returns Faulty: an acquirer with opts on a handle that

@@ -71,10 +71,7 @@ func TestLateGrantsPacedByBackoff(t *testing.T) {
 			const ttl = 10 * time.Second
 			name := fencetest.Name("late-pace")
 			normal := newAcquirerOn(t, db, nil)
-			l, err := normal.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, normal, name, ttl)
 			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -88,7 +85,7 @@ func TestLateGrantsPacedByBackoff(t *testing.T) {
 			a := alwaysLate(t, db, ttl, fence.Backoff{Min: 100 * time.Millisecond, Max: 200 * time.Millisecond})
 			wctx, cancel := context.WithTimeout(ctx, time.Second)
 			start := time.Now()
-			l, err = a.Acquire(wctx, name, ttl)
+			l, err := a.Acquire(wctx, name, ttl)
 			took := time.Since(start)
 			cancel()
 			if err == nil {
@@ -163,10 +160,7 @@ func TestLateHeldNameNeverLost(t *testing.T) {
 			const ttl = 10 * time.Second
 			name := fencetest.Name("late-held")
 			holder := newAcquirerOn(t, db, nil)
-			h, err := holder.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, holder, name, time.Minute)
 			defer h.Release(ctx)
 			a := alwaysLate(t, db, ttl, fence.Backoff{Min: 10 * time.Millisecond, Max: 50 * time.Millisecond})
 			l, err := a.TryAcquire(ctx, name, ttl)
@@ -222,10 +216,7 @@ func TestLateTokensAfterGiveBacks(t *testing.T) {
 				}
 				last = info.Counter
 			}
-			l, err := normal.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, normal, name, ttl)
 			defer l.Release(ctx)
 			if l.Token() <= last {
 				t.Errorf("token %d granted after tokens up to %d were given back", l.Token(), last)
@@ -325,10 +316,7 @@ func TestLateGrantAfterTakeover(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	h, err := other.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, other, name, time.Minute)
 	defer h.Release(ctx)
 	close(tr.release)
 	r := <-got

@@ -82,10 +82,7 @@ func TestAcquireLineWaiterGivesUp(t *testing.T) {
 			// 20s.)
 			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: time.Minute, Max: time.Minute}})
 			name := fencetest.Name("line")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			hctx, cancel := context.WithCancel(ctx)
 			headDone := make(chan error, 1)
 			go func() {
@@ -156,10 +153,7 @@ func TestAcquireLineMaxWait(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := fencetest.Name("line")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	defer h.Release(ctx)
 	errs := make(chan error, 2)
 	for i := range 2 {
@@ -263,10 +257,7 @@ func TestLineUnknownReleasePokesHead(t *testing.T) {
 			}
 			name := fencetest.Name("line-unknown-release")
 			grants := observe(px, owner) // each grant statement carries the owner
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			before := grants.Load()
 			head := goAcquire(ctx, a, name, time.Minute)
 			waitLine(t, a, name, 1)
@@ -277,7 +268,7 @@ func TestLineUnknownReleasePokesHead(t *testing.T) {
 			for range 4 {
 				px.LoseReply(carrying(name))
 			}
-			err = h.Release(ctx)
+			err := h.Release(ctx)
 			if !errors.Is(err, fence.ErrUnknown) {
 				t.Fatalf("Release with 4 lost replies: %v, want ErrUnknown (the test did not test it)", err)
 			}
@@ -348,10 +339,7 @@ func TestLineStuckHead(t *testing.T) {
 			b := &blocker{started: make(chan struct{}), release: make(chan struct{})}
 			a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, b)), &sqlfence.AcquirerOptions{DisableNotify: !notify})
 			name := fencetest.Name("line-stuck")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			b.armed.Store(true)
 			head := goAcquire(ctx, a, name, time.Minute)
 			<-b.started
@@ -417,10 +405,7 @@ func TestLineStuckHeadMaxWait(t *testing.T) {
 	const maxWait = 1500 * time.Millisecond
 	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, b)), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{MaxWait: maxWait}})
 	name := fencetest.Name("line-stuck-maxwait")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	defer h.Release(ctx)
 	b.armed.Store(true)
 	start := time.Now()
@@ -459,10 +444,7 @@ func TestLineExpiry(t *testing.T) {
 			}
 			name := fencetest.Name("line-expiry")
 			const ttl = 700 * time.Millisecond
-			first, err := a.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			first := mustGrant(t, ctx, a, name, ttl)
 			prevGranted := time.Now() // at or after the grant
 			var chans []<-chan acquired
 			for i := range 3 {
@@ -505,10 +487,7 @@ func TestLineCancelAtGrant(t *testing.T) {
 			var got, gaveUp int
 			for i := range 40 {
 				name := fencetest.Name("line-cancel")
-				h, err := a.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				h := mustGrant(t, ctx, a, name, time.Minute)
 				hctx, cancel := context.WithCancel(ctx)
 				head := goAcquire(hctx, a, name, time.Minute)
 				waitLine(t, a, name, 1)
@@ -572,10 +551,7 @@ func TestLineNoLeaks(t *testing.T) {
 			names := []string{fencetest.Name("leak"), fencetest.Name("leak"), fencetest.Name("leak")}
 			var holds []fence.Lease
 			for _, n := range names {
-				l, err := a.TryAcquire(ctx, n, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, a, n, time.Minute)
 				holds = append(holds, l)
 			}
 			runtime.GC()
@@ -634,10 +610,7 @@ func TestLineTwoAcquirersNotify(t *testing.T) {
 	slow := &sqlfence.AcquirerOptions{Backoff: idleHead}
 	a1, a2 := newAcquirerOn(t, shared, slow), newAcquirerOn(t, shared, slow)
 	name := fencetest.Name("line-two")
-	h, err := other.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, other, name, time.Minute)
 	c := []<-chan acquired{goAcquire(ctx, a1, name, time.Minute)}
 	waitLine(t, a1, name, 1)
 	c = append(c, goAcquire(ctx, a2, name, time.Minute))
@@ -735,10 +708,7 @@ func TestLineHeadPanics(t *testing.T) {
 	// a handoff is TestHandoffPanicFreesHead).
 	sqlfence.DisableHandoff(a)
 	name := fencetest.Name("line-panic")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	headPanic := make(chan any, 1)
 	go func() {
 		defer func() { headPanic <- recover() }()
@@ -799,10 +769,7 @@ func TestLineManyNames(t *testing.T) {
 			errs := make(chan error, names*(waiters+1))
 			for range names {
 				name := fencetest.Name("line-many")
-				h, err := a.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				h := mustGrant(t, ctx, a, name, time.Minute)
 				var mu sync.Mutex
 				var order []int
 				var chans []<-chan acquired
@@ -958,10 +925,7 @@ func TestLineRowLockedHead(t *testing.T) {
 				t.Fatal(err)
 			}
 			name := fencetest.Name("line-rowlock")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			if err := h.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -1081,10 +1045,7 @@ func TestWaiterWokenAfterListenerKilled(t *testing.T) {
 				holder := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil) // another process: its release reaches the waiter only by NOTIFY
 				name := fencetest.Name("listener-killed")
 				ctx := context.Background()
-				l, err := holder.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, holder, name, time.Minute)
 				wctx, cancel := context.WithTimeout(ctx, time.Minute)
 				defer cancel()
 				type result struct {
@@ -1145,14 +1106,8 @@ func TestWaiterArrivingAsListenerCloses(t *testing.T) {
 			holder := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 			ctx := context.Background()
 			first, second := fencetest.Name("closing-1"), fencetest.Name("closing-2")
-			l1, err := holder.TryAcquire(ctx, first, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
-			l2, err := holder.TryAcquire(ctx, second, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l1 := mustGrant(t, ctx, holder, first, time.Minute)
+			l2 := mustGrant(t, ctx, holder, second, time.Minute)
 			wctx, cancel := context.WithTimeout(ctx, time.Minute)
 			defer cancel()
 			got1 := make(chan error, 1)
@@ -1375,10 +1330,7 @@ func holdWhileWaiting(t *testing.T, size int, newDB func() *sqlfence.DB, ready f
 	w := newWriterOn(t, hdb, nil)
 	name := "smallpool-" + randomSuffix()
 	ctx := context.Background()
-	l, err := ha.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, ha, name, time.Minute)
 	type result struct {
 		l   fence.Lease
 		err error
@@ -1473,10 +1425,7 @@ func TestStatementNotSentIsNotUnknown(t *testing.T) {
 				}
 			}
 			name, key := "notsent-"+randomSuffix(), "notsent-"+randomSuffix()
-			l, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, time.Minute)
 			claimed, _, err := s.Begin(ctx, key+"-claimed", "fp", "me", time.Minute)
 			if err != nil {
 				t.Fatal(err)

@@ -265,10 +265,7 @@ func TestMySQLInspectAndBump(t *testing.T) {
 	_, fdb := openMySQL(t, "")
 	a, _ := sqlfence.NewAcquirer(fdb, nil)
 	name := fencetest.Name("bump")
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	info, err := a.Inspect(ctx, name)
 	if err != nil || !info.Held || info.Token != l.Token() || info.TimeLeft <= 50*time.Second {
 		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
@@ -396,10 +393,7 @@ func TestMySQLSessionTimeZone(t *testing.T) {
 			a := newAcquirerOn(t, fdb, nil)
 			name := fencetest.Name("tz")
 			before := time.Now()
-			l, err := a.TryAcquire(ctx, name, time.Hour)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, time.Hour)
 			after := time.Now()
 			t.Cleanup(func() { _ = l.Release(context.Background()) })
 			var expires int64
@@ -469,10 +463,7 @@ func TestMySQLSessionTimeZoneDST(t *testing.T) {
 			want := c.at.UnixMicro()
 			a := newAcquirerOn(t, ny, nil)
 			name := fencetest.Name("dst")
-			l, err := a.TryAcquire(ctx, name, time.Hour)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, time.Hour)
 			t.Cleanup(func() { _ = l.Release(context.Background()) })
 			// A new row's token starts at the clock in microseconds.
 			if got := int64(l.Token()); got != want {

@@ -172,10 +172,7 @@ func matrixAcquirer(t *testing.T, raw *sql.DB, fdb *sqlfence.DB) {
 	plain := newAcquirerOn(t, fdb, nil)
 	for _, acq := range []*sqlfence.Acquirer{a, plain} {
 		name := fencetest.Name("mx-l") + matrixSuffix
-		l, err := acq.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, acq, name, time.Minute)
 		if _, err := acq.TryAcquire(ctx, name, time.Minute); !errors.Is(err, fence.ErrHeld) {
 			t.Errorf("TryAcquire of a held name: %v, want ErrHeld", err)
 		}
@@ -194,10 +191,7 @@ func matrixAcquirer(t *testing.T, raw *sql.DB, fdb *sqlfence.DB) {
 		if err := l.Release(ctx); err != nil {
 			t.Errorf("Release: %v", err)
 		}
-		next, err := acq.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		next := mustGrant(t, ctx, acq, name, time.Minute)
 		if next.Token() <= l.Token() {
 			t.Errorf("the next grant's token %d is not above %d", next.Token(), l.Token())
 		}
@@ -354,19 +348,13 @@ func TestMySQLGuardSameRowAsGrant(t *testing.T) {
 			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 			prefix := fencetest.Name("split-g")
 			name := prefix + "/café ü€😀 "
-			old, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			old := mustGrant(t, ctx, a, name, time.Minute)
 			if err := old.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			cur, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			cur := mustGrant(t, ctx, a, name, time.Minute)
 			defer cur.Release(ctx)
-			err = sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, old.Token()) })
+			err := sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, old.Token()) })
 			var se *fence.StaleError
 			if !errors.As(err, &se) || se.Current != cur.Token() {
 				t.Errorf("Guard with the old token %d after a grant of %d: %v, want a StaleError at %d", old.Token(), cur.Token(), err, cur.Token())
@@ -798,16 +786,10 @@ func TestMySQLInlineBellTaken(t *testing.T) {
 			a := newAcquirerOn(t, fdb, nil)
 			name := fencetest.Name("inl-bell") + "/q'?\\"
 			// The bell is taken by a grant that takes over an expired row.
-			l, err := a.TryAcquire(ctx, name, 200*time.Millisecond)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, 200*time.Millisecond)
 			time.Sleep(400 * time.Millisecond)
 			_ = l.Release(ctx)
-			l, err = a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l = mustGrant(t, ctx, a, name, time.Minute)
 			if sqlfence.BellPinned(a) < 0 {
 				t.Skip("no bells")
 			}

@@ -145,10 +145,7 @@ func TestRoundTrips(t *testing.T) {
 	ctx := context.Background()
 	name := fencetest.Name("rt")
 	before := tr.queries.Load()
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}

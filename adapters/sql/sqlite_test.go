@@ -96,20 +96,14 @@ func TestSQLiteAcrossHandles(t *testing.T) {
 	}
 	// Leases taken on one handle are seen on another.
 	a1, a2 := open(t), open(t)
-	l, err := a1.TryAcquire(context.Background(), "shared", 30e9)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, context.Background(), a1, "shared", 30e9)
 	if _, err := a2.TryAcquire(context.Background(), "shared", 30e9); !errors.Is(err, fence.ErrHeld) {
 		t.Fatalf("second handle: err = %v, want ErrHeld", err)
 	}
 	if err := l.Release(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	l2, err := a2.TryAcquire(context.Background(), "shared", 30e9)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l2 := mustGrant(t, context.Background(), a2, "shared", 30e9)
 	if l2.Token() != l.Token()+1 {
 		t.Errorf("token on the second handle = %d, want %d", l2.Token(), l.Token()+1)
 	}
@@ -189,10 +183,7 @@ func TestSQLiteFloorReadWhenRowIsCreated(t *testing.T) {
 				}
 			}
 			// Meanwhile another process grants the name, and the row is deleted.
-			lb, err := a2.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			lb := mustGrant(t, ctx, a2, name, time.Minute)
 			t.Logf("handle 2 granted token %d while handle 1's %s waited", lb.Token(), op)
 			if err := lb.Release(ctx); err != nil {
 				t.Fatal(err)
@@ -592,14 +583,8 @@ func TestSQLiteDeadlinesOnALockedFile(t *testing.T) {
 	if err := st.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	lr, err := a.TryAcquire(ctx, "renew", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ll, err := a.TryAcquire(ctx, "release", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	lr := mustGrant(t, ctx, a, "renew", time.Minute)
+	ll := mustGrant(t, ctx, a, "release", time.Minute)
 	unlock := lockSQLiteFile(t, path)
 
 	const wait = time.Second
@@ -856,10 +841,7 @@ func TestSQLiteContextEndingAsAStatementCommits(t *testing.T) {
 		}
 		// Release of a held lease.
 		name = fmt.Sprintf("release-%d", i)
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, name, time.Minute)
 		rctx, cancel := context.WithTimeout(ctx, timeout)
 		err = l.Release(rctx)
 		cancel()
