@@ -94,6 +94,45 @@ func pgxExec(p *pgxpool.Pool) func(context.Context, string, ...any) error {
 	}
 }
 
+// TestWriterConformance runs the writer suite on PostgreSQL through pgx and
+// database/sql, and on MySQL with and without clientFoundRows.
+func TestWriterConformance(t *testing.T) {
+	runByServer(t, serverStyles("", "clientFoundRows=true"), false, func(t *testing.T, s serverStyle) {
+		w := newWriterOn(t, s.open(t, ""), nil)
+		fencetest.WriterSuite{
+			New:     func(t *testing.T) fence.FencedWriter { return w },
+			BadKeys: badKeys,
+			Faulty:  faultyWriter(s.open, s.target),
+		}.Run(t)
+	})
+}
+
+// TestAcquirerConformance runs the acquirer suite on PostgreSQL through pgx
+// and database/sql, with notifications and without, and on MySQL with and
+// without clientFoundRows; the two servers' subtests run side by side.
+func TestAcquirerConformance(t *testing.T) {
+	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
+	runByServer(t, serverStyles("", "clientFoundRows=true"), true, func(t *testing.T, s serverStyle) {
+		deleteState := deleteLeaseRow(s.operator(t))
+		fdb := s.open(t, "")
+		run := func(t *testing.T, opts *sqlfence.AcquirerOptions) {
+			a := newAcquirerOn(t, fdb, opts)
+			fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+				NewOther:    otherAcquirer(s.open, opts),
+				Faulty:      faultyAcquirer(s.open, s.target, opts),
+				DeleteState: deleteState,
+			}.Run(t)
+		}
+		if s.server == "mysql" {
+			run(t, nil)
+			return
+		}
+		for _, notify := range []bool{true, false} {
+			t.Run(fmt.Sprintf("notify=%v", notify), func(t *testing.T) { run(t, &sqlfence.AcquirerOptions{DisableNotify: !notify}) })
+		}
+	})
+}
+
 // TestTokenAfterLeaseRowDeleted (tokens never go backwards): holder A has token t and
 // pauses; the lease row is deleted behind the acquirer's back; B is granted
 // the name. B's token must be above t, so that the fence rejects A's late

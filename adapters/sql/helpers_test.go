@@ -14,6 +14,7 @@ import (
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5"
@@ -261,4 +262,64 @@ func mysqlDB(t testing.TB, addr, params string) *sql.DB {
 	}
 	t.Cleanup(func() { db.Close() })
 	return db
+}
+
+// serverStyle is one driver style on one of the network servers: PostgreSQL
+// through pgx or database/sql, or MySQL with a set of extra DSN parameters.
+type serverStyle struct {
+	server string // "postgres" or "mysql"
+	name   string // "pgx", "database-sql", or "params=" and the DSN parameters
+	params string // MySQL's extra DSN parameters
+	open   opener
+	target func(testing.TB) string // the server's address, for a proxy
+}
+
+// serverStyles returns PostgreSQL through pgx and database/sql, and MySQL
+// with each of mysqlParams.
+func serverStyles(mysqlParams ...string) []serverStyle {
+	out := []serverStyle{
+		{server: "postgres", name: "pgx", open: pgOpener("pgx"), target: pgTarget},
+		{server: "postgres", name: "database-sql", open: pgOpener("database-sql"), target: pgTarget},
+	}
+	for _, p := range mysqlParams {
+		out = append(out, serverStyle{server: "mysql", name: "params=" + p, params: p, open: mysqlOpener(p), target: mysqlAddr})
+	}
+	return out
+}
+
+// operator runs an operator's SQL (parameters written %[1]s, ...) on a handle
+// of its own on s's server.
+func (s serverStyle) operator(t *testing.T) func(context.Context, string, ...any) error {
+	if s.server == "postgres" {
+		return pgxExec(pgPool(t, pgOpts{}))
+	}
+	raw, _ := openMySQL(t, s.params)
+	return stdExec(raw, func(int) string { return "?" })
+}
+
+// faultyStore returns an idempotency store on a handle of s's style that
+// reaches the server only through a new proxy.
+func (s serverStyle) faultyStore(t *testing.T) (idempotency.Store, *faultnet.Proxy) {
+	if s.server == "postgres" {
+		return faultyPostgres(t, s.name)
+	}
+	return faultyMySQL(t, s.params)
+}
+
+// runByServer runs f on each style as the subtest server/style; the servers'
+// subtests run side by side when parallel, and each server's styles one after
+// another.
+func runByServer(t *testing.T, styles []serverStyle, parallel bool, f func(t *testing.T, s serverStyle)) {
+	for _, server := range []string{"postgres", "mysql"} {
+		t.Run(server, func(t *testing.T) {
+			if parallel {
+				t.Parallel()
+			}
+			for _, s := range styles {
+				if s.server == server {
+					t.Run(s.name, func(t *testing.T) { f(t, s) })
+				}
+			}
+		})
+	}
 }

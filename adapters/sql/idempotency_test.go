@@ -31,25 +31,25 @@ func idemStore(t *testing.T, fdb *sqlfence.DB) *sqlfence.IdempotencyStore {
 	return s
 }
 
-func TestIdempotencySQLite(t *testing.T) {
+// TestIdempotencyStore runs the idempotency suite on SQLite, on
+// PostgreSQL through pgx and database/sql, and on MySQL with and without
+// clientFoundRows; each server's subtests run beside the others'.
+func TestIdempotencyStore(t *testing.T) {
 	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	_, fdb := openSQLite(t)
-	s := idemStore(t, fdb)
-	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
-}
-
-func TestIdempotencyPostgres(t *testing.T) {
-	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	for style, fdb := range pgHandles(t) {
-		t.Run(style, func(t *testing.T) {
-			s := idemStore(t, fdb)
-			idempotencytest.Suite{
-				New:     func(t *testing.T) idempotency.Store { return s },
-				BadKeys: badKeys,
-				Faulty:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyPostgres(t, style) },
-			}.Run(t)
-		})
-	}
+	t.Run("sqlite", func(t *testing.T) {
+		t.Parallel()
+		_, fdb := openSQLite(t)
+		s := idemStore(t, fdb)
+		idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
+	})
+	runByServer(t, serverStyles("", "clientFoundRows=true"), true, func(t *testing.T, st serverStyle) {
+		s := idemStore(t, st.open(t, ""))
+		idempotencytest.Suite{
+			New:     func(t *testing.T) idempotency.Store { return s },
+			BadKeys: badKeys,
+			Faulty:  st.faultyStore,
+		}.Run(t)
+	})
 }
 
 // faultyPostgres returns an idempotency store on the test PostgreSQL server,

@@ -17,7 +17,6 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
-	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 	"github.com/fencekit/fencekit/internal/benchutil"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/go-sql-driver/mysql"
@@ -54,51 +53,6 @@ func mysqlSetup(t testing.TB, fdb *sqlfence.DB) {
 		if err := f(); err != nil {
 			t.Fatal(err)
 		}
-	}
-}
-
-func TestMySQLWriterConformance(t *testing.T) {
-	for _, params := range []string{"", "clientFoundRows=true"} {
-		t.Run("params="+params, func(t *testing.T) {
-			_, fdb := openMySQL(t, params)
-			w := newWriterOn(t, fdb, nil)
-			fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys,
-				Faulty: faultyWriter(mysqlOpener(params), mysqlAddr),
-			}.Run(t)
-		})
-	}
-}
-
-func TestMySQLAcquirerConformance(t *testing.T) {
-	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	for _, params := range []string{"", "clientFoundRows=true"} {
-		t.Run("params="+params, func(t *testing.T) {
-			raw, fdb := openMySQL(t, params)
-			a := newAcquirerOn(t, fdb, nil)
-			fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
-				NewOther:    otherAcquirer(mysqlOpener(params), nil),
-				Faulty:      faultyAcquirer(mysqlOpener(params), mysqlAddr, nil),
-				DeleteState: deleteLeaseRow(stdExec(raw, func(int) string { return "?" })),
-			}.Run(t)
-		})
-	}
-}
-
-func TestMySQLIdempotency(t *testing.T) {
-	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	for _, params := range []string{"", "clientFoundRows=true"} {
-		t.Run("params="+params, func(t *testing.T) {
-			_, fdb := openMySQL(t, params)
-			s, err := sqlfence.NewIdempotencyStore(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			idempotencytest.Suite{
-				New:     func(t *testing.T) idempotency.Store { return s },
-				BadKeys: badKeys,
-				Faulty:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyMySQL(t, params) },
-			}.Run(t)
-		})
 	}
 }
 

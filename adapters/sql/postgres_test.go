@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -22,19 +21,6 @@ func pgHandles(t *testing.T) map[string]*sqlfence.DB {
 	return map[string]*sqlfence.DB{
 		"pgx":          sqlfence.Pgx(pgPool(t, pgOpts{})),
 		"database-sql": sqlfence.Postgres(pgStd(t)),
-	}
-}
-
-func TestPostgresWriterConformance(t *testing.T) {
-	for style, fdb := range pgHandles(t) {
-		t.Run(style, func(t *testing.T) {
-			w := newWriterOn(t, fdb, nil)
-			fencetest.WriterSuite{
-				New:     func(t *testing.T) fence.FencedWriter { return w },
-				BadKeys: badKeys,
-				Faulty:  faultyWriter(pgOpener(style), pgTarget),
-			}.Run(t)
-		})
 	}
 }
 
@@ -62,24 +48,6 @@ func TestPostgresWriterOwnTable(t *testing.T) {
 		t.Fatal(err)
 	}
 	fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys}.Run(t)
-}
-
-func TestPostgresAcquirerConformance(t *testing.T) {
-	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	deleteState := deleteLeaseRow(pgxExec(pgPool(t, pgOpts{})))
-	for style, fdb := range pgHandles(t) {
-		for _, notify := range []bool{true, false} {
-			t.Run(fmt.Sprintf("%s/notify=%v", style, notify), func(t *testing.T) {
-				opts := &sqlfence.AcquirerOptions{DisableNotify: !notify}
-				a := newAcquirerOn(t, fdb, opts)
-				fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
-					NewOther:    otherAcquirer(pgOpener(style), opts),
-					Faulty:      faultyAcquirer(pgOpener(style), pgTarget, opts),
-					DeleteState: deleteState,
-				}.Run(t)
-			})
-		}
-	}
 }
 
 func TestInvalidNames(t *testing.T) {
