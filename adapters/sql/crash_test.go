@@ -383,10 +383,7 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 	}{{"pool", pa}, {"*pgx.Conn", ca}, {"database/sql", sa}} {
 		grants, releases := 0, 0
 		for i := 0; i < n; i++ {
-			l, err := c.a.TryAcquire(ctx, "nodisk", time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, c.a, "nodisk", time.Minute)
 			if flushed(t, p) {
 				grants++
 			}

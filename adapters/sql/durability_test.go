@@ -194,10 +194,7 @@ func TestPostgresAsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 		a   *sqlfence.Acquirer
 	}{{"pool", pa}, {"*pgx.Conn", ca}} {
 		name := "durable-async-" + c.how
-		l, err := c.a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, c.a, name, time.Minute)
 		if !flushed(t, check) {
 			t.Errorf("%s: a grant with AdvanceGuards returned before its commit was on disk (session synchronous_commit off)", c.how)
 		}

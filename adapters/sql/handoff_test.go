@@ -60,51 +60,133 @@ func waitHeadIdle(t *testing.T, a *sqlfence.Acquirer, name string) {
 	}
 }
 
+// handoffRig is an acquirer whose grant and handoff statements are counted
+// (on PostgreSQL by a tracer, on MySQL by its proxy), and an acquirer on a
+// handle of its own that checks the row.
+type handoffRig struct {
+	a, check         *sqlfence.Acquirer
+	grants, handoffs *atomic.Int64
+}
+
+// newHandoffRig builds a handoffRig with opts on server ("postgres" or "mysql").
+func newHandoffRig(t *testing.T, server string, opts *sqlfence.AcquirerOptions) handoffRig {
+	t.Helper()
+	if server == "postgres" {
+		c := &stmtCounter{}
+		a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, c)), opts)
+		return handoffRig{a: a, check: newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil), grants: &c.grants, handoffs: &c.handoffs}
+	}
+	c := newMySQLCounted(t, opts)
+	_, direct := openMySQL(t, "")
+	return handoffRig{a: c.a, check: newAcquirerOn(t, direct, nil), grants: c.grants, handoffs: c.handoffs}
+}
+
+// handoffServers are the servers with a handoff statement. PostgreSQL's
+// acquirers in these tests disable notifications (see idleHead); MySQL has
+// none but the bell.
+var handoffServers = []string{"postgres", "mysql"}
+
 // TestHandoffOneStatement: a release through the Acquirer whose Acquire call
 // waits grants the lock to that waiter in the release's own statement: the
 // waiter sends no grant statement, holds a larger token, and the released
-// lease is lost.
+// lease is lost and the handed one renews and releases. On MySQL the token
+// is the released one + 1 (the row's), and the row keeps the head's own ttl.
 func TestHandoffOneStatement(t *testing.T) {
+	for _, server := range handoffServers {
+		t.Run(server, func(t *testing.T) {
+			ctx := context.Background()
+			c := newHandoffRig(t, server, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: server == "postgres"})
+			name := fencetest.Name("handoff-" + server)
+			h := mustGrant(t, ctx, c.a, name, time.Minute)
+			headTTL := time.Minute
+			if server == "mysql" {
+				headTTL = 45 * time.Second // its own ttl, not the released lease's
+			}
+			head := goAcquire(ctx, c.a, name, headTTL)
+			waitLine(t, c.a, name, 1)
+			waitHeadIdle(t, c.a, name)
+			grants := c.grants.Load()
+			if err := h.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			r := within(t, head, 10*time.Second, "the head")
+			if r.err != nil {
+				t.Fatal(r.err)
+			}
+			if n := c.grants.Load() - grants; n != 0 || c.handoffs.Load() != 1 {
+				t.Fatalf("after the release: %d grant statements and %d handoffs, want 0 and 1 (the release grants to the head)", n, c.handoffs.Load())
+			}
+			if r.l.Token() <= h.Token() {
+				t.Fatalf("handed token %d, not above the released %d", r.l.Token(), h.Token())
+			}
+			if server == "mysql" && r.l.Token() != h.Token()+1 {
+				t.Fatalf("handed token %d, want the released %d + 1", r.l.Token(), h.Token())
+			}
+			info, err := c.check.Inspect(ctx, name)
+			if err != nil || !info.Held || info.Token != r.l.Token() || info.Owner != c.a.Owner() {
+				t.Fatalf("the row after the handoff: %+v, %v; want held by %s with token %d", info, err, c.a.Owner(), r.l.Token())
+			}
+			if server == "mysql" && (info.TimeLeft > 45*time.Second || info.TimeLeft < 35*time.Second) {
+				t.Fatalf("the row after the handoff: %+v; want held for the head's ttl (45s)", info)
+			}
+			if err := h.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+				t.Fatalf("Renew of the released lease: %v, want ErrLost", err)
+			}
+			if err := r.l.Renew(ctx); err != nil {
+				t.Fatalf("Renew of the handed lease: %v", err)
+			}
+			if err := r.l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if info, err := c.check.Inspect(ctx, name); err != nil || info.Held {
+				t.Fatalf("the row after the handed lease's release: %+v, %v; want free", info, err)
+			}
+		})
+	}
+}
+
+// lockLeaseRow locks name's lease row on server in a transaction of its own,
+// as an operator's SELECT ... FOR UPDATE would. waiting waits until a handoff
+// statement waits for that lock; unlock rolls the transaction back.
+func lockLeaseRow(t *testing.T, server, name string) (waiting func(), unlock func() error) {
+	t.Helper()
 	ctx := context.Background()
-	c := &stmtCounter{}
-	fdb := sqlfence.Pgx(tracedPool(t, c))
-	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
-	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
-	name := fencetest.Name("handoff")
-	h := mustGrant(t, ctx, a, name, time.Minute)
-	head := goAcquire(ctx, a, name, time.Minute)
-	waitLine(t, a, name, 1)
-	waitHeadIdle(t, a, name)
-	grants := c.grants.Load()
-	if err := h.Release(ctx); err != nil {
+	if server == "mysql" {
+		raw, _ := openMySQL(t, "")
+		tx := lockRowMySQL(t, raw, name)
+		return func() { mysqlHandoffWaiting(t, raw, tx) }, tx.Rollback
+	}
+	admin := pgPool(t, pgOpts{})
+	tx, err := admin.Begin(ctx)
+	if err != nil {
 		t.Fatal(err)
 	}
-	r := within(t, head, 10*time.Second, "the head")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
-	if n := c.grants.Load() - grants; n != 0 || c.handoffs.Load() != 1 {
-		t.Fatalf("after the release: %d grant statements and %d handoffs, want 0 and 1 (the release grants to the head)", n, c.handoffs.Load())
-	}
-	if r.l.Token() <= h.Token() {
-		t.Fatalf("handed token %d, not above the released %d", r.l.Token(), h.Token())
-	}
-	info, err := check.Inspect(ctx, name)
-	if err != nil || !info.Held || info.Token != r.l.Token() || info.Owner != a.Owner() {
-		t.Fatalf("the row after the handoff: %+v, %v; want held by %s with token %d", info, err, a.Owner(), r.l.Token())
-	}
-	if err := h.Renew(ctx); !errors.Is(err, fence.ErrLost) {
-		t.Fatalf("Renew of the released lease: %v, want ErrLost", err)
-	}
-	if err := r.l.Renew(ctx); err != nil {
-		t.Fatalf("Renew of the handed lease: %v", err)
-	}
-	if err := r.l.Release(ctx); err != nil {
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(ctx, "SELECT 1 FROM fence_leases WHERE name = $1 FOR UPDATE", name); err != nil {
 		t.Fatal(err)
 	}
-	if info, err := check.Inspect(ctx, name); err != nil || info.Held {
-		t.Fatalf("the row after the handed lease's release: %+v, %v; want free", info, err)
+	waiting = func() {
+		for end := time.Now().Add(10 * time.Second); ; {
+			var n int
+			if err := admin.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'WITH g AS (UPDATE%'").Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n == 1 {
+				return
+			}
+			if time.Now().After(end) {
+				rows, _ := admin.Query(ctx, "SELECT coalesce(wait_event_type,''), left(query, 60) FROM pg_stat_activity WHERE datname = current_database()")
+				for rows.Next() {
+					var w, q string
+					_ = rows.Scan(&w, &q)
+					t.Logf("%s %q", w, q)
+				}
+				t.Fatal("the handoff statement was not seen waiting for the row")
+			}
+			time.Sleep(time.Millisecond) // polling the server's view
+		}
 	}
+	return waiting, func() error { return tx.Rollback(ctx) }
 }
 
 // TestHandoffHeadGivesUp: the head's context ends while the handoff
@@ -113,70 +195,46 @@ func TestHandoffOneStatement(t *testing.T) {
 // then grants, the grant is given back at once, and the next waiter is
 // granted without waiting out the ttl.
 func TestHandoffHeadGivesUp(t *testing.T) {
-	ctx := context.Background()
-	pool := pgPool(t, pgOpts{})
-	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
-	admin := pgPool(t, pgOpts{})
-	check := newAcquirerOn(t, sqlfence.Pgx(admin), nil)
-	name := fencetest.Name("handoff-gone")
-	h := mustGrant(t, ctx, a, name, time.Minute)
-	hctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	head := goAcquire(hctx, a, name, time.Minute)
-	waitLine(t, a, name, 1)
-	waitHeadIdle(t, a, name)
-	next := goAcquire(ctx, a, name, time.Minute)
-	waitLine(t, a, name, 2)
+	for _, server := range handoffServers {
+		t.Run(server, func(t *testing.T) {
+			ctx := context.Background()
+			c := newHandoffRig(t, server, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: server == "postgres"})
+			name := fencetest.Name("handoff-gone-" + server)
+			h := mustGrant(t, ctx, c.a, name, time.Minute)
+			hctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			head := goAcquire(hctx, c.a, name, time.Minute)
+			waitLine(t, c.a, name, 1)
+			waitHeadIdle(t, c.a, name)
+			next := goAcquire(ctx, c.a, name, time.Minute)
+			waitLine(t, c.a, name, 2)
 
-	// Another transaction holds the row: the handoff statement waits.
-	tx, err := admin.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if _, err := tx.Exec(ctx, "SELECT 1 FROM fence_leases WHERE name = $1 FOR UPDATE", name); err != nil {
-		t.Fatal(err)
-	}
-	released := make(chan error, 1)
-	go func() { released <- h.Release(ctx) }()
-	for end := time.Now().Add(10 * time.Second); ; {
-		var n int
-		if err := admin.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'WITH g AS (UPDATE%'").Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		if n == 1 {
-			break
-		}
-		if time.Now().After(end) {
-			rows, _ := admin.Query(ctx, "SELECT coalesce(wait_event_type,''), left(query, 60) FROM pg_stat_activity WHERE datname = current_database()")
-			for rows.Next() {
-				var w, q string
-				_ = rows.Scan(&w, &q)
-				t.Logf("%s %q", w, q)
+			// Another transaction holds the row: the handoff statement waits.
+			waiting, unlock := lockLeaseRow(t, server, name)
+			released := make(chan error, 1)
+			go func() { released <- h.Release(ctx) }()
+			waiting()
+			cancel()
+			r := within(t, head, 2*time.Second, "the head whose context ended during the handoff")
+			if r.l != nil || !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.Canceled) {
+				t.Fatalf("the head whose context ended: %v, %v; want ErrHeld and context.Canceled, at once", r.l, r.err)
 			}
-			t.Fatal("the handoff statement was not seen waiting for the row")
-		}
-		time.Sleep(time.Millisecond) // polling the server's view
-	}
-	cancel()
-	r := within(t, head, 2*time.Second, "the head whose context ended during the handoff")
-	if r.l != nil || !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.Canceled) {
-		t.Fatalf("the head whose context ended: %v, %v; want ErrHeld and context.Canceled, at once", r.l, r.err)
-	}
-	if err := tx.Rollback(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-released; err != nil {
-		t.Fatalf("the release that granted to a head that had gone: %v", err)
-	}
-	n := within(t, next, 10*time.Second, "the next waiter (a handed grant of a head that had gone was not given back: it holds the row for its ttl)")
-	if n.err != nil {
-		t.Fatal(n.err)
-	}
-	defer n.l.Release(ctx)
-	info, err := check.Inspect(ctx, name)
-	if err != nil || !info.Held || info.Token != n.l.Token() {
-		t.Fatalf("the row: %+v, %v; want held by the next waiter's token %d", info, err, n.l.Token())
+			if err := unlock(); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-released; err != nil {
+				t.Fatalf("the release that granted to a head that had gone: %v", err)
+			}
+			n := within(t, next, 10*time.Second, "the next waiter (a handed grant of a head that had gone was not given back: it holds the row for its ttl)")
+			if n.err != nil {
+				t.Fatal(n.err)
+			}
+			defer n.l.Release(ctx)
+			info, err := c.check.Inspect(ctx, name)
+			if err != nil || !info.Held || info.Token != n.l.Token() {
+				t.Fatalf("the row: %+v, %v; want held by the next waiter's token %d", info, err, n.l.Token())
+			}
+		})
 	}
 }
 
@@ -185,39 +243,62 @@ func TestHandoffHeadGivesUp(t *testing.T) {
 // though the first one granted to the head. The head, told the handoff made
 // no grant it knows of, is granted at once: its own attempt recognises the
 // handoff's grant (it runs as the handoff's owner) instead of finding the
-// row held by nobody for a ttl.
+// row held by nobody for a ttl. On MySQL its token is the handoff's (the
+// released one + 1).
 func TestHandoffLostReplies(t *testing.T) {
-	ctx := context.Background()
-	px := faultnet.Start(t, pgTarget(t))
-	owner := "handoff-" + fencetest.Name("o")
-	a := newAcquirerOn(t, sqlfence.Pgx(proxiedPool(t, px, 0)), &sqlfence.AcquirerOptions{Owner: owner,
-		Backoff: idleHead, DisableNotify: true})
-	check := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
-	name := fencetest.Name("handoff-lost")
-	h := mustGrant(t, ctx, a, name, time.Minute)
-	head := goAcquire(ctx, a, name, time.Minute)
-	waitLine(t, a, name, 1)
-	waitHeadIdle(t, a, name)
-	// 4 handoff statements and the 3 reads after the 2nd to 4th.
-	for range 7 {
-		px.LoseReply(carrying(name))
-	}
-	err := h.Release(ctx)
-	if !errors.Is(err, fence.ErrUnknown) {
-		t.Fatalf("Release with its replies lost: %v, want ErrUnknown (the test did not test it)", err)
-	}
-	released := time.Now()
-	r := within(t, head, 40*time.Second, "the head")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
-	defer r.l.Release(ctx)
-	if took := r.at.Sub(released); took > time.Second {
-		t.Fatalf("the head was granted %v after a handoff whose replies were lost: it did not recognise the handoff's grant", took.Round(time.Millisecond))
-	}
-	info, err := check.Inspect(ctx, name)
-	if err != nil || !info.Held || info.Token != r.l.Token() || r.l.Token() <= h.Token() {
-		t.Fatalf("the row: %+v, %v; want held by the head's token %d (above %d)", info, err, r.l.Token(), h.Token())
+	for _, server := range handoffServers {
+		t.Run(server, func(t *testing.T) {
+			ctx := context.Background()
+			var a, check *sqlfence.Acquirer
+			var px *faultnet.Proxy
+			grantWithin, soon := 40*time.Second, time.Second
+			if server == "postgres" {
+				px = faultnet.Start(t, pgTarget(t))
+				owner := "handoff-" + fencetest.Name("o")
+				a = newAcquirerOn(t, sqlfence.Pgx(proxiedPool(t, px, 0)), &sqlfence.AcquirerOptions{Owner: owner,
+					Backoff: idleHead, DisableNotify: true})
+				check = newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
+			} else {
+				// Without the bell: its ringer's reads of the row carry the name too,
+				// and would take the faults meant for the handoff.
+				c := newMySQLCounted(t, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
+				_, direct := openMySQL(t, "")
+				a, px, check = c.a, c.px, newAcquirerOn(t, direct, nil)
+				grantWithin, soon = 30*time.Second, 10*time.Second
+			}
+			name := fencetest.Name("handoff-lost-" + server)
+			h := mustGrant(t, ctx, a, name, time.Minute)
+			head := goAcquire(ctx, a, name, time.Minute)
+			waitLine(t, a, name, 1)
+			waitHeadIdle(t, a, name)
+			// 4 handoff statements and the 3 reads after the 2nd to 4th.
+			for range 7 {
+				px.LoseReply(carrying(name))
+			}
+			err := h.Release(ctx)
+			if !errors.Is(err, fence.ErrUnknown) {
+				t.Fatalf("Release with its replies lost: %v, want ErrUnknown (the test did not test it)", err)
+			}
+			if n := px.Pending(); server == "mysql" && n != 2 { // the two counters
+				t.Fatalf("%d faults left armed, want none (the test did not test it)", n-2)
+			}
+			released := time.Now()
+			r := within(t, head, grantWithin, "the head (it did not recognise the handoff's grant)")
+			if r.err != nil {
+				t.Fatal(r.err)
+			}
+			defer r.l.Release(ctx)
+			if took := r.at.Sub(released); took > soon {
+				t.Fatalf("the head was granted %v after a handoff whose replies were lost: it did not recognise the handoff's grant", took.Round(time.Millisecond))
+			}
+			info, err := check.Inspect(ctx, name)
+			if err != nil || !info.Held || info.Token != r.l.Token() || r.l.Token() <= h.Token() {
+				t.Fatalf("the row: %+v, %v; want held by the head's token %d (above %d)", info, err, r.l.Token(), h.Token())
+			}
+			if server == "mysql" && r.l.Token() != h.Token()+1 {
+				t.Fatalf("the head's token %d, want the handoff's, %d + 1", r.l.Token(), h.Token())
+			}
+		})
 	}
 }
 
@@ -378,57 +459,6 @@ func newMySQLCounted(t *testing.T, opts *sqlfence.AcquirerOptions) mysqlCounted 
 	return c
 }
 
-// TestHandoffMySQLOneStatement: on MySQL, a release through the Acquirer
-// whose Acquire call waits grants the lock to that waiter in one statement:
-// the waiter sends no grant statement, holds a larger token (the row's),
-// the row keeps the head's own ttl, the released lease is lost and the
-// handed one renews and releases.
-func TestHandoffMySQLOneStatement(t *testing.T) {
-	ctx := context.Background()
-	c := newMySQLCounted(t, &sqlfence.AcquirerOptions{Backoff: idleHead})
-	_, direct := openMySQL(t, "")
-	check := newAcquirerOn(t, direct, nil)
-	name := fencetest.Name("handoff-my")
-	h, err := c.a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	head := goAcquire(ctx, c.a, name, 45*time.Second) // its own ttl, not the released lease's
-	waitLine(t, c.a, name, 1)
-	waitHeadIdle(t, c.a, name)
-	grants := c.grants.Load()
-	if err := h.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	r := within(t, head, 10*time.Second, "the head")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
-	if n := c.grants.Load() - grants; n != 0 || c.handoffs.Load() != 1 {
-		t.Fatalf("after the release: %d grant statements and %d handoffs, want 0 and 1 (the release grants to the head)", n, c.handoffs.Load())
-	}
-	if r.l.Token() != h.Token()+1 {
-		t.Fatalf("handed token %d, want the released %d + 1", r.l.Token(), h.Token())
-	}
-	info, err := check.Inspect(ctx, name)
-	if err != nil || !info.Held || info.Token != r.l.Token() || info.Owner != c.a.Owner() ||
-		info.TimeLeft > 45*time.Second || info.TimeLeft < 35*time.Second {
-		t.Fatalf("the row after the handoff: %+v, %v; want held by %s with token %d for the head's ttl (45s)", info, err, c.a.Owner(), r.l.Token())
-	}
-	if err := h.Renew(ctx); !errors.Is(err, fence.ErrLost) {
-		t.Fatalf("Renew of the released lease: %v, want ErrLost", err)
-	}
-	if err := r.l.Renew(ctx); err != nil {
-		t.Fatalf("Renew of the handed lease: %v", err)
-	}
-	if err := r.l.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if info, err := check.Inspect(ctx, name); err != nil || info.Held {
-		t.Fatalf("the row after the handed lease's release: %+v, %v; want free", info, err)
-	}
-}
-
 // TestHandoffMySQLExpiredRelease: the released lease's row expired (and no
 // one took it): the handoff statement matches nothing, the release reports
 // ErrLost, and the head, handed nothing, is granted by its own attempt at
@@ -439,10 +469,7 @@ func TestHandoffMySQLExpiredRelease(t *testing.T) {
 	// expires (TestBellExpiredHolder), before the release.
 	c := newMySQLCounted(t, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
 	name := fencetest.Name("handoff-my-exp")
-	h, err := c.a.TryAcquire(ctx, name, time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, c.a, name, time.Second)
 	head := goAcquire(ctx, c.a, name, time.Minute)
 	waitLine(t, c.a, name, 1)
 	waitHeadIdle(t, c.a, name)
@@ -469,101 +496,6 @@ func TestHandoffMySQLExpiredRelease(t *testing.T) {
 	}
 }
 
-// TestHandoffMySQLLostReplies: every reply to the handoff statement and to
-// the reads that look for its grant is lost (the release returns
-// ErrUnknown), though the first one granted to the head. The head is
-// granted at once: its own attempt runs as the handoff's owner and
-// recognises the grant.
-func TestHandoffMySQLLostReplies(t *testing.T) {
-	ctx := context.Background()
-	// Without the bell: its ringer's reads of the row carry the name too,
-	// and would take the faults meant for the handoff.
-	c := newMySQLCounted(t, &sqlfence.AcquirerOptions{Backoff: idleHead, DisableNotify: true})
-	_, direct := openMySQL(t, "")
-	check := newAcquirerOn(t, direct, nil)
-	name := fencetest.Name("handoff-my-lost")
-	h, err := c.a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	head := goAcquire(ctx, c.a, name, time.Minute)
-	waitLine(t, c.a, name, 1)
-	waitHeadIdle(t, c.a, name)
-	// 4 handoff statements and the 3 reads after the 2nd to 4th.
-	for range 7 {
-		c.px.LoseReply(carrying(name))
-	}
-	err = h.Release(ctx)
-	if !errors.Is(err, fence.ErrUnknown) {
-		t.Fatalf("Release with its replies lost: %v, want ErrUnknown (the test did not test it)", err)
-	}
-	if n := c.px.Pending(); n != 2 { // the two counters
-		t.Fatalf("%d faults left armed, want none (the test did not test it)", n-2)
-	}
-	released := time.Now()
-	r := within(t, head, 30*time.Second, "the head (it did not recognise the handoff's grant)")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
-	defer r.l.Release(ctx)
-	if took := r.at.Sub(released); took > 10*time.Second {
-		t.Fatalf("the head was granted %v after a handoff whose replies were lost", took.Round(time.Millisecond))
-	}
-	info, err := check.Inspect(ctx, name)
-	if err != nil || !info.Held || info.Token != r.l.Token() || r.l.Token() != h.Token()+1 {
-		t.Fatalf("the row: %+v, %v; want held by the head's token %d (the handoff's, %d + 1)", info, err, r.l.Token(), h.Token())
-	}
-}
-
-// TestHandoffMySQLHeadGivesUp: the head's context ends while the handoff
-// statement waits for the row (another transaction holds it). The head
-// returns at once with ErrHeld and its context's error; when the statement
-// then grants, the grant is given back at once, and the next waiter is
-// granted without waiting out the ttl.
-func TestHandoffMySQLHeadGivesUp(t *testing.T) {
-	ctx := context.Background()
-	c := newMySQLCounted(t, &sqlfence.AcquirerOptions{Backoff: idleHead})
-	raw, direct := openMySQL(t, "")
-	check := newAcquirerOn(t, direct, nil)
-	name := fencetest.Name("handoff-my-gone")
-	h, err := c.a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	head := goAcquire(hctx, c.a, name, time.Minute)
-	waitLine(t, c.a, name, 1)
-	waitHeadIdle(t, c.a, name)
-	next := goAcquire(ctx, c.a, name, time.Minute)
-	waitLine(t, c.a, name, 2)
-
-	tx := lockRowMySQL(t, raw, name)
-	released := make(chan error, 1)
-	go func() { released <- h.Release(ctx) }()
-	mysqlHandoffWaiting(t, raw, tx)
-	cancel()
-	r := within(t, head, 2*time.Second, "the head whose context ended during the handoff")
-	if r.l != nil || !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.Canceled) {
-		t.Fatalf("the head whose context ended: %v, %v; want ErrHeld and context.Canceled, at once", r.l, r.err)
-	}
-	if err := tx.Rollback(); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-released; err != nil {
-		t.Fatalf("the release that granted to a head that had gone: %v", err)
-	}
-	n := within(t, next, 10*time.Second, "the next waiter (a handed grant of a head that had gone was not given back: it holds the row for its ttl)")
-	if n.err != nil {
-		t.Fatal(n.err)
-	}
-	defer n.l.Release(ctx)
-	info, err := check.Inspect(ctx, name)
-	if err != nil || !info.Held || info.Token != n.l.Token() {
-		t.Fatalf("the row: %+v, %v; want held by the next waiter's token %d", info, err, n.l.Token())
-	}
-}
-
 // TestHandoffMySQLChainBound: at most 8 releases in a row hand the lock
 // over; the 9th releases it and pokes the head (MySQL has no
 // notifications: the waiters of other processes poll), which is granted at
@@ -572,10 +504,7 @@ func TestHandoffMySQLChainBound(t *testing.T) {
 	ctx := context.Background()
 	c := newMySQLCounted(t, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("handoff-my-chain")
-	l, err := c.a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, c.a, name, time.Minute)
 	checkChainBound(t, c.a, name, l, c.handoffs.Load)
 }
 

@@ -43,6 +43,8 @@ type pgOpts struct {
 	params map[string]string // server settings for every connection
 	tracer *counter
 	addr   string // host:port to dial instead of the server's (a faultnet proxy)
+	// maxConns is the pool's size; 0 is pgxpool's default.
+	maxConns int32
 }
 
 // pgPool returns a pgx pool on the test server, closed at the end of the test.
@@ -57,6 +59,9 @@ func pgPool(t testing.TB, o pgOpts) *pgxpool.Pool {
 	}
 	if o.tracer != nil {
 		cfg.ConnConfig.Tracer = o.tracer
+	}
+	if o.maxConns > 0 {
+		cfg.MaxConns = o.maxConns
 	}
 	if o.addr != "" {
 		host, port, err := net.SplitHostPort(o.addr)

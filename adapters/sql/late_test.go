@@ -27,18 +27,6 @@ import (
 // than 1µs) and is given back, while the row's server-side ttl is long
 // enough to see whether the give-back happened.
 
-// lateDialects returns one handle per dialect on the real servers.
-func lateDialects(t *testing.T) map[string]*sqlfence.DB {
-	_, sq := openSQLite(t)
-	newSQLiteAcquirer(t, sq) // the lease table
-	_, my := openMySQL(t, "")
-	return map[string]*sqlfence.DB{
-		"sqlite":   sq,
-		"postgres": sqlfence.Pgx(pgPool(t, pgOpts{})),
-		"mysql":    my,
-	}
-}
-
 // alwaysLate is an acquirer on db whose every grant of ttl comes back past
 // its local deadline (Drift = ttl - 1µs).
 func alwaysLate(t *testing.T, db *sqlfence.DB, ttl time.Duration, b fence.Backoff) *sqlfence.Acquirer {
@@ -65,7 +53,7 @@ func counterOf(t *testing.T, a *sqlfence.Acquirer, name string) fence.Token {
 // give-back it tries again at once, in a loop, hammering the database with a
 // grant and a release per round trip. The row's counter counts the grants.
 func TestLateGrantsPacedByBackoff(t *testing.T) {
-	for dname, db := range lateDialects(t) {
+	for dname, db := range lineDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
 			const ttl = 10 * time.Second
@@ -154,7 +142,7 @@ func TestLateDefaultDriftShortTTL(t *testing.T) {
 // Acquire gives up with ErrHeld and DeadlineExceeded; and the holder's lease
 // is untouched (still renewable, its token on the row).
 func TestLateHeldNameNeverLost(t *testing.T) {
-	for dname, db := range lateDialects(t) {
+	for dname, db := range lineDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
 			const ttl = 10 * time.Second
@@ -194,7 +182,7 @@ func TestLateHeldNameNeverLost(t *testing.T) {
 // larger than every token handed out (and given back) before, and the name
 // is free after each give-back.
 func TestLateTokensAfterGiveBacks(t *testing.T) {
-	for dname, db := range lateDialects(t) {
+	for dname, db := range lineDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
 			const ttl = 10 * time.Second
@@ -289,15 +277,7 @@ func TestLateGrantAfterTakeover(t *testing.T) {
 	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, tr)), nil)
 	other := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	const ttl = 300 * time.Millisecond
-	type res struct {
-		l   fence.Lease
-		err error
-	}
-	got := make(chan res, 1)
-	go func() {
-		l, err := a.TryAcquire(ctx, name, ttl)
-		got <- res{l, err}
-	}()
+	got := goLease(func() (fence.Lease, error) { return a.TryAcquire(ctx, name, ttl) })
 	<-tr.held // the grant was applied; its reply is held
 	var first fence.Token
 	for {
@@ -422,15 +402,7 @@ func TestLateGrantThroughPartitionMySQL(t *testing.T) {
 	}
 	name := fencetest.Name("late-my")
 	p.Partition()
-	type res struct {
-		l   fence.Lease
-		err error
-	}
-	got := make(chan res, 1)
-	go func() {
-		l, err := a.TryAcquire(ctx, name, ttl)
-		got <- res{l, err}
-	}()
+	got := goLease(func() (fence.Lease, error) { return a.TryAcquire(ctx, name, ttl) })
 	time.Sleep(2 * ttl) // the fault: the request waits this long in the network
 	p.Heal()
 	r := <-got

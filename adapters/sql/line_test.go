@@ -184,10 +184,17 @@ type acquired struct {
 	at  time.Time
 }
 
+// goAcquire runs a.Acquire in a goroutine of its own.
 func goAcquire(ctx context.Context, a *sqlfence.Acquirer, name string, ttl time.Duration) <-chan acquired {
+	return goLease(func() (fence.Lease, error) { return a.Acquire(ctx, name, ttl) })
+}
+
+// goLease runs grant in a goroutine of its own; the channel gets what it
+// returned, and when.
+func goLease(grant func() (fence.Lease, error)) <-chan acquired {
 	ch := make(chan acquired, 1)
 	go func() {
-		l, err := a.Acquire(ctx, name, ttl)
+		l, err := grant()
 		ch <- acquired{l, err, time.Now()}
 	}()
 	return ch
@@ -1048,16 +1055,7 @@ func TestWaiterWokenAfterListenerKilled(t *testing.T) {
 				l := mustGrant(t, ctx, holder, name, time.Minute)
 				wctx, cancel := context.WithTimeout(ctx, time.Minute)
 				defer cancel()
-				type result struct {
-					l   fence.Lease
-					err error
-					at  time.Time
-				}
-				got := make(chan result, 1)
-				go func() {
-					l, err := wa.Acquire(wctx, name, time.Minute)
-					got <- result{l, err, time.Now()}
-				}()
+				got := goLease(func() (fence.Lease, error) { return wa.Acquire(wctx, name, time.Minute) })
 				waitListening(t, sp.app, 1)
 				old := listenerPids(t, direct, sp.app)
 				if _, err := direct.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN fencekit_release'", sp.app); err != nil {
@@ -1172,21 +1170,7 @@ func smallPgPool(t *testing.T, style string, size int) smallPool {
 	ctx := context.Background()
 	switch style {
 	case "pgx":
-		cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg.MaxConns = int32(size)
-		cfg.ConnConfig.RuntimeParams["application_name"] = app
-		p, err := pgxpool.NewWithConfig(ctx, cfg)
-		if err == nil {
-			err = p.Ping(ctx)
-		}
-		if err != nil {
-			testenv.Missing(t, "PostgreSQL at "+testenv.PostgresURL(), err)
-		}
-		t.Cleanup(p.Close)
-		pgSetup(t, p)
+		p := pgPool(t, pgOpts{params: map[string]string{"application_name": app}, maxConns: int32(size)})
 		return smallPool{app: app, newDB: func() *sqlfence.DB { return sqlfence.Pgx(p) }, take: func(t *testing.T) func() {
 			var cs []*pgxpool.Conn
 			for range size {

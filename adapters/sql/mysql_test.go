@@ -572,49 +572,74 @@ func TestMySQLWriterRefusesPaddingKeyColumn(t *testing.T) {
 		t.Run(typ, func(t *testing.T) {
 			table := userTable(t, raw, "acct_key", typ, rest)
 			w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-			err := w.Write(ctx, "acct", []byte("a"), 100)
-			if !errors.Is(err, fence.ErrInvalid) || !strings.Contains(err.Error(), "acct_key") || !strings.Contains(err.Error(), "VARBINARY") {
-				t.Fatalf("Write on a %s key column: %v, want ErrInvalid naming acct_key and VARBINARY", typ, err)
-			}
-			if testing.Verbose() {
-				t.Log(err)
-			}
+			checkKeyColumnRefusesWrite(t, w, "acct", typ, "VARBINARY")
 			if err := w.Write(ctx, "acct ", []byte("b"), 200); !errors.Is(err, fence.ErrInvalid) {
 				t.Errorf("second Write: %v, want ErrInvalid", err)
 			}
-			if err := w.Delete(ctx, "acct", 300); !errors.Is(err, fence.ErrInvalid) {
-				t.Errorf("Delete: %v, want ErrInvalid", err)
-			}
-			if _, _, err := w.Read(ctx, "acct"); !errors.Is(err, fence.ErrInvalid) {
-				t.Errorf("Read: %v, want ErrInvalid", err)
-			}
-			var n int
-			if err := raw.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+table).Scan(&n); err != nil || n != 0 {
-				t.Errorf("rows after refused writes: %d, %v; want none", n, err)
-			}
+			checkKeyColumnRefusesRest(t, raw, w, table, "acct")
 		})
 	}
 	for _, typ := range exactKeyTypes {
 		t.Run(typ, func(t *testing.T) {
 			table := userTable(t, raw, "acct_key", typ, rest)
 			w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-			if err := w.Write(ctx, "acct", []byte("a"), 100); err != nil {
-				t.Fatal(err)
-			}
-			if err := w.Write(ctx, "acct ", []byte("b"), 5); err != nil {
-				t.Errorf("Write to \"acct \" at 5: %v, want its own row", err)
-			}
-			if err := w.Write(ctx, "Acct", []byte("c"), 5); err != nil {
-				t.Errorf("Write to \"Acct\" at 5: %v, want its own row", err)
-			}
-			if v, tok, err := w.Read(ctx, "acct"); err != nil || tok != 100 || string(v) != "a" {
-				t.Errorf("Read acct: %q %d %v, want a at 100", v, tok, err)
-			}
-			var se *fence.StaleError
-			if err := w.Write(ctx, "acct", []byte("x"), 99); !errors.As(err, &se) || se.Current != 100 {
-				t.Errorf("stale Write: %v, want a StaleError at 100", err)
-			}
+			checkKeyColumnKeepsKeysApart(t, w)
 		})
+	}
+}
+
+// checkKeyColumnRefusesWrite checks that w, on a user's key column acct_key
+// of type typ that can make two keys one row, refuses a Write of key with an
+// error matching fence.ErrInvalid that names the column and want, the type to
+// use.
+func checkKeyColumnRefusesWrite(t *testing.T, w *sqlfence.Writer, key, typ, want string) {
+	t.Helper()
+	err := w.Write(context.Background(), key, []byte("a"), 100)
+	if !errors.Is(err, fence.ErrInvalid) || !strings.Contains(err.Error(), "acct_key") || !strings.Contains(err.Error(), want) {
+		t.Fatalf("Write on a %s key column: %v, want ErrInvalid naming acct_key and %s", typ, err, want)
+	}
+	if testing.Verbose() {
+		t.Log(err)
+	}
+}
+
+// checkKeyColumnRefusesRest checks that w, on such a column of table, refuses
+// Delete and Read of key with fence.ErrInvalid, and that table holds no row.
+func checkKeyColumnRefusesRest(t *testing.T, raw *sql.DB, w *sqlfence.Writer, table, key string) {
+	t.Helper()
+	ctx := context.Background()
+	if err := w.Delete(ctx, key, 300); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Delete: %v, want ErrInvalid", err)
+	}
+	if _, _, err := w.Read(ctx, key); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Read: %v, want ErrInvalid", err)
+	}
+	var n int
+	if err := raw.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+table).Scan(&n); err != nil || n != 0 {
+		t.Errorf("rows after refused writes: %d, %v; want none", n, err)
+	}
+}
+
+// checkKeyColumnKeepsKeysApart checks that w, on a user's key column that
+// compares bytes, keeps "acct", "acct " and "Acct" apart as three keys.
+func checkKeyColumnKeepsKeysApart(t *testing.T, w *sqlfence.Writer) {
+	t.Helper()
+	ctx := context.Background()
+	if err := w.Write(ctx, "acct", []byte("a"), 100); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, "acct ", []byte("b"), 5); err != nil {
+		t.Errorf("Write to \"acct \" at 5: %v, want its own row", err)
+	}
+	if err := w.Write(ctx, "Acct", []byte("c"), 5); err != nil {
+		t.Errorf("Write to \"Acct\" at 5: %v, want its own row", err)
+	}
+	if v, tok, err := w.Read(ctx, "acct"); err != nil || tok != 100 || string(v) != "a" {
+		t.Errorf("Read acct: %q %d %v, want a at 100", v, tok, err)
+	}
+	var se *fence.StaleError
+	if err := w.Write(ctx, "acct", []byte("x"), 99); !errors.As(err, &se) || se.Current != 100 {
+		t.Errorf("stale Write: %v, want a StaleError at 100", err)
 	}
 }
 

@@ -212,7 +212,7 @@ func mustTryAcquire(t *testing.T, a *sqlfence.Acquirer, name string) {
 // to release it (a waiter that left must not keep a free lock from
 // the others).
 func TestRingGrantHintAfterContextEnded(t *testing.T) {
-	for dname, db := range lateDialects(t) {
+	for dname, db := range lineDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
 			a := newAcquirerOn(t, db, nil)

@@ -327,17 +327,11 @@ func TestSQLiteAcquireOnALockedFile(t *testing.T) {
 
 			// A waiter with time to spare, while the lock is held past the
 			// busy timeout, is granted once the file is free.
-			type res struct {
-				l   fence.Lease
-				err error
-			}
-			got := make(chan res, 1)
-			go func() {
+			got := goLease(func() (fence.Lease, error) {
 				wctx, cancel := context.WithTimeout(ctx, time.Minute)
 				defer cancel()
-				l, err := a.Acquire(wctx, "busy", time.Minute)
-				got <- res{l, err}
-			}()
+				return a.Acquire(wctx, "busy", time.Minute)
+			})
 			select {
 			case r := <-got:
 				t.Fatalf("waiting Acquire returned while the file was locked: %v, %v", r.l, r.err)
