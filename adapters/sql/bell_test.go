@@ -832,10 +832,7 @@ func TestBellInterruptedGetLock(t *testing.T) {
 		if err := la.Release(ctx); err != nil {
 			t.Fatal(err)
 		}
-		r := within(t, ch, 5*time.Second, "B")
-		if r.err != nil {
-			t.Fatal(r.err)
-		}
+		r := leaseWithin(t, ch, 5*time.Second, "B")
 		if r.l.Token() <= la.Token() {
 			t.Fatalf("tokens %d then %d", la.Token(), r.l.Token())
 		}
@@ -1562,10 +1559,7 @@ func TestBellHolderWithoutBellExpires(t *testing.T) {
 		t.Fatal(err)
 	}
 	expiry := time.Now().Add(info.TimeLeft)
-	r := within(t, ch, info.TimeLeft+5*time.Second, "B")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	r := leaseWithin(t, ch, info.TimeLeft+5*time.Second, "B")
 	t.Logf("B granted %v after the expiry", r.at.Sub(expiry))
 	if late := r.at.Sub(expiry); late > time.Second {
 		t.Errorf("B granted %v after the bell-less holder's row expired", late)

@@ -395,17 +395,7 @@ func TestCompleteTxAfterChangeInSnapshot(t *testing.T) {
 	for _, tg := range targets {
 		t.Run(tg.name, func(t *testing.T) {
 			s := mustStore(t, tg.fdb)
-			armed := func() (string, fence.Token) {
-				k := fencetest.Name("complete-tx")
-				rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if _, err := s.Update(ctx, k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute}); err != nil {
-					t.Fatal(err)
-				}
-				return k, rec.Fence
-			}
+			armed := func() (string, fence.Token) { return armedKey(t, s, "complete-tx") }
 
 			k, f := armed()
 			err := tg.complete(t, s, func() {

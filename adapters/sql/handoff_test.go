@@ -109,10 +109,7 @@ func TestHandoffOneStatement(t *testing.T) {
 			if err := h.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			r := within(t, head, 10*time.Second, "the head")
-			if r.err != nil {
-				t.Fatal(r.err)
-			}
+			r := leaseWithin(t, head, 10*time.Second, "the head")
 			if n := c.grants.Load() - grants; n != 0 || c.handoffs.Load() != 1 {
 				t.Fatalf("after the release: %d grant statements and %d handoffs, want 0 and 1 (the release grants to the head)", n, c.handoffs.Load())
 			}
@@ -230,10 +227,7 @@ func TestHandoffHeadGivesUp(t *testing.T) {
 			if err := <-released; err != nil {
 				t.Fatalf("the release that granted to a head that had gone: %v", err)
 			}
-			n := within(t, next, 10*time.Second, "the next waiter (a handed grant of a head that had gone was not given back: it holds the row for its ttl)")
-			if n.err != nil {
-				t.Fatal(n.err)
-			}
+			n := leaseWithin(t, next, 10*time.Second, "the next waiter (a handed grant of a head that had gone was not given back: it holds the row for its ttl)")
 			defer n.l.Release(ctx)
 			info, err := c.check.Inspect(ctx, name)
 			if err != nil || !info.Held || info.Token != n.l.Token() {
@@ -288,10 +282,7 @@ func TestHandoffLostReplies(t *testing.T) {
 				t.Fatalf("%d faults left armed, want none (the test did not test it)", n-2)
 			}
 			released := time.Now()
-			r := within(t, head, grantWithin, "the head (it did not recognise the handoff's grant)")
-			if r.err != nil {
-				t.Fatal(r.err)
-			}
+			r := leaseWithin(t, head, grantWithin, "the head (it did not recognise the handoff's grant)")
 			defer r.l.Release(ctx)
 			if took := r.at.Sub(released); took > soon {
 				t.Fatalf("the head was granted %v after a handoff whose replies were lost: it did not recognise the handoff's grant", took.Round(time.Millisecond))
@@ -359,10 +350,7 @@ func checkChainBound(t *testing.T, a *sqlfence.Acquirer, name string, l fence.Le
 		if err := l.Release(ctx); err != nil {
 			t.Fatal(err)
 		}
-		r := within(t, head, 10*time.Second, "the head (a plain release did not wake or poke it)")
-		if r.err != nil {
-			t.Fatal(r.err)
-		}
+		r := leaseWithin(t, head, 10*time.Second, "the head (a plain release did not wake or poke it)")
 		if r.l.Token() <= l.Token() {
 			t.Fatalf("token %d after %d", r.l.Token(), l.Token())
 		}
@@ -485,10 +473,7 @@ func TestHandoffMySQLExpiredRelease(t *testing.T) {
 	if err := h.Release(ctx); !errors.Is(err, fence.ErrLost) {
 		t.Fatalf("Release of an expired lease: %v, want ErrLost", err)
 	}
-	r := within(t, head, 30*time.Second, "the head (not poked after a handoff that matched nothing)")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	r := leaseWithin(t, head, 30*time.Second, "the head (not poked after a handoff that matched nothing)")
 	defer r.l.Release(ctx)
 	if took := r.at.Sub(released); took > 10*time.Second {
 		t.Fatalf("the head was granted %v after the release", took)
@@ -665,10 +650,7 @@ func TestHandoffHintedGrantDeadline(t *testing.T) {
 	if !errors.Is(err, fence.ErrUnknown) {
 		t.Fatalf("Release whose reply came after its context ended: %v, want ErrUnknown (the test did not test it)", err)
 	}
-	r := within(t, head, 20*time.Second, "the head")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	r := leaseWithin(t, head, 20*time.Second, "the head")
 	defer r.l.Release(ctx)
 	info, err := check.Inspect(ctx, name)
 	if err != nil || !info.Held || info.Token != r.l.Token() {
@@ -999,10 +981,7 @@ func TestHandoffTTLs(t *testing.T) {
 			if err := h.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			r1 := within(t, w1, 10*time.Second, "the first waiter")
-			if r1.err != nil {
-				t.Fatal(r1.err)
-			}
+			r1 := leaseWithin(t, w1, 10*time.Second, "the first waiter")
 			info, err := check.Inspect(ctx, name)
 			if err != nil || info.Token != r1.l.Token() || info.TimeLeft > 7*time.Second || info.TimeLeft < 5*time.Second {
 				t.Fatalf("after the first handoff: %+v, %v; want the first waiter's 7s", info, err)
@@ -1016,10 +995,7 @@ func TestHandoffTTLs(t *testing.T) {
 			if err := r1.l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			r2 := within(t, w2, 10*time.Second, "the second waiter")
-			if r2.err != nil {
-				t.Fatal(r2.err)
-			}
+			r2 := leaseWithin(t, w2, 10*time.Second, "the second waiter")
 			defer r2.l.Release(ctx)
 			info, err = check.Inspect(ctx, name)
 			if err != nil || info.Token != r2.l.Token() || info.TimeLeft < 35*time.Second {
@@ -1078,10 +1054,7 @@ func TestHandoffLateGivenBack(t *testing.T) {
 			if err := <-released; err != nil {
 				t.Fatalf("the release whose handoff came back late: %v", err)
 			}
-			r := within(t, head, 5*time.Second, "the head after a late handoff (not poked)")
-			if r.err != nil {
-				t.Fatal(r.err)
-			}
+			r := leaseWithin(t, head, 5*time.Second, "the head after a late handoff (not poked)")
 			defer r.l.Release(ctx)
 			if took := r.at.Sub(start); took > soon {
 				t.Fatalf("the head was granted %v after the release began", took)
@@ -1173,10 +1146,7 @@ func TestHandoffMySQLNamesAndSessions(t *testing.T) {
 					if !errors.Is(err, fence.ErrUnknown) || pending != 0 {
 						t.Fatalf("Release of %q with its replies lost: %v (%d faults left); want ErrUnknown with all 7 taken (the test did not test it)", na, err, pending)
 					}
-					r := within(t, headA, 15*time.Second, "the head of "+na+" (did not recognise the handoff's grant)")
-					if r.err != nil {
-						t.Fatal(r.err)
-					}
+					r := leaseWithin(t, headA, 15*time.Second, "the head of "+na+" (did not recognise the handoff's grant)")
 					if r.l.Token() != la.Token()+1 || r.l.Name() != na {
 						t.Fatalf("handed %q token %d, want %q token %d", r.l.Name(), r.l.Token(), na, la.Token()+1)
 					}
@@ -1195,10 +1165,7 @@ func TestHandoffMySQLNamesAndSessions(t *testing.T) {
 					if err := lb.Release(ctx); err != nil {
 						t.Fatalf("Release %q: %v", nb, err)
 					}
-					rb := within(t, headB, 10*time.Second, "the head of "+nb)
-					if rb.err != nil {
-						t.Fatal(rb.err)
-					}
+					rb := leaseWithin(t, headB, 10*time.Second, "the head of "+nb)
 					if rb.l.Token() != lb.Token()+1 {
 						t.Fatalf("handed %q token %d, want %d", nb, rb.l.Token(), lb.Token()+1)
 					}
@@ -1773,10 +1740,7 @@ func TestHandoffSecondOfferWhileHeadTries(t *testing.T) {
 		t.Fatalf("the second release through the acquirer did not return within 5s while the head was inside its attempt (an empty handoff already waited in its channel: Hand blocks on the full channel holding the place's mutex); the head, unstuck, did not return either 5s later (deadlock: its attempt waits for that mutex); line %d; goroutines in the line:\n%s", sqlfence.LineLen(a, name), lineStacks())
 	}
 	grant.release()
-	r := within(t, head, 10*time.Second, "the head after its attempt ended")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	r := leaseWithin(t, head, 10*time.Second, "the head after its attempt ended")
 	defer r.l.Release(ctx)
 	info, err := check.Inspect(ctx, name)
 	if err != nil || !info.Held || info.Token != r.l.Token() {
@@ -1883,10 +1847,7 @@ func TestHandoffOwnGrantDuringOffer(t *testing.T) {
 	go func() { released <- l1.Release(ctx) }()
 	<-handoff.started // offered: the handoff statement is on its way
 	grant.release()
-	r := within(t, head, 10*time.Second, "the head whose own grant landed during the offer")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	r := leaseWithin(t, head, 10*time.Second, "the head whose own grant landed during the offer")
 	handoff.release()
 	if err := <-released; !errors.Is(err, fence.ErrLost) {
 		t.Fatalf("Release of a lease expired on the server (the head was granted meanwhile): %v, want ErrLost", err)

@@ -75,6 +75,22 @@ func faultyPostgres(t *testing.T, style string) (idempotency.Store, *faultnet.Pr
 	return idemStore(t, fdb), px
 }
 
+// armedKey claims a new key (named from stem) in s as owner "me" and arms it,
+// with a minute's lease; it returns the key and its fence.
+func armedKey(t *testing.T, s idempotency.Store, stem string) (string, fence.Token) {
+	t.Helper()
+	ctx := context.Background()
+	k := fencetest.Name(stem)
+	rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Update(ctx, k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	return k, rec.Fence
+}
+
 // TestIdempotencyCompleteTx: the key's completion and the caller's own write
 // commit together; a rolled-back transaction leaves the key armed and the row
 // unwritten.
@@ -87,14 +103,7 @@ func TestIdempotencyCompleteTx(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, commit := range []bool{false, true} {
-		k := fencetest.Name("order")
-		rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := s.Update(ctx, k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute}); err != nil {
-			t.Fatal(err)
-		}
+		k, f := armedKey(t, s, "order")
 		tx, err := pool.Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
@@ -102,7 +111,7 @@ func TestIdempotencyCompleteTx(t *testing.T) {
 		if _, err := tx.Exec(ctx, "INSERT INTO "+table+" VALUES ($1, 'ch_1')", k); err != nil {
 			t.Fatal(err)
 		}
-		if err := s.CompletePgxTx(ctx, tx, k, rec.Fence, []byte("ch_1"), time.Hour); err != nil {
+		if err := s.CompletePgxTx(ctx, tx, k, f, []byte("ch_1"), time.Hour); err != nil {
 			t.Fatal(err)
 		}
 		if commit {

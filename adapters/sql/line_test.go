@@ -212,6 +212,17 @@ func within(t *testing.T, ch <-chan acquired, d time.Duration, what string) acqu
 	}
 }
 
+// leaseWithin waits up to d for ch, as within, and fails the test when
+// the call it waits for returned an error.
+func leaseWithin(t *testing.T, ch <-chan acquired, d time.Duration, what string) acquired {
+	t.Helper()
+	r := within(t, ch, d, what)
+	if r.err != nil {
+		t.Fatalf("%s: %v", what, r.err)
+	}
+	return r
+}
+
 // observe arms a proxy matcher that never faults: it counts the client chunks
 // that carry s.
 func observe(p *faultnet.Proxy, s string) *atomic.Int64 {
@@ -285,10 +296,7 @@ func TestLineUnknownReleasePokesHead(t *testing.T) {
 			if info, err := check.Inspect(ctx, name); err != nil || (info.Held && info.Token == h.Token()) {
 				t.Fatalf("the row after the release whose replies were lost: %+v, %v; want it released (it landed)", info, err)
 			}
-			r := within(t, head, 30*time.Second, "the head (not poked: it sleeps its backoff of up to an hour)")
-			if r.err != nil {
-				t.Fatal(r.err)
-			}
+			r := leaseWithin(t, head, 30*time.Second, "the head (not poked: it sleeps its backoff of up to an hour)")
 			defer r.l.Release(ctx)
 			if took := r.at.Sub(released); took > 10*time.Second {
 				t.Fatalf("the head was granted %v after a release through its acquirer that landed (reported ErrUnknown): it was not poked, it slept its backoff", took.Round(time.Millisecond))
@@ -387,10 +395,7 @@ func TestLineStuckHead(t *testing.T) {
 			if err := r3.l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			r1 := within(t, head, 2*time.Second, "the head, unstuck, after a release through its acquirer")
-			if r1.err != nil {
-				t.Fatal(r1.err)
-			}
+			r1 := leaseWithin(t, head, 2*time.Second, "the head, unstuck, after a release through its acquirer")
 			if !(r1.l.Token() > r3.l.Token() && r3.l.Token() > r2.l.Token()) {
 				t.Fatalf("tokens %d, %d, %d not increasing", r2.l.Token(), r3.l.Token(), r1.l.Token())
 			}
@@ -460,10 +465,7 @@ func TestLineExpiry(t *testing.T) {
 			}
 			prev := first.Token()
 			for i, ch := range chans {
-				r := within(t, ch, 10*time.Second, fmt.Sprintf("waiter %d", i))
-				if r.err != nil {
-					t.Fatal(r.err)
-				}
+				r := leaseWithin(t, ch, 10*time.Second, fmt.Sprintf("waiter %d", i))
 				if r.l.Token() <= prev {
 					t.Fatalf("waiter %d token %d not above %d", i, r.l.Token(), prev)
 				}
@@ -595,10 +597,7 @@ func TestLineNoLeaks(t *testing.T) {
 			for _, l := range holds {
 				_ = l.Release(ctx)
 			}
-			r := within(t, w, 2*time.Second, "a waiter after the leaks test")
-			if r.err != nil {
-				t.Fatal(r.err)
-			}
+			r := leaseWithin(t, w, 2*time.Second, "a waiter after the leaks test")
 			_ = r.l.Release(ctx)
 		})
 	}
@@ -746,10 +745,7 @@ func TestLineHeadPanics(t *testing.T) {
 		t.Fatal("the head was not poked by the release")
 	}
 	panicked := time.Now()
-	r := within(t, w2, 30*time.Second, "the waiter behind a head that panicked")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	r := leaseWithin(t, w2, 30*time.Second, "the waiter behind a head that panicked")
 	defer r.l.Release(ctx)
 	if took := r.at.Sub(panicked); took > 10*time.Second {
 		t.Fatalf("the waiter behind a head that panicked was granted %v after the panic", took)
