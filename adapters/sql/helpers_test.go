@@ -160,18 +160,7 @@ func mysqlOpener(params string) opener {
 		// Two idle connections, dialled before any fault is armed: a grant
 		// pins one (see the bell), and a renewal runs on the other, so an
 		// armed fault takes the renewal's statement, not a new handshake.
-		ctx := context.Background()
-		var cs []*sql.Conn
-		for range 2 {
-			c, err := db.Conn(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			cs = append(cs, c)
-		}
-		for _, c := range cs {
-			_ = c.Close()
-		}
+		takeStd(db, 2)(t)()
 		return sqlfence.MySQL(db)
 	}
 }

@@ -841,17 +841,7 @@ func TestLineShortMaxWaitFreeLock(t *testing.T) {
 	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{MaxWait: 40 * time.Millisecond}})
 	// Warm the pool's connections up before the latency, so the read after a
 	// cancelled grant needs no dial.
-	var conns []*pgxpool.Conn
-	for range 4 {
-		c, err := pool.Acquire(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		conns = append(conns, c)
-	}
-	for _, c := range conns {
-		c.Release()
-	}
+	takePgx(pool, 4)(t)()
 	px.Latency(time.Millisecond, 300*time.Millisecond)
 	var granted, gaveUp int
 	for i := range 10 {
@@ -1167,21 +1157,7 @@ func smallPgPool(t *testing.T, style string, size int) smallPool {
 	switch style {
 	case "pgx":
 		p := pgPool(t, pgOpts{params: map[string]string{"application_name": app}, maxConns: int32(size)})
-		return smallPool{app: app, newDB: func() *sqlfence.DB { return sqlfence.Pgx(p) }, take: func(t *testing.T) func() {
-			var cs []*pgxpool.Conn
-			for range size {
-				c, err := p.Acquire(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				cs = append(cs, c)
-			}
-			return func() {
-				for _, c := range cs {
-					c.Release()
-				}
-			}
-		}}
+		return smallPool{app: app, newDB: func() *sqlfence.DB { return sqlfence.Pgx(p) }, take: takePgx(p, size)}
 	default:
 		cc, err := pgx.ParseConfig(testenv.PostgresURL())
 		if err != nil {
@@ -1200,7 +1176,28 @@ func smallPgPool(t *testing.T, style string, size int) smallPool {
 	}
 }
 
-// takeStd takes all size connections of db.
+// takePgx takes all size connections of p; the function it returns gives
+// them back.
+func takePgx(p *pgxpool.Pool, size int) func(t *testing.T) func() {
+	return func(t *testing.T) func() {
+		var cs []*pgxpool.Conn
+		for range size {
+			c, err := p.Acquire(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			cs = append(cs, c)
+		}
+		return func() {
+			for _, c := range cs {
+				c.Release()
+			}
+		}
+	}
+}
+
+// takeStd takes all size connections of db; the function it returns closes
+// them.
 func takeStd(db *sql.DB, size int) func(t *testing.T) func() {
 	return func(t *testing.T) func() {
 		var cs []*sql.Conn

@@ -534,10 +534,20 @@ var userTableSeq atomic.Int64
 // table's name.
 func userTable(t *testing.T, raw *sql.DB, col, keyType, rest string) string {
 	t.Helper()
+	return newUserTable(t, raw, func(name string) string {
+		return fmt.Sprintf("CREATE TABLE %s (`%s` %s PRIMARY KEY%s)", name, col, keyType, rest)
+	})
+}
+
+// newUserTable creates a table of the user's, with a name of its own, by the
+// statement ddl returns for that name, and drops it at the end of the test;
+// it skips the test when the server refuses the statement.
+func newUserTable(t *testing.T, raw *sql.DB, ddl func(name string) string) string {
+	t.Helper()
 	name := fmt.Sprintf("user_keys_%d_%d", time.Now().UnixNano()%1e9, userTableSeq.Add(1))
-	ddl := fmt.Sprintf("CREATE TABLE %s (`%s` %s PRIMARY KEY%s)", name, col, keyType, rest)
-	if _, err := raw.ExecContext(context.Background(), ddl); err != nil {
-		t.Skipf("%s: %v", ddl, err)
+	q := ddl(name)
+	if _, err := raw.ExecContext(context.Background(), q); err != nil {
+		t.Skipf("%s: %v", q, err)
 	}
 	t.Cleanup(func() { _, _ = raw.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+name) })
 	return name

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"strings"
 	"testing"
-	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
@@ -33,13 +32,9 @@ func pgUserTable(t *testing.T, raw *sql.DB, col, keyType, rest string) string {
 			t.Skipf("citext: %v", err)
 		}
 	}
-	name := fmt.Sprintf("user_keys_%d_%d", time.Now().UnixNano()%1e9, userTableSeq.Add(1))
-	ddl := fmt.Sprintf(`CREATE TABLE %s (%q %s PRIMARY KEY%s)`, name, col, keyType, rest)
-	if _, err := raw.ExecContext(ctx, ddl); err != nil {
-		t.Skipf("%s: %v", ddl, err)
-	}
-	t.Cleanup(func() { _, _ = raw.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+name) })
-	return name
+	return newUserTable(t, raw, func(name string) string {
+		return fmt.Sprintf(`CREATE TABLE %s (%q %s PRIMARY KEY%s)`, name, col, keyType, rest)
+	})
 }
 
 // pgMergingKeyTypes are PostgreSQL key columns under which two different
