@@ -1179,30 +1179,22 @@ func smallPgPool(t *testing.T, style string, size int) smallPool {
 // takePgx takes all size connections of p; the function it returns gives
 // them back.
 func takePgx(p *pgxpool.Pool, size int) func(t *testing.T) func() {
-	return func(t *testing.T) func() {
-		var cs []*pgxpool.Conn
-		for range size {
-			c, err := p.Acquire(context.Background())
-			if err != nil {
-				t.Fatal(err)
-			}
-			cs = append(cs, c)
-		}
-		return func() {
-			for _, c := range cs {
-				c.Release()
-			}
-		}
-	}
+	return takeConns(size, p.Acquire, (*pgxpool.Conn).Release)
 }
 
 // takeStd takes all size connections of db; the function it returns closes
 // them.
 func takeStd(db *sql.DB, size int) func(t *testing.T) func() {
+	return takeConns(size, db.Conn, func(c *sql.Conn) { c.Close() })
+}
+
+// takeConns takes size connections with take; the function it returns gives
+// each back with give.
+func takeConns[C any](size int, take func(context.Context) (C, error), give func(C)) func(t *testing.T) func() {
 	return func(t *testing.T) func() {
-		var cs []*sql.Conn
+		var cs []C
 		for range size {
-			c, err := db.Conn(context.Background())
+			c, err := take(context.Background())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -1210,7 +1202,7 @@ func takeStd(db *sql.DB, size int) func(t *testing.T) func() {
 		}
 		return func() {
 			for _, c := range cs {
-				c.Close()
+				give(c)
 			}
 		}
 	}
