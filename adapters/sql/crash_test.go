@@ -367,11 +367,7 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 	if err := pa.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	pc, err := p.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
+	pc := pooledConn(t, p)
 	ca := newAcquirerOn(t, sqlfence.Pgx(pc.Conn()), nil)
 	sdb := stdlib.OpenDBFromPool(p)
 	defer sdb.Close()

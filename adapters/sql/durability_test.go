@@ -69,11 +69,7 @@ func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
-	pc, err := p.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
+	pc := pooledConn(t, p)
 	conn := pc.Conn()
 	a := newAcquirerOn(t, sqlfence.Pgx(conn), nil)
 	if err := a.CreateTable(ctx); err != nil {
@@ -177,11 +173,7 @@ func TestPostgresAsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 	if err := pa.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	pc, err := p.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
+	pc := pooledConn(t, p)
 	ca := newAcquirerOn(t, sqlfence.Pgx(pc.Conn()), &sqlfence.AcquirerOptions{AdvanceGuards: g, DisableNotify: true})
 	type held struct {
 		l    fence.Lease
@@ -316,11 +308,7 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	// *pgx.Conn inside BEGIN: the caller's SET LOCAL stays, the session's
 	// value comes back after ROLLBACK.
 	p := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
-	pc, err := p.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
+	pc := pooledConn(t, p)
 	conn := pc.Conn()
 	a := newAcquirerOn(t, sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{Table: "durable_leases"})
 	name := fmt.Sprintf("durable-setting-tx-%d", time.Now().UnixNano())
@@ -365,11 +353,7 @@ func TestPostgresOutcomesThroughWrappedStatements(t *testing.T) {
 	sdb := stdlib.OpenDBFromPool(stdPool)
 	defer sdb.Close()
 	cp := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
-	pc, err := cp.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
+	pc := pooledConn(t, cp)
 	conn := pc.Conn()
 	run := func(q string) func() {
 		return func() {

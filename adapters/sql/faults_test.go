@@ -269,6 +269,20 @@ func proxiedPool(t testing.TB, proxy *faultnet.Proxy, maxConns int32) *pgxpool.P
 	return p
 }
 
+// checkExtendedRowGivenUp checks that other is granted name at once after
+// a renewal (what) that ended past the lease's local deadline: the row it
+// extended was given up.
+func checkExtendedRowGivenUp(t *testing.T, other *sqlfence.Acquirer, name, what string) {
+	t.Helper()
+	ctx := context.Background()
+	l2, err := other.TryAcquire(ctx, name, time.Second)
+	if err != nil {
+		info, _ := other.Inspect(ctx, name)
+		t.Fatalf("another acquirer after %s: %v (%+v); the extended row was not given up", what, err, info)
+	}
+	_ = l2.Release(ctx)
+}
+
 // mysqlAddr is the test MySQL server's address.
 func mysqlAddr(t testing.TB) string { return mysqlConfig(t).Addr }
 
@@ -554,12 +568,7 @@ func TestRenewConfirmedAfterLocalDeadline(t *testing.T) {
 				if !errors.Is(err, fence.ErrLost) {
 					t.Fatalf("Renew confirmed after the local deadline: %v, want ErrLost", err)
 				}
-				l2, err := other.TryAcquire(ctx, name, time.Second)
-				if err != nil {
-					info, _ := other.Inspect(ctx, name)
-					t.Fatalf("another acquirer after the late confirmation: %v (%+v); the extended row was not given up", err, info)
-				}
-				_ = l2.Release(ctx)
+				checkExtendedRowGivenUp(t, other, name, "the late confirmation")
 				return
 			}
 		})
@@ -768,12 +777,7 @@ func TestRenewReplyLostPastLocalDeadline(t *testing.T) {
 			if !errors.Is(err, fence.ErrLost) && !errors.Is(err, fence.ErrUnknown) {
 				t.Errorf("Renew past the local deadline: %v, want ErrLost or ErrUnknown", err)
 			}
-			l2, err := other.TryAcquire(ctx, name, time.Second)
-			if err != nil {
-				info, _ := other.Inspect(ctx, name)
-				t.Fatalf("another acquirer after the renewal whose reply was lost: %v (%+v); the extended row was not given up", err, info)
-			}
-			_ = l2.Release(ctx)
+			checkExtendedRowGivenUp(t, other, name, "the renewal whose reply was lost")
 		})
 	}
 }

@@ -84,6 +84,17 @@ func pgPool(t testing.TB, o pgOpts) *pgxpool.Pool {
 	return p
 }
 
+// pooledConn takes a connection of p, given back at the end of the test.
+func pooledConn(t testing.TB, p *pgxpool.Pool) *pgxpool.Conn {
+	t.Helper()
+	c, err := p.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Release)
+	return c
+}
+
 // pgStd returns a database/sql handle (pgx stdlib driver) on the test server.
 func pgStd(t testing.TB) *sql.DB {
 	t.Helper()
