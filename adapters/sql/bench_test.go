@@ -841,23 +841,13 @@ type lockFunc func(ctx context.Context, c *pgxpool.Conn) (unlock func() error, e
 func pgLockedIncrements(b *testing.B, p *pgxpool.Pool, lock lockFunc, name string, workers, each int) time.Duration {
 	return lockedIncrements(b, workers, each, func(ctx context.Context) error {
 		return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-			for range each {
-				unlock, err := lock(ctx, c)
-				if err != nil {
-					return err
-				}
-				var v int64
-				if err := c.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v); err != nil {
-					return err
-				}
-				if _, err := c.Exec(ctx, "UPDATE fence_bench_counter SET v = $1 WHERE name = $2", v+1, name); err != nil {
-					return err
-				}
-				if err := unlock(); err != nil {
-					return err
-				}
-			}
-			return nil
+			return incrementEach(each, func() (func() error, error) { return lock(ctx, c) }, func() (v int64, err error) {
+				err = c.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v)
+				return v, err
+			}, func(v int64) error {
+				_, err := c.Exec(ctx, "UPDATE fence_bench_counter SET v = $1 WHERE name = $2", v, name)
+				return err
+			})
 		})
 	}, func(ctx context.Context) (v int64, err error) {
 		err = p.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v)
@@ -914,36 +904,62 @@ func advisoryHandoff(b *testing.B, p *pgxpool.Pool) {
 		b.Fatal(err)
 	}
 	defer waiter.Release()
+	advisory := func(c *pgxpool.Conn) func() (func() error, error) {
+		return func() (func() error, error) {
+			if _, err := c.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
+				return nil, err
+			}
+			return func() error {
+				_, err := c.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey)
+				return err
+			}, nil
+		}
+	}
+	peerHandoffs(b, advisory(holder), advisory(waiter), func() (bool, error) {
+		var n int
+		err := p.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1", advisoryKey).Scan(&n)
+		return n > 0, err
+	})
+}
+
+// peerHandoffs measures b.N handoffs of a peer's lock: the holder locks, the
+// waiter's lock runs in a goroutine, and once waiting reports the waiter
+// blocked, 0-19ms later (benchutil.Handoff's shape), the holder unlocks. It
+// reports the 50th and 90th percentiles from that unlock to the waiter's
+// grant.
+func peerHandoffs(b *testing.B, holderLock, waiterLock func() (unlock func() error, err error), waiting func() (bool, error)) {
 	handoffs := make([]time.Duration, 0, b.N)
 	for i := 0; i < b.N; i++ {
-		if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
+		unlock, err := holderLock()
+		if err != nil {
 			b.Fatal(err)
 		}
 		granted := make(chan time.Time, 1)
 		go func() {
-			if _, err := waiter.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
+			wunlock, err := waiterLock()
+			if err != nil {
 				b.Error(err)
 				granted <- time.Time{}
 				return
 			}
 			at := time.Now()
-			if _, err := waiter.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey); err != nil {
+			if err := wunlock(); err != nil {
 				b.Error(err)
 			}
 			granted <- at
 		}()
 		for {
-			var n int
-			if err := p.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1", advisoryKey).Scan(&n); err != nil {
+			blocked, err := waiting()
+			if err != nil {
 				b.Fatal(err)
 			}
-			if n > 0 {
+			if blocked {
 				break
 			}
 		}
 		time.Sleep(time.Duration(i%20) * time.Millisecond) // the workload's shape, as benchutil.Handoff
 		start := time.Now()
-		if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey); err != nil {
+		if err := unlock(); err != nil {
 			b.Fatal(err)
 		}
 		at := <-granted
@@ -1073,50 +1089,34 @@ func BenchmarkMySQLVsGetLock(b *testing.B) {
 		if err := waiter.QueryRowContext(ctx, "SELECT CONNECTION_ID()").Scan(&waiterID); err != nil {
 			b.Fatal(err)
 		}
-		handoffs := make([]time.Duration, 0, b.N)
-		for i := 0; i < b.N; i++ {
-			unlock, err := getLock(ctx, holder)
-			if err != nil {
-				b.Fatal(err)
-			}
-			granted := make(chan time.Time, 1)
-			go func() {
-				wunlock, err := getLock(ctx, waiter)
-				if err != nil {
-					b.Error(err)
-					granted <- time.Time{}
-					return
-				}
-				at := time.Now()
-				if err := wunlock(); err != nil {
-					b.Error(err)
-				}
-				granted <- at
-			}()
-			for {
-				var n int
-				if err := db.QueryRowContext(ctx, "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE 'SELECT GET_LOCK%'", waiterID).Scan(&n); err != nil {
-					b.Fatal(err)
-				}
-				if n > 0 {
-					break
-				}
-			}
-			time.Sleep(time.Duration(i%20) * time.Millisecond) // the workload's shape, as benchutil.Handoff
-			start := time.Now()
-			if err := unlock(); err != nil {
-				b.Fatal(err)
-			}
-			at := <-granted
-			if at.IsZero() {
-				b.FailNow()
-			}
-			handoffs = append(handoffs, at.Sub(start))
-		}
-		slices.Sort(handoffs)
-		b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
-		b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
+		peerHandoffs(b, func() (func() error, error) { return getLock(ctx, holder) }, func() (func() error, error) { return getLock(ctx, waiter) }, func() (bool, error) {
+			var n int
+			err := db.QueryRowContext(ctx, "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE 'SELECT GET_LOCK%'", waiterID).Scan(&n)
+			return n > 0, err
+		})
 	})
+}
+
+// incrementEach increments a counter each times, each time under lock:
+// lock, read the counter, write it plus one, unlock.
+func incrementEach(each int, lock func() (func() error, error), read func() (int64, error), write func(int64) error) error {
+	for range each {
+		unlock, err := lock()
+		if err != nil {
+			return err
+		}
+		v, err := read()
+		if err != nil {
+			return err
+		}
+		if err := write(v + 1); err != nil {
+			return err
+		}
+		if err := unlock(); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // mysqlLockedIncrements is pgLockedIncrements on MySQL.
@@ -1127,23 +1127,13 @@ func mysqlLockedIncrements(b *testing.B, db *sql.DB, lock func(context.Context, 
 			return err
 		}
 		defer c.Close()
-		for range each {
-			unlock, err := lock(ctx, c)
-			if err != nil {
-				return err
-			}
-			var v int64
-			if err := c.QueryRowContext(ctx, "SELECT v FROM fence_bench_counter WHERE name = ?", name).Scan(&v); err != nil {
-				return err
-			}
-			if _, err := c.ExecContext(ctx, "UPDATE fence_bench_counter SET v = ? WHERE name = ?", v+1, name); err != nil {
-				return err
-			}
-			if err := unlock(); err != nil {
-				return err
-			}
-		}
-		return nil
+		return incrementEach(each, func() (func() error, error) { return lock(ctx, c) }, func() (v int64, err error) {
+			err = c.QueryRowContext(ctx, "SELECT v FROM fence_bench_counter WHERE name = ?", name).Scan(&v)
+			return v, err
+		}, func(v int64) error {
+			_, err := c.ExecContext(ctx, "UPDATE fence_bench_counter SET v = ? WHERE name = ?", v, name)
+			return err
+		})
 	}, func(ctx context.Context) (v int64, err error) {
 		err = db.QueryRowContext(ctx, "SELECT v FROM fence_bench_counter WHERE name = ?", name).Scan(&v)
 		return v, err
