@@ -191,6 +191,20 @@ func lockLeaseRow(t *testing.T, server, name, app string) (waiting func(), unloc
 	return waiting, func() error { return tx.Rollback(ctx) }
 }
 
+// releaseWhileLocked locks name's lease row (lockLeaseRow), starts h's
+// release, and returns once the release's handoff statement waits for the
+// row: released gets the release's error, start is when it began, and unlock
+// ends the lock.
+func releaseWhileLocked(t *testing.T, server, name, app string, h fence.Lease) (released <-chan error, start time.Time, unlock func() error) {
+	t.Helper()
+	waiting, unlock := lockLeaseRow(t, server, name, app)
+	ch := make(chan error, 1)
+	start = time.Now()
+	go func() { ch <- h.Release(context.Background()) }()
+	waiting()
+	return ch, start, unlock
+}
+
 // TestHandoffHeadGivesUp: the head's context ends while the handoff
 // statement waits for the row (another transaction holds it). The head
 // returns at once with ErrHeld and its context's error; when the statement
@@ -212,10 +226,7 @@ func TestHandoffHeadGivesUp(t *testing.T) {
 			waitLine(t, c.a, name, 2)
 
 			// Another transaction holds the row: the handoff statement waits.
-			waiting, unlock := lockLeaseRow(t, server, name, "")
-			released := make(chan error, 1)
-			go func() { released <- h.Release(ctx) }()
-			waiting()
+			released, _, unlock := releaseWhileLocked(t, server, name, "", h)
 			cancel()
 			r := within(t, head, 2*time.Second, "the head whose context ended during the handoff")
 			if r.l != nil || !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.Canceled) {
@@ -724,14 +735,11 @@ func TestHandoffGoneHeadLostReplies(t *testing.T) {
 			waitLine(t, a, name, 1)
 			waitHeadIdle(t, a, name)
 
-			waiting, unlock := lockLeaseRow(t, server, name, owner)
 			// 4 handoff statements and the 3 reads after the 2nd to 4th.
 			for range 7 {
 				px.LoseReply(carrying(name))
 			}
-			released := make(chan error, 1)
-			go func() { released <- h.Release(ctx) }()
-			waiting()
+			released, _, unlock := releaseWhileLocked(t, server, name, owner, h)
 			hcancel()
 			hr := within(t, head, 2*time.Second, "the head whose context ended during the handoff")
 			if hr.l != nil || !errors.Is(hr.err, fence.ErrHeld) {
@@ -1042,11 +1050,7 @@ func TestHandoffLateGivenBack(t *testing.T) {
 			head := goAcquire(ctx, a, name, ttl)
 			waitLine(t, a, name, 1)
 			waitHeadIdle(t, a, name)
-			waiting, unlock := lockLeaseRow(t, server, name, owner)
-			released := make(chan error, 1)
-			start := time.Now()
-			go func() { released <- h.Release(ctx) }()
-			waiting()
+			released, start, unlock := releaseWhileLocked(t, server, name, owner, h)
 			time.Sleep(2*ttl - time.Since(start)) // the scenario: the row stays locked past the head's ttl
 			if err := unlock(); err != nil {
 				t.Fatal(err)
