@@ -99,10 +99,7 @@ func TestLongestKeys(t *testing.T) {
 	}
 	ctx := context.Background()
 	for what, fdb := range handles {
-		w, err := sqlfence.NewWriter(fdb, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		w := newWriterOn(t, fdb, nil)
 		if err := w.CreateTable(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -113,10 +110,7 @@ func TestLongestKeys(t *testing.T) {
 		if err := w.Write(ctx, key, []byte("v"), 1); err != nil {
 			t.Errorf("%s: Write with a %d-byte key: %v", what, len(key), err)
 		}
-		a, err := sqlfence.NewAcquirer(fdb, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		a := newAcquirerOn(t, fdb, nil)
 		if err := a.CreateTable(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -209,10 +203,7 @@ func TestRunTxBadOptions(t *testing.T) {
 func TestTTLNotAboveDrift(t *testing.T) {
 	_, fdb := openSQLite(t)
 	newSQLiteAcquirer(t, fdb)
-	a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{Drift: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Drift: time.Second})
 	fencetest.DriftRefusesShortTTL(t, a, time.Second, "ttl")
 }
 

@@ -54,10 +54,7 @@ func bellHolderID(t *testing.T, db *sql.DB, key string) int64 {
 func bellFreshRow(t *testing.T, a *sqlfence.Acquirer, name string) fence.Token {
 	t.Helper()
 	ctx := context.Background()
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -323,10 +320,7 @@ func TestBellExpiredHolder(t *testing.T) {
 	key := sqlfence.BellKey(a, name)
 	bellFreshRow(t, a, name)
 	ttl := 1500 * time.Millisecond
-	la, err := a.TryAcquire(ctx, name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	la := mustGrant(t, ctx, a, name, ttl)
 	if bellHolderID(t, dbA, key) == 0 {
 		t.Fatal("the takeover grant took no bell")
 	}
@@ -352,10 +346,7 @@ func TestBellExpiredHolder(t *testing.T) {
 	case <-time.After(2 * time.Second):
 		t.Log("B not granted within 2s of the expiry (its bell came a drift margin early)")
 	}
-	lc, err := c.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	lc := mustGrant(t, ctx, c, name, time.Minute)
 	if err := lc.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -376,10 +367,7 @@ func TestBellKilledHolder(t *testing.T) {
 	name := fencetest.Name("bell-kill")
 	key := sqlfence.BellKey(a, name)
 	bellFreshRow(t, a, name)
-	la, err := a.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	la := mustGrant(t, ctx, a, name, 30*time.Second)
 	id := bellHolderID(t, dbA, key)
 	if id == 0 {
 		t.Fatal("the takeover grant took no bell")
@@ -423,10 +411,7 @@ func TestBellKilledRinger(t *testing.T) {
 	b := newAcquirerOn(t, fdbB, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("bell-killring")
 	bellFreshRow(t, a, name)
-	la, err := a.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	la := mustGrant(t, ctx, a, name, 30*time.Second)
 	var mine int64
 	if err := dbB.QueryRow("SELECT CONNECTION_ID()").Scan(&mine); err != nil {
 		t.Fatal(err)
@@ -476,10 +461,7 @@ func TestBellChainsBothWaiting(t *testing.T) {
 	name := fencetest.Name("bell-chain")
 	key := sqlfence.BellKey(a, name)
 	bellFreshRow(t, a, name)
-	l0, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l0 := mustGrant(t, ctx, a, name, time.Minute)
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	var (
@@ -816,10 +798,7 @@ func TestBellTransientErrorKeepsBells(t *testing.T) {
 	if sqlfence.BellOff(b) {
 		t.Errorf("one killed grant statement turned B's bells off for good")
 	}
-	la, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	la := mustGrant(t, ctx, a, name, time.Minute)
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	ch := goAcquire(wctx, b, name, time.Minute)
@@ -846,20 +825,14 @@ func TestBellInterruptedGetLock(t *testing.T) {
 	key := sqlfence.BellKey(a, name)
 	bellFreshRow(t, a, name)
 	for round := 0; round < 3; round++ {
-		la, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		la := mustGrant(t, ctx, a, name, time.Minute)
 		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		ch := goAcquire(wctx, b, name, time.Minute)
 		waitHeadIdle(t, b, name)
 		if err := la.Release(ctx); err != nil {
 			t.Fatal(err)
 		}
-		r := within(t, ch, 5*time.Second, "B")
-		if r.err != nil {
-			t.Fatal(r.err)
-		}
+		r := leaseWithin(t, ch, 5*time.Second, "B")
 		if r.l.Token() <= la.Token() {
 			t.Fatalf("tokens %d then %d", la.Token(), r.l.Token())
 		}
@@ -896,10 +869,7 @@ func TestBellLostGrantReply(t *testing.T) {
 	pa.LoseReply(func(req []byte) bool {
 		return bytes.Contains(req, []byte("GET_LOCK")) && bytes.Contains(req, []byte("INSERT INTO"))
 	})
-	la, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	la := mustGrant(t, ctx, a, name, time.Minute)
 	if info, err := a.Inspect(ctx, name); err != nil || info.Token != la.Token() {
 		t.Fatalf("inspect: %+v %v", info, err)
 	}
@@ -949,10 +919,7 @@ func TestMySQLBellWakesOtherAcquirer(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := fencetest.Name("bell")
-	l0, err := holder.TryAcquire(ctx, name, time.Minute) // creates the row (no bell: see bell.go)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l0 := mustGrant(t, ctx, holder, name, time.Minute) // creates the row (no bell: see bell.go)
 	if err := l0.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -1058,10 +1025,7 @@ func TestMySQLBellKilledSession(t *testing.T) {
 // a holder without the bell (bell.go: a new row's grant takes no bell).
 func bellNewRowHolder(t *testing.T, a *sqlfence.Acquirer, name string, ttl time.Duration) fence.Lease {
 	t.Helper()
-	l, err := a.TryAcquire(context.Background(), name, ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, context.Background(), a, name, ttl)
 	return l
 }
 
@@ -1390,10 +1354,7 @@ func TestBellManyNames(t *testing.T) {
 	for i := 0; i < n; i++ {
 		nm := fencetest.Name("bell-many")
 		bellFreshRow(t, a, nm)
-		l, err := a.TryAcquire(ctx, nm, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, nm, time.Minute)
 		names, keys, ls = append(names, nm), append(keys, sqlfence.BellKey(a, nm)), append(ls, l)
 	}
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -1598,10 +1559,7 @@ func TestBellHolderWithoutBellExpires(t *testing.T) {
 		t.Fatal(err)
 	}
 	expiry := time.Now().Add(info.TimeLeft)
-	r := within(t, ch, info.TimeLeft+5*time.Second, "B")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	r := leaseWithin(t, ch, info.TimeLeft+5*time.Second, "B")
 	t.Logf("B granted %v after the expiry", r.at.Sub(expiry))
 	if late := r.at.Sub(expiry); late > time.Second {
 		t.Errorf("B granted %v after the bell-less holder's row expired", late)

@@ -77,10 +77,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 	a := newSQLiteAcquirer(b, fdb)
 	ctx := context.Background()
 	for i := 0; i < b.N; i++ {
-		l, err := a.TryAcquire(ctx, "bench", 1e10)
-		if err != nil {
-			b.Fatal(err)
-		}
+		l := mustGrant(b, ctx, a, "bench", 1e10)
 		if err := l.Release(ctx); err != nil {
 			b.Fatal(err)
 		}
@@ -99,10 +96,7 @@ func BenchmarkPostgresWrite(b *testing.B) {
 	for _, mode := range []string{"on", "off"} {
 		b.Run("synchronous-commit-"+mode, func(b *testing.B) {
 			p := pgPool(b, pgOpts{params: map[string]string{"synchronous_commit": mode}})
-			w, err := sqlfence.NewWriter(sqlfence.Pgx(p), nil)
-			if err != nil {
-				b.Fatal(err)
-			}
+			w := newWriterOn(b, sqlfence.Pgx(p), nil)
 			key := fencetest.Name("bench")
 			pairWrites(b, w, key, func(ctx context.Context, value []byte) (int64, error) {
 				tag, err := p.Exec(ctx, `UPDATE fence_values SET value = $1 WHERE key = $2`, value, key)
@@ -116,10 +110,7 @@ func BenchmarkPostgresWrite(b *testing.B) {
 // (two statements, see TestRoundTrips) next to a plain SELECT 1 round trip (benchutil.AcquireRelease).
 func BenchmarkPostgresAcquireRelease(b *testing.B) {
 	p := pgPool(b, pgOpts{})
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, sqlfence.Pgx(p), nil)
 	benchutil.AcquireRelease(b, a, func(ctx context.Context) error { _, err := p.Exec(ctx, "SELECT 1"); return err })
 }
 
@@ -133,14 +124,8 @@ func BenchmarkPostgresHandoff(b *testing.B) {
 	p := pgPool(b, pgOpts{})
 	for _, mode := range []string{"notify", "poll"} {
 		opts := &sqlfence.AcquirerOptions{DisableNotify: mode == "poll"}
-		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), opts)
-		if err != nil {
-			b.Fatal(err)
-		}
-		other, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), opts)
-		if err != nil {
-			b.Fatal(err)
-		}
+		a := newAcquirerOn(b, sqlfence.Pgx(p), opts)
+		other := newAcquirerOn(b, sqlfence.Pgx(p), opts)
 		b.Run(mode+"/same-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, a, fencetest.Name("handoff")) })
 		b.Run(mode+"/other-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, other, fencetest.Name("handoff")) })
 	}
@@ -164,14 +149,8 @@ func BenchmarkFlakyNetwork(b *testing.B) {
 func sqlFlaky(open func(b *testing.B, p *faultnet.Proxy) *sqlfence.DB) func(b *testing.B, p *faultnet.Proxy) (fence.Acquirer, benchutil.Store) {
 	return func(b *testing.B, p *faultnet.Proxy) (fence.Acquirer, benchutil.Store) {
 		db := open(b, p)
-		a, err := sqlfence.NewAcquirer(db, nil)
-		if err != nil {
-			b.Fatal(err)
-		}
-		w, err := sqlfence.NewWriter(db, nil)
-		if err != nil {
-			b.Fatal(err)
-		}
+		a := newAcquirerOn(b, db, nil)
+		w := newWriterOn(b, db, nil)
 		return a, w
 	}
 }
@@ -750,17 +729,11 @@ const advisoryKey = 7_100_031
 func BenchmarkPostgresVsAdvisory(b *testing.B) {
 	p := pgPool(b, pgOpts{})
 	ctx := context.Background()
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, sqlfence.Pgx(p), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		b.Fatal(err)
 	}
-	async, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
-	if err != nil {
-		b.Fatal(err)
-	}
+	async := newAcquirerOn(b, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
 	for _, c := range []struct {
 		name string
 		a    *sqlfence.Acquirer
@@ -868,23 +841,13 @@ type lockFunc func(ctx context.Context, c *pgxpool.Conn) (unlock func() error, e
 func pgLockedIncrements(b *testing.B, p *pgxpool.Pool, lock lockFunc, name string, workers, each int) time.Duration {
 	return lockedIncrements(b, workers, each, func(ctx context.Context) error {
 		return p.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-			for range each {
-				unlock, err := lock(ctx, c)
-				if err != nil {
-					return err
-				}
-				var v int64
-				if err := c.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v); err != nil {
-					return err
-				}
-				if _, err := c.Exec(ctx, "UPDATE fence_bench_counter SET v = $1 WHERE name = $2", v+1, name); err != nil {
-					return err
-				}
-				if err := unlock(); err != nil {
-					return err
-				}
-			}
-			return nil
+			return incrementEach(each, func() (func() error, error) { return lock(ctx, c) }, func() (v int64, err error) {
+				err = c.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v)
+				return v, err
+			}, func(v int64) error {
+				_, err := c.Exec(ctx, "UPDATE fence_bench_counter SET v = $1 WHERE name = $2", v, name)
+				return err
+			})
 		})
 	}, func(ctx context.Context) (v int64, err error) {
 		err = p.QueryRow(ctx, "SELECT v FROM fence_bench_counter WHERE name = $1", name).Scan(&v)
@@ -941,36 +904,62 @@ func advisoryHandoff(b *testing.B, p *pgxpool.Pool) {
 		b.Fatal(err)
 	}
 	defer waiter.Release()
+	advisory := func(c *pgxpool.Conn) func() (func() error, error) {
+		return func() (func() error, error) {
+			if _, err := c.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
+				return nil, err
+			}
+			return func() error {
+				_, err := c.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey)
+				return err
+			}, nil
+		}
+	}
+	peerHandoffs(b, advisory(holder), advisory(waiter), func() (bool, error) {
+		var n int
+		err := p.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1", advisoryKey).Scan(&n)
+		return n > 0, err
+	})
+}
+
+// peerHandoffs measures b.N handoffs of a peer's lock: the holder locks, the
+// waiter's lock runs in a goroutine, and once waiting reports the waiter
+// blocked, 0-19ms later (benchutil.Handoff's shape), the holder unlocks. It
+// reports the 50th and 90th percentiles from that unlock to the waiter's
+// grant.
+func peerHandoffs(b *testing.B, holderLock, waiterLock func() (unlock func() error, err error), waiting func() (bool, error)) {
 	handoffs := make([]time.Duration, 0, b.N)
 	for i := 0; i < b.N; i++ {
-		if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
+		unlock, err := holderLock()
+		if err != nil {
 			b.Fatal(err)
 		}
 		granted := make(chan time.Time, 1)
 		go func() {
-			if _, err := waiter.Exec(ctx, "SELECT pg_advisory_lock($1)", advisoryKey); err != nil {
+			wunlock, err := waiterLock()
+			if err != nil {
 				b.Error(err)
 				granted <- time.Time{}
 				return
 			}
 			at := time.Now()
-			if _, err := waiter.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey); err != nil {
+			if err := wunlock(); err != nil {
 				b.Error(err)
 			}
 			granted <- at
 		}()
 		for {
-			var n int
-			if err := p.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1", advisoryKey).Scan(&n); err != nil {
+			blocked, err := waiting()
+			if err != nil {
 				b.Fatal(err)
 			}
-			if n > 0 {
+			if blocked {
 				break
 			}
 		}
 		time.Sleep(time.Duration(i%20) * time.Millisecond) // the workload's shape, as benchutil.Handoff
 		start := time.Now()
-		if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", advisoryKey); err != nil {
+		if err := unlock(); err != nil {
 			b.Fatal(err)
 		}
 		at := <-granted
@@ -1009,10 +998,7 @@ const getLockName = "fencekit-bench-peer"
 func BenchmarkMySQLVsGetLock(b *testing.B) {
 	db, fdb := openMySQL(b, "")
 	ctx := context.Background()
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, fdb, nil)
 	if err := a.CreateTable(ctx); err != nil {
 		b.Fatal(err)
 	}
@@ -1103,50 +1089,34 @@ func BenchmarkMySQLVsGetLock(b *testing.B) {
 		if err := waiter.QueryRowContext(ctx, "SELECT CONNECTION_ID()").Scan(&waiterID); err != nil {
 			b.Fatal(err)
 		}
-		handoffs := make([]time.Duration, 0, b.N)
-		for i := 0; i < b.N; i++ {
-			unlock, err := getLock(ctx, holder)
-			if err != nil {
-				b.Fatal(err)
-			}
-			granted := make(chan time.Time, 1)
-			go func() {
-				wunlock, err := getLock(ctx, waiter)
-				if err != nil {
-					b.Error(err)
-					granted <- time.Time{}
-					return
-				}
-				at := time.Now()
-				if err := wunlock(); err != nil {
-					b.Error(err)
-				}
-				granted <- at
-			}()
-			for {
-				var n int
-				if err := db.QueryRowContext(ctx, "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE 'SELECT GET_LOCK%'", waiterID).Scan(&n); err != nil {
-					b.Fatal(err)
-				}
-				if n > 0 {
-					break
-				}
-			}
-			time.Sleep(time.Duration(i%20) * time.Millisecond) // the workload's shape, as benchutil.Handoff
-			start := time.Now()
-			if err := unlock(); err != nil {
-				b.Fatal(err)
-			}
-			at := <-granted
-			if at.IsZero() {
-				b.FailNow()
-			}
-			handoffs = append(handoffs, at.Sub(start))
-		}
-		slices.Sort(handoffs)
-		b.ReportMetric(float64(handoffs[len(handoffs)/2].Microseconds()), "p50-µs")
-		b.ReportMetric(float64(handoffs[len(handoffs)*9/10].Microseconds()), "p90-µs")
+		peerHandoffs(b, func() (func() error, error) { return getLock(ctx, holder) }, func() (func() error, error) { return getLock(ctx, waiter) }, func() (bool, error) {
+			var n int
+			err := db.QueryRowContext(ctx, "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE 'SELECT GET_LOCK%'", waiterID).Scan(&n)
+			return n > 0, err
+		})
 	})
+}
+
+// incrementEach increments a counter each times, each time under lock:
+// lock, read the counter, write it plus one, unlock.
+func incrementEach(each int, lock func() (func() error, error), read func() (int64, error), write func(int64) error) error {
+	for range each {
+		unlock, err := lock()
+		if err != nil {
+			return err
+		}
+		v, err := read()
+		if err != nil {
+			return err
+		}
+		if err := write(v + 1); err != nil {
+			return err
+		}
+		if err := unlock(); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // mysqlLockedIncrements is pgLockedIncrements on MySQL.
@@ -1157,23 +1127,13 @@ func mysqlLockedIncrements(b *testing.B, db *sql.DB, lock func(context.Context, 
 			return err
 		}
 		defer c.Close()
-		for range each {
-			unlock, err := lock(ctx, c)
-			if err != nil {
-				return err
-			}
-			var v int64
-			if err := c.QueryRowContext(ctx, "SELECT v FROM fence_bench_counter WHERE name = ?", name).Scan(&v); err != nil {
-				return err
-			}
-			if _, err := c.ExecContext(ctx, "UPDATE fence_bench_counter SET v = ? WHERE name = ?", v+1, name); err != nil {
-				return err
-			}
-			if err := unlock(); err != nil {
-				return err
-			}
-		}
-		return nil
+		return incrementEach(each, func() (func() error, error) { return lock(ctx, c) }, func() (v int64, err error) {
+			err = c.QueryRowContext(ctx, "SELECT v FROM fence_bench_counter WHERE name = ?", name).Scan(&v)
+			return v, err
+		}, func(v int64) error {
+			_, err := c.ExecContext(ctx, "UPDATE fence_bench_counter SET v = ? WHERE name = ?", v, name)
+			return err
+		})
 	}, func(ctx context.Context) (v int64, err error) {
 		err = db.QueryRowContext(ctx, "SELECT v FROM fence_bench_counter WHERE name = ?", name).Scan(&v)
 		return v, err

@@ -192,19 +192,13 @@ func TestPostgresTokensGrowAcrossCrash(t *testing.T) {
 	pg := startOwnPostgres(t, "wal_writer_delay = 10s", "synchronous_commit = on")
 	ctx := context.Background()
 	p := pg.pool(t)
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
 	name := "crash"
 	// A durable starting point: a checkpoint after the first grant.
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -213,10 +207,7 @@ func TestPostgresTokensGrowAcrossCrash(t *testing.T) {
 	}
 	var last fence.Token
 	for i := 0; i < 50; i++ {
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, name, time.Minute)
 		if l.Token() <= last {
 			t.Fatalf("token %d after %d", l.Token(), last)
 		}
@@ -246,10 +237,7 @@ func TestPostgresTokensGrowAcrossCrash(t *testing.T) {
 	if err := held.Release(ctx); err != nil {
 		t.Errorf("releasing the lease held across the crash: %v", err)
 	}
-	l, err = a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l = mustGrant(t, ctx, a, name, time.Minute)
 	if l.Token() <= last {
 		t.Errorf("after the crash a grant got token %d, not above %d", l.Token(), last)
 	}
@@ -281,10 +269,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 	pg := startQuietPostgres(t, "off")
 	ctx := context.Background()
 	p := pg.pool(t)
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -292,10 +277,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 	name := "async"
 	var grants, renewals, releases, bumps int // statements whose commit was on disk when they returned
 	for i := 0; i < n; i++ {
-		l, err := a.TryAcquire(ctx, fmt.Sprintf("%s-%d", name, i), time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, fmt.Sprintf("%s-%d", name, i), time.Minute)
 		if flushed(t, p) {
 			grants++
 		}
@@ -327,10 +309,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 	}
 
 	// A grant just before the crash.
-	held, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	held := mustGrant(t, ctx, a, name, time.Minute)
 	pg.crash(t)
 	p.Reset()
 	info, err := a.Inspect(ctx, name)
@@ -346,10 +325,7 @@ func TestPostgresAsyncServerKeepsGrantsAcrossCrash(t *testing.T) {
 
 	// A release just before the crash: lost or not, the lease is free
 	// within its ttl, and the next token is above the released one.
-	l, err := a.TryAcquire(ctx, name, 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, 2*time.Second)
 	if l.Token() <= held.Token() {
 		t.Fatalf("token %d after %d", l.Token(), held.Token())
 	}
@@ -387,28 +363,15 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
-	pa, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pa := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	if err := pa.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	pc, err := p.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
-	ca, err := sqlfence.NewAcquirer(sqlfence.Pgx(pc.Conn()), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pc := pooledConn(t, p)
+	ca := newAcquirerOn(t, sqlfence.Pgx(pc.Conn()), nil)
 	sdb := stdlib.OpenDBFromPool(p)
 	defer sdb.Close()
-	sa, err := sqlfence.NewAcquirer(sqlfence.Postgres(sdb), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sa := newAcquirerOn(t, sqlfence.Postgres(sdb), nil)
 	const n = 10
 	for _, c := range []struct {
 		how string
@@ -416,10 +379,7 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 	}{{"pool", pa}, {"*pgx.Conn", ca}, {"database/sql", sa}} {
 		grants, releases := 0, 0
 		for i := 0; i < n; i++ {
-			l, err := c.a.TryAcquire(ctx, "nodisk", time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, c.a, "nodisk", time.Minute)
 			if flushed(t, p) {
 				grants++
 			}
@@ -442,10 +402,7 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 		if err := begin(); err != nil {
 			t.Fatal(err)
 		}
-		l, err := a.TryAcquire(ctx, "in-tx-"+how, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, "in-tx-"+how, time.Minute)
 		if err := l.Release(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -460,10 +417,7 @@ func TestPostgresReleaseDoesNotWaitForDisk(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ta, err := sqlfence.NewAcquirer(sqlfence.Pgx(tx), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ta := newAcquirerOn(t, sqlfence.Pgx(tx), nil)
 	inTx("pgx.Tx", func() error { return nil }, func() error { return tx.Commit(ctx) }, ta)
 	exec := func(q string) func() error {
 		return func() error { _, err := pc.Exec(ctx, q); return err }
@@ -484,14 +438,8 @@ func TestPostgresAsyncGrants(t *testing.T) {
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
-	durable, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	durable := newAcquirerOn(t, sqlfence.Pgx(p), nil)
+	a := newAcquirerOn(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AsyncGrants: true})
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -508,10 +456,7 @@ func TestPostgresAsyncGrants(t *testing.T) {
 	onDisk := 0
 	last := first.Token()
 	for i := 0; i < n; i++ {
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, name, time.Minute)
 		if flushed(t, p) {
 			onDisk++
 		}
@@ -557,10 +502,7 @@ func TestPostgresAsyncGrants(t *testing.T) {
 	if err := a.Bump(ctx, name, bumped); err != nil {
 		t.Fatal(err)
 	}
-	ahead, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ahead := mustGrant(t, ctx, a, name, time.Minute)
 	if ahead.Token() != bumped+1 {
 		t.Fatalf("token %d after a bump to %d", ahead.Token(), bumped)
 	}
@@ -728,10 +670,7 @@ func crashRestart(t *testing.T, flush string) {
 	ctx := context.Background()
 	open := func() (*sql.DB, *sqlfence.Acquirer) {
 		db := m.open(t, "test")
-		a, err := sqlfence.NewAcquirer(sqlfence.MySQL(db), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		a := newAcquirerOn(t, sqlfence.MySQL(db), nil)
 		return db, a
 	}
 	_, a := open()
@@ -741,24 +680,15 @@ func crashRestart(t *testing.T, flush string) {
 	released, held, dead := fencetest.Name("crash"), fencetest.Name("crash"), fencetest.Name("crash")
 	var last fence.Token
 	for range 5 { // a row that made several grants
-		l, err := a.TryAcquire(ctx, released, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, released, time.Minute)
 		if err := l.Release(ctx); err != nil {
 			t.Fatal(err)
 		}
 		last = l.Token()
 	}
-	lh, err := a.TryAcquire(ctx, held, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	lh := mustGrant(t, ctx, a, held, time.Minute)
 	const deadTTL = 2 * time.Second
-	ld, err := a.TryAcquire(ctx, dead, deadTTL)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ld := mustGrant(t, ctx, a, dead, deadTTL)
 	granted := time.Now()
 
 	m.kill(t)
@@ -812,10 +742,7 @@ func asyncServer(t *testing.T) (*ownPostgres, *pgxpool.Pool) {
 
 func asyncAcquirer(t *testing.T, db *sqlfence.DB, o *sqlfence.AcquirerOptions) *sqlfence.Acquirer {
 	t.Helper()
-	a, err := sqlfence.NewAcquirer(db, o)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, db, o)
 	return a
 }
 
@@ -836,29 +763,20 @@ func TestAsyncGrantsMixedAcquirersAfterCrash(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := "mixed"
-	first, err := durable.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	first := mustGrant(t, ctx, durable, name, time.Minute)
 	if err := first.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := p.Exec(ctx, "CHECKPOINT"); err != nil {
 		t.Fatal(err)
 	}
-	l, err := async.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, async, name, time.Minute)
 	if flushed(t, p) {
 		t.Skip("the async grant was flushed before the crash: nothing to lose")
 	}
 	pg.crash(t)
 	p.Reset()
-	next, err := durable.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	next := mustGrant(t, ctx, durable, name, time.Minute)
 	t.Logf("before: durable token %d, async token %d; after the crash the default acquirer granted %d", first.Token(), l.Token(), next.Token())
 	if next.Token() <= l.Token() {
 		t.Errorf("after the crash the default acquirer granted token %d, not above the async grant's %d that its holder still uses: fencing broken (%d behind)", next.Token(), l.Token(), l.Token()-next.Token())
@@ -899,10 +817,7 @@ func TestAsyncGrantsInCallerTx(t *testing.T) {
 		t.Fatal(err)
 	}
 	a := asyncAcquirer(t, sqlfence.Pgx(tx), &sqlfence.AcquirerOptions{AsyncGrants: true, DisableNotify: true})
-	l, err := a.TryAcquire(ctx, "in-tx", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, "in-tx", time.Minute)
 	var setting string
 	if err := tx.QueryRow(ctx, "SHOW synchronous_commit").Scan(&setting); err != nil {
 		t.Fatal(err)
@@ -959,10 +874,7 @@ func TestAsyncGrantsLostInCrash(t *testing.T) {
 		t.Fatal(err)
 	}
 	// An existing row, on disk.
-	old, err := a.TryAcquire(ctx, "existing", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	old := mustGrant(t, ctx, a, "existing", time.Minute)
 	if err := old.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -973,10 +885,7 @@ func TestAsyncGrantsLostInCrash(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lostOld, err := a.TryAcquire(ctx, "existing", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	lostOld := mustGrant(t, ctx, a, "existing", time.Minute)
 	if flushed(t, p) {
 		t.Skip("the async grants were flushed before the crash")
 	}
@@ -1004,10 +913,7 @@ func TestAsyncGrantsLostInCrash(t *testing.T) {
 		name string
 		lost fence.Lease
 	}{{"created", lostNew}, {"existing", lostOld}} {
-		next, err := b.TryAcquire(ctx, c.name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		next := mustGrant(t, ctx, b, c.name, time.Minute)
 		if next.Token() <= c.lost.Token() {
 			t.Errorf("%s: token %d after the crash, not above the lost %d", c.name, next.Token(), c.lost.Token())
 		}
@@ -1048,10 +954,7 @@ func TestAsyncGrantsAboveClockOnAsyncSession(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := "ahead"
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -1059,10 +962,7 @@ func TestAsyncGrantsAboveClockOnAsyncSession(t *testing.T) {
 	if err := a.Bump(ctx, name, bumped); err != nil {
 		t.Fatal(err)
 	}
-	ahead, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ahead := mustGrant(t, ctx, a, name, time.Minute)
 	if !flushed(t, p) {
 		t.Errorf("a grant above the clock (token %d) on a synchronous_commit off session returned before it was on disk", ahead.Token())
 	}
@@ -1104,10 +1004,7 @@ func TestAsyncGrantsMixedAcquirersSameToken(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := "same-token"
-	first, err := durable.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	first := mustGrant(t, ctx, durable, name, time.Minute)
 	if err := first.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -1116,10 +1013,7 @@ func TestAsyncGrantsMixedAcquirersSameToken(t *testing.T) {
 	}
 	var lost fence.Lease
 	for i := 0; i < 10000 && lost == nil; i++ {
-		l, err := async.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, async, name, time.Minute)
 		if !flushed(t, p) {
 			lost = l
 			break
@@ -1148,10 +1042,7 @@ func TestAsyncGrantsMixedAcquirersSameToken(t *testing.T) {
 	}
 	var l fence.Lease
 	for {
-		l, err = durable.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l = mustGrant(t, ctx, durable, name, time.Minute)
 		if l.Token() >= lost.Token() {
 			break
 		}

@@ -67,14 +67,8 @@ func everyDialect(t *testing.T) []dialectDB {
 // default tables of d.
 func (d dialectDB) parts(t *testing.T) (*sqlfence.Writer, *sqlfence.Acquirer, *sqlfence.IdempotencyStore) {
 	t.Helper()
-	w, err := sqlfence.NewWriter(d.db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := sqlfence.NewAcquirer(d.db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, d.db, nil)
+	a := newAcquirerOn(t, d.db, nil)
 	s, err := sqlfence.NewIdempotencyStore(d.db, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -100,6 +94,45 @@ func pgxExec(p *pgxpool.Pool) func(context.Context, string, ...any) error {
 	}
 }
 
+// TestWriterConformance runs the writer suite on PostgreSQL through pgx and
+// database/sql, and on MySQL with and without clientFoundRows.
+func TestWriterConformance(t *testing.T) {
+	runByServer(t, serverStyles("", "clientFoundRows=true"), false, func(t *testing.T, s serverStyle) {
+		w := newWriterOn(t, s.open(t, ""), nil)
+		fencetest.WriterSuite{
+			New:     func(t *testing.T) fence.FencedWriter { return w },
+			BadKeys: badKeys,
+			Faulty:  faultyWriter(s.open, s.target),
+		}.Run(t)
+	})
+}
+
+// TestAcquirerConformance runs the acquirer suite on PostgreSQL through pgx
+// and database/sql, with notifications and without, and on MySQL with and
+// without clientFoundRows; the two servers' subtests run side by side.
+func TestAcquirerConformance(t *testing.T) {
+	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
+	runByServer(t, serverStyles("", "clientFoundRows=true"), true, func(t *testing.T, s serverStyle) {
+		deleteState := deleteLeaseRow(s.operator(t))
+		fdb := s.open(t, "")
+		run := func(t *testing.T, opts *sqlfence.AcquirerOptions) {
+			a := newAcquirerOn(t, fdb, opts)
+			fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
+				NewOther:    otherAcquirer(s.open, opts),
+				Faulty:      faultyAcquirer(s.open, s.target, opts),
+				DeleteState: deleteState,
+			}.Run(t)
+		}
+		if s.server == "mysql" {
+			run(t, nil)
+			return
+		}
+		for _, notify := range []bool{true, false} {
+			t.Run(fmt.Sprintf("notify=%v", notify), func(t *testing.T) { run(t, &sqlfence.AcquirerOptions{DisableNotify: !notify}) })
+		}
+	})
+}
+
 // TestTokenAfterLeaseRowDeleted (tokens never go backwards): holder A has token t and
 // pauses; the lease row is deleted behind the acquirer's back; B is granted
 // the name. B's token must be above t, so that the fence rejects A's late
@@ -110,39 +143,41 @@ func TestTokenAfterLeaseRowDeleted(t *testing.T) {
 		t.Run(d.name, func(t *testing.T) {
 			w, a, _ := d.parts(t)
 			name := fencetest.Name("deleted")
-			la, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			la := mustGrant(t, ctx, a, name, time.Minute)
 			// A few grants and releases first, so the counter is not where a
 			// new row starts.
 			for i := 0; i < 3; i++ {
 				if err := la.Release(ctx); err != nil {
 					t.Fatal(err)
 				}
-				if la, err = a.TryAcquire(ctx, name, time.Minute); err != nil {
-					t.Fatal(err)
-				}
+				la = mustGrant(t, ctx, a, name, time.Minute)
 			}
-			if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
-				t.Fatal(err)
-			}
-			lb, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatalf("grant after the row was deleted: %v", err)
-			}
-			t.Cleanup(func() { _ = lb.Release(context.Background()) })
-			if lb.Token() <= la.Token() {
-				t.Fatalf("B's token %d is not above the paused holder's %d", lb.Token(), la.Token())
-			}
-			key := name + "/data"
-			if err := w.Write(ctx, key, []byte("B"), lb.Token()); err != nil {
-				t.Fatal(err)
-			}
-			if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
-				t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
-			}
+			deleteLeaseRow(d.exec)(t, name)
+			checkPausedHolderFenced(t, w, a, name, la, "grant after the row was deleted")
 		})
+	}
+}
+
+// checkPausedHolderFenced grants name to a new holder B (what says which grant
+// this is in an error) and checks that B's token is above the paused holder
+// la's and that la's write after B's is refused as stale.
+func checkPausedHolderFenced(t *testing.T, w *sqlfence.Writer, a *sqlfence.Acquirer, name string, la fence.Lease, what string) {
+	t.Helper()
+	ctx := context.Background()
+	lb, err := a.TryAcquire(ctx, name, time.Minute)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	t.Cleanup(func() { _ = lb.Release(context.Background()) })
+	if lb.Token() <= la.Token() {
+		t.Fatalf("B's token %d is not above the paused holder's %d", lb.Token(), la.Token())
+	}
+	key := name + "/data"
+	if err := w.Write(ctx, key, []byte("B"), lb.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
 	}
 }
 
@@ -166,9 +201,7 @@ func TestTokenAfterLeaseRowDeletedAtOnce(t *testing.T) {
 					t.Fatalf("grant %d after the row was deleted: token %d, not above the previous holder's %d", i, l.Token(), prev)
 				}
 				prev = l.Token()
-				if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
-					t.Fatal(err)
-				}
+				deleteLeaseRow(d.exec)(t, name)
 			}
 		})
 	}
@@ -189,16 +222,10 @@ func TestLateRenewHoldsNothingOnMySQLSessions(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			_, db := openMySQL(t, params)
-			a, err := sqlfence.NewAcquirer(db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, db, nil)
 			name := fencetest.Name("late-renew")
 			sent := time.Now()
-			l, err := a.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, ttl)
 			<-l.Context().Done()
 			renewed := time.Now()
 			if err := l.Renew(ctx); !errors.Is(err, fence.ErrLost) {
@@ -241,31 +268,12 @@ func TestBumpOfMissingRowKeepsClockFloor(t *testing.T) {
 		t.Run(d.name, func(t *testing.T) {
 			w, a, _ := d.parts(t)
 			name := fencetest.Name("bump-deleted")
-			la, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := d.exec(ctx, "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
-				t.Fatal(err)
-			}
+			la := mustGrant(t, ctx, a, name, time.Minute)
+			deleteLeaseRow(d.exec)(t, name)
 			if err := a.Bump(ctx, name, 1000); err != nil && !errors.Is(err, fence.ErrInvalid) {
 				t.Fatalf("Bump of the deleted row: %v", err)
 			}
-			lb, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = lb.Release(context.Background()) })
-			if lb.Token() <= la.Token() {
-				t.Fatalf("B's token %d is not above the paused holder's %d", lb.Token(), la.Token())
-			}
-			key := name + "/data"
-			if err := w.Write(ctx, key, []byte("B"), lb.Token()); err != nil {
-				t.Fatal(err)
-			}
-			if err := w.Write(ctx, key, []byte("A"), la.Token()); !errors.Is(err, fence.ErrStale) {
-				t.Errorf("the paused holder's write after B's: %v, want ErrStale", err)
-			}
+			checkPausedHolderFenced(t, w, a, name, la, "grant after the Bump")
 		})
 	}
 }
@@ -277,10 +285,7 @@ func TestInspectAndBump(t *testing.T) {
 	if _, err := a.Inspect(ctx, "never"); !errors.Is(err, fence.ErrNotFound) {
 		t.Errorf("Inspect of an unknown name: %v", err)
 	}
-	l, err := a.TryAcquire(ctx, "job", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, "job", time.Minute)
 	info, err := a.Inspect(ctx, "job")
 	if err != nil || !info.Held || info.Token != l.Token() || info.Owner != a.Owner() || info.TimeLeft <= 50*time.Second || info.Counter != l.Token() {
 		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)

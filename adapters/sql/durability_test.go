@@ -69,16 +69,9 @@ func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	pg := startQuietPostgres(t, "on")
 	ctx := context.Background()
 	p := pg.pool(t)
-	pc, err := p.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
+	pc := pooledConn(t, p)
 	conn := pc.Conn()
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(conn), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(conn), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -105,10 +98,7 @@ func TestPostgresReleaseInCallerTxKeepsItsDurability(t *testing.T) {
 	} {
 		var l fence.Lease
 		if round.withLease {
-			l, err = a.TryAcquire(ctx, "durable-in-tx", time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l = mustGrant(t, ctx, a, "durable-in-tx", time.Minute)
 			if !flushed(t, p) {
 				t.Fatalf("%s: the grant outside a transaction block was not on disk when it returned", round.how)
 			}
@@ -179,22 +169,12 @@ func TestPostgresAsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 	if err := g.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	pa, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AdvanceGuards: g})
-	if err != nil {
-		t.Fatal(err)
-	}
+	pa := newAcquirerOn(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{AdvanceGuards: g})
 	if err := pa.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	pc, err := p.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
-	ca, err := sqlfence.NewAcquirer(sqlfence.Pgx(pc.Conn()), &sqlfence.AcquirerOptions{AdvanceGuards: g, DisableNotify: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	pc := pooledConn(t, p)
+	ca := newAcquirerOn(t, sqlfence.Pgx(pc.Conn()), &sqlfence.AcquirerOptions{AdvanceGuards: g, DisableNotify: true})
 	type held struct {
 		l    fence.Lease
 		name string
@@ -206,10 +186,7 @@ func TestPostgresAsyncSessionKeepsGrantsAcrossCrash(t *testing.T) {
 		a   *sqlfence.Acquirer
 	}{{"pool", pa}, {"*pgx.Conn", ca}} {
 		name := "durable-async-" + c.how
-		l, err := c.a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, c.a, name, time.Minute)
 		if !flushed(t, check) {
 			t.Errorf("%s: a grant with AdvanceGuards returned before its commit was on disk (session synchronous_commit off)", c.how)
 		}
@@ -277,10 +254,7 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	ctx := context.Background()
 	for _, v := range []string{"off", "local", "remote_write", "on", "remote_apply"} {
 		p := syncCommitPool(t, map[string]string{"synchronous_commit": v}, 0)
-		a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), &sqlfence.AcquirerOptions{Table: "durable_leases"})
-		if err != nil {
-			t.Fatal(err)
-		}
+		a := newAcquirerOn(t, sqlfence.Pgx(p), &sqlfence.AcquirerOptions{Table: "durable_leases"})
 		if err := a.CreateTable(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -291,10 +265,7 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 				t.Errorf("session synchronous_commit %s: after %s it is %q", v, step, s)
 			}
 		}
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, name, time.Minute)
 		after("a grant")
 		if _, err := a.TryAcquire(ctx, name, time.Minute); !errors.Is(err, fence.ErrHeld) {
 			t.Fatalf("second grant: %v", err)
@@ -337,16 +308,9 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	// *pgx.Conn inside BEGIN: the caller's SET LOCAL stays, the session's
 	// value comes back after ROLLBACK.
 	p := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
-	pc, err := p.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
+	pc := pooledConn(t, p)
 	conn := pc.Conn()
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{Table: "durable_leases"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(conn), &sqlfence.AcquirerOptions{Table: "durable_leases"})
 	name := fmt.Sprintf("durable-setting-tx-%d", time.Now().UnixNano())
 	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
 		t.Fatal(err)
@@ -354,10 +318,7 @@ func TestPostgresSessionSyncCommitUnchanged(t *testing.T) {
 	if _, err := conn.Exec(ctx, "SET LOCAL synchronous_commit = local"); err != nil {
 		t.Fatal(err)
 	}
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	if s := showSyncCommit(t, conn); s != "local" {
 		t.Errorf("inside BEGIN with SET LOCAL synchronous_commit = local, a grant made it %q (a setting that is not off is to be kept)", s)
 	}
@@ -392,11 +353,7 @@ func TestPostgresOutcomesThroughWrappedStatements(t *testing.T) {
 	sdb := stdlib.OpenDBFromPool(stdPool)
 	defer sdb.Close()
 	cp := syncCommitPool(t, map[string]string{"synchronous_commit": "off"}, 0)
-	pc, err := cp.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Release()
+	pc := pooledConn(t, cp)
 	conn := pc.Conn()
 	run := func(q string) func() {
 		return func() {
@@ -416,10 +373,7 @@ func TestPostgresOutcomesThroughWrappedStatements(t *testing.T) {
 	for _, h := range handles {
 		for _, dn := range []bool{false, true} {
 			how := fmt.Sprintf("%s DisableNotify=%v", h.how, dn)
-			a, err := sqlfence.NewAcquirer(h.db(), &sqlfence.AcquirerOptions{Table: "durable_leases", DisableNotify: dn})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, h.db(), &sqlfence.AcquirerOptions{Table: "durable_leases", DisableNotify: dn})
 			if err := a.CreateTable(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -540,10 +494,7 @@ func TestPostgresAsyncServerWithAbsentSyncStandby(t *testing.T) {
 	pg := startOwnPostgres(t, "synchronous_commit = off", "synchronous_standby_names = 'absent_standby'")
 	ctx := context.Background()
 	p := pg.pool(t)
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -572,24 +523,15 @@ func TestPostgresWriterFenceAcrossCrash(t *testing.T) {
 	ctx := context.Background()
 	p := pg.pool(t)
 	db := sqlfence.Pgx(p)
-	a, err := sqlfence.NewAcquirer(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := sqlfence.NewWriter(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, db, nil)
+	w := newWriterOn(t, db, nil)
 	if err := a.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if err := w.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	old, err := a.TryAcquire(ctx, "durable-writer", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	old := mustGrant(t, ctx, a, "durable-writer", time.Minute)
 	if err := w.Write(ctx, "k", []byte("old"), old.Token()); err != nil {
 		t.Fatal(err)
 	}

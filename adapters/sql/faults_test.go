@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"net"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -19,7 +18,6 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/testenv"
-	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -108,10 +106,7 @@ func TestLeaseAcrossKilledConnections(t *testing.T) {
 	a, _ := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
 	other, _ := sqlfence.NewAcquirer(sqlfence.Pgx(admin), nil)
 	name := fencetest.Name("killconn")
-	l, err := a.TryAcquire(ctx, name, 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, 10*time.Second)
 	if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1`, app); err != nil {
 		t.Fatal(err)
 	}
@@ -274,28 +269,26 @@ func proxiedPool(t testing.TB, proxy *faultnet.Proxy, maxConns int32) *pgxpool.P
 	return p
 }
 
-// mysqlAddr is the test MySQL server's address.
-func mysqlAddr(t testing.TB) string {
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
+// checkExtendedRowGivenUp checks that other is granted name at once after
+// a renewal (what) that ended past the lease's local deadline: the row it
+// extended was given up.
+func checkExtendedRowGivenUp(t *testing.T, other *sqlfence.Acquirer, name, what string) {
+	t.Helper()
+	ctx := context.Background()
+	l2, err := other.TryAcquire(ctx, name, time.Second)
 	if err != nil {
-		t.Fatal(err)
+		info, _ := other.Inspect(ctx, name)
+		t.Fatalf("another acquirer after %s: %v (%+v); the extended row was not given up", what, err, info)
 	}
-	return cfg.Addr
+	_ = l2.Release(ctx)
 }
+
+// mysqlAddr is the test MySQL server's address.
+func mysqlAddr(t testing.TB) string { return mysqlConfig(t).Addr }
 
 // proxiedMySQL is a database/sql handle on the test MySQL server through proxy.
 func proxiedMySQL(t testing.TB, proxy *faultnet.Proxy) *sql.DB {
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.Addr = proxy.Addr()
-	db, err := sql.Open("mysql", cfg.FormatDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	return db
+	return mysqlDB(t, proxy.Addr(), "")
 }
 
 // pgTarget is the test PostgreSQL server's address.
@@ -498,10 +491,7 @@ func TestLostReplies(t *testing.T) {
 				a, _ := sqlfence.NewAcquirer(p.db, nil)
 				other, _ := sqlfence.NewAcquirer(p.direct, nil)
 				name := fencetest.Name("lost-renew")
-				l, err := a.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, a, name, time.Minute)
 				if err := lose(t, p.proxy, carrying(name), func() error { return l.Renew(ctx) }); err != nil {
 					t.Errorf("Renew whose reply was lost: %v, want nil (it landed, or its retry did)", err)
 				}
@@ -559,10 +549,7 @@ func TestRenewConfirmedAfterLocalDeadline(t *testing.T) {
 			other, _ := sqlfence.NewAcquirer(p.direct, nil)
 			for try := 1; ; try++ {
 				name := fencetest.Name("slow-renew")
-				l, err := a.TryAcquire(ctx, name, ttl)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, a, name, ttl)
 				if l.Context().Err() != nil {
 					// A loaded machine took the whole second before the
 					// Renew could be sent (it happens: the Renew then
@@ -576,17 +563,12 @@ func TestRenewConfirmedAfterLocalDeadline(t *testing.T) {
 					continue
 				}
 				p.proxy.Latency(delay, delay)
-				err = l.Renew(ctx)
+				err := l.Renew(ctx)
 				p.proxy.Latency(0, 0)
 				if !errors.Is(err, fence.ErrLost) {
 					t.Fatalf("Renew confirmed after the local deadline: %v, want ErrLost", err)
 				}
-				l2, err := other.TryAcquire(ctx, name, time.Second)
-				if err != nil {
-					info, _ := other.Inspect(ctx, name)
-					t.Fatalf("another acquirer after the late confirmation: %v (%+v); the extended row was not given up", err, info)
-				}
-				_ = l2.Release(ctx)
+				checkExtendedRowGivenUp(t, other, name, "the late confirmation")
 				return
 			}
 		})
@@ -604,23 +586,7 @@ func TestMySQLLostReplyOfParameterPath(t *testing.T) {
 			ctx := context.Background()
 			_, direct := openMySQL(t, params)
 			px := faultnet.Start(t, mysqlAddr(t))
-			cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.Addr = px.Addr()
-			dsn := cfg.FormatDSN()
-			if params != "" {
-				dsn += "&" + params
-				if !strings.Contains(cfg.FormatDSN(), "?") {
-					dsn = cfg.FormatDSN() + "?" + params
-				}
-			}
-			my, err := sql.Open("mysql", dsn)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { my.Close() })
+			my := mysqlDB(t, px.Addr(), params)
 			w, _ := sqlfence.NewWriter(sqlfence.MySQL(my), nil)
 			check, _ := sqlfence.NewWriter(direct, nil)
 			for _, existing := range []bool{false, true} {
@@ -794,14 +760,11 @@ func TestRenewReplyLostPastLocalDeadline(t *testing.T) {
 			a, _ := sqlfence.NewAcquirer(p.db, &sqlfence.AcquirerOptions{Drift: drift})
 			other, _ := sqlfence.NewAcquirer(p.direct, nil)
 			name := fencetest.Name("lost-late-renew")
-			l, err := a.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, ttl)
 			// The renewal's request waits in the proxy until the local
 			// deadline (300ms after the grant) has passed, then reaches the
 			// server (which holds the lease for 10s) and its reply is lost.
-			err = lose(t, p.proxy, func(b []byte) bool {
+			err := lose(t, p.proxy, func(b []byte) bool {
 				if !faultnet.Carries(b, name) {
 					return false
 				}
@@ -814,12 +777,7 @@ func TestRenewReplyLostPastLocalDeadline(t *testing.T) {
 			if !errors.Is(err, fence.ErrLost) && !errors.Is(err, fence.ErrUnknown) {
 				t.Errorf("Renew past the local deadline: %v, want ErrLost or ErrUnknown", err)
 			}
-			l2, err := other.TryAcquire(ctx, name, time.Second)
-			if err != nil {
-				info, _ := other.Inspect(ctx, name)
-				t.Fatalf("another acquirer after the renewal whose reply was lost: %v (%+v); the extended row was not given up", err, info)
-			}
-			_ = l2.Release(ctx)
+			checkExtendedRowGivenUp(t, other, name, "the renewal whose reply was lost")
 		})
 	}
 }
@@ -837,10 +795,7 @@ func TestReleaseReplyLostThenRegranted(t *testing.T) {
 			a, _ := sqlfence.NewAcquirer(p.db, nil)
 			other, _ := sqlfence.NewAcquirer(p.direct, nil)
 			name := fencetest.Name("lost-release-regrant")
-			l, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, time.Minute)
 			var l2 fence.Lease
 			var otherErr error
 			seen := 0
@@ -857,7 +812,7 @@ func TestReleaseReplyLostThenRegranted(t *testing.T) {
 				return false
 			})
 			p.proxy.LoseReply(carrying(name))
-			err = l.Release(ctx)
+			err := l.Release(ctx)
 			if otherErr != nil || l2 == nil {
 				t.Fatalf("the other acquirer after the applied release: %v", otherErr)
 			}
@@ -884,10 +839,7 @@ func TestLostGrantReplyWithAdvanceGuards(t *testing.T) {
 				if err := p.guards.CreateTable(ctx); err != nil {
 					t.Fatal(err)
 				}
-				a, err := sqlfence.NewAcquirer(p.db, &sqlfence.AcquirerOptions{AdvanceGuards: p.guards})
-				if err != nil {
-					t.Fatal(err)
-				}
+				a := newAcquirerOn(t, p.db, &sqlfence.AcquirerOptions{AdvanceGuards: p.guards})
 				other, _ := sqlfence.NewAcquirer(p.direct, nil)
 				name := fencetest.Name("lost-grant-adv")
 				match := carrying(name)
@@ -895,7 +847,7 @@ func TestLostGrantReplyWithAdvanceGuards(t *testing.T) {
 					match = committing
 				}
 				var l fence.Lease
-				err = lose(t, p.proxy, match, func() (err error) {
+				err := lose(t, p.proxy, match, func() (err error) {
 					l, err = a.TryAcquire(ctx, name, time.Minute)
 					return err
 				})
@@ -943,16 +895,7 @@ func TestUnreachableServerIsDefinite(t *testing.T) {
 	t.Cleanup(pool.Close)
 	std := stdlib.OpenDBFromPool(pool)
 	t.Cleanup(func() { std.Close() })
-	mcfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	mcfg.Addr = addr
-	my, err := sql.Open("mysql", mcfg.FormatDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { my.Close() })
+	my := mysqlDB(t, addr, "")
 	for name, db := range map[string]*sqlfence.DB{"postgres-pgx": sqlfence.Pgx(pool), "postgres-database-sql": sqlfence.Postgres(std), "mysql": sqlfence.MySQL(my)} {
 		t.Run(name, func(t *testing.T) {
 			ctx := context.Background()
@@ -1016,10 +959,7 @@ func TestDoneContextIsDefinite(t *testing.T) {
 			_, tryErr := a.TryAcquire(done, "done-ctx", time.Minute)
 			_, _, beginErr := s.Begin(done, "done-ctx", "fp", "me", time.Minute)
 			_, updErr := s.Update(done, "done-ctx", idempotency.Claimed, 1, idempotency.Change{State: idempotency.Armed, Fence: 1, Owner: "me", Lease: time.Minute})
-			l, err := a.TryAcquire(context.Background(), fencetest.Name("done-ctx"), time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, context.Background(), a, fencetest.Name("done-ctx"), time.Minute)
 			renewErr, releaseErr := l.Renew(done), l.Release(done)
 			if err := l.Release(context.Background()); err != nil {
 				t.Errorf("Release after a Release with a cancelled context: %v; want the lease still held and released now", err)

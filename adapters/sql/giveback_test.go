@@ -38,19 +38,10 @@ func TestGiveBackInFlightStress(t *testing.T) {
 	ctx := context.Background()
 	for _, p := range lostReplyTargets(t) {
 		t.Run(p.name, func(t *testing.T) {
-			a, err := sqlfence.NewAcquirer(p.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			other, err := sqlfence.NewAcquirer(p.direct, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, p.db, nil)
+			other := newAcquirerOn(t, p.direct, nil)
 			for i := 0; i < 3; i++ {
-				l, err := a.TryAcquire(ctx, fencetest.Name("gbwarm"), time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, a, fencetest.Name("gbwarm"), time.Minute)
 				_ = l.Release(ctx)
 			}
 			var held, late, unknown, granted int
@@ -58,10 +49,7 @@ func TestGiveBackInFlightStress(t *testing.T) {
 				name := fencetest.Name("gbstress")
 				if i%2 == 1 {
 					// An existing, free row (a grant takes over an expired one).
-					l, err := other.TryAcquire(ctx, name, time.Minute)
-					if err != nil {
-						t.Fatal(err)
-					}
+					l := mustGrant(t, ctx, other, name, time.Minute)
 					_ = l.Release(ctx)
 				}
 				lat := time.Duration(5+rand.IntN(60)) * time.Millisecond
@@ -334,16 +322,10 @@ func TestGiveBackSecondGrantOfTheAttempt(t *testing.T) {
 			a := newAcquirerOn(t, sqlfence.MySQL(db), &sqlfence.AcquirerOptions{Owner: "giveback-attempt", DisableNotify: !bells})
 			t.Cleanup(func() { d.deliver(); d.release() })
 			// The row exists, free; a's pool has connections.
-			l, err := other.TryAcquire(ctx, name, time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, other, name, time.Second)
 			_ = l.Release(ctx)
 			for i := 0; i < 3; i++ {
-				l, err := a.TryAcquire(ctx, name+"-warm", time.Second)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, a, name+"-warm", time.Second)
 				_ = l.Release(ctx)
 			}
 			d.armed.Store(true)
@@ -393,14 +375,8 @@ func TestAcquireEndsWithAGrantInFlight(t *testing.T) {
 	ctx := context.Background()
 	for _, p := range lostReplyTargets(t) {
 		t.Run(p.name, func(t *testing.T) {
-			a, err := sqlfence.NewAcquirer(p.db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			other, err := sqlfence.NewAcquirer(p.direct, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, p.db, nil)
+			other := newAcquirerOn(t, p.direct, nil)
 			warm := fencetest.Name("inflight")
 			l, err := a.TryAcquire(ctx, warm, time.Minute) // connects and prepares
 			if err != nil {
@@ -410,10 +386,7 @@ func TestAcquireEndsWithAGrantInFlight(t *testing.T) {
 				t.Fatal(err)
 			}
 			held, free := fencetest.Name("inflight"), fencetest.Name("inflight")
-			h, err := other.TryAcquire(ctx, held, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, other, held, time.Minute)
 			defer h.Release(ctx)
 			for _, name := range []string{held, free} {
 				p.proxy.Latency(60*time.Millisecond, 60*time.Millisecond)
@@ -483,16 +456,13 @@ func TestGrantWatcherSparesOthersMySQL(t *testing.T) {
 	_, fdb2 := openMySQL(t, "")
 	b := newAcquirerOn(t, fdb2, &sqlfence.AcquirerOptions{Owner: "watch-same"})
 	name := fmt.Sprintf("watch-spare-%d", time.Now().UnixNano())
-	l, err := b.TryAcquire(ctx, name, time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, b, name, time.Second)
 	first := l.Token()
 	_ = l.Release(ctx)
 
 	tx := lockRowMySQL(t, raw, name)
 	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-	_, err = a.TryAcquire(cctx, name, time.Minute)
+	_, err := a.TryAcquire(cctx, name, time.Minute)
 	cancel()
 	t.Logf("cancelled TryAcquire: %v", err)
 
@@ -583,15 +553,12 @@ func TestGrantWatcherLongLockWaitMySQL(t *testing.T) {
 	ctx := context.Background()
 	a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Owner: "watch-long"})
 	name := fmt.Sprintf("watch-long-%d", time.Now().UnixNano())
-	l, err := a.TryAcquire(ctx, name, time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Second)
 	_ = l.Release(ctx)
 	before := grantWatchers()
 	tx := lockRowMySQL(t, raw, name)
 	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-	_, err = a.TryAcquire(cctx, name, time.Minute)
+	_, err := a.TryAcquire(cctx, name, time.Minute)
 	cancel()
 	t.Logf("cancelled TryAcquire: %v", err)
 	time.Sleep(65 * time.Second)

@@ -395,17 +395,7 @@ func TestCompleteTxAfterChangeInSnapshot(t *testing.T) {
 	for _, tg := range targets {
 		t.Run(tg.name, func(t *testing.T) {
 			s := mustStore(t, tg.fdb)
-			armed := func() (string, fence.Token) {
-				k := fencetest.Name("complete-tx")
-				rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if _, err := s.Update(ctx, k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute}); err != nil {
-					t.Fatal(err)
-				}
-				return k, rec.Fence
-			}
+			armed := func() (string, fence.Token) { return armedKey(t, s, "complete-tx") }
 
 			k, f := armed()
 			err := tg.complete(t, s, func() {
@@ -630,6 +620,17 @@ func (d missingDB) drop(t *testing.T, tables ...string) {
 	}
 }
 
+// parts returns Guards on table guard, and an acquirer on lease table lease
+// that advances them.
+func (d missingDB) parts(t *testing.T, lease, guard string) (*sqlfence.Guards, *sqlfence.Acquirer) {
+	t.Helper()
+	g, err := sqlfence.NewGuards(d.fdb, &sqlfence.GuardOptions{Table: guard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g, newAcquirerOn(t, d.fdb, &sqlfence.AcquirerOptions{Table: lease, AdvanceGuards: g})
+}
+
 // missingGrant runs one grant with an acquirer (lease table lease,
 // AdvanceGuards on table guard) and checks that it fails with a
 // *TableError naming want, carrying want's DDL. It also checks Acquire,
@@ -637,11 +638,7 @@ func (d missingDB) drop(t *testing.T, tables ...string) {
 func missingGrant(t *testing.T, d missingDB, lease, guard, want string) {
 	t.Helper()
 	ctx := context.Background()
-	g, err := sqlfence.NewGuards(d.fdb, &sqlfence.GuardOptions{Table: guard})
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := newAcquirerOn(t, d.fdb, &sqlfence.AcquirerOptions{Table: lease, AdvanceGuards: g})
+	g, a := d.parts(t, lease, guard)
 	wantDDL := a.DDL()
 	if want == guard {
 		wantDDL = g.DDL()
@@ -683,11 +680,7 @@ func missingGrant(t *testing.T, d missingDB, lease, guard, want string) {
 func missingGranted(t *testing.T, d missingDB, lease, guard string) {
 	t.Helper()
 	ctx := context.Background()
-	g, err := sqlfence.NewGuards(d.fdb, &sqlfence.GuardOptions{Table: guard})
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := newAcquirerOn(t, d.fdb, &sqlfence.AcquirerOptions{Table: lease, AdvanceGuards: g})
+	_, a := d.parts(t, lease, guard)
 	l, err := a.TryAcquire(ctx, fencetest.Name("n"), time.Minute)
 	if err != nil {
 		t.Fatalf("with both tables created: %v", err)
@@ -698,11 +691,7 @@ func missingGranted(t *testing.T, d missingDB, lease, guard string) {
 func missingCreate(t *testing.T, d missingDB, lease, guard string, which ...string) {
 	t.Helper()
 	ctx := context.Background()
-	g, err := sqlfence.NewGuards(d.fdb, &sqlfence.GuardOptions{Table: guard})
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := newAcquirerOn(t, d.fdb, &sqlfence.AcquirerOptions{Table: lease, AdvanceGuards: g})
+	g, a := d.parts(t, lease, guard)
 	for _, w := range which {
 		var err error
 		if w == lease {

@@ -9,10 +9,12 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5"
@@ -41,6 +43,8 @@ type pgOpts struct {
 	params map[string]string // server settings for every connection
 	tracer *counter
 	addr   string // host:port to dial instead of the server's (a faultnet proxy)
+	// maxConns is the pool's size; 0 is pgxpool's default.
+	maxConns int32
 }
 
 // pgPool returns a pgx pool on the test server, closed at the end of the test.
@@ -55,6 +59,9 @@ func pgPool(t testing.TB, o pgOpts) *pgxpool.Pool {
 	}
 	if o.tracer != nil {
 		cfg.ConnConfig.Tracer = o.tracer
+	}
+	if o.maxConns > 0 {
+		cfg.MaxConns = o.maxConns
 	}
 	if o.addr != "" {
 		host, port, err := net.SplitHostPort(o.addr)
@@ -75,6 +82,17 @@ func pgPool(t testing.TB, o pgOpts) *pgxpool.Pool {
 	t.Cleanup(p.Close)
 	pgSetup(t, p)
 	return p
+}
+
+// pooledConn takes a connection of p, given back at the end of the test.
+func pooledConn(t testing.TB, p *pgxpool.Pool) *pgxpool.Conn {
+	t.Helper()
+	c, err := p.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Release)
+	return c
 }
 
 // pgStd returns a database/sql handle (pgx stdlib driver) on the test server.
@@ -149,41 +167,17 @@ func mysqlOpener(params string) opener {
 			_, fdb := openMySQL(t, params)
 			return fdb
 		}
-		cfg := mysqlConfig(t)
-		cfg.Addr = addr
-		dsn := cfg.FormatDSN()
-		if params != "" {
-			sep := "?"
-			if strings.Contains(dsn, "?") {
-				sep = "&"
-			}
-			dsn += sep + params
-		}
-		db, err := sql.Open("mysql", dsn)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { db.Close() })
+		db := mysqlDB(t, addr, params)
 		// Two idle connections, dialled before any fault is armed: a grant
 		// pins one (see the bell), and a renewal runs on the other, so an
 		// armed fault takes the renewal's statement, not a new handshake.
-		ctx := context.Background()
-		var cs []*sql.Conn
-		for range 2 {
-			c, err := db.Conn(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			cs = append(cs, c)
-		}
-		for _, c := range cs {
-			_ = c.Close()
-		}
+		takeStd(db, 2)(t)()
 		return sqlfence.MySQL(db)
 	}
 }
 
-func mysqlConfig(t *testing.T) *mysql.Config {
+// mysqlConfig is the test MySQL server's DSN, parsed.
+func mysqlConfig(t testing.TB) *mysql.Config {
 	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
 	if err != nil {
 		t.Fatal(err)
@@ -196,12 +190,34 @@ func otherAcquirer(open opener, opts *sqlfence.AcquirerOptions) func(*testing.T)
 	return func(t *testing.T) fence.Acquirer { return newAcquirerOn(t, open(t, ""), opts) }
 }
 
-func newAcquirerOn(t *testing.T, fdb *sqlfence.DB, opts *sqlfence.AcquirerOptions) *sqlfence.Acquirer {
+// newAcquirerOn is an acquirer with opts on fdb; an error ends the test.
+func newAcquirerOn(t testing.TB, fdb *sqlfence.DB, opts *sqlfence.AcquirerOptions) *sqlfence.Acquirer {
+	t.Helper()
 	a, err := sqlfence.NewAcquirer(fdb, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return a
+}
+
+// newWriterOn is a writer with opts on fdb; an error ends the test.
+func newWriterOn(t testing.TB, fdb *sqlfence.DB, opts *sqlfence.WriterOptions) *sqlfence.Writer {
+	t.Helper()
+	w, err := sqlfence.NewWriter(fdb, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
+// mustGrant is a.TryAcquire(ctx, name, ttl); an error ends the test.
+func mustGrant(t testing.TB, ctx context.Context, a fence.Acquirer, name string, ttl time.Duration) fence.Lease {
+	t.Helper()
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
 }
 
 // faultyAcquirer returns Faulty: an acquirer with opts on a handle that
@@ -223,5 +239,92 @@ func faultyWriter(open opener, target func(testing.TB) string) func(*testing.T) 
 			t.Fatal(err)
 		}
 		return w, p
+	}
+}
+
+// withParams appends extra DSN parameters (such as "clientFoundRows=true") to dsn.
+func withParams(dsn, params string) string {
+	if params == "" {
+		return dsn
+	}
+	if strings.Contains(dsn, "?") {
+		return dsn + "&" + params
+	}
+	return dsn + "?" + params
+}
+
+// mysqlDB is a database/sql handle on the test MySQL server reached at addr
+// (the server's own address when addr is ""), with extra DSN parameters.
+func mysqlDB(t testing.TB, addr, params string) *sql.DB {
+	t.Helper()
+	cfg := mysqlConfig(t)
+	if addr != "" {
+		cfg.Addr = addr
+	}
+	db, err := sql.Open("mysql", withParams(cfg.FormatDSN(), params))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// serverStyle is one driver style on one of the network servers: PostgreSQL
+// through pgx or database/sql, or MySQL with a set of extra DSN parameters.
+type serverStyle struct {
+	server string // "postgres" or "mysql"
+	name   string // "pgx", "database-sql", or "params=" and the DSN parameters
+	params string // MySQL's extra DSN parameters
+	open   opener
+	target func(testing.TB) string // the server's address, for a proxy
+}
+
+// serverStyles returns PostgreSQL through pgx and database/sql, and MySQL
+// with each of mysqlParams.
+func serverStyles(mysqlParams ...string) []serverStyle {
+	out := []serverStyle{
+		{server: "postgres", name: "pgx", open: pgOpener("pgx"), target: pgTarget},
+		{server: "postgres", name: "database-sql", open: pgOpener("database-sql"), target: pgTarget},
+	}
+	for _, p := range mysqlParams {
+		out = append(out, serverStyle{server: "mysql", name: "params=" + p, params: p, open: mysqlOpener(p), target: mysqlAddr})
+	}
+	return out
+}
+
+// operator runs an operator's SQL (parameters written %[1]s, ...) on a handle
+// of its own on s's server.
+func (s serverStyle) operator(t *testing.T) func(context.Context, string, ...any) error {
+	if s.server == "postgres" {
+		return pgxExec(pgPool(t, pgOpts{}))
+	}
+	raw, _ := openMySQL(t, s.params)
+	return stdExec(raw, func(int) string { return "?" })
+}
+
+// faultyStore returns an idempotency store on a handle of s's style that
+// reaches the server only through a new proxy.
+func (s serverStyle) faultyStore(t *testing.T) (idempotency.Store, *faultnet.Proxy) {
+	if s.server == "postgres" {
+		return faultyPostgres(t, s.name)
+	}
+	return faultyMySQL(t, s.params)
+}
+
+// runByServer runs f on each style as the subtest server/style; the servers'
+// subtests run side by side when parallel, and each server's styles one after
+// another.
+func runByServer(t *testing.T, styles []serverStyle, parallel bool, f func(t *testing.T, s serverStyle)) {
+	for _, server := range []string{"postgres", "mysql"} {
+		t.Run(server, func(t *testing.T) {
+			if parallel {
+				t.Parallel()
+			}
+			for _, s := range styles {
+				if s.server == server {
+					t.Run(s.name, func(t *testing.T) { f(t, s) })
+				}
+			}
+		})
 	}
 }

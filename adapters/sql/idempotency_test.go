@@ -31,25 +31,25 @@ func idemStore(t *testing.T, fdb *sqlfence.DB) *sqlfence.IdempotencyStore {
 	return s
 }
 
-func TestIdempotencySQLite(t *testing.T) {
+// TestIdempotencyStore runs the idempotency suite on SQLite, on
+// PostgreSQL through pgx and database/sql, and on MySQL with and without
+// clientFoundRows; each server's subtests run beside the others'.
+func TestIdempotencyStore(t *testing.T) {
 	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	_, fdb := openSQLite(t)
-	s := idemStore(t, fdb)
-	idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
-}
-
-func TestIdempotencyPostgres(t *testing.T) {
-	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	for style, fdb := range pgHandles(t) {
-		t.Run(style, func(t *testing.T) {
-			s := idemStore(t, fdb)
-			idempotencytest.Suite{
-				New:     func(t *testing.T) idempotency.Store { return s },
-				BadKeys: badKeys,
-				Faulty:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyPostgres(t, style) },
-			}.Run(t)
-		})
-	}
+	t.Run("sqlite", func(t *testing.T) {
+		t.Parallel()
+		_, fdb := openSQLite(t)
+		s := idemStore(t, fdb)
+		idempotencytest.Suite{New: func(t *testing.T) idempotency.Store { return s }, BadKeys: badKeys}.Run(t)
+	})
+	runByServer(t, serverStyles("", "clientFoundRows=true"), true, func(t *testing.T, st serverStyle) {
+		s := idemStore(t, st.open(t, ""))
+		idempotencytest.Suite{
+			New:     func(t *testing.T) idempotency.Store { return s },
+			BadKeys: badKeys,
+			Faulty:  st.faultyStore,
+		}.Run(t)
+	})
 }
 
 // faultyPostgres returns an idempotency store on the test PostgreSQL server,
@@ -75,6 +75,22 @@ func faultyPostgres(t *testing.T, style string) (idempotency.Store, *faultnet.Pr
 	return idemStore(t, fdb), px
 }
 
+// armedKey claims a new key (named from stem) in s as owner "me" and arms it,
+// with a minute's lease; it returns the key and its fence.
+func armedKey(t *testing.T, s idempotency.Store, stem string) (string, fence.Token) {
+	t.Helper()
+	ctx := context.Background()
+	k := fencetest.Name(stem)
+	rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Update(ctx, k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	return k, rec.Fence
+}
+
 // TestIdempotencyCompleteTx: the key's completion and the caller's own write
 // commit together; a rolled-back transaction leaves the key armed and the row
 // unwritten.
@@ -87,14 +103,7 @@ func TestIdempotencyCompleteTx(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, commit := range []bool{false, true} {
-		k := fencetest.Name("order")
-		rec, _, err := s.Begin(ctx, k, "fp", "me", time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := s.Update(ctx, k, idempotency.Claimed, rec.Fence, idempotency.Change{State: idempotency.Armed, Fence: rec.Fence, Owner: "me", Lease: time.Minute}); err != nil {
-			t.Fatal(err)
-		}
+		k, f := armedKey(t, s, "order")
 		tx, err := pool.Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
@@ -102,7 +111,7 @@ func TestIdempotencyCompleteTx(t *testing.T) {
 		if _, err := tx.Exec(ctx, "INSERT INTO "+table+" VALUES ($1, 'ch_1')", k); err != nil {
 			t.Fatal(err)
 		}
-		if err := s.CompletePgxTx(ctx, tx, k, rec.Fence, []byte("ch_1"), time.Hour); err != nil {
+		if err := s.CompletePgxTx(ctx, tx, k, f, []byte("ch_1"), time.Hour); err != nil {
 			t.Fatal(err)
 		}
 		if commit {

@@ -27,18 +27,6 @@ import (
 // than 1µs) and is given back, while the row's server-side ttl is long
 // enough to see whether the give-back happened.
 
-// lateDialects returns one handle per dialect on the real servers.
-func lateDialects(t *testing.T) map[string]*sqlfence.DB {
-	_, sq := openSQLite(t)
-	newSQLiteAcquirer(t, sq) // the lease table
-	_, my := openMySQL(t, "")
-	return map[string]*sqlfence.DB{
-		"sqlite":   sq,
-		"postgres": sqlfence.Pgx(pgPool(t, pgOpts{})),
-		"mysql":    my,
-	}
-}
-
 // alwaysLate is an acquirer on db whose every grant of ttl comes back past
 // its local deadline (Drift = ttl - 1µs).
 func alwaysLate(t *testing.T, db *sqlfence.DB, ttl time.Duration, b fence.Backoff) *sqlfence.Acquirer {
@@ -65,16 +53,13 @@ func counterOf(t *testing.T, a *sqlfence.Acquirer, name string) fence.Token {
 // give-back it tries again at once, in a loop, hammering the database with a
 // grant and a release per round trip. The row's counter counts the grants.
 func TestLateGrantsPacedByBackoff(t *testing.T) {
-	for dname, db := range lateDialects(t) {
+	for dname, db := range lineDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
 			const ttl = 10 * time.Second
 			name := fencetest.Name("late-pace")
 			normal := newAcquirerOn(t, db, nil)
-			l, err := normal.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, normal, name, ttl)
 			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -88,7 +73,7 @@ func TestLateGrantsPacedByBackoff(t *testing.T) {
 			a := alwaysLate(t, db, ttl, fence.Backoff{Min: 100 * time.Millisecond, Max: 200 * time.Millisecond})
 			wctx, cancel := context.WithTimeout(ctx, time.Second)
 			start := time.Now()
-			l, err = a.Acquire(wctx, name, ttl)
+			l, err := a.Acquire(wctx, name, ttl)
 			took := time.Since(start)
 			cancel()
 			if err == nil {
@@ -157,16 +142,13 @@ func TestLateDefaultDriftShortTTL(t *testing.T) {
 // Acquire gives up with ErrHeld and DeadlineExceeded; and the holder's lease
 // is untouched (still renewable, its token on the row).
 func TestLateHeldNameNeverLost(t *testing.T) {
-	for dname, db := range lateDialects(t) {
+	for dname, db := range lineDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
 			const ttl = 10 * time.Second
 			name := fencetest.Name("late-held")
 			holder := newAcquirerOn(t, db, nil)
-			h, err := holder.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, holder, name, time.Minute)
 			defer h.Release(ctx)
 			a := alwaysLate(t, db, ttl, fence.Backoff{Min: 10 * time.Millisecond, Max: 50 * time.Millisecond})
 			l, err := a.TryAcquire(ctx, name, ttl)
@@ -200,7 +182,7 @@ func TestLateHeldNameNeverLost(t *testing.T) {
 // larger than every token handed out (and given back) before, and the name
 // is free after each give-back.
 func TestLateTokensAfterGiveBacks(t *testing.T) {
-	for dname, db := range lateDialects(t) {
+	for dname, db := range lineDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
 			const ttl = 10 * time.Second
@@ -222,10 +204,7 @@ func TestLateTokensAfterGiveBacks(t *testing.T) {
 				}
 				last = info.Counter
 			}
-			l, err := normal.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, normal, name, ttl)
 			defer l.Release(ctx)
 			if l.Token() <= last {
 				t.Errorf("token %d granted after tokens up to %d were given back", l.Token(), last)
@@ -298,15 +277,7 @@ func TestLateGrantAfterTakeover(t *testing.T) {
 	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, tr)), nil)
 	other := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 	const ttl = 300 * time.Millisecond
-	type res struct {
-		l   fence.Lease
-		err error
-	}
-	got := make(chan res, 1)
-	go func() {
-		l, err := a.TryAcquire(ctx, name, ttl)
-		got <- res{l, err}
-	}()
+	got := goLease(func() (fence.Lease, error) { return a.TryAcquire(ctx, name, ttl) })
 	<-tr.held // the grant was applied; its reply is held
 	var first fence.Token
 	for {
@@ -325,10 +296,7 @@ func TestLateGrantAfterTakeover(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	h, err := other.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, other, name, time.Minute)
 	defer h.Release(ctx)
 	close(tr.release)
 	r := <-got
@@ -434,15 +402,7 @@ func TestLateGrantThroughPartitionMySQL(t *testing.T) {
 	}
 	name := fencetest.Name("late-my")
 	p.Partition()
-	type res struct {
-		l   fence.Lease
-		err error
-	}
-	got := make(chan res, 1)
-	go func() {
-		l, err := a.TryAcquire(ctx, name, ttl)
-		got <- res{l, err}
-	}()
+	got := goLease(func() (fence.Lease, error) { return a.TryAcquire(ctx, name, ttl) })
 	time.Sleep(2 * ttl) // the fault: the request waits this long in the network
 	p.Heal()
 	r := <-got

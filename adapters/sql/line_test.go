@@ -82,10 +82,7 @@ func TestAcquireLineWaiterGivesUp(t *testing.T) {
 			// 20s.)
 			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Backoff: fence.Backoff{Min: time.Minute, Max: time.Minute}})
 			name := fencetest.Name("line")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			hctx, cancel := context.WithCancel(ctx)
 			headDone := make(chan error, 1)
 			go func() {
@@ -156,10 +153,7 @@ func TestAcquireLineMaxWait(t *testing.T) {
 		t.Fatal(err)
 	}
 	name := fencetest.Name("line")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	defer h.Release(ctx)
 	errs := make(chan error, 2)
 	for i := range 2 {
@@ -190,10 +184,17 @@ type acquired struct {
 	at  time.Time
 }
 
+// goAcquire runs a.Acquire in a goroutine of its own.
 func goAcquire(ctx context.Context, a *sqlfence.Acquirer, name string, ttl time.Duration) <-chan acquired {
+	return goLease(func() (fence.Lease, error) { return a.Acquire(ctx, name, ttl) })
+}
+
+// goLease runs grant in a goroutine of its own; the channel gets what it
+// returned, and when.
+func goLease(grant func() (fence.Lease, error)) <-chan acquired {
 	ch := make(chan acquired, 1)
 	go func() {
-		l, err := a.Acquire(ctx, name, ttl)
+		l, err := grant()
 		ch <- acquired{l, err, time.Now()}
 	}()
 	return ch
@@ -209,6 +210,17 @@ func within(t *testing.T, ch <-chan acquired, d time.Duration, what string) acqu
 		t.Fatalf("%s: nothing after %v", what, d)
 		return acquired{}
 	}
+}
+
+// leaseWithin waits up to d for ch, as within, and fails the test when
+// the call it waits for returned an error.
+func leaseWithin(t *testing.T, ch <-chan acquired, d time.Duration, what string) acquired {
+	t.Helper()
+	r := within(t, ch, d, what)
+	if r.err != nil {
+		t.Fatalf("%s: %v", what, r.err)
+	}
+	return r
 }
 
 // observe arms a proxy matcher that never faults: it counts the client chunks
@@ -263,10 +275,7 @@ func TestLineUnknownReleasePokesHead(t *testing.T) {
 			}
 			name := fencetest.Name("line-unknown-release")
 			grants := observe(px, owner) // each grant statement carries the owner
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			before := grants.Load()
 			head := goAcquire(ctx, a, name, time.Minute)
 			waitLine(t, a, name, 1)
@@ -277,7 +286,7 @@ func TestLineUnknownReleasePokesHead(t *testing.T) {
 			for range 4 {
 				px.LoseReply(carrying(name))
 			}
-			err = h.Release(ctx)
+			err := h.Release(ctx)
 			if !errors.Is(err, fence.ErrUnknown) {
 				t.Fatalf("Release with 4 lost replies: %v, want ErrUnknown (the test did not test it)", err)
 			}
@@ -287,10 +296,7 @@ func TestLineUnknownReleasePokesHead(t *testing.T) {
 			if info, err := check.Inspect(ctx, name); err != nil || (info.Held && info.Token == h.Token()) {
 				t.Fatalf("the row after the release whose replies were lost: %+v, %v; want it released (it landed)", info, err)
 			}
-			r := within(t, head, 30*time.Second, "the head (not poked: it sleeps its backoff of up to an hour)")
-			if r.err != nil {
-				t.Fatal(r.err)
-			}
+			r := leaseWithin(t, head, 30*time.Second, "the head (not poked: it sleeps its backoff of up to an hour)")
 			defer r.l.Release(ctx)
 			if took := r.at.Sub(released); took > 10*time.Second {
 				t.Fatalf("the head was granted %v after a release through its acquirer that landed (reported ErrUnknown): it was not poked, it slept its backoff", took.Round(time.Millisecond))
@@ -348,10 +354,7 @@ func TestLineStuckHead(t *testing.T) {
 			b := &blocker{started: make(chan struct{}), release: make(chan struct{})}
 			a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, b)), &sqlfence.AcquirerOptions{DisableNotify: !notify})
 			name := fencetest.Name("line-stuck")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			b.armed.Store(true)
 			head := goAcquire(ctx, a, name, time.Minute)
 			<-b.started
@@ -392,10 +395,7 @@ func TestLineStuckHead(t *testing.T) {
 			if err := r3.l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			r1 := within(t, head, 2*time.Second, "the head, unstuck, after a release through its acquirer")
-			if r1.err != nil {
-				t.Fatal(r1.err)
-			}
+			r1 := leaseWithin(t, head, 2*time.Second, "the head, unstuck, after a release through its acquirer")
 			if !(r1.l.Token() > r3.l.Token() && r3.l.Token() > r2.l.Token()) {
 				t.Fatalf("tokens %d, %d, %d not increasing", r2.l.Token(), r3.l.Token(), r1.l.Token())
 			}
@@ -417,10 +417,7 @@ func TestLineStuckHeadMaxWait(t *testing.T) {
 	const maxWait = 1500 * time.Millisecond
 	a := newAcquirerOn(t, sqlfence.Pgx(tracedPool(t, b)), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{MaxWait: maxWait}})
 	name := fencetest.Name("line-stuck-maxwait")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	defer h.Release(ctx)
 	b.armed.Store(true)
 	start := time.Now()
@@ -459,10 +456,7 @@ func TestLineExpiry(t *testing.T) {
 			}
 			name := fencetest.Name("line-expiry")
 			const ttl = 700 * time.Millisecond
-			first, err := a.TryAcquire(ctx, name, ttl)
-			if err != nil {
-				t.Fatal(err)
-			}
+			first := mustGrant(t, ctx, a, name, ttl)
 			prevGranted := time.Now() // at or after the grant
 			var chans []<-chan acquired
 			for i := range 3 {
@@ -471,10 +465,7 @@ func TestLineExpiry(t *testing.T) {
 			}
 			prev := first.Token()
 			for i, ch := range chans {
-				r := within(t, ch, 10*time.Second, fmt.Sprintf("waiter %d", i))
-				if r.err != nil {
-					t.Fatal(r.err)
-				}
+				r := leaseWithin(t, ch, 10*time.Second, fmt.Sprintf("waiter %d", i))
 				if r.l.Token() <= prev {
 					t.Fatalf("waiter %d token %d not above %d", i, r.l.Token(), prev)
 				}
@@ -505,10 +496,7 @@ func TestLineCancelAtGrant(t *testing.T) {
 			var got, gaveUp int
 			for i := range 40 {
 				name := fencetest.Name("line-cancel")
-				h, err := a.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				h := mustGrant(t, ctx, a, name, time.Minute)
 				hctx, cancel := context.WithCancel(ctx)
 				head := goAcquire(hctx, a, name, time.Minute)
 				waitLine(t, a, name, 1)
@@ -572,10 +560,7 @@ func TestLineNoLeaks(t *testing.T) {
 			names := []string{fencetest.Name("leak"), fencetest.Name("leak"), fencetest.Name("leak")}
 			var holds []fence.Lease
 			for _, n := range names {
-				l, err := a.TryAcquire(ctx, n, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, a, n, time.Minute)
 				holds = append(holds, l)
 			}
 			runtime.GC()
@@ -612,10 +597,7 @@ func TestLineNoLeaks(t *testing.T) {
 			for _, l := range holds {
 				_ = l.Release(ctx)
 			}
-			r := within(t, w, 2*time.Second, "a waiter after the leaks test")
-			if r.err != nil {
-				t.Fatal(r.err)
-			}
+			r := leaseWithin(t, w, 2*time.Second, "a waiter after the leaks test")
 			_ = r.l.Release(ctx)
 		})
 	}
@@ -634,10 +616,7 @@ func TestLineTwoAcquirersNotify(t *testing.T) {
 	slow := &sqlfence.AcquirerOptions{Backoff: idleHead}
 	a1, a2 := newAcquirerOn(t, shared, slow), newAcquirerOn(t, shared, slow)
 	name := fencetest.Name("line-two")
-	h, err := other.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, other, name, time.Minute)
 	c := []<-chan acquired{goAcquire(ctx, a1, name, time.Minute)}
 	waitLine(t, a1, name, 1)
 	c = append(c, goAcquire(ctx, a2, name, time.Minute))
@@ -735,10 +714,7 @@ func TestLineHeadPanics(t *testing.T) {
 	// a handoff is TestHandoffPanicFreesHead).
 	sqlfence.DisableHandoff(a)
 	name := fencetest.Name("line-panic")
-	h, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := mustGrant(t, ctx, a, name, time.Minute)
 	headPanic := make(chan any, 1)
 	go func() {
 		defer func() { headPanic <- recover() }()
@@ -769,10 +745,7 @@ func TestLineHeadPanics(t *testing.T) {
 		t.Fatal("the head was not poked by the release")
 	}
 	panicked := time.Now()
-	r := within(t, w2, 30*time.Second, "the waiter behind a head that panicked")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	r := leaseWithin(t, w2, 30*time.Second, "the waiter behind a head that panicked")
 	defer r.l.Release(ctx)
 	if took := r.at.Sub(panicked); took > 10*time.Second {
 		t.Fatalf("the waiter behind a head that panicked was granted %v after the panic", took)
@@ -799,10 +772,7 @@ func TestLineManyNames(t *testing.T) {
 			errs := make(chan error, names*(waiters+1))
 			for range names {
 				name := fencetest.Name("line-many")
-				h, err := a.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				h := mustGrant(t, ctx, a, name, time.Minute)
 				var mu sync.Mutex
 				var order []int
 				var chans []<-chan acquired
@@ -871,17 +841,7 @@ func TestLineShortMaxWaitFreeLock(t *testing.T) {
 	a := newAcquirerOn(t, sqlfence.Pgx(pool), &sqlfence.AcquirerOptions{Backoff: fence.Backoff{MaxWait: 40 * time.Millisecond}})
 	// Warm the pool's connections up before the latency, so the read after a
 	// cancelled grant needs no dial.
-	var conns []*pgxpool.Conn
-	for range 4 {
-		c, err := pool.Acquire(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		conns = append(conns, c)
-	}
-	for _, c := range conns {
-		c.Release()
-	}
+	takePgx(pool, 4)(t)()
 	px.Latency(time.Millisecond, 300*time.Millisecond)
 	var granted, gaveUp int
 	for i := range 10 {
@@ -958,10 +918,7 @@ func TestLineRowLockedHead(t *testing.T) {
 				t.Fatal(err)
 			}
 			name := fencetest.Name("line-rowlock")
-			h, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			h := mustGrant(t, ctx, a, name, time.Minute)
 			if err := h.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -1081,22 +1038,10 @@ func TestWaiterWokenAfterListenerKilled(t *testing.T) {
 				holder := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil) // another process: its release reaches the waiter only by NOTIFY
 				name := fencetest.Name("listener-killed")
 				ctx := context.Background()
-				l, err := holder.TryAcquire(ctx, name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
+				l := mustGrant(t, ctx, holder, name, time.Minute)
 				wctx, cancel := context.WithTimeout(ctx, time.Minute)
 				defer cancel()
-				type result struct {
-					l   fence.Lease
-					err error
-					at  time.Time
-				}
-				got := make(chan result, 1)
-				go func() {
-					l, err := wa.Acquire(wctx, name, time.Minute)
-					got <- result{l, err, time.Now()}
-				}()
+				got := goLease(func() (fence.Lease, error) { return wa.Acquire(wctx, name, time.Minute) })
 				waitListening(t, sp.app, 1)
 				old := listenerPids(t, direct, sp.app)
 				if _, err := direct.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN fencekit_release'", sp.app); err != nil {
@@ -1145,14 +1090,8 @@ func TestWaiterArrivingAsListenerCloses(t *testing.T) {
 			holder := newAcquirerOn(t, sqlfence.Pgx(pgPool(t, pgOpts{})), nil)
 			ctx := context.Background()
 			first, second := fencetest.Name("closing-1"), fencetest.Name("closing-2")
-			l1, err := holder.TryAcquire(ctx, first, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
-			l2, err := holder.TryAcquire(ctx, second, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l1 := mustGrant(t, ctx, holder, first, time.Minute)
+			l2 := mustGrant(t, ctx, holder, second, time.Minute)
 			wctx, cancel := context.WithTimeout(ctx, time.Minute)
 			defer cancel()
 			got1 := make(chan error, 1)
@@ -1217,36 +1156,8 @@ func smallPgPool(t *testing.T, style string, size int) smallPool {
 	ctx := context.Background()
 	switch style {
 	case "pgx":
-		cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg.MaxConns = int32(size)
-		cfg.ConnConfig.RuntimeParams["application_name"] = app
-		p, err := pgxpool.NewWithConfig(ctx, cfg)
-		if err == nil {
-			err = p.Ping(ctx)
-		}
-		if err != nil {
-			testenv.Missing(t, "PostgreSQL at "+testenv.PostgresURL(), err)
-		}
-		t.Cleanup(p.Close)
-		pgSetup(t, p)
-		return smallPool{app: app, newDB: func() *sqlfence.DB { return sqlfence.Pgx(p) }, take: func(t *testing.T) func() {
-			var cs []*pgxpool.Conn
-			for range size {
-				c, err := p.Acquire(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				cs = append(cs, c)
-			}
-			return func() {
-				for _, c := range cs {
-					c.Release()
-				}
-			}
-		}}
+		p := pgPool(t, pgOpts{params: map[string]string{"application_name": app}, maxConns: int32(size)})
+		return smallPool{app: app, newDB: func() *sqlfence.DB { return sqlfence.Pgx(p) }, take: takePgx(p, size)}
 	default:
 		cc, err := pgx.ParseConfig(testenv.PostgresURL())
 		if err != nil {
@@ -1265,12 +1176,25 @@ func smallPgPool(t *testing.T, style string, size int) smallPool {
 	}
 }
 
-// takeStd takes all size connections of db.
+// takePgx takes all size connections of p; the function it returns gives
+// them back.
+func takePgx(p *pgxpool.Pool, size int) func(t *testing.T) func() {
+	return takeConns(size, p.Acquire, (*pgxpool.Conn).Release)
+}
+
+// takeStd takes all size connections of db; the function it returns closes
+// them.
 func takeStd(db *sql.DB, size int) func(t *testing.T) func() {
+	return takeConns(size, db.Conn, func(c *sql.Conn) { c.Close() })
+}
+
+// takeConns takes size connections with take; the function it returns gives
+// each back with give.
+func takeConns[C any](size int, take func(context.Context) (C, error), give func(C)) func(t *testing.T) func() {
 	return func(t *testing.T) func() {
-		var cs []*sql.Conn
+		var cs []C
 		for range size {
-			c, err := db.Conn(context.Background())
+			c, err := take(context.Background())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -1278,7 +1202,7 @@ func takeStd(db *sql.DB, size int) func(t *testing.T) func() {
 		}
 		return func() {
 			for _, c := range cs {
-				c.Close()
+				give(c)
 			}
 		}
 	}
@@ -1372,16 +1296,10 @@ const smallPoolWaiters = 3
 func holdWhileWaiting(t *testing.T, size int, newDB func() *sqlfence.DB, ready func(t *testing.T, waiters []*sqlfence.Acquirer, name string)) {
 	hdb := newDB()
 	ha := newAcquirerOn(t, hdb, nil)
-	w, err := sqlfence.NewWriter(hdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, hdb, nil)
 	name := "smallpool-" + randomSuffix()
 	ctx := context.Background()
-	l, err := ha.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, ha, name, time.Minute)
 	type result struct {
 		l   fence.Lease
 		err error
@@ -1464,10 +1382,7 @@ func TestStatementNotSentIsNotUnknown(t *testing.T) {
 		t.Run(style, func(t *testing.T) {
 			h := open(t)
 			ctx := context.Background()
-			w, err := sqlfence.NewWriter(h.fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, h.fdb, nil)
 			a := newAcquirerOn(t, h.fdb, nil)
 			s, err := sqlfence.NewIdempotencyStore(h.fdb, nil)
 			if err != nil {
@@ -1479,10 +1394,7 @@ func TestStatementNotSentIsNotUnknown(t *testing.T) {
 				}
 			}
 			name, key := "notsent-"+randomSuffix(), "notsent-"+randomSuffix()
-			l, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, time.Minute)
 			claimed, _, err := s.Begin(ctx, key+"-claimed", "fp", "me", time.Minute)
 			if err != nil {
 				t.Fatal(err)

@@ -17,7 +17,6 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
-	"github.com/fencekit/fencekit/idempotency/idempotencytest"
 	"github.com/fencekit/fencekit/internal/benchutil"
 	"github.com/fencekit/fencekit/internal/testenv"
 	"github.com/go-sql-driver/mysql"
@@ -27,17 +26,7 @@ import (
 // (such as "clientFoundRows=true"), and creates the package's tables on it.
 func openMySQL(t testing.TB, params string) (*sql.DB, *sqlfence.DB) {
 	t.Helper()
-	dsn := testenv.MySQLDSN()
-	if params != "" {
-		sep := "?"
-		for _, c := range dsn {
-			if c == '?' {
-				sep = "&"
-			}
-		}
-		dsn += sep + params
-	}
-	db, err := sql.Open("mysql", dsn)
+	db, err := sql.Open("mysql", withParams(testenv.MySQLDSN(), params))
 	if err == nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		err = db.PingContext(ctx)
@@ -67,79 +56,11 @@ func mysqlSetup(t testing.TB, fdb *sqlfence.DB) {
 	}
 }
 
-func TestMySQLWriterConformance(t *testing.T) {
-	for _, params := range []string{"", "clientFoundRows=true"} {
-		t.Run("params="+params, func(t *testing.T) {
-			_, fdb := openMySQL(t, params)
-			w, err := sqlfence.NewWriter(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys,
-				Faulty: faultyWriter(mysqlOpener(params), mysqlAddr),
-			}.Run(t)
-		})
-	}
-}
-
-func TestMySQLAcquirerConformance(t *testing.T) {
-	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	for _, params := range []string{"", "clientFoundRows=true"} {
-		t.Run("params="+params, func(t *testing.T) {
-			raw, fdb := openMySQL(t, params)
-			a, err := sqlfence.NewAcquirer(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
-				NewOther:    otherAcquirer(mysqlOpener(params), nil),
-				Faulty:      faultyAcquirer(mysqlOpener(params), mysqlAddr, nil),
-				DeleteState: deleteLeaseRow(stdExec(raw, func(int) string { return "?" })),
-			}.Run(t)
-		})
-	}
-}
-
-func TestMySQLIdempotency(t *testing.T) {
-	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	for _, params := range []string{"", "clientFoundRows=true"} {
-		t.Run("params="+params, func(t *testing.T) {
-			_, fdb := openMySQL(t, params)
-			s, err := sqlfence.NewIdempotencyStore(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			idempotencytest.Suite{
-				New:     func(t *testing.T) idempotency.Store { return s },
-				BadKeys: badKeys,
-				Faulty:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyMySQL(t, params) },
-			}.Run(t)
-		})
-	}
-}
-
 // faultyMySQL returns an idempotency store on the test MySQL or MariaDB server,
 // reached through a fault proxy, with openMySQL's extra DSN parameters.
 func faultyMySQL(t *testing.T, params string) (idempotency.Store, *faultnet.Proxy) {
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	px := faultnet.Start(t, cfg.Addr)
-	cfg.Addr = px.Addr()
-	dsn := cfg.FormatDSN()
-	if params != "" {
-		sep := "?"
-		if strings.Contains(dsn, "?") {
-			sep = "&"
-		}
-		dsn += sep + params
-	}
-	db, err := sql.Open("mysql", dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	px := faultnet.Start(t, mysqlAddr(t))
+	db := mysqlDB(t, px.Addr(), params)
 	s, err := sqlfence.NewIdempotencyStore(sqlfence.MySQL(db), nil)
 	if err != nil {
 		t.Fatal(err)
@@ -298,10 +219,7 @@ func TestMySQLInspectAndBump(t *testing.T) {
 	_, fdb := openMySQL(t, "")
 	a, _ := sqlfence.NewAcquirer(fdb, nil)
 	name := fencetest.Name("bump")
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	info, err := a.Inspect(ctx, name)
 	if err != nil || !info.Held || info.Token != l.Token() || info.TimeLeft <= 50*time.Second {
 		t.Fatalf("Inspect of a held lock: %+v, %v", info, err)
@@ -338,10 +256,7 @@ func TestMySQLInspectAndBump(t *testing.T) {
 // (innodb_flush_log_at_trx_commit), which is global, not per session.
 func BenchmarkMySQLWrite(b *testing.B) {
 	db, fdb := openMySQL(b, "")
-	w, err := sqlfence.NewWriter(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	w := newWriterOn(b, fdb, nil)
 	key := fencetest.Name("bench")
 	pairWrites(b, w, key, func(ctx context.Context, value []byte) (int64, error) {
 		return rowsAffected(db.ExecContext(ctx, "UPDATE fence_values SET value = ? WHERE `key` = ?", value, key))
@@ -352,10 +267,7 @@ func BenchmarkMySQLWrite(b *testing.B) {
 // (two statements, see TestMySQLRoundTrips) next to a plain SELECT 1 (benchutil.AcquireRelease).
 func BenchmarkMySQLAcquireRelease(b *testing.B) {
 	db, fdb := openMySQL(b, "")
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, fdb, nil)
 	benchutil.AcquireRelease(b, a, func(ctx context.Context) error { _, err := db.ExecContext(ctx, "SELECT 1"); return err })
 }
 
@@ -367,14 +279,8 @@ func BenchmarkMySQLAcquireRelease(b *testing.B) {
 // 100ms).
 func BenchmarkMySQLHandoff(b *testing.B) {
 	_, fdb := openMySQL(b, "")
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
-	other, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	a := newAcquirerOn(b, fdb, nil)
+	other := newAcquirerOn(b, fdb, nil)
 	b.Run("same-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, a, fencetest.Name("handoff")) })
 	b.Run("other-acquirer", func(b *testing.B) { benchutil.Handoff(b, a, other, fencetest.Name("handoff")) })
 }
@@ -393,10 +299,7 @@ func TestMySQLEmptyStringIsNull(t *testing.T) {
 	if !strings.Contains(mode, "EMPTY_STRING_IS_NULL") {
 		t.Skipf("the server does not have EMPTY_STRING_IS_NULL (MariaDB only): sql_mode %q", mode)
 	}
-	w, err := sqlfence.NewWriter(fdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, fdb, nil)
 	key := fencetest.Name("empty")
 	for _, tok := range []fence.Token{1, 2} { // a new key (upsert), then an existing one (update)
 		if err := w.Write(ctx, key, []byte{}, tok); err != nil {
@@ -406,10 +309,7 @@ func TestMySQLEmptyStringIsNull(t *testing.T) {
 			t.Fatalf("Read of an empty value = %q, %d, %v; want empty, %d", v, got, err, tok)
 		}
 	}
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, fdb, nil)
 	name := fencetest.Name("empty-bump")
 	if err := a.Bump(ctx, name, fence.MaxToken-10); err != nil {
 		t.Fatalf("Bump of a new name: %v", err)
@@ -444,16 +344,10 @@ func TestMySQLSessionTimeZone(t *testing.T) {
 	for _, zone := range []string{"'+05:00'", "'-09:30'", "SYSTEM"} {
 		t.Run(zone, func(t *testing.T) {
 			_, fdb := openMySQL(t, "time_zone="+url.QueryEscape(zone))
-			a, err := sqlfence.NewAcquirer(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, fdb, nil)
 			name := fencetest.Name("tz")
 			before := time.Now()
-			l, err := a.TryAcquire(ctx, name, time.Hour)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, time.Hour)
 			after := time.Now()
 			t.Cleanup(func() { _ = l.Release(context.Background()) })
 			var expires int64
@@ -521,15 +415,9 @@ func TestMySQLSessionTimeZoneDST(t *testing.T) {
 			_, ny := openMySQL(t, "time_zone="+url.QueryEscape("'America/New_York'")+"&"+frozen)
 			_, utc := openMySQL(t, "time_zone="+url.QueryEscape("'+00:00'")+"&"+frozen)
 			want := c.at.UnixMicro()
-			a, err := sqlfence.NewAcquirer(ny, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, ny, nil)
 			name := fencetest.Name("dst")
-			l, err := a.TryAcquire(ctx, name, time.Hour)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, time.Hour)
 			t.Cleanup(func() { _ = l.Release(context.Background()) })
 			// A new row's token starts at the clock in microseconds.
 			if got := int64(l.Token()); got != want {
@@ -537,10 +425,7 @@ func TestMySQLSessionTimeZoneDST(t *testing.T) {
 			}
 			// In UTC at the same instant the lease has its whole hour left,
 			// and a second acquirer is refused.
-			au, err := sqlfence.NewAcquirer(utc, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			au := newAcquirerOn(t, utc, nil)
 			if info, err := au.Inspect(ctx, name); err != nil || !info.Held || info.TimeLeft != time.Hour {
 				t.Errorf("Inspect in UTC = %+v, %v; want held with exactly an hour left", info, err)
 			}
@@ -649,10 +534,20 @@ var userTableSeq atomic.Int64
 // table's name.
 func userTable(t *testing.T, raw *sql.DB, col, keyType, rest string) string {
 	t.Helper()
+	return newUserTable(t, raw, func(name string) string {
+		return fmt.Sprintf("CREATE TABLE %s (`%s` %s PRIMARY KEY%s)", name, col, keyType, rest)
+	})
+}
+
+// newUserTable creates a table of the user's, with a name of its own, by the
+// statement ddl returns for that name, and drops it at the end of the test;
+// it skips the test when the server refuses the statement.
+func newUserTable(t *testing.T, raw *sql.DB, ddl func(name string) string) string {
+	t.Helper()
 	name := fmt.Sprintf("user_keys_%d_%d", time.Now().UnixNano()%1e9, userTableSeq.Add(1))
-	ddl := fmt.Sprintf("CREATE TABLE %s (`%s` %s PRIMARY KEY%s)", name, col, keyType, rest)
-	if _, err := raw.ExecContext(context.Background(), ddl); err != nil {
-		t.Skipf("%s: %v", ddl, err)
+	q := ddl(name)
+	if _, err := raw.ExecContext(context.Background(), q); err != nil {
+		t.Skipf("%s: %v", q, err)
 	}
 	t.Cleanup(func() { _, _ = raw.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+name) })
 	return name
@@ -686,56 +581,75 @@ func TestMySQLWriterRefusesPaddingKeyColumn(t *testing.T) {
 	for _, typ := range paddingKeyTypes {
 		t.Run(typ, func(t *testing.T) {
 			table := userTable(t, raw, "acct_key", typ, rest)
-			w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			err = w.Write(ctx, "acct", []byte("a"), 100)
-			if !errors.Is(err, fence.ErrInvalid) || !strings.Contains(err.Error(), "acct_key") || !strings.Contains(err.Error(), "VARBINARY") {
-				t.Fatalf("Write on a %s key column: %v, want ErrInvalid naming acct_key and VARBINARY", typ, err)
-			}
-			if testing.Verbose() {
-				t.Log(err)
-			}
+			w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
+			checkKeyColumnRefusesWrite(t, w, "acct", typ, "VARBINARY")
 			if err := w.Write(ctx, "acct ", []byte("b"), 200); !errors.Is(err, fence.ErrInvalid) {
 				t.Errorf("second Write: %v, want ErrInvalid", err)
 			}
-			if err := w.Delete(ctx, "acct", 300); !errors.Is(err, fence.ErrInvalid) {
-				t.Errorf("Delete: %v, want ErrInvalid", err)
-			}
-			if _, _, err := w.Read(ctx, "acct"); !errors.Is(err, fence.ErrInvalid) {
-				t.Errorf("Read: %v, want ErrInvalid", err)
-			}
-			var n int
-			if err := raw.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+table).Scan(&n); err != nil || n != 0 {
-				t.Errorf("rows after refused writes: %d, %v; want none", n, err)
-			}
+			checkKeyColumnRefusesRest(t, raw, w, table, "acct")
 		})
 	}
 	for _, typ := range exactKeyTypes {
 		t.Run(typ, func(t *testing.T) {
 			table := userTable(t, raw, "acct_key", typ, rest)
-			w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := w.Write(ctx, "acct", []byte("a"), 100); err != nil {
-				t.Fatal(err)
-			}
-			if err := w.Write(ctx, "acct ", []byte("b"), 5); err != nil {
-				t.Errorf("Write to \"acct \" at 5: %v, want its own row", err)
-			}
-			if err := w.Write(ctx, "Acct", []byte("c"), 5); err != nil {
-				t.Errorf("Write to \"Acct\" at 5: %v, want its own row", err)
-			}
-			if v, tok, err := w.Read(ctx, "acct"); err != nil || tok != 100 || string(v) != "a" {
-				t.Errorf("Read acct: %q %d %v, want a at 100", v, tok, err)
-			}
-			var se *fence.StaleError
-			if err := w.Write(ctx, "acct", []byte("x"), 99); !errors.As(err, &se) || se.Current != 100 {
-				t.Errorf("stale Write: %v, want a StaleError at 100", err)
-			}
+			w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
+			checkKeyColumnKeepsKeysApart(t, w)
 		})
+	}
+}
+
+// checkKeyColumnRefusesWrite checks that w, on a user's key column acct_key
+// of type typ that can make two keys one row, refuses a Write of key with an
+// error matching fence.ErrInvalid that names the column and want, the type to
+// use.
+func checkKeyColumnRefusesWrite(t *testing.T, w *sqlfence.Writer, key, typ, want string) {
+	t.Helper()
+	err := w.Write(context.Background(), key, []byte("a"), 100)
+	if !errors.Is(err, fence.ErrInvalid) || !strings.Contains(err.Error(), "acct_key") || !strings.Contains(err.Error(), want) {
+		t.Fatalf("Write on a %s key column: %v, want ErrInvalid naming acct_key and %s", typ, err, want)
+	}
+	if testing.Verbose() {
+		t.Log(err)
+	}
+}
+
+// checkKeyColumnRefusesRest checks that w, on such a column of table, refuses
+// Delete and Read of key with fence.ErrInvalid, and that table holds no row.
+func checkKeyColumnRefusesRest(t *testing.T, raw *sql.DB, w *sqlfence.Writer, table, key string) {
+	t.Helper()
+	ctx := context.Background()
+	if err := w.Delete(ctx, key, 300); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Delete: %v, want ErrInvalid", err)
+	}
+	if _, _, err := w.Read(ctx, key); !errors.Is(err, fence.ErrInvalid) {
+		t.Errorf("Read: %v, want ErrInvalid", err)
+	}
+	var n int
+	if err := raw.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+table).Scan(&n); err != nil || n != 0 {
+		t.Errorf("rows after refused writes: %d, %v; want none", n, err)
+	}
+}
+
+// checkKeyColumnKeepsKeysApart checks that w, on a user's key column that
+// compares bytes, keeps "acct", "acct " and "Acct" apart as three keys.
+func checkKeyColumnKeepsKeysApart(t *testing.T, w *sqlfence.Writer) {
+	t.Helper()
+	ctx := context.Background()
+	if err := w.Write(ctx, "acct", []byte("a"), 100); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, "acct ", []byte("b"), 5); err != nil {
+		t.Errorf("Write to \"acct \" at 5: %v, want its own row", err)
+	}
+	if err := w.Write(ctx, "Acct", []byte("c"), 5); err != nil {
+		t.Errorf("Write to \"Acct\" at 5: %v, want its own row", err)
+	}
+	if v, tok, err := w.Read(ctx, "acct"); err != nil || tok != 100 || string(v) != "a" {
+		t.Errorf("Read acct: %q %d %v, want a at 100", v, tok, err)
+	}
+	var se *fence.StaleError
+	if err := w.Write(ctx, "acct", []byte("x"), 99); !errors.As(err, &se) || se.Current != 100 {
+		t.Errorf("stale Write: %v, want a StaleError at 100", err)
 	}
 }
 
@@ -781,10 +695,7 @@ func TestMySQLKeyLongerThanUserKeyColumn(t *testing.T) {
 			for _, typ := range []string{"VARBINARY(16)", "VARCHAR(16) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin"} {
 				t.Run(typ, func(t *testing.T) {
 					table := userTable(t, raw, "k", typ, ", v LONGBLOB, f BIGINT NOT NULL")
-					w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"})
-					if err != nil {
-						t.Fatal(err)
-					}
+					w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"})
 					a, b := "0123456789abcdef-account-a", "0123456789abcdef-account-b"
 					errA := w.Write(ctx, a, []byte("a"), 100)
 					if errA != nil && !refusedTooLong(errA) {
@@ -907,10 +818,7 @@ func TestMySQLKeyColumnCheckedAfterTableRecreated(t *testing.T) {
 	raw, fdb := openMySQL(t, "")
 	const rest = ", v LONGBLOB, f BIGINT NOT NULL"
 	table := userTable(t, raw, "k", "VARBINARY(255)", rest)
-	w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"})
 	if err := w.Write(ctx, "acct", []byte("a"), 1); err != nil {
 		t.Fatal(err)
 	}

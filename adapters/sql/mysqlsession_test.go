@@ -98,10 +98,7 @@ func TestMySQLSessionMatrix(t *testing.T) {
 		t.Run(params, func(t *testing.T) {
 			raw, fdb := openMySQL(t, params)
 			for _, opts := range []*sqlfence.WriterOptions{nil, {Table: nopad, KeyColumn: "k", ValueColumn: "v", FenceColumn: "f"}} {
-				w, err := sqlfence.NewWriter(fdb, opts)
-				if err != nil {
-					t.Fatal(err)
-				}
+				w := newWriterOn(t, fdb, opts)
 				name := "default"
 				if opts != nil {
 					name = "nopad_bin"
@@ -175,10 +172,7 @@ func matrixAcquirer(t *testing.T, raw *sql.DB, fdb *sqlfence.DB) {
 	plain := newAcquirerOn(t, fdb, nil)
 	for _, acq := range []*sqlfence.Acquirer{a, plain} {
 		name := fencetest.Name("mx-l") + matrixSuffix
-		l, err := acq.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, acq, name, time.Minute)
 		if _, err := acq.TryAcquire(ctx, name, time.Minute); !errors.Is(err, fence.ErrHeld) {
 			t.Errorf("TryAcquire of a held name: %v, want ErrHeld", err)
 		}
@@ -197,10 +191,7 @@ func matrixAcquirer(t *testing.T, raw *sql.DB, fdb *sqlfence.DB) {
 		if err := l.Release(ctx); err != nil {
 			t.Errorf("Release: %v", err)
 		}
-		next, err := acq.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		next := mustGrant(t, ctx, acq, name, time.Minute)
 		if next.Token() <= l.Token() {
 			t.Errorf("the next grant's token %d is not above %d", next.Token(), l.Token())
 		}
@@ -314,16 +305,13 @@ func TestMySQLWriteSameRowWhateverArgumentPath(t *testing.T) {
 	for _, params := range splitSessions {
 		t.Run(params, func(t *testing.T) {
 			_, fdb := openMySQL(t, params)
-			w, err := sqlfence.NewWriter(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, fdb, nil)
 			key := fencetest.Name("split") + "/café ü€😀 "
 			if err := w.Write(ctx, key, []byte("small"), 100); err != nil {
 				t.Fatal(err)
 			}
 			big := bytes.Repeat([]byte("é\xff\x00€"), 1250) // 5000+ bytes, past the inline limit
-			err = w.Write(ctx, key, big, 50)
+			err := w.Write(ctx, key, big, 50)
 			var se *fence.StaleError
 			if !errors.As(err, &se) || se.Current != 100 {
 				t.Errorf("Write at 50 with %d bytes after 100: %v, want a StaleError at 100", len(big), err)
@@ -360,19 +348,13 @@ func TestMySQLGuardSameRowAsGrant(t *testing.T) {
 			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 			prefix := fencetest.Name("split-g")
 			name := prefix + "/café ü€😀 "
-			old, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			old := mustGrant(t, ctx, a, name, time.Minute)
 			if err := old.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			cur, err := a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			cur := mustGrant(t, ctx, a, name, time.Minute)
 			defer cur.Release(ctx)
-			err = sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, old.Token()) })
+			err := sqlfence.RunTx(ctx, raw, nil, func(tx *sql.Tx) error { return g.Guard(ctx, tx, name, old.Token()) })
 			var se *fence.StaleError
 			if !errors.As(err, &se) || se.Current != cur.Token() {
 				t.Errorf("Guard with the old token %d after a grant of %d: %v, want a StaleError at %d", old.Token(), cur.Token(), err, cur.Token())
@@ -441,10 +423,7 @@ func TestMySQLWideConnectionCharset(t *testing.T) {
 	for _, params := range wideConnections {
 		t.Run(params, func(t *testing.T) {
 			raw, fdb := openMySQL(t, params)
-			w, err := sqlfence.NewWriter(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, fdb, nil)
 			t.Run("Writer", func(t *testing.T) { matrixWriterSizes(t, w) })
 			t.Run("AcquirerAndGuards", func(t *testing.T) { matrixAcquirer(t, raw, fdb) })
 			t.Run("Idempotency", func(t *testing.T) { matrixIdempotency(t, raw, fdb) })
@@ -551,10 +530,7 @@ func TestMySQLInlineRoundTrips(t *testing.T) {
 					t.Skipf("no EMPTY_STRING_IS_NULL: %q %v", mode, err)
 				}
 			}
-			w, err := sqlfence.NewWriter(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, fdb, nil)
 			s, err := sqlfence.NewIdempotencyStore(fdb, nil)
 			if err != nil {
 				t.Fatal(err)
@@ -687,10 +663,7 @@ func TestMySQLInlineRoundTrips(t *testing.T) {
 						continue // owners must be valid text
 					}
 					owner := "own" + n
-					a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{Owner: owner})
-					if err != nil {
-						t.Fatal(err)
-					}
+					a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Owner: owner})
 					name := fmt.Sprintf("%sl%d/%s", p, i, n)
 					l, err := a.TryAcquire(ctx, name, time.Minute)
 					if err != nil {
@@ -779,10 +752,7 @@ func TestMySQLInlineAdvanceGuards(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 			for i, n := range inlineNames {
 				name := fmt.Sprintf("%s/g%d/%s", fencetest.Name("inl-g"), i, n)
 				l, err := a.TryAcquire(ctx, name, time.Minute)
@@ -813,22 +783,13 @@ func TestMySQLInlineBellTaken(t *testing.T) {
 		t.Run("params="+params, func(t *testing.T) {
 			_, fdb := openMySQL(t, params)
 			check, _ := openMySQL(t, "")
-			a, err := sqlfence.NewAcquirer(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, fdb, nil)
 			name := fencetest.Name("inl-bell") + "/q'?\\"
 			// The bell is taken by a grant that takes over an expired row.
-			l, err := a.TryAcquire(ctx, name, 200*time.Millisecond)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l := mustGrant(t, ctx, a, name, 200*time.Millisecond)
 			time.Sleep(400 * time.Millisecond)
 			_ = l.Release(ctx)
-			l, err = a.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			l = mustGrant(t, ctx, a, name, time.Minute)
 			if sqlfence.BellPinned(a) < 0 {
 				t.Skip("no bells")
 			}

@@ -38,15 +38,11 @@ func TestSQLiteNemesis(t *testing.T) {
 	da, dw := newSQLiteAcquirer(t, direct), newSQLiteWriter(t, direct) // creates the tables
 	exec := stdExec(raw, dollar)
 	fencetest.NemesisSuite{
-		Acquirer: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) { return newSQLiteAcquirer(t, open(t)), nil },
-		Writer:   func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) { return newSQLiteWriter(t, open(t)), nil },
-		Direct:   func(*testing.T) (fence.Acquirer, fence.FencedWriter) { return da, dw },
-		DeleteState: func(t *testing.T, name string) {
-			if err := exec(context.Background(), "DELETE FROM fence_leases WHERE name = %s", name); err != nil {
-				t.Errorf("deleting the lease row of %q: %v", name, err)
-			}
-		},
-		ShortTTL: 300 * time.Millisecond,
+		Acquirer:    func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) { return newSQLiteAcquirer(t, open(t)), nil },
+		Writer:      func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) { return newSQLiteWriter(t, open(t)), nil },
+		Direct:      func(*testing.T) (fence.Acquirer, fence.FencedWriter) { return da, dw },
+		DeleteState: nemesisDeleteLeaseRow(exec),
+		ShortTTL:    300 * time.Millisecond,
 	}.Run(t)
 }
 
@@ -61,56 +57,29 @@ func nemesisDeleteLeaseRow(exec func(context.Context, string, ...any) error) fun
 	}
 }
 
-// TestPostgresNemesis: clients on one PostgreSQL server, through pgx and
-// through database/sql, each acquirer and writer on a handle of its own
-// behind a proxy of its own, call random lease and write operations while
-// replies are lost, latency added, clients partitioned and lease rows
-// deleted; the history holds (fencetest.NemesisSuite). The ttl is the
-// suite's default, as TestSQLiteNemesis, and twice the acquirer suite's
-// 150ms: a client partitioned for a quarter of it must still be able to
-// renew on a loaded machine.
-func TestPostgresNemesis(t *testing.T) {
-	deleteState := nemesisDeleteLeaseRow(pgxExec(pgPool(t, pgOpts{})))
-	for _, style := range []string{"pgx", "database-sql"} {
-		t.Run(style, func(t *testing.T) {
-			open := pgOpener(style)
-			fencetest.NemesisSuite{
-				Acquirer: faultyAcquirer(open, pgTarget, nil),
-				Writer:   faultyWriter(open, pgTarget),
-				Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
-					fdb := open(t, "")
-					w, err := sqlfence.NewWriter(fdb, nil)
-					if err != nil {
-						t.Fatal(err)
-					}
-					return newAcquirerOn(t, fdb, nil), w
-				},
-				DeleteState: deleteState,
-				ShortTTL:    300 * time.Millisecond,
-			}.Run(t)
-		})
-	}
-}
-
-// TestMySQLNemesis is TestPostgresNemesis on the test MySQL or MariaDB
-// server.
-func TestMySQLNemesis(t *testing.T) {
-	raw, _ := openMySQL(t, "") // creates the tables
-	open := mysqlOpener("")
-	fencetest.NemesisSuite{
-		Acquirer: faultyAcquirer(open, mysqlAddr, nil),
-		Writer:   faultyWriter(open, mysqlAddr),
-		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
-			fdb := open(t, "")
-			w, err := sqlfence.NewWriter(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return newAcquirerOn(t, fdb, nil), w
-		},
-		DeleteState: nemesisDeleteLeaseRow(stdExec(raw, func(int) string { return "?" })),
-		ShortTTL:    300 * time.Millisecond,
-	}.Run(t)
+// TestNemesis: clients on one PostgreSQL server, through pgx and through
+// database/sql, and on the test MySQL or MariaDB server, each acquirer and
+// writer on a handle of its own behind a proxy of its own, call random lease
+// and write operations while replies are lost, latency added, clients
+// partitioned and lease rows deleted; the history holds
+// (fencetest.NemesisSuite). The ttl is the suite's default, as
+// TestSQLiteNemesis, and twice the acquirer suite's 150ms: a client
+// partitioned for a quarter of it must still be able to renew on a loaded
+// machine.
+func TestNemesis(t *testing.T) {
+	runByServer(t, serverStyles(""), false, func(t *testing.T, s serverStyle) {
+		deleteState := nemesisDeleteLeaseRow(s.operator(t)) // on MySQL, creates the tables
+		fencetest.NemesisSuite{
+			Acquirer: faultyAcquirer(s.open, s.target, nil),
+			Writer:   faultyWriter(s.open, s.target),
+			Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
+				fdb := s.open(t, "")
+				return newAcquirerOn(t, fdb, nil), newWriterOn(t, fdb, nil)
+			},
+			DeleteState: deleteState,
+			ShortTTL:    300 * time.Millisecond,
+		}.Run(t)
+	})
 }
 
 // TestSQLiteIdempotencyNemesis: clients, each on a database handle of its own
@@ -129,30 +98,17 @@ func TestSQLiteIdempotencyNemesis(t *testing.T) {
 	}.Run(t)
 }
 
-// TestPostgresIdempotencyNemesis: clients on one PostgreSQL server, through
-// pgx and through database/sql, each store on a pool of its own behind a
-// proxy of its own, call idempotency.Do while replies are lost, requests
-// dropped, latency added and clients partitioned; the history holds
-// (idempotencytest.NemesisSuite).
-func TestPostgresIdempotencyNemesis(t *testing.T) {
-	for style, fdb := range pgHandles(t) {
-		t.Run(style, func(t *testing.T) {
-			direct := idemStore(t, fdb)
-			idempotencytest.NemesisSuite{
-				Store:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyPostgres(t, style) },
-				Direct: func(*testing.T) idempotency.Store { return direct },
-			}.Run(t)
-		})
-	}
-}
-
-// TestMySQLIdempotencyNemesis is TestPostgresIdempotencyNemesis on the test
-// MySQL or MariaDB server.
-func TestMySQLIdempotencyNemesis(t *testing.T) {
-	_, fdb := openMySQL(t, "")
-	direct := idemStore(t, fdb)
-	idempotencytest.NemesisSuite{
-		Store:  func(t *testing.T) (idempotency.Store, *faultnet.Proxy) { return faultyMySQL(t, "") },
-		Direct: func(*testing.T) idempotency.Store { return direct },
-	}.Run(t)
+// TestIdempotencyNemesis: clients on one PostgreSQL server, through pgx and
+// through database/sql, and on the test MySQL or MariaDB server, each store
+// on a handle of its own behind a proxy of its own, call idempotency.Do while
+// replies are lost, requests dropped, latency added and clients partitioned;
+// the history holds (idempotencytest.NemesisSuite).
+func TestIdempotencyNemesis(t *testing.T) {
+	runByServer(t, serverStyles(""), false, func(t *testing.T, s serverStyle) {
+		direct := idemStore(t, s.open(t, ""))
+		idempotencytest.NemesisSuite{
+			Store:  s.faultyStore,
+			Direct: func(*testing.T) idempotency.Store { return direct },
+		}.Run(t)
+	})
 }

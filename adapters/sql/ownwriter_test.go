@@ -31,10 +31,7 @@ func TestWriterOwnTable(t *testing.T) {
 			version INTEGER NOT NULL DEFAULT 0, created_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)`); err != nil {
 			t.Fatal(err)
 		}
-		w, err := sqlfence.NewWriter(fdb, ownTableOptions("documents"))
-		if err != nil {
-			t.Fatal(err)
-		}
+		w := newWriterOn(t, fdb, ownTableOptions("documents"))
 		fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys}.Run(t)
 	})
 	t.Run("mysql", func(t *testing.T) {
@@ -45,10 +42,7 @@ func TestWriterOwnTable(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _, _ = raw.Exec("DROP TABLE " + table) })
-		w, err := sqlfence.NewWriter(fdb, ownTableOptions(table))
-		if err != nil {
-			t.Fatal(err)
-		}
+		w := newWriterOn(t, fdb, ownTableOptions(table))
 		fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys}.Run(t)
 	})
 }

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"strings"
 	"testing"
-	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 	"github.com/fencekit/fencekit/fence"
@@ -33,13 +32,9 @@ func pgUserTable(t *testing.T, raw *sql.DB, col, keyType, rest string) string {
 			t.Skipf("citext: %v", err)
 		}
 	}
-	name := fmt.Sprintf("user_keys_%d_%d", time.Now().UnixNano()%1e9, userTableSeq.Add(1))
-	ddl := fmt.Sprintf(`CREATE TABLE %s (%q %s PRIMARY KEY%s)`, name, col, keyType, rest)
-	if _, err := raw.ExecContext(ctx, ddl); err != nil {
-		t.Skipf("%s: %v", ddl, err)
-	}
-	t.Cleanup(func() { _, _ = raw.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+name) })
-	return name
+	return newUserTable(t, raw, func(name string) string {
+		return fmt.Sprintf(`CREATE TABLE %s (%q %s PRIMARY KEY%s)`, name, col, keyType, rest)
+	})
 }
 
 // pgMergingKeyTypes are PostgreSQL key columns under which two different
@@ -69,63 +64,26 @@ var pgExactKeyTypes = []string{
 // what to use, and writes nothing; on a column that compares bytes, "acct"
 // and "acct " are two keys, and so are "Acct" and "acct".
 func TestPostgresWriterRefusesMergingKeyColumn(t *testing.T) {
-	ctx := context.Background()
 	raw := pgStd(t)
 	const rest = ", value BYTEA, fence BIGINT NOT NULL"
 	for style, fdb := range pgHandles(t) {
 		for _, typ := range pgMergingKeyTypes {
 			t.Run(style+"/"+typ, func(t *testing.T) {
 				table := pgUserTable(t, raw, "acct_key", typ, rest)
-				w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-				if err != nil {
-					t.Fatal(err)
-				}
+				w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
 				key := "acct"
 				if typ == "UUID" {
 					key = "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
 				}
-				err = w.Write(ctx, key, []byte("a"), 100)
-				if !errors.Is(err, fence.ErrInvalid) || !strings.Contains(err.Error(), "acct_key") || !strings.Contains(err.Error(), "TEXT") {
-					t.Fatalf("Write on a %s key column: %v, want ErrInvalid naming acct_key and TEXT", typ, err)
-				}
-				if testing.Verbose() {
-					t.Log(err)
-				}
-				if err := w.Delete(ctx, key, 300); !errors.Is(err, fence.ErrInvalid) {
-					t.Errorf("Delete: %v, want ErrInvalid", err)
-				}
-				if _, _, err := w.Read(ctx, key); !errors.Is(err, fence.ErrInvalid) {
-					t.Errorf("Read: %v, want ErrInvalid", err)
-				}
-				var n int
-				if err := raw.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+table).Scan(&n); err != nil || n != 0 {
-					t.Errorf("rows after refused writes: %d, %v; want none", n, err)
-				}
+				checkKeyColumnRefusesWrite(t, w, key, typ, "TEXT")
+				checkKeyColumnRefusesRest(t, raw, w, table, key)
 			})
 		}
 		for _, typ := range pgExactKeyTypes {
 			t.Run(style+"/"+typ, func(t *testing.T) {
 				table := pgUserTable(t, raw, "acct_key", typ, rest)
-				w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := w.Write(ctx, "acct", []byte("a"), 100); err != nil {
-					t.Fatal(err)
-				}
-				if err := w.Write(ctx, "acct ", []byte("b"), 5); err != nil {
-					t.Errorf("Write to \"acct \" at 5: %v, want its own row", err)
-				}
-				if err := w.Write(ctx, "Acct", []byte("c"), 5); err != nil {
-					t.Errorf("Write to \"Acct\" at 5: %v, want its own row", err)
-				}
-				if v, tok, err := w.Read(ctx, "acct"); err != nil || tok != 100 || string(v) != "a" {
-					t.Errorf("Read acct: %q %d %v, want a at 100", v, tok, err)
-				}
-				var se *fence.StaleError
-				if err := w.Write(ctx, "acct", []byte("x"), 99); !errors.As(err, &se) || se.Current != 100 {
-					t.Errorf("stale Write: %v, want a StaleError at 100", err)
-				}
+				w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table, KeyColumn: "acct_key"})
+				checkKeyColumnKeepsKeysApart(t, w)
 			})
 		}
 	}

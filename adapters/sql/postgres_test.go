@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -22,22 +21,6 @@ func pgHandles(t *testing.T) map[string]*sqlfence.DB {
 	return map[string]*sqlfence.DB{
 		"pgx":          sqlfence.Pgx(pgPool(t, pgOpts{})),
 		"database-sql": sqlfence.Postgres(pgStd(t)),
-	}
-}
-
-func TestPostgresWriterConformance(t *testing.T) {
-	for style, fdb := range pgHandles(t) {
-		t.Run(style, func(t *testing.T) {
-			w, err := sqlfence.NewWriter(fdb, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			fencetest.WriterSuite{
-				New:     func(t *testing.T) fence.FencedWriter { return w },
-				BadKeys: badKeys,
-				Faulty:  faultyWriter(pgOpener(style), pgTarget),
-			}.Run(t)
-		})
 	}
 }
 
@@ -65,27 +48,6 @@ func TestPostgresWriterOwnTable(t *testing.T) {
 		t.Fatal(err)
 	}
 	fencetest.WriterSuite{New: func(t *testing.T) fence.FencedWriter { return w }, BadKeys: badKeys}.Run(t)
-}
-
-func TestPostgresAcquirerConformance(t *testing.T) {
-	t.Parallel() // its cases use names of their own; it overlaps the other suites, not the sequential tests
-	deleteState := deleteLeaseRow(pgxExec(pgPool(t, pgOpts{})))
-	for style, fdb := range pgHandles(t) {
-		for _, notify := range []bool{true, false} {
-			t.Run(fmt.Sprintf("%s/notify=%v", style, notify), func(t *testing.T) {
-				opts := &sqlfence.AcquirerOptions{DisableNotify: !notify}
-				a, err := sqlfence.NewAcquirer(fdb, opts)
-				if err != nil {
-					t.Fatal(err)
-				}
-				fencetest.AcquirerSuite{Parallel: true, New: func(t *testing.T) fence.Acquirer { return a }, MaxTTL: sqlfence.MaxTTL, BadNames: badKeys,
-					NewOther:    otherAcquirer(pgOpener(style), opts),
-					Faulty:      faultyAcquirer(pgOpener(style), pgTarget, opts),
-					DeleteState: deleteState,
-				}.Run(t)
-			})
-		}
-	}
 }
 
 func TestInvalidNames(t *testing.T) {
@@ -121,19 +83,13 @@ func TestMissingTable(t *testing.T) {
 		t.Run(style, func(t *testing.T) {
 			table := fencetest.Name("missing")
 			table = strings.ReplaceAll(table, "-", "_")
-			w, err := sqlfence.NewWriter(fdb, &sqlfence.WriterOptions{Table: table})
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := newWriterOn(t, fdb, &sqlfence.WriterOptions{Table: table})
 			var te *sqlfence.TableError
-			err = w.Write(ctx, "k", []byte("v"), 1)
+			err := w.Write(ctx, "k", []byte("v"), 1)
 			if !errors.As(err, &te) || te.Table != table || !strings.Contains(err.Error(), "CREATE TABLE") {
 				t.Errorf("Write to a missing table: %v, want a *TableError naming %s with its DDL", err, table)
 			}
-			a, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{Table: table})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{Table: table})
 			_, err = a.TryAcquire(ctx, "n", time.Second)
 			if !errors.As(err, &te) || te.Table != table {
 				t.Errorf("TryAcquire on a missing table: %v, want a *TableError naming %s", err, table)
@@ -153,17 +109,11 @@ func TestMissingTable(t *testing.T) {
 func TestRoundTrips(t *testing.T) {
 	tr := &counter{}
 	p := pgPool(t, pgOpts{tracer: tr})
-	a, err := sqlfence.NewAcquirer(sqlfence.Pgx(p), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, sqlfence.Pgx(p), nil)
 	ctx := context.Background()
 	name := fencetest.Name("rt")
 	before := tr.queries.Load()
-	l, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, ctx, a, name, time.Minute)
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -237,10 +187,7 @@ func TestAdvanceOnGrant(t *testing.T) {
 			if err := g.CreateTable(ctx); err != nil {
 				t.Fatal(err)
 			}
-			a, err := sqlfence.NewAcquirer(c.fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a := newAcquirerOn(t, c.fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 			name := fencetest.Name("advance")
 			// A second's ttl: a grant on a loaded machine can take longer
 			// than 100ms (on SQLite three grants in a row have come back

@@ -212,7 +212,7 @@ func mustTryAcquire(t *testing.T, a *sqlfence.Acquirer, name string) {
 // to release it (a waiter that left must not keep a free lock from
 // the others).
 func TestRingGrantHintAfterContextEnded(t *testing.T) {
-	for dname, db := range lateDialects(t) {
+	for dname, db := range lineDialects(t) {
 		t.Run(dname, func(t *testing.T) {
 			ctx := context.Background()
 			a := newAcquirerOn(t, db, nil)
@@ -440,10 +440,7 @@ func ringLockWaitStarted(t *testing.T, dbA *sql.DB, a, b *sqlfence.Acquirer, nam
 	t.Helper()
 	ctx := context.Background()
 	key := sqlfence.BellKey(a, name)
-	la, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	la := mustGrant(t, ctx, a, name, time.Minute)
 	aID := bellHolderID(t, dbA, key)
 	if aID == 0 {
 		t.Fatal("A's takeover grant took no bell")
@@ -620,10 +617,7 @@ func TestRingerFIFOTwoAcquirers(t *testing.T) {
 	c := newAcquirerOn(t, fdbC, &sqlfence.AcquirerOptions{Backoff: idleHead})
 	name := fencetest.Name("ringrev-fifo")
 	bellFreshRow(t, a, name)
-	la, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	la := mustGrant(t, ctx, a, name, time.Minute)
 	if bellHolderID(t, dbA, sqlfence.BellKey(a, name)) == 0 {
 		t.Fatal("A's takeover grant took no bell")
 	}
@@ -727,10 +721,7 @@ func TestRingerDroppedTable(t *testing.T) {
 	}
 	name := fencetest.Name("ringrev-drop")
 	bellFreshRow(t, a, name)
-	la, err := a.TryAcquire(ctx, name, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	la := mustGrant(t, ctx, a, name, time.Minute)
 	key := sqlfence.BellKey(a, name)
 	if bellHolderID(t, dbA, key) == 0 {
 		t.Fatal("A's takeover grant took no bell")

@@ -34,10 +34,7 @@ func openSQLite(t testing.TB) (*sql.DB, *sqlfence.DB) {
 
 func newSQLiteWriter(t testing.TB, fdb *sqlfence.DB) *sqlfence.Writer {
 	t.Helper()
-	w, err := sqlfence.NewWriter(fdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := newWriterOn(t, fdb, nil)
 	if err := w.CreateTable(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -46,10 +43,7 @@ func newSQLiteWriter(t testing.TB, fdb *sqlfence.DB) *sqlfence.Writer {
 
 func newSQLiteAcquirer(t testing.TB, fdb *sqlfence.DB) *sqlfence.Acquirer {
 	t.Helper()
-	a, err := sqlfence.NewAcquirer(fdb, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirerOn(t, fdb, nil)
 	if err := a.CreateTable(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -102,20 +96,14 @@ func TestSQLiteAcrossHandles(t *testing.T) {
 	}
 	// Leases taken on one handle are seen on another.
 	a1, a2 := open(t), open(t)
-	l, err := a1.TryAcquire(context.Background(), "shared", 30e9)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := mustGrant(t, context.Background(), a1, "shared", 30e9)
 	if _, err := a2.TryAcquire(context.Background(), "shared", 30e9); !errors.Is(err, fence.ErrHeld) {
 		t.Fatalf("second handle: err = %v, want ErrHeld", err)
 	}
 	if err := l.Release(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	l2, err := a2.TryAcquire(context.Background(), "shared", 30e9)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l2 := mustGrant(t, context.Background(), a2, "shared", 30e9)
 	if l2.Token() != l.Token()+1 {
 		t.Errorf("token on the second handle = %d, want %d", l2.Token(), l.Token()+1)
 	}
@@ -195,10 +183,7 @@ func TestSQLiteFloorReadWhenRowIsCreated(t *testing.T) {
 				}
 			}
 			// Meanwhile another process grants the name, and the row is deleted.
-			lb, err := a2.TryAcquire(ctx, name, time.Minute)
-			if err != nil {
-				t.Fatal(err)
-			}
+			lb := mustGrant(t, ctx, a2, name, time.Minute)
 			t.Logf("handle 2 granted token %d while handle 1's %s waited", lb.Token(), op)
 			if err := lb.Release(ctx); err != nil {
 				t.Fatal(err)
@@ -342,17 +327,11 @@ func TestSQLiteAcquireOnALockedFile(t *testing.T) {
 
 			// A waiter with time to spare, while the lock is held past the
 			// busy timeout, is granted once the file is free.
-			type res struct {
-				l   fence.Lease
-				err error
-			}
-			got := make(chan res, 1)
-			go func() {
+			got := goLease(func() (fence.Lease, error) {
 				wctx, cancel := context.WithTimeout(ctx, time.Minute)
 				defer cancel()
-				l, err := a.Acquire(wctx, "busy", time.Minute)
-				got <- res{l, err}
-			}()
+				return a.Acquire(wctx, "busy", time.Minute)
+			})
 			select {
 			case r := <-got:
 				t.Fatalf("waiting Acquire returned while the file was locked: %v, %v", r.l, r.err)
@@ -590,10 +569,7 @@ func TestSQLiteDeadlinesOnALockedFile(t *testing.T) {
 	if err := g.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	ag, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
-	if err != nil {
-		t.Fatal(err)
-	}
+	ag := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 	st, err := sqlfence.NewIdempotencyStore(fdb, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -601,14 +577,8 @@ func TestSQLiteDeadlinesOnALockedFile(t *testing.T) {
 	if err := st.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	lr, err := a.TryAcquire(ctx, "renew", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ll, err := a.TryAcquire(ctx, "release", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
+	lr := mustGrant(t, ctx, a, "renew", time.Minute)
+	ll := mustGrant(t, ctx, a, "release", time.Minute)
 	unlock := lockSQLiteFile(t, path)
 
 	const wait = time.Second
@@ -865,10 +835,7 @@ func TestSQLiteContextEndingAsAStatementCommits(t *testing.T) {
 		}
 		// Release of a held lease.
 		name = fmt.Sprintf("release-%d", i)
-		l, err := a.TryAcquire(ctx, name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
+		l := mustGrant(t, ctx, a, name, time.Minute)
 		rctx, cancel := context.WithTimeout(ctx, timeout)
 		err = l.Release(rctx)
 		cancel()
@@ -929,10 +896,7 @@ func TestSQLiteAcquireDeadlinePastTheBusyTimeout(t *testing.T) {
 	if err := g.CreateTable(ctx); err != nil {
 		t.Fatal(err)
 	}
-	ag, err := sqlfence.NewAcquirer(fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
-	if err != nil {
-		t.Fatal(err)
-	}
+	ag := newAcquirerOn(t, fdb, &sqlfence.AcquirerOptions{AdvanceGuards: g})
 	unlock := lockSQLiteFile(t, path)
 	const wait = 12 * time.Second
 	var wg sync.WaitGroup
