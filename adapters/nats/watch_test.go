@@ -443,10 +443,7 @@ func TestWatchManyWaitersThroughFaults(t *testing.T) {
 // anew on another node and must be granted promptly after the holder's
 // release.
 func TestWatchAcrossLossOfFollowerNode(t *testing.T) {
-	if testing.Short() {
-		t.Skip("3-node clusters")
-	}
-	c := natstest.StartCluster(t, 3)
+	c := cluster3(t)
 	ctx := context.Background()
 	cfg := natsfence.LockBucket("locks-watch-follower")
 	cfg.Replicas = 3
