@@ -17,6 +17,7 @@ import (
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/natstest"
 	"github.com/nats-io/nats.go"
 )
@@ -163,6 +164,42 @@ func observe(t *testing.T, subj string, f func(m *nats.Msg)) {
 	}
 }
 
+// lockSubject is the subject of name's lock key in lockBucket.
+func lockSubject(name string) string {
+	return "$KV." + lockBucket.Bucket + "." + natsfence.EncodeKey(name)
+}
+
+// tokenReadSubject is the subject of a read of lockBucket's creation time
+// (a grant's token).
+var tokenReadSubject = "$JS.API.STREAM.INFO.KV_" + lockBucket.Bucket
+
+// onFirstCreate calls f once, when the server sees the first create of a
+// grant on name (a publish to its key that is not a marker before it).
+func onFirstCreate(t *testing.T, name string, f func()) {
+	t.Helper()
+	var once sync.Once
+	observe(t, lockSubject(name), func(m *nats.Msg) {
+		if m.Header.Get("KV-Operation") == "" {
+			once.Do(f)
+		}
+	})
+}
+
+// notGrantedOnSlowLink runs try with p delaying every chunk by d each way,
+// makes the link fast again when try returns, and returns try's error; a
+// lease try was granted fails t (what was granted), after its release.
+func notGrantedOnSlowLink(t *testing.T, p *faultnet.Proxy, d time.Duration, what string, try func() (fence.Lease, error)) error {
+	t.Helper()
+	p.Latency(d, d)
+	l, err := try()
+	p.Latency(0, 0)
+	if err == nil {
+		_ = l.Release(context.Background())
+		t.Fatalf("%s was granted (token %d)", what, l.Token())
+	}
+	return err
+}
+
 // waitFree polls (a poll, not a synchronisation) until b can take name, or
 // fails after within.
 func waitFree(t *testing.T, b *natsfence.Acquirer, name string, within time.Duration) time.Duration {
@@ -195,28 +232,21 @@ func TestLateGrantAcquireCancelledDuringTokenRead(t *testing.T) {
 	// which the other tests' acquirers make too.
 	j, p := proxied(t)
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	name := fencetest.Name("natslate-inforead")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var cancelledAt atomic.Int64
 	// The token's read: the first STREAM.INFO after New. Its reply is held
 	// 300ms by the proxy; the Acquire is cancelled as the server sees it.
-	observe(t, "$JS.API.STREAM.INFO.KV_"+lockBucket.Bucket, func(*nats.Msg) {
+	observe(t, tokenReadSubject, func(*nats.Msg) {
 		if cancelledAt.CompareAndSwap(0, time.Now().UnixNano()) {
 			cancel()
 		}
 	})
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.Acquire(actx, name, 20*time.Second)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("Acquire cancelled during its token read was granted (token %d)", l.Token())
-	}
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "Acquire cancelled during its token read", func() (fence.Lease, error) {
+		return a.Acquire(actx, name, 20*time.Second)
+	})
 	if cancelledAt.Load() == 0 {
 		t.Fatalf("Acquire returned before its token read: %v", err)
 	}
@@ -225,7 +255,6 @@ func TestLateGrantAcquireCancelledDuringTokenRead(t *testing.T) {
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
 		t.Errorf("Acquire cancelled during its token read: %v, want an error matching ErrHeld and context.Canceled", err)
 	}
-	p.Latency(0, 0)
 	waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 5*time.Second)
 }
 
@@ -238,26 +267,14 @@ func TestLateGrantAcquireCancelledDuringCreate(t *testing.T) {
 	t.Parallel() // its own names and proxies
 	j, p := proxied(t)
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	name := fencetest.Name("natslate-create")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var once sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
-		if m.Header.Get("KV-Operation") == "" { // the create, not a marker before it
-			once.Do(cancel)
-		}
+	onFirstCreate(t, name, cancel)
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "Acquire cancelled during its create", func() (fence.Lease, error) {
+		return a.Acquire(actx, name, 20*time.Second)
 	})
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.Acquire(actx, name, 20*time.Second)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("Acquire cancelled during its create was granted (token %d)", l.Token())
-	}
 	t.Logf("Acquire: %v", err)
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
 		t.Errorf("Acquire cancelled during its create: %v, want ErrHeld and context.Canceled", err)
@@ -279,7 +296,7 @@ func TestLateGrantAcquireDoesNotSpin(t *testing.T) {
 	a := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Drift: ttl - 20*time.Microsecond})
 	name := fencetest.Name("natslate-spin")
 	var writes atomic.Int64
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(*nats.Msg) { writes.Add(1) })
+	observe(t, lockSubject(name), func(*nats.Msg) { writes.Add(1) })
 	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	l, err := a.Acquire(actx, name, ttl)
@@ -305,11 +322,7 @@ func TestLateGrantPurgeSparesNewerHolder(t *testing.T) {
 	t.Parallel() // its own names and proxies
 	j, p := proxied(t)
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	b := newAcquirer(t, js(t), lockBucket, nil)
 	name := fencetest.Name("natslate-newer")
 	p.Latency(400*time.Millisecond, 400*time.Millisecond)
@@ -322,7 +335,7 @@ func TestLateGrantPurgeSparesNewerHolder(t *testing.T) {
 	defer bcancel()
 	purges := make(chan struct{}, 64)
 	var start sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+	observe(t, lockSubject(name), func(m *nats.Msg) {
 		if m.Header.Get("KV-Operation") == "PURGE" {
 			purges <- struct{}{}
 			return
@@ -379,18 +392,14 @@ func TestLateGrantGivenBackAfterCut(t *testing.T) {
 	t.Parallel() // its own names and proxies
 	j, p := proxied(t)
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	name := fencetest.Name("natslate-cutpurge")
 	// Each attempt has a nonce of its own (a create refused for a changed
 	// revision is sent again with the same one).
 	var mu sync.Mutex
 	nonces := map[string]bool{}
 	creates := func() int { mu.Lock(); defer mu.Unlock(); return len(nonces) }
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+	observe(t, lockSubject(name), func(m *nats.Msg) {
 		if m.Header.Get("KV-Operation") != "" || len(m.Data) == 0 {
 			return
 		}
@@ -404,13 +413,9 @@ func TestLateGrantGivenBackAfterCut(t *testing.T) {
 			}
 		}
 	})
-	p.Latency(400*time.Millisecond, 400*time.Millisecond)
-	l, err := a.TryAcquire(ctx, name, 2*time.Second+time.Millisecond)
-	p.Latency(0, 0)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("TryAcquire with every grant late was granted (token %d)", l.Token())
-	}
+	err := notGrantedOnSlowLink(t, p, 400*time.Millisecond, "TryAcquire with every grant late", func() (fence.Lease, error) {
+		return a.TryAcquire(ctx, name, 2*time.Second+time.Millisecond)
+	})
 	t.Logf("TryAcquire: %v (%d creates)", err, creates())
 	if !errors.Is(err, fence.ErrLost) {
 		t.Fatalf("TryAcquire: %v, want ErrLost", err)
@@ -437,14 +442,10 @@ func TestLateGrantOwnOrphanNotErrHeld(t *testing.T) {
 	t.Parallel() // its own names and proxies
 	j, p := proxied(t)
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	name := fencetest.Name("natslate-ownorphan")
 	var armed sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+	observe(t, lockSubject(name), func(m *nats.Msg) {
 		if m.Header.Get("KV-Operation") != "" || len(m.Data) == 0 {
 			return
 		}
@@ -490,27 +491,14 @@ func TestTryAcquireCancelledDuringCreateNotHeld(t *testing.T) {
 	t.Parallel() // its own names and proxies
 	j, p := proxied(t)
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	name := fencetest.Name("natslate-trycreate")
 	tctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var once sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
-		if m.Header.Get("KV-Operation") == "" { // the create, not a marker before it
-			once.Do(cancel)
-		}
+	onFirstCreate(t, name, cancel)
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "TryAcquire cancelled during its create", func() (fence.Lease, error) {
+		return a.TryAcquire(tctx, name, 20*time.Second)
 	})
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.TryAcquire(tctx, name, 20*time.Second)
-	p.Latency(0, 0)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("TryAcquire cancelled during its create was granted (token %d)", l.Token())
-	}
 	t.Logf("TryAcquire: %v", err)
 	if !errors.Is(err, fence.ErrUnknown) {
 		t.Errorf("TryAcquire cancelled during its create: %v, want ErrUnknown", err)
@@ -536,18 +524,14 @@ func TestLateGrantLoopEndsDuringTokenRead(t *testing.T) {
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var reads atomic.Int64
-	observe(t, "$JS.API.STREAM.INFO.KV_"+lockBucket.Bucket, func(*nats.Msg) {
+	observe(t, tokenReadSubject, func(*nats.Msg) {
 		if reads.Add(1) == 2 {
 			cancel()
 		}
 	})
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.Acquire(actx, name, natsfence.MinTTL)
-	p.Latency(0, 0)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("Acquire with every grant late granted token %d", l.Token())
-	}
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "Acquire with every grant late", func() (fence.Lease, error) {
+		return a.Acquire(actx, name, natsfence.MinTTL)
+	})
 	t.Logf("Acquire: %v (%d token reads)", err, reads.Load())
 	if reads.Load() < 2 {
 		t.Fatalf("Acquire gave up before its second late grant's token read: %v", err)
@@ -575,22 +559,20 @@ func TestAcquireGivesUpAtItsEndUnderPartition(t *testing.T) {
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var cancelledAt atomic.Int64
-	observe(t, "$JS.API.STREAM.INFO.KV_"+lockBucket.Bucket, func(*nats.Msg) {
+	observe(t, tokenReadSubject, func(*nats.Msg) {
 		if cancelledAt.CompareAndSwap(0, time.Now().UnixNano()) {
 			cancel()
 			p.Partition()
 		}
 	})
 	defer p.Heal()
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.Acquire(actx, name, 20*time.Second)
-	returned := time.Now()
-	p.Latency(0, 0)
-	p.Heal()
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("Acquire cancelled during its token read was granted (token %d)", l.Token())
-	}
+	var returned time.Time
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "Acquire cancelled during its token read", func() (fence.Lease, error) {
+		l, err := a.Acquire(actx, name, 20*time.Second)
+		returned = time.Now()
+		p.Heal()
+		return l, err
+	})
 	if cancelledAt.Load() == 0 {
 		t.Fatalf("Acquire returned before its token read: %v", err)
 	}
