@@ -364,6 +364,38 @@ var poolCases = []struct {
 	o    *etcdfence.AcquirerOptions
 }{{"Pool", nil}, {"NoPool", &etcdfence.AcquirerOptions{NoPool: true}}}
 
+// heldEachPoolCase starts a one-member cluster and runs body as a subtest
+// for each of poolCases (o its options), with fencetest.Name(prefix+its
+// name) held for 30s by an acquirer on cl.
+func heldEachPoolCase(t *testing.T, prefix string, body func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease)) {
+	c := etcdtest.Start(t, 1)
+	cl := c.Client(t)
+	h, _ := etcdfence.NewAcquirer(cl, nil)
+	for _, pc := range poolCases {
+		t.Run(pc.name, func(t *testing.T) {
+			name := fencetest.Name(prefix + pc.name)
+			held, err := h.TryAcquire(context.Background(), name, 30*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body(t, c, cl, pc.o, name, held)
+		})
+	}
+}
+
+// grantedToAnother fails t unless an acquirer without a pool, on a client
+// of its own, is granted name at once; after says after what.
+func grantedToAnother(t *testing.T, c *etcdtest.Cluster, name, after string) {
+	t.Helper()
+	ctx := context.Background()
+	o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
+	l2, err := o.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("TryAcquire after %s: %v, want a grant", after, err)
+	}
+	_ = l2.Release(ctx)
+}
+
 // leaseOfKey is the lock lease a waiter's key is named after.
 func leaseOfKey(t *testing.T, key string) int64 {
 	t.Helper()
@@ -455,118 +487,88 @@ func acquireAsyncCtx(ctx context.Context, a *etcdfence.Acquirer, name string, tt
 // revoked, and no goroutine; the holder's release then frees the name for
 // anyone at once.
 func TestExpiredLeaseJoinEveryLeaseGivesUp(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
-	for _, pc := range poolCases {
-		t.Run(pc.name, func(t *testing.T) {
-			name := fencetest.Name("rev-join-all-" + pc.name)
-			held, err := h.TryAcquire(ctx, name, 30*time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
-			f := &leaseRevoker{revoke: func(k txnKind, n int) bool { return k == txnJoin }}
-			w := revokingAcquirer(t, c, f, pc.o)
-			deadline := time.Now().Add(2 * time.Second)
-			actx, cancel := context.WithDeadline(ctx, deadline)
-			l, err := w.Acquire(actx, name, 10*time.Second)
-			returned := time.Now()
-			cancel()
-			if err == nil {
-				t.Fatalf("Acquire granted token %d while the name was held", l.Token())
-			}
-			joins := len(f.revokedOf(txnJoin))
-			t.Logf("Acquire: %v, %v after its deadline; %d joins on revoked waiter leases, %d lease grants in 2s", err, returned.Sub(deadline), joins, f.grantCount())
-			if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
-				t.Errorf("Acquire gave up with %v, want ErrHeld joined with DeadlineExceeded", err)
-			}
-			if late := returned.Sub(deadline); late > time.Second {
-				t.Errorf("Acquire returned %v after its deadline", late)
-			}
-			if joins < 2 {
-				t.Errorf("only %d joins were tried", joins)
-			}
-			// The joins are spaced (retryDelay: 10ms doubling to 500ms,
-			// about 8 in 2s); without the pause 150-200 were sent.
-			if joins > 20 {
-				t.Errorf("%d joins in 2s: the retries of a join whose waiter lease expired are not spaced", joins)
-			}
-			if ks := lineKeys(t, cl, name); len(ks) != 1 || ks[0].create != int64(held.Token()) {
-				t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
-			}
-			if keys := f.keys(); len(keys) > 0 {
-				leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
-			}
-			if err := held.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
-			l2, err := o.TryAcquire(ctx, name, 5*time.Second)
-			if err != nil {
-				t.Fatalf("TryAcquire after the holder released: %v, want a grant", err)
-			}
-			_ = l2.Release(ctx)
-			noGoroutinesLeft(t)
-		})
-	}
+	heldEachPoolCase(t, "rev-join-all-", func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease) {
+		f := &leaseRevoker{revoke: func(k txnKind, n int) bool { return k == txnJoin }}
+		w := revokingAcquirer(t, c, f, o)
+		deadline := time.Now().Add(2 * time.Second)
+		actx, cancel := context.WithDeadline(ctx, deadline)
+		l, err := w.Acquire(actx, name, 10*time.Second)
+		returned := time.Now()
+		cancel()
+		if err == nil {
+			t.Fatalf("Acquire granted token %d while the name was held", l.Token())
+		}
+		joins := len(f.revokedOf(txnJoin))
+		t.Logf("Acquire: %v, %v after its deadline; %d joins on revoked waiter leases, %d lease grants in 2s", err, returned.Sub(deadline), joins, f.grantCount())
+		if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("Acquire gave up with %v, want ErrHeld joined with DeadlineExceeded", err)
+		}
+		if late := returned.Sub(deadline); late > time.Second {
+			t.Errorf("Acquire returned %v after its deadline", late)
+		}
+		if joins < 2 {
+			t.Errorf("only %d joins were tried", joins)
+		}
+		// The joins are spaced (retryDelay: 10ms doubling to 500ms,
+		// about 8 in 2s); without the pause 150-200 were sent.
+		if joins > 20 {
+			t.Errorf("%d joins in 2s: the retries of a join whose waiter lease expired are not spaced", joins)
+		}
+		if ks := lineKeys(t, cl, name); len(ks) != 1 || ks[0].create != int64(held.Token()) {
+			t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
+		}
+		if keys := f.keys(); len(keys) > 0 {
+			leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
+		}
+		if err := held.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		grantedToAnother(t, c, name, "the holder released")
+		noGoroutinesLeft(t)
+	})
 }
 
 // TestExpiredLeaseJoinEveryLeaseCancelled: as JoinEveryLeaseGivesUp, but the
 // context is cancelled (after a few failed joins): ErrHeld joined with
 // context.Canceled, at once, and the name is free after the release.
 func TestExpiredLeaseJoinEveryLeaseCancelled(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
-	for _, pc := range poolCases {
-		t.Run(pc.name, func(t *testing.T) {
-			name := fencetest.Name("rev-join-cancel-" + pc.name)
-			held, err := h.TryAcquire(ctx, name, 30*time.Second)
-			if err != nil {
-				t.Fatal(err)
+	heldEachPoolCase(t, "rev-join-cancel-", func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease) {
+		actx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		var cancelled time.Time
+		f := &leaseRevoker{revoke: func(k txnKind, n int) bool {
+			if k == txnJoin && n == 5 {
+				cancelled = time.Now()
+				cancel()
 			}
-			actx, cancel := context.WithTimeout(ctx, 20*time.Second)
-			defer cancel()
-			var cancelled time.Time
-			f := &leaseRevoker{revoke: func(k txnKind, n int) bool {
-				if k == txnJoin && n == 5 {
-					cancelled = time.Now()
-					cancel()
-				}
-				return k == txnJoin
-			}}
-			w := revokingAcquirer(t, c, f, pc.o)
-			l, err := w.Acquire(actx, name, 10*time.Second)
-			returned := time.Now()
-			if err == nil {
-				t.Fatalf("Acquire granted token %d while the name was held", l.Token())
-			}
-			t.Logf("Acquire: %v, %v after the cancel", err, returned.Sub(cancelled))
-			if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
-				t.Errorf("Acquire gave up with %v, want ErrHeld joined with Canceled", err)
-			}
-			if d := returned.Sub(cancelled); cancelled.IsZero() || d > time.Second {
-				t.Errorf("Acquire returned %v after the cancel", d)
-			}
-			if ks := lineKeys(t, cl, name); len(ks) != 1 {
-				t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
-			}
-			if keys := f.keys(); len(keys) > 0 {
-				leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
-			}
-			if err := held.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
-			l2, err := o.TryAcquire(ctx, name, 5*time.Second)
-			if err != nil {
-				t.Fatalf("TryAcquire after the holder released: %v, want a grant", err)
-			}
-			_ = l2.Release(ctx)
-		})
-	}
+			return k == txnJoin
+		}}
+		w := revokingAcquirer(t, c, f, o)
+		l, err := w.Acquire(actx, name, 10*time.Second)
+		returned := time.Now()
+		if err == nil {
+			t.Fatalf("Acquire granted token %d while the name was held", l.Token())
+		}
+		t.Logf("Acquire: %v, %v after the cancel", err, returned.Sub(cancelled))
+		if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
+			t.Errorf("Acquire gave up with %v, want ErrHeld joined with Canceled", err)
+		}
+		if d := returned.Sub(cancelled); cancelled.IsZero() || d > time.Second {
+			t.Errorf("Acquire returned %v after the cancel", d)
+		}
+		if ks := lineKeys(t, cl, name); len(ks) != 1 {
+			t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
+		}
+		if keys := f.keys(); len(keys) > 0 {
+			leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
+		}
+		if err := held.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		grantedToAnother(t, c, name, "the holder released")
+	})
 }
 
 // TestExpiredLeaseJoinLandedAnswerLostThenRevoked: the first create of the
@@ -576,65 +578,50 @@ func TestExpiredLeaseJoinEveryLeaseCancelled(t *testing.T) {
 // larger token on a live lease, holding the only key in line; after its
 // release the name is free at once.
 func TestExpiredLeaseJoinLandedAnswerLostThenRevoked(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
-	for _, pc := range poolCases {
-		t.Run(pc.name, func(t *testing.T) {
-			name := fencetest.Name("rev-join-lost-" + pc.name)
-			held, err := h.TryAcquire(ctx, name, 30*time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
-			f := &leaseRevoker{landThenLose: 1}
-			w := revokingAcquirer(t, c, f, pc.o)
-			actx, cancel := context.WithTimeout(ctx, 15*time.Second)
-			defer cancel()
-			done := acquireAsyncCtx(actx, w, name, 10*time.Second)
-			// Two places: the holder's and the waiter's on its second lease.
-			for end := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-				ks := lineKeys(t, cl, name)
-				if len(ks) == 2 && len(f.keys()) >= 2 {
-					break
-				}
-				select {
-				case r := <-done:
-					t.Fatalf("Acquire returned while the name was held: %v", r.err)
-				default:
-				}
-				if time.Now().After(end) {
-					t.Fatalf("the waiter did not join again: line %d keys, joins %v", len(ks), f.keys())
-				}
-			}
-			if err := held.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			r := <-done
-			if r.err != nil {
-				t.Fatalf("Acquire after its join's lease was lost: %v, want a grant", r.err)
-			}
-			if r.l.Token() <= held.Token() {
-				t.Errorf("token %d not above the earlier holder's %d", r.l.Token(), held.Token())
-			}
+	heldEachPoolCase(t, "rev-join-lost-", func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease) {
+		f := &leaseRevoker{landThenLose: 1}
+		w := revokingAcquirer(t, c, f, o)
+		actx, cancel := context.WithTimeout(ctx, 15*time.Second)
+		defer cancel()
+		done := acquireAsyncCtx(actx, w, name, 10*time.Second)
+		// Two places: the holder's and the waiter's on its second lease.
+		for end := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 			ks := lineKeys(t, cl, name)
-			if len(ks) != 1 || ks[0].create != int64(r.l.Token()) || ks[0].lse != etcdfence.LeaseID(r.l) {
-				t.Errorf("the line after the grant: %+v, want one key at the token on the grant's lease %x", ks, etcdfence.LeaseID(r.l))
+			if len(ks) == 2 && len(f.keys()) >= 2 {
+				break
 			}
-			if err := r.l.Renew(ctx); err != nil {
-				t.Errorf("Renew of the grant: %v", err)
+			select {
+			case r := <-done:
+				t.Fatalf("Acquire returned while the name was held: %v", r.err)
+			default:
 			}
-			if err := r.l.Release(ctx); err != nil {
-				t.Errorf("Release: %v", err)
+			if time.Now().After(end) {
+				t.Fatalf("the waiter did not join again: line %d keys, joins %v", len(ks), f.keys())
 			}
-			o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
-			l2, err := o.TryAcquire(ctx, name, 5*time.Second)
-			if err != nil {
-				t.Fatalf("TryAcquire after the waiter released: %v, want a grant", err)
-			}
-			_ = l2.Release(ctx)
-		})
-	}
+		}
+		if err := held.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		r := <-done
+		if r.err != nil {
+			t.Fatalf("Acquire after its join's lease was lost: %v, want a grant", r.err)
+		}
+		if r.l.Token() <= held.Token() {
+			t.Errorf("token %d not above the earlier holder's %d", r.l.Token(), held.Token())
+		}
+		ks := lineKeys(t, cl, name)
+		if len(ks) != 1 || ks[0].create != int64(r.l.Token()) || ks[0].lse != etcdfence.LeaseID(r.l) {
+			t.Errorf("the line after the grant: %+v, want one key at the token on the grant's lease %x", ks, etcdfence.LeaseID(r.l))
+		}
+		if err := r.l.Renew(ctx); err != nil {
+			t.Errorf("Renew of the grant: %v", err)
+		}
+		if err := r.l.Release(ctx); err != nil {
+			t.Errorf("Release: %v", err)
+		}
+		grantedToAnother(t, c, name, "the waiter released")
+	})
 }
 
 // TestExpiredLeaseTryAcquireHeldRevokedLease: a TryAcquire whose etcd lease is
@@ -642,55 +629,45 @@ func TestExpiredLeaseJoinLandedAnswerLostThenRevoked(t *testing.T) {
 // ErrHeld, never a grant nor another error; once the name is free the same
 // acquirer (whose pool may now hold that dead lease) grants a live lease.
 func TestExpiredLeaseTryAcquireHeldRevokedLease(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
-	for _, pc := range poolCases {
-		t.Run(pc.name, func(t *testing.T) {
-			name := fencetest.Name("rev-try-held-" + pc.name)
-			held, err := h.TryAcquire(ctx, name, 30*time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var on sync.Mutex
-			faulty := true
-			f := &leaseRevoker{revoke: func(k txnKind, n int) bool {
-				on.Lock()
-				defer on.Unlock()
-				return k == txnGrant && faulty
-			}}
-			a := revokingAcquirer(t, c, f, pc.o)
-			for i := 0; i < 3; i++ {
-				l, err := a.TryAcquire(ctx, name, 10*time.Second)
-				if err == nil {
-					t.Fatalf("TryAcquire %d granted token %d for a held name", i, l.Token())
-				}
-				if !errors.Is(err, fence.ErrHeld) {
-					t.Fatalf("TryAcquire %d of a held name on a revoked lease: %v, want ErrHeld", i, err)
-				}
-			}
-			if n := len(f.revokedOf(txnGrant)); n != 3 {
-				t.Fatalf("%d leases revoked, want 3", n)
-			}
-			if err := held.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
+	heldEachPoolCase(t, "rev-try-held-", func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease) {
+		var on sync.Mutex
+		faulty := true
+		f := &leaseRevoker{revoke: func(k txnKind, n int) bool {
 			on.Lock()
-			faulty = false
-			on.Unlock()
+			defer on.Unlock()
+			return k == txnGrant && faulty
+		}}
+		a := revokingAcquirer(t, c, f, o)
+		for i := 0; i < 3; i++ {
 			l, err := a.TryAcquire(ctx, name, 10*time.Second)
-			if err != nil {
-				t.Fatalf("TryAcquire of the free name: %v, want a grant", err)
+			if err == nil {
+				t.Fatalf("TryAcquire %d granted token %d for a held name", i, l.Token())
 			}
-			if err := l.Renew(ctx); err != nil {
-				t.Errorf("Renew: %v", err)
+			if !errors.Is(err, fence.ErrHeld) {
+				t.Fatalf("TryAcquire %d of a held name on a revoked lease: %v, want ErrHeld", i, err)
 			}
-			if err := l.Release(ctx); err != nil {
-				t.Errorf("Release: %v", err)
-			}
-		})
-	}
+		}
+		if n := len(f.revokedOf(txnGrant)); n != 3 {
+			t.Fatalf("%d leases revoked, want 3", n)
+		}
+		if err := held.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		on.Lock()
+		faulty = false
+		on.Unlock()
+		l, err := a.TryAcquire(ctx, name, 10*time.Second)
+		if err != nil {
+			t.Fatalf("TryAcquire of the free name: %v, want a grant", err)
+		}
+		if err := l.Renew(ctx); err != nil {
+			t.Errorf("Renew: %v", err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Errorf("Release: %v", err)
+		}
+	})
 }
 
 // TestExpiredLeaseJoinAndMoveLeasesRevoked: a waiter whose first waiter lease
