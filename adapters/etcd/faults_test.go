@@ -97,6 +97,39 @@ func acquireAsync(b *etcdfence.Acquirer, name string, wait time.Duration) <-chan
 	return res
 }
 
+// tryWithCreateAnswerLost connects b's client, then runs b.TryAcquire of
+// name (ttl, within 20s) with the answer of its create transaction lost,
+// and returns the outcome's channel once that transaction was sent.
+func tryWithCreateAnswerLost(t *testing.T, b *etcdfence.Acquirer, p *faultnet.Proxy, name string, ttl time.Duration) <-chan acquired {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := b.Inspect(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	pfx := []byte(linePrefix(name))
+	sent := make(chan struct{}, 1)
+	p.LoseReply(func(req []byte) bool {
+		if !bytes.Contains(req, pfx) {
+			return false
+		}
+		sent <- struct{}{}
+		return true
+	})
+	res := make(chan acquired, 1)
+	go func() {
+		tctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		l, err := b.TryAcquire(tctx, name, ttl)
+		res <- acquired{l, err}
+	}()
+	select {
+	case <-sent:
+	case <-time.After(10 * time.Second):
+		t.Fatal("TryAcquire sent no create transaction")
+	}
+	return res
+}
+
 // heldThenFree checks that while l holds its name, a's TryAcquire gets
 // ErrHeld, and that after l's release it is granted.
 func heldThenFree(t *testing.T, a *etcdfence.Acquirer, l fence.Lease, name string) {
@@ -766,35 +799,8 @@ func TestAcquireRejoinsAfterPlaceExpired(t *testing.T) {
 func TestTryAcquireLookupPastLocalDeadline(t *testing.T) {
 	a, _, b, p, name := faultSetup(t, "lookup")
 	ctx := context.Background()
-	if _, err := b.Inspect(ctx, name); err != nil { // connects b's client
-		t.Fatal(err)
-	}
 	const ttl, partition = 1200 * time.Millisecond, 1500 * time.Millisecond
-	pfx := []byte(linePrefix(name))
-	sent := make(chan struct{}, 1)
-	p.LoseReply(func(req []byte) bool {
-		if !bytes.Contains(req, pfx) {
-			return false
-		}
-		sent <- struct{}{}
-		return true
-	})
-	type result struct {
-		l   fence.Lease
-		err error
-	}
-	res := make(chan result, 1)
-	go func() {
-		tctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-		defer cancel()
-		l, err := b.TryAcquire(tctx, name, ttl)
-		res <- result{l, err}
-	}()
-	select {
-	case <-sent:
-	case <-time.After(10 * time.Second):
-		t.Fatal("TryAcquire sent no create transaction")
-	}
+	res := tryWithCreateAnswerLost(t, b, p, name, ttl)
 	p.Partition()
 	time.Sleep(partition) // the fault's length, not a synchronisation
 	p.Heal()

@@ -6,7 +6,6 @@ package etcdfence_test
 // embedded etcd and checks a promise through the public API.
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"strings"
@@ -271,31 +270,8 @@ func TestLateGrantWaiterGivesUp(t *testing.T) {
 func TestLateGrantRevokedNotLeftToExpire(t *testing.T) {
 	a, cl, b, p, name := faultSetup(t, "rv-late-revoke")
 	ctx := context.Background()
-	if _, err := b.Inspect(ctx, name); err != nil { // connects b's client
-		t.Fatal(err)
-	}
 	const ttl, partition = 3010 * time.Millisecond, 3200 * time.Millisecond
-	pfx := []byte(linePrefix(name))
-	sent := make(chan struct{}, 1)
-	p.LoseReply(func(req []byte) bool {
-		if !bytes.Contains(req, pfx) {
-			return false
-		}
-		sent <- struct{}{}
-		return true
-	})
-	res := make(chan acquired, 1)
-	go func() {
-		tctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-		defer cancel()
-		l, err := b.TryAcquire(tctx, name, ttl)
-		res <- acquired{l, err}
-	}()
-	select {
-	case <-sent:
-	case <-time.After(10 * time.Second):
-		t.Fatal("TryAcquire sent no create transaction")
-	}
+	res := tryWithCreateAnswerLost(t, b, p, name, ttl)
 	p.Partition()
 	waitLine(t, cl, name, 1) // the create landed
 	id := leaseID(t, cl, name)
