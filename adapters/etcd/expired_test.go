@@ -166,10 +166,8 @@ func TestFreshLeaseExpiredBeforeGrant(t *testing.T) {
 // of its place in line arrives. Acquire joins on another lease and is
 // granted when the holder releases, with a larger token.
 func TestWaiterLeaseExpiredBeforeJoin(t *testing.T) {
-	c := etcdtest.Start(t, 1)
 	ctx := context.Background()
-	cl := c.Client(t)
-	h, _ := etcdfence.NewAcquirer(cl, nil)
+	c, cl, h := oneMember(t)
 	name := fencetest.Name("expired-join")
 	pfx := "/fencekit/locks/" + url.PathEscape(name) + "/"
 	held, err := h.TryAcquire(ctx, name, 30*time.Second)
@@ -368,9 +366,7 @@ var poolCases = []struct {
 // for each of poolCases (o its options), with fencetest.Name(prefix+its
 // name) held for 30s by an acquirer on cl.
 func heldEachPoolCase(t *testing.T, prefix string, body func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease)) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	h, _ := etcdfence.NewAcquirer(cl, nil)
+	c, cl, h := oneMember(t)
 	for _, pc := range poolCases {
 		t.Run(pc.name, func(t *testing.T) {
 			name := fencetest.Name(prefix + pc.name)
@@ -679,10 +675,8 @@ func TestExpiredLeaseTryAcquireHeldRevokedLease(t *testing.T) {
 // (Renew succeeds, Inspect sees it), and after its release the name is free
 // at once and no lease of its lives on.
 func TestExpiredLeaseJoinAndMoveLeasesRevoked(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
+	c, cl, h := oneMember(t)
 	for _, pc := range poolCases {
 		for _, grantToo := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/grantToo=%v", pc.name, grantToo), func(t *testing.T) {
@@ -896,9 +890,7 @@ func TestExpiredLeaseTryAcquireEveryLeasePooled(t *testing.T) {
 // not touch B's: B renews, still holds the name, and A's Release neither
 // frees B's name nor reports success.
 func TestRenewLostAfterKeyDeletedAndRegrantedFromThePool(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(cl, nil)
+	_, cl, a := oneMember(t)
 	ctx := context.Background()
 	name := fencetest.Name("key-deleted-pool")
 	const ttl = 30 * time.Second
@@ -956,9 +948,7 @@ func TestRenewLostAfterKeyDeletedAndRegrantedFromThePool(t *testing.T) {
 // free at once (B is granted); A's next Renew returns ErrLost and ends its
 // context, and B keeps the name through A's Release.
 func TestRenewLostAfterOperatorRevokedTheLease(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(cl, nil)
+	c, cl, a := oneMember(t)
 	b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	ctx := context.Background()
 	name := fencetest.Name("operator-revoke")

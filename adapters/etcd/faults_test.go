@@ -872,3 +872,24 @@ func TestWaiterKeepsItsPlaceAfterACut(t *testing.T) {
 	}
 	_ = r2.l.Release(ctx)
 }
+
+// oneMember starts a one-member cluster and returns it, a client of it, and
+// an acquirer with default options on that client.
+func oneMember(t *testing.T) (*etcdtest.Cluster, *clientv3.Client, *etcdfence.Acquirer) {
+	t.Helper()
+	c := etcdtest.Start(t, 1)
+	cl := c.Client(t)
+	a, _ := etcdfence.NewAcquirer(cl, nil)
+	return c, cl, a
+}
+
+// twoAcquirers starts a one-member cluster and returns it, a client of it,
+// and two acquirers with default options, each on a client of its own.
+func twoAcquirers(t *testing.T) (c *etcdtest.Cluster, cl *clientv3.Client, a, b *etcdfence.Acquirer) {
+	t.Helper()
+	c = etcdtest.Start(t, 1)
+	cl = c.Client(t)
+	a, _ = etcdfence.NewAcquirer(c.Client(t), nil)
+	b, _ = etcdfence.NewAcquirer(c.Client(t), nil)
+	return c, cl, a, b
+}
