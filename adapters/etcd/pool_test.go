@@ -537,6 +537,21 @@ func (r *strandRelay) Deliver() {
 	}
 }
 
+// behindStrandRelay returns an acquirer on a client whose first endpoint
+// reaches c through a strand relay and whose second through a faultnet
+// proxy, with the relay, the proxy and the client.
+func behindStrandRelay(t *testing.T, c *etcdtest.Cluster) (*strandRelay, *faultnet.Proxy, *clientv3.Client, *etcdfence.Acquirer) {
+	t.Helper()
+	r := startStrandRelay(t, c.ClientAddr(0))
+	direct := faultnet.Start(t, c.ClientAddr(0))
+	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
+	b, err := etcdfence.NewAcquirer(bc, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, direct, bc, b
+}
+
 // TestLateKeepAliveOfAPooledLease: the old grant's Renew
 // sends a keep-alive that is held on its way while the client's connection
 // breaks; the etcd client sends the keep-alive again on its own
@@ -549,13 +564,7 @@ func (r *strandRelay) Deliver() {
 func TestLateKeepAliveOfAPooledLease(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	r := startStrandRelay(t, c.ClientAddr(0))
-	direct := faultnet.Start(t, c.ClientAddr(0))
-	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
-	b, err := etcdfence.NewAcquirer(bc, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r, _, bc, b := behindStrandRelay(t, c)
 	ctx := context.Background()
 	name := fencetest.Name("late-ka")
 	const ttl = 4 * time.Second
@@ -843,13 +852,7 @@ func TestLateWaiterKeepAliveNotPooled(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
 	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
-	r := startStrandRelay(t, c.ClientAddr(0))
-	direct := faultnet.Start(t, c.ClientAddr(0))
-	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
-	b, err := etcdfence.NewAcquirer(bc, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r, direct, _, b := behindStrandRelay(t, c)
 	ctx := context.Background()
 	name := fencetest.Name("late-waiter-ka")
 	h, err := a.TryAcquire(ctx, name, 30*time.Second)
