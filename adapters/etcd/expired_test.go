@@ -392,6 +392,24 @@ func grantedToAnother(t *testing.T, c *etcdtest.Cluster, name, after string) {
 	_ = l2.Release(ctx)
 }
 
+// gaveUpLeavingNothing checks what a waiter that gave up on name, held by
+// held, leaves: one key in line (with holderKey, the holder's create
+// revision), the lock lease of the waiter's first join (f) gone soon, and
+// after held's release the name granted to another acquirer at once.
+func gaveUpLeavingNothing(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, f *leaseRevoker, name string, held fence.Lease, holderKey bool) {
+	t.Helper()
+	if ks := lineKeys(t, cl, name); len(ks) != 1 || (holderKey && ks[0].create != int64(held.Token())) {
+		t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
+	}
+	if keys := f.keys(); len(keys) > 0 {
+		leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
+	}
+	if err := held.Release(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	grantedToAnother(t, c, name, "the holder released")
+}
+
 // leaseOfKey is the lock lease a waiter's key is named after.
 func leaseOfKey(t *testing.T, key string) int64 {
 	t.Helper()
@@ -511,16 +529,7 @@ func TestExpiredLeaseJoinEveryLeaseGivesUp(t *testing.T) {
 		if joins > 20 {
 			t.Errorf("%d joins in 2s: the retries of a join whose waiter lease expired are not spaced", joins)
 		}
-		if ks := lineKeys(t, cl, name); len(ks) != 1 || ks[0].create != int64(held.Token()) {
-			t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
-		}
-		if keys := f.keys(); len(keys) > 0 {
-			leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
-		}
-		if err := held.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
-		grantedToAnother(t, c, name, "the holder released")
+		gaveUpLeavingNothing(t, c, cl, f, name, held, true)
 		noGoroutinesLeft(t)
 	})
 }
@@ -554,16 +563,7 @@ func TestExpiredLeaseJoinEveryLeaseCancelled(t *testing.T) {
 		if d := returned.Sub(cancelled); cancelled.IsZero() || d > time.Second {
 			t.Errorf("Acquire returned %v after the cancel", d)
 		}
-		if ks := lineKeys(t, cl, name); len(ks) != 1 {
-			t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
-		}
-		if keys := f.keys(); len(keys) > 0 {
-			leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
-		}
-		if err := held.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
-		grantedToAnother(t, c, name, "the holder released")
+		gaveUpLeavingNothing(t, c, cl, f, name, held, false)
 	})
 }
 
