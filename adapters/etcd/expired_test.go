@@ -410,6 +410,27 @@ func gaveUpLeavingNothing(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client
 	grantedToAnother(t, c, name, "the holder released")
 }
 
+// waitJoined polls (every 10ms, for 10s) until joined reports the waiter
+// in line, failing t with the message joined returns when it never does,
+// or when the waiter's Acquire (done) returns first.
+func waitJoined(t *testing.T, done <-chan ctxAcquired, joined func() (bool, string)) {
+	t.Helper()
+	for end := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		ok, msg := joined()
+		if ok {
+			return
+		}
+		select {
+		case r := <-done:
+			t.Fatalf("Acquire returned while the name was held: %v", r.err)
+		default:
+		}
+		if time.Now().After(end) {
+			t.Fatal(msg)
+		}
+	}
+}
+
 // leaseOfKey is the lock lease a waiter's key is named after.
 func leaseOfKey(t *testing.T, key string) int64 {
 	t.Helper()
@@ -582,20 +603,10 @@ func TestExpiredLeaseJoinLandedAnswerLostThenRevoked(t *testing.T) {
 		defer cancel()
 		done := acquireAsyncCtx(actx, w, name, 10*time.Second)
 		// Two places: the holder's and the waiter's on its second lease.
-		for end := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		waitJoined(t, done, func() (bool, string) {
 			ks := lineKeys(t, cl, name)
-			if len(ks) == 2 && len(f.keys()) >= 2 {
-				break
-			}
-			select {
-			case r := <-done:
-				t.Fatalf("Acquire returned while the name was held: %v", r.err)
-			default:
-			}
-			if time.Now().After(end) {
-				t.Fatalf("the waiter did not join again: line %d keys, joins %v", len(ks), f.keys())
-			}
-		}
+			return len(ks) == 2 && len(f.keys()) >= 2, fmt.Sprintf("the waiter did not join again: line %d keys, joins %v", len(ks), f.keys())
+		})
 		if err := held.Release(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -692,19 +703,9 @@ func TestExpiredLeaseJoinAndMoveLeasesRevoked(t *testing.T) {
 				actx, cancel := context.WithTimeout(ctx, 15*time.Second)
 				defer cancel()
 				done := acquireAsyncCtx(actx, w, name, 10*time.Second)
-				for end := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-					if len(lineKeys(t, cl, name)) == 2 {
-						break
-					}
-					select {
-					case r := <-done:
-						t.Fatalf("Acquire returned while the name was held: %v", r.err)
-					default:
-					}
-					if time.Now().After(end) {
-						t.Fatal("the waiter did not join")
-					}
-				}
+				waitJoined(t, done, func() (bool, string) {
+					return len(lineKeys(t, cl, name)) == 2, "the waiter did not join"
+				})
 				if err := held.Release(ctx); err != nil {
 					t.Fatal(err)
 				}
