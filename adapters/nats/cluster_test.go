@@ -333,54 +333,38 @@ func TestRenewAcrossLeaderChangesKeepsHealthyLease(t *testing.T) {
 	var mu sync.Mutex
 	var renewErrs []string
 	lost := make(chan error, 1)
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			rctx, cancel := context.WithTimeout(ctx, ttl/3)
-			err := l.Renew(rctx)
-			cancel()
-			if err != nil {
-				mu.Lock()
-				renewErrs = append(renewErrs, err.Error())
-				mu.Unlock()
-			}
-			if errors.Is(err, fence.ErrLost) {
-				lost <- err
-				return
-			}
-			time.Sleep(20 * time.Millisecond) // pacing
+	untilStopped(&wg, stop, func() bool {
+		rctx, cancel := context.WithTimeout(ctx, ttl/3)
+		err := l.Renew(rctx)
+		cancel()
+		if err != nil {
+			mu.Lock()
+			renewErrs = append(renewErrs, err.Error())
+			mu.Unlock()
 		}
-	}()
+		if errors.Is(err, fence.ErrLost) {
+			lost <- err
+			return false
+		}
+		time.Sleep(20 * time.Millisecond) // pacing
+		return true
+	})
 	// Others try the name all along: none may be granted while the holder's
 	// context is live.
-	wg.Add(1)
 	twoHolders := make(chan string, 1)
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
+	untilStopped(&wg, stop, func() bool {
+		lb, err := b.TryAcquire(ctx, name, ttl)
+		if err == nil {
+			live := l.Context().Err() == nil
+			_ = lb.Release(ctx)
+			if live {
+				twoHolders <- fmt.Sprintf("granted token %d while the holder's (token %d) context is live", lb.Token(), l.Token())
+				return false
 			}
-			lb, err := b.TryAcquire(ctx, name, ttl)
-			if err == nil {
-				live := l.Context().Err() == nil
-				_ = lb.Release(ctx)
-				if live {
-					twoHolders <- fmt.Sprintf("granted token %d while the holder's (token %d) context is live", lb.Token(), l.Token())
-					return
-				}
-			}
-			time.Sleep(100 * time.Millisecond) // pacing
 		}
-	}()
+		time.Sleep(100 * time.Millisecond) // pacing
+		return true
+	})
 	check := func() {
 		select {
 		case err := <-lost:
@@ -447,20 +431,7 @@ func TestClusterNodeRestart(t *testing.T) {
 	var renewals, writes, tries atomic.Int64
 	var mu sync.Mutex
 	var renewErrs, writeErrs []error
-	loop := func(f func()) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				f()
-			}
-		}()
-	}
+	loop := func(f func()) { untilStopped(&wg, stop, func() bool { f(); return true }) }
 	// The holder renews every second (a ttl of 15s: one node's restart must
 	// not cost the lease) ...
 	loop(func() {
@@ -701,4 +672,23 @@ func cluster3(t *testing.T) *natstest.Cluster {
 		t.Skip("a 3-node cluster")
 	}
 	return natstest.StartCluster(t, 3)
+}
+
+// untilStopped runs f again and again in a goroutine of wg until stop is
+// closed or f returns false.
+func untilStopped(wg *sync.WaitGroup, stop <-chan struct{}, f func() bool) {
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if !f() {
+				return
+			}
+		}
+	}()
 }
