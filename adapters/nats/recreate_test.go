@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -192,6 +193,19 @@ func stillHolds(t *testing.T, cfg jetstream.KeyValueConfig, name string, lb fenc
 	}
 }
 
+// renewalRefused checks that the renewal of la, a lease from the deleted
+// bucket, returns ErrLost and ends la's context; in says what stands at its
+// revision in the new bucket, and while what else holds (or "").
+func renewalRefused(t *testing.T, la fence.Lease, in, while string) {
+	t.Helper()
+	if err := la.Renew(context.Background()); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("A's renewal of a lease from the deleted bucket, %s: %v, want ErrLost", in, err)
+	}
+	if la.Context().Err() == nil {
+		t.Fatal("A's context is live after its renewal was refused" + while)
+	}
+}
+
 // TestRenewAfterBucketRecreatedDoesNotExtendNewHolder: A holds a lease, the
 // lock bucket is deleted and re-created, and B is granted the name in the new
 // bucket at the revision A's lease last wrote in the old one. A's renewal
@@ -203,13 +217,7 @@ func TestRenewAfterBucketRecreatedDoesNotExtendNewHolder(t *testing.T) {
 	name := fencetest.Name("recreated-renew")
 	la, rev, _ := holdAcrossRecreation(t, cfg, name)
 	lb := grantAt(t, cfg, name, rev)
-	err := la.Renew(ctx)
-	if !errors.Is(err, fence.ErrLost) {
-		t.Fatalf("A's renewal of a lease from the deleted bucket, B holding revision %d in the new one: %v, want ErrLost", rev, err)
-	}
-	if la.Context().Err() == nil {
-		t.Fatal("A's context is live after its renewal was refused, while B holds the name")
-	}
+	renewalRefused(t, la, fmt.Sprintf("B holding revision %d in the new one", rev), ", while B holds the name")
 	stillHolds(t, cfg, name, lb)
 	if err := lb.Release(ctx); err != nil {
 		t.Fatalf("B's release: %v", err)
@@ -236,13 +244,7 @@ func TestRenewAfterBucketRecreatedDoesNotTakeTheName(t *testing.T) {
 	if got := lastSeq(t, js(t), cfg.Bucket); got != rev {
 		t.Fatalf("the new bucket's marker is at revision %d, not A's %d", got, rev)
 	}
-	err := la.Renew(ctx)
-	if !errors.Is(err, fence.ErrLost) {
-		t.Fatalf("A's renewal of a lease from the deleted bucket, over a marker at its revision %d in the new one: %v, want ErrLost", rev, err)
-	}
-	if la.Context().Err() == nil {
-		t.Fatal("A's context is live after its renewal was refused")
-	}
+	renewalRefused(t, la, fmt.Sprintf("over a marker at its revision %d in the new one", rev), "")
 	c := newAcquirer(t, js(t), cfg, nil)
 	lc, err := c.TryAcquire(ctx, name, 20*time.Second)
 	if err != nil {
