@@ -134,26 +134,37 @@ func TestWriterUnknownWhenCutOff(t *testing.T) {
 	}
 }
 
+// writerWithAckArmed returns a writer of writerBucket behind a new proxy
+// (Timeout 5s, RetryFor 20s), a writer on a direct client to check it, the
+// proxy, and fencetest.Name(label) written with v5 at token 5; the proxy is
+// then armed to lose the next publish's ack, and before is its count of
+// lost replies at that moment.
+func writerWithAckArmed(t *testing.T, label string) (w, check *natsfence.Writer, p *faultnet.Proxy, key string, before int64) {
+	t.Helper()
+	j, p := proxied(t)
+	bucket(t, j, writerBucket)
+	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check = newWriter(t, js(t), writerBucket)
+	key = fencetest.Name(label)
+	if err := w.Write(context.Background(), key, []byte("v5"), 5); err != nil {
+		t.Fatal(err)
+	}
+	before = p.Stats().LostReplies
+	p.LoseReply(publishTo(writerBucket.Bucket))
+	return w, check, p, key, before
+}
+
 // TestWriterLostAckThenNewerToken: the ack of a write with token 6 is lost,
 // and a write with token 7 lands before the writer looks again. The first
 // write did land, so the writer must not call it stale (which says nothing
 // changed): it returns ErrUnknown, and the key holds 7.
 func TestWriterLostAckThenNewerToken(t *testing.T) {
-	j, p := proxied(t)
-	bucket(t, j, writerBucket)
 	// RetryFor (20s) outlasts the refused reconnections below.
-	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	check := newWriter(t, js(t), writerBucket)
+	w, check, p, key, before := writerWithAckArmed(t, "lostnewer")
 	ctx := context.Background()
-	key := fencetest.Name("lostnewer")
-	if err := w.Write(ctx, key, []byte("v5"), 5); err != nil {
-		t.Fatal(err)
-	}
-	before := p.Stats().LostReplies
-	p.LoseReply(publishTo(writerBucket.Bucket))
 	// The lost ack closes the writer's connection, and its reconnection is
 	// refused until the newer write has landed: the writer cannot look
 	// again before it (on a loaded machine it once reconnected and recognised
@@ -169,7 +180,7 @@ func TestWriterLostAckThenNewerToken(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.Refuse(false)
-	err = <-done
+	err := <-done
 	if !errors.Is(err, fence.ErrUnknown) || errors.Is(err, fence.ErrStale) && !errors.Is(err, fence.ErrUnknown) {
 		t.Fatalf("a landed write with a lost ack, then overwritten by a newer token: %v, want ErrUnknown", err)
 	}
@@ -303,22 +314,10 @@ func TestReleaseLostAckThenRegranted(t *testing.T) {
 // later one (a step applied twice, undoing a later write): the key keeps the
 // later value, and the first write reports nil or ErrUnknown.
 func TestWriterLostAckNotReplayed(t *testing.T) {
-	j, p := proxied(t)
-	bucket(t, j, writerBucket)
 	// The retry after the lost ack waits for the 5s attempt timeout, long
 	// after the later write below.
-	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	check := newWriter(t, js(t), writerBucket)
+	w, check, p, key, before := writerWithAckArmed(t, "replay")
 	ctx := context.Background()
-	key := fencetest.Name("replay")
-	if err := w.Write(ctx, key, []byte("v5"), 5); err != nil {
-		t.Fatal(err)
-	}
-	before := p.Stats().LostReplies
-	p.LoseReply(publishTo(writerBucket.Bucket))
 	done := make(chan error, 1)
 	go func() { done <- w.Write(ctx, key, []byte("first"), 6) }()
 	waitLost(t, p, before)
