@@ -31,9 +31,8 @@ import (
 // free: the late grants were given back.
 func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, nil)
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, nil)
 	name := fencetest.Name("lategrants")
 	const ttl = natsfence.MinTTL
 	p.Latency(550*time.Millisecond, 550*time.Millisecond)
@@ -101,8 +100,7 @@ func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 // recognises it. A lease already past its local deadline must not be
 // returned with a nil error: either a live lease or an error.
 func TestGrantConfirmedAfterLocalDeadline(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 10 * time.Second})
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 10 * time.Second})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
@@ -230,9 +228,8 @@ func waitFree(t *testing.T, b *natsfence.Acquirer, name string, within time.Dura
 func TestLateGrantAcquireCancelledDuringTokenRead(t *testing.T) {
 	// Not parallel: it watches every STREAM.INFO read of the bucket,
 	// which the other tests' acquirers make too.
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	name := fencetest.Name("natslate-inforead")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -265,9 +262,8 @@ func TestLateGrantAcquireCancelledDuringTokenRead(t *testing.T) {
 // expiry must not be what frees the name).
 func TestLateGrantAcquireCancelledDuringCreate(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	name := fencetest.Name("natslate-create")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -320,9 +316,8 @@ func TestLateGrantAcquireDoesNotSpin(t *testing.T) {
 // newer holder's entry, and the TryAcquire must answer ErrHeld or ErrLost.
 func TestLateGrantPurgeSparesNewerHolder(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	b := newAcquirer(t, js(t), lockBucket, nil)
 	name := fencetest.Name("natslate-newer")
 	p.Latency(400*time.Millisecond, 400*time.Millisecond)
@@ -390,9 +385,8 @@ func TestLateGrantPurgeSparesNewerHolder(t *testing.T) {
 // once, in the background, and not tried again on the new connection.
 func TestLateGrantGivenBackAfterCut(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	name := fencetest.Name("natslate-cutpurge")
 	// Each attempt has a nonce of its own (a create refused for a changed
 	// revision is sent again with the same one).
@@ -440,9 +434,8 @@ func TestLateGrantGivenBackAfterCut(t *testing.T) {
 // from the others for a ttl.
 func TestLateGrantOwnOrphanNotErrHeld(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	name := fencetest.Name("natslate-ownorphan")
 	var armed sync.Once
 	observe(t, lockSubject(name), func(m *nats.Msg) {
@@ -489,9 +482,8 @@ func TestLateGrantOwnOrphanNotErrHeld(t *testing.T) {
 // own create may hold.
 func TestTryAcquireCancelledDuringCreateNotHeld(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	name := fencetest.Name("natslate-trycreate")
 	tctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -517,9 +509,8 @@ func TestTryAcquireCancelledDuringCreateNotHeld(t *testing.T) {
 func TestLateGrantLoopEndsDuringTokenRead(t *testing.T) {
 	// Not parallel: it watches every STREAM.INFO read of the bucket,
 	// which the other tests' acquirers make too.
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, nil)
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, nil)
 	name := fencetest.Name("natslate-loopinfo")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -552,9 +543,8 @@ func TestLateGrantLoopEndsDuringTokenRead(t *testing.T) {
 func TestAcquireGivesUpAtItsEndUnderPartition(t *testing.T) {
 	// Not parallel: it watches every STREAM.INFO read of the bucket,
 	// which the other tests' acquirers make too.
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, nil)
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, nil)
 	name := fencetest.Name("natslate-partition")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -591,8 +581,7 @@ func TestAcquireGivesUpAtItsEndUnderPartition(t *testing.T) {
 // for a fresh ttl with an owner that is gone: a create lands
 // within a bound counted from its send, or never.
 func TestCreateHeldPastCleanupDoesNotHoldName(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 500 * time.Millisecond, RetryFor: time.Second})
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 500 * time.Millisecond, RetryFor: time.Second})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	name := fencetest.Name("heldcreate")
@@ -636,4 +625,12 @@ func TestCreateHeldPastCleanupDoesNotHoldName(t *testing.T) {
 		t.Fatalf("the name after the held create was delivered: %v, want it free", err)
 	}
 	_ = l.Release(ctx)
+}
+
+// proxiedAcquirer returns an acquirer of lockBucket with opts whose client
+// reaches the server through a new faultnet proxy, and the proxy.
+func proxiedAcquirer(t *testing.T, opts *natsfence.AcquirerOptions) (*natsfence.Acquirer, *faultnet.Proxy) {
+	t.Helper()
+	j, p := proxied(t)
+	return newAcquirer(t, j, lockBucket, opts), p
 }

@@ -194,8 +194,7 @@ func TestWriterLostAckThenNewerToken(t *testing.T) {
 // lease, which excludes others, instead of ErrHeld against itself (which would
 // leave the name blocked for the ttl).
 func TestGrantLostAck(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, nil)
+	a, p := proxiedAcquirer(t, nil)
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
@@ -233,8 +232,7 @@ func TestGrantLostAck(t *testing.T) {
 // must clean up its own entry (recognised by its nonce) instead of leaving the
 // name blocked for the whole ttl.
 func TestGrantUnknownDoesNotBlockName(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 300 * time.Millisecond})
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 300 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
@@ -264,8 +262,7 @@ func TestGrantUnknownDoesNotBlockName(t *testing.T) {
 // again. The release did land: reporting ErrLost ("it had already expired")
 // is a definite wrong outcome; nil or ErrUnknown are honest.
 func TestReleaseLostAckThenRegranted(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, nil)
+	a, p := proxiedAcquirer(t, nil)
 	other := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	ctx := context.Background()
 	name := fencetest.Name("lostrelease")
@@ -339,8 +336,7 @@ func TestWriterLostAckNotReplayed(t *testing.T) {
 // create's ack is lost (the create landed, the reconnect refused) returns,
 // and once the connection is back the name is free well before the ttl.
 func TestCancelledAcquireDoesNotBlockName(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond})
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
