@@ -116,9 +116,7 @@ func TestNamesAreNotNested(t *testing.T) {
 // with a larger token, without polling. A waiter has arrived when its key is
 // in the line, as the cluster tells it; the next one starts only then.
 func TestWaitersQueueInOrder(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(cl, nil)
+	_, cl, a := oneMember(t)
 	ctx := context.Background()
 	name := fencetest.Name("queue")
 	h, err := a.TryAcquire(ctx, name, 10*time.Second)

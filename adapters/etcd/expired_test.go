@@ -166,10 +166,8 @@ func TestFreshLeaseExpiredBeforeGrant(t *testing.T) {
 // of its place in line arrives. Acquire joins on another lease and is
 // granted when the holder releases, with a larger token.
 func TestWaiterLeaseExpiredBeforeJoin(t *testing.T) {
-	c := etcdtest.Start(t, 1)
 	ctx := context.Background()
-	cl := c.Client(t)
-	h, _ := etcdfence.NewAcquirer(cl, nil)
+	c, cl, h := oneMember(t)
 	name := fencetest.Name("expired-join")
 	pfx := "/fencekit/locks/" + url.PathEscape(name) + "/"
 	held, err := h.TryAcquire(ctx, name, 30*time.Second)
@@ -364,6 +362,75 @@ var poolCases = []struct {
 	o    *etcdfence.AcquirerOptions
 }{{"Pool", nil}, {"NoPool", &etcdfence.AcquirerOptions{NoPool: true}}}
 
+// heldEachPoolCase starts a one-member cluster and runs body as a subtest
+// for each of poolCases (o its options), with fencetest.Name(prefix+its
+// name) held for 30s by an acquirer on cl.
+func heldEachPoolCase(t *testing.T, prefix string, body func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease)) {
+	c, cl, h := oneMember(t)
+	for _, pc := range poolCases {
+		t.Run(pc.name, func(t *testing.T) {
+			name := fencetest.Name(prefix + pc.name)
+			held, err := h.TryAcquire(context.Background(), name, 30*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body(t, c, cl, pc.o, name, held)
+		})
+	}
+}
+
+// grantedToAnother fails t unless an acquirer without a pool, on a client
+// of its own, is granted name at once; after says after what.
+func grantedToAnother(t *testing.T, c *etcdtest.Cluster, name, after string) {
+	t.Helper()
+	ctx := context.Background()
+	o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
+	l2, err := o.TryAcquire(ctx, name, 5*time.Second)
+	if err != nil {
+		t.Fatalf("TryAcquire after %s: %v, want a grant", after, err)
+	}
+	_ = l2.Release(ctx)
+}
+
+// gaveUpLeavingNothing checks what a waiter that gave up on name, held by
+// held, leaves: one key in line (with holderKey, the holder's create
+// revision), the lock lease of the waiter's first join (f) gone soon, and
+// after held's release the name granted to another acquirer at once.
+func gaveUpLeavingNothing(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, f *leaseRevoker, name string, held fence.Lease, holderKey bool) {
+	t.Helper()
+	if ks := lineKeys(t, cl, name); len(ks) != 1 || (holderKey && ks[0].create != int64(held.Token())) {
+		t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
+	}
+	if keys := f.keys(); len(keys) > 0 {
+		leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
+	}
+	if err := held.Release(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	grantedToAnother(t, c, name, "the holder released")
+}
+
+// waitJoined polls (every 10ms, for 10s) until joined reports the waiter
+// in line, failing t with the message joined returns when it never does,
+// or when the waiter's Acquire (done) returns first.
+func waitJoined(t *testing.T, done <-chan ctxAcquired, joined func() (bool, string)) {
+	t.Helper()
+	for end := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		ok, msg := joined()
+		if ok {
+			return
+		}
+		select {
+		case r := <-done:
+			t.Fatalf("Acquire returned while the name was held: %v", r.err)
+		default:
+		}
+		if time.Now().After(end) {
+			t.Fatal(msg)
+		}
+	}
+}
+
 // leaseOfKey is the lock lease a waiter's key is named after.
 func leaseOfKey(t *testing.T, key string) int64 {
 	t.Helper()
@@ -455,118 +522,70 @@ func acquireAsyncCtx(ctx context.Context, a *etcdfence.Acquirer, name string, tt
 // revoked, and no goroutine; the holder's release then frees the name for
 // anyone at once.
 func TestExpiredLeaseJoinEveryLeaseGivesUp(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
-	for _, pc := range poolCases {
-		t.Run(pc.name, func(t *testing.T) {
-			name := fencetest.Name("rev-join-all-" + pc.name)
-			held, err := h.TryAcquire(ctx, name, 30*time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
-			f := &leaseRevoker{revoke: func(k txnKind, n int) bool { return k == txnJoin }}
-			w := revokingAcquirer(t, c, f, pc.o)
-			deadline := time.Now().Add(2 * time.Second)
-			actx, cancel := context.WithDeadline(ctx, deadline)
-			l, err := w.Acquire(actx, name, 10*time.Second)
-			returned := time.Now()
-			cancel()
-			if err == nil {
-				t.Fatalf("Acquire granted token %d while the name was held", l.Token())
-			}
-			joins := len(f.revokedOf(txnJoin))
-			t.Logf("Acquire: %v, %v after its deadline; %d joins on revoked waiter leases, %d lease grants in 2s", err, returned.Sub(deadline), joins, f.grantCount())
-			if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
-				t.Errorf("Acquire gave up with %v, want ErrHeld joined with DeadlineExceeded", err)
-			}
-			if late := returned.Sub(deadline); late > time.Second {
-				t.Errorf("Acquire returned %v after its deadline", late)
-			}
-			if joins < 2 {
-				t.Errorf("only %d joins were tried", joins)
-			}
-			// The joins are spaced (retryDelay: 10ms doubling to 500ms,
-			// about 8 in 2s); without the pause 150-200 were sent.
-			if joins > 20 {
-				t.Errorf("%d joins in 2s: the retries of a join whose waiter lease expired are not spaced", joins)
-			}
-			if ks := lineKeys(t, cl, name); len(ks) != 1 || ks[0].create != int64(held.Token()) {
-				t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
-			}
-			if keys := f.keys(); len(keys) > 0 {
-				leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
-			}
-			if err := held.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
-			l2, err := o.TryAcquire(ctx, name, 5*time.Second)
-			if err != nil {
-				t.Fatalf("TryAcquire after the holder released: %v, want a grant", err)
-			}
-			_ = l2.Release(ctx)
-			noGoroutinesLeft(t)
-		})
-	}
+	heldEachPoolCase(t, "rev-join-all-", func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease) {
+		f := &leaseRevoker{revoke: func(k txnKind, n int) bool { return k == txnJoin }}
+		w := revokingAcquirer(t, c, f, o)
+		deadline := time.Now().Add(2 * time.Second)
+		actx, cancel := context.WithDeadline(ctx, deadline)
+		l, err := w.Acquire(actx, name, 10*time.Second)
+		returned := time.Now()
+		cancel()
+		if err == nil {
+			t.Fatalf("Acquire granted token %d while the name was held", l.Token())
+		}
+		joins := len(f.revokedOf(txnJoin))
+		t.Logf("Acquire: %v, %v after its deadline; %d joins on revoked waiter leases, %d lease grants in 2s", err, returned.Sub(deadline), joins, f.grantCount())
+		if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("Acquire gave up with %v, want ErrHeld joined with DeadlineExceeded", err)
+		}
+		if late := returned.Sub(deadline); late > time.Second {
+			t.Errorf("Acquire returned %v after its deadline", late)
+		}
+		if joins < 2 {
+			t.Errorf("only %d joins were tried", joins)
+		}
+		// The joins are spaced (retryDelay: 10ms doubling to 500ms,
+		// about 8 in 2s); without the pause 150-200 were sent.
+		if joins > 20 {
+			t.Errorf("%d joins in 2s: the retries of a join whose waiter lease expired are not spaced", joins)
+		}
+		gaveUpLeavingNothing(t, c, cl, f, name, held, true)
+		noGoroutinesLeft(t)
+	})
 }
 
 // TestExpiredLeaseJoinEveryLeaseCancelled: as JoinEveryLeaseGivesUp, but the
 // context is cancelled (after a few failed joins): ErrHeld joined with
 // context.Canceled, at once, and the name is free after the release.
 func TestExpiredLeaseJoinEveryLeaseCancelled(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
-	for _, pc := range poolCases {
-		t.Run(pc.name, func(t *testing.T) {
-			name := fencetest.Name("rev-join-cancel-" + pc.name)
-			held, err := h.TryAcquire(ctx, name, 30*time.Second)
-			if err != nil {
-				t.Fatal(err)
+	heldEachPoolCase(t, "rev-join-cancel-", func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease) {
+		actx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		var cancelled time.Time
+		f := &leaseRevoker{revoke: func(k txnKind, n int) bool {
+			if k == txnJoin && n == 5 {
+				cancelled = time.Now()
+				cancel()
 			}
-			actx, cancel := context.WithTimeout(ctx, 20*time.Second)
-			defer cancel()
-			var cancelled time.Time
-			f := &leaseRevoker{revoke: func(k txnKind, n int) bool {
-				if k == txnJoin && n == 5 {
-					cancelled = time.Now()
-					cancel()
-				}
-				return k == txnJoin
-			}}
-			w := revokingAcquirer(t, c, f, pc.o)
-			l, err := w.Acquire(actx, name, 10*time.Second)
-			returned := time.Now()
-			if err == nil {
-				t.Fatalf("Acquire granted token %d while the name was held", l.Token())
-			}
-			t.Logf("Acquire: %v, %v after the cancel", err, returned.Sub(cancelled))
-			if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
-				t.Errorf("Acquire gave up with %v, want ErrHeld joined with Canceled", err)
-			}
-			if d := returned.Sub(cancelled); cancelled.IsZero() || d > time.Second {
-				t.Errorf("Acquire returned %v after the cancel", d)
-			}
-			if ks := lineKeys(t, cl, name); len(ks) != 1 {
-				t.Errorf("the line after Acquire gave up: %d keys, want only the holder's", len(ks))
-			}
-			if keys := f.keys(); len(keys) > 0 {
-				leaseGoneSoon(t, cl, leaseOfKey(t, keys[0]), "the lock lease of the waiter that gave up")
-			}
-			if err := held.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
-			l2, err := o.TryAcquire(ctx, name, 5*time.Second)
-			if err != nil {
-				t.Fatalf("TryAcquire after the holder released: %v, want a grant", err)
-			}
-			_ = l2.Release(ctx)
-		})
-	}
+			return k == txnJoin
+		}}
+		w := revokingAcquirer(t, c, f, o)
+		l, err := w.Acquire(actx, name, 10*time.Second)
+		returned := time.Now()
+		if err == nil {
+			t.Fatalf("Acquire granted token %d while the name was held", l.Token())
+		}
+		t.Logf("Acquire: %v, %v after the cancel", err, returned.Sub(cancelled))
+		if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
+			t.Errorf("Acquire gave up with %v, want ErrHeld joined with Canceled", err)
+		}
+		if d := returned.Sub(cancelled); cancelled.IsZero() || d > time.Second {
+			t.Errorf("Acquire returned %v after the cancel", d)
+		}
+		gaveUpLeavingNothing(t, c, cl, f, name, held, false)
+	})
 }
 
 // TestExpiredLeaseJoinLandedAnswerLostThenRevoked: the first create of the
@@ -576,65 +595,40 @@ func TestExpiredLeaseJoinEveryLeaseCancelled(t *testing.T) {
 // larger token on a live lease, holding the only key in line; after its
 // release the name is free at once.
 func TestExpiredLeaseJoinLandedAnswerLostThenRevoked(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
-	for _, pc := range poolCases {
-		t.Run(pc.name, func(t *testing.T) {
-			name := fencetest.Name("rev-join-lost-" + pc.name)
-			held, err := h.TryAcquire(ctx, name, 30*time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
-			f := &leaseRevoker{landThenLose: 1}
-			w := revokingAcquirer(t, c, f, pc.o)
-			actx, cancel := context.WithTimeout(ctx, 15*time.Second)
-			defer cancel()
-			done := acquireAsyncCtx(actx, w, name, 10*time.Second)
-			// Two places: the holder's and the waiter's on its second lease.
-			for end := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-				ks := lineKeys(t, cl, name)
-				if len(ks) == 2 && len(f.keys()) >= 2 {
-					break
-				}
-				select {
-				case r := <-done:
-					t.Fatalf("Acquire returned while the name was held: %v", r.err)
-				default:
-				}
-				if time.Now().After(end) {
-					t.Fatalf("the waiter did not join again: line %d keys, joins %v", len(ks), f.keys())
-				}
-			}
-			if err := held.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			r := <-done
-			if r.err != nil {
-				t.Fatalf("Acquire after its join's lease was lost: %v, want a grant", r.err)
-			}
-			if r.l.Token() <= held.Token() {
-				t.Errorf("token %d not above the earlier holder's %d", r.l.Token(), held.Token())
-			}
+	heldEachPoolCase(t, "rev-join-lost-", func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease) {
+		f := &leaseRevoker{landThenLose: 1}
+		w := revokingAcquirer(t, c, f, o)
+		actx, cancel := context.WithTimeout(ctx, 15*time.Second)
+		defer cancel()
+		done := acquireAsyncCtx(actx, w, name, 10*time.Second)
+		// Two places: the holder's and the waiter's on its second lease.
+		waitJoined(t, done, func() (bool, string) {
 			ks := lineKeys(t, cl, name)
-			if len(ks) != 1 || ks[0].create != int64(r.l.Token()) || ks[0].lse != etcdfence.LeaseID(r.l) {
-				t.Errorf("the line after the grant: %+v, want one key at the token on the grant's lease %x", ks, etcdfence.LeaseID(r.l))
-			}
-			if err := r.l.Renew(ctx); err != nil {
-				t.Errorf("Renew of the grant: %v", err)
-			}
-			if err := r.l.Release(ctx); err != nil {
-				t.Errorf("Release: %v", err)
-			}
-			o, _ := etcdfence.NewAcquirer(c.Client(t), &etcdfence.AcquirerOptions{NoPool: true})
-			l2, err := o.TryAcquire(ctx, name, 5*time.Second)
-			if err != nil {
-				t.Fatalf("TryAcquire after the waiter released: %v, want a grant", err)
-			}
-			_ = l2.Release(ctx)
+			return len(ks) == 2 && len(f.keys()) >= 2, fmt.Sprintf("the waiter did not join again: line %d keys, joins %v", len(ks), f.keys())
 		})
-	}
+		if err := held.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		r := <-done
+		if r.err != nil {
+			t.Fatalf("Acquire after its join's lease was lost: %v, want a grant", r.err)
+		}
+		if r.l.Token() <= held.Token() {
+			t.Errorf("token %d not above the earlier holder's %d", r.l.Token(), held.Token())
+		}
+		ks := lineKeys(t, cl, name)
+		if len(ks) != 1 || ks[0].create != int64(r.l.Token()) || ks[0].lse != etcdfence.LeaseID(r.l) {
+			t.Errorf("the line after the grant: %+v, want one key at the token on the grant's lease %x", ks, etcdfence.LeaseID(r.l))
+		}
+		if err := r.l.Renew(ctx); err != nil {
+			t.Errorf("Renew of the grant: %v", err)
+		}
+		if err := r.l.Release(ctx); err != nil {
+			t.Errorf("Release: %v", err)
+		}
+		grantedToAnother(t, c, name, "the waiter released")
+	})
 }
 
 // TestExpiredLeaseTryAcquireHeldRevokedLease: a TryAcquire whose etcd lease is
@@ -642,55 +636,45 @@ func TestExpiredLeaseJoinLandedAnswerLostThenRevoked(t *testing.T) {
 // ErrHeld, never a grant nor another error; once the name is free the same
 // acquirer (whose pool may now hold that dead lease) grants a live lease.
 func TestExpiredLeaseTryAcquireHeldRevokedLease(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
-	for _, pc := range poolCases {
-		t.Run(pc.name, func(t *testing.T) {
-			name := fencetest.Name("rev-try-held-" + pc.name)
-			held, err := h.TryAcquire(ctx, name, 30*time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var on sync.Mutex
-			faulty := true
-			f := &leaseRevoker{revoke: func(k txnKind, n int) bool {
-				on.Lock()
-				defer on.Unlock()
-				return k == txnGrant && faulty
-			}}
-			a := revokingAcquirer(t, c, f, pc.o)
-			for i := 0; i < 3; i++ {
-				l, err := a.TryAcquire(ctx, name, 10*time.Second)
-				if err == nil {
-					t.Fatalf("TryAcquire %d granted token %d for a held name", i, l.Token())
-				}
-				if !errors.Is(err, fence.ErrHeld) {
-					t.Fatalf("TryAcquire %d of a held name on a revoked lease: %v, want ErrHeld", i, err)
-				}
-			}
-			if n := len(f.revokedOf(txnGrant)); n != 3 {
-				t.Fatalf("%d leases revoked, want 3", n)
-			}
-			if err := held.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
+	heldEachPoolCase(t, "rev-try-held-", func(t *testing.T, c *etcdtest.Cluster, cl *clientv3.Client, o *etcdfence.AcquirerOptions, name string, held fence.Lease) {
+		var on sync.Mutex
+		faulty := true
+		f := &leaseRevoker{revoke: func(k txnKind, n int) bool {
 			on.Lock()
-			faulty = false
-			on.Unlock()
+			defer on.Unlock()
+			return k == txnGrant && faulty
+		}}
+		a := revokingAcquirer(t, c, f, o)
+		for i := 0; i < 3; i++ {
 			l, err := a.TryAcquire(ctx, name, 10*time.Second)
-			if err != nil {
-				t.Fatalf("TryAcquire of the free name: %v, want a grant", err)
+			if err == nil {
+				t.Fatalf("TryAcquire %d granted token %d for a held name", i, l.Token())
 			}
-			if err := l.Renew(ctx); err != nil {
-				t.Errorf("Renew: %v", err)
+			if !errors.Is(err, fence.ErrHeld) {
+				t.Fatalf("TryAcquire %d of a held name on a revoked lease: %v, want ErrHeld", i, err)
 			}
-			if err := l.Release(ctx); err != nil {
-				t.Errorf("Release: %v", err)
-			}
-		})
-	}
+		}
+		if n := len(f.revokedOf(txnGrant)); n != 3 {
+			t.Fatalf("%d leases revoked, want 3", n)
+		}
+		if err := held.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		on.Lock()
+		faulty = false
+		on.Unlock()
+		l, err := a.TryAcquire(ctx, name, 10*time.Second)
+		if err != nil {
+			t.Fatalf("TryAcquire of the free name: %v, want a grant", err)
+		}
+		if err := l.Renew(ctx); err != nil {
+			t.Errorf("Renew: %v", err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Errorf("Release: %v", err)
+		}
+	})
 }
 
 // TestExpiredLeaseJoinAndMoveLeasesRevoked: a waiter whose first waiter lease
@@ -702,10 +686,8 @@ func TestExpiredLeaseTryAcquireHeldRevokedLease(t *testing.T) {
 // (Renew succeeds, Inspect sees it), and after its release the name is free
 // at once and no lease of its lives on.
 func TestExpiredLeaseJoinAndMoveLeasesRevoked(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
 	ctx := context.Background()
-	h, _ := etcdfence.NewAcquirer(cl, nil)
+	c, cl, h := oneMember(t)
 	for _, pc := range poolCases {
 		for _, grantToo := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/grantToo=%v", pc.name, grantToo), func(t *testing.T) {
@@ -721,19 +703,9 @@ func TestExpiredLeaseJoinAndMoveLeasesRevoked(t *testing.T) {
 				actx, cancel := context.WithTimeout(ctx, 15*time.Second)
 				defer cancel()
 				done := acquireAsyncCtx(actx, w, name, 10*time.Second)
-				for end := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-					if len(lineKeys(t, cl, name)) == 2 {
-						break
-					}
-					select {
-					case r := <-done:
-						t.Fatalf("Acquire returned while the name was held: %v", r.err)
-					default:
-					}
-					if time.Now().After(end) {
-						t.Fatal("the waiter did not join")
-					}
-				}
+				waitJoined(t, done, func() (bool, string) {
+					return len(lineKeys(t, cl, name)) == 2, "the waiter did not join"
+				})
 				if err := held.Release(ctx); err != nil {
 					t.Fatal(err)
 				}
@@ -909,5 +881,116 @@ func TestExpiredLeaseTryAcquireEveryLeasePooled(t *testing.T) {
 	}
 	if ks := lineKeys(t, cl, name); len(ks) != 0 {
 		t.Errorf("the line after TryAcquire gave up: %+v", ks)
+	}
+}
+
+// TestRenewLostAfterKeyDeletedAndRegrantedFromThePool: A
+// holds the name; an operator deletes A's key and B, granted by the same
+// acquirer on an etcd lease from its pool, takes the name. A's next Renew
+// returns ErrLost and ends A's context; the revoke of A's etcd lease must
+// not touch B's: B renews, still holds the name, and A's Release neither
+// frees B's name nor reports success.
+func TestRenewLostAfterKeyDeletedAndRegrantedFromThePool(t *testing.T) {
+	_, cl, a := oneMember(t)
+	ctx := context.Background()
+	name := fencetest.Name("key-deleted-pool")
+	const ttl = 30 * time.Second
+	// One lease of this ttl in the pool, for B.
+	pooled, _ := pooledAfterRelease(t, a, fencetest.Name("key-deleted-other"), ttl)
+
+	la, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if etcdfence.LeaseID(la) == pooled {
+		// A took the pooled lease; pool another for B.
+		pooled, _ = pooledAfterRelease(t, a, fencetest.Name("key-deleted-other2"), ttl)
+	}
+	if _, err := cl.Delete(ctx, "/fencekit/locks/", clientv3.WithPrefix()); err != nil {
+		t.Fatal(err)
+	}
+	lb, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatalf("TryAcquire after the key was deleted: %v", err)
+	}
+	defer lb.Release(ctx)
+	if etcdfence.LeaseID(lb) != pooled {
+		t.Logf("B on lease %x, pooled was %x", etcdfence.LeaseID(lb), pooled)
+	}
+	if lb.Token() <= la.Token() {
+		t.Fatalf("B's token %d not above A's %d", lb.Token(), la.Token())
+	}
+	if err := la.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("A's Renew after its key was deleted and B granted: %v, want ErrLost", err)
+	}
+	if la.Context().Err() == nil {
+		t.Fatal("A's context is live after its Renew returned ErrLost, while B holds the name")
+	}
+	if err := la.Release(ctx); err == nil {
+		t.Fatal("A's Release after its key was deleted: nil, want an error (ErrLost)")
+	}
+	waitLeaseGone(t, cl, etcdfence.LeaseID(la), 10*time.Second)
+	if !leaseAlive(t, cl, etcdfence.LeaseID(lb)) {
+		t.Fatal("B's etcd lease is gone after A's lost Renew")
+	}
+	if err := lb.Renew(ctx); err != nil {
+		t.Fatalf("B's Renew after A's lost Renew and Release: %v", err)
+	}
+	if lb.Context().Err() != nil {
+		t.Fatal("B's context ended")
+	}
+	if _, err := a.TryAcquire(ctx, name, ttl); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("a third grant while B holds: %v, want ErrHeld", err)
+	}
+}
+
+// TestRenewLostAfterOperatorRevokedTheLease: an operator revokes
+// A's etcd lease (etcdctl lease revoke) while A holds the name. The name is
+// free at once (B is granted); A's next Renew returns ErrLost and ends its
+// context, and B keeps the name through A's Release.
+func TestRenewLostAfterOperatorRevokedTheLease(t *testing.T) {
+	c, cl, a := oneMember(t)
+	b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
+	ctx := context.Background()
+	name := fencetest.Name("operator-revoke")
+	const ttl = 30 * time.Second
+	la, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Revoke(ctx, clientv3.LeaseID(etcdfence.LeaseID(la))); err != nil {
+		t.Fatal(err)
+	}
+	lb, err := b.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatalf("TryAcquire after A's lease was revoked: %v", err)
+	}
+	defer lb.Release(ctx)
+	if err := la.Renew(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("A's Renew after its etcd lease was revoked: %v, want ErrLost", err)
+	}
+	if la.Context().Err() == nil {
+		t.Fatal("A's context is live after its Renew returned ErrLost")
+	}
+	if err := la.Release(ctx); !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("A's Release: %v, want ErrLost", err)
+	}
+	if err := lb.Renew(ctx); err != nil {
+		t.Fatalf("B's Renew: %v", err)
+	}
+	if _, err := a.TryAcquire(ctx, name, ttl); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("a third grant while B holds: %v, want ErrHeld", err)
+	}
+}
+
+// waitLeaseGone waits until etcd no longer has lease id.
+func waitLeaseGone(t *testing.T, cl *clientv3.Client, id int64, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for leaseAlive(t, cl, id) {
+		if time.Now().After(deadline) {
+			t.Fatalf("etcd lease %x still alive after %v", id, within)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -6,9 +6,9 @@ package etcdfence_test
 // embedded etcd and checks a promise through the public API.
 
 import (
-	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -29,7 +29,7 @@ import (
 // free (the late grants were given back) and no goroutine of the package is
 // left running.
 func TestLateGrantsAcquireGivesUp(t *testing.T) {
-	a, _, b, p, name := faultSetup(t, "rv-late-all")
+	a, cl, b, p, name := faultSetup(t, "rv-late-all")
 	ctx := context.Background()
 	if _, err := b.Inspect(ctx, name); err != nil { // connects b's client
 		t.Fatal(err)
@@ -71,21 +71,7 @@ func TestLateGrantsAcquireGivesUp(t *testing.T) {
 	// The late grants were given back: the name is free within etcd's
 	// expiry of a 1s lease (its minimum, 2s, plus its 500ms check) after the
 	// latency ends, whether the revokes or the expiry freed it.
-	bound := time.Now().Add(4 * time.Second)
-	for {
-		l, err := a.TryAcquire(ctx, name, 30*time.Second)
-		if err == nil {
-			_ = l.Release(ctx)
-			break
-		}
-		if !errors.Is(err, fence.ErrHeld) {
-			t.Fatalf("TryAcquire after the late grants: %v", err)
-		}
-		if time.Now().After(bound) {
-			t.Fatal("the name is still held 4s after the late grants: a late grant was not given back")
-		}
-		time.Sleep(20 * time.Millisecond) // a poll, not a synchronisation
-	}
+	freeWithin4s(t, a, cl, name, "the late grants", "a late grant was not given back")
 	// The background revokes end within their ttl plus a second.
 	var left []string
 	for end := time.Now().Add(5 * time.Second); ; time.Sleep(50 * time.Millisecond) {
@@ -244,21 +230,33 @@ func TestLateGrantWaiterGivesUp(t *testing.T) {
 	if late := r.at.Sub(deadline); late > time.Second {
 		t.Errorf("Acquire returned %v after its deadline", late)
 	}
+	freeWithin4s(t, a, cl, name, "the late waiter gave up", "")
+}
+
+// freeWithin4s polls (a poll, not a synchronisation) until a is granted
+// name, and fails t when the name is still held 4s from now; after says
+// after what, and why what the failure means (the line's keys when empty).
+func freeWithin4s(t *testing.T, a *etcdfence.Acquirer, cl *clientv3.Client, name, after, why string) {
+	t.Helper()
+	ctx := context.Background()
 	bound := time.Now().Add(4 * time.Second)
 	for {
 		l, err := a.TryAcquire(ctx, name, 30*time.Second)
 		if err == nil {
 			_ = l.Release(ctx)
-			break
+			return
 		}
 		if !errors.Is(err, fence.ErrHeld) {
-			t.Fatalf("TryAcquire after the late waiter gave up: %v", err)
+			t.Fatalf("TryAcquire after %s: %v", after, err)
 		}
 		if time.Now().After(bound) {
-			resp, _ := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix())
-			t.Fatalf("the name is still held 4s after the late waiter gave up: %v", resp.Kvs)
+			if why == "" {
+				resp, _ := cl.Get(ctx, linePrefix(name), clientv3.WithPrefix())
+				why = fmt.Sprint(resp.Kvs)
+			}
+			t.Fatalf("the name is still held 4s after %s: %s", after, why)
 		}
-		time.Sleep(20 * time.Millisecond) // a poll, not a synchronisation
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 
@@ -271,31 +269,8 @@ func TestLateGrantWaiterGivesUp(t *testing.T) {
 func TestLateGrantRevokedNotLeftToExpire(t *testing.T) {
 	a, cl, b, p, name := faultSetup(t, "rv-late-revoke")
 	ctx := context.Background()
-	if _, err := b.Inspect(ctx, name); err != nil { // connects b's client
-		t.Fatal(err)
-	}
 	const ttl, partition = 3010 * time.Millisecond, 3200 * time.Millisecond
-	pfx := []byte(linePrefix(name))
-	sent := make(chan struct{}, 1)
-	p.LoseReply(func(req []byte) bool {
-		if !bytes.Contains(req, pfx) {
-			return false
-		}
-		sent <- struct{}{}
-		return true
-	})
-	res := make(chan acquired, 1)
-	go func() {
-		tctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-		defer cancel()
-		l, err := b.TryAcquire(tctx, name, ttl)
-		res <- acquired{l, err}
-	}()
-	select {
-	case <-sent:
-	case <-time.After(10 * time.Second):
-		t.Fatal("TryAcquire sent no create transaction")
-	}
+	res := tryWithCreateAnswerLost(t, b, p, name, ttl)
 	p.Partition()
 	waitLine(t, cl, name, 1) // the create landed
 	id := leaseID(t, cl, name)

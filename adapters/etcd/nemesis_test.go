@@ -32,11 +32,19 @@ import (
 // runs in TestThreeMemberNemesis.
 func TestNemesis(t *testing.T) {
 	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
+	s := nemesisOn(t, c.Client(t))
+	s.Acquirer = func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) { return behindProxy(t, c, nil) }
+	s.ShortTTL, s.Duration, s.Seeds = 4*time.Second, 24*time.Second, 2
+	s.Run(t)
+}
+
+// nemesisOn returns the parts of the suite both nemesis tests share on cl:
+// SQLite writers with no proxy, direct acquirers on cl, and a DeleteState
+// that deletes every key of the name's line, as the acquirer suite's.
+func nemesisOn(t *testing.T, cl *clientv3.Client) fencetest.NemesisSuite {
 	newWriter := sqliteWriters(t)
-	fencetest.NemesisSuite{
-		Acquirer: func(t *testing.T) (fence.Acquirer, *faultnet.Proxy) { return behindProxy(t, c, nil) },
-		Writer:   func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) { return newWriter(t), nil },
+	return fencetest.NemesisSuite{
+		Writer: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) { return newWriter(t), nil },
 		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
 			a, err := etcdfence.NewAcquirer(cl, nil)
 			if err != nil {
@@ -44,16 +52,12 @@ func TestNemesis(t *testing.T) {
 			}
 			return a, newWriter(t)
 		},
-		// Every key of the name's line, as the acquirer suite's DeleteState.
 		DeleteState: func(t *testing.T, name string) {
 			if _, err := cl.Delete(context.Background(), linePrefix(name), clientv3.WithPrefix()); err != nil {
 				t.Errorf("deleting the keys of %q: %v", name, err)
 			}
 		},
-		ShortTTL: 4 * time.Second,
-		Duration: 24 * time.Second,
-		Seeds:    2,
-	}.Run(t)
+	}
 }
 
 // sqliteWriters returns a maker of SQLite writers, each on a handle of its
@@ -91,38 +95,21 @@ func sqliteWriters(t *testing.T) func(t *testing.T) fence.FencedWriter {
 // the cluster's start.
 func TestThreeMemberNemesis(t *testing.T) {
 	c := etcdtest.Start(t, 3)
-	cl := c.Client(t)
-	newWriter := sqliteWriters(t)
-	fencetest.NemesisSuite{
-		AcquirerProxies: func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy) {
-			proxies := make([]*faultnet.Proxy, len(c.Nodes))
-			eps := make([]string, len(c.Nodes))
-			for i := range c.Nodes {
-				proxies[i] = faultnet.Start(t, c.ClientAddr(i))
-				proxies[i].ReplyWindow(replyWindow)
-				eps[i] = proxies[i].Addr()
-			}
-			a, err := etcdfence.NewAcquirer(etcdtest.NewClient(t, eps...), nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return a, proxies
-		},
-		Writer: func(t *testing.T) (fence.FencedWriter, *faultnet.Proxy) { return newWriter(t), nil },
-		Direct: func(t *testing.T) (fence.Acquirer, fence.FencedWriter) {
-			a, err := etcdfence.NewAcquirer(cl, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return a, newWriter(t)
-		},
-		DeleteState: func(t *testing.T, name string) {
-			if _, err := cl.Delete(context.Background(), linePrefix(name), clientv3.WithPrefix()); err != nil {
-				t.Errorf("deleting the keys of %q: %v", name, err)
-			}
-		},
-		ShortTTL: 2 * time.Second,
-		Duration: 10 * time.Second,
-		Seeds:    1,
-	}.Run(t)
+	s := nemesisOn(t, c.Client(t))
+	s.AcquirerProxies = func(t *testing.T) (fence.Acquirer, []*faultnet.Proxy) {
+		proxies := make([]*faultnet.Proxy, len(c.Nodes))
+		eps := make([]string, len(c.Nodes))
+		for i := range c.Nodes {
+			proxies[i] = faultnet.Start(t, c.ClientAddr(i))
+			proxies[i].ReplyWindow(replyWindow)
+			eps[i] = proxies[i].Addr()
+		}
+		a, err := etcdfence.NewAcquirer(etcdtest.NewClient(t, eps...), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return a, proxies
+	}
+	s.ShortTTL, s.Duration, s.Seeds = 2*time.Second, 10*time.Second, 1
+	s.Run(t)
 }

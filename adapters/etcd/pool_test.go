@@ -79,9 +79,7 @@ func waitLeases(t *testing.T, cl *clientv3.Client, n int, within time.Duration) 
 // fail for it, nor hand out a lease etcd no longer has: it is granted on a
 // live etcd lease of its own, holds the name, and renews.
 func TestPooledLeaseRevokedBehindThePool(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(cl, nil)
+	_, cl, a := oneMember(t)
 	ctx := context.Background()
 	name := fencetest.Name("pool-revoked")
 	const ttl = 30 * time.Second
@@ -147,9 +145,7 @@ func leasekitDrift(ttl time.Duration) time.Duration { return ttl/100 + 2*time.Mi
 // a tenth of its ttl is revoked, long before its ttl, and the next grant
 // takes a lease of its own.
 func TestPooledLeaseUnusedIsRevoked(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(cl, nil)
+	_, cl, a := oneMember(t)
 	ctx := context.Background()
 	name := fencetest.Name("pool-stale")
 	const ttl = 10 * time.Second
@@ -176,9 +172,7 @@ func TestPooledLeaseUnusedIsRevoked(t *testing.T) {
 // touch the lease the next grant now holds: the next grant's key and lease
 // stay, and the name stays held.
 func TestPooledLeaseNotTouchedByTheOldGrant(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(cl, nil)
+	c, cl, a := oneMember(t)
 	other, _ := etcdfence.NewAcquirer(c.Client(t), nil)
 	ctx := context.Background()
 	name := fencetest.Name("pool-old")
@@ -251,9 +245,7 @@ func TestUnconfirmedRenewalNotPooled(t *testing.T) {
 // lease behind, and none once the acquirer is closed (a grant after Close
 // pools nothing).
 func TestPoolLeaksNoLease(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(cl, nil)
+	_, cl, a := oneMember(t)
 	ctx := context.Background()
 	name := fencetest.Name("pool-leak")
 	const ttl = 30 * time.Second // longer than the test: a leaked lease stays
@@ -298,9 +290,7 @@ func TestPoolLeaksNoLease(t *testing.T) {
 // someone else; the next waiter must not fail for it: it waits in line on a
 // lease of its own and is granted after the holder's release.
 func TestPooledWaiterLeaseRevokedBehindThePool(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(cl, nil)
+	c, cl, a := oneMember(t)
 	ctx := context.Background()
 	name := fencetest.Name("pool-waiter")
 	const ttl = 30 * time.Second
@@ -547,6 +537,21 @@ func (r *strandRelay) Deliver() {
 	}
 }
 
+// behindStrandRelay returns an acquirer on a client whose first endpoint
+// reaches c through a strand relay and whose second through a faultnet
+// proxy, with the relay, the proxy and the client.
+func behindStrandRelay(t *testing.T, c *etcdtest.Cluster) (*strandRelay, *faultnet.Proxy, *clientv3.Client, *etcdfence.Acquirer) {
+	t.Helper()
+	r := startStrandRelay(t, c.ClientAddr(0))
+	direct := faultnet.Start(t, c.ClientAddr(0))
+	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
+	b, err := etcdfence.NewAcquirer(bc, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, direct, bc, b
+}
+
 // TestLateKeepAliveOfAPooledLease: the old grant's Renew
 // sends a keep-alive that is held on its way while the client's connection
 // breaks; the etcd client sends the keep-alive again on its own
@@ -559,13 +564,7 @@ func (r *strandRelay) Deliver() {
 func TestLateKeepAliveOfAPooledLease(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
-	r := startStrandRelay(t, c.ClientAddr(0))
-	direct := faultnet.Start(t, c.ClientAddr(0))
-	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
-	b, err := etcdfence.NewAcquirer(bc, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r, _, bc, b := behindStrandRelay(t, c)
 	ctx := context.Background()
 	name := fencetest.Name("late-ka")
 	const ttl = 4 * time.Second
@@ -699,10 +698,7 @@ func TestReleaseLostReplyNotPooled(t *testing.T) {
 // granted on a live etcd lease, not try to move its key onto the dead one
 // until its context ends while heading the line (blocking everyone).
 func TestPooledLockLeaseRevokedWhileWaiting(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
-	b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
+	_, cl, a, b := twoAcquirers(t)
 	ctx := context.Background()
 	name := fencetest.Name("pool-revoked-wait")
 	const ttl = 30 * time.Second
@@ -748,10 +744,7 @@ func TestPooledLockLeaseRevokedWhileWaiting(t *testing.T) {
 // the waiter is granted, and the waiter must be granted about when the etcd
 // lease's ttl has run from its last confirmed send, not a ttl later.
 func TestPooledHolderStopsRenewing(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
-	b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
+	_, cl, a, b := twoAcquirers(t)
 	ctx := context.Background()
 	name := fencetest.Name("pool-stops")
 	id, sent := pooledAfterRelease(t, b, name, 3*time.Second)
@@ -795,10 +788,7 @@ func TestPooledHolderStopsRenewing(t *testing.T) {
 // may be called again, and the acquirer still grants afterwards (tokens
 // still growing) without pooling.
 func TestCloseWithLeasesHeldAndPooled(t *testing.T) {
-	c := etcdtest.Start(t, 1)
-	cl := c.Client(t)
-	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
-	b, _ := etcdfence.NewAcquirer(c.Client(t), nil)
+	_, cl, a, b := twoAcquirers(t)
 	ctx := context.Background()
 	name := fencetest.Name("pool-close")
 	const ttl = 30 * time.Second
@@ -862,13 +852,7 @@ func TestLateWaiterKeepAliveNotPooled(t *testing.T) {
 	c := etcdtest.Start(t, 1)
 	cl := c.Client(t)
 	a, _ := etcdfence.NewAcquirer(c.Client(t), nil)
-	r := startStrandRelay(t, c.ClientAddr(0))
-	direct := faultnet.Start(t, c.ClientAddr(0))
-	bc := etcdtest.NewClient(t, r.Addr(), direct.Addr())
-	b, err := etcdfence.NewAcquirer(bc, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r, direct, _, b := behindStrandRelay(t, c)
 	ctx := context.Background()
 	name := fencetest.Name("late-waiter-ka")
 	h, err := a.TryAcquire(ctx, name, 30*time.Second)

@@ -215,44 +215,11 @@ func TestRejoinedWaiterQueuesBehindLaterWaiter(t *testing.T) {
 // nothing of it stays in line or among etcd's leases.
 func TestRejoinGivesUpAtDeadline(t *testing.T) {
 	a, cl, b, p, name := rejoinSetup(t, "rv-deadline")
-	ctx := context.Background()
 	places := placesOf(t, cl, name, rejoinOwner)
-	h, err := a.TryAcquire(ctx, name, 60*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Release(ctx)
-	base := leaseSet(t, cl)
-	deadline := time.Now().Add(12 * time.Second)
-	type stamped struct {
-		acquired
-		at time.Time
-	}
-	res := make(chan stamped, 1)
-	go func() {
-		wctx, cancel := context.WithDeadline(ctx, deadline)
-		defer cancel()
-		l, err := b.Acquire(wctx, name, 30*time.Second)
-		res <- stamped{acquired{l, err}, time.Now()}
-	}()
-	waitLine(t, cl, name, 2)
-	loseThePlace(t, cl, p, name, 1)
-	waitLine(t, cl, name, 2) // joined again
-	r := <-res
-	if r.err == nil {
-		r.l.Release(ctx)
-		t.Fatalf("granted (token %d) while the holder %d holds", r.l.Token(), h.Token())
-	}
-	if !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.DeadlineExceeded) {
-		t.Errorf("rejoiner at its deadline: %v, want ErrHeld joined with DeadlineExceeded", r.err)
-	}
-	if late := r.at.Sub(deadline); late > time.Second {
-		t.Errorf("Acquire returned %v after its deadline", late)
-	}
-	if extra := leasesBackTo(t, cl, base, 3*time.Second); len(extra) > 0 {
-		t.Errorf("3s after the rejoiner gave up, its leases live on: %v", extra)
-	}
-	waitLine(t, cl, name, 1)
+	waiterGivesUpAtDeadline(t, a, cl, b, name, 12*time.Second, "rejoiner", "the rejoiner gave up", func() {
+		loseThePlace(t, cl, p, name, 1)
+		waitLine(t, cl, name, 2) // joined again
+	}, func() {})
 	if n := places(); n > 1 {
 		t.Errorf("the rejoiner held %d places in line at once", n)
 	}
@@ -264,6 +231,20 @@ func TestRejoinGivesUpAtDeadline(t *testing.T) {
 // lease it kept alive while it waited is revoked, not left for its 30s).
 func TestPlaceExpiredWhileCutOffGivesUpAtDeadline(t *testing.T) {
 	a, cl, b, p, name := rejoinSetup(t, "rv-cutdeadline")
+	waiterGivesUpAtDeadline(t, a, cl, b, name, 8*time.Second, "cut-off waiter", "healing", func() {
+		p.Partition()
+		waitLine(t, cl, name, 1)
+	}, p.Heal)
+}
+
+// waiterGivesUpAtDeadline has a hold name for 60s and b wait for it (a 30s
+// lease) until wait from now; fault runs once b is in line, and heal once
+// its Acquire returned. The Acquire must end with ErrHeld joined with
+// DeadlineExceeded within a second of its deadline; 3s after heal none of
+// its leases may live on, and only the holder's key be in line. who and
+// after name the waiter and the moment in the failure messages.
+func waiterGivesUpAtDeadline(t *testing.T, a *etcdfence.Acquirer, cl *clientv3.Client, b *etcdfence.Acquirer, name string, wait time.Duration, who, after string, fault, heal func()) {
+	t.Helper()
 	ctx := context.Background()
 	h, err := a.TryAcquire(ctx, name, 60*time.Second)
 	if err != nil {
@@ -271,7 +252,7 @@ func TestPlaceExpiredWhileCutOffGivesUpAtDeadline(t *testing.T) {
 	}
 	defer h.Release(ctx)
 	base := leaseSet(t, cl)
-	deadline := time.Now().Add(8 * time.Second)
+	deadline := time.Now().Add(wait)
 	type stamped struct {
 		acquired
 		at time.Time
@@ -284,22 +265,21 @@ func TestPlaceExpiredWhileCutOffGivesUpAtDeadline(t *testing.T) {
 		res <- stamped{acquired{l, err}, time.Now()}
 	}()
 	waitLine(t, cl, name, 2)
-	p.Partition()
-	waitLine(t, cl, name, 1)
+	fault()
 	r := <-res
-	p.Heal()
+	heal()
 	if r.err == nil {
 		r.l.Release(ctx)
 		t.Fatalf("granted (token %d) while the holder %d holds", r.l.Token(), h.Token())
 	}
 	if !errors.Is(r.err, fence.ErrHeld) || !errors.Is(r.err, context.DeadlineExceeded) {
-		t.Errorf("cut-off waiter at its deadline: %v, want ErrHeld joined with DeadlineExceeded", r.err)
+		t.Errorf("%s at its deadline: %v, want ErrHeld joined with DeadlineExceeded", who, r.err)
 	}
 	if late := r.at.Sub(deadline); late > time.Second {
 		t.Errorf("Acquire returned %v after its deadline", late)
 	}
 	if extra := leasesBackTo(t, cl, base, 3*time.Second); len(extra) > 0 {
-		t.Errorf("3s after healing, the cut-off waiter's leases live on: %v", extra)
+		t.Errorf("3s after %s, its leases live on: %v", after, extra)
 	}
 	waitLine(t, cl, name, 1)
 }

@@ -129,10 +129,7 @@ func TestWaiterAfterABreak(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: longTimeout, MaxWait: 2 * longTimeout})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: longTimeout, MaxWait: 2 * longTimeout})
 	waiting := waitingHook(t)
 	for round := 0; round < 3; round++ {
 		name := fencetest.Name("breakwait")
@@ -198,18 +195,8 @@ func TestWaiterWhoseWatchWasCut(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
-	bucket(t, j, lockBucket)
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: longTimeout, MaxWait: 2 * longTimeout})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
-	name := fencetest.Name("breakwatch")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: longTimeout, MaxWait: 2 * longTimeout})
+	name, key, h, waiting := holdForWaiter(t, holderSide, "breakwatch", 30*time.Second)
 	var dropped atomic.Bool
 	p.DropRequest(func(b []byte) bool {
 		if bytes.Contains(b, []byte("CONSUMER.CREATE")) && bytes.Contains(b, []byte(key)) {
@@ -260,6 +247,20 @@ func waitingHook(t *testing.T) <-chan string {
 	})
 	t.Cleanup(func() { natsfence.SetWaitingHook(nil) })
 	return ch
+}
+
+// holdForWaiter installs a waitingHook and has holder take
+// fencetest.Name(label) for ttl, for a waiter to wait on; it returns the
+// name, its lock key, the holder's lease and the hook's channel.
+func holdForWaiter(t *testing.T, holder *natsfence.Acquirer, label string, ttl time.Duration) (name, key string, h fence.Lease, waiting <-chan string) {
+	t.Helper()
+	waiting = waitingHook(t)
+	name = fencetest.Name(label)
+	h, err := holder.TryAcquire(context.Background(), name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return name, natsfence.EncodeKey(name), h, waiting
 }
 
 // waitKey waits until waiting reports key; it fails with msg after 30s, or
@@ -396,18 +397,8 @@ func TestCtxEndsWhileAway(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
-	bucket(t, j, lockBucket)
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
-	name := fencetest.Name("awayctx")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
+	name, key, h, waiting := holdForWaiter(t, holderSide, "awayctx", 30*time.Second)
 	defer h.Release(ctx)
 	wctx, cancel := context.WithTimeout(ctx, 4*time.Second)
 	defer cancel()
@@ -441,18 +432,8 @@ func TestWaiterConnClosed(t *testing.T) {
 	j := jsOn(t, nc)
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
-	bucket(t, j, lockBucket)
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
-	name := fencetest.Name("closed")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
+	name, key, h, waiting := holdForWaiter(t, holderSide, "closed", 30*time.Second)
 	defer h.Release(ctx)
 	res := goAcquire(ctx, waiter, name, 10*time.Second)
 	waitKeyA(t, waiting, key, res, "the waiter never waited")
@@ -482,22 +463,12 @@ func TestHerdAfterABreak(t *testing.T) {
 	ctx := context.Background()
 	direct := js(t)
 	holderSide := newAcquirer(t, direct, lockBucket, nil)
-	bucket(t, j, lockBucket)
 	stream, err := direct.Stream(ctx, "KV_"+lockBucket.Bucket)
 	if err != nil {
 		t.Fatal(err)
 	}
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
-	name := fencetest.Name("herd")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	name, key, h, waiting := holdForWaiter(t, holderSide, "herd", 30*time.Second)
 	const n = 8
 	var held atomic.Int32
 	var mu sync.Mutex
@@ -586,23 +557,13 @@ func TestRepeatedBreaksNoLeak(t *testing.T) {
 	ctx := context.Background()
 	direct := js(t)
 	holderSide := newAcquirer(t, direct, lockBucket, nil)
-	bucket(t, j, lockBucket)
 	stream, err := direct.Stream(ctx, "KV_"+lockBucket.Bucket)
 	if err != nil {
 		t.Fatal(err)
 	}
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
 	nc := j.Conn()
-	name := fencetest.Name("breaks")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 60*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	name, key, h, waiting := holdForWaiter(t, holderSide, "breaks", 60*time.Second)
 	consumers := func() int {
 		info, err := stream.Info(ctx)
 		if err != nil {
@@ -664,18 +625,8 @@ func TestGrantInFlightAtABreak(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
-	bucket(t, j, lockBucket)
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, Timeout: 500 * time.Millisecond, RetryFor: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
-	name := fencetest.Name("inflight")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute, Timeout: 500 * time.Millisecond, RetryFor: time.Second})
+	name, key, h, waiting := holdForWaiter(t, holderSide, "inflight", 30*time.Second)
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	res := goAcquire(wctx, waiter, name, 30*time.Second)
@@ -779,19 +730,9 @@ func TestWaiterAcrossServerRestart(t *testing.T) {
 	ctx := context.Background()
 	hj := jsOn(t, natstest.Connect(t, url))
 	wj := jsOn(t, natstest.Connect(t, url))
-	bucket(t, hj, lockBucket)
 	holderSide := newAcquirer(t, hj, lockBucket, nil)
-	waiter, err := natsfence.NewAcquirer(ctx, wj, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
-	name := fencetest.Name("restart")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 60*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, wj, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	name, key, h, waiting := holdForWaiter(t, holderSide, "restart", 60*time.Second)
 	res := goAcquire(ctx, waiter, name, 10*time.Second)
 	waitKeyA(t, waiting, key, res, "the waiter never waited")
 	s.Shutdown()
@@ -851,18 +792,8 @@ func TestCtxEndsDuringGrantRead(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
-	bucket(t, j, lockBucket)
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
-	name := fencetest.Name("readctx")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
+	name, key, h, waiting := holdForWaiter(t, holderSide, "readctx", 30*time.Second)
 	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	res := goAcquire(wctx, waiter, name, 10*time.Second)
@@ -899,18 +830,8 @@ func TestClosedDuringGrantRead(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
-	bucket(t, j, lockBucket)
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
-	name := fencetest.Name("readclosed")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
+	name, key, h, waiting := holdForWaiter(t, holderSide, "readclosed", 30*time.Second)
 	runtime.GC()
 	g0 := runtime.NumGoroutine()
 	res := goAcquire(ctx, waiter, name, 5*time.Minute)
@@ -982,11 +903,7 @@ func TestFlappingWhileWaiting(t *testing.T) {
 	j, p := proxied(t)
 	ctx := context.Background()
 	holderSide := newAcquirer(t, js(t), lockBucket, nil)
-	bucket(t, j, lockBucket)
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
 	waiting := waitingHook(t)
 	n0, _ := acquirerGoroutines() // other tests' leftovers
 	for round := 0; round < 3; round++ {

@@ -3,13 +3,16 @@ package natsfence_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/internal/natstest"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -22,9 +25,6 @@ import (
 // larger than every earlier one; no write with an older token is accepted
 // after a newer one; a node restarted rejoins and grants go on.
 func TestClusterLeaderLoss(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a 3-node cluster")
-	}
 	c, lockCfg, fenceCfg, a, b, w := r3(t, "r3")
 	// A client of its own for the diagnostics when no grant comes.
 	nc := natstest.Connect(t, c.URLs())
@@ -230,10 +230,7 @@ func TestClusterLeaderLoss(t *testing.T) {
 // delivered after the heal change nothing: the renewal does not take the new
 // holder's key, the old token is refused, and the new holder renews.
 func TestClusterPartitionedHolder(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a 3-node cluster")
-	}
-	c := natstest.StartCluster(t, 3)
+	c := cluster3(t)
 	ctx := context.Background()
 	lockCfg := natsfence.LockBucket("locks-part")
 	lockCfg.Replicas = 3
@@ -311,4 +308,387 @@ func TestClusterPartitionedHolder(t *testing.T) {
 	if v, tok, err := bw.Read(ctx, "job"); err != nil || string(v) != "new" || tok != l2.Token() {
 		t.Fatalf("Read = %q %d %v, want new %d", v, tok, err, l2.Token())
 	}
+}
+
+// TestRenewAcrossLeaderChangesKeepsHealthyLease: on a 3-node cluster with an
+// R3 lock bucket, a connected holder renews its lease back to back while the
+// lock bucket's stream leader steps down again and again, and once is
+// killed. No Renew may report the lease lost (ErrLost) while the server
+// still holds the holder's entry: each read and publish is answered by a
+// leader, or fails as unknown and is retried. Nobody else is granted the
+// name while the holder's context is live.
+func TestRenewAcrossLeaderChangesKeepsHealthyLease(t *testing.T) {
+	c, lockCfg, _, a, b, _ := r3(t, "renew-stepdown")
+	nc := natstest.Connect(t, c.URLs())
+	ctx := context.Background()
+	const ttl = 8 * time.Second
+	name := "renewed-through-elections"
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream := "KV_" + lockCfg.Bucket
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var renewErrs []string
+	lost := make(chan error, 1)
+	untilStopped(&wg, stop, func() bool {
+		rctx, cancel := context.WithTimeout(ctx, ttl/3)
+		err := l.Renew(rctx)
+		cancel()
+		if err != nil {
+			mu.Lock()
+			renewErrs = append(renewErrs, err.Error())
+			mu.Unlock()
+		}
+		if errors.Is(err, fence.ErrLost) {
+			lost <- err
+			return false
+		}
+		time.Sleep(20 * time.Millisecond) // pacing
+		return true
+	})
+	// Others try the name all along: none may be granted while the holder's
+	// context is live.
+	twoHolders := make(chan string, 1)
+	untilStopped(&wg, stop, func() bool {
+		lb, err := b.TryAcquire(ctx, name, ttl)
+		if err == nil {
+			live := l.Context().Err() == nil
+			_ = lb.Release(ctx)
+			if live {
+				twoHolders <- fmt.Sprintf("granted token %d while the holder's (token %d) context is live", lb.Token(), l.Token())
+				return false
+			}
+		}
+		time.Sleep(100 * time.Millisecond) // pacing
+		return true
+	})
+	check := func() {
+		select {
+		case err := <-lost:
+			info, ierr := b.Inspect(ctx, name)
+			t.Fatalf("a renewal during the elections reported the lease lost: %v; the server's lock then: held %v token %d (the holder's %d) time left %v, %v; renewal errors so far: %q",
+				err, info.Held, info.Token, l.Token(), info.TimeLeft, ierr, renewErrs)
+		case s := <-twoHolders:
+			t.Fatal("two holders: " + s)
+		default:
+		}
+	}
+	defer func() { close(stop); wg.Wait() }()
+	for i := 0; i < 12; i++ {
+		_, err := nc.Request("$JS.API.STREAM.LEADER.STEPDOWN."+stream, nil, 5*time.Second)
+		if err != nil {
+			t.Logf("step down %d: %v", i, err)
+		}
+		time.Sleep(700 * time.Millisecond) // between elections
+		check()
+	}
+	leader := c.StreamLeader(stream)
+	if leader >= 0 {
+		t.Logf("killing node %d, the leader of %s", leader, stream)
+		c.Stop(leader)
+		for end := time.Now().Add(6 * time.Second); time.Now().Before(end); {
+			time.Sleep(100 * time.Millisecond)
+			check()
+		}
+		c.Restart(leader)
+	}
+	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); {
+		time.Sleep(100 * time.Millisecond)
+		check()
+	}
+	if err := l.Context().Err(); err != nil {
+		t.Fatalf("the holder's context ended: %v; renewal errors: %q", context.Cause(l.Context()), renewErrs)
+	}
+	mu.Lock()
+	t.Logf("renewal errors during the elections: %d %q", len(renewErrs), renewErrs)
+	mu.Unlock()
+	_ = natsfence.MinTTL
+}
+
+// TestClusterNodeRestart: on a 3-node cluster with R3 buckets, every node is
+// restarted in turn (the lock bucket's stream leader first) while a lease is
+// held and renewed and writes with its token go on, and a second process
+// keeps trying to take the lock. No grant is made while the holder's context
+// is live, every token is larger than the one before, and after the restarts
+// the holder's older token is refused once a newer one has written.
+func TestClusterNodeRestart(t *testing.T) {
+	c, lockCfg, fenceCfg, a, b, w := r3(t, "restart")
+	ctx := context.Background()
+	const ttl = 15 * time.Second
+	holder, err := a.TryAcquire(ctx, "ledger", ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, "ledger", []byte("v0"), holder.Token()); err != nil {
+		t.Fatal(err)
+	}
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var renewals, writes, tries atomic.Int64
+	var mu sync.Mutex
+	var renewErrs, writeErrs []error
+	loop := func(f func()) { untilStopped(&wg, stop, func() bool { f(); return true }) }
+	// The holder renews every second (a ttl of 15s: one node's restart must
+	// not cost the lease) ...
+	loop(func() {
+		err := holder.Renew(ctx)
+		mu.Lock()
+		if err != nil {
+			renewErrs = append(renewErrs, err)
+		} else {
+			renewals.Add(1)
+		}
+		mu.Unlock()
+		time.Sleep(time.Second) // pacing
+	})
+	// ... writes with its token ...
+	loop(func() {
+		err := w.Write(ctx, "ledger", []byte("by the holder"), holder.Token())
+		mu.Lock()
+		if err != nil {
+			writeErrs = append(writeErrs, err)
+		} else {
+			writes.Add(1)
+		}
+		mu.Unlock()
+		time.Sleep(20 * time.Millisecond) // pacing
+	})
+	// ... and another process tries to take the lock.
+	var wrongGrants []string
+	loop(func() {
+		l, err := b.TryAcquire(ctx, "ledger", 5*time.Second)
+		tries.Add(1)
+		if err == nil {
+			mu.Lock()
+			if holder.Context().Err() == nil {
+				wrongGrants = append(wrongGrants, "granted token "+l.Token().String()+" while the holder's context was live")
+			}
+			mu.Unlock()
+			_ = l.Release(ctx)
+		} else if !errors.Is(err, fence.ErrHeld) {
+			t.Logf("TryAcquire during a restart: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond) // pacing
+	})
+
+	order := []int{c.StreamLeader("KV_" + lockCfg.Bucket)}
+	for i := range c.Nodes {
+		if i != order[0] {
+			order = append(order, i)
+		}
+	}
+	for _, i := range order {
+		t.Logf("restarting node %d (lock bucket leader: node %d, fence bucket leader: node %d)", i, c.StreamLeader("KV_"+lockCfg.Bucket), c.StreamLeader("KV_"+fenceCfg.Bucket))
+		before := renewals.Load()
+		c.Stop(i)
+		time.Sleep(time.Second) // the node stays down a while: not a synchronisation
+		c.Restart(i)
+		// Go on once the holder has renewed after the node came back, and
+		// the writer and the other process have each done a few calls
+		// since then: a call caught by the restart can take seconds, and
+		// the counts below must show the cluster was used around each one.
+		back := time.Now()
+		w0, t0 := writes.Load(), tries.Load()
+		for deadline := back.Add(20 * time.Second); renewals.Load() < before+2 || writes.Load() < w0+4 || tries.Load() < t0+4; {
+			if time.Now().After(deadline) || holder.Context().Err() != nil {
+				break
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	close(stop)
+	wg.Wait()
+	t.Logf("during the restarts: %d renewals (%d failed), %d writes (%d failed), %d TryAcquire by the other process",
+		renewals.Load(), len(renewErrs), writes.Load(), len(writeErrs), tries.Load())
+	for _, err := range renewErrs {
+		t.Logf("renewal: %v", err)
+	}
+	for _, err := range writeErrs {
+		if !errors.Is(err, fence.ErrUnknown) {
+			t.Errorf("a write with the holder's token during the restarts: %v (want nil, or ErrUnknown during an election)", err)
+		}
+	}
+	for _, s := range wrongGrants {
+		t.Error(s)
+	}
+	if holder.Context().Err() != nil {
+		t.Fatalf("the holder lost its %v lease over three single-node restarts: %v", ttl, context.Cause(holder.Context()))
+	}
+	if renewals.Load() < 3 || writes.Load() < 10 || tries.Load() < 10 {
+		t.Fatalf("too little went on during the restarts to prove anything: %d renewals, %d writes, %d tries", renewals.Load(), writes.Load(), tries.Load())
+	}
+	// The holder releases; the next grant is larger, writes, and the
+	// holder's token is refused from then on.
+	if err := holder.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	next, err := b.TryAcquire(ctx, "ledger", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer next.Release(ctx)
+	if next.Token() <= holder.Token() {
+		t.Fatalf("the grant after the restarts: token %d, not above the holder's %d", next.Token(), holder.Token())
+	}
+	if err := w.Write(ctx, "ledger", []byte("by the next holder"), next.Token()); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ctx, "ledger", []byte("stale"), holder.Token()); !errors.Is(err, fence.ErrStale) {
+		t.Fatalf("the old token after the new holder's write: %v, want ErrStale", err)
+	}
+	if v, tok, err := w.Read(ctx, "ledger"); err != nil || string(v) != "by the next holder" || tok != next.Token() {
+		t.Fatalf("stored %q token %d, %v", v, tok, err)
+	}
+}
+
+// r3 starts a 3-node cluster with an R3 lock bucket and an R3 fence bucket
+// (names ending in suffix), and returns them with an acquirer and a writer on
+// one client and a second acquirer on a client of its own (another process).
+func r3(t *testing.T, suffix string) (*natstest.Cluster, jetstream.KeyValueConfig, jetstream.KeyValueConfig, *natsfence.Acquirer, *natsfence.Acquirer, *natsfence.Writer) {
+	t.Helper()
+	c := cluster3(t)
+	j := jsOn(t, natstest.Connect(t, c.URLs()))
+	lockCfg := natsfence.LockBucket("locks-" + suffix)
+	lockCfg.Replicas = 3
+	fenceCfg := jetstream.KeyValueConfig{Bucket: "fences-" + suffix, History: 1, Replicas: 3}
+	opts := &natsfence.AcquirerOptions{Timeout: 2 * time.Second, RetryFor: 10 * time.Second}
+	a := newAcquirer(t, j, lockCfg, opts)
+	bucket(t, j, fenceCfg)
+	w, err := natsfence.NewWriter(context.Background(), j, fenceCfg.Bucket, &natsfence.WriterOptions{Timeout: 2 * time.Second, RetryFor: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := natsfence.NewAcquirer(context.Background(), jsOn(t, natstest.Connect(t, c.URLs())), lockCfg.Bucket, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, lockCfg, fenceCfg, a, b, w
+}
+
+// TestClusterStoreLeaderLoss: on a 3-node cluster with an R3 bucket, Do goes
+// on over 40 keys (each called twice) while the bucket's stream leader is
+// killed. Every effect runs at most once, no Do hangs past its bound, and a
+// Do that returned its effect's result left the key completed with it, as
+// the new leader holds it.
+func TestClusterStoreLeaderLoss(t *testing.T) {
+	c := cluster3(t)
+	j := jsOn(t, natstest.Connect(t, c.URLs()))
+	cfg := natsfence.LockBucket("idem-r3")
+	cfg.Replicas = 3
+	o := &natsfence.IdempotencyOptions{Timeout: time.Second, RetryFor: 10 * time.Second}
+	s := newStoreOpts(t, j, cfg, o)
+	const keys = 40
+	var runs [keys]atomic.Int32
+	var done [keys]atomic.Bool
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	outcomes := map[string]int{}
+	// Key 5's first effect holds its Do open until the leader's shutdown is
+	// over, so at least one Do straddles the kill whatever the scheduling.
+	inEffect, killDone := make(chan struct{}), make(chan struct{})
+	var killed atomic.Int64    // when the leader's shutdown began, unix ns
+	var straddled atomic.Int32 // Do calls under way when it began
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := range keys {
+			k := fmt.Sprintf("order-%d", i)
+			for attempt := range 2 {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				begun := time.Now()
+				r, err := idempotency.Do(ctx, s, k, "fp", func(context.Context, string) ([]byte, error) {
+					runs[i].Add(1)
+					if i == 5 && attempt == 0 {
+						close(inEffect)
+						<-killDone
+					}
+					return []byte(k), nil
+				}, &idempotency.Options{Lease: 5 * time.Second})
+				cancel()
+				if kt := killed.Load(); kt != 0 && begun.UnixNano() < kt && time.Now().UnixNano() > kt {
+					straddled.Add(1)
+				}
+				if d := time.Since(begun); d > 25*time.Second {
+					t.Errorf("Do(%s) took %v: a hang", k, d)
+				}
+				mu.Lock()
+				switch {
+				case err == nil && string(r.Value) == k:
+					done[i].Store(true)
+					outcomes["ok"]++
+				case err == nil:
+					t.Errorf("Do(%s) returned %q", k, r.Value)
+				case errors.Is(err, idempotency.ErrInProgress):
+					outcomes["in progress"]++
+				default:
+					outcomes["error"]++
+					t.Logf("Do(%s) during the election: %v", k, err)
+				}
+				mu.Unlock()
+			}
+		}
+	}()
+	<-inEffect
+	leader := c.StreamLeader("KV_" + cfg.Bucket)
+	if leader < 0 {
+		t.Fatal("no stream leader")
+	}
+	t.Logf("killing node %d, the bucket's stream leader", leader)
+	killed.Store(time.Now().UnixNano())
+	c.Stop(leader)
+	close(killDone)
+	wg.Wait()
+	t.Logf("outcomes of %d Do calls: %v; %d under way when the leader went down", 2*keys, outcomes, straddled.Load())
+	if straddled.Load() == 0 {
+		t.Fatal("no Do call was under way when the leader went down: the case proved nothing")
+	}
+	check := newStoreOpts(t, jsOn(t, natstest.Connect(t, c.URLs())), cfg, o)
+	for i := range keys {
+		k := fmt.Sprintf("order-%d", i)
+		if n := runs[i].Load(); n > 1 {
+			t.Errorf("%s: the effect ran %d times", k, n)
+		}
+		if !done[i].Load() {
+			continue
+		}
+		rec, err := check.Get(context.Background(), k)
+		if err != nil || rec.State != idempotency.Completed || string(rec.Result) != k {
+			t.Errorf("%s: Do returned its result, but the record is %+v, %v", k, rec, err)
+		}
+	}
+	if outcomes["ok"] < keys {
+		t.Errorf("only %d of %d keys completed", outcomes["ok"], keys)
+	}
+}
+
+// cluster3 starts a 3-node cluster, or skips t in -short mode.
+func cluster3(t *testing.T) *natstest.Cluster {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("a 3-node cluster")
+	}
+	return natstest.StartCluster(t, 3)
+}
+
+// untilStopped runs f again and again in a goroutine of wg until stop is
+// closed or f returns false.
+func untilStopped(wg *sync.WaitGroup, stop <-chan struct{}, f func() bool) {
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if !f() {
+				return
+			}
+		}
+	}()
 }

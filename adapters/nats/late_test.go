@@ -17,6 +17,7 @@ import (
 	natsfence "github.com/fencekit/fencekit/adapters/nats"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
+	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/internal/natstest"
 	"github.com/nats-io/nats.go"
 )
@@ -30,9 +31,8 @@ import (
 // free: the late grants were given back.
 func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, nil)
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, nil)
 	name := fencetest.Name("lategrants")
 	const ttl = natsfence.MinTTL
 	p.Latency(550*time.Millisecond, 550*time.Millisecond)
@@ -100,8 +100,7 @@ func TestLateGrantsAcquireGivesUpAsAWait(t *testing.T) {
 // recognises it. A lease already past its local deadline must not be
 // returned with a nil error: either a live lease or an error.
 func TestGrantConfirmedAfterLocalDeadline(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 10 * time.Second})
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 10 * time.Second})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
@@ -163,6 +162,42 @@ func observe(t *testing.T, subj string, f func(m *nats.Msg)) {
 	}
 }
 
+// lockSubject is the subject of name's lock key in lockBucket.
+func lockSubject(name string) string {
+	return "$KV." + lockBucket.Bucket + "." + natsfence.EncodeKey(name)
+}
+
+// tokenReadSubject is the subject of a read of lockBucket's creation time
+// (a grant's token).
+var tokenReadSubject = "$JS.API.STREAM.INFO.KV_" + lockBucket.Bucket
+
+// onFirstCreate calls f once, when the server sees the first create of a
+// grant on name (a publish to its key that is not a marker before it).
+func onFirstCreate(t *testing.T, name string, f func()) {
+	t.Helper()
+	var once sync.Once
+	observe(t, lockSubject(name), func(m *nats.Msg) {
+		if m.Header.Get("KV-Operation") == "" {
+			once.Do(f)
+		}
+	})
+}
+
+// notGrantedOnSlowLink runs try with p delaying every chunk by d each way,
+// makes the link fast again when try returns, and returns try's error; a
+// lease try was granted fails t (what was granted), after its release.
+func notGrantedOnSlowLink(t *testing.T, p *faultnet.Proxy, d time.Duration, what string, try func() (fence.Lease, error)) error {
+	t.Helper()
+	p.Latency(d, d)
+	l, err := try()
+	p.Latency(0, 0)
+	if err == nil {
+		_ = l.Release(context.Background())
+		t.Fatalf("%s was granted (token %d)", what, l.Token())
+	}
+	return err
+}
+
 // waitFree polls (a poll, not a synchronisation) until b can take name, or
 // fails after within.
 func waitFree(t *testing.T, b *natsfence.Acquirer, name string, within time.Duration) time.Duration {
@@ -193,30 +228,22 @@ func waitFree(t *testing.T, b *natsfence.Acquirer, name string, within time.Dura
 func TestLateGrantAcquireCancelledDuringTokenRead(t *testing.T) {
 	// Not parallel: it watches every STREAM.INFO read of the bucket,
 	// which the other tests' acquirers make too.
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	name := fencetest.Name("natslate-inforead")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var cancelledAt atomic.Int64
 	// The token's read: the first STREAM.INFO after New. Its reply is held
 	// 300ms by the proxy; the Acquire is cancelled as the server sees it.
-	observe(t, "$JS.API.STREAM.INFO.KV_"+lockBucket.Bucket, func(*nats.Msg) {
+	observe(t, tokenReadSubject, func(*nats.Msg) {
 		if cancelledAt.CompareAndSwap(0, time.Now().UnixNano()) {
 			cancel()
 		}
 	})
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.Acquire(actx, name, 20*time.Second)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("Acquire cancelled during its token read was granted (token %d)", l.Token())
-	}
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "Acquire cancelled during its token read", func() (fence.Lease, error) {
+		return a.Acquire(actx, name, 20*time.Second)
+	})
 	if cancelledAt.Load() == 0 {
 		t.Fatalf("Acquire returned before its token read: %v", err)
 	}
@@ -225,7 +252,6 @@ func TestLateGrantAcquireCancelledDuringTokenRead(t *testing.T) {
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
 		t.Errorf("Acquire cancelled during its token read: %v, want an error matching ErrHeld and context.Canceled", err)
 	}
-	p.Latency(0, 0)
 	waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 5*time.Second)
 }
 
@@ -236,28 +262,15 @@ func TestLateGrantAcquireCancelledDuringTokenRead(t *testing.T) {
 // expiry must not be what frees the name).
 func TestLateGrantAcquireCancelledDuringCreate(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	name := fencetest.Name("natslate-create")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var once sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
-		if m.Header.Get("KV-Operation") == "" { // the create, not a marker before it
-			once.Do(cancel)
-		}
+	onFirstCreate(t, name, cancel)
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "Acquire cancelled during its create", func() (fence.Lease, error) {
+		return a.Acquire(actx, name, 20*time.Second)
 	})
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.Acquire(actx, name, 20*time.Second)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("Acquire cancelled during its create was granted (token %d)", l.Token())
-	}
 	t.Logf("Acquire: %v", err)
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) {
 		t.Errorf("Acquire cancelled during its create: %v, want ErrHeld and context.Canceled", err)
@@ -279,7 +292,7 @@ func TestLateGrantAcquireDoesNotSpin(t *testing.T) {
 	a := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Drift: ttl - 20*time.Microsecond})
 	name := fencetest.Name("natslate-spin")
 	var writes atomic.Int64
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(*nats.Msg) { writes.Add(1) })
+	observe(t, lockSubject(name), func(*nats.Msg) { writes.Add(1) })
 	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	l, err := a.Acquire(actx, name, ttl)
@@ -303,13 +316,8 @@ func TestLateGrantAcquireDoesNotSpin(t *testing.T) {
 // newer holder's entry, and the TryAcquire must answer ErrHeld or ErrLost.
 func TestLateGrantPurgeSparesNewerHolder(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	b := newAcquirer(t, js(t), lockBucket, nil)
 	name := fencetest.Name("natslate-newer")
 	p.Latency(400*time.Millisecond, 400*time.Millisecond)
@@ -322,7 +330,7 @@ func TestLateGrantPurgeSparesNewerHolder(t *testing.T) {
 	defer bcancel()
 	purges := make(chan struct{}, 64)
 	var start sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+	observe(t, lockSubject(name), func(m *nats.Msg) {
 		if m.Header.Get("KV-Operation") == "PURGE" {
 			purges <- struct{}{}
 			return
@@ -377,20 +385,15 @@ func TestLateGrantPurgeSparesNewerHolder(t *testing.T) {
 // once, in the background, and not tried again on the new connection.
 func TestLateGrantGivenBackAfterCut(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	name := fencetest.Name("natslate-cutpurge")
 	// Each attempt has a nonce of its own (a create refused for a changed
 	// revision is sent again with the same one).
 	var mu sync.Mutex
 	nonces := map[string]bool{}
 	creates := func() int { mu.Lock(); defer mu.Unlock(); return len(nonces) }
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+	observe(t, lockSubject(name), func(m *nats.Msg) {
 		if m.Header.Get("KV-Operation") != "" || len(m.Data) == 0 {
 			return
 		}
@@ -404,13 +407,9 @@ func TestLateGrantGivenBackAfterCut(t *testing.T) {
 			}
 		}
 	})
-	p.Latency(400*time.Millisecond, 400*time.Millisecond)
-	l, err := a.TryAcquire(ctx, name, 2*time.Second+time.Millisecond)
-	p.Latency(0, 0)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("TryAcquire with every grant late was granted (token %d)", l.Token())
-	}
+	err := notGrantedOnSlowLink(t, p, 400*time.Millisecond, "TryAcquire with every grant late", func() (fence.Lease, error) {
+		return a.TryAcquire(ctx, name, 2*time.Second+time.Millisecond)
+	})
 	t.Logf("TryAcquire: %v (%d creates)", err, creates())
 	if !errors.Is(err, fence.ErrLost) {
 		t.Fatalf("TryAcquire: %v, want ErrLost", err)
@@ -435,16 +434,11 @@ func TestLateGrantGivenBackAfterCut(t *testing.T) {
 // from the others for a ttl.
 func TestLateGrantOwnOrphanNotErrHeld(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	name := fencetest.Name("natslate-ownorphan")
 	var armed sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
+	observe(t, lockSubject(name), func(m *nats.Msg) {
 		if m.Header.Get("KV-Operation") != "" || len(m.Data) == 0 {
 			return
 		}
@@ -488,29 +482,15 @@ func TestLateGrantOwnOrphanNotErrHeld(t *testing.T) {
 // own create may hold.
 func TestTryAcquireCancelledDuringCreateNotHeld(t *testing.T) {
 	t.Parallel() // its own names and proxies
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
 	ctx := context.Background()
-	bucket(t, j, lockBucket)
-	a, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Timeout: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	name := fencetest.Name("natslate-trycreate")
 	tctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var once sync.Once
-	observe(t, "$KV."+lockBucket.Bucket+"."+natsfence.EncodeKey(name), func(m *nats.Msg) {
-		if m.Header.Get("KV-Operation") == "" { // the create, not a marker before it
-			once.Do(cancel)
-		}
+	onFirstCreate(t, name, cancel)
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "TryAcquire cancelled during its create", func() (fence.Lease, error) {
+		return a.TryAcquire(tctx, name, 20*time.Second)
 	})
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.TryAcquire(tctx, name, 20*time.Second)
-	p.Latency(0, 0)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("TryAcquire cancelled during its create was granted (token %d)", l.Token())
-	}
 	t.Logf("TryAcquire: %v", err)
 	if !errors.Is(err, fence.ErrUnknown) {
 		t.Errorf("TryAcquire cancelled during its create: %v, want ErrUnknown", err)
@@ -529,25 +509,20 @@ func TestTryAcquireCancelledDuringCreateNotHeld(t *testing.T) {
 func TestLateGrantLoopEndsDuringTokenRead(t *testing.T) {
 	// Not parallel: it watches every STREAM.INFO read of the bucket,
 	// which the other tests' acquirers make too.
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, nil)
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, nil)
 	name := fencetest.Name("natslate-loopinfo")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var reads atomic.Int64
-	observe(t, "$JS.API.STREAM.INFO.KV_"+lockBucket.Bucket, func(*nats.Msg) {
+	observe(t, tokenReadSubject, func(*nats.Msg) {
 		if reads.Add(1) == 2 {
 			cancel()
 		}
 	})
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.Acquire(actx, name, natsfence.MinTTL)
-	p.Latency(0, 0)
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("Acquire with every grant late granted token %d", l.Token())
-	}
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "Acquire with every grant late", func() (fence.Lease, error) {
+		return a.Acquire(actx, name, natsfence.MinTTL)
+	})
 	t.Logf("Acquire: %v (%d token reads)", err, reads.Load())
 	if reads.Load() < 2 {
 		t.Fatalf("Acquire gave up before its second late grant's token read: %v", err)
@@ -568,29 +543,26 @@ func TestLateGrantLoopEndsDuringTokenRead(t *testing.T) {
 func TestAcquireGivesUpAtItsEndUnderPartition(t *testing.T) {
 	// Not parallel: it watches every STREAM.INFO read of the bucket,
 	// which the other tests' acquirers make too.
-	j, p := proxied(t)
+	a, p := proxiedAcquirer(t, nil)
 	ctx := context.Background()
-	a := newAcquirer(t, j, lockBucket, nil)
 	name := fencetest.Name("natslate-partition")
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var cancelledAt atomic.Int64
-	observe(t, "$JS.API.STREAM.INFO.KV_"+lockBucket.Bucket, func(*nats.Msg) {
+	observe(t, tokenReadSubject, func(*nats.Msg) {
 		if cancelledAt.CompareAndSwap(0, time.Now().UnixNano()) {
 			cancel()
 			p.Partition()
 		}
 	})
 	defer p.Heal()
-	p.Latency(300*time.Millisecond, 300*time.Millisecond)
-	l, err := a.Acquire(actx, name, 20*time.Second)
-	returned := time.Now()
-	p.Latency(0, 0)
-	p.Heal()
-	if err == nil {
-		_ = l.Release(ctx)
-		t.Fatalf("Acquire cancelled during its token read was granted (token %d)", l.Token())
-	}
+	var returned time.Time
+	err := notGrantedOnSlowLink(t, p, 300*time.Millisecond, "Acquire cancelled during its token read", func() (fence.Lease, error) {
+		l, err := a.Acquire(actx, name, 20*time.Second)
+		returned = time.Now()
+		p.Heal()
+		return l, err
+	})
 	if cancelledAt.Load() == 0 {
 		t.Fatalf("Acquire returned before its token read: %v", err)
 	}
@@ -600,4 +572,65 @@ func TestAcquireGivesUpAtItsEndUnderPartition(t *testing.T) {
 		t.Errorf("Acquire gave up %v after its context was cancelled (a purge sent without its cancel waited out the request Timeout)", after)
 	}
 	waitFree(t, newAcquirer(t, js(t), lockBucket, nil), name, 5*time.Second)
+}
+
+// TestCreateHeldPastCleanupDoesNotHoldName: a TryAcquire's create is held in a
+// partition from just before it is sent until well after the TryAcquire
+// returned ErrUnknown and its background cleanup gave up (it looks for at
+// most the ttl), and is then delivered. It must not land and hold the name
+// for a fresh ttl with an owner that is gone: a create lands
+// within a bound counted from its send, or never.
+func TestCreateHeldPastCleanupDoesNotHoldName(t *testing.T) {
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 500 * time.Millisecond, RetryFor: time.Second})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	ctx := context.Background()
+	name := fencetest.Name("heldcreate")
+	key := natsfence.EncodeKey(name)
+	var once sync.Once
+	natsfence.SetCreateHook(func(k string) {
+		if k == key {
+			once.Do(p.Partition)
+		}
+	})
+	defer natsfence.SetCreateHook(nil)
+	defer p.Heal()
+	const ttl = 4 * time.Second
+	_, err := a.TryAcquire(ctx, name, ttl)
+	returned := time.Now()
+	if !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("a grant whose create is held in a partition: %v, want ErrUnknown", err)
+	}
+	// The partition's length is the case, not a wait for an event: it
+	// outlasts the cleanup, which gives up a ttl after it began (at the
+	// return), by a generous margin.
+	time.Sleep(time.Until(returned.Add(ttl + 3*time.Second)))
+	p.Heal()
+	// A grant of another name on the same connection: its create's ack
+	// comes after the stream has handled the held create (one connection,
+	// one stream, handled in order).
+	probe, err := a.TryAcquire(ctx, fencetest.Name("heldcreate-probe"), ttl)
+	if err != nil {
+		t.Fatalf("a grant after the heal: %v", err)
+	}
+	_ = probe.Release(ctx)
+	li, err := other.Inspect(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if li.Held {
+		t.Fatalf("the create delivered %v after its TryAcquire returned ErrUnknown holds the name: token %d, owner %q, %v left", time.Since(returned).Round(time.Millisecond), li.Token, li.Owner, li.TimeLeft.Round(time.Millisecond))
+	}
+	l, err := other.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatalf("the name after the held create was delivered: %v, want it free", err)
+	}
+	_ = l.Release(ctx)
+}
+
+// proxiedAcquirer returns an acquirer of lockBucket with opts whose client
+// reaches the server through a new faultnet proxy, and the proxy.
+func proxiedAcquirer(t *testing.T, opts *natsfence.AcquirerOptions) (*natsfence.Acquirer, *faultnet.Proxy) {
+	t.Helper()
+	j, p := proxied(t)
+	return newAcquirer(t, j, lockBucket, opts), p
 }

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -12,6 +14,8 @@ import (
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
+	"github.com/fencekit/fencekit/idempotency"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -130,26 +134,37 @@ func TestWriterUnknownWhenCutOff(t *testing.T) {
 	}
 }
 
+// writerWithAckArmed returns a writer of writerBucket behind a new proxy
+// (Timeout 5s, RetryFor 20s), a writer on a direct client to check it, the
+// proxy, and fencetest.Name(label) written with v5 at token 5; the proxy is
+// then armed to lose the next publish's ack, and before is its count of
+// lost replies at that moment.
+func writerWithAckArmed(t *testing.T, label string) (w, check *natsfence.Writer, p *faultnet.Proxy, key string, before int64) {
+	t.Helper()
+	j, p := proxied(t)
+	bucket(t, j, writerBucket)
+	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check = newWriter(t, js(t), writerBucket)
+	key = fencetest.Name(label)
+	if err := w.Write(context.Background(), key, []byte("v5"), 5); err != nil {
+		t.Fatal(err)
+	}
+	before = p.Stats().LostReplies
+	p.LoseReply(publishTo(writerBucket.Bucket))
+	return w, check, p, key, before
+}
+
 // TestWriterLostAckThenNewerToken: the ack of a write with token 6 is lost,
 // and a write with token 7 lands before the writer looks again. The first
 // write did land, so the writer must not call it stale (which says nothing
 // changed): it returns ErrUnknown, and the key holds 7.
 func TestWriterLostAckThenNewerToken(t *testing.T) {
-	j, p := proxied(t)
-	bucket(t, j, writerBucket)
 	// RetryFor (20s) outlasts the refused reconnections below.
-	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	check := newWriter(t, js(t), writerBucket)
+	w, check, p, key, before := writerWithAckArmed(t, "lostnewer")
 	ctx := context.Background()
-	key := fencetest.Name("lostnewer")
-	if err := w.Write(ctx, key, []byte("v5"), 5); err != nil {
-		t.Fatal(err)
-	}
-	before := p.Stats().LostReplies
-	p.LoseReply(publishTo(writerBucket.Bucket))
 	// The lost ack closes the writer's connection, and its reconnection is
 	// refused until the newer write has landed: the writer cannot look
 	// again before it (on a loaded machine it once reconnected and recognised
@@ -165,7 +180,7 @@ func TestWriterLostAckThenNewerToken(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.Refuse(false)
-	err = <-done
+	err := <-done
 	if !errors.Is(err, fence.ErrUnknown) || errors.Is(err, fence.ErrStale) && !errors.Is(err, fence.ErrUnknown) {
 		t.Fatalf("a landed write with a lost ack, then overwritten by a newer token: %v, want ErrUnknown", err)
 	}
@@ -179,8 +194,7 @@ func TestWriterLostAckThenNewerToken(t *testing.T) {
 // lease, which excludes others, instead of ErrHeld against itself (which would
 // leave the name blocked for the ttl).
 func TestGrantLostAck(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, nil)
+	a, p := proxiedAcquirer(t, nil)
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
@@ -218,8 +232,7 @@ func TestGrantLostAck(t *testing.T) {
 // must clean up its own entry (recognised by its nonce) instead of leaving the
 // name blocked for the whole ttl.
 func TestGrantUnknownDoesNotBlockName(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 300 * time.Millisecond})
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond, RetryFor: 300 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
@@ -249,8 +262,7 @@ func TestGrantUnknownDoesNotBlockName(t *testing.T) {
 // again. The release did land: reporting ErrLost ("it had already expired")
 // is a definite wrong outcome; nil or ErrUnknown are honest.
 func TestReleaseLostAckThenRegranted(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, nil)
+	a, p := proxiedAcquirer(t, nil)
 	other := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	ctx := context.Background()
 	name := fencetest.Name("lostrelease")
@@ -299,22 +311,10 @@ func TestReleaseLostAckThenRegranted(t *testing.T) {
 // later one (a step applied twice, undoing a later write): the key keeps the
 // later value, and the first write reports nil or ErrUnknown.
 func TestWriterLostAckNotReplayed(t *testing.T) {
-	j, p := proxied(t)
-	bucket(t, j, writerBucket)
 	// The retry after the lost ack waits for the 5s attempt timeout, long
 	// after the later write below.
-	w, err := natsfenceWriter(j, 5*time.Second, 20*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	check := newWriter(t, js(t), writerBucket)
+	w, check, p, key, before := writerWithAckArmed(t, "replay")
 	ctx := context.Background()
-	key := fencetest.Name("replay")
-	if err := w.Write(ctx, key, []byte("v5"), 5); err != nil {
-		t.Fatal(err)
-	}
-	before := p.Stats().LostReplies
-	p.LoseReply(publishTo(writerBucket.Bucket))
 	done := make(chan error, 1)
 	go func() { done <- w.Write(ctx, key, []byte("first"), 6) }()
 	waitLost(t, p, before)
@@ -336,8 +336,7 @@ func TestWriterLostAckNotReplayed(t *testing.T) {
 // create's ack is lost (the create landed, the reconnect refused) returns,
 // and once the connection is back the name is free well before the ttl.
 func TestCancelledAcquireDoesNotBlockName(t *testing.T) {
-	j, p := proxied(t)
-	a := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond})
+	a, p := proxiedAcquirer(t, &natsfence.AcquirerOptions{Timeout: 300 * time.Millisecond})
 	other := newAcquirer(t, js(t), lockBucket, nil)
 	ctx := context.Background()
 	warm, err := a.TryAcquire(ctx, fencetest.Name("warm"), 5*time.Second)
@@ -415,5 +414,127 @@ func TestWriterUnknownWriteDoesNotLandLater(t *testing.T) {
 	}
 	if v, _, err := other.Read(ctx, k); err != nil || string(v) != "v1" {
 		t.Fatalf("after the reconnect: %q, %v, want still v1 (a write reported unknown and read as not landed must not land later)", v, err)
+	}
+}
+
+// unavailableAfterStore is a JetStream context whose next publishes that
+// match are sent to the real server and stored there, but answered with
+// the server's 503 reply (the JetStream system temporarily unavailable): the
+// reply a client can get for a proposal that a leader election applies
+// after all.
+type unavailableAfterStore struct {
+	jetstream.JetStream
+	match func(*nats.Msg) bool
+	left  atomic.Int32 // publishes still to answer so
+}
+
+func (u *unavailableAfterStore) PublishMsg(ctx context.Context, m *nats.Msg, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error) {
+	ack, err := u.JetStream.PublishMsg(ctx, m, opts...)
+	if err == nil && u.match(m) && u.left.Add(-1) >= 0 {
+		return nil, fmt.Errorf("nats: %w", &jetstream.APIError{Code: 503, ErrorCode: 10008, Description: "JetStream system temporarily unavailable"})
+	}
+	return ack, err
+}
+
+// isCreate matches a grant's create: an entry with data and no grant
+// revision (a renewal carries one, a marker has no data).
+func isCreate(m *nats.Msg) bool {
+	return len(m.Data) > 0 && m.Header.Get("Fencekit-Grant-Revision") == ""
+}
+
+// isRenewal matches a renewal: an entry carrying its grant's revision.
+func isRenewal(m *nats.Msg) bool {
+	return len(m.Data) > 0 && m.Header.Get("Fencekit-Grant-Revision") != ""
+}
+
+// TestCreateAnsweredUnavailableIsRecognised: a grant's create is stored but
+// answered 503. The acquirer must count that reply as ambiguous, as a lost
+// one: look again, find its own entry and grant the lease. Taken as a
+// definite failure it returned a plain error and left its entry holding the
+// name for the whole ttl, nobody's lease.
+func TestCreateAnsweredUnavailableIsRecognised(t *testing.T) {
+	ctx := context.Background()
+	u := &unavailableAfterStore{JetStream: js(t), match: isCreate}
+	u.left.Store(1)
+	a := newAcquirer(t, u, lockBucket, nil)
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	name := fencetest.Name("create503")
+	const ttl = time.Minute
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if u.left.Load() >= 1 {
+		t.Fatal("no create was answered 503")
+	}
+	if err != nil {
+		t.Fatalf("a grant whose create was stored but answered 503: %v, want the lease (its own entry found on a second look)", err)
+	}
+	if _, err := other.TryAcquire(ctx, name, ttl); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("another acquirer while the lease holds: %v, want ErrHeld", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+	lb, err := other.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatalf("another acquirer after the release: %v, want a grant", err)
+	}
+	_ = lb.Release(ctx)
+}
+
+// TestRenewalAnsweredUnavailableCountsFromItsSend: a renewal is stored but
+// answered 503. Renew must count that reply as ambiguous: look again, find
+// its own entry and return nil, with the local deadline counted from that
+// renewal's send (the server counts the entry's TTL from its landing). Taken
+// as a definite failure it returned a plain error and recorded no unsure
+// send, so a later renewal that found the entry counted its deadline from
+// its own, later send: past the server's expiry, two holders.
+func TestRenewalAnsweredUnavailableCountsFromItsSend(t *testing.T) {
+	ctx := context.Background()
+	u := &unavailableAfterStore{JetStream: js(t), match: isRenewal}
+	a := newAcquirer(t, u, lockBucket, &natsfence.AcquirerOptions{RetryFor: 300 * time.Millisecond})
+	other := newAcquirer(t, js(t), lockBucket, nil)
+	name := fencetest.Name("renew503")
+	const ttl = 10 * time.Second
+	l, err := a.TryAcquire(ctx, name, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(ctx)
+	u.left.Store(1)
+	sent := time.Now()
+	err = l.Renew(ctx)
+	if u.left.Load() >= 1 {
+		t.Fatal("no renewal was answered 503")
+	}
+	if err != nil && !errors.Is(err, fence.ErrUnknown) {
+		t.Fatalf("a renewal stored but answered 503: %v, want nil (its entry found on a second look) or ErrUnknown", err)
+	}
+	if err == nil {
+		if d := l.(interface{ LocalDeadline() time.Time }).LocalDeadline(); d.After(sent.Add(ttl)) {
+			t.Fatalf("local deadline %v after the renewal's send + ttl", d.Sub(sent))
+		}
+	}
+	if err := l.Renew(ctx); err != nil {
+		t.Fatalf("the next renewal: %v", err)
+	}
+	if _, err := other.TryAcquire(ctx, name, ttl); !errors.Is(err, fence.ErrHeld) {
+		t.Fatalf("another acquirer while the lease holds: %v, want ErrHeld", err)
+	}
+}
+
+// TestStoreClaimAnsweredUnavailableIsRecognised: an idempotency claim is
+// stored but answered 503. Begin must count that reply as ambiguous, as the
+// writer does: look again and recognise its claim, not fail with the key
+// left claimed by nobody until the lease runs out.
+func TestStoreClaimAnsweredUnavailableIsRecognised(t *testing.T) {
+	ctx := context.Background()
+	u := &unavailableAfterStore{JetStream: js(t), match: func(*nats.Msg) bool { return true }}
+	s := newStore(t, u, idemBucket(t))
+	u.left.Store(1)
+	rec, claimed, err := s.Begin(ctx, fencetest.Name("claim503"), "fp", "me", time.Minute)
+	if u.left.Load() >= 1 {
+		t.Fatal("no claim was answered 503")
+	}
+	if err != nil || !claimed || rec.State != idempotency.Claimed {
+		t.Fatalf("a claim stored but answered 503: claimed %v, state %v, %v; want its claim recognised", claimed, rec.State, err)
 	}
 }

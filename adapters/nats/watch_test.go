@@ -204,13 +204,7 @@ func TestWatchSlowAnswer(t *testing.T) {
 	direct := js(t)
 	holder := newAcquirer(t, direct, cfg, nil)
 	waiter, _ := slowWaiter(t, s, cfg, &natsfence.AcquirerOptions{Timeout: timeout, Recheck: time.Minute, MaxWait: 2 * time.Minute})
-	waiting := waitingHook(t)
-	name := fencetest.Name("slowwatch")
-	key := natsfence.EncodeKey(name)
-	h, err := holder.TryAcquire(ctx, name, 60*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	name, key, h, waiting := holdForWaiter(t, holder, "slowwatch", 60*time.Second)
 	wctx, cancel := context.WithTimeout(ctx, 40*time.Second)
 	defer cancel()
 	res := goAcquire(wctx, waiter, name, 10*time.Second)
@@ -259,13 +253,7 @@ func TestWatchCancelWhilePending(t *testing.T) {
 	direct := js(t)
 	holder := newAcquirer(t, direct, cfg, nil)
 	waiter, nc := slowWaiter(t, s, cfg, &natsfence.AcquirerOptions{Timeout: timeout, Recheck: time.Minute})
-	waiting := waitingHook(t)
-	name := fencetest.Name("cancelpending")
-	key := natsfence.EncodeKey(name)
-	h, err := holder.TryAcquire(ctx, name, 60*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	name, key, h, waiting := holdForWaiter(t, holder, "cancelpending", 60*time.Second)
 	defer h.Release(ctx)
 	n0, _ := acquirerGoroutines()
 	s0, c0 := nc.NumSubscriptions(), streamConsumers(t, direct, cfg)
@@ -443,10 +431,7 @@ func TestWatchManyWaitersThroughFaults(t *testing.T) {
 // anew on another node and must be granted promptly after the holder's
 // release.
 func TestWatchAcrossLossOfFollowerNode(t *testing.T) {
-	if testing.Short() {
-		t.Skip("3-node clusters")
-	}
-	c := natstest.StartCluster(t, 3)
+	c := cluster3(t)
 	ctx := context.Background()
 	cfg := natsfence.LockBucket("locks-watch-follower")
 	cfg.Replicas = 3
@@ -490,17 +475,8 @@ func TestWatchAcrossLossOfFollowerNode(t *testing.T) {
 	hj := jsOn(t, natstest.Connect(t, urls(holderNode)))
 	wj := jsOn(t, natstest.Connect(t, urls(stop)))
 	holderSide := newAcquirer(t, hj, cfg, nil)
-	waiter, err := natsfence.NewAcquirer(ctx, wj, cfg.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waiting := waitingHook(t)
-	name := fencetest.Name("leader-follower")
-	key := natsfence.EncodeKey(name)
-	h, err := holderSide.TryAcquire(ctx, name, 60*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, wj, cfg, &natsfence.AcquirerOptions{Recheck: time.Minute, MaxWait: 2 * time.Minute})
+	name, key, h, waiting := holdForWaiter(t, holderSide, "leader-follower", 60*time.Second)
 	res := goAcquire(ctx, waiter, name, 10*time.Second)
 	waitKeyA(t, waiting, key, res, "the waiter never waited")
 	t.Logf("meta leader n%d, stream leader n%d; stopping n%d (the waiter's), holder on n%d", m, sl, stop, holderNode)
@@ -534,10 +510,7 @@ func TestLateWatchStopped(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waiter, err := natsfence.NewAcquirer(ctx, j, lockBucket.Bucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waiter := newAcquirer(t, j, lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
 	nc := j.Conn()
 	consumers := func() int {
 		info, err := stream.Info(ctx)
@@ -576,4 +549,42 @@ func TestLateWatchStopped(t *testing.T) {
 		time.Sleep(100 * time.Millisecond) // polling counts
 	}
 	t.Logf("subscriptions %d, consumers %d", s, cs)
+}
+
+// TestWatchRequestFailsThenWaiterWoken: the first watch requests of a
+// waiting Acquire fail (as a consumer refused under load would). Its
+// Recheck is a minute, so only its watch can wake it: the request must be
+// made again, and the holder's release then wakes the waiter at once. (A
+// worker of the MutualExclusion suite case once waited two minutes on a
+// busy lock: a watch request that failed once was never made again.)
+func TestWatchRequestFailsThenWaiterWoken(t *testing.T) {
+	ctx := context.Background()
+	holder := newAcquirer(t, js(t), lockBucket, nil)
+	waiter := newAcquirer(t, js(t), lockBucket, &natsfence.AcquirerOptions{Recheck: time.Minute})
+	// The holder's grant makes no watch request: the hook is for the
+	// waiter's.
+	name, key, h, waiting := holdForWaiter(t, holder, "watchfails", 30*time.Second)
+	var failed atomic.Int32
+	natsfence.SetWatchErrHook(func(k string) error {
+		if k == key && failed.Add(1) <= 3 {
+			return errors.New("test: watch request refused")
+		}
+		return nil
+	})
+	t.Cleanup(func() { natsfence.SetWatchErrHook(nil) })
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	res := goAcquire(wctx, waiter, name, 10*time.Second)
+	waitKeyA(t, waiting, key, res, "the waiter never waited")
+	// The watch is asked again until a request goes through (the fourth).
+	for end := time.Now().Add(10 * time.Second); failed.Load() < 4; {
+		if time.Now().After(end) {
+			t.Fatalf("the watch was asked %d times in 10s: a failed request was not made again", failed.Load())
+		}
+		time.Sleep(2 * time.Millisecond) // polling a counter
+	}
+	if err := h.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	grantedAfterRelease(t, res, h, 10*time.Second, "after its first watch requests failed")
 }
