@@ -21,6 +21,7 @@ import (
 	"github.com/fencekit/fencekit/fence/fencetest/faultnet"
 	"github.com/fencekit/fencekit/idempotency"
 	"github.com/fencekit/fencekit/idempotency/idempotencytest"
+	"github.com/fencekit/fencekit/internal/nemesisrun"
 )
 
 // The nemesis's mutants: bugs that need faults in combination (a pause past
@@ -83,59 +84,21 @@ type netRep struct {
 }
 
 // serveMemStore serves st on a loopback port until t ends and returns its
-// address.
+// address: one JSON request and one JSON reply a line.
 func serveMemStore(t *testing.T, st *memStore) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var (
-		wg    sync.WaitGroup
-		mu    sync.Mutex
-		conns []net.Conn
-	)
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
+	return nemesisrun.ServeLines(t, func(line []byte) []byte {
+		var req netReq
+		rep := netRep{Err: "other", Msg: "malformed request"}
+		if json.Unmarshal(line, &req) == nil {
+			rep = st.answer(req)
 		}
-		mu.Unlock()
-		wg.Wait()
+		b, err := json.Marshal(rep)
+		if err != nil {
+			return []byte(`{"Err":"other","Msg":"unencodable reply"}`)
+		}
+		return b
 	})
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				sc := bufio.NewScanner(c)
-				sc.Buffer(make([]byte, 64<<10), 1<<20)
-				enc := json.NewEncoder(c)
-				for sc.Scan() {
-					var req netReq
-					rep := netRep{Err: "other", Msg: "malformed request"}
-					if json.Unmarshal(sc.Bytes(), &req) == nil {
-						rep = st.answer(req)
-					}
-					if enc.Encode(rep) != nil {
-						return
-					}
-				}
-			}()
-		}
-	}()
-	return ln.Addr().String()
 }
 
 // answer runs one request on s.
