@@ -41,6 +41,9 @@ const NemesisSeedsEnv = nemesisrun.SeedsEnv
 //     three names, write the name's key with the token they hold or with one
 //     they held before (a paused holder), read it, and sometimes stop
 //     renewing for longer than the ttl and then write (a frozen client).
+//     Some waits run fence.Hold instead, whose work writes with its token,
+//     sometimes pauses past the ttl while Hold renews, and sometimes panics
+//     (the lease counts as renewed until Hold returned, and released by it).
 //   - A nemesis, from the same seed, loses the reply of a client's next
 //     request, adds latency with jitter, partitions a client for less and for
 //     more than the ttl, and deletes a name's state (DeleteState). Faults stop
@@ -66,7 +69,9 @@ const NemesisSeedsEnv = nemesisrun.SeedsEnv
 // outcome (a lost reply, an Acquire that gave up) whose give-back may not
 // have landed yet: a third of the ttl and ExpiryLag after its call returned
 // and every partition of its client and not-run window in between had
-// ended. A waiter that left without its leave reaching the backend, or a
+// ended; each bound stretches by the lag the test process showed around it
+// (a timer firing late on a loaded machine). A waiter that left without its
+// leave reaching the backend, or a
 // TryAcquire's cleanup that gave up before the grant request it cleans up
 // after landed, leaves the name held by nobody for a ttl and fails it. So
 // that the name is tried in that stretch, the Direct acquirer tries it (up to
