@@ -69,14 +69,15 @@ const NemesisSeedsEnv = nemesisrun.SeedsEnv
 // outcome (a lost reply, an Acquire that gave up) whose give-back may not
 // have landed yet: a third of the ttl and ExpiryLag after its call returned
 // and every partition of its client and not-run window in between had
-// ended; each bound stretches by the lag the test process showed around it
-// (a timer firing late on a loaded machine). A waiter that left without its
-// leave reaching the backend, or a
-// TryAcquire's cleanup that gave up before the grant request it cleans up
-// after landed, leaves the name held by nobody for a ttl and fails it. So
-// that the name is tried in that stretch, the Direct acquirer tries it (up to
-// three times, releasing a grant at once) within a third of the ttl after
-// each such call's give-back bound has passed.
+// ended (with SplitVotes, also no other TryAcquire refused whose give-back
+// may not have landed yet); each bound stretches by the lag the test process
+// showed around it (a timer firing late on a loaded machine). A waiter that
+// left without its leave reaching the backend, or a TryAcquire's cleanup
+// that gave up before the grant request it cleans up after landed, leaves
+// the name held by nobody for a ttl and fails it. So that the name is tried
+// in that stretch, the Direct acquirer tries it (up to three times,
+// releasing a grant at once) within a third of the ttl after each such
+// call's give-back bound has passed.
 //
 // A failure logs the seed, the fault schedule and the command that replays
 // the seed (NemesisSeedEnv).
@@ -144,6 +145,17 @@ type NemesisSuite struct {
 	// ExpiryLag is how long past a lease's ttl the backend may still hold a
 	// name nobody renewed, as AcquirerSuite.ExpiryLag. Default: 0.
 	ExpiryLag time.Duration
+
+	// SplitVotes is set for a backend that grants a name on a majority of
+	// servers, each of which locks it for the first grant request it runs
+	// (Redlock): contenders that split the servers between them (three on
+	// three nodes, two while a node is down) are all refused, although none
+	// holds the name, and each keeps its minority until its give-back lands.
+	// The stall check then takes a refused TryAcquire as a possible holder
+	// of its name for the other calls, from its call until its give-back
+	// may have landed (as for a grant call of unknown outcome); a refusal
+	// with no other call to account for it still fails. Default: false.
+	SplitVotes bool
 
 	// Clients is how many clients run at once. Default: 4.
 	Clients int
@@ -512,7 +524,7 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		t.Errorf(format, args...)
 	}
 	h.check(t, fail)
-	h.checkStalls(fail, ttl, s.stallBounds())
+	h.checkStalls(fail, ttl, s.stallBounds(), s.SplitVotes)
 	s.checkLive(t, fail, direct, names, ended)
 	if t.Failed() {
 		var b strings.Builder

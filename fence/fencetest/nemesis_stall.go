@@ -137,9 +137,11 @@ func (p *prober) after(op *nemOp) {
 // for and that was not yet released, or past its last renewal that may
 // have landed by a ttl and the expiry margin; and no grant call of unknown
 // outcome (a lost reply, or a wait that gave up) whose give-back may not
-// have landed yet (settledBy). A name held by nobody for a ttl after a
-// waiter left or a TryAcquire's reply was lost fails it: HAZARDS class 6.
-func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b stallBounds) {
+// have landed yet (settledBy); with splitVotes, also no other refused
+// TryAcquire whose give-back may not have landed yet (NemesisSuite.SplitVotes).
+// A name held by nobody for a ttl after a waiter left or a TryAcquire's reply
+// was lost fails it: HAZARDS class 6.
+func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b stallBounds, splitVotes bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	holds := map[string][]holdSpan{}
@@ -152,6 +154,12 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 			continue
 		}
 		if !inDoubt(op) {
+			if splitVotes && op.kind == "TryAcquire" && refusal(op.err) {
+				// A grant on a majority refused: it may have locked a
+				// minority of the servers, which refuses a contender
+				// until its give-back lands (a split vote).
+				holds[op.name] = append(holds[op.name], holdSpan{op.call, h.settledBy(op.client, op.ret, b), op})
+			}
 			continue
 		}
 		// A grant that may have been made for this call: given back by
@@ -165,7 +173,7 @@ func (h *history) checkStalls(fail func(string, ...any), ttl time.Duration, b st
 		}
 		covered := false
 		for _, v := range holds[op.name] {
-			if v.from <= op.ret && v.to >= op.call {
+			if v.op != op && v.from <= op.ret && v.to >= op.call { // a refusal does not account for itself
 				covered = true
 				break
 			}
