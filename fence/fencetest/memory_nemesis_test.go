@@ -89,7 +89,7 @@ func TestNemesisMutantsKilled(t *testing.T) {
 			t.Parallel()
 			child := func(run string) (string, bool, time.Duration) {
 				start := time.Now()
-				cmd := exec.Command(os.Args[0], "-test.run="+run, "-test.count=1", "-test.v", "-test.failfast", "-test.timeout=5m")
+				cmd := exec.Command(os.Args[0], "-test.run="+run, "-test.count=1", "-test.v", "-test.failfast", "-test.timeout=12m")
 				cmd.Env = append(os.Environ(), mutantEnv+"="+m.name)
 				if m.seeds > 0 && strings.HasPrefix(run, "^TestMemoryNemesis") {
 					cmd.Env = append(cmd.Env, fencetest.NemesisSeedsEnv+"="+strconv.Itoa(m.seeds))
