@@ -118,9 +118,7 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 
 	lost := ownLost.Load()
 	var relErr error
-	if lc := l.Context(); lc.Err() == nil || errors.Is(context.Cause(lc), ErrLost) {
-		// Not released by work itself (a lease work released is not
-		// released again: its Release would answer ErrLost).
+	if releasable(l) {
 		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 		relErr = l.Release(rctx)
 		rcancel()
@@ -133,6 +131,15 @@ func Hold(ctx context.Context, a Acquirer, name string, ttl time.Duration, work 
 		lostErr = lostError(l)
 	}
 	return errors.Join(workErr, lostErr, relErr)
+}
+
+// releasable reports whether Hold releases l once work has ended: unless
+// work released it itself (its context ended with a cause other than
+// ErrLost). A lease work released is not released again: the name may be
+// another's by then.
+func releasable(l Lease) bool {
+	lc := l.Context()
+	return lc.Err() == nil || errors.Is(context.Cause(lc), ErrLost)
 }
 
 func lostError(l Lease) error {
@@ -155,9 +162,11 @@ func runWork(ctx context.Context, l Lease, work func(context.Context, Lease) err
 			panic(p)
 		}
 		stopRenewals()
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
-		_ = l.Release(rctx)
-		cancel()
+		if releasable(l) {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+			_ = l.Release(rctx)
+			cancel()
+		}
 		if p != nil {
 			panic(p)
 		}

@@ -70,8 +70,8 @@ const NemesisSeedsEnv = nemesisrun.SeedsEnv
 // have landed yet: a third of the ttl and ExpiryLag after its call returned
 // and every partition of its client and not-run window in between had
 // ended (with SplitVotes, also no other TryAcquire refused whose give-back
-// may not have landed yet); each bound stretches by the lag the test process
-// showed around it (a timer firing late on a loaded machine). A waiter that
+// may not have landed yet); a failure says how late the test process ran
+// around it (a timer firing late on a loaded machine). A waiter that
 // left without its leave reaching the backend, or a TryAcquire's cleanup
 // that gave up before the grant request it cleans up after landed, leaves
 // the name held by nobody for a ttl and fails it. So that the name is tried

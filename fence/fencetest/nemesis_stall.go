@@ -38,17 +38,16 @@ type stallBounds struct {
 }
 
 // heldUntil is when a request that client sent before t may land at the
-// latest (see nemesisrun.Spans.HeldUntil), stretched by the lag around
-// then (nemesisrun.Lags.In).
+// latest (see nemesisrun.Spans.HeldUntil).
 func (h *history) heldUntil(client int, t time.Duration, b stallBounds) time.Duration {
-	return h.lags.Stretch(t, h.spans.HeldUntil(client, t, b.latency), b.latency)
+	return h.spans.HeldUntil(client, t, b.latency)
 }
 
 // settledBy is when a step that client starts at t to give a name back (a
 // waiter's leave, a TryAcquire's cleanup) has landed at the latest (see
-// nemesisrun.Spans.SettledBy), stretched by the lag around then.
+// nemesisrun.Spans.SettledBy).
 func (h *history) settledBy(client int, t time.Duration, b stallBounds) time.Duration {
-	return h.lags.Stretch(t, h.spans.SettledBy(client, t, b.latency, b.settle), b.latency+b.settle)
+	return h.spans.SettledBy(client, t, b.latency, b.settle)
 }
 
 // refusal reports whether err is the backend's answer that the name is held:

@@ -49,14 +49,14 @@ func (s NemesisSuite) stallBounds() stallBounds {
 // heldUntil is when a request that client sent before t may land at the
 // latest (see nemesisrun.Spans.HeldUntil). Called with h.mu held.
 func (h *idemHistory) heldUntil(client int, t time.Duration, b stallBounds) time.Duration {
-	return h.lags.Stretch(t, h.spans.HeldUntil(client, t, b.latency), b.latency)
+	return h.spans.HeldUntil(client, t, b.latency)
 }
 
 // settledBy is when a give-back that client started by t (and sends again
 // until the store answers) has landed at the latest (see
 // nemesisrun.Spans.SettledBy). Called with h.mu held.
 func (h *idemHistory) settledBy(client int, t time.Duration, b stallBounds) time.Duration {
-	return h.lags.Stretch(t, h.spans.SettledBy(client, t, b.latency, b.settle), b.latency+b.settle)
+	return h.spans.SettledBy(client, t, b.latency, b.settle)
 }
 
 // claimTrace is what the store saw of one Do's claims: the owners of the

@@ -10,10 +10,10 @@ type Lag struct{ At, Late time.Duration }
 // concurrent use: the history's lock guards them.
 type Lags []Lag
 
-// In is the largest lag recorded from from to to. On a loaded machine the
-// clients, the proxies and a local backend run late by as much, so a stall
-// check's bound stretches by the lag around the moment it bounds: a request
-// may land that much later than an idle machine would let it.
+// In is the largest lag recorded from from to to. A stall check reports it
+// beside a stall, so that a failure on a loaded machine says how late the
+// process ran. The bounds are not stretched by it: stretched by the largest
+// lag around them, they hid real stalls on a loaded machine.
 func (l Lags) In(from, to time.Duration) time.Duration {
 	var most time.Duration
 	for _, x := range l {
@@ -22,15 +22,6 @@ func (l Lags) In(from, to time.Duration) time.Duration {
 		}
 	}
 	return most
-}
-
-// Stretch is the bound e, set at from, stretched by the largest lag from
-// from to margin past e; Forever stays Forever.
-func (l Lags) Stretch(from, e, margin time.Duration) time.Duration {
-	if e == Forever {
-		return e
-	}
-	return e + l.In(from, e+margin)
 }
 
 // MeterLag starts calling record with the lateness of each 5ms timer that
