@@ -214,10 +214,17 @@ func (l *lateAcquire) send(t *testing.T) int {
 	l.mu.Lock()
 	r := l.held
 	l.mu.Unlock()
+	return sendHeldAcquire(t, l.base, r)
+}
+
+// sendHeldAcquire sends r, an acquire held back, through rt and returns its
+// HTTP status.
+func sendHeldAcquire(t *testing.T, rt http.RoundTripper, r *http.Request) int {
+	t.Helper()
 	if r == nil {
 		t.Fatal("no acquire was held back")
 	}
-	resp, err := l.base.RoundTrip(r)
+	resp, err := rt.RoundTrip(r)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -443,15 +450,7 @@ func (h *lateBlobRT) sendHeld(t *testing.T) int {
 	h.mu.Lock()
 	r := h.held
 	h.mu.Unlock()
-	if r == nil {
-		t.Fatal("no acquire was held back")
-	}
-	resp, err := h.next.RoundTrip(r)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp.Body.Close()
-	return resp.StatusCode
+	return sendHeldAcquire(t, h.next, r)
 }
 
 func lateBlobAcquirer(t *testing.T, e *azenv, h *lateBlobRT, o *azfence.AcquirerOptions) *azfence.Acquirer {
@@ -664,13 +663,27 @@ func TestLateGrantThenOtherTakes(t *testing.T) {
 	bl := waitGrant(t, b, name, 15*time.Second, 10*time.Second, "between late grants")
 	h.slowWrite.Store(0)
 	// The other holds the name: the first Acquire must still wait.
+	l := waitsWhileOtherHolds(t, got, bl, 1500*time.Millisecond)
+	if !(first < bl.Token() && bl.Token() < l.Token()) {
+		t.Errorf("tokens: first %d, the other's %d, the waiter's %d: not growing", first, bl.Token(), l.Token())
+	}
+	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
+}
+
+// waitsWhileOtherHolds checks that the waiting Acquire behind got is neither
+// granted nor gives up for quiet while another acquirer holds bl, then
+// releases bl and checks that the waiter is granted a live lease within 10s,
+// not before the release began. It returns that lease, released at cleanup.
+func waitsWhileOtherHolds(t *testing.T, got <-chan linetest.Acquired, bl fence.Lease, quiet time.Duration) fence.Lease {
+	t.Helper()
+	ctx := context.Background()
 	select {
 	case r := <-got:
 		if r.Err == nil {
 			t.Fatalf("Acquire granted token %d while another acquirer holds token %d", r.Lease.Token(), bl.Token())
 		}
 		t.Fatalf("Acquire gave up while the other holds the name, its ctx live: %v", r.Err)
-	case <-time.After(1500 * time.Millisecond): // observing that nothing comes
+	case <-time.After(quiet): // observing that nothing comes
 	}
 	// The name is free at Azure during the Release call, before its answer
 	// is back: a grant may come back before Release does (seen on
@@ -683,17 +696,14 @@ func TestLateGrantThenOtherTakes(t *testing.T) {
 	if r.Err != nil {
 		t.Fatalf("Acquire after the other's release: %v", r.Err)
 	}
-	defer r.Lease.Release(ctx)
+	t.Cleanup(func() { r.Lease.Release(context.Background()) })
 	if r.At.Before(released) {
 		t.Errorf("Acquire granted before the other's release began")
 	}
 	if err := r.Lease.Context().Err(); err != nil {
 		t.Errorf("Acquire returned a lease whose context is done: %v", context.Cause(r.Lease.Context()))
 	}
-	if !(first < bl.Token() && bl.Token() < r.Lease.Token()) {
-		t.Errorf("tokens: first %d, the other's %d, the waiter's %d: not growing", first, bl.Token(), r.Lease.Token())
-	}
-	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
+	return r.Lease
 }
 
 // TestLateGrantThenOtherHoldsThenGranted: a waiting Acquire on a slow link
@@ -750,34 +760,9 @@ func TestLateGrantThenOtherHoldsThenGranted(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("no late grant given back within 15s")
 	}
-	select {
-	case r := <-got:
-		if r.Err == nil {
-			t.Fatalf("Acquire granted token %d while another acquirer holds token %d", r.Lease.Token(), bl.Token())
-		}
-		t.Fatalf("Acquire gave up while the other holds the name, its ctx live: %v", r.Err)
-	case <-time.After(2 * time.Second): // observing that nothing comes
-	}
-	// The name is free at Azure during the Release call, before its answer
-	// is back: a grant may come back before Release does (seen on
-	// a loaded machine), but not before the call began.
-	released := time.Now()
-	if err := bl.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	r := linetest.Within(t, got, 10*time.Second, "Acquire after the other's release")
-	if r.Err != nil {
-		t.Fatalf("Acquire after the other's release: %v", r.Err)
-	}
-	defer r.Lease.Release(ctx)
-	if r.At.Before(released) {
-		t.Errorf("Acquire granted before the other's release began")
-	}
-	if err := r.Lease.Context().Err(); err != nil {
-		t.Errorf("Acquire returned a lease whose context is done: %v", context.Cause(r.Lease.Context()))
-	}
-	if !(first+1 < bl.Token() && bl.Token() < r.Lease.Token()) {
-		t.Errorf("tokens: first %d, late grant %d, the other's %d, the waiter's %d: not growing", first, first+1, bl.Token(), r.Lease.Token())
+	l := waitsWhileOtherHolds(t, got, bl, 2*time.Second)
+	if !(first+1 < bl.Token() && bl.Token() < l.Token()) {
+		t.Errorf("tokens: first %d, late grant %d, the other's %d, the waiter's %d: not growing", first, first+1, bl.Token(), l.Token())
 	}
 	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
 }
