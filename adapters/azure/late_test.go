@@ -475,6 +475,30 @@ func waitGrant(t *testing.T, b *azfence.Acquirer, name string, ttl, d time.Durat
 	return l
 }
 
+// everyGrantLate makes a fresh name from prefix, granted and released once
+// (its token is first), and an acquirer through a lateBlobRT on it whose
+// Drift (MinAcquirerTTL - 20µs) confirms every grant of a MinAcquirerTTL
+// lease past its local deadline.
+func everyGrantLate(t *testing.T, e *azenv, prefix string) (name string, first fence.Token, h *lateBlobRT, a *azfence.Acquirer) {
+	t.Helper()
+	name = fencetest.Name(prefix)
+	first = grantAndRelease(t, e.c, name)
+	h = newLateBlobRT(name)
+	a = lateBlobAcquirer(t, e, h, &azfence.AcquirerOptions{Drift: azfence.MinAcquirerTTL - 20*time.Microsecond})
+	return name, first, h, a
+}
+
+// skipIfGrantedInTime releases l and skips the test (outside CI) when the
+// Acquire that returned l and err was granted: the 20µs margin was enough
+// on this machine, so the late grant the test is about did not happen.
+func skipIfGrantedInTime(t *testing.T, l fence.Lease, err error) {
+	t.Helper()
+	if err == nil {
+		_ = l.Release(context.Background())
+		testenv.SkipUnlessCI(t, "a grant within 20µs: the margin was enough on this machine, and the late grant this test is about did not happen")
+	}
+}
+
 // TestLateGrantAcquireDoesNotSpin: with Drift = ttl - 20µs every grant is
 // confirmed past its local deadline, even on a fast link (the NATS adapter's
 // TestLateGrantAcquireDoesNotSpin, on Azure). A waiting Acquire treats
@@ -484,19 +508,12 @@ func waitGrant(t *testing.T, b *azfence.Acquirer, name string, ttl, d time.Durat
 func TestLateGrantAcquireDoesNotSpin(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	const ttl = azfence.MinAcquirerTTL
-	name := fencetest.Name("revlate-spin")
-	grantAndRelease(t, e.c, name)
-	h := newLateBlobRT(name)
-	a := lateBlobAcquirer(t, e, h, &azfence.AcquirerOptions{Drift: ttl - 20*time.Microsecond})
+	name, _, h, a := everyGrantLate(t, e, "revlate-spin")
 	ctx := context.Background()
 	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	l, err := a.Acquire(actx, name, ttl)
-	if err == nil {
-		_ = l.Release(ctx)
-		testenv.SkipUnlessCI(t, "a grant within 20µs: the margin was enough on this machine, and the late grant this test is about did not happen")
-	}
+	l, err := a.Acquire(actx, name, azfence.MinAcquirerTTL)
+	skipIfGrantedInTime(t, l, err)
 	n, rel := h.acquires.Load(), h.releasesOK.Load()
 	t.Logf("Acquire: %v; %d Lease Blob acquires and %d confirmed give-backs in its 2s wait", err, n, rel)
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || errors.Is(err, fence.ErrLost) {
@@ -562,20 +579,13 @@ func TestLateGrantGhostAcquireAfterGiveBack(t *testing.T) {
 func TestLateGrantCtxEndsDuringGiveBack(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	const ttl = azfence.MinAcquirerTTL
-	name := fencetest.Name("revlate-ctx")
-	first := grantAndRelease(t, e.c, name)
-	h := newLateBlobRT(name)
+	name, first, h, a := everyGrantLate(t, e, "revlate-ctx")
 	ctx := context.Background()
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	h.onRelease = cancel
-	a := lateBlobAcquirer(t, e, h, &azfence.AcquirerOptions{Drift: ttl - 20*time.Microsecond})
-	l, err := a.Acquire(actx, name, ttl)
-	if err == nil {
-		_ = l.Release(ctx)
-		testenv.SkipUnlessCI(t, "a grant within 20µs: the margin was enough on this machine, and the late grant this test is about did not happen")
-	}
+	l, err := a.Acquire(actx, name, azfence.MinAcquirerTTL)
+	skipIfGrantedInTime(t, l, err)
 	t.Logf("Acquire: %v", err)
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) || errors.Is(err, fence.ErrLost) {
 		t.Errorf("Acquire cancelled during a late grant's give-back: %v, want ErrHeld and context.Canceled, not ErrLost", err)
@@ -600,10 +610,7 @@ func TestLateGrantSeveralWaiters(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	const ttl = azfence.MinAcquirerTTL
-	name := fencetest.Name("revlate-line")
-	grantAndRelease(t, e.c, name)
-	h := newLateBlobRT(name)
-	a := lateBlobAcquirer(t, e, h, &azfence.AcquirerOptions{Drift: ttl - 20*time.Microsecond})
+	name, _, h, a := everyGrantLate(t, e, "revlate-line")
 	ctx := context.Background()
 	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
