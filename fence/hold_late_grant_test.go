@@ -213,6 +213,23 @@ func TestHoldLateGrantCadence(t *testing.T) {
 	}
 }
 
+// holdLateGrantUntilLost holds name on SQLite through a grant answered 400ms
+// late (200ms of a 600ms ttl left) whose renewals answer as mode, until Hold
+// returns; it fails the test (as what) unless Hold returns ErrLost, and
+// returns the Renew calls made.
+func holdLateGrantUntilLost(t *testing.T, mode int, name, what string) int32 {
+	t.Helper()
+	const ttl = 600 * time.Millisecond
+	a := &slowAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond, renewMode: mode}
+	err := fence.Hold(context.Background(), a, name, ttl, func(ctx context.Context, l fence.Lease) error {
+		return awaitCancel(ctx)
+	})
+	if !errors.Is(err, fence.ErrLost) {
+		t.Fatalf("%s = %v, want ErrLost", what, err)
+	}
+	return a.renews.Load()
+}
+
 // TestHoldNoSpinWhenTheDeadlineStaysNear: a late grant whose renewals
 // the backend "confirms" without extending anything (Renew returns nil, the
 // local deadline stays where it was, 200ms off): Hold must not renew in a
@@ -221,16 +238,9 @@ func TestHoldLateGrantCadence(t *testing.T) {
 // the next is due within a third of the time left, but never sooner than
 // ttl/12 (50ms), the pace of a retry after a transient error.
 func TestHoldNoSpinWhenTheDeadlineStaysNear(t *testing.T) {
-	const ttl = 600 * time.Millisecond
-	a := &slowAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond, renewMode: renewFakeOK}
-	err := fence.Hold(context.Background(), a, "stuck", ttl, func(ctx context.Context, l fence.Lease) error {
-		return awaitCancel(ctx)
-	})
-	if !errors.Is(err, fence.ErrLost) {
-		t.Fatalf("Hold of a lease never extended = %v, want ErrLost", err)
-	}
+	n := holdLateGrantUntilLost(t, renewFakeOK, "stuck", "Hold of a lease never extended")
 	// 200ms left: one renewal at once, then at most one every 50ms: 5.
-	if n := a.renews.Load(); n > 5 {
+	if n > 5 {
 		t.Fatalf("%d Renew calls in the 200ms before the local deadline; want at most 5 (one at once, then at most one every ttl/12: no spin)", n)
 	}
 }
@@ -239,16 +249,9 @@ func TestHoldNoSpinWhenTheDeadlineStaysNear(t *testing.T) {
 // fail with a transient error: Hold retries every ttl/12 (50ms), not in a
 // tight loop, until the local deadline ends the lease with ErrLost.
 func TestHoldLateGrantTransientRetryPace(t *testing.T) {
-	const ttl = 600 * time.Millisecond
-	a := &slowAcq{Acquirer: sqliteAcquirer(t), lateBy: 400 * time.Millisecond, renewMode: renewTransient}
-	err := fence.Hold(context.Background(), a, "flaky", ttl, func(ctx context.Context, l fence.Lease) error {
-		return awaitCancel(ctx)
-	})
-	if !errors.Is(err, fence.ErrLost) {
-		t.Fatalf("Hold whose renewals all fail = %v, want ErrLost", err)
-	}
+	n := holdLateGrantUntilLost(t, renewTransient, "flaky", "Hold whose renewals all fail")
 	// At once, then every 50ms for about 200ms: about 5.
-	if n := a.renews.Load(); n < 1 || n > 8 {
+	if n < 1 || n > 8 {
 		t.Fatalf("%d Renew calls in the 200ms before the local deadline; want 1..8 (a retry every 50ms, no spin)", n)
 	}
 }

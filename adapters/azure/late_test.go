@@ -214,10 +214,17 @@ func (l *lateAcquire) send(t *testing.T) int {
 	l.mu.Lock()
 	r := l.held
 	l.mu.Unlock()
+	return sendHeldAcquire(t, l.base, r)
+}
+
+// sendHeldAcquire sends r, an acquire held back, through rt and returns its
+// HTTP status.
+func sendHeldAcquire(t *testing.T, rt http.RoundTripper, r *http.Request) int {
+	t.Helper()
 	if r == nil {
 		t.Fatal("no acquire was held back")
 	}
-	resp, err := l.base.RoundTrip(r)
+	resp, err := rt.RoundTrip(r)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -443,15 +450,7 @@ func (h *lateBlobRT) sendHeld(t *testing.T) int {
 	h.mu.Lock()
 	r := h.held
 	h.mu.Unlock()
-	if r == nil {
-		t.Fatal("no acquire was held back")
-	}
-	resp, err := h.next.RoundTrip(r)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp.Body.Close()
-	return resp.StatusCode
+	return sendHeldAcquire(t, h.next, r)
 }
 
 func lateBlobAcquirer(t *testing.T, e *azenv, h *lateBlobRT, o *azfence.AcquirerOptions) *azfence.Acquirer {
@@ -476,6 +475,30 @@ func waitGrant(t *testing.T, b *azfence.Acquirer, name string, ttl, d time.Durat
 	return l
 }
 
+// everyGrantLate makes a fresh name from prefix, granted and released once
+// (its token is first), and an acquirer through a lateBlobRT on it whose
+// Drift (MinAcquirerTTL - 20µs) confirms every grant of a MinAcquirerTTL
+// lease past its local deadline.
+func everyGrantLate(t *testing.T, e *azenv, prefix string) (name string, first fence.Token, h *lateBlobRT, a *azfence.Acquirer) {
+	t.Helper()
+	name = fencetest.Name(prefix)
+	first = grantAndRelease(t, e.c, name)
+	h = newLateBlobRT(name)
+	a = lateBlobAcquirer(t, e, h, &azfence.AcquirerOptions{Drift: azfence.MinAcquirerTTL - 20*time.Microsecond})
+	return name, first, h, a
+}
+
+// skipIfGrantedInTime releases l and skips the test (outside CI) when the
+// Acquire that returned l and err was granted: the 20µs margin was enough
+// on this machine, so the late grant the test is about did not happen.
+func skipIfGrantedInTime(t *testing.T, l fence.Lease, err error) {
+	t.Helper()
+	if err == nil {
+		_ = l.Release(context.Background())
+		testenv.SkipUnlessCI(t, "a grant within 20µs: the margin was enough on this machine, and the late grant this test is about did not happen")
+	}
+}
+
 // TestLateGrantAcquireDoesNotSpin: with Drift = ttl - 20µs every grant is
 // confirmed past its local deadline, even on a fast link (the NATS adapter's
 // TestLateGrantAcquireDoesNotSpin, on Azure). A waiting Acquire treats
@@ -485,19 +508,12 @@ func waitGrant(t *testing.T, b *azfence.Acquirer, name string, ttl, d time.Durat
 func TestLateGrantAcquireDoesNotSpin(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	const ttl = azfence.MinAcquirerTTL
-	name := fencetest.Name("revlate-spin")
-	grantAndRelease(t, e.c, name)
-	h := newLateBlobRT(name)
-	a := lateBlobAcquirer(t, e, h, &azfence.AcquirerOptions{Drift: ttl - 20*time.Microsecond})
+	name, _, h, a := everyGrantLate(t, e, "revlate-spin")
 	ctx := context.Background()
 	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	l, err := a.Acquire(actx, name, ttl)
-	if err == nil {
-		_ = l.Release(ctx)
-		testenv.SkipUnlessCI(t, "a grant within 20µs: the margin was enough on this machine, and the late grant this test is about did not happen")
-	}
+	l, err := a.Acquire(actx, name, azfence.MinAcquirerTTL)
+	skipIfGrantedInTime(t, l, err)
 	n, rel := h.acquires.Load(), h.releasesOK.Load()
 	t.Logf("Acquire: %v; %d Lease Blob acquires and %d confirmed give-backs in its 2s wait", err, n, rel)
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.DeadlineExceeded) || errors.Is(err, fence.ErrLost) {
@@ -563,20 +579,13 @@ func TestLateGrantGhostAcquireAfterGiveBack(t *testing.T) {
 func TestLateGrantCtxEndsDuringGiveBack(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	const ttl = azfence.MinAcquirerTTL
-	name := fencetest.Name("revlate-ctx")
-	first := grantAndRelease(t, e.c, name)
-	h := newLateBlobRT(name)
+	name, first, h, a := everyGrantLate(t, e, "revlate-ctx")
 	ctx := context.Background()
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	h.onRelease = cancel
-	a := lateBlobAcquirer(t, e, h, &azfence.AcquirerOptions{Drift: ttl - 20*time.Microsecond})
-	l, err := a.Acquire(actx, name, ttl)
-	if err == nil {
-		_ = l.Release(ctx)
-		testenv.SkipUnlessCI(t, "a grant within 20µs: the margin was enough on this machine, and the late grant this test is about did not happen")
-	}
+	l, err := a.Acquire(actx, name, azfence.MinAcquirerTTL)
+	skipIfGrantedInTime(t, l, err)
 	t.Logf("Acquire: %v", err)
 	if !errors.Is(err, fence.ErrHeld) || !errors.Is(err, context.Canceled) || errors.Is(err, fence.ErrLost) {
 		t.Errorf("Acquire cancelled during a late grant's give-back: %v, want ErrHeld and context.Canceled, not ErrLost", err)
@@ -601,10 +610,7 @@ func TestLateGrantSeveralWaiters(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	const ttl = azfence.MinAcquirerTTL
-	name := fencetest.Name("revlate-line")
-	grantAndRelease(t, e.c, name)
-	h := newLateBlobRT(name)
-	a := lateBlobAcquirer(t, e, h, &azfence.AcquirerOptions{Drift: ttl - 20*time.Microsecond})
+	name, _, h, a := everyGrantLate(t, e, "revlate-line")
 	ctx := context.Background()
 	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
@@ -664,13 +670,27 @@ func TestLateGrantThenOtherTakes(t *testing.T) {
 	bl := waitGrant(t, b, name, 15*time.Second, 10*time.Second, "between late grants")
 	h.slowWrite.Store(0)
 	// The other holds the name: the first Acquire must still wait.
+	l := waitsWhileOtherHolds(t, got, bl, 1500*time.Millisecond)
+	if !(first < bl.Token() && bl.Token() < l.Token()) {
+		t.Errorf("tokens: first %d, the other's %d, the waiter's %d: not growing", first, bl.Token(), l.Token())
+	}
+	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
+}
+
+// waitsWhileOtherHolds checks that the waiting Acquire behind got is neither
+// granted nor gives up for quiet while another acquirer holds bl, then
+// releases bl and checks that the waiter is granted a live lease within 10s,
+// not before the release began. It returns that lease, released at cleanup.
+func waitsWhileOtherHolds(t *testing.T, got <-chan linetest.Acquired, bl fence.Lease, quiet time.Duration) fence.Lease {
+	t.Helper()
+	ctx := context.Background()
 	select {
 	case r := <-got:
 		if r.Err == nil {
 			t.Fatalf("Acquire granted token %d while another acquirer holds token %d", r.Lease.Token(), bl.Token())
 		}
 		t.Fatalf("Acquire gave up while the other holds the name, its ctx live: %v", r.Err)
-	case <-time.After(1500 * time.Millisecond): // observing that nothing comes
+	case <-time.After(quiet): // observing that nothing comes
 	}
 	// The name is free at Azure during the Release call, before its answer
 	// is back: a grant may come back before Release does (seen on
@@ -683,17 +703,14 @@ func TestLateGrantThenOtherTakes(t *testing.T) {
 	if r.Err != nil {
 		t.Fatalf("Acquire after the other's release: %v", r.Err)
 	}
-	defer r.Lease.Release(ctx)
+	t.Cleanup(func() { r.Lease.Release(context.Background()) })
 	if r.At.Before(released) {
 		t.Errorf("Acquire granted before the other's release began")
 	}
 	if err := r.Lease.Context().Err(); err != nil {
 		t.Errorf("Acquire returned a lease whose context is done: %v", context.Cause(r.Lease.Context()))
 	}
-	if !(first < bl.Token() && bl.Token() < r.Lease.Token()) {
-		t.Errorf("tokens: first %d, the other's %d, the waiter's %d: not growing", first, bl.Token(), r.Lease.Token())
-	}
-	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
+	return r.Lease
 }
 
 // TestLateGrantThenOtherHoldsThenGranted: a waiting Acquire on a slow link
@@ -750,34 +767,9 @@ func TestLateGrantThenOtherHoldsThenGranted(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("no late grant given back within 15s")
 	}
-	select {
-	case r := <-got:
-		if r.Err == nil {
-			t.Fatalf("Acquire granted token %d while another acquirer holds token %d", r.Lease.Token(), bl.Token())
-		}
-		t.Fatalf("Acquire gave up while the other holds the name, its ctx live: %v", r.Err)
-	case <-time.After(2 * time.Second): // observing that nothing comes
-	}
-	// The name is free at Azure during the Release call, before its answer
-	// is back: a grant may come back before Release does (seen on
-	// a loaded machine), but not before the call began.
-	released := time.Now()
-	if err := bl.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	r := linetest.Within(t, got, 10*time.Second, "Acquire after the other's release")
-	if r.Err != nil {
-		t.Fatalf("Acquire after the other's release: %v", r.Err)
-	}
-	defer r.Lease.Release(ctx)
-	if r.At.Before(released) {
-		t.Errorf("Acquire granted before the other's release began")
-	}
-	if err := r.Lease.Context().Err(); err != nil {
-		t.Errorf("Acquire returned a lease whose context is done: %v", context.Cause(r.Lease.Context()))
-	}
-	if !(first+1 < bl.Token() && bl.Token() < r.Lease.Token()) {
-		t.Errorf("tokens: first %d, late grant %d, the other's %d, the waiter's %d: not growing", first, first+1, bl.Token(), r.Lease.Token())
+	l := waitsWhileOtherHolds(t, got, bl, 2*time.Second)
+	if !(first+1 < bl.Token() && bl.Token() < l.Token()) {
+		t.Errorf("tokens: first %d, late grant %d, the other's %d, the waiter's %d: not growing", first, first+1, bl.Token(), l.Token())
 	}
 	expectHeldBy(t, newAcquirer(t, e.other(t)), name)
 }

@@ -26,16 +26,10 @@ func lineLen(a fence.Acquirer, name string) int { return azfence.LineLen(a.(*azf
 // acquirerOf returns the factory of acquirers on c (the zero options:
 // newAcquirer's).
 func acquirerOf(c *container.Client) linetest.NewAcquirer {
-	return func(t *testing.T, o linetest.Options) fence.Acquirer {
-		if o == (linetest.Options{}) {
-			return newAcquirer(t, c)
-		}
-		a, err := azfence.NewAcquirer(c, &azfence.AcquirerOptions{MaxAttempts: o.MaxAttempts, Backoff: o.Backoff})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return a
-	}
+	return linetest.Factory(func(t *testing.T) *azfence.Acquirer { return newAcquirer(t, c) },
+		func(o linetest.Options) (*azfence.Acquirer, error) {
+			return azfence.NewAcquirer(c, &azfence.AcquirerOptions{MaxAttempts: o.MaxAttempts, Backoff: o.Backoff})
+		})
 }
 
 // releases is a transport that acts on the lease releases of one blob:

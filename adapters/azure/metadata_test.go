@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/Azure/azure-sdk-for-go/sdk/storage/azblob/blob"
 	azfence "github.com/fencekit/fencekit/adapters/azure"
 	"github.com/fencekit/fencekit/fence"
 	"github.com/fencekit/fencekit/fence/fencetest"
@@ -56,27 +57,14 @@ func TestWriteFenceSurvivesLoweredMetadata(t *testing.T) {
 // token above the first.
 func TestLockSurvivesRemovedMetadata(t *testing.T) {
 	e := newEnv(t)
-	a := newAcquirer(t, e.c)
-	ctx := context.Background()
-	name := fencetest.Name("meta")
-	l, err := a.TryAcquire(ctx, name, 15*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Release(ctx); err != nil {
-		t.Fatal(err)
-	}
-	note := "by hand"
-	if _, err := e.c.NewBlobClient("fencekit-locks/"+name).SetMetadata(ctx, map[string]*string{"note": &note}, nil); err != nil {
-		t.Fatal(err)
-	}
-	l2, err := a.TryAcquire(ctx, name, 15*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l2.Release(ctx)
-	if l2.Token() <= l.Token() {
-		t.Errorf("grant after the lock blob's metadata was replaced: token %d, want above %d", l2.Token(), l.Token())
+	first, next := grantsAroundLockEdit(t, e, func(ctx context.Context, bc *blob.Client) {
+		note := "by hand"
+		if _, err := bc.SetMetadata(ctx, map[string]*string{"note": &note}, nil); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if next <= first {
+		t.Errorf("grant after the lock blob's metadata was replaced: token %d, want above %d", next, first)
 	}
 }
 
@@ -86,6 +74,32 @@ func TestLockSurvivesRemovedMetadata(t *testing.T) {
 // grant must not beat the new holder at a fenced writer.
 func TestLockSurvivesLoweredMetadata(t *testing.T) {
 	e := newEnv(t)
+	first, next := grantsAroundLockEdit(t, e, func(ctx context.Context, bc *blob.Client) {
+		p, err := bc.GetProperties(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		md := map[string]*string{}
+		for k, v := range p.Metadata {
+			if !strings.EqualFold(k, azfence.MetaToken) {
+				md[k] = v
+			}
+		}
+		one := "1"
+		md[azfence.MetaToken] = &one
+		if _, err := bc.SetMetadata(ctx, md, nil); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if next <= first {
+		t.Errorf("grant after the lock blob's token metadata was set to 1: token %d, want above the earlier grant's %d", next, first)
+	}
+}
+
+// grantsAroundLockEdit grants and releases a fresh name, runs edit on its
+// lock blob (as another tool would), grants it again and returns both tokens.
+func grantsAroundLockEdit(t *testing.T, e *azenv, edit func(ctx context.Context, bc *blob.Client)) (first, next fence.Token) {
+	t.Helper()
 	a := newAcquirer(t, e.c)
 	ctx := context.Background()
 	name := fencetest.Name("meta")
@@ -96,30 +110,13 @@ func TestLockSurvivesLoweredMetadata(t *testing.T) {
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	bc := e.c.NewBlobClient("fencekit-locks/" + name)
-	p, err := bc.GetProperties(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	md := map[string]*string{}
-	for k, v := range p.Metadata {
-		if !strings.EqualFold(k, azfence.MetaToken) {
-			md[k] = v
-		}
-	}
-	one := "1"
-	md[azfence.MetaToken] = &one
-	if _, err := bc.SetMetadata(ctx, md, nil); err != nil {
-		t.Fatal(err)
-	}
+	edit(ctx, e.c.NewBlobClient("fencekit-locks/"+name))
 	l2, err := a.TryAcquire(ctx, name, 15*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l2.Release(ctx)
-	if l2.Token() <= l.Token() {
-		t.Errorf("grant after the lock blob's token metadata was set to 1: token %d, want above the earlier grant's %d", l2.Token(), l.Token())
-	}
+	t.Cleanup(func() { l2.Release(context.Background()) })
+	return l.Token(), l2.Token()
 }
 
 // TestTombstoneDeletedByHand: what Delete's doc says about a

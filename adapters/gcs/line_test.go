@@ -32,16 +32,10 @@ func lineLen(a fence.Acquirer, name string) int {
 // acquirerOf returns the factory of acquirers on e's bucket (the zero
 // options: newAcquirer's).
 func acquirerOf(e *gcsEnv) linetest.NewAcquirer {
-	return func(t *testing.T, o linetest.Options) fence.Acquirer {
-		if o == (linetest.Options{}) {
-			return newAcquirer(t, e)
-		}
-		a, err := gcsfence.NewAcquirer(e.b(), &gcsfence.AcquirerOptions{MaxAttempts: o.MaxAttempts, Backoff: o.Backoff})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return a
-	}
+	return linetest.Factory(func(t *testing.T) *gcsfence.Acquirer { return newAcquirer(t, e) },
+		func(o linetest.Options) (*gcsfence.Acquirer, error) {
+			return gcsfence.NewAcquirer(e.b(), &gcsfence.AcquirerOptions{MaxAttempts: o.MaxAttempts, Backoff: o.Backoff})
+		})
 }
 
 // lockUploads sits in front of the fake and acts on the uploads whose body

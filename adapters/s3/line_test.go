@@ -28,16 +28,10 @@ func lineLen(a fence.Acquirer, name string) int { return s3fence.LineLen(a.(*s3f
 // acquirerOf returns the factory of acquirers on client c of e's bucket
 // (the zero options: newAcquirer's).
 func acquirerOf(e *s3env, c *s3.Client) linetest.NewAcquirer {
-	return func(t *testing.T, o linetest.Options) fence.Acquirer {
-		if o == (linetest.Options{}) {
-			return newAcquirer(t, &s3env{c: c, bucket: e.bucket})
-		}
-		a, err := s3fence.NewAcquirer(c, e.bucket, &s3fence.AcquirerOptions{MaxAttempts: o.MaxAttempts, Backoff: o.Backoff})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return a
-	}
+	return linetest.Factory(func(t *testing.T) *s3fence.Acquirer { return newAcquirer(t, &s3env{c: c, bucket: e.bucket}) },
+		func(o linetest.Options) (*s3fence.Acquirer, error) {
+			return s3fence.NewAcquirer(c, e.bucket, &s3fence.AcquirerOptions{MaxAttempts: o.MaxAttempts, Backoff: o.Backoff})
+		})
 }
 
 // heldPut is a linetest hook on e's fault injector: the PUTs named by plan

@@ -159,6 +159,34 @@ func TestTornHeadEveryTimeIsContention(t *testing.T) {
 	t.Fatalf("the write gave up because the object kept changing, but the error matches no documented class (want s3fence.ErrContention): %v", werr)
 }
 
+// tearingWriter returns a writer through a tearingAPI on e that tears tearing
+// HEADs (see tearingAPI), in whose gap good writes token 10 ("v10") to "k".
+func tearingWriter(t *testing.T, e *s3env, good *s3fence.Writer, tearing int, o *s3fence.WriterOptions) (*s3fence.Writer, *tearingAPI) {
+	t.Helper()
+	api := &tearingAPI{API: e.c, tearing: tearing}
+	api.between = func() {
+		if err := good.Write(context.Background(), "k", []byte("v10"), 10); err != nil {
+			t.Error(err)
+		}
+	}
+	w, err := s3fence.NewWriter(api, e.bucket, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w, api
+}
+
+// readAfterTears reads "k" through good, after checking that api tore
+// exactly one HEAD.
+func readAfterTears(t *testing.T, api *tearingAPI, good *s3fence.Writer) ([]byte, fence.Token, error) {
+	t.Helper()
+	v, tok, rerr := good.Read(context.Background(), "k")
+	if api.torn != 1 {
+		t.Fatalf("torn %d HEADs, want 1", api.torn)
+	}
+	return v, tok, rerr
+}
+
 // TestTornHeadReuseETagAfter412: a ReuseETag writer's cached ETag gets a
 // 412; the HEAD that follows is torn (an old token 4 beside the ETag of
 // token 10). Token 5 must not replace token 10.
@@ -166,16 +194,7 @@ func TestTornHeadReuseETagAfter412(t *testing.T) {
 	e := fakeS3(t)
 	ctx := context.Background()
 	good := newWriter(t, e, nil)
-	api := &tearingAPI{API: e.c}
-	api.between = func() {
-		if err := good.Write(ctx, "k", []byte("v10"), 10); err != nil {
-			t.Error(err)
-		}
-	}
-	w, err := s3fence.NewWriter(api, e.bucket, &s3fence.WriterOptions{ReuseETag: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w, api := tearingWriter(t, e, good, 0, &s3fence.WriterOptions{ReuseETag: true})
 	if err := w.Write(ctx, "k", []byte("v3"), 3); err != nil {
 		t.Fatal(err)
 	}
@@ -184,10 +203,7 @@ func TestTornHeadReuseETagAfter412(t *testing.T) {
 	}
 	api.tearing = 1
 	werr := w.Write(ctx, "k", []byte("v5"), 5)
-	v, tok, rerr := good.Read(ctx, "k")
-	if api.torn != 1 {
-		t.Fatalf("torn %d HEADs, want 1", api.torn)
-	}
+	v, tok, rerr := readAfterTears(t, api, good)
 	if !errors.Is(werr, fence.ErrStale) || tok != 10 || string(v) != "v10" || rerr != nil {
 		t.Fatalf("Write(token 5) after a 412 and a torn HEAD: %v; object holds %q token %d (%v)", werr, v, tok, rerr)
 	}
@@ -205,16 +221,7 @@ func TestTornHeadAfterAmbiguousPut(t *testing.T) {
 	if err := good.Write(ctx, "k", []byte("v1"), 1); err != nil {
 		t.Fatal(err)
 	}
-	api := &tearingAPI{API: e.c}
-	api.between = func() {
-		if err := good.Write(ctx, "k", []byte("v10"), 10); err != nil {
-			t.Error(err)
-		}
-	}
-	w, err := s3fence.NewWriter(api, e.bucket, &s3fence.WriterOptions{ReuseETag: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w, api := tearingWriter(t, e, good, 0, &s3fence.WriterOptions{ReuseETag: true})
 	api.lostPuts, api.tearAfterLost = 1, 1
 	werr := w.Write(ctx, "k", []byte("v5"), 5)
 	t.Logf("Write(token 5), reply lost, torn HEAD: %v", werr)
@@ -222,10 +229,7 @@ func TestTornHeadAfterAmbiguousPut(t *testing.T) {
 		t.Fatalf("a write that landed reported as %v, want nil or ErrUnknown", werr)
 	}
 	werr6 := w.Write(ctx, "k", []byte("v6"), 6)
-	v, tok, rerr := good.Read(ctx, "k")
-	if api.torn != 1 {
-		t.Fatalf("torn %d HEADs, want 1", api.torn)
-	}
+	v, tok, rerr := readAfterTears(t, api, good)
 	if werr6 == nil || tok != 10 || string(v) != "v10" || rerr != nil {
 		t.Fatalf("Write(token 6) after token 10: %v; object holds %q token %d (%v)", werr6, v, tok, rerr)
 	}
@@ -240,21 +244,9 @@ func TestTornHeadBeforeDelete(t *testing.T) {
 	if err := good.Write(ctx, "k", []byte("v3"), 3); err != nil {
 		t.Fatal(err)
 	}
-	api := &tearingAPI{API: e.c, tearing: 1}
-	api.between = func() {
-		if err := good.Write(ctx, "k", []byte("v10"), 10); err != nil {
-			t.Error(err)
-		}
-	}
-	w, err := s3fence.NewWriter(api, e.bucket, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	w, api := tearingWriter(t, e, good, 1, nil)
 	derr := w.Delete(ctx, "k", 5)
-	v, tok, rerr := good.Read(ctx, "k")
-	if api.torn != 1 {
-		t.Fatalf("torn %d HEADs, want 1", api.torn)
-	}
+	v, tok, rerr := readAfterTears(t, api, good)
 	if !errors.Is(derr, fence.ErrStale) || tok != 10 || string(v) != "v10" || rerr != nil {
 		t.Fatalf("Delete(token 5) after a torn HEAD: %v; object holds %q token %d (%v)", derr, v, tok, rerr)
 	}
@@ -271,7 +263,7 @@ func TestTornHeadSameTokenRewriteThenStale(t *testing.T) {
 	if err := good.Write(ctx, "k", []byte("same"), 7); err != nil {
 		t.Fatal(err)
 	}
-	api := &tearingAPI{API: e.c, tearing: 1}
+	w, api := tearingWriter(t, e, good, 1, nil)
 	api.between = func() {
 		// Same value and token, new write id; then a tombstone of token 9.
 		if err := good.Write(ctx, "k", []byte("same"), 7); err != nil {
@@ -281,15 +273,8 @@ func TestTornHeadSameTokenRewriteThenStale(t *testing.T) {
 			t.Error(err)
 		}
 	}
-	w, err := s3fence.NewWriter(api, e.bucket, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
 	werr := w.Write(ctx, "k", []byte("late"), 8)
-	_, _, rerr := good.Read(ctx, "k")
-	if api.torn != 1 {
-		t.Fatalf("torn %d HEADs, want 1", api.torn)
-	}
+	_, _, rerr := readAfterTears(t, api, good)
 	if !errors.Is(werr, fence.ErrStale) || !errors.Is(rerr, fence.ErrNotFound) {
 		t.Fatalf("Write(token 8) after a tombstone of token 9 (torn HEAD): %v; Read: %v", werr, rerr)
 	}

@@ -167,7 +167,10 @@ func sqlTables(t *testing.T, fdb *sqlfence.DB) *sqlfence.Acquirer {
 	return a
 }
 
-func TestOperatorSQLite(t *testing.T) {
+// sqliteLocks opens a SQLite file in a temporary directory, makes the lease
+// and fence tables in it, and returns its path and an acquirer on it.
+func sqliteLocks(t *testing.T) (string, *sqlfence.Acquirer) {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "locks.db")
 	db, err := sqlfence.OpenSQLite(path)
 	if err != nil {
@@ -175,6 +178,36 @@ func TestOperatorSQLite(t *testing.T) {
 	}
 	t.Cleanup(func() { db.Close() })
 	a := sqlTables(t, sqlfence.SQLite(db))
+	return path, a
+}
+
+// holdJob grants the lock "job" through a for 10s, released when the test
+// ends.
+func holdJob(t *testing.T, a fence.Acquirer) fence.Lease {
+	t.Helper()
+	l, err := a.TryAcquire(context.Background(), "job", 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Release(context.Background()) })
+	return l
+}
+
+// grantOnce grants name through a and releases it, so that its counter
+// exists.
+func grantOnce(t *testing.T, a fence.Acquirer, name string) {
+	t.Helper()
+	l, err := a.TryAcquire(context.Background(), name, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestOperatorSQLite(t *testing.T) {
+	path, a := sqliteLocks(t)
 	checkBump(t, []string{"-db", path}, "job", inspectCounter(t, a, "job"))
 	// A database without the lease table is an error naming it; nothing is created.
 	empty := filepath.Join(t.TempDir(), "empty.db")
@@ -278,7 +311,11 @@ func TestOperatorEtcdUnreachable(t *testing.T) {
 	}
 }
 
-func TestOperatorS3(t *testing.T) {
+// heldS3Lock starts a gofakes3 server with a bucket "locks", sets the AWS
+// credentials the fence command reads, and holds the lock "job" there until
+// the test ends.
+func heldS3Lock(t *testing.T) (*httptest.Server, fence.Lease) {
+	t.Helper()
 	srv := httptest.NewServer(gofakes3.New(s3mem.New()).Server())
 	t.Cleanup(srv.Close)
 	t.Setenv("AWS_ACCESS_KEY_ID", "operator")
@@ -293,11 +330,12 @@ func TestOperatorS3(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := a.TryAcquire(ctx, "job", 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Release(context.Background()) })
+	l := holdJob(t, a)
+	return srv, l
+}
+
+func TestOperatorS3(t *testing.T) {
+	srv, l := heldS3Lock(t)
 	flags := []string{"-backend", "s3", "-s3-endpoint", srv.URL, "-s3-bucket", "locks"}
 	code, out := fenceCmd(append(append([]string{"inspect"}, flags...), "job")...)
 	if want := fmt.Sprintf("held:      yes, token %d", l.Token()); code != 0 || !strings.Contains(out, want) || !strings.Contains(out, srv.URL) {
@@ -364,25 +402,7 @@ func TestOperatorLeavesSQLiteFileAlone(t *testing.T) {
 // the AWS environment names (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, as
 // the AWS CLI and SDKs read them) is the one inspected, not AWS.
 func TestOperatorS3EndpointFromEnvironment(t *testing.T) {
-	srv := httptest.NewServer(gofakes3.New(s3mem.New()).Server())
-	t.Cleanup(srv.Close)
-	t.Setenv("AWS_ACCESS_KEY_ID", "operator")
-	t.Setenv("AWS_SECRET_ACCESS_KEY", "operator-secret")
-	c := s3.New(s3.Options{Region: "us-east-1", BaseEndpoint: aws.String(srv.URL), UsePathStyle: true,
-		Credentials: credentials.NewStaticCredentialsProvider("operator", "operator-secret", "")})
-	ctx := context.Background()
-	if _, err := c.CreateBucket(ctx, &s3.CreateBucketInput{Bucket: aws.String("locks")}); err != nil {
-		t.Fatal(err)
-	}
-	a, err := s3fence.NewAcquirer(c, "locks", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := a.TryAcquire(ctx, "job", 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Release(context.Background()) })
+	srv, l := heldS3Lock(t)
 	for _, env := range []string{"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"} {
 		t.Run(env, func(t *testing.T) {
 			t.Setenv("AWS_ENDPOINT_URL_S3", "")
@@ -465,11 +485,7 @@ func TestOperatorGCS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := a.TryAcquire(ctx, "job", 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Release(context.Background()) })
+	l := holdJob(t, a)
 	flags := []string{"-backend", "gcs", "-gcs-endpoint", srv.URL() + "/storage/v1/", "-gcs-bucket", "locks"}
 	code, out := fenceCmd(append(append([]string{"inspect"}, flags...), "job")...)
 	if want := fmt.Sprintf("held:      yes, token %d", l.Token()); code != 0 || !strings.Contains(out, want) {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"flag"
 	"io"
 	"os"
@@ -11,7 +10,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	sqlfence "github.com/fencekit/fencekit/adapters/sql"
 )
@@ -43,20 +41,8 @@ func checkUsageError(t *testing.T, args []string, want string) {
 // argument, an unknown backend, and a lock name or key the backend refuses are
 // bad usage: exit status 2, and one line that names the command once.
 func TestBadUsageExitsTwoWithOnePrefix(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "locks.db")
-	db, err := sqlfence.OpenSQLite(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	a := sqlTables(t, sqlfence.SQLite(db))
-	l, err := a.TryAcquire(context.Background(), "job", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Release(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	path, a := sqliteLocks(t)
+	grantOnce(t, a, "job")
 	for _, c := range []struct {
 		args []string
 		want string
@@ -83,20 +69,8 @@ func TestBadUsageExitsTwoWithOnePrefix(t *testing.T) {
 // TestRefusalKeepsOnePrefix: a backend's refusal (a bump that would lower the
 // counter) exits 1, and its line names the command once.
 func TestRefusalKeepsOnePrefix(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "locks.db")
-	db, err := sqlfence.OpenSQLite(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	a := sqlTables(t, sqlfence.SQLite(db))
-	l, err := a.TryAcquire(context.Background(), "job", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Release(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	path, a := sqliteLocks(t)
+	grantOnce(t, a, "job")
 	var out, errOut bytes.Buffer
 	code := run([]string{"bump", "-db", path, "job", "-to", "5"}, &out, &errOut)
 	want := regexp.MustCompile(`^fence bump: -to: 5 would not raise the counter, already at [0-9]+\n$`)

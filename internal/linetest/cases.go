@@ -30,6 +30,21 @@ type Options struct {
 // NewAcquirer returns an acquirer of the adapter under test with o.
 type NewAcquirer func(t *testing.T, o Options) fence.Acquirer
 
+// Factory returns the NewAcquirer that gives def(t) for the zero Options and
+// withOptions(o) otherwise, failing the test on withOptions' error.
+func Factory[A fence.Acquirer](def func(t *testing.T) A, withOptions func(o Options) (A, error)) NewAcquirer {
+	return func(t *testing.T, o Options) fence.Acquirer {
+		if o == (Options{}) {
+			return def(t)
+		}
+		a, err := withOptions(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return a
+	}
+}
+
 // LineLen is how many Acquire calls of a wait in name's line (the adapter's
 // LineLen from its export_test.go).
 type LineLen func(a fence.Acquirer, name string) int
