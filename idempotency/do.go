@@ -414,30 +414,42 @@ func settleClaim(ctx context.Context, s Store, key, owner string, o Options, sen
 // its lease ends and then being marked unknown. The release is a
 // compare-and-set on the claim's state and fence, so a takeover (or a mark of
 // unknown) by another caller is never undone. It runs detached from ctx,
-// looking again after errors, until the lease plus CompleteTimeout from now
-// (by then another caller may have found the key abandoned); a release
-// started on the store's answer has CompleteTimeout of its own to land.
+// looking again after errors, until the lease plus CompleteTimeout have
+// passed since the store last showed the record still this claim's (a
+// release queued at the store behind a lock, with the arm ahead of it, lands
+// only when the lock is let go), and at most ten times that from its start.
 func settleArm(ctx context.Context, s Store, rec Record, o Options) {
 	bg := context.WithoutCancel(ctx)
-	cctx, cancel := context.WithTimeout(bg, o.Lease+o.CompleteTimeout)
-	defer cancel()
-	for look := 0; ; look++ {
+	span := o.Lease + o.CompleteTimeout
+	start := time.Now()
+	deadline := start.Add(span)
+	for look := 0; time.Now().Before(deadline); look++ {
+		cctx, cancel := context.WithDeadline(bg, deadline)
 		got, err := s.Get(cctx, rec.Key)
-		if err == nil || errors.Is(err, fence.ErrNotFound) || errors.Is(err, fence.ErrInvalid) {
-			if err == nil && got.Owner == rec.Owner && got.Fence == rec.Fence && (got.State == Claimed || got.State == Armed) {
-				rctx, rcancel := context.WithTimeout(bg, o.CompleteTimeout)
-				_ = release(rctx, s, rec, got.State)
-				rcancel()
+		switch {
+		case err == nil && got.Owner == rec.Owner && got.Fence == rec.Fence && (got.State == Claimed || got.State == Armed):
+			// Still this claim's, and the store answers: the release may
+			// wait behind a lock at the store (with the arm queued ahead
+			// of it), so it gets a span of its own from each answer, up
+			// to ten spans in all.
+			if d := time.Now().Add(span); d.Before(start.Add(10 * span)) {
+				deadline = d
 			}
-			return
+			cancel()
+			cctx, cancel = context.WithDeadline(bg, deadline)
+			rerr := releaseUnstarted(cctx, s, rec, got.State)
+			cancel()
+			if rerr == nil || refused(rerr) || errors.Is(rerr, fence.ErrStale) || errors.Is(rerr, ErrStateChanged) {
+				return // released, or another's now
+			}
+			continue // its outcome is unknown: look again
+		case err == nil || errors.Is(err, fence.ErrNotFound) || errors.Is(err, fence.ErrInvalid):
+			cancel()
+			return // released, or another's
 		}
+		cancel()
 		t := time.NewTimer(min(settlePause(look), max(o.Lease/4, time.Millisecond)))
-		select {
-		case <-cctx.Done():
-			t.Stop()
-			return
-		case <-t.C:
-		}
+		<-t.C
 	}
 }
 
@@ -477,6 +489,28 @@ func release(ctx context.Context, s Store, rec Record, from State) error {
 		if (fence.Backoff{Min: 5 * time.Millisecond, Max: 200 * time.Millisecond}).Sleep(ctx, attempt) != nil {
 			return err
 		}
+	}
+}
+
+// releaseUnstarted releases rec's key, claimed or armed by rec's claim for
+// an effect that never started, from the state from. When the store refuses
+// because the state moved on (an arm of this claim, queued at the store
+// behind a lock when the record was read, landed first), it reads the record
+// again and releases it from the state it has now, as long as it is still
+// this claim's: a claim moves to armed once and never back, so it tries
+// twice at most.
+func releaseUnstarted(ctx context.Context, s Store, rec Record, from State) error {
+	for {
+		err := release(ctx, s, rec, from)
+		if !errors.Is(err, ErrStateChanged) {
+			return err
+		}
+		got, gerr := s.Get(ctx, rec.Key)
+		if gerr != nil || got.Owner != rec.Owner || got.Fence != rec.Fence || got.State == from ||
+			(got.State != Claimed && got.State != Armed) {
+			return err
+		}
+		from = got.State
 	}
 }
 
@@ -731,7 +765,7 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 		// The caller left while the claim was answered: never arm, and free
 		// the key, whether or not the store would still take the arm.
 		if !testbug.ClaimLeftHeld.Load() {
-			releaseClaim(cctx, s, rec)
+			_ = releaseUnstarted(cctx, s, rec, Claimed)
 		}
 		return Record{}, time.Time{}, fmt.Errorf("idempotency: key %q: not started: %w", rec.Key, context.Cause(ctx))
 	}
@@ -765,7 +799,7 @@ func arm(ctx context.Context, s Store, rec Record, o Options) (Record, time.Time
 			// The caller is gone: do not start the effect; free the key.
 			var rerr error
 			if got.State != Claimed || !testbug.ClaimLeftHeld.Load() {
-				rerr = release(cctx, s, rec, got.State)
+				rerr = releaseUnstarted(cctx, s, rec, got.State)
 			}
 			return Record{}, sent, errors.Join(fmt.Errorf("idempotency: key %q: not started: %w", rec.Key, context.Cause(ctx)), rerr)
 		}
