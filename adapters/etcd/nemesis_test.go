@@ -108,7 +108,8 @@ func sqliteWriters(t *testing.T) func(t *testing.T) fence.FencedWriter {
 //
 // The ttl is etcd's shortest, 2s (the members run in processes of their own,
 // not under -race). One seed of 20s, ten ttls, has 14s of faults: room for
-// about two crashes (each one to two ttls, one to four ttls apart).
+// about two crashes (each one to two ttls, one to four ttls apart). The
+// expiry lag is what a leader's crash adds to a lease (see below).
 func TestThreeMemberNemesis(t *testing.T) {
 	c := etcdtest.Start(t, 3)
 	s := nemesisOn(t, c.Client(t))
@@ -137,5 +138,12 @@ func TestThreeMemberNemesis(t *testing.T) {
 		}
 	}
 	s.ShortTTL, s.Duration, s.Seeds = 2*time.Second, 20*time.Second, 1
+	// A leader's crash extends every lease: the new leader sets each
+	// lease's expiry to its ttl plus an election timeout (1s, the members'
+	// default) from when it takes over (lessor.Promote), so a lease that
+	// nobody renews after its last renewal may stay until a ttl, the
+	// election (a follower campaigns 1s to 2s after it last heard from the
+	// leader) and that 1s past its ttl.
+	s.ExpiryLag = s.ShortTTL + 3*time.Second
 	s.Run(t)
 }
