@@ -40,7 +40,8 @@ func TestNemesis(t *testing.T) {
 
 // nemesisOn returns the parts of the suite both nemesis tests share on cl:
 // SQLite writers with no proxy, direct acquirers on cl, and a DeleteState
-// that deletes every key of the name's line, as the acquirer suite's.
+// that deletes every key of the name's line, as the acquirer suite's, until
+// a delete is answered.
 func nemesisOn(t *testing.T, cl *clientv3.Client) fencetest.NemesisSuite {
 	newWriter := sqliteWriters(t)
 	return fencetest.NemesisSuite{
@@ -52,9 +53,22 @@ func nemesisOn(t *testing.T, cl *clientv3.Client) fencetest.NemesisSuite {
 			}
 			return a, newWriter(t)
 		},
+		// A member's crash can leave a delete's outcome unknown (etcd's
+		// "request timed out, possibly due to previous leader failure");
+		// the delete of a prefix can run twice, so it is sent again until
+		// it is answered, and the deletion's span covers every send.
 		DeleteState: func(t *testing.T, name string) {
-			if _, err := cl.Delete(context.Background(), linePrefix(name), clientv3.WithPrefix()); err != nil {
-				t.Errorf("deleting the keys of %q: %v", name, err)
+			deadline := time.Now().Add(time.Minute)
+			for {
+				_, err := cl.Delete(context.Background(), linePrefix(name), clientv3.WithPrefix())
+				if err == nil {
+					return
+				}
+				if time.Now().After(deadline) {
+					t.Errorf("deleting the keys of %q: %v", name, err)
+					return
+				}
+				time.Sleep(50 * time.Millisecond) // pacing between sends
 			}
 		},
 	}
@@ -86,13 +100,16 @@ func sqliteWriters(t *testing.T) func(t *testing.T) fence.FencedWriter {
 // client of every member whose connection to each member goes through a
 // proxy of its own, call random lease and write operations while replies
 // are lost (from one member or all), latency added, clients partitioned from
-// one member (the leader, or a follower) or from all of them, and a name's
-// keys deleted; the history holds (fencetest.NemesisSuite). The writers are
-// TestNemesis's SQLite handles, with no proxy.
+// one member (the leader, or a follower) or from all of them, a name's keys
+// deleted, and members crash (SIGKILL: a leader hands nothing over) and
+// start again on their data one to two ttls later; the history holds
+// (fencetest.NemesisSuite). The writers are TestNemesis's SQLite handles,
+// with no proxy.
 //
 // The ttl is etcd's shortest, 2s (the members run in processes of their own,
-// not under -race); one seed of 10s, five ttls, keeps the test near 15s with
-// the cluster's start.
+// not under -race). One seed of 20s, ten ttls, has 14s of faults: room for
+// about two crashes (each one to two ttls, one to four ttls apart). The
+// expiry lag is what a leader's crash adds to a lease (see below).
 func TestThreeMemberNemesis(t *testing.T) {
 	c := etcdtest.Start(t, 3)
 	s := nemesisOn(t, c.Client(t))
@@ -110,6 +127,23 @@ func TestThreeMemberNemesis(t *testing.T) {
 		}
 		return a, proxies
 	}
-	s.ShortTTL, s.Duration, s.Seeds = 2*time.Second, 10*time.Second, 1
+	s.Nodes = len(c.Nodes)
+	s.StopNode = func(t *testing.T, i int) func() {
+		t.Logf("crashing etcd member %d (the leader was member %d)", i, c.Leader())
+		c.Crash(i)
+		return func() {
+			if err := c.Restart(i, time.Minute); err != nil {
+				t.Errorf("restarting etcd member %d: %v", i, err)
+			}
+		}
+	}
+	s.ShortTTL, s.Duration, s.Seeds = 2*time.Second, 20*time.Second, 1
+	// A leader's crash extends every lease: the new leader sets each
+	// lease's expiry to its ttl plus an election timeout (1s, the members'
+	// default) from when it takes over (lessor.Promote), so a lease that
+	// nobody renews after its last renewal may stay until a ttl, the
+	// election (a follower campaigns 1s to 2s after it last heard from the
+	// leader) and that 1s past its ttl.
+	s.ExpiryLag = s.ShortTTL + 3*time.Second
 	s.Run(t)
 }

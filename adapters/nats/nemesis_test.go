@@ -78,8 +78,9 @@ func TestIdempotencyNemesis(t *testing.T) {
 // node only through a proxy of its own (client i's connection goes to node
 // i mod 3 first, so the clients spread over the nodes), call random lease
 // and write operations while replies are lost, latency added, clients
-// partitioned from one node or from all of them, and a name's lock key
-// purged; the history holds (fencetest.NemesisSuite). A connection follows
+// partitioned from one node or from all of them, a name's lock key purged,
+// and nodes stopped and started again on their store one to two ttls later;
+// the history holds (fencetest.NemesisSuite). A connection follows
 // the next node's proxy only when its own is cut for long enough to
 // reconnect, so a fault on a node the client is not connected to changes
 // nothing.
@@ -123,6 +124,19 @@ func TestClusterNemesis(t *testing.T) {
 		DeleteState: func(t *testing.T, name string) {
 			if err := kv.Purge(context.Background(), natsfence.EncodeKey(name)); err != nil {
 				t.Errorf("purging the key of %q: %v", name, err)
+			}
+		},
+		// An in-process node cannot be killed: it is shut down (its
+		// connections and routes close at once, its store is flushed) and
+		// started again on its store and ports.
+		Nodes: len(c.Nodes),
+		StopNode: func(t *testing.T, i int) func() {
+			t.Logf("stopping NATS node %d (the lock bucket's stream leader was node %d)", i, c.StreamLeader("KV_"+lockCfg.Bucket))
+			c.Stop(i)
+			return func() {
+				if err := c.TryRestart(i); err != nil {
+					t.Errorf("restarting NATS node %d: %v", i, err)
+				}
 			}
 		},
 		ShortTTL:  natsfence.MinTTL,

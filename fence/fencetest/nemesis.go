@@ -542,8 +542,18 @@ func (s NemesisSuite) runSeed(t *testing.T, seed uint64) {
 		t.Logf("history (%d operations):\n%s", len(h.ops), h.dump())
 		return
 	}
-	t.Logf("nemesis seed %d: %d operations (%.0f/s), %d grants, %d faults scheduled (%.1f/s in the %v with faults): history checked",
-		seed, len(h.ops), float64(len(h.ops))/s.Duration.Seconds(), h.grants(), len(sched), float64(len(sched))/faultsEnd.Seconds(), faultsEnd)
+	crashes := ""
+	if s.Nodes > 0 && s.StopNode != nil {
+		n := 0
+		for _, f := range sched {
+			if f.kind == "crash" {
+				n++
+			}
+		}
+		crashes = fmt.Sprintf(", %d of them server crashes", n)
+	}
+	t.Logf("nemesis seed %d: %d operations (%.0f/s), %d grants, %d faults scheduled (%.1f/s in the %v with faults%s): history checked",
+		seed, len(h.ops), float64(len(h.ops))/s.Duration.Seconds(), h.grants(), len(sched), float64(len(sched))/faultsEnd.Seconds(), faultsEnd, crashes)
 }
 
 // runFaults applies sched, then heals every proxy at end.

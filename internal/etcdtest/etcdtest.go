@@ -40,7 +40,8 @@ const nodePkg = "github.com/fencekit/fencekit/internal/etcdtest/etcdnode"
 type Node struct {
 	Name      string
 	ClientURL string
-	args      []string
+	bin       string
+	args      []string // every flag, -initial-cluster included, to start it again
 	cmd       *exec.Cmd
 	stdin     io.Closer
 	exited    chan struct{} // closed when cmd has been waited for
@@ -123,7 +124,7 @@ func Start(t testing.TB, n int) *Cluster {
 	var initial []string
 	for i := 0; i < n; i++ {
 		cu, pu := freeURL(t), freeURL(t)
-		nd := &Node{Name: fmt.Sprintf("node%d", i), ClientURL: cu.String()}
+		nd := &Node{Name: fmt.Sprintf("node%d", i), ClientURL: cu.String(), bin: bin}
 		nd.args = []string{"-name", nd.Name, "-dir", t.TempDir(), "-client-url", cu.String(), "-peer-url", pu.String()}
 		c.Nodes = append(c.Nodes, nd)
 		initial = append(initial, fmt.Sprintf("%s=%s", nd.Name, pu.String()))
@@ -131,8 +132,8 @@ func Start(t testing.TB, n int) *Cluster {
 	t.Cleanup(c.Stop)
 	ready := make(chan error, n)
 	for _, nd := range c.Nodes {
-		args := append(nd.args, "-initial-cluster", strings.Join(initial, ","))
-		if err := nd.start(bin, args, ready); err != nil {
+		nd.args = append(nd.args, "-initial-cluster", strings.Join(initial, ","))
+		if err := nd.start(ready); err != nil {
 			t.Fatalf("starting etcd member %s: %v", nd.Name, err)
 		}
 	}
@@ -152,8 +153,10 @@ func Start(t testing.TB, n int) *Cluster {
 	return c
 }
 
-func (nd *Node) start(bin string, args []string, ready chan<- error) error {
-	cmd := exec.Command(bin, args...)
+// start runs the member's process with its flags; ready gets nil once it
+// serves clients, or an error if it exits before.
+func (nd *Node) start(ready chan<- error) error {
+	cmd := exec.Command(nd.bin, nd.args...)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
@@ -166,7 +169,8 @@ func (nd *Node) start(bin string, args []string, ready chan<- error) error {
 	if err := cmd.Start(); err != nil {
 		return err
 	}
-	nd.cmd, nd.stdin, nd.exited = cmd, in, make(chan struct{})
+	exited := make(chan struct{})
+	nd.cmd, nd.stdin, nd.exited = cmd, in, exited
 	go func() {
 		sc := bufio.NewScanner(out)
 		said := false
@@ -180,7 +184,7 @@ func (nd *Node) start(bin string, args []string, ready chan<- error) error {
 			ready <- fmt.Errorf("%s exited before it was ready", nd.Name)
 		}
 		_ = cmd.Wait()
-		close(nd.exited)
+		close(exited)
 	}()
 	return nil
 }
@@ -278,6 +282,41 @@ func (c *Cluster) StopNode(i int) {
 		<-nd.exited
 	}
 	nd.stdin.Close()
+}
+
+// Crash kills member i with SIGKILL, as a crash would (no leadership
+// handover; what its WAL holds survives, since etcd syncs it before it
+// acknowledges), and waits for its process to exit.
+func (c *Cluster) Crash(i int) {
+	nd := c.Nodes[i]
+	if !nd.running() {
+		return
+	}
+	_ = nd.cmd.Process.Kill()
+	<-nd.exited
+	nd.stdin.Close()
+}
+
+// Restart starts the stopped member i again, on its data directory, ports
+// and flags, and waits until it serves clients, which needs a quorum (a
+// member that has a WAL ignores -initial-cluster and rejoins with the
+// membership its WAL holds). It returns an error when the member exits
+// first or is not ready within timeout.
+func (c *Cluster) Restart(i int, timeout time.Duration) error {
+	nd := c.Nodes[i]
+	if nd.running() {
+		return fmt.Errorf("etcd member %s is running", nd.Name)
+	}
+	ready := make(chan error, 1)
+	if err := nd.start(ready); err != nil {
+		return fmt.Errorf("starting etcd member %s again: %w", nd.Name, err)
+	}
+	select {
+	case err := <-ready:
+		return err
+	case <-time.After(timeout):
+		return fmt.Errorf("etcd member %s not ready %v after its restart", nd.Name, timeout)
+	}
 }
 
 // Stop kills every member still running (the end of a test: its data is

@@ -196,21 +196,31 @@ func (c *Cluster) Stop(i int) {
 	s.WaitForShutdown()
 }
 
-// Restart starts the stopped node i again with its store and ports.
+// Restart starts the stopped node i again with its store and ports, and
+// waits until it has rejoined; it fails the test when it cannot.
 func (c *Cluster) Restart(i int) {
 	c.t.Helper()
+	if err := c.TryRestart(i); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// TryRestart is Restart returning its failure instead (for a goroutine other
+// than the test's).
+func (c *Cluster) TryRestart(i int) error {
 	s, err := run(c.opts[i])
 	if err != nil {
-		c.t.Fatal(err)
+		return err
 	}
 	c.Nodes[i] = s
 	deadline := time.Now().Add(30 * time.Second)
 	for !c.ready() {
 		if time.Now().After(deadline) {
-			c.t.Fatalf("natstest: node %d did not rejoin within 30s", i)
+			return fmt.Errorf("natstest: node %d did not rejoin within 30s", i)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	return nil
 }
 
 // ClientAddr is the host:port of node i's client listener.
