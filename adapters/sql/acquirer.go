@@ -532,18 +532,22 @@ func (a *Acquirer) watchGrant(name, owner string, ttl time.Duration) {
 		} else if (err == nil || errors.Is(err, errNoRows)) && time.Since(start) >= grantWatch {
 			return
 		}
-		if !watchPause(ctx, i) {
+		if !watchPause(ctx, i, ttl) {
 			return
 		}
 	}
 }
 
 // watchPause waits before a watcher's read number i+1 (watchGrant,
-// settleHandoff): 10ms, doubling up to 500ms, so that a watcher of an
-// unreachable server reads at most twice a second. It reports false when
-// ctx ended first.
-func watchPause(ctx context.Context, i int) bool {
-	t := time.NewTimer(min(10*time.Millisecond<<min(i, 6), 500*time.Millisecond))
+// settleHandoff) of a grant of ttl: 10ms, doubling up to 500ms or a tenth of
+// the ttl if that is less (never under 10ms), so that a watcher of an
+// unreachable server reads at most twice a second, and a grant that lands
+// late is given back within a tenth of its ttl of landing (a longer pause
+// would hold a short lease's name for nobody for most of its ttl). It
+// reports false when ctx ended first.
+func watchPause(ctx context.Context, i int, ttl time.Duration) bool {
+	most := max(min(500*time.Millisecond, ttl/10), 10*time.Millisecond)
+	t := time.NewTimer(min(10*time.Millisecond<<min(i, 6), most))
 	defer t.Stop()
 	select {
 	case <-ctx.Done():

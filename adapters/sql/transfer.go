@@ -196,7 +196,7 @@ func (a *Acquirer) settleHandoff(ctx context.Context, name string, hint handHint
 		default:
 			return true
 		}
-		if !watchPause(ctx, i) {
+		if !watchPause(ctx, i, hint.ttl) {
 			return false
 		}
 	}
