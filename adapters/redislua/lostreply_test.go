@@ -515,14 +515,28 @@ func armFault(p *faultnet.Proxy, fault string, match func([]byte) bool) {
 // nodes.
 func checkRecognisedRenew(ctx context.Context, t *testing.T, a fence.Acquirer, name, what string, arm func(name string), proxies []*faultnet.Proxy, nodes []*redis.Client) {
 	t.Helper()
-	l := mustTryAcquire(ctx, t, a, name, recognisedTTL)
-	time.Sleep(recognisedTTL / 3)
-	arm(name)
-	if err := l.Renew(ctx); err != nil && !errors.Is(err, fence.ErrUnknown) {
-		t.Fatalf("%s: %v, want nil or ErrUnknown", what, err)
+	for try := 1; ; try++ {
+		n := fmt.Sprintf("%s-%d", name, try)
+		l := mustTryAcquire(ctx, t, a, n, recognisedTTL)
+		time.Sleep(recognisedTTL / 3)
+		arm(n)
+		deadline := l.(interface{ LocalDeadline() time.Time }).LocalDeadline()
+		err := l.Renew(ctx)
+		if errors.Is(err, fence.ErrLost) && time.Now().After(deadline) && try < 3 {
+			// The renewal (resent after its lost replies) came back after
+			// the lease's local deadline, on a loaded machine: a lost
+			// lease is then the right answer, and the scenario did not
+			// happen. Run it again on a fresh name.
+			t.Logf("%s: answered after the local deadline (%v); again", what, err)
+			continue
+		}
+		if err != nil && !errors.Is(err, fence.ErrUnknown) {
+			t.Fatalf("%s: %v, want nil or ErrUnknown", what, err)
+		}
+		allTaken(t, proxies...)
+		outlivesNoKey(t, l, nodes)
+		return
 	}
-	allTaken(t, proxies...)
-	outlivesNoKey(t, l, nodes)
 }
 
 // TestRecognisedSendCountsFromFirstSend: a grant or renewal whose reply was
